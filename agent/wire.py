@@ -1,0 +1,45 @@
+"""The ingest wire contract shared by the agent and the monitor (docs/wire-format.md).
+
+Only names and limits live here, so the monitor can import them without pulling in torch.
+"""
+
+WIRE_VERSION = 1
+
+SITES = ("input", "weight", "output", "grad_output", "grad_weight")
+
+# Per-tensor statistics, in storage column order (SPEC section 4). `numel` is the element count the
+# statistics were computed over; `amax_history_max` is the delayed-scaling history maximum.
+TENSOR_STATS = (
+    "numel",
+    "amax",
+    "rms",
+    "mean",
+    "std",
+    "kurtosis",
+    "kurtosis_central",
+    "crest",
+    "underflow_frac",
+    "overflow_frac",
+    "outlier_frac",
+    "zero_frac",
+    "nonfinite",
+    "scale",
+    "amax_history_max",
+)
+
+# log2 histogram of |x| per binade: bin i counts 2**(LOG2_HIST_LO + i) <= |x| < 2**(LOG2_HIST_LO + i + 1);
+# the first bin also takes everything smaller (except exact zeros, which `zero_frac` counts), the last
+# everything larger.
+LOG2_HIST_LO = -40
+LOG2_HIST_HI = 16
+LOG2_HIST_BINS = LOG2_HIST_HI - LOG2_HIST_LO
+
+WELL_KNOWN_SCALARS = (
+    "loss",
+    "grad_norm",
+    "lr",
+    "tokens_per_s",
+    "attn_max_logit",
+    "logit_logsumexp",
+    "adam_update_rms",
+)

@@ -1,0 +1,109 @@
+"""The `fp8mon` command: serve, db upgrade/current, demo (and the trainer once it lands)."""
+
+import argparse
+import json
+import os
+import sys
+
+from monitor.settings import Settings
+
+
+def _add_db_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--database-url", help="SQLAlchemy URL (env FP8MON_DATABASE_URL); default: a SQLite file "
+                                               "under ./.fp8mon/")
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    """FP8MON_* environment variables, overridden by the flags that were given."""
+    overrides = {key: value for key, value in vars(args).items()
+                 if key in Settings.model_fields and value is not None}
+    return Settings(**overrides)
+
+
+def _export(settings: Settings) -> None:
+    # uvicorn workers are fresh processes that build their settings from the environment.
+    for name, value in settings.model_dump(mode="json").items():
+        os.environ[f"FP8MON_{name.upper()}"] = json.dumps(value) if isinstance(value, list) else str(value)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from monitor.db import create_db_engine
+    from monitor.migrate import SchemaError, check_schema, upgrade
+
+    settings = _settings(args)
+    engine = create_db_engine(settings.database_url)
+    try:
+        if args.migrate:
+            upgrade(engine)
+        check_schema(engine)
+    except SchemaError as exc:
+        print(f"fp8mon serve: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        engine.dispose()
+    _export(settings)
+    uvicorn.run("monitor.app:create_app", factory=True, host=settings.host, port=settings.port,
+                workers=settings.workers, log_level=args.log_level, access_log=args.access_log)
+    return 0
+
+
+def cmd_db_upgrade(args: argparse.Namespace) -> int:
+    from monitor.db import create_db_engine
+    from monitor.migrate import current_revision, upgrade
+
+    settings = _settings(args)
+    engine = create_db_engine(settings.database_url)
+    try:
+        upgrade(engine, args.revision)
+        print(f"database {engine.url.render_as_string(hide_password=True)} at revision {current_revision(engine)}")
+    finally:
+        engine.dispose()
+    return 0
+
+
+def cmd_db_current(args: argparse.Namespace) -> int:
+    from monitor.db import create_db_engine
+    from monitor.migrate import current_revision, head_revision
+
+    engine = create_db_engine(_settings(args).database_url)
+    try:
+        print(f"current: {current_revision(engine)}  head: {head_revision()}")
+    finally:
+        engine.dispose()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fp8mon", description="Training-health monitoring for FP8 training.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the monitor server")
+    _add_db_flag(serve)
+    serve.add_argument("--host", help="bind address (env FP8MON_HOST; default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (env FP8MON_PORT; default 8080)")
+    serve.add_argument("--workers", type=int, help="uvicorn worker processes (env FP8MON_WORKERS; default 1)")
+    serve.add_argument("--migrate", action="store_true", help="apply pending migrations before serving")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--no-access-log", dest="access_log", action="store_false")
+    serve.set_defaults(func=cmd_serve)
+
+    db = commands.add_parser("db", help="database schema").add_subparsers(dest="db_command", required=True)
+    up = db.add_parser("upgrade", help="apply migrations (Alembic)")
+    _add_db_flag(up)
+    up.add_argument("revision", nargs="?", default="head")
+    up.set_defaults(func=cmd_db_upgrade)
+    current = db.add_parser("current", help="show the schema revision")
+    _add_db_flag(current)
+    current.set_defaults(func=cmd_db_current)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Engine creation: SQLite (a file in WAL mode) or PostgreSQL through psycopg 3."""
+
+from pathlib import Path
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+
+
+def normalise_url(url: str) -> str:
+    """Accept the URLs people paste (postgres://, postgresql://) and route them to psycopg 3."""
+    for prefix in ("postgres://", "postgresql://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix):]
+    return url
+
+
+def create_db_engine(url: str, *, pool_size: int = 8, writer: bool = True) -> Engine:
+    """`writer=False` gives SQLite readers deferred transactions, so queries never wait on ingest."""
+    url = normalise_url(url)
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        return _sqlite_engine(url, parsed.database, immediate=writer)
+    if parsed.get_backend_name() == "postgresql":
+        return create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+    raise ValueError(f"unsupported database URL {parsed.render_as_string(hide_password=True)!r}: "
+                     "use sqlite:///path.db or postgresql+psycopg://user@host/db")
+
+
+def _sqlite_engine(url: str, database: str | None, *, immediate: bool) -> Engine:
+    if database and database != ":memory:":
+        Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+    @event.listens_for(engine, "connect")
+    def _pragmas(dbapi_connection, _record):
+        # The driver's implicit transactions are turned off so that SQLAlchemy's BEGIN is the only one.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        # NORMAL in WAL mode survives a process kill -9 (only an OS crash can lose the last commits).
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.execute("PRAGMA cache_size=-65536")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn):
+        # IMMEDIATE takes the write lock up front, so two writers queue instead of failing to upgrade.
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+    return engine
+
+
+def is_sqlite(engine: Engine) -> bool:
+    return engine.dialect.name == "sqlite"

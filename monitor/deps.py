@@ -1,0 +1,44 @@
+"""FastAPI dependencies: settings, the store, and token scopes."""
+
+import secrets
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from monitor.settings import Settings
+from monitor.store import Store
+
+_bearer = HTTPBearer(auto_error=False)
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_store(request: Request) -> Store:
+    return request.app.state.store
+
+
+def _token_in(token: str, allowed: list[str]) -> bool:
+    return any(secrets.compare_digest(token, candidate) for candidate in allowed)
+
+
+def _require(scope: str):
+    def check(settings: Annotated[Settings, Depends(get_settings)],
+              credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
+        if not settings.write_tokens and not settings.read_tokens:
+            return  # no tokens configured: an open local server
+        if credentials is None:
+            raise HTTPException(401, "missing bearer token", headers={"WWW-Authenticate": "Bearer"})
+        allowed = settings.write_tokens if scope == "write" else settings.read_tokens + settings.write_tokens
+        if not _token_in(credentials.credentials, allowed):
+            raise HTTPException(403, f"token lacks the {scope} scope")
+
+    return check
+
+
+StoreDep = Annotated[Store, Depends(get_store)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+require_read = Depends(_require("read"))
+require_write = Depends(_require("write"))

@@ -1,0 +1,48 @@
+"""POST /api/v1/ingest: the agent's write path (docs/wire-format.md)."""
+
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.concurrency import run_in_threadpool
+from sqlalchemy.exc import SQLAlchemyError
+
+from monitor.codec import BodyError, inflate, parse_batch
+from monitor.deps import SettingsDep, StoreDep, require_write
+from monitor.schemas import IngestResult
+
+router = APIRouter(tags=["ingest"], dependencies=[require_write])
+
+_BODY_DOC = {
+    "requestBody": {
+        "required": True,
+        "description": "An ingest batch (docs/wire-format.md), as JSON or msgpack, optionally gzip-encoded.",
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/IngestBatch"}},
+            "application/msgpack": {"schema": {"$ref": "#/components/schemas/IngestBatch"}},
+        },
+    }
+}
+
+
+@router.post("/ingest", response_model=IngestResult, openapi_extra=_BODY_DOC,
+             responses={413: {"description": "body too large"}, 415: {"description": "unsupported encoding"},
+                        422: {"description": "invalid batch; the message names the field"},
+                        503: {"description": "storage unavailable; retry later"}})
+async def ingest(request: Request, store: StoreDep, settings: SettingsDep) -> IngestResult:
+    limit = settings.max_request_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise HTTPException(413, f"body of {declared} bytes is larger than the limit of {limit} bytes")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise HTTPException(413, f"body is larger than the limit of {limit} bytes")
+    try:
+        body = inflate(bytes(raw), request.headers.get("content-encoding"), limit)
+        batch = parse_batch(body, request.headers.get("content-type"))
+    except BodyError as exc:
+        raise HTTPException(exc.status, exc.message) from None
+    try:
+        return await run_in_threadpool(store.ingest, batch)
+    except SQLAlchemyError as exc:
+        raise HTTPException(503, f"storage unavailable, batch not stored; retry: {type(exc).__name__}",
+                            headers={"Retry-After": "1"}) from None

@@ -1,0 +1,149 @@
+"""Shared fixtures: databases (SQLite always, PostgreSQL when FP8MON_TEST_DATABASE_URL is set) and a real
+uvicorn server process on 127.0.0.1."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import create_engine, text
+
+from monitor.db import create_db_engine, normalise_url
+from monitor.migrate import upgrade
+from monitor.store import Store
+
+PG_URL = os.environ.get("FP8MON_TEST_DATABASE_URL")
+BACKENDS = ["sqlite", "postgresql"] if PG_URL else ["sqlite"]
+
+
+def pytest_report_header(config):
+    return f"fp8mon storage backends: {', '.join(BACKENDS)}"
+
+
+@pytest.fixture(scope="session")
+def _postgres_admin():
+    """Fails loudly when a PostgreSQL URL was given but the server cannot be reached."""
+    if not PG_URL:
+        yield None
+        return
+    engine = create_engine(normalise_url(PG_URL), isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("select 1"))
+    except Exception as exc:
+        pytest.exit(f"FP8MON_TEST_DATABASE_URL={PG_URL} is set but PostgreSQL is unreachable: {exc}", returncode=3)
+    yield engine
+    engine.dispose()
+
+
+def _postgres_schema_url(base: str, schema: str) -> str:
+    sep = "&" if "?" in base else "?"
+    return f"{normalise_url(base)}{sep}options=-csearch_path%3D{schema}"
+
+
+@pytest.fixture(params=BACKENDS)
+def database_url(request, tmp_path, _postgres_admin):
+    """An empty, migrated database: a fresh SQLite file, or a fresh PostgreSQL schema."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'fp8mon.db'}"
+        engine = create_db_engine(url)
+        upgrade(engine)
+        engine.dispose()
+        yield url
+        return
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    with _postgres_admin.connect() as conn:
+        conn.execute(text(f"create schema {schema}"))
+    url = _postgres_schema_url(PG_URL, schema)
+    engine = create_db_engine(url)
+    upgrade(engine)
+    engine.dispose()
+    yield url
+    with _postgres_admin.connect() as conn:
+        conn.execute(text(f"drop schema {schema} cascade"))
+
+
+@pytest.fixture
+def store(database_url):
+    s = Store(database_url)
+    yield s
+    s.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    """`fp8mon serve` as a child process; start/stop/kill it to test what clients see."""
+
+    database_url: str
+    port: int = field(default_factory=free_port)
+    env: dict = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+    log: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "ServerProcess":
+        env = {**os.environ, **self.env}
+        self._log_file = open(self.log, "ab") if self.log else subprocess.DEVNULL
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "monitor.cli", "serve", "--database-url", self.database_url,
+             "--port", str(self.port), "--no-access-log", "--log-level", "warning"],
+            env=env, stdout=self._log_file, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; log: {self.log}")
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        raise RuntimeError("server did not come up")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def server_factory(database_url, tmp_path):
+    servers: list[ServerProcess] = []
+
+    def make(**env) -> ServerProcess:
+        server = ServerProcess(database_url, env={k: str(v) for k, v in env.items()},
+                               log=tmp_path / f"server{len(servers)}.log")
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def live_server(server_factory) -> ServerProcess:
+    return server_factory().start()
