@@ -1,0 +1,110 @@
+"""The agent's transport against a real server: exactly-once delivery through outages and restarts."""
+
+import time
+
+import pytest
+from sqlalchemy import text
+
+from agent.transport import Transport, merge_blocks
+from monitor.store import Store
+
+LAYERS = [f"blocks.{i}.mlp.fc1" for i in range(4)]
+
+
+def tensor_block(step: int) -> dict:
+    return {"step": step, "layer": LAYERS, "site": ["input"] * len(LAYERS), "rank": 0,
+            "stats": {"amax": [float(step * 10 + i) for i in range(len(LAYERS))]}}
+
+
+def stored(database_url) -> tuple[list, list]:
+    store = Store(database_url)
+    try:
+        with store.engine.connect() as conn:
+            tensors = conn.execute(text("select step, amax from tensor_stats order by step, amax")).all()
+            scalars = conn.execute(text("select step, value from scalars order by step")).all()
+        return [(s, float(a)) for s, a in tensors], [(s, float(v)) for s, v in scalars]
+    finally:
+        store.close()
+
+
+def expected(steps):
+    return ([(s, float(s * 10 + i)) for s in steps for i in range(len(LAYERS))],
+            [(s, float(s)) for s in steps])
+
+
+def feed(transport, steps):
+    for step in steps:
+        transport.send_tensors(tensor_block(step))
+        transport.send_scalars({"step": step, "name": ["loss"], "value": [float(step)]})
+
+
+def test_merge_blocks_broadcasts_and_fills_missing_statistics():
+    a = {"step": 1, "layer": ["x", "y"], "site": ["input", "input"], "stats": {"amax": [1.0, 2.0]}}
+    b = {"step": [2], "layer": ["x"], "site": ["weight"], "rank": 3, "stats": {"rms": [0.5]}}
+    merged = merge_blocks([a, b], ("step", "layer", "site", "rank"), "layer")
+    assert merged["step"] == [1, 1, 2] and merged["rank"] == [0, 0, 3]
+    assert merged["stats"] == {"amax": [1.0, 2.0, None], "rms": [None, None, 0.5]}
+
+
+def test_everything_arrives_exactly_once(live_server, tmp_path):
+    transport = Transport(live_server.url, "run-t", spool_dir=tmp_path / "spool", flush_interval=0.05)
+    feed(transport, range(50))
+    assert transport.close(timeout=30)
+    assert stored(live_server.database_url) == expected(range(50))
+    assert transport.stats.spooled_batches == 0
+
+
+def test_server_down_for_a_while_loses_and_duplicates_nothing(server_factory, tmp_path):
+    server = server_factory().start()
+    transport = Transport(server.url, "run-t", spool_dir=tmp_path / "spool", flush_interval=0.05,
+                          backoff=(0.05, 0.5))
+    feed(transport, range(0, 20))
+    assert transport.flush(30)
+    server.kill()  # kill -9: what was acknowledged must already be durable
+    slowest = 0.0
+    for step in range(20, 60):
+        t0 = time.perf_counter()
+        feed(transport, [step])
+        slowest = max(slowest, time.perf_counter() - t0)
+        time.sleep(0.01)
+    assert not transport.flush(10)  # nothing can be delivered now
+    assert len(transport.spool) > 0
+    server.start()
+    deadline = time.monotonic() + 30
+    while len(transport.spool) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert transport.close(timeout=30)
+    assert stored(server.database_url) == expected(range(60))
+    assert slowest < 0.005  # the training loop never waited on the dead server
+
+
+def test_a_new_process_replays_what_the_previous_one_spooled(server_factory, tmp_path):
+    server = server_factory()
+    first = Transport(server.url, "run-t", spool_dir=tmp_path / "spool", flush_interval=0.05, timeout=1.0)
+    feed(first, range(10))
+    assert not first.close(timeout=10)  # server never came up: all on disk
+    server.start()
+    second = Transport(server.url, "run-t", spool_dir=tmp_path / "spool", flush_interval=0.05)
+    feed(second, range(10, 15))
+    assert second.close(timeout=30)
+    assert stored(server.database_url) == expected(range(15))
+
+
+def test_rejected_batch_is_kept_aside_and_not_retried(live_server, tmp_path):
+    transport = Transport(live_server.url, "run-t", spool_dir=tmp_path / "spool", flush_interval=0.05)
+    transport.send_tensors({"step": 1, "layer": ["x"], "site": ["not-a-site"], "stats": {"amax": [1.0]}})
+    feed(transport, [2])
+    assert transport.close(timeout=30)
+    assert transport.stats.rejected_batches == 1
+    assert len(list((tmp_path / "spool" / "rejected").glob("*.fp8b"))) == 1
+
+
+def test_full_queue_spills_to_disk_instead_of_blocking(server_factory, tmp_path):
+    server = server_factory()  # not started: the sender is stuck failing
+    transport = Transport(server.url, "run-t", spool_dir=tmp_path / "spool", max_queue=1, flush_interval=5.0,
+                          backoff=(5.0, 5.0))
+    feed(transport, range(20))  # 40 puts in a burst: faster than the sender drains a queue of one
+    assert transport.stats.spilled_batches > 0
+    server.start()
+    assert transport.close(timeout=30)
+    assert stored(server.database_url) == expected(range(20))
