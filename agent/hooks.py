@@ -1,0 +1,116 @@
+"""Module and tensor hooks on the watched linear layers: they hand tensors to the agent, nothing more.
+
+Watched: every ``nn.Linear`` whose qualified name matches the regex, and any module that declares
+itself a linear layer with ``fp8mon_linear = True`` (the trainer's FP8 linear): input = first
+positional argument (or ``input=``), output = the returned tensor (or the first element of a returned
+tuple), weight = ``module.weight``. A module that computes some sites' statistics itself (the fused
+quantize kernel) lists them in ``fp8mon_reported_sites`` and calls ``Agent.report``; the hooks skip them.
+
+Sites and when they are read:
+  input, output   forward hook, every call (micro-batches and repeated calls are merged)
+  weight          forward hook, first call of the step (the weight does not change within a step)
+  grad_output     tensor hook on the output, registered in the forward; every backward through it
+  grad_weight     post-accumulate-grad hook on the weight: the accumulated ``.grad`` after each
+                  backward, last one wins, i.e. with gradient accumulation the summed gradient the
+                  optimizer sees. (Not a leaf: a tensor hook, the gradient of one backward.)
+
+Hooks are installed only while needed (a reporting step, or every step under delayed scaling) and
+removed otherwise, so steps that report nothing run the model without any hook.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from .wire import SITES
+
+
+def is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or bool(getattr(module, "fp8mon_linear", False))
+
+
+def select_modules(model: nn.Module, pattern: str | re.Pattern | None, prefix: str = "") -> list[tuple[str, nn.Module]]:
+    """(name, module) of the linear layers whose qualified name matches ``pattern`` (re.search)."""
+    rx = re.compile(pattern) if isinstance(pattern, str) else pattern
+    out = []
+    for name, module in model.named_modules(prefix=prefix.rstrip(".")):
+        if is_linear(module) and (rx is None or rx.search(name)):
+            out.append((name, module))
+    return out
+
+
+def _first_tensor(value):
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return value[0]
+    return None
+
+
+class Sink:
+    """What the hooks call (the agent implements it; every method must be safe to call and not raise)."""
+
+    def active(self) -> bool: ...
+    def observe(self, layer: str, site: str, x: torch.Tensor, once: bool = False, replace: bool = False) -> None: ...
+    def grad_hook(self, layer: str) -> Callable[[torch.Tensor], None] | None: ...
+
+
+class LayerHooks:
+    """The hooks of one watched layer; ``install``/``remove`` are idempotent."""
+
+    def __init__(self, name: str, module: nn.Module, sites: Iterable[str], sink: Sink):
+        skip = set(getattr(module, "fp8mon_reported_sites", ()))
+        self.name, self.module, self.sink = name, module, sink
+        self.sites = tuple(s for s in SITES if s in set(sites) and s not in skip)
+        self._handles: list = []
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._handles)
+
+    def install(self) -> None:
+        if self._handles or not self.sites:
+            return
+        if {"input", "output", "weight", "grad_output"} & set(self.sites):
+            self._handles.append(self.module.register_forward_hook(self._forward, with_kwargs=True))
+        weight = getattr(self.module, "weight", None)
+        if "grad_weight" in self.sites and isinstance(weight, torch.Tensor) and weight.requires_grad:
+            if weight.is_leaf:
+                self._handles.append(weight.register_post_accumulate_grad_hook(self._grad_weight))
+            else:
+                self._handles.append(weight.register_hook(self._grad_weight_tensor))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _forward(self, module, args, kwargs, output) -> None:
+        sink, name, sites = self.sink, self.name, self.sites
+        if not module.training or not sink.active():
+            return  # evaluation passes between two steps are not training statistics
+        x = _first_tensor(args[0] if args else kwargs.get("input"))
+        y = _first_tensor(output)
+        if x is not None and "input" in sites:
+            sink.observe(name, "input", x)
+        if y is not None and "output" in sites:
+            sink.observe(name, "output", y)
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and "weight" in sites:
+            sink.observe(name, "weight", weight, once=True)
+        if y is not None and "grad_output" in sites and y.requires_grad:
+            hook = sink.grad_hook(name)
+            if hook is not None:
+                y.register_hook(hook)
+
+    def _grad_weight(self, param: torch.Tensor) -> None:
+        if param.grad is not None and self.sink.active():
+            self.sink.observe(self.name, "grad_weight", param.grad, replace=True)
+
+    def _grad_weight_tensor(self, grad: torch.Tensor) -> None:
+        if self.sink.active():
+            self.sink.observe(self.name, "grad_weight", grad)

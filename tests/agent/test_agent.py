@@ -1,0 +1,543 @@
+"""The Agent on real training loops: records against the oracle (agent/stats.py) computed on the same
+tensors, end to end through a real `fp8mon serve`, and no host synchronisation in the training step."""
+
+import logging
+import math
+from collections import defaultdict
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from agent import Agent
+from agent import device_stats as ds
+from agent.formats import delayed_scale
+from agent.stats import Moments, merge_moments
+from agent.wire import SITES, TENSOR_STATS
+
+FORMATS = {"input": "e4m3", "weight": "e4m3", "output": None, "grad_output": "e5m2", "grad_weight": "e5m2"}
+EXACT = ("numel", "nonfinite", "amax", "zero_frac", "outlier_frac", "underflow_frac", "overflow_frac", "scale",
+         "amax_history_max")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: intra-op threads only contend (badly so on a loaded 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---- a tiny transformer LM ----------------------------------------------------------------------
+
+class Attention(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn, self.mlp = Attention(d, heads), MLP(d)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=32, d=16, layers=2, heads=2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+BLOCK_LINEARS = [f"blocks.{i}.{n}" for i in range(2) for n in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")]
+
+
+def batches(n, seed=0, batch=4, seq=8, vocab=32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (batch, seq + 1), generator=g) for _ in range(n)]
+
+
+def lm_loss(model, tokens):
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+class CaptureTransport:
+    def __init__(self):
+        self.tensors, self.scalars, self.meta = [], [], []
+
+    def send_tensors(self, block):
+        self.tensors.append(block)
+
+    def send_scalars(self, block):
+        self.scalars.append(block)
+
+    def set_run_meta(self, **meta):
+        self.meta.append(meta)
+
+    def flush(self, timeout=None):
+        return True
+
+    def close(self, timeout=None):
+        return True
+
+    def records(self) -> dict:
+        """(step, layer, site, rank) -> stats dict (with log2_hist); a duplicate fails."""
+        out = {}
+        for b in self.tensors:
+            for i, (layer, site) in enumerate(zip(b["layer"], b["site"])):
+                key = (b["step"], layer, site, b["rank"])
+                assert key not in out, f"record {key} sent twice"
+                rec = {name: col[i] for name, col in b["stats"].items()}
+                rec["log2_hist"] = b["log2_hist"][i] if "log2_hist" in b else None
+                out[key] = rec
+        return out
+
+
+class Reference:
+    """Clones of what each watched layer saw, per step and site, to compute the oracle's statistics."""
+
+    def __init__(self, model, names):
+        self.step = 0
+        self.seen = defaultdict(list)  # (step, layer, site) -> tensors, in call order
+        modules = dict(model.named_modules())
+        for name in names:
+            mod = modules[name]
+            mod.register_forward_hook(self._forward(name))
+            mod.weight.register_post_accumulate_grad_hook(self._grad_weight(name))
+
+    def _forward(self, name):
+        def hook(mod, args, out):
+            key = (self.step, name)
+            self.seen[(*key, "input")].append(args[0].detach().clone())
+            self.seen[(*key, "output")].append(out.detach().clone())
+            self.seen[(*key, "weight")].append(mod.weight.detach().clone())
+            out.register_hook(lambda g: self.seen[(*key, "grad_output")].append(g.detach().clone()))
+        return hook
+
+    def _grad_weight(self, name):
+        def hook(p):
+            self.seen[(self.step, name, "grad_weight")].append(p.grad.detach().clone())
+        return hook
+
+    def expected(self, step, layer, site, fmt="default", **kw) -> dict:
+        tensors = self.seen[(step, layer, site)]
+        assert tensors, (step, layer, site)
+        fmt = FORMATS[site] if fmt == "default" else fmt
+        if site == "weight":
+            tensors = tensors[:1]  # read once per step
+        if site == "grad_weight":
+            tensors = tensors[-1:]  # the accumulated gradient the optimizer sees
+        stats = merge_moments(Moments.from_tensor(t, fmt=fmt, **kw) for t in tensors).to_stats()
+        return stats
+
+
+def assert_record(got: dict, want: dict, rtol=1e-9):
+    for key in TENSOR_STATS:
+        g, w = got[key], want[key]
+        if w is None or g is None:
+            assert g is None and w is None, (key, g, w)
+        elif isinstance(w, float) and math.isnan(w):
+            assert math.isnan(g), (key, g)
+        elif key in EXACT:
+            assert g == w, (key, g, w)
+        else:
+            assert math.isclose(g, w, rel_tol=rtol), (key, g, w)
+    assert got["log2_hist"] == want["log2_hist"]
+
+
+def train(model, agent, data, *, ref=None, micro=1, opt=None, lr=0.05):
+    opt = opt or torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for step, tokens in enumerate(data):
+        if ref is not None:
+            ref.step = step
+        for chunk in tokens.chunk(micro):
+            loss = lm_loss(model, chunk) / micro
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+        if agent is not None:
+            agent.log(step, loss=loss, lr=lr)
+    return losses
+
+
+# ---- end to end ---------------------------------------------------------------------------------
+
+def stored_records(database_url):
+    from sqlalchemy import text  # the monitor's deps: only this test needs them
+
+    from monitor.store import Store
+
+    store = Store(database_url)
+    try:
+        with store.engine.connect() as conn:
+            cols = ", ".join(f"t.{c}" for c in TENSOR_STATS)
+            rows = conn.execute(text(f"select t.step, s.layer, s.site, t.rank, {cols}, t.log2_hist "
+                                     "from tensor_stats t join tensor_series s on s.id = t.series_id")).all()
+            scalars = conn.execute(text("select t.step, s.name, t.value from scalars t "
+                                        "join scalar_series s on s.id = t.series_id")).all()
+            values = conn.execute(text("select coalesce(sum(n_values), 0), count(*) from ingest_batches")).one()
+    finally:
+        store.close()
+    records = {}
+    for row in rows:
+        step, layer, site, rank, *stats, hist = row
+        rec = {name: None if v is None else float(v) for name, v in zip(TENSOR_STATS, stats)}
+        rec["log2_hist"] = None if hist is None else np.frombuffer(hist, dtype="<i8").tolist()
+        records[(step, layer, site, rank)] = rec
+    return records, {(s, n): float(v) for s, n, v in scalars}, values
+
+
+def test_end_to_end_training_every_record_arrives_once_and_equals_the_oracle(live_server, tmp_path):
+    torch.manual_seed(0)
+    model = TinyLM()
+    ref = Reference(model, BLOCK_LINEARS)
+    agent = Agent(live_server.url, run="e2e-tiny-lm", every=2, modules=r"^blocks\.",
+                  spool_dir=tmp_path / "spool", flush_interval=0.05)
+    agent.watch(model)
+    losses = train(model, agent, batches(20), ref=ref)
+    assert agent.close(timeout=30)
+    assert agent.errors == 0, agent.last_error
+
+    records, scalars, (n_values, n_batches) = stored_records(live_server.database_url)
+    expected_keys = {(s, layer, site, 0) for s in range(0, 20, 2) for layer in BLOCK_LINEARS for site in SITES}
+    assert set(records) == expected_keys  # every reporting step, layer and site; no head, no odd step
+    for (step, layer, site, _), rec in records.items():
+        assert_record(rec, ref.expected(step, layer, site))
+    assert scalars == {**{(s, "loss"): float(losses[s]) for s in range(20)}, **{(s, "lr"): 0.05 for s in range(20)}}
+    # exactly once: the server counted every value it stored once per batch it accepted
+    sent_values = sum(v is not None for rec in records.values() for k, v in rec.items() if k != "log2_hist")
+    assert n_values == sent_values + len(scalars) and n_batches >= 1
+
+
+# ---- behaviour on a capture transport -----------------------------------------------------------
+
+def test_gradient_accumulation_merges_micro_batches_and_reports_the_accumulated_gradient():
+    torch.manual_seed(1)
+    model = TinyLM()
+    ref = Reference(model, BLOCK_LINEARS)
+    cap = CaptureTransport()
+    agent = Agent(transport=cap, every=3, modules=r"^blocks\.").watch(model)
+    train(model, agent, batches(7, seed=2, batch=6), ref=ref, micro=3)
+    agent.close()
+    records = cap.records()
+    assert {k[0] for k in records} == {0, 3, 6} and agent.errors == 0
+    for (step, layer, site, rank), rec in records.items():
+        assert rank == 0
+        want = ref.expected(step, layer, site)
+        assert_record(rec, want)
+        calls = 1 if site in ("weight", "grad_weight") else 3
+        assert rec["numel"] == calls * ref.seen[(step, layer, site)][0].numel()
+    assert len(ref.seen[(0, "blocks.0.mlp.fc1", "grad_weight")]) == 3  # the hook fired 3 times, last won
+
+
+def test_modules_regex_sites_and_formats():
+    torch.manual_seed(2)
+    model = TinyLM()
+    ref = Reference(model, ["blocks.0.mlp.fc1", "blocks.1.mlp.fc1", "head"])
+    cap = CaptureTransport()
+    agent = Agent(transport=cap, every=1, modules=r"mlp\.fc1$|^head$", sites=("output", "grad_output"),
+                  formats={"output": "e4m3"}, outlier_k=3.0, hist=False).watch(model)
+    train(model, agent, batches(2, seed=3), ref=ref)
+    agent.close()
+    records = cap.records()
+    layers = ("blocks.0.mlp.fc1", "blocks.1.mlp.fc1", "head")
+    assert {(k[1], k[2]) for k in records} == {(layer, site) for layer in layers for site in ("output", "grad_output")}
+    for (step, layer, site, _), rec in records.items():
+        want = ref.expected(step, layer, site, fmt="e4m3" if site == "output" else "e5m2", outlier_k=3.0, hist=False)
+        assert rec["underflow_frac"] is not None and rec["log2_hist"] is None
+        assert_record(rec, {**want, "log2_hist": None})
+    with pytest.raises(ValueError, match="unknown sites"):
+        Agent(transport=cap, sites=("input", "activations"))
+
+
+def test_hooks_exist_only_on_reporting_steps_and_eval_passes_are_ignored():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    cap = CaptureTransport()
+    agent = Agent(transport=cap, every=3).watch(model)
+    lin = model[0]
+    counts = []
+    for step in range(4):
+        counts.append((len(lin._forward_hooks), len(lin.weight._post_accumulate_grad_hooks or {})))
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(5, 4) * 100)  # validation: not training statistics
+        model.train()
+        model(torch.randn(3, 4)).sum().backward()
+        agent.log(step)
+    agent.close()
+    assert counts == [(1, 1), (0, 0), (0, 0), (1, 1)]
+    assert not lin._forward_hooks and not lin.weight._post_accumulate_grad_hooks
+    assert {k[0] for k in cap.records()} == {0, 3}
+    assert {rec["numel"] for rec in cap.records().values()} == {12, 16, 8, 6}  # batch 3; no eval batch of 5
+
+
+def test_step_api_late_gradients_and_scalars():
+    model = nn.Sequential(nn.Linear(4, 4))
+    cap = CaptureTransport()
+    agent = Agent(transport=cap, every=10).watch(model)
+    assert agent.current_step == 0 and agent.reporting
+    agent.step(20)  # resuming: step 20 runs next, and it reports
+    assert agent.reporting
+    out = model(torch.randn(2, 4))
+    agent.log(20, loss=torch.tensor(1.5, requires_grad=True), **{"bad name!": 1.0, "tokens_per_s": 9.0})
+    out.sum().backward()  # after log(20): too late for step 20
+    assert agent.current_step == 21 and not agent.reporting
+    agent.log(19, lr=0.1)  # an older step: scalars only
+    assert agent.current_step == 21
+    agent.close()
+    records = cap.records()
+    assert {(k[0], k[2]) for k in records} == {(20, "input"), (20, "weight"), (20, "output")}
+    scalars = {(b["step"], n): v for b in cap.scalars for n, v in zip(b["name"], b["value"])}
+    assert scalars == {(20, "loss"): 1.5, (20, "tokens_per_s"): 9.0, (19, "lr"): 0.1}
+    assert agent.errors == 2 and "arrived after log()" in agent.last_error  # bad name, late gradient
+
+
+def test_delayed_scaling_keeps_an_amax_history_and_reports_overflow():
+    torch.manual_seed(3)
+    lin = nn.Linear(8, 8)
+    cap = CaptureTransport()
+    agent = Agent(transport=cap, every=2, sites=("input",), scaling="delayed", amax_history_len=3, margin=1).watch(lin)
+    xs, amaxes = [], []
+    for step in range(9):
+        x = torch.randn(16, 8) * 4.0**step
+        x[0, 0] = math.nan  # non-finite elements stay out of the amax
+        if step % 2 == 0:
+            xs.append(x)
+        lin(x).sum().backward()
+        amaxes.append(float(x.nan_to_num(0).abs().max()))
+        agent.log(step)
+    agent.close()
+    records = cap.records()
+    assert sorted(k[0] for k in records) == [0, 2, 4, 6, 8]
+    overflowed = 0
+    for i, step in enumerate(range(0, 9, 2)):
+        window = amaxes[max(0, step - 3):step] or [0.0]  # the previous <= 3 steps, every step counted
+        scale = delayed_scale(window, "e4m3", margin=1)
+        want = Moments.from_tensor(xs[i], fmt="e4m3", scale=scale, amax_history_max=max(window)).to_stats()
+        assert_record(records[(step, "", "input", 0)], want)
+        overflowed += want["overflow_frac"] > 0
+    assert overflowed >= 3  # the stale history (amax x4 per step, margin 1) does overflow
+
+
+def test_caller_given_scale_and_self_reporting_layer():
+    class FP8Linear(nn.Module):
+        """Stands in for the trainer's FP8 linear: it reports its input statistics itself."""
+
+        fp8mon_linear = True
+        fp8mon_reported_sites = ("input",)
+
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 6) * 0.1)
+            self.x_scale = torch.tensor(64.0)
+            self.agent = None
+
+        def forward(self, x):
+            if self.agent is not None and self.agent.reporting:  # the fused kernel's statistics
+                self.agent.report("fp8", "input", ds.partials(x, fmt="e4m3", scale=self.x_scale))
+            return F.linear(x, self.weight)
+
+    torch.manual_seed(4)
+    model = nn.Sequential()
+    model.add_module("fp8", FP8Linear())
+    model.add_module("plain", nn.Linear(4, 4))
+    cap = CaptureTransport()
+    agent = Agent(transport=cap, every=1, sites=("input", "weight", "grad_output")).watch(model)
+    model.fp8.agent = agent
+    w_scale = torch.tensor(1024.0)
+    history = torch.tensor([0.5, 2.0, 1.0])
+    agent.set_scale("fp8", "weight", w_scale, amax_history=history)
+    agent.set_scale("plain", "input", lambda: model.fp8.x_scale * 2)
+    inputs = []
+    for step in range(2):
+        x = torch.randn(5, 6)
+        inputs.append((x, F.linear(x, model.fp8.weight).detach()))
+        model(x).sum().backward()
+        agent.log(step)
+        w_scale.mul_(2)  # the layer updates its scales in place
+        model.fp8.x_scale.mul_(0.5)
+    agent.close()
+    rec = cap.records()
+    assert agent.errors == 0, agent.last_error
+    for step, (x, h) in enumerate(inputs):
+        xs = 64.0 * 0.5**step
+        assert_record(rec[(step, "fp8", "input", 0)], Moments.from_tensor(x, fmt="e4m3", scale=xs).to_stats())
+        assert rec[(step, "fp8", "input", 0)]["numel"] == x.numel()  # not read a second time by a hook
+        w = rec[(step, "fp8", "weight", 0)]
+        assert w["scale"] == 1024.0 * 2**step and w["amax_history_max"] == 2.0
+        assert_record(rec[(step, "plain", "input", 0)], Moments.from_tensor(h, fmt="e4m3", scale=2 * xs).to_stats())
+        assert (step, "fp8", "grad_output", 0) in rec and (step, "plain", "weight", 0) in rec
+
+
+def test_errors_in_hooks_never_reach_the_training_loop(monkeypatch, caplog):
+    model = TinyLM()
+    cap = CaptureTransport()
+    agent = Agent(transport=cap, every=1, modules=r"mlp").watch(model)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(ds, "partials", broken)
+    with caplog.at_level(logging.ERROR, logger="fp8mon.agent"):
+        losses = train(model, agent, batches(3, seed=5))
+    agent.close()
+    assert all(torch.isfinite(loss) for loss in losses)
+    assert agent.errors == 3 * 4 * 5  # steps x layers x sites, every one counted
+    assert len([r for r in caplog.records if "kernel exploded" in r.getMessage()]) == 5  # once per site
+    assert cap.tensors == [] and len(cap.scalars) == 3  # the scalars still arrive
+
+
+def test_context_manager_sets_the_run_status():
+    cap = CaptureTransport()
+    with Agent(transport=cap, config={"lr": 0.1}, tags={"arch": "llama"}) as agent:
+        agent.log(0, loss=1.0)
+    assert cap.meta == [{"config": {"lr": 0.1}, "tags": {"arch": "llama"}}, {"status": "finished"}]
+    cap = CaptureTransport()
+    with pytest.raises(KeyError):
+        with Agent(transport=cap):
+            raise KeyError("boom")
+    assert cap.meta == [{"status": "failed"}]
+
+
+def test_agent_import_is_lazy_and_needs_a_url_and_run(monkeypatch):
+    import subprocess
+    import sys
+
+    code = "import sys, agent.wire; assert 'torch' not in sys.modules"  # the monitor imports agent.wire
+    subprocess.run([sys.executable, "-c", code], check=True)
+    monkeypatch.delenv("FP8MON_URL", raising=False)
+    with pytest.raises(ValueError, match="url"):
+        Agent(run="x")
+    with pytest.raises(ValueError, match="run name"):
+        Agent("http://127.0.0.1:9", run="bad run name")
+
+
+# ---- no host synchronisation ------------------------------------------------------------------
+
+SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "bincount", "is_nonzero", "equal",
+            "repeat_interleave",
+            "lift_fresh")
+
+
+class SyncRecorder(TorchDispatchMode):
+    """Counts the aten ops on this thread that make a CUDA host wait (values read, data-dependent shapes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.syncs = 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        name = func.name()
+        bool_index = name.startswith("aten::index") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool
+            for a in args if isinstance(a, (list, tuple)) for i in a)
+        if bool_index or any(s in name for s in SYNC_OPS):
+            self.syncs.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_training_step_with_the_agent_adds_no_host_sync_on_cpu():
+    """By design on CPU: every op the training thread runs, hooks and log() included, is recorded; the
+    agent adds hundreds of ops and not one that would wait for a device."""
+    def run(with_agent):
+        torch.manual_seed(6)
+        model = TinyLM()
+        cap = CaptureTransport()
+        agent = Agent(transport=cap, every=2, scaling="delayed").watch(model) if with_agent else None
+        rec = SyncRecorder()
+        with rec:
+            train(model, agent, batches(4, seed=7))
+        if agent is not None:
+            agent.close()
+            assert len(cap.records()) == 2 * 9 * 5 and agent.errors == 0
+        return rec
+
+    base, watched = run(False), run(True)
+    assert watched.ops > base.ops + 1000
+    assert watched.syncs == base.syncs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_training_step_with_the_agent_adds_no_host_sync_on_cuda():
+    torch.manual_seed(8)
+    dev = torch.device("cuda")
+    model = TinyLM().to(dev)
+    ref = Reference(model, BLOCK_LINEARS)
+    cap = CaptureTransport()
+    agent = Agent(transport=cap, every=2, modules=r"^blocks\.").watch(model)
+    # a second agent on the same model: delayed scaling's device history, a caller-given device scale
+    cap2 = CaptureTransport()
+    delayed = Agent(transport=cap2, every=3, modules=r"mlp", scaling="delayed", amax_history_len=4).watch(model)
+    delayed.set_scale("blocks.0.mlp.fc1", "input", torch.tensor(8.0, device=dev))
+    data = [t.to(dev) for t in batches(6, seed=9)]
+    train(model, agent, data[:1], ref=ref)  # warm-up: allocations, pinned buffers, cuBLAS handles
+    delayed.log(0)
+    torch.cuda.synchronize()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(1, 6):
+            ref.step = step
+            loss = lm_loss(model, data[step])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            agent.log(step, loss=loss)
+            delayed.log(step, loss=loss)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert agent.flush(30)
+    agent.close()
+    delayed.close()
+    assert agent.errors == 0 and delayed.errors == 0, (agent.last_error, delayed.last_error)
+    delayed_records = cap2.records()
+    assert {k[0] for k in delayed_records} == {0, 3} and len(delayed_records) == 2 * 4 * 5
+    assert delayed_records[(3, "blocks.0.mlp.fc1", "input", 0)]["scale"] == 8.0
+    assert delayed_records[(3, "blocks.1.mlp.fc2", "weight", 0)]["amax_history_max"] > 0
+    records = cap.records()
+    assert {k[0] for k in records} == {0, 2, 4} and len(records) == 3 * 8 * 5
+    for (step, layer, site, _), rec in records.items():
+        want = ref.expected(step, layer, site)
+        assert_record(rec, want, rtol=1e-7)
+    assert {b["step"] for b in cap.scalars} == set(range(6))
