@@ -1,8 +1,9 @@
 """Background delivery of statistics to the monitor: batch, encode, POST, spool on failure, replay.
 
 The training thread only ever does `queue.put_nowait`; everything that can block (encoding, the
-network, the disk) happens on the sender thread. When the monitor is unreachable, batches go to an
-on-disk spool and are replayed oldest first, also by a later process using the same spool directory.
+network, the disk) happens on the sender thread. Every batch is written to an on-disk spool before it is
+posted and removed once acknowledged; while the monitor is unreachable batches wait there and are
+replayed oldest first, also by a later process using the same spool directory.
 Batch ids are fixed when a batch is encoded, so replays are idempotent on the server.
 """
 
@@ -31,7 +32,6 @@ _REJECTED = {400, 404, 413, 415, 422}
 class TransportStats:
     sent_batches: int = 0
     duplicate_batches: int = 0
-    spooled_batches: int = 0
     spilled_batches: int = 0
     rejected_batches: int = 0
     failed_posts: int = 0
@@ -151,8 +151,24 @@ class Transport:
         self._closed = True
         self._queue.put(("stop", None))
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._spill_queue()  # the sender is stuck in a request: put what it has not taken on disk
         self._client.close()
         return delivered
+
+    def _spill_queue(self) -> None:
+        pending = _Pending()
+        while True:
+            try:
+                kind, payload = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if kind in ("tensors", "scalars", "run_meta"):
+                pending.add(kind, payload)
+        if pending:
+            with self._spool_lock:
+                self.spool.push(*self._encode(pending))
+            self.stats.spilled_batches += 1
 
     # -- sender thread ------------------------------------------------------------------------------
 
@@ -203,25 +219,22 @@ class Transport:
 
     def _ship(self, pending: _Pending) -> _Pending:
         batch_id, body = self._encode(pending)
+        # Write-ahead: a batch is on disk before it is on the wire and leaves the disk only once
+        # acknowledged, so a crash or kill at any point loses nothing and replays in order.
         with self._spool_lock:
-            backlog = len(self.spool) > 0
-        # Keep order: while older batches wait on disk, new ones queue behind them.
-        if backlog or time.monotonic() < self._retry_at or not self._post(batch_id, body):
-            with self._spool_lock:
-                self.spool.push(batch_id, body)
-            self.stats.spooled_batches += 1
-            self._drain(force=False)
+            self.spool.push(batch_id, body)
+        self._drain(force=False)
         return _Pending()
 
     def _drain(self, force: bool) -> None:
         """Replay spooled batches oldest first until one fails; `force` ignores the back-off once."""
-        while force or time.monotonic() >= self._retry_at:
+        while (force or time.monotonic() >= self._retry_at) and not self._client.is_closed:
             with self._spool_lock:
                 head = self.spool.peek()
             if head is None or not self._post(head[1], head[2], spooled_path=head[0]):
                 return
 
-    def _post(self, batch_id: str, body: bytes, spooled_path: Path | None = None) -> bool:
+    def _post(self, batch_id: str, body: bytes, spooled_path: Path) -> bool:
         """True when the batch is settled (stored, duplicate, or rejected for good)."""
         try:
             response = self._client.post(self.url, content=body)
@@ -240,9 +253,8 @@ class Transport:
             return True
         else:
             return self._failed(f"{response.status_code}: {response.text[:200]}")
-        if spooled_path is not None:
-            with self._spool_lock:
-                self.spool.remove(spooled_path)
+        with self._spool_lock:
+            self.spool.remove(spooled_path)
         self._delay = self.backoff_min
         self._retry_at = 0.0
         return True
