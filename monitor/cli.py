@@ -75,6 +75,12 @@ def cmd_db_current(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from monitor.demo import run_demo
+
+    return run_demo(args, _settings(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fp8mon", description="Training-health monitoring for FP8 training.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -97,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     current = db.add_parser("current", help="show the schema revision")
     _add_db_flag(current)
     current.set_defaults(func=cmd_db_current)
+
+    from monitor.demo import add_arguments as add_demo_arguments
+
+    demo = commands.add_parser("demo", help="serve a SQLite monitor fed with a synthetic FP8 training run")
+    add_demo_arguments(demo)
+    demo.set_defaults(func=cmd_demo)
     return parser
 
 

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Set up .venv (first run only) and run the test suite (pytest over tests/). Arguments go to pytest.
+# With FP8MON_TEST_DATABASE_URL=postgresql+psycopg://user@host:port/db the storage tests also run on
+# PostgreSQL (and the run fails loudly if it is unreachable).
+# Exit status: pytest's, except that a run in which no test ran (none collected, all deselected or all
+# skipped) is a failure (1), never a success or pytest's ambiguous 5.
+set -euo pipefail
+# shellcheck source=scripts/lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+# System packages (Debian names) the tests need, installed when missing: none yet. Later issues add here,
+# e.g. prometheus (promtool for the alert-rule tests) and chromium (headless dashboard tests).
+TEST_APT_PACKAGES=()
+ensure_apt_packages ${TEST_APT_PACKAGES[@]+"${TEST_APT_PACKAGES[@]}"}
+
+ensure_venv
+cd "$FP8MON_ROOT"
+log "pytest with $("$VENV/bin/python" -V); PostgreSQL: ${FP8MON_TEST_DATABASE_URL:-off (set FP8MON_TEST_DATABASE_URL)}"
+
+report="$(mktemp -d)"
+trap 'rm -rf "$report"' EXIT
+set +e
+"$VENV/bin/python" -m pytest --junitxml="$report/junit.xml" "$@"
+rc=$?
+set -e
+
+if [ "$rc" -eq 5 ]; then
+  log "FAILED: pytest collected no tests"
+  exit 1
+fi
+if [ "$rc" -eq 0 ]; then
+  ran="$("$VENV/bin/python" - "$report/junit.xml" <<'PY'
+import sys
+import xml.etree.ElementTree as ET
+
+root = ET.parse(sys.argv[1]).getroot()
+suites = [root] if root.tag == "testsuite" else root.iter("testsuite")
+print(sum(int(s.get("tests", 0)) - int(s.get("skipped", 0)) for s in suites))
+PY
+)" || { log "FAILED: cannot read the test report"; exit 1; }
+  if [ "$ran" -eq 0 ]; then
+    log "FAILED: no test ran (all deselected or skipped)"
+    exit 1
+  fi
+fi
+exit "$rc"
