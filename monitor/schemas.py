@@ -152,3 +152,104 @@ def finite_or_none(x: float | None) -> float | str | None:
     if x is None or math.isfinite(x):
         return x
     return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
+
+
+# -- query responses (GET /api/v1/runs...) ----------------------------------------------------------
+
+JsonFloat = float | Literal["NaN", "Infinity", "-Infinity"] | None  # null: not reported / empty bucket
+
+
+class RunList(BaseModel):
+    total: int = Field(description="runs matching the filters, over all pages")
+    limit: int
+    offset: int
+    runs: list[RunOut]
+
+
+class RunDetail(RunOut):
+    tensor_series: int = Field(description="layer x site series in the catalogue")
+    scalar_series: int
+    rollup_until: int = Field(description="steps below this are served from the rollup pyramid")
+
+
+class RunDeleted(BaseModel):
+    run: str
+    id: int
+    deleted_rows: dict[str, int] = Field(description="bulk rows removed per table")
+
+
+class CatalogueLayer(BaseModel):
+    layer: str
+    sites: list[str]
+
+
+class Catalogue(BaseModel):
+    run: str
+    first_step: int | None
+    last_step: int | None
+    layers: list[CatalogueLayer] = Field(description="in model order (first appearance)")
+    sites: list[str]
+    stats: list[str] = Field(description="statistic names of every layer x site series")
+    scalars: list[str]
+    ranks: list[int]
+
+
+class SeriesPoints(BaseModel):
+    step: list[int] = Field(description="raw: the step; downsampled: the bucket's first step (clipped to start)")
+    value: list[JsonFloat] | None = Field(None, description="raw points only")
+    count: list[int] | None = Field(None, description="downsampled: values in the bucket (NaN included)")
+    min: list[JsonFloat] | None = Field(None, description="downsampled; NaN if the bucket holds a NaN")
+    max: list[JsonFloat] | None = Field(None, description="downsampled; NaN if the bucket holds a NaN")
+    mean: list[JsonFloat] | None = Field(None, description="downsampled; NaN if the bucket holds a NaN")
+    last: list[JsonFloat] | None = Field(None, description="downsampled: the value at the bucket's last step")
+
+
+class SeriesOut(BaseModel):
+    run: str
+    rank: int
+    stat: str | None
+    layer: str | None
+    site: str | None
+    scalar: str | None
+    start: int | None
+    end: int | None
+    bucket_width: int = Field(description="steps per point; 1: raw points")
+    downsampled: bool
+    points: SeriesPoints
+
+
+class HeatmapOut(BaseModel):
+    run: str
+    stat: str
+    site: str
+    rank: int
+    agg: Literal["max", "min", "mean", "last"]
+    start: int | None
+    end: int | None
+    bucket_width: int = Field(description="steps per column; 1: one column per step")
+    downsampled: bool
+    edges: list[int] = Field(description="column i covers steps [edges[i], edges[i+1])")
+    layers: list[str] = Field(description="matrix rows, in model order")
+    values: list[list[JsonFloat]] = Field(description="values[layer][column]; null: nothing reported there")
+
+
+class LatestSeries(BaseModel):
+    layer: str
+    site: str
+    step: int
+    values: dict[str, JsonFloat]
+
+
+class LatestScalar(BaseModel):
+    name: str
+    step: int
+    value: JsonFloat
+
+
+class LatestOut(BaseModel):
+    run: str
+    rank: int
+    last_step: int | None
+    stats: list[str]
+    series: list[LatestSeries] = Field(description="one entry per layer x site, in model order")
+    scalars: list[LatestScalar]

@@ -1,0 +1,659 @@
+"""The read side of the monitor: runs, catalogue, series, heatmaps and latest snapshots.
+
+Everything here takes a `Store` and reads through `store.read_engine` in one transaction (REPEATABLE READ
+on PostgreSQL), so the rollup horizon and the rows read with it belong to one snapshot.
+
+Downsampling. A range [start, end] asked for with at most `max_points` points is cut into output buckets
+of `width` steps aligned on multiples of the width (the first and last may be partial). The width is 1
+(raw points) when the range fits. Otherwise (plan_buckets) the finest width that whole rollup buckets
+tile (a multiple of the largest level L <= range/max_points, or raw rows grouped when that is below the
+first level) if its GROUP BY reads at most SCAN_BUDGET rows, else the smallest level width that fits, so
+that each output bucket is one stored rollup row (a heatmap of many layers takes that path). The range is
+then covered by segments (decompose): rollup buckets of level L in the middle, finer levels at the edges
+down to raw rows, and raw rows above the rollup horizon. Each segment is aggregated into the output
+buckets by the database (GROUP BY) and the segments are merged per bucket in numpy: min of mins, max of
+maxes, sum of sums and counts, `last` from the latest segment holding rows of the bucket. Nothing is
+sampled, so a one-step spike (or a NaN) shows in the bucket containing it at every zoom level. NaN
+semantics are those of the rollups (monitor.rollup): a NaN makes the bucket's min, max and mean NaN;
+`last` is the value at the bucket's last step.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import numpy as np
+from sqlalchemy import Connection, delete, func, select, text, update
+
+from agent.wire import SITES, TENSOR_STATS
+from monitor.models import ROLLUP_WIDTHS, Run, ScalarSeries, TensorSeries
+from monitor.rollup import KINDS, effective_horizon, level_cover, series_ranks, sql_is_nan, sql_nan
+from monitor.schemas import finite_or_none
+
+FINAL_STATUSES = ("finished", "failed", "diverged")
+AGGS = ("min", "max", "mean", "last")
+RUN_ORDER_FIELDS = ("created_at", "started_at", "last_seen_at", "name", "status", "first_step", "last_step", "id")
+
+
+class QueryError(Exception):
+    status = 400
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class NotFound(QueryError):
+    status = 404
+
+
+class BadParameter(QueryError):
+    status = 422
+
+
+# -- plumbing --------------------------------------------------------------------------------------
+
+
+@contextmanager
+def reading(store):
+    """A read transaction: one consistent snapshot (SQLite deferred transaction, PostgreSQL REPEATABLE READ)."""
+    with store.read_engine.connect() as conn:
+        if conn.dialect.name == "postgresql":
+            conn.execution_options(isolation_level="REPEATABLE READ")
+        with conn.begin():
+            yield conn
+
+
+@contextmanager
+def writing(store):
+    """A write transaction; on SQLite this process's ingest threads queue behind it on the store's writer lock."""
+    lock = getattr(store, "_write_lock", None) if store.dialect == "sqlite" else None
+    with lock or nullcontext(), store.engine.begin() as conn:
+        yield conn
+
+
+_PARAM = re.compile(r"(?<![:\w]):(\w+)")
+
+
+def fetch(conn: Connection, sql: str, params: dict | None = None) -> list[tuple]:
+    """Rows as plain tuples straight from the DBAPI cursor (no Row objects: this is the hot path)."""
+    dbapi = conn.connection.dbapi_connection
+    if conn.dialect.name == "postgresql":
+        sql = _PARAM.sub(r"%(\1)s", sql)
+        cursor = dbapi.cursor(binary=True)
+    else:
+        cursor = dbapi.cursor()
+    try:
+        cursor.execute(sql, params or {})
+        return cursor.fetchall()
+    finally:
+        cursor.close()
+
+
+def to_float(value) -> float | None:
+    """A stored REAL as a float: SQLite keeps NaN as the TEXT 'NaN' (monitor.bulk)."""
+    return None if value is None else float(value)
+
+
+def json_floats(values: np.ndarray, null: np.ndarray | None = None) -> list:
+    """A float array as a JSON-ready list: None where null, "NaN"/"Infinity"/"-Infinity" for non-finite."""
+    out = values.tolist()
+    bad = ~np.isfinite(values)
+    if null is not None:
+        bad |= null
+    for i in np.flatnonzero(bad).tolist():
+        out[i] = None if null is not None and null[i] else finite_or_none(out[i])
+    return out
+
+
+def json_safe(obj):
+    """Recursively replace non-finite floats (user configs may hold them) by their JSON strings."""
+    if isinstance(obj, float):
+        return finite_or_none(obj)
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def _utc(dt: datetime | None) -> datetime | None:
+    if dt is None:
+        return None
+    return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt.astimezone(UTC)
+
+
+def _iso(dt: datetime | None) -> str | None:
+    dt = _utc(dt)
+    return None if dt is None else dt.isoformat()
+
+
+# -- runs ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunRef:
+    id: int
+    name: str
+    first_step: int | None
+    last_step: int | None
+    horizon: int  # rollups are valid below this step
+
+
+def run_ref(conn: Connection, name: str) -> RunRef:
+    row = conn.execute(select(Run.id, Run.first_step, Run.last_step, Run.rollup_until, Run.rollup_dirty_from)
+                       .where(Run.name == name)).first()
+    if row is None:
+        raise NotFound(f"run {name!r} not found")
+    return RunRef(row.id, name, row.first_step, row.last_step,
+                  effective_horizon(row.rollup_until or 0, row.rollup_dirty_from))
+
+
+def run_dict(row) -> dict:
+    return {
+        "id": row.id, "name": row.name, "status": row.status, "config": json_safe(row.config or {}),
+        "tags": json_safe(row.tags or {}), "created_at": _iso(row.created_at), "started_at": _iso(row.started_at),
+        "ended_at": _iso(row.ended_at), "last_seen_at": _iso(row.last_seen_at), "first_step": row.first_step,
+        "last_step": row.last_step,
+    }
+
+
+def _like_pattern(name: str) -> str:
+    escaped = name.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    if "*" in name or "?" in name:
+        return escaped.replace("*", "%").replace("?", "_")
+    return f"%{escaped}%"
+
+
+def parse_tag_filters(tags: list[str]) -> list[tuple[str, str | None]]:
+    out = []
+    for item in tags:
+        key, sep, value = item.partition("=")
+        if not key:
+            raise BadParameter(f"tag: {item!r} is not key=value (or key)")
+        out.append((key, value if sep else None))
+    return out
+
+
+def list_runs(store, *, status: list[str] | None = None, name: str | None = None, tags: list[str] | None = None,
+              created_since: datetime | None = None, updated_since: datetime | None = None,
+              order_by: str = "-created_at", limit: int = 50, offset: int = 0) -> dict:
+    """Runs matching every filter given, a page of them and the total count."""
+    conds = []
+    if status:
+        conds.append(Run.status.in_(status))
+    if name:
+        conds.append(func.lower(Run.name).like(_like_pattern(name.lower()), escape="\\"))
+    for key, value in parse_tag_filters(tags or []):
+        extracted = Run.tags[key].as_string()
+        conds.append(extracted.is_not(None) if value is None else extracted == value)
+    if created_since is not None:
+        conds.append(Run.created_at >= _utc(created_since))
+    if updated_since is not None:
+        conds.append(Run.last_seen_at >= _utc(updated_since))
+    desc = order_by.startswith("-")
+    field_name = order_by.lstrip("-+")
+    if field_name not in RUN_ORDER_FIELDS:
+        raise BadParameter(f"order_by: {order_by!r} is not one of {', '.join(RUN_ORDER_FIELDS)} (prefix - for "
+                           "descending)")
+    column = getattr(Run, field_name)
+    ordering = [(column.desc() if desc else column.asc()).nulls_last(), Run.id.desc() if desc else Run.id.asc()]
+    with reading(store) as conn:
+        total = conn.execute(select(func.count()).select_from(Run).where(*conds)).scalar_one()
+        rows = conn.execute(select(Run.__table__).where(*conds).order_by(*ordering).limit(limit).offset(offset))
+        runs = [run_dict(r) for r in rows]
+    return {"total": total, "limit": limit, "offset": offset, "runs": runs}
+
+
+def get_run(store, name: str) -> dict:
+    with reading(store) as conn:
+        row = conn.execute(select(Run.__table__).where(Run.name == name)).first()
+        if row is None:
+            raise NotFound(f"run {name!r} not found")
+        out = run_dict(row)
+        out["tensor_series"] = conn.execute(select(func.count()).select_from(TensorSeries)
+                                            .where(TensorSeries.run_id == row.id)).scalar_one()
+        out["scalar_series"] = conn.execute(select(func.count()).select_from(ScalarSeries)
+                                            .where(ScalarSeries.run_id == row.id)).scalar_one()
+        out["rollup_until"] = effective_horizon(row.rollup_until or 0, row.rollup_dirty_from)
+    return out
+
+
+def patch_run(store, name: str, *, status: str | None = None, tags: dict | None = None,
+              config: dict | None = None) -> dict:
+    """Status, tags (merged into the run's tags, as ingest does) and config (replaced)."""
+    with writing(store) as conn:
+        row = conn.execute(select(Run.id, Run.tags).where(Run.name == name)).first()
+        if row is None:
+            raise NotFound(f"run {name!r} not found")
+        values: dict = {}
+        if tags is not None:
+            values["tags"] = {**(row.tags or {}), **tags}
+        if config is not None:
+            values["config"] = config
+        if status is not None:
+            values["status"] = status
+            values["ended_at"] = datetime.now(UTC) if status in FINAL_STATUSES else None
+        if values:
+            conn.execute(update(Run).where(Run.id == row.id).values(**values))
+    return get_run(store, name)
+
+
+def delete_run(store, name: str) -> dict:
+    """The run, its catalogue, batches, alerts, predictions and every bulk row (which has no foreign key)."""
+    counts = {}
+    with writing(store) as conn:
+        lock = " FOR UPDATE" if conn.dialect.name == "postgresql" else ""
+        run_id = conn.execute(text(f"SELECT id FROM runs WHERE name = :name{lock}"), {"name": name}).scalar()
+        if run_id is None:
+            raise NotFound(f"run {name!r} not found")
+        for kind, (raw, roll, series_table, _) in KINDS.items():
+            ids = f"SELECT id FROM {series_table} WHERE run_id = :run"
+            for table in (raw, roll):
+                result = conn.execute(text(f"DELETE FROM {table} WHERE series_id IN ({ids})"), {"run": run_id})
+                counts[table] = result.rowcount
+        # The catalogue, batches, alerts and predictions go by ON DELETE CASCADE; deleted explicitly too, so
+        # that a SQLite connection without foreign_keys=ON cannot leave them behind.
+        for table in ("tensor_series", "scalar_series", "ingest_batches", "alerts", "predictions"):
+            conn.execute(text(f"DELETE FROM {table} WHERE run_id = :run"), {"run": run_id})
+        conn.execute(delete(Run).where(Run.id == run_id))
+    store.forget_run(run_id)
+    return {"run": name, "id": run_id, "deleted_rows": counts}
+
+
+# -- catalogue and latest --------------------------------------------------------------------------
+
+
+def catalogue(store, name: str) -> dict:
+    with reading(store) as conn:
+        ref = run_ref(conn, name)
+        layers: dict[str, set[str]] = {}
+        for layer, site in conn.execute(select(TensorSeries.layer, TensorSeries.site)
+                                        .where(TensorSeries.run_id == ref.id).order_by(TensorSeries.ordinal)):
+            layers.setdefault(layer, set()).add(site)
+        scalars = list(conn.execute(select(ScalarSeries.name).where(ScalarSeries.run_id == ref.id)
+                                    .order_by(ScalarSeries.id)).scalars())
+        ranks = set()
+        for kind in KINDS:
+            for rs in series_ranks(conn, kind, ref.id).values():
+                ranks.update(rs)
+    present = {s for sites in layers.values() for s in sites}
+    return {
+        "run": name,
+        "first_step": ref.first_step,
+        "last_step": ref.last_step,
+        "layers": [{"layer": layer, "sites": [s for s in SITES if s in sites]} for layer, sites in layers.items()],
+        "sites": [s for s in SITES if s in present],
+        "stats": list(TENSOR_STATS),
+        "scalars": scalars,
+        "ranks": sorted(ranks),
+    }
+
+
+def latest(store, name: str, rank: int = 0) -> dict:
+    """Every statistic of every layer x site (and every scalar) at that series' last step on `rank`."""
+    stat_cols = ", ".join(f"t.{s}" for s in TENSOR_STATS)
+    with reading(store) as conn:
+        ref = run_ref(conn, name)
+        rows = fetch(conn, f"SELECT s.layer, s.site, t.step, {stat_cols} FROM tensor_series s "
+                           f"JOIN tensor_stats t ON t.series_id = s.id AND t.rank = :rank AND t.step = "
+                           f"(SELECT MAX(m.step) FROM tensor_stats m WHERE m.series_id = s.id AND m.rank = :rank) "
+                           f"WHERE s.run_id = :run ORDER BY s.ordinal", {"rank": rank, "run": ref.id})
+        scalar_rows = fetch(conn, "SELECT s.name, t.step, t.value FROM scalar_series s "
+                                  "JOIN scalars t ON t.series_id = s.id AND t.rank = :rank AND t.step = "
+                                  "(SELECT MAX(m.step) FROM scalars m WHERE m.series_id = s.id AND m.rank = :rank) "
+                                  "WHERE s.run_id = :run ORDER BY s.id", {"rank": rank, "run": ref.id})
+    series = [{"layer": r[0], "site": r[1], "step": r[2],
+               "values": {s: finite_or_none(to_float(v)) for s, v in zip(TENSOR_STATS, r[3:])}} for r in rows]
+    scalars = [{"name": n, "step": st, "value": finite_or_none(to_float(v))} for n, st, v in scalar_rows]
+    return {"run": name, "rank": rank, "last_step": ref.last_step, "stats": list(TENSOR_STATS),
+            "series": series, "scalars": scalars}
+
+
+# -- downsampling ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """Output buckets: column i covers [max(start, (first+i)*width), min(end, (first+i+1)*width - 1)]."""
+
+    start: int
+    end: int  # inclusive
+    width: int  # 1: raw steps
+    level: int | None  # the coarsest rollup level used, None: raw rows only
+
+    @property
+    def first(self) -> int:
+        return self.start // self.width
+
+    @property
+    def columns(self) -> int:
+        return self.end // self.width - self.first + 1
+
+    def edges(self) -> list[int]:
+        inner = [(self.first + i) * self.width for i in range(1, self.columns)]
+        return [self.start, *inner, self.end + 1]
+
+
+SCAN_BUDGET = 60_000  # source rows a GROUP BY may read before a coarser plan without one is preferred
+
+
+def _fitted(start: int, end: int, need: int, max_points: int, choose) -> Plan:
+    while True:
+        width, level = choose(need)
+        plan = Plan(start, end, width, level)
+        if plan.columns <= max_points:
+            return plan
+        need = width + 1  # alignment added a partial bucket: widen
+
+
+def _finest(need: int) -> tuple[int, int | None]:
+    """The finest width >= need that whole rollup buckets tile: raw rows below the first level, else a
+    multiple (x1..x3) of the largest level <= need."""
+    if need < ROLLUP_WIDTHS[0]:
+        return need, None
+    level = max(w for w in ROLLUP_WIDTHS if w <= need)
+    width = -(-need // level) * level
+    if width // level == 4 and level * 4 in ROLLUP_WIDTHS:
+        level *= 4
+    return width, level
+
+
+def _direct(need: int) -> tuple[int, int]:
+    """The smallest level width >= need: one rollup row per bucket, no GROUP BY."""
+    for w in ROLLUP_WIDTHS:
+        if w >= need:
+            return w, w
+    top = ROLLUP_WIDTHS[-1]
+    return -(-need // top) * top, top
+
+
+def plan_buckets(start: int, end: int, max_points: int, n_series: int = 1, scan_budget: int | None = None) -> Plan:
+    """Buckets for [start, end] in at most max_points columns: raw steps when the range fits, else the finest
+    width whose GROUP BY reads at most `scan_budget` source rows over `n_series` series, else the smallest
+    rollup level width that fits (each bucket one rollup row: fast, up to 4x coarser than asked)."""
+    span = end - start + 1
+    need = -(-span // max_points)
+    if need <= 1:
+        return Plan(start, end, 1, None)
+    scan_budget = SCAN_BUDGET if scan_budget is None else scan_budget
+    fine = _fitted(start, end, need, max_points, _finest)
+    if fine.level == fine.width or n_series * span // (fine.level or 1) <= scan_budget:
+        return fine
+    return _fitted(start, end, need, max_points, _direct)
+
+
+def decompose(lo: int, hi: int, horizon: int, levels: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """Cover steps [lo, hi) with (width, lo, hi) segments: rollup buckets of the coarsest usable level of
+    `levels` (ascending, each dividing the next) and raw rows (width 1) where no bucket is complete or valid."""
+    segs: list[list[int]] = []
+    pos = lo
+    while pos < hi:
+        seg = None
+        for i in range(len(levels) - 1, -1, -1):
+            w = levels[i]
+            if pos % w:
+                continue
+            limit = min(hi, level_cover(horizon, w))
+            if i + 1 < len(levels):  # stop where the next coarser level could take over
+                limit = min(limit, (pos // levels[i + 1] + 1) * levels[i + 1])
+            n = (limit - pos) // w
+            if n > 0:
+                seg = (w, pos, pos + n * w)
+                break
+        if seg is None:
+            end_raw = hi
+            if levels:
+                w0 = levels[0]
+                nxt = (pos // w0 + 1) * w0
+                if nxt + w0 <= min(hi, level_cover(horizon, w0)):
+                    end_raw = nxt
+            seg = (1, pos, end_raw)
+        if segs and segs[-1][0] == seg[0] and segs[-1][2] == seg[1]:
+            segs[-1][2] = seg[2]
+        else:
+            segs.append(list(seg))
+        pos = seg[2]
+    return [tuple(s) for s in segs]
+
+
+@dataclass
+class Cells:
+    """Aggregates per (series row, output bucket); `null` marks cells without a value for that aggregate."""
+
+    values: dict[str, np.ndarray]  # "n", "min", "max", "mean", "last" -> (rows, columns)
+    null: dict[str, np.ndarray]
+    segments: list = field(default_factory=list)
+
+
+def _column(rows: list[tuple], i: int) -> tuple[np.ndarray, np.ndarray]:
+    """Column i as float64 and its NULL mask (SQLite's TEXT 'NaN' becomes NaN, not NULL)."""
+    col = [r[i] for r in rows]
+    values = np.array(col, dtype=np.float64)
+    null = np.zeros(len(col), dtype=bool)
+    for j in np.flatnonzero(np.isnan(values)).tolist():
+        null[j] = col[j] is None
+    return values, null
+
+
+def _source_exprs(dialect: str, column: str, rollup: bool, grouped: bool) -> dict[str, str]:
+    """SQL per aggregate for one source; grouped ones apply the NaN rule of monitor.rollup."""
+    if rollup:
+        n, mn, mx, sm, last = (f"{column}_{a}" for a in ("n", "min", "max", "sum", "last"))
+    else:
+        n, mn, mx, sm, last = f"COUNT({column})" if grouped else f"CASE WHEN {column} IS NULL THEN 0 ELSE 1 END", \
+            column, column, column, column
+    if not grouped:
+        return {"n": n, "min": mn, "max": mx, "sum": sm, "last": last}
+    if rollup:
+        n = f"CAST(SUM({n}) AS BIGINT)"
+    nan, flag = sql_nan(dialect), sql_is_nan(dialect, f"MAX({mx})")
+    total = f"SUM({sm})"
+    # A rollup sum is NaN for +Inf and -Inf in one bucket too; SQLite's SUM would skip that TEXT 'NaN'.
+    sum_flag = f" OR {sql_is_nan(dialect, f'MAX({sm})')}" if rollup and dialect == "sqlite" else ""
+    return {
+        "n": n,
+        "max": f"MAX({mx})",
+        "min": f"CASE WHEN {flag} THEN {nan} ELSE MIN({mn}) END",
+        "sum": f"CASE WHEN {flag}{sum_flag} OR ({total} IS NULL AND {n} > 0) THEN {nan} ELSE {total} END",
+    }
+
+
+def aggregate(conn: Connection, kind: str, column: str, series_ids: list[int], rank: int, plan: Plan,
+              horizon: int, want: tuple[str, ...]) -> Cells:
+    """Aggregate `column` of the series (matrix rows, in the given order) into the plan's buckets.
+
+    `want` holds any of n, min, max, mean, last. Segments (monitor.rollup levels and raw rows) are read
+    in step order; a bucket that spans several is merged: min/max/sum/n combine, last comes from the
+    latest segment with a row in the bucket."""
+    raw, roll, _, _ = KINDS[kind]
+    dialect = conn.dialect.name
+    n_rows, n_cols = len(series_ids), plan.columns
+    size = n_rows * n_cols
+    B = plan.width
+    ids_sql = ", ".join(str(int(i)) for i in series_ids)
+    levels = tuple(w for w in ROLLUP_WIDTHS if plan.level is not None and w <= plan.level)
+    segments = decompose(plan.start, plan.end + 1, horizon, levels) if series_ids else []
+    aggs = [a for a in ("n", "max", "min", "sum") if a in want or (a == "sum" and "mean" in want)
+            or (a == "n" and "mean" in want)]
+    want_last = "last" in want
+
+    parts: list[tuple[int, list[tuple], list[str]]] = []  # (segment index, rows (sid, bucket, *cols), cols)
+    for seg_index, (w, lo, hi) in enumerate(segments):
+        params = {"rank": rank, "lo": lo, "hi": hi, "blo": lo // w, "bhi": hi // w}
+        if w == 1:
+            table, pos_col, key, grouped = raw, "step", f"step / {B}", B > 1
+            where = f"series_id IN ({ids_sql}) AND rank = :rank AND step >= :lo AND step < :hi"
+        else:
+            k = B // w
+            table, pos_col, key, grouped = roll, "bucket", f"bucket / {k}", k > 1
+            where = f"series_id IN ({ids_sql}) AND rank = :rank AND width = {w} AND bucket >= :blo AND bucket < :bhi"
+        exprs = _source_exprs(dialect, column, w > 1, grouped)
+        if not grouped:
+            cols = aggs + (["last"] if want_last else [])
+            rows = fetch(conn, f"SELECT series_id, {pos_col}, {', '.join(exprs[c] for c in cols)} FROM {table} "
+                               f"WHERE {where}", params)
+            parts.append((seg_index, rows, cols))
+            continue
+        if aggs:
+            rows = fetch(conn, f"SELECT series_id, {key}, {', '.join(exprs[c] for c in aggs)} FROM {table} "
+                               f"WHERE {where} GROUP BY series_id, {key}", params)
+            parts.append((seg_index, rows, aggs))
+        if want_last:
+            last_col = f"{column}_last" if w > 1 else column
+            if dialect == "sqlite":  # bare columns come from the row of the single MAX()
+                sql = (f"SELECT series_id, {key}, {last_col}, MAX({pos_col}) FROM {table} WHERE {where} "
+                       f"GROUP BY series_id, {key}")
+            else:
+                sql = (f"SELECT DISTINCT ON (series_id, {key}) series_id, {key}, {last_col} FROM {table} "
+                       f"WHERE {where} ORDER BY series_id, {key}, {pos_col} DESC")
+            parts.append((seg_index, fetch(conn, sql, params), ["last"]))
+
+    sorted_ids = np.array(sorted(series_ids), dtype=np.int64)
+    row_of = np.empty(len(series_ids), dtype=np.int64)
+    if series_ids:
+        row_of[np.searchsorted(sorted_ids, np.array(series_ids, dtype=np.int64))] = np.arange(len(series_ids))
+
+    n = np.zeros(size, dtype=np.int64)
+    acc = {"max": np.full(size, -np.inf), "min": np.full(size, np.inf), "sum": np.zeros(size)}
+    seen = {a: np.zeros(size, dtype=bool) for a in acc}
+    last = np.full(size, np.nan)
+    last_null = np.ones(size, dtype=bool)
+    with np.errstate(invalid="ignore"):  # NaN meeting a number in maximum/minimum is the intent
+        for seg_index, rows, cols in parts:
+            if not rows:
+                continue
+            sid = np.array([r[0] for r in rows], dtype=np.int64)
+            pos = np.array([r[1] for r in rows], dtype=np.int64)
+            cell = row_of[np.searchsorted(sorted_ids, sid)] * n_cols + (pos - plan.first)
+            for i, name in enumerate(cols, start=2):
+                if name == "n":
+                    np.add.at(n, cell, np.array([r[i] for r in rows], dtype=np.int64))
+                    continue
+                values, null = _column(rows, i)
+                if name == "last":  # segments come in step order: a later one holds later steps
+                    last[cell] = values
+                    last_null[cell] = null
+                    continue
+                ok = ~null
+                c, v = cell[ok], values[ok]
+                seen[name][c] = True
+                if name == "max":
+                    np.maximum.at(acc["max"], c, v)  # maximum/minimum propagate NaN, as the rule wants
+                elif name == "min":
+                    np.minimum.at(acc["min"], c, v)
+                else:
+                    np.add.at(acc["sum"], c, v)
+    out = {"n": n, "max": acc["max"], "min": acc["min"], "last": last}
+    null = {"n": np.zeros(size, dtype=bool), "max": ~seen["max"], "min": ~seen["min"], "last": last_null}
+    if "mean" in want:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out["mean"] = acc["sum"] / n
+        null["mean"] = ~seen["sum"] | (n == 0)
+    shape = (n_rows, n_cols)
+    return Cells({k: v.reshape(shape) for k, v in out.items()}, {k: v.reshape(shape) for k, v in null.items()},
+                  segments)
+
+
+def _step_range(ref: RunRef, start: int | None, end: int | None) -> tuple[int, int] | None:
+    if start is not None and end is not None and start > end:
+        raise BadParameter(f"start ({start}) must be <= end ({end})")
+    if ref.last_step is None:
+        return None
+    lo = ref.first_step if start is None else start
+    hi = ref.last_step if end is None else end
+    if lo > hi:
+        return None
+    return lo, hi
+
+
+def _tensor_series_id(conn: Connection, ref: RunRef, layer: str, site: str) -> int:
+    sid = conn.execute(select(TensorSeries.id).where(TensorSeries.run_id == ref.id, TensorSeries.layer == layer,
+                                                     TensorSeries.site == site)).scalar()
+    if sid is None:
+        raise NotFound(f"run {ref.name!r} has no series for layer {layer!r} and site {site!r}")
+    return sid
+
+
+def _scalar_series_id(conn: Connection, ref: RunRef, scalar: str) -> int:
+    sid = conn.execute(select(ScalarSeries.id).where(ScalarSeries.run_id == ref.id,
+                                                     ScalarSeries.name == scalar)).scalar()
+    if sid is None:
+        raise NotFound(f"run {ref.name!r} has no scalar {scalar!r}")
+    return sid
+
+
+def series(store, name: str, *, stat: str | None = None, layer: str | None = None, site: str | None = None,
+           scalar: str | None = None, rank: int = 0, start: int | None = None, end: int | None = None,
+           max_points: int = 1000) -> dict:
+    """One statistic of one layer x site (or one scalar) over [start, end]: raw points, or buckets."""
+    if scalar is not None:
+        if stat is not None or layer is not None or site is not None:
+            raise BadParameter("scalar: give either scalar, or stat with layer and site, not both")
+        kind, column = "scalar", "value"
+    else:
+        for pname, value in (("stat", stat), ("layer", layer), ("site", site)):
+            if value is None:
+                raise BadParameter(f"{pname}: required (give stat, layer and site for a tensor statistic, "
+                                   "or scalar for a scalar)")
+        if stat not in TENSOR_STATS:
+            raise BadParameter(f"stat: {stat!r} is not one of {', '.join(TENSOR_STATS)}")
+        kind, column = "tensor", stat
+    out: dict = {"run": name, "rank": rank, "stat": stat, "layer": layer, "site": site, "scalar": scalar}
+    with reading(store) as conn:
+        ref = run_ref(conn, name)
+        sid = (_scalar_series_id(conn, ref, scalar) if kind == "scalar"
+               else _tensor_series_id(conn, ref, layer, site))
+        rng = _step_range(ref, start, end)
+        if rng is None:
+            out.update(start=start, end=end, bucket_width=1, downsampled=False, points={"step": [], "value": []})
+            return out
+        lo, hi = rng
+        plan = plan_buckets(lo, hi, max_points)
+        out.update(start=lo, end=hi, bucket_width=plan.width, downsampled=plan.width > 1)
+        raw = KINDS[kind][0]
+        if plan.width == 1:
+            rows = fetch(conn, f"SELECT step, {column} FROM {raw} WHERE series_id = :sid AND rank = :rank "
+                               f"AND step >= :lo AND step <= :hi AND {column} IS NOT NULL ORDER BY step",
+                         {"sid": sid, "rank": rank, "lo": lo, "hi": hi})
+            out["points"] = {"step": [r[0] for r in rows], "value": json_floats(_column(rows, 1)[0])}
+            return out
+        cells = aggregate(conn, kind, column, [sid], rank, plan, ref.horizon, ("n", *AGGS))
+    keep = np.flatnonzero(cells.values["n"][0] > 0)
+    points = {"step": np.maximum(plan.start, (plan.first + keep) * plan.width).tolist(),
+              "count": cells.values["n"][0][keep].tolist()}
+    for agg in AGGS:
+        points[agg] = json_floats(cells.values[agg][0][keep], cells.null[agg][0][keep])
+    out["points"] = points
+    return out
+
+
+def heatmap(store, name: str, *, stat: str, site: str, rank: int = 0, start: int | None = None,
+            end: int | None = None, max_points: int = 1000, agg: str = "max") -> dict:
+    """A layer x step-bucket matrix of one statistic at one site, layers in model order."""
+    if stat not in TENSOR_STATS:
+        raise BadParameter(f"stat: {stat!r} is not one of {', '.join(TENSOR_STATS)}")
+    if agg not in AGGS:
+        raise BadParameter(f"agg: {agg!r} is not one of {', '.join(AGGS)}")
+    out: dict = {"run": name, "stat": stat, "site": site, "rank": rank, "agg": agg}
+    with reading(store) as conn:
+        ref = run_ref(conn, name)
+        series_rows = conn.execute(select(TensorSeries.id, TensorSeries.layer).where(
+            TensorSeries.run_id == ref.id, TensorSeries.site == site).order_by(TensorSeries.ordinal)).all()
+        rng = _step_range(ref, start, end)
+        if rng is None or not series_rows:
+            out.update(start=start if rng is None else rng[0], end=end if rng is None else rng[1], bucket_width=1,
+                       downsampled=False, edges=[], layers=[r.layer for r in series_rows],
+                       values=[[] for _ in series_rows])
+            return out
+        plan = plan_buckets(rng[0], rng[1], max_points, n_series=len(series_rows))
+        cells = aggregate(conn, "tensor", stat, [r.id for r in series_rows], rank, plan, ref.horizon, (agg,))
+    flat = json_floats(cells.values[agg].ravel(), cells.null[agg].ravel())
+    cols = plan.columns
+    out.update(start=plan.start, end=plan.end, bucket_width=plan.width, downsampled=plan.width > 1,
+               edges=plan.edges(), layers=[r.layer for r in series_rows],
+               values=[flat[i * cols:(i + 1) * cols] for i in range(len(series_rows))])
+    return out

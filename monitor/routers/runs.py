@@ -1,0 +1,73 @@
+"""/api/v1/runs: list, read, patch and delete runs; a run's catalogue and latest snapshot."""
+
+from datetime import datetime
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from monitor import queries
+from monitor.deps import StoreDep, require_read, require_write
+from monitor.routers.common import ERRORS, RunPath, SafeJSONResponse, http_errors
+from monitor.schemas import Catalogue, LatestOut, RunDeleted, RunDetail, RunList, RunPatch, RunStatus
+
+router = APIRouter(tags=["runs"])
+
+
+@router.get("/runs", response_model=RunList, responses=ERRORS, dependencies=[require_read], summary="List runs")
+def list_runs(
+    store: StoreDep,
+    status: Annotated[list[RunStatus] | None, Query(description="any of these statuses (repeatable)")] = None,
+    name: Annotated[str | None, Query(max_length=200, description="substring of the name, or a glob with * and "
+                                                                  "? (case-insensitive)")] = None,
+    tag: Annotated[list[str] | None, Query(description="key=value (or key: has the tag); repeatable, all must "
+                                                       "match")] = None,
+    created_since: Annotated[datetime | None, Query(description="created at or after (ISO 8601; UTC if no "
+                                                                "offset)")] = None,
+    updated_since: Annotated[datetime | None, Query(description="data received at or after")] = None,
+    order_by: Annotated[str, Query(description="one of " + ", ".join(queries.RUN_ORDER_FIELDS)
+                                               + "; prefix - for descending")] = "-created_at",
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    offset: Annotated[int, Query(ge=0)] = 0,
+):
+    with http_errors():
+        return SafeJSONResponse(queries.list_runs(store, status=status, name=name, tags=tag,
+                                                  created_since=created_since, updated_since=updated_since,
+                                                  order_by=order_by, limit=limit, offset=offset))
+
+
+@router.get("/runs/{run:path}/catalogue", response_model=Catalogue, responses=ERRORS,
+            dependencies=[require_read], summary="Layers, sites, statistics, scalars, ranks and steps of a run")
+def get_catalogue(store: StoreDep, run: RunPath):
+    with http_errors():
+        return SafeJSONResponse(queries.catalogue(store, run))
+
+
+@router.get("/runs/{run:path}/latest", response_model=LatestOut, responses=ERRORS, dependencies=[require_read],
+            summary="Every statistic of every layer x site at its last step")
+def get_latest(store: StoreDep, run: RunPath,
+               rank: Annotated[int, Query(ge=-1, le=32767)] = 0):
+    with http_errors():
+        return SafeJSONResponse(queries.latest(store, run, rank))
+
+
+# The bare /runs/{run} routes come last: {run:path} would otherwise swallow the suffixed routes.
+@router.get("/runs/{run:path}", response_model=RunDetail, responses=ERRORS, dependencies=[require_read],
+            summary="One run")
+def get_run(store: StoreDep, run: RunPath):
+    with http_errors():
+        return SafeJSONResponse(queries.get_run(store, run))
+
+
+@router.patch("/runs/{run:path}", response_model=RunDetail, responses=ERRORS, dependencies=[require_write],
+              summary="Change a run's status, tags (merged) or config (replaced)")
+def patch_run(store: StoreDep, run: RunPath, body: RunPatch):
+    with http_errors():
+        return SafeJSONResponse(queries.patch_run(store, run, status=body.status, tags=body.tags,
+                                                  config=body.config))
+
+
+@router.delete("/runs/{run:path}", response_model=RunDeleted, responses=ERRORS, dependencies=[require_write],
+               summary="Delete a run and all its data")
+def delete_run(store: StoreDep, run: RunPath):
+    with http_errors():
+        return SafeJSONResponse(queries.delete_run(store, run))
