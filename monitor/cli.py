@@ -81,6 +81,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args, _settings(args))
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from trainer.train import main as train_main  # torch only for this command
+
+    return train_main(args.train_args, prog="fp8mon train")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fp8mon", description="Training-health monitoring for FP8 training.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -109,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="serve a SQLite monitor fed with a synthetic FP8 training run")
     add_demo_arguments(demo)
     demo.set_defaults(func=cmd_demo)
+
+    # No option of its own (prefix_chars): every argument, --help too, goes to trainer.train untouched.
+    train = commands.add_parser("train", add_help=False, prefix_chars="\0",
+                                help="train the FP8 LM (flags: fp8mon train --help)")
+    train.add_argument("train_args", nargs=argparse.REMAINDER)
+    train.set_defaults(func=cmd_train)
     return parser
 
 

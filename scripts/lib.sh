@@ -3,13 +3,13 @@
 # created on the first run and reused (in well under a second) while pyproject.toml is unchanged.
 #
 # Environment knobs: FP8MON_PYTHON (interpreter to build the venv from), FP8MON_VENV (default ./.venv),
-# FP8MON_EXTRAS (default monitor,agent,dev), FP8MON_TORCH_INDEX_URL (where torch comes from when no local
+# FP8MON_EXTRAS (default monitor,agent,trainer,dev), FP8MON_TORCH_INDEX_URL (where torch comes from when no local
 # wheel is configured; default the PyTorch CPU index, or PyPI's CUDA build when nvidia-smi is present),
 # FP8MON_NO_SETUP=1 (use the venv at FP8MON_VENV as it is: no creation, no install; for the scripts' tests).
 
 FP8MON_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${FP8MON_VENV:-$FP8MON_ROOT/.venv}"
-FP8MON_EXTRAS="${FP8MON_EXTRAS:-monitor,agent,dev}"
+FP8MON_EXTRAS="${FP8MON_EXTRAS:-monitor,agent,trainer,dev}"
 # The torch pin of pyproject.toml's agent extra (one place to change it).
 TORCH_VERSION="$(grep -o 'torch==[0-9][0-9a-z.]*' "$FP8MON_ROOT/pyproject.toml" | head -n1 | cut -d= -f3)"
 

@@ -1,0 +1,209 @@
+"""Fp8Linear: interface, FP8 numerics against fp32 nn.Linear, scaling recipes, what the forward saves,
+the amax/scale exposed for the statistics, and (on a GPU) no host sync.
+
+On the CPU the module runs its torch reference path (torch float8 casts + torch._scaled_mm); the Triton
+path is compared with it in Triton's interpreter by tests/trainer/test_kernels.py.
+
+Tolerance: relative Frobenius error ‖Δ‖/‖ref‖ against fp32 nn.Linear < 0.06 for the forward output
+(two E4M3 operands: ~0.037 measured) and < 0.1 for dx and dW (an E5M2 operand: ~0.059 measured).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from agent.formats import E4M3, E5M2, current_scale, delayed_scale
+from agent.hooks import is_linear
+from trainer.fp8_linear import Fp8Linear, Fp8Recipe
+from trainer.kernels import fp8_gemm_ref
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def rel(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm())
+
+
+def pair(recipe=Fp8Recipe(), bias=False, fin=96, fout=80, seed=0):
+    torch.manual_seed(seed)
+    m = Fp8Linear(fin, fout, bias=bias, recipe=recipe)
+    ref = nn.Linear(fin, fout, bias=bias)
+    ref.load_state_dict({k: v for k, v in m.state_dict().items() if k in ("weight", "bias")})
+    return m, ref
+
+
+def test_interface():
+    r = Fp8Recipe()
+    assert (r.scaling, r.amax_history_len, r.margin, r.fast_accum_fwd) == ("current", 1024, 0, True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.margin = 1
+    with pytest.raises(ValueError):
+        Fp8Recipe(scaling="dynamic")
+    m = Fp8Linear(64, 32)
+    assert Fp8Linear.fp8mon_linear is True and is_linear(m)
+    assert isinstance(m.weight, nn.Parameter) and m.weight.dtype == torch.float32 and m.weight.shape == (32, 64)
+    assert m.bias is None and Fp8Linear(64, 32, bias=True).bias.shape == (32,)
+    assert "scaling=current" in repr(m)
+    assert not any("history" in k for k in m.state_dict())  # current scaling keeps no state
+
+
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_forward_backward_close_to_fp32_linear(scaling, bias):
+    m, ref = pair(Fp8Recipe(scaling=scaling, amax_history_len=8), bias=bias)
+    for step in range(3):
+        # delayed scaling casts with the amax of earlier steps: keep the distribution steady (a growing one
+        # saturates, see test_delayed_stale_scale_saturates)
+        x = torch.randn(3, 17, 96) * (1 + step if scaling == "current" else 2)
+        xm, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y, yr = m(xm), ref(xr)
+        assert y.shape == yr.shape == (3, 17, 80) and y.dtype == torch.float32
+        g = torch.randn_like(y)
+        y.backward(g)
+        yr.backward(g)
+        assert rel(y, yr) < 0.06
+        assert rel(xm.grad, xr.grad) < 0.1
+        assert rel(m.weight.grad, ref.weight.grad) < 0.1
+        assert m.weight.grad.dtype == torch.float32
+        if bias:
+            assert rel(m.bias.grad, ref.bias.grad) < 1e-6  # the bias gradient is a plain fp32 sum
+        m.zero_grad()
+        ref.zero_grad()
+
+
+def test_dtypes_and_autocast():
+    m = Fp8Linear(64, 48)
+    x32 = torch.randn(5, 64, requires_grad=True)
+    assert m(x32).dtype == torch.float32
+    xb = torch.randn(5, 64, dtype=torch.bfloat16, requires_grad=True)
+    yb = m(xb)
+    assert yb.dtype == torch.bfloat16
+    yb.sum().backward()
+    assert xb.grad.dtype == torch.bfloat16 and m.weight.grad.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(x32)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x32.grad.dtype == torch.float32
+
+
+def test_forward_saves_only_fp8_tensors_and_scales():
+    m = Fp8Linear(64, 48)
+    saved = []
+    x = torch.randn(32, 64, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = m(x)
+    assert saved, "nothing saved?"
+    for t in saved:
+        assert t.dtype in FP8 or (t.dtype == torch.float32 and t.numel() == 1), (t.dtype, t.shape)
+    y.sum().backward()
+
+
+def test_grads_only_where_needed_and_inference():
+    m = Fp8Linear(32, 16)
+    x = torch.randn(4, 32)  # no grad wanted for x: only the weight gradient
+    m(x).sum().backward()
+    assert m.weight.grad is not None
+    m.weight.requires_grad_(False)
+    xg = torch.randn(4, 32, requires_grad=True)
+    m(xg).sum().backward()
+    assert xg.grad is not None
+    with torch.no_grad():
+        assert m(torch.randn(2, 32)).shape == (2, 16)
+
+
+def test_amax_and_scale_exposed_current():
+    m = Fp8Linear(64, 48)
+    x = torch.randn(10, 64) * 3
+    x[0, 0] = float("nan")  # amax is over finite elements
+    y = m(x.requires_grad_())
+    for site in ("input", "weight"):
+        assert m.fp8_amax[site].shape == () and m.fp8_amax[site].dtype == torch.float32
+    finite = x.detach().nan_to_num(0.0)
+    assert float(m.fp8_amax["input"]) == float(finite.abs().max())
+    assert float(m.fp8_amax["weight"]) == float(m.weight.detach().abs().max())
+    assert torch.equal(m.fp8_scale["input"], current_scale(m.fp8_amax["input"], E4M3))
+    g = torch.randn_like(y)
+    y.backward(g)
+    assert float(m.fp8_amax["grad_output"]) == float(g.abs().max())
+    assert torch.equal(m.fp8_scale["grad_output"], current_scale(m.fp8_amax["grad_output"], E5M2))
+
+
+def test_delayed_history_rolls_and_scale():
+    H, margin = 4, 1
+    m = Fp8Linear(32, 16, recipe=Fp8Recipe(scaling="delayed", amax_history_len=H, margin=margin))
+    assert {"amax_history_input", "scale_input", "amax_history_grad_output"} <= set(m.state_dict())
+    assert not any("accum" in k for k in m.state_dict())  # the Triton accumulator is scratch, not state
+    amaxes = []
+    for step in range(6):
+        x = torch.randn(8, 32) * (step + 1)
+        used = m.scale_input.clone()
+        m(x.clone().requires_grad_()).sum().backward()
+        amaxes.insert(0, float(x.abs().max()))
+        assert float(m.fp8_scale["input"]) == float(used)  # this call's cast used the scale from before it
+        expect_hist = (amaxes + [0.0] * H)[:H]
+        assert m.amax_history_input.tolist() == pytest.approx(expect_hist, rel=0, abs=0)
+        assert torch.equal(m.scale_input, delayed_scale(m.amax_history_input, E4M3, margin))
+        assert float(m.amax_history_grad_output[0]) == 1.0  # d(sum)/dy = 1
+    assert float(Fp8Linear(8, 8, recipe=Fp8Recipe(scaling="delayed")).scale_weight) == 1.0  # empty history
+
+
+def test_delayed_stale_scale_saturates():
+    m = Fp8Linear(32, 16, recipe=Fp8Recipe(scaling="delayed", amax_history_len=2))
+    m(torch.randn(8, 32))  # history: amax ~3
+    x = torch.randn(8, 32) * 1000  # far above what the stale scale allows
+    y = m(x)
+    assert torch.isfinite(y).all()
+    s = m.fp8_scale["input"]
+    assert float((x * s).abs().max()) > E4M3.max  # values were clamped to +-448, not cast to NaN
+    # the output equals the GEMM of the saturated operand
+    qx = (x * s).clamp(-E4M3.max, E4M3.max).to(torch.float8_e4m3fn)
+    sw = m.fp8_scale["weight"]
+    qw = (m.weight.detach() * sw).clamp(-E4M3.max, E4M3.max).to(torch.float8_e4m3fn)
+    expect = fp8_gemm_ref(qx, qw, 1 / s, 1 / sw, torch.float32)
+    assert rel(y, expect) < 1e-5
+
+
+def test_scaled_mm_fallback(monkeypatch):
+    """Where _scaled_mm refuses a case, the reference GEMM dequantizes and multiplies in fp32."""
+    mod = sys.modules["trainer.kernels.fp8_gemm"]  # the module (the package exports the function)
+    a = torch.randn(20, 48).to(torch.float8_e5m2)
+    b = torch.randn(24, 48).to(torch.float8_e5m2)
+    sa, sb = torch.tensor(0.5), torch.tensor(2.0)
+    direct = fp8_gemm_ref(a, b, sa, sb, torch.float32)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("refused")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    monkeypatch.setattr(mod, "_SCALED_MM_REFUSED", set())
+    fallback = fp8_gemm_ref(a, b, sa, sb, torch.float32)
+    assert rel(fallback, direct) < 1e-6
+    assert rel(fallback, a.float() @ b.float().t()) < 1e-6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_no_host_sync_cuda(scaling):
+    m = Fp8Linear(256, 512, recipe=Fp8Recipe(scaling=scaling, amax_history_len=16), device="cuda")
+    x = torch.randn(4, 128, 256, device="cuda", requires_grad=True)
+    for _ in range(2):  # compile, autotune and pick variants first (those synchronize)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = m(x)
+        y.float().sum().backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = m(x)
+        y.backward(torch.ones_like(y))
+        _ = [v * 1 for v in m.fp8_amax.values()]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert set(m.fp8_amax) == {"input", "weight", "grad_output"}

@@ -1,0 +1,26 @@
+"""Triton FP8 kernels of the trainer, each file a kernel, its launcher and its torch reference:
+
+  fp8_gemm            C = (A @ Bᵀ) * sa * sb, A (M, K) and B (N, K) K-major, any e4m3/e5m2 mix
+  quantize            amax + scale + clamp + cast (current or delayed tensorwise scaling)
+  quantize_transpose  the same, writing the FP8 tensor and its transpose in one pass
+
+Importing this package imports Triton; ``trainer.fp8_linear`` imports it only when it runs the Triton
+path (CUDA, or ``backend="triton"`` under ``TRITON_INTERPRET=1``).
+"""
+
+from .fp8_gemm import fp8_gemm, fp8_gemm_ref
+from .quantize import Quantized, delayed_update, delayed_update_ref, finite_amax, quantize, quantize_ref
+from .quantize_transpose import quantize_transpose, quantize_transpose_ref
+
+__all__ = [
+    "Quantized",
+    "delayed_update",
+    "delayed_update_ref",
+    "finite_amax",
+    "fp8_gemm",
+    "fp8_gemm_ref",
+    "quantize",
+    "quantize_ref",
+    "quantize_transpose",
+    "quantize_transpose_ref",
+]

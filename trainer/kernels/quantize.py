@@ -1,0 +1,292 @@
+"""Tensorwise FP8 quantize on the device: amax + scale + clamp + cast (SPEC sections 4 and 5).
+
+Scales follow ``agent.formats``: ``q = cast(clamp(s * x, -max, max))``, ``s = fmt.max / amax``; the GEMM
+multiplies by ``scale_inv = 1 / s``. Everything stays on the device: amax, scale and scale_inv are
+written by the kernels into a small fp32 tensor (``meta = [amax, scale, scale_inv]``), never read back
+by the host (no ``.item()``, no host sync).
+
+Current scaling needs amax(x) before the first element can be cast, so it is two launches that read x
+twice (the choice made here, rather than a one-pass cast that uses a stale amax, which *is* delayed
+scaling):
+  1. ``_amax_partials_kernel``: a grid of at most ``MAX_PARTIALS`` programs, each a grid-stride loop
+     writing the max |x| over its elements to ``partials[pid]`` (no atomics, no zero-init launch);
+  2. the cast kernel: every program reduces the partials itself (<= 1024 floats, L2-resident) to amax
+     and the scale, casts its block; program 0 writes ``meta``.
+Delayed scaling is one pass: the cast kernel reads the scale computed from the amax history, casts,
+and atomically maxes its block's amax into a per-tensor accumulator; a one-program
+``_delayed_update_kernel`` then rolls the history (index 0 = newest, TE convention), writes the next
+scale (fmt.max / max(history) / 2**margin) and resets the accumulator.
+
+amax is the max |x| over finite elements (SPEC section 4); NaN stays NaN through the cast (the clamp is
+written with comparisons, which keep NaN), +-Inf saturates to +-max like any value past the clamp.
+
+Rounding: on a GPU the fp32 -> fp8 cast is the hardware round-to-nearest-even. Triton 3.9's
+*interpreter* (TRITON_INTERPRET=1) gets that cast wrong: it drops the carry when rounding up crosses a
+binade (0.031 -> 0.0156 in E4M3), truncates results that are subnormal in the target format, and rounds
+ties away from zero. With ``SOFT_ROUND`` (set automatically under the interpreter) the kernels round to
+the FP8 grid in fp32 arithmetic (exact RNE) and encode the FP8 bits with integer operations
+(``_soft_cast_fp8``; -0 and NaN too), bypassing the interpreter's conversion; compiled kernels never
+take that branch and use the hardware cast.
+
+Reference (torch) versions sit beside each launcher: ``quantize_ref``, ``delayed_update_ref``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from agent.formats import Fp8Format, by_name, current_scale, delayed_scale
+from agent.formats import quantize as _quantize_cast
+
+MAX_PARTIALS = 1024
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+# mantissa bits and the exponent of the smallest normal, per format (for the software rounding)
+_MBITS = {"e4m3": 3, "e5m2": 2}
+_EMIN = {"e4m3": -6, "e5m2": -14}
+
+
+class Quantized(NamedTuple):
+    """An FP8 tensor, optionally its transpose (contiguous, i.e. the K-major operand of the other GEMM),
+    and ``meta`` = fp32 device tensor [amax, scale, scale_inv] (0-d views below)."""
+
+    data: torch.Tensor
+    data_t: torch.Tensor | None
+    meta: torch.Tensor
+
+    @property
+    def amax(self) -> torch.Tensor:
+        return self.meta[0]
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.meta[1]
+
+    @property
+    def scale_inv(self) -> torch.Tensor:
+        return self.meta[2]
+
+
+def _finite_or_one(s):
+    return torch.where(torch.isfinite(s), s, torch.ones_like(s))
+
+
+# ----------------------------------------------------------------------------------------------------
+# device helpers
+
+
+@triton.jit
+def _soft_cast_fp8(y, out_dtype: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr):
+    """fp32 y (clamped to +-max) -> FP8, round to nearest even, encoded in integer arithmetic and
+    bitcast: the interpreter's own fp32 -> fp8 conversion is wrong (see the module docstring)."""
+    a = tl.abs(y)
+    bits = a.to(tl.int32, bitcast=True)
+    e = tl.maximum((bits >> 23) - 127, EMIN)  # below the smallest normal the spacing is fixed (subnormals)
+    ulp = ((e - MBITS + 127) << 23).to(tl.float32, bitcast=True)
+    inv_ulp = ((127 - e + MBITS) << 23).to(tl.float32, bitcast=True)
+    t = a * inv_ulp  # exact (power of two), t < 2**(MBITS + 1)
+    r = ((t + 8388608.0) - 8388608.0) * ulp  # + 2**23 rounds t >= 0 to an integer, ties to even
+    rbits = r.to(tl.int32, bitcast=True)
+    min_normal = tl.full([], (EMIN + 127) << 23, tl.int32).to(tl.float32, bitcast=True)
+    inv_sub_ulp = tl.full([], (MBITS - EMIN + 127) << 23, tl.int32).to(tl.float32, bitcast=True)
+    normal = r >= min_normal
+    code_normal = (((rbits >> 23) - 127 + 1 - EMIN) << MBITS) | ((rbits >> (23 - MBITS)) & ((1 << MBITS) - 1))
+    code_sub = (tl.where(r < min_normal, r, 0.0) * inv_sub_ulp).to(tl.int32)  # NaN compares False: 0
+    code = tl.where(normal, code_normal, code_sub)
+    code = code | ((y.to(tl.int32, bitcast=True) >> 24) & 0x80)  # sign bit, -0 included
+    code = tl.where(y != y, 0x7F, code)  # NaN
+    return code.to(tl.uint8).to(out_dtype, bitcast=True)
+
+
+@triton.jit
+def _cast_fp8(y, out_dtype: tl.constexpr, FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
+              SOFT_ROUND: tl.constexpr):
+    y = tl.where(y > FMAX, FMAX, y)  # comparisons keep NaN (tl.clamp/min/max would not)
+    y = tl.where(y < -FMAX, -FMAX, y)
+    if SOFT_ROUND:
+        return _soft_cast_fp8(y, out_dtype, MBITS, EMIN)
+    else:
+        return y.to(out_dtype)
+
+
+@triton.jit
+def _finite_abs(x):
+    a = tl.abs(x)
+    return tl.where(a < float("inf"), a, 0.0)  # NaN < inf is False: NaN and Inf count as 0
+
+
+@triton.jit
+def _scale_from_amax(amax, FMAX: tl.constexpr):
+    """agent.formats.current_scale exactly: reciprocal(amax) * max in fp32; 1.0 if amax <= 0 (or s inf)."""
+    s = tl.math.div_rn(1.0, tl.where(amax > 0, amax, 1.0)) * FMAX
+    return tl.where((amax > 0) & (s < float("inf")), s, 1.0)
+
+
+@triton.jit
+def _current_scale_from_partials(part_ptr, n_part, FMAX: tl.constexpr, P_BLOCK: tl.constexpr):
+    offs = tl.arange(0, P_BLOCK)
+    p = tl.load(part_ptr + offs, mask=offs < n_part, other=0.0)
+    amax = tl.max(p, 0)
+    return amax, _scale_from_amax(amax, FMAX)
+
+
+# ----------------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _amax_partials_kernel(x_ptr, part_ptr, n, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    step = tl.num_programs(0) * BLOCK
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(pid * BLOCK, n, step):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, _finite_abs(x))
+    tl.store(part_ptr + pid, tl.max(acc, 0))
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, part_ptr, n_part, scale_ptr, accum_ptr, meta_ptr, n,
+                     FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                     CURRENT: tl.constexpr, SOFT_ROUND: tl.constexpr, P_BLOCK: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    if CURRENT:
+        amax, s = _current_scale_from_partials(part_ptr, n_part, FMAX, P_BLOCK)
+    else:
+        s = tl.load(scale_ptr)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    q = _cast_fp8(x * s, OUT_DTYPE, FMAX, MBITS, EMIN, SOFT_ROUND)
+    tl.store(q_ptr + offs, q, mask=mask)
+    if not CURRENT:
+        tl.atomic_max(accum_ptr, tl.max(_finite_abs(x), 0))
+    if pid == 0:
+        if CURRENT:
+            tl.store(meta_ptr, amax)
+        tl.store(meta_ptr + 1, s)
+        tl.store(meta_ptr + 2, tl.math.div_rn(1.0, s))
+
+
+@triton.jit
+def _delayed_update_kernel(accum_ptr, hist_ptr, scale_ptr, meta_ptr, H, inv_margin,
+                           FMAX: tl.constexpr, H_BLOCK: tl.constexpr):
+    """One program: amax <- accumulator (then 0); history <- [amax, history[:-1]]; next scale."""
+    amax = tl.load(accum_ptr)
+    offs = tl.arange(0, H_BLOCK)
+    prev = tl.load(hist_ptr + offs - 1, mask=(offs >= 1) & (offs < H), other=0.0)
+    new = tl.where(offs == 0, amax, prev)
+    tl.debug_barrier()  # every thread's reads of the old history before any write
+    tl.store(hist_ptr + offs, new, mask=offs < H)
+    tl.store(accum_ptr, 0.0)
+    tl.store(meta_ptr, amax)
+    m = tl.max(tl.where(offs < H, new, 0.0), 0)
+    s = tl.math.div_rn(1.0, tl.where(m > 0, m, 1.0)) * FMAX * inv_margin
+    tl.store(scale_ptr, tl.where((m > 0) & (s < float("inf")), s, 1.0))
+
+
+# ----------------------------------------------------------------------------------------------------
+# launchers
+
+
+_TL_DTYPE = {"e4m3": tl.float8e4nv, "e5m2": tl.float8e5}
+
+
+def _consts(fmt: Fp8Format) -> dict:
+    return dict(FMAX=float(fmt.max), MBITS=_MBITS[fmt.name], EMIN=_EMIN[fmt.name], SOFT_ROUND=INTERPRET,
+                OUT_DTYPE=_TL_DTYPE[fmt.name])
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    return _sms(device.index or 0) if device.type == "cuda" else 4
+
+
+def amax_partials(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
+    """fp32 tensor of per-program partial amaxes of contiguous x (reduce with .max(); stage 1 of 2)."""
+    n = x.numel()
+    grid = max(1, min(triton.cdiv(n, block), 4 * _num_sms(x.device), MAX_PARTIALS))
+    part = torch.empty(grid, dtype=torch.float32, device=x.device)
+    _amax_partials_kernel[(grid,)](x, part, n, BLOCK=block, num_warps=8)
+    return part
+
+
+def delayed_update(accum: torch.Tensor, history: torch.Tensor, scale: torch.Tensor, meta: torch.Tensor,
+                   fmt: Fp8Format | str, margin: float = 0) -> None:
+    """Roll ``history`` (in place) with the amax collected in ``accum``, write the next ``scale``."""
+    fmt = by_name(fmt)
+    H = history.numel()
+    _delayed_update_kernel[(1,)](accum, history, scale, meta, H, 2.0 ** -margin, FMAX=float(fmt.max),
+                                 H_BLOCK=triton.next_power_of_2(max(H, 1)), num_warps=4)
+
+
+def quantize(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tensor | None = None,
+             accum: torch.Tensor | None = None, block: int = 2048) -> Quantized:
+    """Quantize x (any shape, made contiguous) to ``fmt``.
+
+    ``scale is None``: current scaling (amax pass + cast pass). Else delayed: cast with the fp32
+    device scalar ``scale`` and max the tensor's amax into the fp32 device scalar ``accum`` (call
+    ``delayed_update`` afterwards; ``meta[0]`` (amax) is written by it).
+    """
+    fmt = by_name(fmt)
+    x = x.contiguous()
+    n = x.numel()
+    q = torch.empty(x.shape, dtype=fmt.dtype, device=x.device)
+    meta = torch.empty(3, dtype=torch.float32, device=x.device)
+    grid = (max(1, triton.cdiv(n, block)),)
+    if scale is None:
+        part = amax_partials(x)
+        _quantize_kernel[grid](x, q, part, part.numel(), meta, meta, meta, n, CURRENT=True,
+                               P_BLOCK=triton.next_power_of_2(part.numel()), BLOCK=block, num_warps=8,
+                               **_consts(fmt))
+    else:
+        assert accum is not None, "delayed scaling needs an amax accumulator"
+        _quantize_kernel[grid](x, q, meta, 0, scale, accum, meta, n, CURRENT=False, P_BLOCK=1, BLOCK=block,
+                               num_warps=8, **_consts(fmt))
+    return Quantized(q, None, meta)
+
+
+# ----------------------------------------------------------------------------------------------------
+# torch references (also the CPU path of trainer.fp8_linear)
+
+
+def finite_amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| over finite elements, fp32 0-d (SPEC section 4)."""
+    a = x.detach().to(torch.float32).abs()
+    a = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
+    return a.amax() if a.numel() else a.new_zeros(())
+
+
+def quantize_ref(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tensor | None = None,
+                 transpose: bool = False) -> Quantized:
+    """What ``quantize``/``quantize_transpose`` compute, in torch (agent.formats' scale and cast).
+
+    ``transpose`` gives ``data_t`` as a transposed *view* of the 2-D data (the CPU GEMM takes any layout).
+    With ``scale`` (delayed) ``meta[0]`` is this tensor's amax too (the Triton path writes it in
+    ``delayed_update``)."""
+    fmt = by_name(fmt)
+    amax = finite_amax(x)
+    s = _finite_or_one(current_scale(amax, fmt)) if scale is None else scale.detach().to(torch.float32).reshape(())
+    q = _quantize_cast(x, s, fmt)
+    meta = torch.stack([amax, s, torch.reciprocal(s)])
+    return Quantized(q, q.t() if transpose else None, meta)
+
+
+def delayed_update_ref(amax: torch.Tensor, history: torch.Tensor, scale: torch.Tensor,
+                       fmt: Fp8Format | str, margin: float = 0) -> None:
+    """In place: history <- [amax, history[:-1]]; scale <- fmt.max / max(history) / 2**margin."""
+    new = torch.cat([amax.reshape(1).to(history.dtype), history[:-1]])
+    history.copy_(new)
+    scale.copy_(_finite_or_one(delayed_scale(history, fmt, margin)).reshape(scale.shape))
