@@ -76,6 +76,17 @@ def store(database_url):
     s.close()
 
 
+@pytest.fixture
+def one_torch_thread():
+    """Tiny tensors: intra-op threads only contend (badly so on a loaded 2-core machine)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

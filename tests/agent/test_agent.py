@@ -23,13 +23,7 @@ EXACT = ("numel", "nonfinite", "amax", "zero_frac", "outlier_frac", "underflow_f
          "amax_history_max")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: intra-op threads only contend (badly so on a loaded 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---- a tiny transformer LM ----------------------------------------------------------------------

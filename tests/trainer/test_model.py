@@ -16,12 +16,7 @@ from trainer.model import Transformer
 SMALL = ModelConfig(n_layer=3, d_model=64, n_head=2, d_ff=96, seq_len=32)  # head_dim 32, FOG MLP 144
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tokens(b=2, t=16, seed=0):

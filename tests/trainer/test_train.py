@@ -22,12 +22,7 @@ FAST = ["--config", "tiny", "--batch-size", "8", "--seq-len", "64", "--threads",
         "--no-progress", "--log-every", "1"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def train(*argv):
