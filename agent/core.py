@@ -34,15 +34,15 @@ from .formats import Fp8Format, by_name
 from .hooks import LayerHooks, select_modules
 from .pack import AmaxHistory, Slots, StepPack
 from .stats import Moments
+from . import wire
 from .wire import SITES
 
 log = logging.getLogger("fp8mon.agent")
 
 DEFAULT_FORMATS = {"input": "e4m3", "weight": "e4m3", "output": None, "grad_output": "e5m2", "grad_weight": "e5m2"}
-# Mirrors monitor/schemas.py: a name the server would refuse must not cost the whole batch.
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+/=-]*$")
-_SCALAR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_./-]*$")
-_MAX_LAYER, _MAX_NAME, _MAX_RUN = 300, 200, 200
+_RUN_NAME = re.compile(wire.RUN_NAME_PATTERN)
+_SCALAR_NAME = re.compile(wire.SCALAR_NAME_PATTERN)
+_MAX_LAYER, _MAX_NAME, _MAX_RUN = wire.MAX_LAYER_NAME, wire.MAX_SCALAR_NAME, wire.MAX_RUN_NAME
 
 
 class Agent:

@@ -5,6 +5,13 @@ Only names and limits live here, so the monitor can import them without pulling 
 
 WIRE_VERSION = 1
 
+# Names the server accepts; the agent checks them too, so one bad name cannot cost a whole batch.
+RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+/=-]*$"
+SCALAR_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_./-]*$"
+MAX_RUN_NAME = 200
+MAX_LAYER_NAME = 300
+MAX_SCALAR_NAME = 200
+
 SITES = ("input", "weight", "output", "grad_output", "grad_weight")
 
 # Per-tensor statistics, in storage column order (SPEC section 4). `numel` is the element count the

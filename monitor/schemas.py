@@ -10,11 +10,12 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from agent.wire import LOG2_HIST_BINS, SITES, TENSOR_STATS, WIRE_VERSION
+from agent.wire import (LOG2_HIST_BINS, MAX_LAYER_NAME, MAX_RUN_NAME, MAX_SCALAR_NAME, RUN_NAME_PATTERN,
+                        SCALAR_NAME_PATTERN, SITES, TENSOR_STATS, WIRE_VERSION)
 
-RunName = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@+/=-]*$")]
-LayerName = Annotated[str, StringConstraints(min_length=1, max_length=300)]
-ScalarName = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[A-Za-z_][A-Za-z0-9_./-]*$")]
+RunName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_RUN_NAME, pattern=RUN_NAME_PATTERN)]
+LayerName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_LAYER_NAME)]
+ScalarName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_SCALAR_NAME, pattern=SCALAR_NAME_PATTERN)]
 Step = Annotated[int, Field(ge=0, le=2**62)]
 Rank = Annotated[int, Field(ge=-1, le=32767)]  # -1: statistics reduced over all ranks
 Value = float | None  # None: not reported; NaN and +-Inf are values and are stored as such
