@@ -114,6 +114,7 @@ class Agent:
         self._begin(0)
 
     def _make_transport(self, url, run, token, spool_dir, options):
+        from .spool import default_spool_dir
         from .transport import Transport  # httpx/msgpack: only when the agent really sends
 
         url = url or os.environ.get("FP8MON_URL")
@@ -124,8 +125,7 @@ class Agent:
         if len(run) > _MAX_RUN or not _RUN_NAME.match(run):
             raise ValueError(f"invalid run name {run!r}: letters, digits and ._:@+/=- , at most {_MAX_RUN}")
         if self.world > 1:  # one spool per rank: ranks on one host must not share a directory
-            base = Path(spool_dir) if spool_dir else Path.home() / ".cache" / "fp8mon" / "spool" / run.replace("/", "_")
-            spool_dir = base / f"rank{self.rank}"
+            spool_dir = Path(spool_dir or default_spool_dir(run)) / f"rank{self.rank}"
         return Transport(url, run, token=token, spool_dir=spool_dir, **options)
 
     # ---- public API ----------------------------------------------------------------------------

@@ -14,6 +14,10 @@ log = logging.getLogger("fp8mon.agent")
 _NAME = re.compile(r"^(\d{16})-([0-9a-f]{32})\.fp8b$")
 
 
+def default_spool_dir(run: str) -> Path:
+    return Path.home() / ".cache" / "fp8mon" / "spool" / run.replace("/", "_")
+
+
 class Spool:
     def __init__(self, directory: str | os.PathLike, max_bytes: int = 1 << 30):
         self.directory = Path(directory)

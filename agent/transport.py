@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import msgpack
 
-from agent.spool import Spool
+from agent.spool import Spool, default_spool_dir
 from agent.wire import WIRE_VERSION
 
 log = logging.getLogger("fp8mon.agent")
@@ -95,8 +95,7 @@ class Transport:
         self.flush_interval = flush_interval
         self.backoff_min, self.backoff_max = backoff
         self.stats = TransportStats()
-        spool_dir = spool_dir or Path.home() / ".cache" / "fp8mon" / "spool" / run.replace("/", "_")
-        self.spool = Spool(spool_dir, max_spool_bytes)
+        self.spool = Spool(spool_dir or default_spool_dir(run), max_spool_bytes)
         self._spool_lock = threading.Lock()  # the training thread spills into the spool when the queue is full
         headers = {"content-type": "application/msgpack", "content-encoding": "gzip"}
         if token:
