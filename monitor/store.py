@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 
 import numpy as np
-from sqlalchemy import BigInteger, Connection, Engine, bindparam, case, event, func, select, update
+from sqlalchemy import BigInteger, Connection, Engine, bindparam, case, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from monitor import bulk
@@ -23,7 +23,6 @@ from monitor.models import Run, ScalarSeries, TensorSeries
 from monitor.schemas import IngestBatch, IngestResult, RunMeta, ScalarBlock, TensorBlock
 
 FINAL_STATUSES = ("finished", "failed", "diverged")
-SQLITE_WAL_AUTOCHECKPOINT_PAGES = 16384  # 64 MiB of 4 KiB pages
 SQLITE_MAX_GROUP = 8  # batches per group commit at most, which bounds the wait of its first batch
 
 
@@ -37,8 +36,6 @@ class Store:
         # SQLite readers run deferred transactions on their own pool; PostgreSQL shares one engine.
         self.read_engine: Engine = (create_db_engine(url, writer=False) if self.engine.dialect.name == "sqlite"
                                     else self.engine)
-        if self.dialect == "sqlite":
-            event.listen(self.engine, "connect", _sqlite_writer_pragmas)
         insert = postgresql.insert if self.dialect == "postgresql" else sqlite.insert
         self._claim_stmt = (insert(BatchRow).on_conflict_do_nothing(index_elements=["run_id", "batch_id"])
                             .returning(BatchRow.batch_id))
@@ -278,13 +275,6 @@ def _sort_by_key(data: dict[str, list]) -> None:
     pick = operator.itemgetter(*keep.tolist())
     for name, column in data.items():
         data[name] = list(pick(column)) if len(keep) > 1 else [column[keep[0]]]
-
-
-def _sqlite_writer_pragmas(dbapi_connection, _record) -> None:
-    # Each ingest commit appends ~1 dirty page per series to the WAL; checkpointing (copying the WAL into
-    # the database, with fsyncs) after every 1000 pages meant one checkpoint per batch. A larger WAL lets
-    # a checkpoint write each page once for many batches. Durability is unchanged: it rests on the WAL.
-    dbapi_connection.execute(f"PRAGMA wal_autocheckpoint={SQLITE_WAL_AUTOCHECKPOINT_PAGES}")
 
 
 def _step_bounds(lo, hi) -> dict:
