@@ -81,6 +81,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args, _settings(args))
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    import gzip
+
+    from monitor.export import export_run
+    from monitor.queries import NotFound
+    from monitor.store import Store
+
+    store = Store(_settings(args).database_url)
+    try:
+        batches = export_run(store, args.run, steps_per_batch=args.steps_per_batch, hist=not args.no_hist)
+    except NotFound as exc:
+        print(f"fp8mon export: {exc.message}", file=sys.stderr)
+        return 1
+    finally:
+        store.close()
+    data = json.dumps(batches).encode()
+    opener = gzip.open if args.out.endswith(".gz") else open
+    with opener(args.out, "wb") as f:
+        f.write(data)
+    print(f"{args.run}: {len(batches)} batches -> {args.out}")
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from trainer.train import main as train_main  # torch only for this command
 
@@ -112,9 +135,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     from monitor.demo import add_arguments as add_demo_arguments
 
-    demo = commands.add_parser("demo", help="serve a SQLite monitor fed with a synthetic FP8 training run")
+    demo = commands.add_parser("demo", help="serve a SQLite monitor and run a short FP8 training with the agent attached")
     add_demo_arguments(demo)
     demo.set_defaults(func=cmd_demo)
+
+    export = commands.add_parser("export", help="write a stored run as wire-format ingest batches (JSON list)")
+    _add_db_flag(export)
+    export.add_argument("run", help="run name")
+    export.add_argument("--out", required=True, help="output file; gzip when it ends in .gz")
+    export.add_argument("--steps-per-batch", type=int, default=10)
+    export.add_argument("--no-hist", action="store_true", help="leave the log2 histograms out")
+    export.set_defaults(func=cmd_export)
 
     # No option of its own (prefix_chars): every argument, --help too, goes to trainer.train untouched.
     train = commands.add_parser("train", add_help=False, prefix_chars="\0",

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up .venv (first run only) and run `fp8mon demo`: the monitor on a SQLite file in ./.fp8mon/, fed a
-# synthetic FP8 training run through the ingest API, serving until Ctrl-C. Arguments go to `fp8mon demo`
+# Set up .venv (first run only) and run `fp8mon demo`: the monitor on a SQLite file in ./.fp8mon/ and a short
+# real FP8 training with the agent attached, then serving until Ctrl-C. Arguments go to `fp8mon demo`
 # (see ./scripts/demo.sh --help).
 set -euo pipefail
 # shellcheck source=scripts/lib.sh
