@@ -1,19 +1,25 @@
 """The FastAPI application factory."""
 
+import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from monitor.alerting.webhooks import WebhookSender
+from monitor.metrics import Metrics
 from monitor.migrate import check_schema
+from monitor.pipeline import Pipeline
 from monitor.rollup import Compactor, interval_from_env
-from monitor.routers import ingest, runs, series
+from monitor.routers import alerts, ingest, metrics, predictions, runs, series
 from monitor.settings import Settings
 from monitor.store import Store
 
 API_PREFIX = "/api/v1"
+log = logging.getLogger("fp8mon.app")
 
 
-def create_app(settings: Settings | None = None, *, store: Store | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, *, store: Store | None = None, predictor_factory=None) -> FastAPI:
+    """`predictor_factory(run, config=...)`: the run predictors (default: `settings.predictor`, imported lazily)."""
     settings = settings or Settings()
 
     @asynccontextmanager
@@ -22,11 +28,28 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
         app.state.store = store or Store(settings.database_url, pool_size=settings.db_pool_size)
         try:
             check_schema(app.state.store.engine)
+            if settings.workers > 1:
+                log.warning("%d worker processes: each runs its own predictors on the batches it receives and "
+                            "exports its own /metrics; alerting and Prometheus export need --workers 1",
+                            settings.workers)
+            webhooks = WebhookSender(settings.webhook_urls, max_attempts=settings.webhook_max_attempts,
+                                     backoff=settings.webhook_backoff_seconds,
+                                     max_backoff=settings.webhook_max_backoff_seconds,
+                                     timeout=settings.webhook_timeout_seconds, metrics=app.state.metrics).start()
+            pipeline = Pipeline(app.state.store, metrics=app.state.metrics, predictor_factory=predictor_factory,
+                                predictor_spec=settings.predictor, webhooks=webhooks, base_url=settings.base_url(),
+                                queue_size=settings.predictor_queue_size, every_steps=settings.prediction_every_steps,
+                                risk_delta=settings.prediction_risk_delta).start()
+            app.state.pipeline = pipeline
+            app.state.store.add_ingest_listener(pipeline.submit)
             compactor = Compactor(app.state.store, interval_from_env()).start()
             try:
                 yield
             finally:
                 compactor.stop()
+                app.state.store.remove_ingest_listener(pipeline.submit)
+                pipeline.stop()
+                webhooks.stop()
         finally:
             if owned:
                 app.state.store.close()
@@ -34,10 +57,16 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None) 
     app = FastAPI(title="fp8mon", version="0.1.0", lifespan=lifespan,
                   description="Training-health monitoring for FP8 LLM training.")
     app.state.settings = settings
+    app.state.metrics = Metrics(max_runs=settings.metrics_max_runs,
+                                grace_seconds=settings.metrics_run_grace_seconds)
     app.include_router(ingest.router, prefix=API_PREFIX)
-    # series before runs: the bare /runs/{run} routes take any path and must come after the suffixed ones.
+    app.include_router(alerts.router, prefix=API_PREFIX)
+    # series, alerts and predictions before runs: the bare /runs/{run} routes (and /runs/{run}/latest) take any
+    # path and must come after the suffixed ones.
+    app.include_router(predictions.router, prefix=API_PREFIX)
     app.include_router(series.router, prefix=API_PREFIX)
     app.include_router(runs.router, prefix=API_PREFIX)
+    app.include_router(metrics.router)
 
     @app.get("/healthz", include_in_schema=False)
     def healthz() -> dict:

@@ -15,6 +15,7 @@ from sqlalchemy import (
     DateTime,
     Double,
     ForeignKey,
+    Index,
     Integer,
     LargeBinary,
     SmallInteger,
@@ -153,7 +154,12 @@ class IngestBatch(Base):
 
 
 class Alert(Base):
+    """One alert of the lifecycle in monitor.assessment. first_step: the finding first appeared (pending);
+    fired_step: it fired; last_step: the finding last held; resolved_step: it resolved."""
+
     __tablename__ = "alerts"
+    __table_args__ = (Index("ix_alerts_run_fingerprint", "run_id", "fingerprint"),
+                      Index("ix_alerts_state", "state"))
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
@@ -167,6 +173,8 @@ class Alert(Base):
     details: Mapped[dict] = mapped_column(JSON, default=dict)
     first_step: Mapped[int | None] = mapped_column(BigInteger)
     last_step: Mapped[int | None] = mapped_column(BigInteger)
+    fired_step: Mapped[int | None] = mapped_column(BigInteger)
+    resolved_step: Mapped[int | None] = mapped_column(BigInteger)
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     resolved_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -254,3 +254,57 @@ class LatestOut(BaseModel):
     stats: list[str]
     series: list[LatestSeries] = Field(description="one entry per layer x site, in model order")
     scalars: list[LatestScalar]
+
+
+# -- alerts and predictions (GET /api/v1/alerts, /api/v1/runs/{run}/alerts, .../predictions) -------------
+
+AlertState = Literal["pending", "firing", "resolved"]
+Severity = Literal["info", "warning", "critical"]
+
+
+class AlertOut(BaseModel):
+    id: int
+    run: str
+    fingerprint: str = Field(description="identity of (run, rule, layer, site); a re-fired alert is a new id")
+    rule: str
+    severity: Severity
+    state: AlertState
+    layer: str | None
+    site: str | None
+    message: str
+    details: dict = Field(description="value: the signal's value; for_steps; risk and steps_to_divergence at "
+                                      "the last update")
+    first_step: int | None = Field(description="step at which the finding first appeared (pending)")
+    fired_step: int | None = Field(description="step at which the alert fired; null while pending")
+    last_step: int | None = Field(description="last step at which the finding held")
+    resolved_step: int | None
+    started_at: datetime
+    updated_at: datetime
+    resolved_at: datetime | None
+    acknowledged_at: datetime | None
+
+
+class AlertList(BaseModel):
+    total: int = Field(description="alerts matching the filters, over all pages")
+    limit: int
+    offset: int
+    alerts: list[AlertOut] = Field(description="most recently updated first")
+
+
+class PredictionOut(BaseModel):
+    step: int
+    risk: float = Field(description="0 (healthy) .. 1 (diverging now)")
+    steps_to_divergence: float | None = Field(description="estimate; null when no trend points at divergence")
+    signals: dict[str, JsonFloat] = Field(description="signal name -> its score at this step")
+    culprits: list[dict] = Field(description="[{layer, site, signal, value}], worst first")
+
+
+class PredictionList(BaseModel):
+    run: str
+    predictions: list[PredictionOut] = Field(description="stored predictions in step order (every Nth step, the "
+                                                         "last of each batch, and risk changes)")
+
+
+class AlertAcked(AlertOut):
+    newly_acknowledged: bool = Field(description="false when the alert had been acknowledged already (its "
+                                                 "acknowledged_at is kept)")

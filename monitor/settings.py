@@ -1,11 +1,14 @@
 """Server settings: FP8MON_* environment variables, overridden by command-line flags."""
 
+import json
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_DB_PATH = Path(".fp8mon") / "fp8mon.db"
+DEFAULT_PREDICTOR = "monitor.predictors:RunPredictor"
 
 
 class Settings(BaseSettings):
@@ -24,3 +27,53 @@ class Settings(BaseSettings):
     write_tokens: list[str] = Field(default_factory=list, description="tokens allowed to ingest; empty: no auth")
     read_tokens: list[str] = Field(default_factory=list, description="tokens allowed to query; empty: no auth")
     db_pool_size: int = Field(default=8, ge=1)
+
+    # -- predictions, alerts, webhooks, Prometheus ---------------------------------------------------
+    # (no None defaults: `fp8mon serve` exports every setting to its workers as a string)
+    predictor: str = Field(default=DEFAULT_PREDICTOR,
+                           description="module:callable building a run's predictor, called as f(run, config); "
+                                       "empty: no predictions (alerts then come from nothing)")
+    predictor_queue_size: int = Field(default=1000, ge=1,
+                                      description="ingested batches waiting for the predictors; when full, batches "
+                                                  "skip prediction (counted), ingest never waits")
+    prediction_every_steps: int = Field(default=10, ge=1,
+                                        description="store a prediction every N steps, plus the last of each batch "
+                                                    "and any whose risk moved by prediction_risk_delta")
+    prediction_risk_delta: float = Field(default=0.05, ge=0)
+    webhook_urls: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="comma-separated (or JSON list) URLs that receive alert notifications "
+                                          "(Slack-compatible JSON) when an alert fires, escalates or resolves")
+    webhook_max_attempts: int = Field(default=6, ge=1, le=20)
+    webhook_backoff_seconds: float = Field(default=0.5, ge=0, description="first retry delay; doubles per attempt")
+    webhook_max_backoff_seconds: float = Field(default=30.0, ge=0)
+    webhook_timeout_seconds: float = Field(default=5.0, gt=0)
+    public_url: str = Field(default="", description="base URL of this server in webhook links; default "
+                                                    "http://host:port")
+    metrics_max_runs: int = Field(default=100, ge=1, description="runs exported at /metrics: the most recently "
+                                                                 "active ones")
+    metrics_run_grace_seconds: float = Field(default=300.0, ge=0,
+                                             description="how long an ended run's series stay at /metrics")
+
+    @field_validator("webhook_urls", mode="before")
+    @classmethod
+    def _url_list(cls, value):
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [part.strip() for part in text.split(",") if part.strip()]
+        return value
+
+    @field_validator("webhook_urls")
+    @classmethod
+    def _http_urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"webhook URL {url!r} must start with http:// or https://")
+        return urls
+
+    def base_url(self) -> str:
+        if self.public_url:
+            return self.public_url.rstrip("/")
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.port}"

@@ -7,6 +7,7 @@ commit); each is acknowledged only once that transaction has committed.
 """
 
 import itertools
+import logging
 import operator
 import threading
 from collections.abc import Iterable, Iterator
@@ -47,6 +48,7 @@ class Store:
         self._run_ids: dict[str, int] = {}
         self._tensor_series: dict[int, dict[tuple[str, str], int]] = {}
         self._scalar_series: dict[int, dict[str, int]] = {}
+        self._listeners: list = []  # called as fn(batch, result) after a batch committed (not for duplicates)
 
     @property
     def dialect(self) -> str:
@@ -64,12 +66,30 @@ class Store:
             self._tensor_series.pop(run_id, None)
             self._scalar_series.pop(run_id, None)
 
+    def add_ingest_listener(self, listener) -> None:
+        """`listener(batch, result)` runs in the ingesting thread after each stored, non-duplicate batch has
+        committed; it must return at once (hand work to a thread) and never raise into ingest."""
+        self._listeners = [*self._listeners, listener]
+
+    def remove_ingest_listener(self, listener) -> None:
+        self._listeners = [fn for fn in self._listeners if fn is not listener]
+
+    def _notify(self, batch: IngestBatch, result: IngestResult) -> IngestResult:
+        if not result.duplicate:
+            for listener in self._listeners:
+                try:
+                    listener(batch, result)
+                except Exception:  # the batch is stored: a listener's failure is not the client's
+                    logging.getLogger("fp8mon.store").exception("ingest listener %r failed", listener)
+        return result
+
     # -- ingest -------------------------------------------------------------------------------------
 
     def ingest(self, batch: IngestBatch) -> IngestResult:
         """Store a batch; it is committed (durable) when this returns."""
         if self.dialect != "sqlite":
-            return self._write([batch])[0]
+            result = self._write([batch])[0]
+            return self._notify(batch, result) if self._listeners else result
         # SQLite has one writer. Batches queue here; the thread that gets the writer lock writes the queue
         # in one transaction, taking in batches that arrive while it writes (group commit): the pages they
         # share, the tail of every series, go to the WAL once instead of once per batch. Threads wait on a
@@ -82,7 +102,7 @@ class Store:
                 self._write_queue()
         if job.error is not None:
             raise job.error
-        return job.result
+        return self._notify(batch, job.result) if self._listeners else job.result
 
     def _write_queue(self) -> None:
         with self._lock:

@@ -8,9 +8,9 @@ set -euo pipefail
 # shellcheck source=scripts/lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-# System packages (Debian names) the tests need, installed when missing: none yet. Later issues add here,
-# e.g. prometheus (promtool for the alert-rule tests) and chromium (headless dashboard tests).
-TEST_APT_PACKAGES=()
+# System packages (Debian names) the tests need, installed when missing: prometheus (promtool and the server,
+# for the alert-rule tests and tests/integration/test_prometheus.py). Later issues add here, e.g. chromium.
+TEST_APT_PACKAGES=(prometheus)
 ensure_apt_packages ${TEST_APT_PACKAGES[@]+"${TEST_APT_PACKAGES[@]}"}
 
 ensure_venv

@@ -1,5 +1,7 @@
 """POST /api/v1/ingest: the agent's write path (docs/wire-format.md)."""
 
+import time
+
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.exc import SQLAlchemyError
@@ -27,6 +29,24 @@ _BODY_DOC = {
                         422: {"description": "invalid batch; the message names the field"},
                         503: {"description": "storage unavailable; retry later"}})
 async def ingest(request: Request, store: StoreDep, settings: SettingsDep) -> IngestResult:
+    metrics = request.app.state.metrics
+    started = time.perf_counter()
+    try:
+        result = await _ingest(request, store, settings)
+    except HTTPException:
+        metrics.ingest_rejected.inc()
+        raise
+    finally:
+        metrics.ingest_duration.observe(time.perf_counter() - started)
+    if result.duplicate:
+        metrics.ingest_duplicates.inc()
+    else:
+        metrics.ingest_batches.inc()
+        metrics.ingest_values.inc(result.values)
+    return result
+
+
+async def _ingest(request: Request, store: StoreDep, settings: SettingsDep) -> IngestResult:
     limit = settings.max_request_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:

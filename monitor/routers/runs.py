@@ -3,7 +3,7 @@
 from datetime import datetime
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 
 from monitor import queries
 from monitor.deps import StoreDep, require_read, require_write
@@ -68,6 +68,10 @@ def patch_run(store: StoreDep, run: RunPath, body: RunPatch):
 
 @router.delete("/runs/{run:path}", response_model=RunDeleted, responses=ERRORS, dependencies=[require_write],
                summary="Delete a run and all its data")
-def delete_run(store: StoreDep, run: RunPath):
+def delete_run(request: Request, store: StoreDep, run: RunPath):
     with http_errors():
-        return SafeJSONResponse(queries.delete_run(store, run))
+        deleted = queries.delete_run(store, run)
+    pipeline = getattr(request.app.state, "pipeline", None)
+    if pipeline is not None:  # its predictor, alert state and /metrics series go too
+        pipeline.forget_run(run)
+    return SafeJSONResponse(deleted)

@@ -1,0 +1,442 @@
+"""From stored batches to predictions, alerts, webhooks and Prometheus gauges, off the ingest path.
+
+Threading. `Store.ingest` calls `Pipeline.submit` after a batch has committed (duplicates excluded); submit
+only puts the batch on a bounded queue (`put_nowait`: when the queue is full the batch skips prediction and
+`fp8mon_predictor_dropped_batches_total` counts it; ingest never waits). One worker thread takes batches in
+arrival order, which is each run's order as long as its agent sends sequentially, and for each batch:
+
+1. finds the run's state: one predictor (`settings.predictor`, default `monitor.predictors:RunPredictor`,
+   built lazily as `factory(run, config=<run config>)`) and the run's active alerts;
+2. `predictor.observe(batch)` -> assessments, in step order, through the `AlertTracker` (lifecycle rules in
+   monitor.assessment);
+3. writes, in one transaction: the predictions kept (below) and the alert rows (inserted when pending or
+   fired; updated on fire, escalation, resolution and with each batch's last step; a dropped pending alert's
+   row is deleted);
+4. after the commit, queues webhook notifications (fired, escalated, resolved) for the sender thread and
+   updates the run's Prometheus gauges.
+
+Predictions stored. A predictor may assess every step; a row per step of a 100k-step run with JSON signals
+and culprits is tens of MB for a curve people read at a coarser grain. Stored: every
+`prediction_every_steps`-th step, the last assessment of each batch (so `/predictions/latest` is current),
+any step whose risk moved by `prediction_risk_delta` or more since the last stored one, and every step at
+which an alert changed state. Alerts are computed from every assessment, stored or not.
+
+Restart. Nothing is replayed: a run's predictor is rebuilt empty on its first batch after a restart, so its
+windows and trends warm up again (the history before the restart is not re-read); its pending and firing
+alerts are read back from the database, so they continue (no duplicate 'fired', resolution still works).
+/metrics is seeded at start from the database (runs seen in the last hour and not ended: last step, latest
+risk, firing alerts). Lost: predictor state, and batches still queued when the process died (they are
+stored, just never assessed).
+
+Deletion. `forget_run` (DELETE /runs/{run}) drops the run's series from /metrics at once, the worker drops its
+predictor and alert state, and queued batches of the deleted run id are skipped.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import logging
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+import numpy as np
+from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+
+from monitor.alerting.lifecycle import (DROPPED, ESCALATED, FIRED, FIRING, PENDING, RESOLVED, Alert,
+                                        AlertEvent, AlertTracker)
+from monitor.alerting.webhooks import WebhookSender, slack_payload
+from monitor.assessment import Assessment
+from monitor.metrics import Metrics
+from monitor.models import Alert as AlertRow
+from monitor.models import Prediction, Run
+from monitor.queries import json_safe, reading, writing
+from monitor.schemas import IngestBatch, IngestResult
+from monitor.settings import DEFAULT_PREDICTOR
+
+log = logging.getLogger("fp8mon.pipeline")
+
+FINAL_STATUSES = ("finished", "failed", "diverged")
+NOTIFY = (FIRED, ESCALATED, RESOLVED)
+SEED_RECENT = timedelta(hours=1)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def load_factory(spec: str):
+    """`module:callable` -> the callable; None when `spec` is empty or the default predictor is not installed."""
+    if not spec:
+        return None
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if spec == DEFAULT_PREDICTOR and exc.name in ("monitor.predictors", module_name):
+            log.warning("no predictors installed (%s): ingest and /metrics work, no predictions or alerts", exc)
+            return None
+        raise
+    return getattr(module, attr or "RunPredictor")
+
+
+@dataclass
+class _RunState:
+    run_id: int
+    predictor: object | None
+    alert_ids: dict[str, int] = field(default_factory=dict)  # fingerprint -> alerts.id of the active alert
+    stored_risk: float | None = None
+    last_step: int | None = None
+    ended: bool = False
+
+
+class Pipeline:
+    def __init__(self, store, *, metrics: Metrics, predictor_factory=None, predictor_spec: str = "",
+                 webhooks: WebhookSender | None = None, base_url: str = "", queue_size: int = 1000,
+                 every_steps: int = 10, risk_delta: float = 0.05):
+        self.store = store
+        self.metrics = metrics
+        self._factory = predictor_factory
+        self._factory_spec = predictor_spec if predictor_factory is None else ""
+        self._factory_loaded = predictor_factory is not None
+        self.webhooks = webhooks
+        self.base_url = base_url
+        self.every_steps = every_steps
+        self.risk_delta = risk_delta
+        self.tracker = AlertTracker()
+        self._queue: queue.Queue = queue.Queue(queue_size)
+        self._runs: dict[str, _RunState] = {}
+        self._lock = threading.Lock()
+        self._seq = itertools.count(1)  # submission order; deletion skips what was submitted before it
+        self._submitted = 0
+        self._forgotten: dict[str, int] = {}  # run name -> last submission number of its deleted incarnation
+        self._forget: list[str] = []
+        self._thread: threading.Thread | None = None
+        metrics.queue_depth.set_function(self._queue.qsize)
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+
+    def start(self) -> Pipeline:
+        self._thread = threading.Thread(target=self._run, name="fp8mon-pipeline", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Finish what is queued (up to `timeout` seconds), then stop."""
+        if self._thread is None:
+            return
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            log.warning("pipeline stopped with %d batches not assessed", self._queue.qsize())
+        self._thread.join(timeout)
+        self._thread = None
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every batch submitted so far was processed (tests and benchmarks)."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    # -- entry points (any thread) ------------------------------------------------------------------
+
+    def submit(self, batch: IngestBatch, result: IngestResult) -> bool:
+        """The Store's after-commit listener: never blocks."""
+        if result.duplicate:
+            return False
+        with self._lock:
+            self._submitted = seq = next(self._seq)
+        try:
+            self._queue.put_nowait((batch, result.run_id, seq))
+            return True
+        except queue.Full:
+            self.metrics.predictor_dropped.inc()
+            return False
+
+    def forget_run(self, name: str) -> None:
+        """The run was deleted: batches of it submitted so far are skipped; its state and series go."""
+        self.metrics.runs.remove(name)
+        with self._lock:
+            self._forgotten[name] = self._submitted
+            self._forget.append(name)
+
+    def _is_forgotten(self, name: str, seq: int) -> bool:
+        with self._lock:
+            return seq <= self._forgotten.get(name, 0)
+
+    # -- the worker ---------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._seed_metrics()
+        except Exception:
+            log.exception("could not seed /metrics from the database")
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._apply_forgets()
+                batch, run_id, seq = item
+                if not self._is_forgotten(batch.run, seq):
+                    self._process(batch, run_id, seq)
+            except Exception:
+                self._drop_state(item[0].run)  # rebuilt from the database on its next batch
+                if not self._is_forgotten(item[0].run, item[2]):  # else: deleted while being assessed
+                    self.metrics.predictor_errors.inc()
+                    log.exception("pipeline failed on a batch of run %r", item[0].run)
+            finally:
+                self._queue.task_done()
+
+    def _apply_forgets(self) -> None:
+        with self._lock:
+            names, self._forget = self._forget, []
+        for name in names:
+            self._drop_state(name)
+
+    def _drop_state(self, name: str) -> None:
+        self._runs.pop(name, None)
+        self.tracker.forget(name)
+
+    def _predictor_for(self, run: str, config: dict | None):
+        if not self._factory_loaded:
+            self._factory_loaded = True
+            try:
+                self._factory = load_factory(self._factory_spec)
+            except Exception:
+                log.exception("cannot load the predictor %r: no predictions", self._factory_spec)
+        if self._factory is None:
+            return None
+        try:
+            return self._factory(run, config=config)
+        except Exception:
+            log.exception("cannot build a predictor for run %r", run)
+            self.metrics.predictor_errors.inc()
+            return None
+
+    def _state(self, batch: IngestBatch, run_id: int) -> _RunState:
+        state = self._runs.get(batch.run)
+        if state is not None and state.run_id == run_id:
+            return state
+        self._drop_state(batch.run)  # a new run of the same name (the old one was deleted)
+        with reading(self.store) as conn:
+            config = conn.execute(select(Run.config).where(Run.id == run_id)).scalar()
+            rows = conn.execute(select(AlertRow).where(AlertRow.run_id == run_id,
+                                                       AlertRow.state.in_((PENDING, FIRING)))).all()
+        if batch.run_meta is not None and batch.run_meta.config is not None:
+            config = batch.run_meta.config
+        state = _RunState(run_id, self._predictor_for(batch.run, config or {}))
+        restored = []
+        for row in rows:
+            alert = Alert(run=batch.run, rule=row.rule, layer=row.layer, site=row.site, severity=row.severity,
+                          state=row.state, message=row.message, first_step=row.first_step or 0,
+                          last_step=row.last_step or 0, for_steps=int((row.details or {}).get("for_steps", 0)),
+                          value=(row.details or {}).get("value"), fired_step=row.fired_step)
+            if alert.fingerprint in state.alert_ids:
+                continue
+            state.alert_ids[alert.fingerprint] = row.id
+            restored.append(alert)
+        self.tracker.restore(restored)
+        self._runs[batch.run] = state
+        return state
+
+    def _process(self, batch: IngestBatch, run_id: int, seq: int) -> None:
+        state = self._state(batch, run_id)
+        run = batch.run
+        assessments: list[Assessment] = []
+        if state.predictor is not None:
+            try:
+                assessments = sorted(state.predictor.observe(batch) or [], key=lambda a: a.step)
+            except Exception:
+                self.metrics.predictor_errors.inc()
+                log.exception("predictor failed on run %r; its state is rebuilt on the next batch", run)
+                state.predictor = self._predictor_for(run, None)
+        events: list[AlertEvent] = []
+        predictions: list[dict] = []
+        for i, a in enumerate(assessments):
+            step_events = self.tracker.update(run, a.step, a.findings)
+            events.extend(step_events)
+            risk = _risk(a.risk)
+            if (a.step % self.every_steps == 0 or i == len(assessments) - 1 or step_events
+                    or state.stored_risk is None or abs(risk - state.stored_risk) >= self.risk_delta):
+                state.stored_risk = risk
+                predictions.append({"run_id": run_id, "step": a.step, "risk": risk,
+                                    "steps_to_divergence": _finite(a.steps_to_divergence),
+                                    "signals": json_safe(dict(a.signals)), "culprits": json_safe(list(a.culprits))})
+        last = assessments[-1] if assessments else None
+        if predictions or events or self.tracker.active(run):
+            self._write(state, run, predictions, events, last)
+
+        if self.webhooks is not None:
+            for event in events:
+                if event.kind in NOTIFY:
+                    self.webhooks.send(slack_payload(event, self.base_url))
+        for event in events:
+            if event.kind in NOTIFY:
+                self.metrics.alert_events.labels(event.alert.severity).inc()
+        self.metrics.predictor_batches.inc()
+
+        values = batch_gauges(batch)
+        if "last_step" in values:  # a late batch does not move the run's last step back
+            state.last_step = values["last_step"] = max(values["last_step"], state.last_step or 0)
+        if last is not None:
+            values["risk"] = _risk(last.risk)
+            values["steps_to_divergence"] = _finite(last.steps_to_divergence)
+            for key in ("worst_kurtosis", "worst_underflow_frac", "worst_overflow_frac"):
+                if key in last.gauges and last.gauges[key] is not None:
+                    values[key] = last.gauges[key]
+        if self._is_forgotten(run, seq):
+            self._drop_state(run)
+            self.metrics.runs.remove(run)
+            return
+        self.metrics.runs.update(run, values, self.tracker.firing_counts(run))
+        if batch.run_meta is not None and batch.run_meta.status in FINAL_STATUSES:
+            self.metrics.runs.end(run)
+            state.predictor = None  # a finished run needs no more predictions; rebuilt if it resumes
+            state.ended = True
+        elif state.ended and batch.run_meta is not None and batch.run_meta.status == "running":
+            state.ended = False
+            state.predictor = self._predictor_for(run, None)
+
+    def _write(self, state: _RunState, run: str, predictions: list[dict], events: list[AlertEvent],
+               last: Assessment | None) -> None:
+        now = utcnow()
+        extra = {} if last is None else {"risk": _risk(last.risk),
+                                         "steps_to_divergence": _finite(last.steps_to_divergence)}
+        with writing(self.store) as conn:
+            if predictions:
+                dialect = postgresql if self.store.dialect == "postgresql" else sqlite
+                stmt = dialect.insert(Prediction)
+                stmt = stmt.on_conflict_do_update(
+                    index_elements=["run_id", "step"],
+                    set_={c: stmt.excluded[c] for c in ("risk", "steps_to_divergence", "signals", "culprits")})
+                conn.execute(stmt, predictions)
+            for event in events:
+                a = event.alert
+                fp = a.fingerprint
+                row_id = state.alert_ids.get(fp)
+                if event.kind == DROPPED:
+                    if row_id is not None:
+                        conn.execute(delete(AlertRow).where(AlertRow.id == row_id))
+                    state.alert_ids.pop(fp, None)
+                    continue
+                values = _alert_values(a, now, extra)
+                if event.kind == RESOLVED:
+                    values["resolved_at"] = now
+                if row_id is None:
+                    row_id = conn.execute(insert(AlertRow).values(run_id=state.run_id, fingerprint=fp, rule=a.rule,
+                                                                  layer=a.layer, site=a.site, started_at=now,
+                                                                  **values).returning(AlertRow.id)).scalar_one()
+                else:
+                    conn.execute(update(AlertRow).where(AlertRow.id == row_id).values(**values))
+                if event.kind == RESOLVED:
+                    state.alert_ids.pop(fp, None)
+                else:
+                    state.alert_ids[fp] = row_id
+            changed = {e.alert.fingerprint for e in events}
+            for a in self.tracker.active(run):
+                row_id = state.alert_ids.get(a.fingerprint)
+                if row_id is not None and a.fingerprint not in changed:
+                    conn.execute(update(AlertRow).where(AlertRow.id == row_id).values(**_alert_values(a, now, extra)))
+
+    def _seed_metrics(self) -> None:
+        since = utcnow() - SEED_RECENT
+        limit = self.metrics.runs.max_runs
+        with reading(self.store) as conn:
+            runs = conn.execute(select(Run.id, Run.name, Run.last_step, Run.last_seen_at)
+                                .where(Run.ended_at.is_(None), Run.last_seen_at >= since)
+                                .order_by(Run.last_seen_at.desc()).limit(limit)).all()
+            if not runs:
+                return
+            ids = [r.id for r in runs]
+            firing: dict[int, dict[str, int]] = {}
+            for run_id, severity, n in conn.execute(
+                    select(AlertRow.run_id, AlertRow.severity, func.count())
+                    .where(AlertRow.run_id.in_(ids), AlertRow.state == FIRING)
+                    .group_by(AlertRow.run_id, AlertRow.severity)):
+                firing.setdefault(run_id, {})[severity] = n
+            for r in reversed(runs):  # oldest first: the most recent ends up most recently active
+                latest = conn.execute(select(Prediction.risk, Prediction.steps_to_divergence)
+                                      .where(Prediction.run_id == r.id)
+                                      .order_by(Prediction.step.desc()).limit(1)).first()
+                values = {"last_step": r.last_step,
+                          "last_seen": _utc(r.last_seen_at).timestamp() if r.last_seen_at else None}
+                if latest is not None:
+                    values.update(risk=latest.risk, steps_to_divergence=latest.steps_to_divergence)
+                self.metrics.runs.update(r.name, values, firing.get(r.id, {}))
+
+
+def _alert_values(a: Alert, now: datetime, extra: dict) -> dict:
+    return {"severity": a.severity, "state": a.state, "message": a.message,
+            "first_step": a.first_step, "last_step": a.last_step, "fired_step": a.fired_step,
+            "resolved_step": a.resolved_step, "updated_at": now,
+            "details": json_safe({"value": a.value, "for_steps": a.for_steps, **extra})}
+
+
+def _risk(x) -> float:
+    x = float(x) if x is not None else 0.0
+    return 1.0 if math.isnan(x) else min(1.0, max(0.0, x))
+
+
+def _finite(x) -> float | None:
+    return float(x) if x is not None and math.isfinite(x) else None
+
+
+def _utc(dt: datetime) -> datetime:
+    return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt
+
+
+def batch_gauges(batch: IngestBatch) -> dict[str, float | None]:
+    """Run-level aggregates at the batch's last step, from the batch itself: the worst (largest) kurtosis,
+    underflow and overflow fraction over layers x sites, and the count of tensors or scalars with non-finite
+    values. Used for /metrics unless the predictor reports its own."""
+    out: dict[str, float | None] = {"last_seen": time.time()}
+    last_steps = []
+    t = batch.tensors
+    nonfinite = 0
+    if t is not None and len(t):
+        steps = np.full(len(t), t.step, dtype=np.int64) if isinstance(t.step, int) else np.asarray(t.step, np.int64)
+        last = int(steps.max())
+        last_steps.append(last)
+        at_last = steps == last
+        for stat, key in (("kurtosis", "worst_kurtosis"), ("underflow_frac", "worst_underflow_frac"),
+                          ("overflow_frac", "worst_overflow_frac")):
+            column = t.stats.get(stat)
+            if column is None:
+                continue
+            values = np.asarray([np.nan if v is None else v for v in column], dtype=np.float64)[at_last]
+            finite = values[np.isfinite(values)]
+            if finite.size:
+                out[key] = float(finite.max())
+            elif np.isinf(values).any():
+                out[key] = math.inf
+        bad = np.zeros(int(at_last.sum()), dtype=bool)
+        column = t.stats.get("nonfinite")
+        if column is not None:
+            values = np.asarray([0.0 if v is None else v for v in column], dtype=np.float64)[at_last]
+            bad |= ~(values == 0)  # NaN counts too
+        for stat in ("amax", "rms", "kurtosis"):
+            column = t.stats.get(stat)
+            if column is not None:
+                values = np.asarray([0.0 if v is None else v for v in column], dtype=np.float64)[at_last]
+                bad |= ~np.isfinite(values)
+        nonfinite += int(bad.sum())
+    s = batch.scalars
+    if s is not None and len(s):
+        steps = np.full(len(s), s.step, dtype=np.int64) if isinstance(s.step, int) else np.asarray(s.step, np.int64)
+        last = int(steps.max())
+        last_steps.append(last)
+        values = np.asarray([0.0 if v is None else v for v in s.value], dtype=np.float64)[steps == last]
+        nonfinite += int((~np.isfinite(values)).sum())
+    if last_steps:
+        out["last_step"] = max(last_steps)
+        out["nonfinite_tensors"] = nonfinite
+    return out

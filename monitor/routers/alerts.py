@@ -1,0 +1,43 @@
+"""/api/v1/alerts and /api/v1/runs/{run}/alerts: list alerts (filters, pages), acknowledge one."""
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query
+
+from monitor.alerting import queries
+from monitor.deps import StoreDep, require_read, require_write
+from monitor.routers.common import ERRORS, RunPath, SafeJSONResponse, http_errors
+from monitor.schemas import AlertAcked, AlertList, AlertState, Severity
+
+router = APIRouter(tags=["alerts"])
+
+StateQuery = Annotated[list[AlertState] | None, Query(description="any of these states (repeatable)")]
+SeverityQuery = Annotated[list[Severity] | None, Query(description="any of these severities (repeatable)")]
+Limit = Annotated[int, Query(ge=1, le=1000)]
+Offset = Annotated[int, Query(ge=0)]
+
+
+@router.get("/alerts", response_model=AlertList, responses=ERRORS, dependencies=[require_read],
+            summary="Alerts of every run, most recently updated first")
+def list_alerts(store: StoreDep, state: StateQuery = None, severity: SeverityQuery = None,
+                run: Annotated[str | None, Query(min_length=1, max_length=200, description="run name")] = None,
+                limit: Limit = 100, offset: Offset = 0):
+    with http_errors():
+        return SafeJSONResponse(queries.list_alerts(store, run=run, state=state, severity=severity, limit=limit,
+                                                    offset=offset))
+
+
+@router.post("/alerts/{alert_id}/ack", response_model=AlertAcked, responses=ERRORS, dependencies=[require_write],
+             summary="Acknowledge an alert (idempotent; its lifecycle goes on)")
+def acknowledge(store: StoreDep, alert_id: Annotated[int, Path(ge=1, le=2**62)]):
+    with http_errors():
+        return SafeJSONResponse(queries.acknowledge(store, alert_id))
+
+
+@router.get("/runs/{run:path}/alerts", response_model=AlertList, responses=ERRORS, dependencies=[require_read],
+            summary="A run's alerts, most recently updated first")
+def run_alerts(store: StoreDep, run: RunPath, state: StateQuery = None, severity: SeverityQuery = None,
+               limit: Limit = 100, offset: Offset = 0):
+    with http_errors():
+        return SafeJSONResponse(queries.list_alerts(store, run=run, state=state, severity=severity, limit=limit,
+                                                    offset=offset))

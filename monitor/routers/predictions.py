@@ -1,0 +1,32 @@
+"""/api/v1/runs/{run}/predictions: the divergence predictor's stored assessments of a run."""
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from monitor.alerting import queries
+from monitor.deps import StoreDep, require_read
+from monitor.routers.common import ERRORS, RunPath, SafeJSONResponse, http_errors
+from monitor.schemas import PredictionList, PredictionOut, Step
+
+router = APIRouter(tags=["predictions"], dependencies=[require_read])
+
+
+# Both routes come before the runs router's bare /runs/{run:path}/latest, which would take ".../predictions/latest"
+# as the latest snapshot of a run named "<run>/predictions".
+@router.get("/runs/{run:path}/predictions/latest", response_model=PredictionOut, responses=ERRORS,
+            summary="The run's latest prediction: risk, steps to divergence, signals, culprits")
+def latest(store: StoreDep, run: RunPath):
+    with http_errors():
+        return SafeJSONResponse(queries.latest_prediction(store, run))
+
+
+@router.get("/runs/{run:path}/predictions", response_model=PredictionList, responses=ERRORS,
+            summary="Stored predictions in step order (from from_step, or the last `limit` up to to_step)")
+def predictions(store: StoreDep, run: RunPath,
+                from_step: Annotated[Step | None, Query(description="first step (inclusive)")] = None,
+                to_step: Annotated[Step | None, Query(description="last step (inclusive)")] = None,
+                limit: Annotated[int, Query(ge=1, le=10000)] = 1000):
+    with http_errors():
+        return SafeJSONResponse(queries.list_predictions(store, run, from_step=from_step, to_step=to_step,
+                                                         limit=limit))

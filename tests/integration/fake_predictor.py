@@ -1,0 +1,56 @@
+"""A deterministic stand-in predictor for server tests (FP8MON_PREDICTOR=tests.integration.fake_predictor:
+ThresholdPredictor): the alerting side is tested without depending on the real predictors' tuning.
+
+Per step: the worst kurtosis over layers x sites; above 20 a `kurtosis_growth` warning (critical above 50)
+that must hold 5 steps; a non-finite loss is an immediate critical `nonfinite` finding. Risk: worst kurtosis
+/ 50, capped at 1 (1 with a non-finite loss).
+"""
+
+import math
+
+from monitor.assessment import Assessment, Finding
+
+WARN, CRIT, FOR_STEPS = 20.0, 50.0, 5
+
+
+class ThresholdPredictor:
+    def __init__(self, run, config=None, params=None):
+        self.run = run
+
+    def observe(self, batch):
+        per_step: dict[int, dict] = {}
+        t = batch.tensors
+        if t is not None and "kurtosis" in t.stats:
+            steps = [t.step] * len(t) if isinstance(t.step, int) else t.step
+            for step, layer, site, k in zip(steps, t.layer, t.site, t.stats["kurtosis"]):
+                if k is None:
+                    continue
+                best = per_step.setdefault(step, {})
+                if k > best.get("k", -math.inf):
+                    best.update(k=k, layer=layer, site=site)
+        s = batch.scalars
+        if s is not None:
+            steps = [s.step] * len(s) if isinstance(s.step, int) else s.step
+            for step, name, value in zip(steps, s.name, s.value):
+                entry = per_step.setdefault(step, {})
+                if name == "loss" and value is not None and not math.isfinite(value):
+                    entry["nonfinite"] = True
+        out = []
+        for step in sorted(per_step):
+            e = per_step[step]
+            findings, k = [], e.get("k")
+            risk = 0.0 if k is None else min(1.0, k / CRIT)
+            if k is not None and k > WARN:
+                findings.append(Finding(rule="kurtosis_growth", severity="critical" if k > CRIT else "warning",
+                                        step=step, layer=e["layer"], site=e["site"], value=k, for_steps=FOR_STEPS,
+                                        message=f"kurtosis {k:.1f} at {e['layer']}/{e['site']}"))
+            if e.get("nonfinite"):
+                risk = 1.0
+                findings.append(Finding(rule="nonfinite", severity="critical", step=step, for_steps=0,
+                                        message="non-finite loss"))
+            out.append(Assessment(run=self.run, step=step, risk=risk,
+                                  steps_to_divergence=None if k is None else max(0.0, (CRIT - k) * 10),
+                                  signals={"kurtosis": risk}, culprits=[] if k is None else [
+                                      {"layer": e["layer"], "site": e["site"], "signal": "kurtosis", "value": k}],
+                                  findings=findings, gauges={} if k is None else {"worst_kurtosis": k}))
+        return out
