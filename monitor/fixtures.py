@@ -1,0 +1,82 @@
+"""The labelled-run corpus (tests/fixtures/runs/**/<name>.json.gz), written by scripts/make_fixtures.py.
+
+A fixture is one real training run of our trainer as exported from the monitor:
+``{"name", "config" (the trainer arguments), "labels": {"diverged", "divergence_step", "rule"},
+"split": "tune" | "test", "profile": "cpu" | "gpu", "batches": [wire-format ingest batch dicts]}``; the
+batches replay through POST /api/v1/ingest or `RunPredictor.observe`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FIXTURE_DIR = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "runs"
+
+
+@dataclass
+class Fixture:
+    name: str
+    config: dict
+    diverged: bool
+    divergence_step: int | None
+    rule: str
+    batches: list[dict]
+    split: str = "test"  # "tune": used to choose the thresholds; "test": held out
+    profile: str = "cpu"
+    path: Path | None = None
+    extra: dict = field(default_factory=dict)
+
+    def losses(self) -> list[tuple[int, float]]:
+        """(step, loss) of every logged step, rank 0 (or the reduced rank -1), in step order."""
+        out = {}
+        for batch in self.batches:
+            block = batch.get("scalars")
+            if not block:
+                continue
+            n = len(block["name"])
+            steps = block["step"] if isinstance(block["step"], list) else [block["step"]] * n
+            ranks = block.get("rank", 0)
+            ranks = ranks if isinstance(ranks, list) else [ranks] * n
+            for step, name, value, rank in zip(steps, block["name"], block["value"], ranks):
+                if name == "loss" and rank in (0, -1) and value is not None:
+                    out[step] = float(value)
+        return sorted(out.items())
+
+    def last_step(self) -> int:
+        return max(step for step, _ in self.losses())
+
+
+def fixture_paths(root: Path | str | None = None, profile: str | None = None) -> list[Path]:
+    """Every fixture file under `root` (default: the repository's corpus), sorted; `profile` "cpu" keeps
+    the files directly in the root, "gpu" those under gpu/."""
+    root = Path(root) if root is not None else FIXTURE_DIR
+    paths = sorted(root.rglob("*.json.gz"))
+    if profile == "cpu":
+        paths = [p for p in paths if p.parent == root]
+    elif profile == "gpu":
+        paths = [p for p in paths if p.parent.name == "gpu"]
+    return paths
+
+
+def load_fixture(path: Path | str) -> Fixture:
+    path = Path(path)
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        data = json.load(f)
+    labels = data["labels"]
+    known = {"name", "config", "labels", "batches", "split", "profile"}
+    return Fixture(name=data["name"], config=data.get("config", {}), diverged=bool(labels["diverged"]),
+                   divergence_step=labels.get("divergence_step"), rule=labels.get("rule", ""),
+                   batches=data["batches"], split=data.get("split", "test"), profile=data.get("profile", "cpu"),
+                   path=path, extra={k: v for k, v in data.items() if k not in known})
+
+
+def write_fixture(path: Path | str, data: dict) -> int:
+    """Write a fixture dict gzipped (deterministic bytes: no timestamp); returns the file size."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    raw = json.dumps(data, separators=(",", ":")).encode()
+    path.write_bytes(gzip.compress(raw, compresslevel=9, mtime=0))
+    return path.stat().st_size

@@ -1,0 +1,13 @@
+"""Divergence predictors: pure, incremental, per run (docs/prediction.md).
+
+    predictor = RunPredictor("run-1")
+    for batch in batches:                     # monitor.schemas.IngestBatch, in arrival order
+        for assessment in predictor.observe(batch):
+            ...                               # monitor.assessment.Assessment, one per evaluated step
+"""
+
+from monitor.predictors.divergence import DivergenceDetector, divergence_step
+from monitor.predictors.params import PredictorParams
+from monitor.predictors.run import RunPredictor
+
+__all__ = ["DivergenceDetector", "PredictorParams", "RunPredictor", "divergence_step"]

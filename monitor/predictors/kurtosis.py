@@ -1,0 +1,96 @@
+"""Kurtosis growth (FOG): a sustained rise of ln(kurtosis) of a tensor against its own history.
+
+Per (layer, site): the EWMA of ln(kurtosis) is compared with its running minimum since warm-up; a rise
+of `kurtosis_rise_info` (ln units) is reported as info, `kurtosis_rise` a warning, `kurtosis_rise_critical`
+critical (gradient sites: info only, see WARNING_SITES). Per site, the same on the
+layer-average of ln(kurtosis) (finding with layer=None). The estimated steps to divergence extrapolate
+the worst tensor's rise at its current rate up to the critical level.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from monitor.assessment import Finding
+from monitor.predictors.base import INFO_RATIO_CAP, SignalOutput, score_of, top_culprits
+from monitor.predictors.frames import SlotTable, StepFrame
+from monitor.predictors.params import PredictorParams
+from monitor.predictors.series import LevelTracker
+
+RULE = "kurtosis_growth"
+# Gradient kurtosis is heavy-tailed and jumps from batch to batch (small runs: 50-400, minimum by luck), so
+# its growth is reported as info only; warnings come from the forward tensors, as FOG monitors them.
+WARNING_SITES = ("output", "weight")
+
+
+class KurtosisGrowth:
+    name = RULE
+
+    def __init__(self, params: PredictorParams):
+        self.p = params
+        self.slots = LevelTracker(params.kurtosis_alpha, params.trend_window, params.warmup_steps)
+        self.means = LevelTracker(params.kurtosis_alpha, params.trend_window, params.warmup_steps)
+        self.last = SignalOutput()
+
+    def update(self, frame: StepFrame, table: SlotTable) -> None:
+        kurt = frame.stats.get("kurtosis")
+        if kurt is None:
+            return
+        with np.errstate(divide="ignore", invalid="ignore"):
+            logk = np.log(np.where(kurt > 0, kurt, np.nan))
+        self.slots.update(frame.step, logk)
+        self.means.update(frame.step, self._site_means(logk, table))
+
+    @staticmethod
+    def _site_means(logk: np.ndarray, table: SlotTable) -> np.ndarray:
+        """Mean ln(kurtosis) over the layers of each site (columns: table.site_list)."""
+        ok = np.isfinite(logk)
+        n = len(table.site_list)
+        total = np.bincount(table.site_code[ok], weights=logk[ok], minlength=n)
+        count = np.bincount(table.site_code[ok], minlength=n)
+        with np.errstate(invalid="ignore"):
+            return np.where(count > 0, total / np.maximum(count, 1), np.nan)
+
+    def evaluate(self, step: int, table: SlotTable, updated: bool) -> SignalOutput:
+        if not updated:
+            self.last = self.last.at(step)
+            return self.last
+        p = self.p
+        self.slots.grow(table.width)  # slots that appeared in a frame without kurtosis
+        self.means.grow(len(table.site_list))
+        rise = self.slots.rise()
+        ratio = rise / p.kurtosis_rise
+        kurt = np.exp(self.slots.level)
+        findings = []
+        warns = table.site_mask(WARNING_SITES)
+        ratio = np.where(warns, ratio, np.minimum(ratio, INFO_RATIO_CAP))  # gradient/input sites: info only
+        for i in np.flatnonzero(rise >= p.kurtosis_rise_info).tolist():
+            layer, site = table.name(i)
+            severity = "info" if not warns[i] else ("critical" if rise[i] >= p.kurtosis_rise_critical else
+                                                    "warning" if rise[i] >= p.kurtosis_rise else "info")
+            findings.append(Finding(RULE, severity, step, f"kurtosis of {layer} {site} grew {np.exp(rise[i]):.1f}x "
+                                    f"over its minimum to {kurt[i]:.3g}", layer=layer, site=site,
+                                    value=float(kurt[i]), for_steps=p.kurtosis_for_steps))
+        mean_rise = self.means.rise()
+        mean_ratio = mean_rise / p.kurtosis_mean_rise
+        mean_warns = np.isin(np.array(table.site_list, dtype=object), WARNING_SITES)
+        mean_ratio = np.where(mean_warns, mean_ratio, np.minimum(mean_ratio, INFO_RATIO_CAP))
+        for i in np.flatnonzero(mean_rise >= p.kurtosis_mean_rise_info).tolist():
+            site = table.site_list[i]
+            severity = "warning" if mean_rise[i] >= p.kurtosis_mean_rise and site in WARNING_SITES else "info"
+            findings.append(Finding(RULE, severity, step, f"layer-average kurtosis of {site} grew "
+                                    f"{np.exp(mean_rise[i]):.1f}x over its minimum", site=site,
+                                    value=float(np.exp(self.means.level[i])), for_steps=p.kurtosis_for_steps))
+        culprits = top_culprits(RULE, ratio, kurt, table.name)
+        worst = max(float(score_of(ratio).max(initial=0.0)), float(score_of(mean_ratio).max(initial=0.0)))
+        self.last = SignalOutput(worst, findings, culprits, self._steps_to_critical(rise, warns))
+        return self.last
+
+    def _steps_to_critical(self, rise: np.ndarray, warns: np.ndarray) -> float | None:
+        """Steps until the worst rising tensor reaches the critical rise at its current rate."""
+        rate = self.slots.rate()
+        valid = np.isfinite(rise) & np.isfinite(rate) & (rate > 0) & (rise >= self.p.kurtosis_rise) & warns
+        if not valid.any():
+            return None
+        steps = np.maximum(0.0, (self.p.kurtosis_rise_critical - rise[valid]) / rate[valid])
+        return float(steps.min())

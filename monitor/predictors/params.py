@@ -1,0 +1,72 @@
+"""Thresholds and windows of the divergence predictors, in one place (docs/prediction.md explains them).
+
+Windows are counted in *evaluations* of a series (a tensor statistic is evaluated at each reporting step,
+a scalar at each logged step); holding times (`*_for_steps`) and horizons in *training steps*, so that
+alerts fire at the same step whatever the reporting interval.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from monitor.predictors.divergence import MARGIN, M
+
+
+@dataclass(frozen=True)
+class PredictorParams:
+    # -- warm-up: statistics move a lot while the model leaves its initialisation; no baseline before this
+    warmup_steps: int = 60
+    # smoothing of per-tensor statistics: EWMA weight of the newest report
+    ewma_alpha: float = 0.2
+    # trend window (reports) for rates of change and the steps-to-threshold extrapolations
+    trend_window: int = 16
+
+    # -- kurtosis growth: rise of smoothed ln(kurtosis) above its own running minimum (after warm-up).
+    # Healthy small runs grow kurtosis up to ~4x while they learn, so 2x is only "info".
+    kurtosis_alpha: float = 0.1         # EWMA weight of ln(kurtosis): slower than the others, it is noisy
+    kurtosis_rise_info: float = 0.7     # ln units: 2x the kurtosis minimum
+    kurtosis_rise: float = 2.1          # 8x -> warning
+    kurtosis_rise_critical: float = 2.8  # 16x -> critical
+    kurtosis_mean_rise_info: float = 0.4  # layer-average (per site) of ln(kurtosis): 1.5x -> info
+    kurtosis_mean_rise: float = 1.1     # 3x -> warning
+    kurtosis_for_steps: int = 20
+
+    # -- amax drift toward saturation (delayed scaling only: a reported amax_history_max)
+    # Short histories overflow by ~1% for a few steps whenever gradients grow fast (early training), in
+    # healthy runs too: that is info; a sustained 1% is a warning, 10% critical.
+    overflow_frac_info: float = 1e-3     # EWMA of the overflow fraction
+    overflow_frac: float = 1e-2
+    saturation_horizon: int = 300        # info when the headroom trend reaches overflow within this many steps
+    saturation_for_steps: int = 10
+    saturation_min_rate: float = 0.005   # binades/step: slower closing is noise (1 binade in 200 steps)
+    saturation_min_headroom: float = 0.05  # binades: below it the tensor sits at its scale (overflow_frac decides)
+
+    # -- underflow fraction rising above its running minimum (after warm-up), absolute fraction; high-lr
+    # runs that survive flush 5-10% more too, so only a fifth of the nonzero elements lost is a warning
+    underflow_rise_info: float = 0.05
+    underflow_rise: float = 0.2
+    underflow_for_steps: int = 20
+
+    # -- robust spikes of loss and ln(grad_norm): median/MAD over the last `spike_window` logged values
+    spike_window: int = 50
+    spike_min_history: int = 20
+    loss_spike_z: float = 8.0
+    grad_norm_spike_z: float = 8.0
+    spike_for_steps: int = 3
+
+    # -- slow drifts of the loss (nats) and ln(grad_norm) above their running minimum (after warm-up)
+    slow_alpha: float = 0.05
+    loss_drift: float = 0.3
+    grad_norm_rise: float = 0.5          # ~1.65x
+    drift_for_steps: int = 20
+
+    # -- growth of ln(optimizer / attention scalars) above their running minimum (after warm-up)
+    growth_info_fraction: float = 0.35   # info finding from this fraction of the warning rise on
+    attn_logit_rise: float = 2.1         # 8x the minimum max-logit (healthy runs sharpen attention ~4x)
+    adam_update_rise: float = 0.7        # 2x
+    logsumexp_rise: float = 2.0          # log Z drifts by 2 nats (healthy runs sharpen by ~1 nat)
+    scalar_growth_for_steps: int = 20
+
+    # -- the loss has left its running minimum (the divergence rule's condition, reported as it happens)
+    loss_margin: float = MARGIN
+    loss_margin_steps: int = M

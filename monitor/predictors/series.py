@@ -1,0 +1,123 @@
+"""Vectorised per-column state of streaming series (one column per slot): smoothed level, running minimum
+since warm-up, rate of change, and a robust z-score for scalar streams. Constant memory per column."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+
+
+def grown(array: np.ndarray, width: int, fill=np.nan) -> np.ndarray:
+    """`array` with its last axis padded to `width` with `fill`."""
+    if array.shape[-1] >= width:
+        return array
+    pad = np.full(array.shape[:-1] + (width - array.shape[-1],), fill, dtype=array.dtype)
+    return np.concatenate([array, pad], axis=-1)
+
+
+class LevelTracker:
+    """EWMA level of each column, its minimum over the steps >= `warmup_steps` (the baseline), and its
+    rate of change per training step over the last `window` updates."""
+
+    def __init__(self, alpha: float, window: int, warmup_steps: int, width: int = 0):
+        self.alpha, self.warmup_steps = alpha, warmup_steps
+        self.level = np.full(width, np.nan)
+        self.baseline = np.full(width, np.nan)
+        self.count = np.zeros(width, dtype=np.int64)
+        self._ring = np.full((window, width), np.nan)  # past levels, one row per update
+        self._ring_steps = np.full(window, np.nan)
+        self._n = 0
+        self.step: int | None = None
+
+    @property
+    def width(self) -> int:
+        return self.level.shape[0]
+
+    def grow(self, width: int) -> None:
+        if width <= self.width:
+            return
+        self.level, self.baseline = grown(self.level, width), grown(self.baseline, width)
+        self.count = grown(self.count, width, 0)
+        self._ring = grown(self._ring, width)
+
+    def update(self, step: int, values: np.ndarray) -> None:
+        """`values`: one row, NaN/Inf where the column has no usable value at this step."""
+        self.grow(values.shape[0])
+        ok = np.isfinite(values)
+        first = ok & (self.count == 0)
+        self.level = np.where(first, values, self.level)
+        later = ok & ~first
+        self.level = np.where(later, self.level + self.alpha * (values - self.level), self.level)
+        self.count += ok
+        if step >= self.warmup_steps:
+            self.baseline = np.where(ok, np.fmin(self.baseline, self.level), self.baseline)
+        slot = self._n % self._ring.shape[0]
+        self._ring[slot] = self.level
+        self._ring_steps[slot] = step
+        self._n += 1
+        self.step = step
+
+    def rise(self) -> np.ndarray:
+        """Level minus baseline; NaN before the baseline exists."""
+        return self.level - self.baseline
+
+    def rate(self) -> np.ndarray:
+        """Change of the level per training step over the window; NaN until the window is full (a rate
+        over a few steps is noise)."""
+        if self._n < self._ring.shape[0]:
+            return np.full(self.width, np.nan)
+        oldest = self._n % self._ring.shape[0]
+        span = self.step - self._ring_steps[oldest]
+        if not span > 0:
+            return np.full(self.width, np.nan)
+        return (self.level - self._ring[oldest]) / span
+
+
+class ScalarLevel:
+    """LevelTracker for one scalar series, in plain floats (numpy's per-call cost dominates at width 1)."""
+
+    def __init__(self, alpha: float, warmup_steps: int):
+        self.alpha, self.warmup_steps = alpha, warmup_steps
+        self.level = math.nan
+        self.baseline = math.nan
+
+    def update(self, step: int, value: float) -> None:
+        if not math.isfinite(value):
+            return
+        self.level = value if math.isnan(self.level) else self.level + self.alpha * (value - self.level)
+        if step >= self.warmup_steps and not self.level >= self.baseline:
+            self.baseline = self.level
+
+    def rise(self) -> float:
+        return self.level - self.baseline
+
+
+def _median(sorted_values: list[float]) -> float:
+    n = len(sorted_values)
+    mid = n // 2
+    return sorted_values[mid] if n % 2 else 0.5 * (sorted_values[mid - 1] + sorted_values[mid])
+
+
+class RobustZ:
+    """z-score of each new value of a scalar stream against the median and MAD of the previous `window`
+    values (values are only added after scoring, so a spike does not hide itself)."""
+
+    def __init__(self, window: int, min_history: int):
+        self.window, self.min_history = window, min_history
+        self._values: deque[float] = deque(maxlen=window)
+
+    def score(self, value: float) -> float:
+        """z of `value`, then `value` joins the history; NaN while the history is short or the value is not
+        finite (non-finite values never enter the history)."""
+        z = math.nan
+        if math.isfinite(value):
+            history = self._values
+            if len(history) >= self.min_history:
+                median = _median(sorted(history))
+                mad = _median(sorted(abs(v - median) for v in history))
+                spread = 1.4826 * max(mad, 1e-3 * abs(median), 1e-12)
+                z = (value - median) / spread
+            history.append(value)
+        return z

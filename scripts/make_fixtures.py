@@ -1,0 +1,227 @@
+"""Regenerate the labelled-run corpus: real trainings of our trainer, streamed by the agent to a temporary
+monitor, exported from it, labelled with the divergence rule and written as fixtures.
+
+    python scripts/make_fixtures.py --profile cpu                      # tests/fixtures/runs/*.json.gz
+    python3 scripts/make_fixtures.py --profile gpu --out $OUT/gpu      # on one GPU, <= 8 minutes
+    python scripts/make_fixtures.py --profile cpu --only fog-fp8-ramp  # one run
+
+A `fp8mon serve` on a temporary SQLite file receives the runs (`--monitor-url`); each run is exported
+with monitor.export (fewer statistics, no histogram, values rounded to 5 significant digits, so a fixture
+stays around 100-300 KB gzipped) and labelled by monitor.predictors.divergence. `split` says whether a
+run was used to choose the predictor thresholds ("tune") or held out ("test").
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from monitor.fixtures import FIXTURE_DIR, write_fixture  # noqa: E402
+from monitor.predictors.divergence import RULE, divergence_step  # noqa: E402
+
+# What a fixture keeps of each tensor record (the predictors read a subset of these).
+FIXTURE_STATS = ("numel", "amax", "rms", "kurtosis", "underflow_frac", "overflow_frac", "outlier_frac",
+                 "nonfinite", "scale", "amax_history_max")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    name: str
+    args: tuple[str, ...]
+    split: str  # "tune" | "test"
+    expect: str  # "stable" | "diverging": what the settings were chosen for (the label decides)
+
+
+# CPU: 2 layers x d 64, batch 4 x 64 tokens, statistics every 2 steps. Diverging runs ramp the learning
+# rate linearly (a long warm-up to a peak no model of this size survives), so they break at a step that
+# depends on the ramp's slope, well after step 150.
+CPU_BASE = ("--config", "tiny", "--n-layer", "2", "--d-model", "64", "--n-head", "2", "--d-ff", "192",
+            "--batch-size", "4", "--seq-len", "64", "--device", "cpu", "--threads", "1", "--monitor-every", "2")
+CPU_RUNS = (
+    RunSpec("cpu-fog-fp8-ramp", ("--arch", "fog", "--precision", "fp8", "--lr", "0.12", "--warmup", "600",
+                                 "--steps", "700", "--stop-at", "420"), "tune", "diverging"),
+    RunSpec("cpu-llama-fp8-stable", ("--arch", "llama", "--precision", "fp8", "--lr", "2e-3", "--steps", "400"),
+            "tune", "stable"),
+    RunSpec("cpu-fog-bf16-ramp", ("--arch", "fog", "--precision", "bf16", "--lr", "0.15", "--warmup", "600",
+                                  "--steps", "700", "--stop-at", "450"), "tune", "diverging"),
+    RunSpec("cpu-fog-fp8-delayed-ramp", ("--arch", "fog", "--precision", "fp8", "--fp8-scaling", "delayed",
+                                         "--amax-history", "16", "--lr", "0.15", "--warmup", "600", "--steps",
+                                         "700", "--stop-at", "450"), "tune", "diverging"),
+    RunSpec("cpu-fog-fp8-stable", ("--arch", "fog", "--precision", "fp8", "--lr", "2e-3", "--steps", "400"),
+            "tune", "stable"),
+    RunSpec("cpu-llama-bf16-stable", ("--arch", "llama", "--precision", "bf16", "--lr", "3e-3", "--steps", "400"),
+            "tune", "stable"),
+    RunSpec("cpu-llama-fp8-delayed-stable", ("--arch", "llama", "--precision", "fp8", "--fp8-scaling", "delayed",
+                                             "--amax-history", "16", "--lr", "2e-3", "--steps", "400"),
+            "tune", "stable"),
+    RunSpec("cpu-fog-fp8-delayed-stable", ("--arch", "fog", "--precision", "fp8", "--fp8-scaling", "delayed",
+                                           "--amax-history", "16", "--lr", "2e-3", "--steps", "400"),
+            "tune", "stable"),
+)
+
+# GPU: 4 layers x d 512 (head_dim 128), 16 x 256 tokens per step, statistics every 4 steps (a fixture of
+# 600 steps stays ~250 KB). Stable runs train at a sane lr with the default cosine schedule; the others ramp
+# the lr linearly over 800 steps toward a peak they do not survive, stopped at step 600 (or at a NaN).
+GPU_BASE = ("--device", "cuda", "--monitor-every", "4", "--config", "124m", "--n-layer", "4", "--d-model", "512",
+            "--n-head", "4", "--d-ff", "1024", "--seq-len", "256", "--batch-size", "16")
+
+
+def _gpu_ramp(name: str, arch: str, precision: str, peak: str, *extra: str) -> RunSpec:
+    return RunSpec(name, ("--arch", arch, "--precision", precision, "--lr", peak, "--warmup", "800", "--steps", "900",
+                          "--stop-at", "600", *extra), "test", "diverging")
+
+
+def _gpu_stable(name: str, arch: str, precision: str) -> RunSpec:
+    return RunSpec(name, ("--arch", arch, "--precision", precision, "--lr", "1e-3", "--steps", "600"), "test", "stable")
+
+
+GPU_RUNS = (
+    _gpu_stable("gpu-llama-fp8-stable", "llama", "fp8"),
+    _gpu_stable("gpu-llama-bf16-stable", "llama", "bf16"),
+    _gpu_stable("gpu-fog-fp8-stable", "fog", "fp8"),
+    _gpu_stable("gpu-fog-bf16-stable", "fog", "bf16"),
+    _gpu_ramp("gpu-fog-fp8-ramp", "fog", "fp8", "0.1"),
+    _gpu_ramp("gpu-fog-bf16-ramp", "fog", "bf16", "0.1"),
+    _gpu_ramp("gpu-fog-fp8-delayed-ramp", "fog", "fp8", "0.1", "--fp8-scaling", "delayed", "--amax-history", "16"),
+    _gpu_ramp("gpu-fog-fp8-slow-ramp", "fog", "fp8", "0.05"),
+    _gpu_ramp("gpu-fog-fp8-mid-ramp", "fog", "fp8", "0.07"),
+    _gpu_ramp("gpu-llama-fp8-ramp", "llama", "fp8", "0.3"),
+    _gpu_ramp("gpu-llama-bf16-ramp", "llama", "bf16", "0.3"),
+    _gpu_ramp("gpu-llama-fp8-delayed-ramp", "llama", "fp8", "0.3", "--fp8-scaling", "delayed", "--amax-history", "16"),
+    _gpu_ramp("gpu-llama-fp8-slow-ramp", "llama", "fp8", "0.1"),
+)
+PROFILES = {"cpu": (CPU_BASE, CPU_RUNS), "gpu": (GPU_BASE, GPU_RUNS)}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(db_url: str, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "monitor.cli", "serve", "--database-url", db_url, "--migrate",
+                             "--port", str(port), "--no-access-log", "--log-level", "warning"],
+                            cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"monitor exited with {proc.returncode}; see {log}")
+        try:
+            with urllib.request.urlopen(f"{url}/healthz", timeout=1) as resp:
+                if resp.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("monitor did not come up")
+
+
+def train(spec: RunSpec, base: tuple[str, ...], url: str, tmp: Path,
+          timeout: float) -> tuple[RunSpec, list[str], int, float]:
+    """One training with the agent attached; (spec, trainer argv, exit code (-1: timed out), seconds)."""
+    argv = [*base, *spec.args, "--run-name", spec.name, "--monitor-url", url, "--no-progress", "--log-every", "10",
+            "--monitor-spool", str(tmp / "spool" / spec.name)]
+    t0 = time.monotonic()
+    with (tmp / f"{spec.name}.log").open("wb") as log:
+        try:
+            rc = subprocess.run([sys.executable, "-m", "trainer.train", *argv], cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = -1
+    return spec, argv, rc, time.monotonic() - t0
+
+
+def rounded(value, digits: int = 5):
+    if isinstance(value, float) and value == value and value not in (float("inf"), float("-inf")):
+        return float(f"{value:.{digits}g}")
+    if isinstance(value, list):
+        return [rounded(v, digits) for v in value]
+    if isinstance(value, dict):
+        return {k: rounded(v, digits) for k, v in value.items()}
+    return value
+
+
+def fixture_of(store, spec: RunSpec, argv: list[str], profile: str) -> dict:
+    from monitor.export import export_run
+
+    batches = export_run(store, spec.name, steps_per_batch=10, stats=FIXTURE_STATS, hist=False)
+    for batch in batches:
+        for block in ("tensors", "scalars"):
+            if block in batch:
+                batch[block] = rounded(batch[block])
+    losses = []
+    for batch in batches:
+        s = batch.get("scalars")
+        if s:
+            losses += [(st, v) for st, n, v, r in zip(s["step"], s["name"], s["value"], s["rank"])
+                       if n == "loss" and r in (0, -1) and v is not None]
+    step = divergence_step(losses)
+    return {"name": spec.name, "profile": profile, "split": spec.split, "expect": spec.expect,
+            "config": {"trainer_args": argv[:argv.index("--run-name")]},
+            "labels": {"diverged": step is not None, "divergence_step": step, "rule": RULE},
+            "batches": batches}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="cpu")
+    parser.add_argument("--out", help="output directory (default: tests/fixtures/runs, gpu/ for the gpu profile)")
+    parser.add_argument("--only", action="append", help="run only these names (repeatable)")
+    parser.add_argument("--jobs", type=int, help="trainings at once (default: 2 cpu, 4 gpu)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per training before it is stopped")
+    args = parser.parse_args(argv)
+
+    from monitor.store import Store
+
+    base, runs = PROFILES[args.profile]
+    if args.only:
+        runs = tuple(r for r in runs if r.name in args.only)
+    jobs = args.jobs or (4 if args.profile == "gpu" else 2)
+    out = Path(args.out) if args.out else (FIXTURE_DIR / "gpu" if args.profile == "gpu" else FIXTURE_DIR)
+    failed = []
+    with tempfile.TemporaryDirectory(prefix="fp8mon-fixtures-") as tmpdir:
+        tmp = Path(tmpdir)
+        db_url = f"sqlite:///{tmp / 'monitor.db'}"
+        server, url = start_server(db_url, tmp / "server.log")
+        store = Store(db_url)
+        try:
+            with ThreadPoolExecutor(max(1, jobs)) as pool:
+                futures = [pool.submit(train, spec, base, url, tmp, args.timeout) for spec in runs]
+                for future in as_completed(futures):  # export each run as soon as it ends
+                    spec, argv_, rc, seconds = future.result()
+                    print(f"{spec.name}: trainer exit {rc} in {seconds:.0f} s", flush=True)
+                    if rc not in (0, 3):
+                        print((tmp / f"{spec.name}.log").read_text()[-3000:], file=sys.stderr, flush=True)
+                        failed.append(spec.name)
+                        continue
+                    data = fixture_of(store, spec, argv_, args.profile)
+                    size = write_fixture(out / f"{spec.name}.json.gz", data)
+                    labels = data["labels"]
+                    verdict = (f"diverged at step {labels['divergence_step']}" if labels["diverged"] else "stable")
+                    print(f"{spec.name}: {verdict} (chosen as {spec.expect}), last step "
+                          f"{data['batches'][-1]['scalars']['step'][-1]}, {size / 1024:.0f} KiB", flush=True)
+        finally:
+            store.close()
+            server.terminate()
+            server.wait(30)
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,339 @@
+"""The divergence predictors on synthetic streams (each signal, batching invariance, speed of the
+non-finite path), the divergence rule, and the replay of the CPU labelled-run fixtures."""
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from monitor.alerting.lifecycle import ESCALATED, FIRED, AlertTracker
+from monitor.fixtures import fixture_paths, load_fixture
+from monitor.predictors import PredictorParams, RunPredictor, divergence_step
+from monitor.predictors.divergence import MARGIN, M
+from monitor.schemas import IngestBatch
+
+LAYERS = [f"blocks.{i}.{m}" for i in range(4) for m in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")]
+SITES = ("input", "weight", "output", "grad_output", "grad_weight")
+
+
+def healthy(step, layer, site, rng):
+    """Statistics of a well-behaved tensor: kurtosis ~3, a little noise, current scaling."""
+    amax = 4.0 * (1 + 0.02 * rng.standard_normal())
+    fmax = 448.0 if site in ("input", "weight") else 57344.0
+    return {"numel": 4096, "amax": amax, "rms": 1.0, "kurtosis": 3.0 * (1 + 0.03 * rng.standard_normal()),
+            "underflow_frac": 0.01 * (1 + 0.05 * rng.standard_normal()), "overflow_frac": 0.0, "nonfinite": 0,
+            "scale": None if site == "output" else fmax / amax, "amax_history_max": None}
+
+
+def stream(steps, tensor_fn=healthy, scalar_fn=None, every=1, seed=0, layers=LAYERS):
+    """One wire batch dict per step: tensors on reporting steps, loss/grad_norm on every step."""
+    rng = np.random.default_rng(seed)
+    scalar_fn = scalar_fn or (lambda step, rng: {"loss": 3.0 + 0.05 * rng.standard_normal(),
+                                                 "grad_norm": 1.0 + 0.05 * rng.standard_normal()})
+    batches = []
+    for step in range(steps):
+        batch = {"version": 1, "batch_id": f"b{step}", "run": "synthetic"}
+        if step % every == 0:
+            names = layers(step) if callable(layers) else layers
+            keys = [(layer, site) for layer in names for site in SITES]
+            records = [tensor_fn(step, layer, site, rng) for layer, site in keys]
+            batch["tensors"] = {"step": step, "layer": [k[0] for k in keys], "site": [k[1] for k in keys],
+                                "stats": {name: [r[name] for r in records] for name in records[0]}}
+        scalars = scalar_fn(step, rng)
+        batch["scalars"] = {"step": step, "name": list(scalars), "value": list(scalars.values())}
+        batches.append(batch)
+    return batches
+
+
+def merge(batches):
+    """Several one-step batch dicts as one batch of several steps (columns concatenated, steps as lists)."""
+    out = {"version": 1, "batch_id": batches[0]["batch_id"] + "+", "run": batches[0]["run"]}
+    tensors = [b["tensors"] for b in batches if "tensors" in b]
+    if tensors:
+        out["tensors"] = {"step": [t["step"] for t in tensors for _ in t["layer"]],
+                          "layer": [x for t in tensors for x in t["layer"]],
+                          "site": [x for t in tensors for x in t["site"]],
+                          "stats": {k: [x for t in tensors for x in t["stats"][k]] for k in tensors[0]["stats"]}}
+    scalars = [b["scalars"] for b in batches]
+    out["scalars"] = {"step": [s["step"] for s in scalars for _ in s["name"]],
+                      "name": [x for s in scalars for x in s["name"]],
+                      "value": [x for s in scalars for x in s["value"]]}
+    return out
+
+
+def replay(batches, params=None):
+    predictor = RunPredictor(batches[0]["run"] if batches else "synthetic", params=params)
+    return [a for b in batches for a in predictor.observe(IngestBatch.model_validate(b))]
+
+
+def first_fired(assessments, rule=None):
+    """(step, alert) of the first alert of severity warning/critical that fires (optionally of one rule)."""
+    tracker = AlertTracker()
+    for a in assessments:
+        for event in tracker.update(a.run, a.step, a.findings):
+            if event.kind in (FIRED, ESCALATED) and event.alert.severity in ("warning", "critical") \
+                    and (rule is None or event.alert.rule == rule):
+                return a.step, event.alert
+    return None, None
+
+
+def test_a_flat_healthy_stream_has_no_risk_and_no_findings():
+    assessments = replay(stream(300))
+    assert [a.step for a in assessments] == list(range(300))
+    assert max(a.risk for a in assessments) < 0.05
+    assert not [f for a in assessments for f in a.findings]
+    assert assessments[-1].gauges["worst_kurtosis"] == pytest.approx(3.0, rel=0.2)
+    assert set(assessments[-1].gauges) >= {"worst_kurtosis", "worst_underflow_frac", "worst_overflow_frac", "loss",
+                                           "grad_norm"}
+
+
+def test_a_kurtosis_ramp_fires_kurtosis_growth_naming_the_layer():
+    def ramp(step, layer, site, rng):
+        stats = healthy(step, layer, site, rng)
+        if layer == "blocks.2.mlp.fc2" and site == "output" and step > 100:
+            stats["kurtosis"] *= math.exp(0.04 * (step - 100))  # doubles every ~17 steps
+        return stats
+
+    assessments = replay(stream(300, ramp, every=2))
+    step, alert = first_fired(assessments)
+    assert alert is not None and alert.rule == "kurtosis_growth"
+    assert (alert.layer, alert.site) == ("blocks.2.mlp.fc2", "output")
+    assert 100 < step < 220
+    at = next(a for a in assessments if a.step == step)
+    assert at.culprits[0]["layer"] == "blocks.2.mlp.fc2" and at.risk >= 0.5
+    assert at.steps_to_divergence is not None and at.steps_to_divergence > 0
+
+
+def test_a_nan_fires_a_critical_nonfinite_finding_at_once_naming_the_first_layer_and_site():
+    def nan_late(step, layer, site, rng):
+        stats = healthy(step, layer, site, rng)
+        if step >= 150 and layer in ("blocks.1.mlp.fc1", "blocks.3.attn.qkv") and site == "grad_output":
+            stats.update(kurtosis=float("nan"), nonfinite=7)
+        return stats
+
+    assessments = replay(stream(200, nan_late))
+    step, alert = first_fired(assessments)
+    assert step == 150 and alert.rule == "nonfinite" and alert.severity == "critical"
+    assert (alert.layer, alert.site) == ("blocks.1.mlp.fc1", "grad_output")
+    at = assessments[150]
+    assert at.risk == 1.0 and at.steps_to_divergence == 0
+    assert [f.for_steps for f in at.findings if f.rule == "nonfinite"] == [0]
+
+
+def test_a_nan_loss_alone_is_nonfinite_too():
+    scalars = lambda step, rng: {"loss": float("nan") if step == 120 else 3.0, "grad_norm": 1.0}  # noqa: E731
+    step, alert = first_fired(replay(stream(130, scalar_fn=scalars)), rule="nonfinite")
+    assert step == 120 and alert.layer is None and alert.severity == "critical"
+
+
+def test_a_loss_spike_fires_loss_spike():
+    def spike(step, rng):
+        return {"loss": 3.0 + 0.05 * rng.standard_normal() + (2.0 if 150 <= step < 160 else 0.0),
+                "grad_norm": 1.0 + 0.05 * rng.standard_normal()}
+
+    assessments = replay(stream(200, scalar_fn=spike))
+    step, alert = first_fired(assessments)
+    assert alert.rule == "loss_spike" and 150 <= step <= 155
+    assert not [f for a in assessments[:150] for f in a.findings]
+
+
+def test_a_slowly_rising_loss_fires_loss_drift_long_before_the_divergence_rule():
+    def creep(step, rng):  # falls to 2.5, then climbs 0.004 nat/step: 1 nat above the minimum at step ~450
+        base = 3.0 - 0.5 * min(step, 200) / 200 + 0.004 * max(0, step - 200)
+        return {"loss": base + 0.05 * rng.standard_normal(), "grad_norm": 1.0}
+
+    assessments = replay(stream(520, scalar_fn=creep))
+    step, alert = first_fired(assessments)
+    label = divergence_step([(a.step, a.gauges["loss"]) for a in assessments])
+    assert alert.rule == "loss_drift" and label is not None and label - step >= 100
+
+
+def test_amax_drifting_to_saturation_under_delayed_scaling_counts_down_to_overflow():
+    history_max = 100.0
+
+    def drift(step, layer, site, rng):
+        stats = healthy(step, layer, site, rng)
+        if site != "output":
+            fmax = 448.0 if site in ("input", "weight") else 57344.0
+            amax = 25.0 * (1 + 0.01 * rng.standard_normal())
+            if layer == "blocks.0.attn.qkv" and site == "input":
+                amax = 25.0 * 2 ** (0.01 * step)  # closes 2 binades of headroom in 200 steps
+            stats.update(amax=amax, amax_history_max=history_max, scale=fmax / history_max)
+        return stats
+
+    assessments = replay(stream(200, drift))
+    step = next(a.step for a in assessments if a.findings)
+    named = {(f.rule, f.layer, f.site) for a in assessments for f in a.findings}
+    assert named == {("amax_saturation", "blocks.0.attn.qkv", "input")}  # an info finding: no page yet
+    assert assessments[step].culprits[0]["layer"] == "blocks.0.attn.qkv"
+    estimates = [a.steps_to_divergence for a in assessments[step:190]]
+    assert all(e is not None and math.isfinite(e) for e in estimates)
+    assert estimates[-1] < estimates[0]  # counts down as the overflow nears
+    assert abs(assessments[100].steps_to_divergence - 100) < 30  # the amax reaches the history max at step 200
+
+
+def test_overflow_already_happening_is_a_finding():
+    def stale(step, layer, site, rng):
+        stats = healthy(step, layer, site, rng)
+        if site == "weight":
+            stats.update(amax_history_max=4.0, scale=448.0 / 4.0,
+                         overflow_frac=0.2 if (layer == "blocks.3.mlp.fc1" and step >= 50) else 0.0)
+        return stats
+
+    step, alert = first_fired(replay(stream(120, stale)))
+    assert alert.rule == "amax_saturation" and alert.layer == "blocks.3.mlp.fc1" and alert.severity == "critical"
+    assert 50 <= step <= 50 + PredictorParams().saturation_for_steps
+
+
+def test_underflow_rising_is_a_finding():
+    def flush(step, layer, site, rng):
+        stats = healthy(step, layer, site, rng)
+        if layer == "blocks.1.attn.proj" and site == "grad_output" and step > 100:
+            stats["underflow_frac"] = 0.01 + 0.002 * (step - 100)
+        return stats
+
+    step, alert = first_fired(replay(stream(250, flush)))
+    assert alert.rule == "underflow_rise" and (alert.layer, alert.site) == ("blocks.1.attn.proj", "grad_output")
+
+
+def test_attention_max_logit_growth_is_a_finding():
+    def logits(step, rng):
+        return {"loss": 3.0, "grad_norm": 1.0, "attn_max_logit": 10.0 * (1.0 if step < 100 else 1.03 ** (step - 100))}
+
+    step, alert = first_fired(replay(stream(250, scalar_fn=logits)))
+    assert alert.rule == "attn_logit_growth" and 150 < step < 250
+
+
+def test_gradient_kurtosis_growth_is_only_info():
+    def ramp(step, layer, site, rng):
+        stats = healthy(step, layer, site, rng)
+        if layer == "blocks.2.mlp.fc2" and site == "grad_output" and step > 100:
+            stats["kurtosis"] *= math.exp(0.04 * (step - 100))
+        return stats
+
+    assessments = replay(stream(300, ramp, every=2))
+    assert first_fired(assessments) == (None, None)
+    assert any(f.rule == "kurtosis_growth" and f.site == "grad_output" and f.severity == "info"
+               for f in assessments[-1].findings)
+
+
+def test_splitting_batches_differently_gives_the_same_assessments():
+    def ramp(step, layer, site, rng):
+        stats = healthy(step, layer, site, rng)
+        if layer == "blocks.0.mlp.fc1" and step > 60:
+            stats["kurtosis"] *= 1.03 ** (step - 60)
+        return stats
+
+    one_by_one = stream(160, ramp, every=2)
+    merged = [merge(one_by_one[i:i + 7]) for i in range(0, len(one_by_one), 7)]
+    whole = [merge(one_by_one)]
+    a, b, c = replay(one_by_one), replay(merged), replay(whole)
+    assert [x.step for x in a] == [x.step for x in b] == [x.step for x in c] == list(range(160))
+    for x, y, z in zip(a, b, c):
+        assert dataclasses.asdict(x) == dataclasses.asdict(y) == dataclasses.asdict(z)
+    assert any(x.findings for x in a)
+
+
+def test_rank_minus_one_is_preferred_and_other_ranks_ignored():
+    batches = stream(40)
+    for b in batches:
+        t = b["tensors"]
+        n = len(t["layer"])
+        bad = {k: list(v) for k, v in t["stats"].items()}
+        bad["nonfinite"] = [5] * n  # rank 1 saw NaN: not this predictor's concern, rank 0 did not
+        merged = {k: v + bad[k] for k, v in t["stats"].items()}
+        b["tensors"] = {"step": t["step"], "layer": t["layer"] * 2, "site": t["site"] * 2,
+                        "rank": [0] * n + [1] * n, "stats": merged}
+    assert not [f for a in replay(batches) for f in a.findings]
+    for b in batches:  # now the reduced records carry the NaN and rank 0 does not: rank -1 wins
+        b["tensors"]["rank"] = [0] * (len(b["tensors"]["layer"]) // 2) + [-1] * (len(b["tensors"]["layer"]) // 2)
+    assert all(any(f.rule == "nonfinite" for f in a.findings) for a in replay(batches))
+
+
+def test_a_layer_appearing_late_and_nulls_are_tolerated():
+    def grows(step):
+        return LAYERS[:4] if step < 50 else LAYERS
+
+    def with_nulls(step, layer, site, rng):
+        stats = healthy(step, layer, site, rng)
+        if site == "output":
+            stats.update(underflow_frac=None, overflow_frac=None, kurtosis=None)
+        return stats
+
+    assessments = replay(stream(120, with_nulls, layers=grows))
+    assert len(assessments) == 120 and not [f for a in assessments for f in a.findings]
+
+    # a layer whose first record carries only amax, then the usual records again
+    later = [dict(b, tensors=dict(b["tensors"], step=b["tensors"]["step"] + 81),
+                  scalars=dict(b["scalars"], step=b["scalars"]["step"] + 81)) for b in stream(30)]
+    odd = {"version": 1, "batch_id": "odd", "run": "synthetic",
+           "tensors": {"step": 80, "layer": ["late.layer"], "site": ["input"], "stats": {"amax": [1.0]}}}
+    assessments = replay(stream(80) + [odd] + later)
+    assert [a.step for a in assessments] == list(range(111)) and assessments[-1].risk < 0.05
+
+
+def test_late_steps_are_not_evaluated_twice():
+    batches = stream(30)
+    predictor = RunPredictor("synthetic")
+    steps = [a.step for b in batches + batches[10:12] for a in predictor.observe(IngestBatch.model_validate(b))]
+    assert steps == list(range(30)) and predictor.late_steps == 2
+
+
+def test_a_step_of_100_layers_by_5_sites_takes_well_under_a_millisecond():
+    import time
+
+    layers = [f"blocks.{i}.x" for i in range(100)]
+    batches = [IngestBatch.model_validate(b) for b in stream(150, layers=layers)]
+    predictor = RunPredictor("synthetic")
+    for b in batches[:50]:
+        predictor.observe(b)
+    t0 = time.perf_counter()
+    for b in batches[50:]:
+        predictor.observe(b)
+    per_step = (time.perf_counter() - t0) / 100
+    assert per_step < 5e-3, f"{per_step * 1e3:.2f} ms per step"  # bench/predict.py measures it; slack for loaded CI
+
+
+# -- the divergence rule ---------------------------------------------------------------------------
+
+def test_divergence_rule_non_finite_loss():
+    assert divergence_step([(0, 3.0), (1, 2.5), (2, float("nan")), (3, 2.0)]) == 2
+
+
+def test_divergence_rule_needs_m_consecutive_steps_above_the_margin():
+    losses = [(s, 3.0 - 0.01 * s) for s in range(100)]  # minimum 2.01 at step 99
+    high = 2.01 + MARGIN + 0.1
+    blip = losses + [(100 + s, high) for s in range(M - 1)] + [(100 + M - 1, 2.2)]
+    assert divergence_step(blip) is None
+    blowup = losses + [(100 + s, high) for s in range(M)]
+    assert divergence_step(blowup) == 100
+    assert divergence_step(losses + [(100 + s, 2.01 + MARGIN - 0.05) for s in range(50)]) is None
+
+
+# -- the labelled CPU runs ----------------------------------------------------------------------------
+
+CPU_FIXTURES = fixture_paths(profile="cpu")
+
+
+def test_the_cpu_corpus_has_stable_and_diverging_runs_with_room_for_a_100_step_lead():
+    fixtures = [load_fixture(p) for p in CPU_FIXTURES]
+    diverging = [f for f in fixtures if f.diverged]
+    assert len(diverging) >= 2 and len(fixtures) - len(diverging) >= 2
+    assert all(f.divergence_step >= 150 for f in diverging)
+    for f in fixtures:  # the stored label is the rule applied to the stored losses
+        assert f.divergence_step == divergence_step(f.losses())
+
+
+@pytest.mark.parametrize("path", CPU_FIXTURES, ids=[p.name.split(".")[0] for p in CPU_FIXTURES])
+def test_replaying_a_cpu_run_alerts_before_divergence_and_never_on_a_stable_run(path):
+    fixture = load_fixture(path)
+    assessments = replay(fixture.batches)
+    step, alert = first_fired(assessments)
+    if fixture.diverged:
+        assert step is not None and step < fixture.divergence_step, (step, fixture.divergence_step)
+        assert next(a.step for a in assessments if a.risk >= 0.5) < fixture.divergence_step
+        assert assessments[-1].risk == 1.0
+    else:
+        assert alert is None, alert
+        assert max(a.risk for a in assessments) < 0.5  # what Prometheus's risk rules read
