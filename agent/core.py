@@ -14,6 +14,17 @@ packed ``[slots, WIDTH]`` buffer (``pack.StepPack``), optionally all-gathers it 
 collector thread waits for the event and builds the wire blocks. Nothing on the training thread reads a
 device value. Any exception inside the agent is logged once per kind, counted in ``errors``, and training
 goes on.
+
+Statistics backends (``stats_backend``, or $FP8MON_STATS_BACKEND when "auto"): "triton" computes every
+row with the one-pass kernel of ``triton_stats`` (CUDA; the CPU only under TRITON_INTERPRET=1): the tensors
+a forward hook sees (input, output, weight) in one launch that writes straight into the step buffer, a
+gradient in one launch each. "torch" is ``device_stats.partials``. "auto" takes Triton on CUDA when it is
+installed. On the Triton path outliers are counted against the previous reporting step's mean and std of
+the same (layer, site) (none before the first one), the kernel's single read cannot know this tensor's
+own; the torch path counts them against the tensor's own mean and std. Layers that compute their
+statistics in their own kernels (``fp8mon_reported_sites`` plus an ``fp8mon_stats`` attribute: the
+trainer's ``Fp8Linear``, whose quantize kernels emit the rows of input, weight and grad_output from the
+read they do for the FP8 cast) get a ``FusedLink`` in ``fp8mon_stats``; no hook reads those sites.
 """
 
 from __future__ import annotations
@@ -29,10 +40,11 @@ from torch import nn
 
 from . import device_stats as ds
 from . import distributed
+from . import triton_stats as ts
 from .collector import Collector, Job
 from .formats import Fp8Format, by_name
 from .hooks import LayerHooks, select_modules
-from .pack import AmaxHistory, Slots, StepPack
+from .pack import AmaxHistory, Slots, StepPack, _grown
 from .stats import Moments
 from . import wire
 from .wire import SITES
@@ -60,7 +72,9 @@ class Agent:
     "delayed": s = max/max(amax history)/2**margin with a per-tensor device history of
     ``amax_history_len`` steps), ``outlier_k``, ``hist`` (log2 histogram), ``reduce_ranks`` (merge all
     ranks' statistics, rank 0 sends them as rank -1), ``group`` (process group), ``config``/``tags``
-    (run metadata), ``spool_dir`` and further keyword arguments for the ``Transport``.
+    (run metadata), ``spool_dir`` and further keyword arguments for the ``Transport``. ``stats_backend``
+    ("auto" | "triton" | "torch", see the module docstring); ``fused=False`` hooks every site even of layers
+    that could report their own (a reference for the fused path).
     """
 
     def __init__(self, url: str | None = None, run: str | None = None, *, token: str | None = None,
@@ -69,7 +83,7 @@ class Agent:
                  amax_history_len: int = 1024, margin: float = 0, outlier_k: float = 6.0, hist: bool = True,
                  reduce_ranks: bool = False, group=None, config: dict | None = None,
                  tags: dict[str, str] | None = None, spool_dir: str | os.PathLike | None = None,
-                 transport=None, **transport_options):
+                 transport=None, stats_backend: str = "auto", fused: bool = True, **transport_options):
         if int(every) < 1:
             raise ValueError("every must be >= 1")
         self.sites = tuple(s for s in SITES if s in set(sites))
@@ -90,6 +104,12 @@ class Agent:
         self.reduce = bool(reduce_ranks) and self.world > 1
         self.errors = 0
         self.last_error: str | None = None
+        backend = os.environ.get("FP8MON_STATS_BACKEND", stats_backend) if stats_backend == "auto" else stats_backend
+        if backend not in ("auto", "triton", "torch"):
+            raise ValueError("stats_backend must be 'auto', 'triton' or 'torch'")
+        self.stats_backend = backend
+        self.fused = bool(fused)
+        self._centers: torch.Tensor | None = None  # [slots, 2] fp64: previous reporting step's (mean, std)
 
         self._slots = Slots()
         self._pack = StepPack(self._slots)
@@ -140,9 +160,16 @@ class Agent:
         for name, module in select_modules(model, self.modules, prefix):
             if len(name) > _MAX_LAYER:
                 raise ValueError(f"layer name longer than {_MAX_LAYER} characters: {name[:60]}...")
-            hooks = LayerHooks(name, module, self.sites, self)
+            fused = self.fused and hasattr(module, "fp8mon_stats")
+            # fused=False (the reference for fused layers): hooks read every site of a fused-capable layer
+            reference = not self.fused and hasattr(module, "fp8mon_stats")
+            hooks = LayerHooks(name, module, self.sites, self, skip=() if reference else None)
             for site in hooks.sites:
                 self._slots.get(name, site)
+            if fused:
+                module.fp8mon_stats = FusedLink(self, name, tuple(s for s in self.sites if s not in hooks.sites))
+            elif hasattr(module, "fp8mon_stats"):
+                module.fp8mon_stats = None
             self._layers.append(hooks)
         probe = next(model.parameters(), None)
         if probe is not None:
@@ -220,6 +247,8 @@ class Agent:
         self._closed = True
         for hooks in self._layers:
             hooks.remove()
+            if isinstance(getattr(hooks.module, "fp8mon_stats", None), FusedLink):
+                hooks.module.fp8mon_stats = None
         try:
             if not self.reduce and self._pack.written:
                 self._end(self._step, {})
@@ -266,6 +295,8 @@ class Agent:
             elif self._pack.written:
                 rows = self._pack.take(self._device())
             self._pack.open = False
+            if rows is not None and self._centers is not None:
+                self._update_centers(rows)
         if self._history is not None:
             self._history.roll()
         self._ship(step, rows, values)
@@ -314,24 +345,97 @@ class Agent:
         return self.reporting or self._history is not None
 
     def observe(self, layer: str, site: str, x: torch.Tensor, once: bool = False, replace: bool = False) -> None:
-        try:
-            slot = self._slots.get(layer, site)
-            if once:
-                if slot in self._seen:
-                    return
-                self._seen.add(slot)
-            fmt = self.formats.get(site)
-            scale, ahm, emulated = self._scale_for(layer, site, slot, fmt, x.device)
-            if self.reporting:
+        self.observe_many(layer, [(site, x, once, replace)])
+
+    def observe_many(self, layer: str, items) -> None:
+        """Tensors of one layer, ``(site, tensor, once, replace)`` each: on the Triton path one launch.
+        A failure is counted (and logged once) per site, as if each had been observed alone."""
+        todo = []
+        for site, x, once, replace in items:
+            try:
+                slot = self._slots.get(layer, site)
+                if once:
+                    if slot in self._seen:
+                        continue
+                    self._seen.add(slot)
+                fmt = self.formats.get(site)
+                scale, ahm, emulated = self._scale_for(layer, site, slot, fmt, x.device)
+                if not self.reporting:
+                    if emulated:
+                        self._history.observe(slot, ds.amax(x))
+                    continue
+                todo.append((slot, x, fmt, scale, ahm, emulated, replace, site))
+            except Exception as exc:
+                self._error(f"hook {site}", exc)
+        if not todo:
+            return
+        if self._triton_for(todo[0][1]) and all(t[1].device == todo[0][1].device for t in todo):
+            try:
+                self._observe_triton(todo)
+            except Exception as exc:
+                for t in todo:
+                    self._error(f"hook {t[7]}", exc)
+            return
+        for slot, x, fmt, scale, ahm, emulated, replace, site in todo:
+            try:
                 row = ds.partials(x, fmt=fmt, scale=scale, amax_history_max=ahm, outlier_k=self.outlier_k,
                                   hist=self.hist)
                 self._pack.add(slot, row, replace=replace)
                 if emulated:
                     self._history.observe(slot, row[ds.AMAX])
-            elif emulated:
-                self._history.observe(slot, ds.amax(x))
-        except Exception as exc:
-            self._error(f"hook {site}", exc)
+            except Exception as exc:
+                self._error(f"hook {site}", exc)
+
+    def _triton_for(self, x: torch.Tensor) -> bool:
+        if self.stats_backend == "torch" or not ts.supports(x):
+            return False
+        if self.stats_backend == "auto" and x.device.type != "cuda":
+            return False
+        return ts.available(x.device)
+
+    def _claim(self, slots: list[int], replace: list[bool], device) -> tuple[torch.Tensor, list[bool], torch.Tensor]:
+        """The step buffer on ``device`` grown to every slot, whether each slot's row is merged into
+        (already written this step, and not replaced), and the outlier centers; marks the slots written."""
+        pack = self._pack
+        with pack._lock:
+            pack.rows = _grown(pack.rows, len(self._slots), device, ds.empty)
+            merge = [s in pack.written and not r for s, r in zip(slots, replace)]
+            pack.written.update(slots)
+            self._centers = _grown(self._centers, len(self._slots), device, _no_centers)
+            return pack.rows, merge, self._centers
+
+    def _observe_triton(self, todo) -> None:
+        slots = [t[0] for t in todo]
+        device = todo[0][1].device
+        rows, merge, centers = self._claim(slots, [t[6] for t in todo], device)
+        ts.rows([t[1] for t in todo], fmt=[t[2] for t in todo], scale=[t[3] for t in todo],
+                center=[centers[s] for s in slots], outlier_k=self.outlier_k,
+                amax_history_max=[t[4] for t in todo], hist=self.hist, out=rows, index=slots, merge=merge)
+        for slot, x, fmt, scale, ahm, emulated, replace, site in todo:
+            if emulated:
+                self._history.observe(slot, rows[slot, ds.AMAX])
+
+    def _update_centers(self, rows: torch.Tensor) -> None:
+        """The reporting step's (mean, std) per slot become the next steps' outlier centers (device ops)."""
+        k = min(rows.shape[0], self._centers.shape[0])
+        r = rows[:k].to(self._centers.device)
+        n = r[:, ds.N]
+        new = torch.stack([r[:, ds.MEAN], (r[:, ds.M2] / n.clamp(min=1)).sqrt()], 1)
+        seen = (r[:, ds.PARTS] > 0) & (n > 0)
+        self._centers[:k] = torch.where(seen.unsqueeze(1), new, self._centers[:k])
+
+    def fused_target(self, layer: str, site: str, device) -> "ts.Target | None":
+        """Where a layer's kernel writes the row of ``site`` this step (None: nothing to compute). The slot
+        is claimed: call it only right before the kernel that writes it."""
+        if not self.reporting or site not in self.sites:
+            return None
+        slot = self._slots.get(layer, site)
+        if site == "weight":
+            if slot in self._seen:
+                return None
+            self._seen.add(slot)
+        rows, merge, centers = self._claim([slot], [False], device)
+        return ts.Target(rows, slot, merge[0], centers[slot], self.outlier_k, self.hist, None)
 
     def grad_hook(self, layer: str) -> Callable[[torch.Tensor], None]:
         token = self._token
@@ -368,3 +472,50 @@ class Agent:
             self._logged.add(key)
             log.error("fp8mon agent: %s failed (%r); training continues, further such errors are only counted",
                       where, exc, exc_info=exc)
+
+
+def _no_centers(k: int, device) -> torch.Tensor:
+    return torch.full((k, 2), float("nan"), dtype=torch.float64, device=device)
+
+
+class FusedLink:
+    """What the agent puts in a self-reporting layer's ``fp8mon_stats``: the sites it reports, and
+
+    * ``target(site, device)``: a ``triton_stats.Target`` for the layer's kernel (None: not this step);
+    * ``wants(site)`` / ``report(site, row)``: for a layer without such kernels (e.g. on the CPU), which
+      computes a ``device_stats`` row itself and hands it over.
+    """
+
+    def __init__(self, agent: Agent, layer: str, sites: tuple[str, ...]):
+        self.agent, self.layer, self.sites = agent, layer, sites
+
+    def target(self, site: str, device) -> "ts.Target | None":
+        if site not in self.sites:
+            return None
+        try:
+            return self.agent.fused_target(self.layer, site, device)
+        except Exception as exc:
+            self.agent._error("fused target", exc)
+            return None
+
+    def wants(self, site: str) -> bool:
+        agent = self.agent
+        if site not in self.sites or not agent.reporting:
+            return False
+        if site == "weight":
+            slot = agent._slots.get(self.layer, site)
+            if slot in agent._seen:
+                return False
+            agent._seen.add(slot)
+        return True
+
+    @property
+    def outlier_k(self) -> float:
+        return self.agent.outlier_k
+
+    @property
+    def hist(self) -> bool:
+        return self.agent.hist
+
+    def report(self, site: str, row: torch.Tensor) -> None:
+        self.agent.report(self.layer, site, row)

@@ -83,10 +83,13 @@ def partials(
     amax_history_max=None,
     outlier_k: float = 6.0,
     hist: bool = True,
+    outlier_center=None,
 ) -> torch.Tensor:
     """One row (shape ``[WIDTH]``, fp64, on ``x.device``) equal to ``Moments.from_tensor`` with the same
     arguments. ``scale`` and ``amax_history_max`` may be numbers or (device) tensors; ``fmt`` without
     ``scale`` uses the delayed scale of ``amax_history_max`` when given (margin 0), else current scaling.
+    ``outlier_center`` = (mean, std) (numbers or an fp64 tensor of 2) counts outliers against that center
+    instead of this tensor's own mean/std, as the Triton path (``triton_stats``) does; a NaN std counts none.
     """
     if fmt is None and scale is not None:
         raise ValueError("a scale needs an FP8 format (fmt='e4m3' or 'e5m2')")
@@ -111,8 +114,14 @@ def partials(
     d2 = d * d
     m2, m3, m4 = _dot(d, d), _dot(d2, d), _dot(d2, d2)
     amax32 = a32.amax() if numel else torch.zeros((), dtype=torch.float32, device=dev)
-    # with n == 0 the limit is 0 and every |d| is 0: no outlier, as the oracle's NaN limit gives
-    outliers = (d.abs_() > outlier_k * (m2 / n1).sqrt()).sum()
+    if outlier_center is None:
+        # with n == 0 the limit is 0 and every |d| is 0: no outlier, as the oracle's NaN limit gives
+        outliers = (d.abs_() > outlier_k * (m2 / n1).sqrt()).sum()
+    else:
+        c = outlier_center
+        c_mean, c_std = (c[0], c[1]) if not isinstance(c, torch.Tensor) else (c.reshape(2)[0], c.reshape(2)[1])
+        c_mean, c_std = _f64(c_mean, dev), _f64(c_std, dev)
+        outliers = (((x32.to(torch.float64) - c_mean).abs() > outlier_k * c_std) & fin).sum()
 
     if fmt is None:
         under = over = s = _f64(NAN, dev)

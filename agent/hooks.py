@@ -56,14 +56,15 @@ class Sink:
 
     def active(self) -> bool: ...
     def observe(self, layer: str, site: str, x: torch.Tensor, once: bool = False, replace: bool = False) -> None: ...
+    # optional: observe_many(layer, [(site, tensor, once, replace), ...]), several tensors at once
     def grad_hook(self, layer: str) -> Callable[[torch.Tensor], None] | None: ...
 
 
 class LayerHooks:
     """The hooks of one watched layer; ``install``/``remove`` are idempotent."""
 
-    def __init__(self, name: str, module: nn.Module, sites: Iterable[str], sink: Sink):
-        skip = set(getattr(module, "fp8mon_reported_sites", ()))
+    def __init__(self, name: str, module: nn.Module, sites: Iterable[str], sink: Sink, skip: Iterable[str] | None = None):
+        skip = set(getattr(module, "fp8mon_reported_sites", ()) if skip is None else skip)
         self.name, self.module, self.sink = name, module, sink
         self.sites = tuple(s for s in SITES if s in set(sites) and s not in skip)
         self._handles: list = []
@@ -95,13 +96,21 @@ class LayerHooks:
             return  # evaluation passes between two steps are not training statistics
         x = _first_tensor(args[0] if args else kwargs.get("input"))
         y = _first_tensor(output)
+        items = []  # one call: the agent computes them in one launch
         if x is not None and "input" in sites:
-            sink.observe(name, "input", x)
+            items.append(("input", x, False, False))
         if y is not None and "output" in sites:
-            sink.observe(name, "output", y)
+            items.append(("output", y, False, False))
         weight = getattr(module, "weight", None)
         if isinstance(weight, torch.Tensor) and "weight" in sites:
-            sink.observe(name, "weight", weight, once=True)
+            items.append(("weight", weight, True, False))
+        if items:
+            many = getattr(sink, "observe_many", None)
+            if many is not None:
+                many(name, items)
+            else:
+                for site, t, once, replace in items:
+                    sink.observe(name, site, t, once=once, replace=replace)
         if y is not None and "grad_output" in sites and y.requires_grad:
             hook = sink.grad_hook(name)
             if hook is not None:

@@ -52,6 +52,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--every", type=int, default=1)
     parser.add_argument("--url", default=None, help="monitor URL; default: a local acknowledging sink")
+    parser.add_argument("--stats-backend", default="auto", choices=["auto", "triton", "torch"],
+                        help="the agent's statistics path: one-pass Triton kernel or plain torch")
     args = parser.parse_args()
 
     device = torch.device(args.device)
@@ -74,7 +76,7 @@ def main() -> None:
         off1 = timed_steps(model, opt, batch, args.steps, device, dtype)
         with tempfile.TemporaryDirectory() as spool:
             agent = Agent(url, run=f"bench-{int(time.time())}", every=args.every, modules=r"^blocks\.",
-                          spool_dir=spool).watch(model)
+                          spool_dir=spool, stats_backend=args.stats_backend).watch(model)
             n_linears = len(agent._layers)
             timed_steps(model, opt, batch, args.warmup, device, dtype, agent, start=0)
             on = timed_steps(model, opt, batch, args.steps, device, dtype, agent, start=args.warmup)
@@ -91,7 +93,8 @@ def main() -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"device {name}, torch {torch.__version__}, config {args.config or ''} "
           f"(layers {config.n_layer}, d {config.d_model}, seq {config.seq_len}), batch {batch_size}, {dtype}")
-    print(f"agent: every={args.every}, {n_linears} linears x 5 sites, delivered={delivered}, errors={errors}")
+    print(f"agent: every={args.every}, {n_linears} linears x 5 sites, stats {args.stats_backend}, "
+          f"delivered={delivered}, errors={errors}")
     print(f"{'phase':<10}{'mean ms':>10}{'median ms':>12}{'min ms':>10}")
     for label, ts in (("off", off1), ("on", on), ("off again", off2)):
         print(f"{label:<10}{statistics.fmean(ts) * 1e3:>10.2f}{statistics.median(ts) * 1e3:>12.2f}{min(ts) * 1e3:>10.2f}")

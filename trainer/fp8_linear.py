@@ -25,6 +25,12 @@ took 0.29-2.0 ms, 1.05-1.22x faster than bf16 nn.Linear at the 1.5B shapes (0.78
 path has no host sync and allocates only through the caching allocator, so it can be captured in a CUDA
 graph once every shape has run once (the first call of a shape compiles, autotunes and synchronizes).
 
+Statistics: with an agent watching (it sets ``module.fp8mon_stats`` to its ``FusedLink``), on a reporting
+step the quantize kernels of input, weight (E4M3) and grad_output (E5M2) also write those tensors' SPEC
+section-4 rows, with the scale they cast with, straight into the agent's step buffer (``stats=`` of
+``quantize_transpose``): no hook reads a GEMM input a second time. The torch path computes the same rows
+with ``device_stats.partials`` and reports them. ``output`` and ``grad_weight`` stay with the hooks.
+
 For the statistics fusion, after a forward (and backward) ``module.fp8_amax`` and ``module.fp8_scale``
 map site -> fp32 0-d device tensor: "input", "weight" (forward), "grad_output" (backward). amax is
 max |x| over finite elements of the high-precision tensor; scale is the one used for the cast. Reading
@@ -87,6 +93,7 @@ class _State:
         self.backend = backend
         self.amax = module.fp8_amax
         self.scale = module.fp8_scale
+        self.link = module.fp8mon_stats  # the agent's FusedLink, or None
         self.delayed = module.recipe.scaling == "delayed"
         if self.delayed:
             self.history = {s: getattr(module, f"amax_history_{s}") for s in SITES}
@@ -96,20 +103,31 @@ class _State:
     def quantize(self, site: str, x2d: torch.Tensor, want_q: bool, want_t: bool):
         """(q, q_t, scale_inv): q (M, N) and/or q_t (N, M) K-major FP8 of the 2-D x."""
         fmt: Fp8Format = _FORMATS[site]
+        link = self.link
         if self.backend == "triton":
             from .kernels import delayed_update, quantize_transpose
 
+            target = link.target(site, x2d.device) if link is not None else None
             if self.delayed:
+                if target is not None:  # the history the scale of this call came from
+                    target.amax_history_max = self.history[site].amax()
                 r = quantize_transpose(x2d, fmt, scale=self.next_scale[site], accum=self.accum[site],
-                                       write_q=want_q, write_qt=want_t)
+                                       write_q=want_q, write_qt=want_t, stats=target)
                 delayed_update(self.accum[site], self.history[site], self.next_scale[site], r.meta, fmt,
                                self.recipe.margin)
             else:
-                r = quantize_transpose(x2d, fmt, write_q=want_q, write_qt=want_t)
+                r = quantize_transpose(x2d, fmt, write_q=want_q, write_qt=want_t, stats=target)
         else:
+            from agent import device_stats as ds
+
             from .kernels import delayed_update_ref, quantize_ref
 
+            wants = link is not None and link.wants(site)
+            ahm = self.history[site].amax() if self.delayed and wants else None
             r = quantize_ref(x2d, fmt, scale=self.next_scale[site] if self.delayed else None, transpose=want_t)
+            if wants:
+                link.report(site, ds.partials(x2d, fmt=fmt, scale=r.scale, amax_history_max=ahm,
+                                              outlier_k=link.outlier_k, hist=link.hist))
             if self.delayed:
                 delayed_update_ref(r.amax, self.history[site], self.next_scale[site], fmt, self.recipe.margin)
         self.amax[site] = r.amax
@@ -172,6 +190,7 @@ class Fp8Linear(nn.Module):
     """
 
     fp8mon_linear = True
+    fp8mon_reported_sites = SITES  # input, weight, grad_output: from the quantize kernels (see the docstring)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, recipe: Fp8Recipe = Fp8Recipe(),
                  device=None, dtype=None):
@@ -181,6 +200,7 @@ class Fp8Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self.backend = "auto"
+        self.fp8mon_stats = None  # set by agent.Agent.watch
         self.fp8_amax: dict[str, torch.Tensor] = {}
         self.fp8_scale: dict[str, torch.Tensor] = {}
         if recipe.scaling == "delayed":

@@ -151,6 +151,19 @@ def test_long_tensor_against_the_oracles_blockwise_merge():
     assert_same_stats(row_stats(ds.partials(x, fmt="e4m3")), want)
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_outliers_against_a_given_center_equal_the_oracle(case):
+    """The reference of the Triton path's outliers: counted against a given (mean, std), e.g. the previous
+    step's; as numbers or as an fp64 tensor of 2. A NaN std counts none."""
+    x = CASES[case]
+    for center in ((0.0, 1.0), (0.25, 0.01)):
+        want = Moments.from_tensor(x, outlier_center=center, outlier_k=3.0).outliers
+        assert ds.partials(x, outlier_center=center, outlier_k=3.0)[ds.OUTLIERS] == want
+        t = torch.tensor(center, dtype=torch.float64)
+        assert ds.partials(x, outlier_center=t, outlier_k=3.0)[ds.OUTLIERS] == want
+    assert ds.partials(x, outlier_center=(0.0, NAN))[ds.OUTLIERS] == 0
+
+
 def test_underflow_and_overflow_are_counted():
     """Non-vacuous: the adversarial configurations do produce underflow and overflow."""
     tiny = row_stats(ds.partials(CASES["tiny"], fmt="e4m3", scale=1.0))

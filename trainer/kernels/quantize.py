@@ -28,6 +28,14 @@ the FP8 grid in fp32 arithmetic (exact RNE) and encode the FP8 bits with integer
 (``_soft_cast_fp8``; -0 and NaN too), bypassing the interpreter's conversion; compiled kernels never
 take that branch and use the hardware cast.
 
+Statistics (``stats=`` a ``agent.triton_stats.Target``): the cast kernel becomes persistent (at most
+4 programs per SM, each a grid-stride loop over tiles) and, from the very registers it casts, accumulates
+every SPEC section-4 statistic of x with the scale it casts with (``triton_stats`` explains the scheme:
+fp32 power sums about a shift, exact counts from |x|'s bits, log2 histogram); the last program merges the
+per-program partials (Chan/Pebay, fp64) into the target row. No second read of x, except on the rare
+careful path (NaN/Inf, or a shift too far from the mean), which re-reads the program's tiles.
+Reference: ``stats_ref`` (``device_stats.partials`` with the scale in use).
+
 Reference (torch) versions sit beside each launcher: ``quantize_ref``, ``delayed_update_ref``.
 """
 
@@ -41,8 +49,12 @@ import torch
 import triton
 import triton.language as tl
 
+from agent import device_stats as ds
+from agent import triton_stats as ts
 from agent.formats import Fp8Format, by_name, current_scale, delayed_scale
 from agent.formats import quantize as _quantize_cast
+from agent.triton_stats import (_careful_result, _fast_result, _shift_of, _tile_careful, _tile_fast, _tile_sum,
+                                fused_epilogue, fused_prologue)
 
 MAX_PARTIALS = 1024
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -176,6 +188,79 @@ def _quantize_kernel(x_ptr, q_ptr, part_ptr, n_part, scale_ptr, accum_ptr, meta_
         tl.store(meta_ptr + 2, tl.math.div_rn(1.0, s))
 
 
+@triton.jit(do_not_specialize=["dst_index", "merge"])
+def _quantize_stats_kernel(x_ptr, q_ptr, part_ptr, n_part, scale_ptr, accum_ptr, meta_ptr, n,
+                           sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, c_ptr, c_mean, c_std, k, ahm_ptr, ahm_val,
+                           FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                           CURRENT: tl.constexpr, SOFT_ROUND: tl.constexpr, P_BLOCK: tl.constexpr,
+                           UTHR: tl.constexpr, OTHR: tl.constexpr, C_PTR: tl.constexpr, AHM_PTR: tl.constexpr,
+                           HIST: tl.constexpr, BLOCK: tl.constexpr):
+    """``_quantize_kernel`` made persistent, with the statistics of x from the same registers."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    if CURRENT:
+        amax, s = _current_scale_from_partials(part_ptr, n_part, FMAX, P_BLOCK)
+    else:
+        s = tl.load(scale_ptr)
+    tu, to, lo, hi = fused_prologue(s, c_ptr, c_mean, c_std, k, UTHR, OTHR, C_PTR)
+    r = tl.arange(0, BLOCK)
+    m0 = pid * BLOCK + r < n
+    c, p, ok = _shift_of(tl.load(x_ptr + pid * BLOCK + r, mask=m0, other=0.0).to(tl.float32), m0)
+    ncp = -(c * p)
+    zf = tl.zeros([BLOCK], tl.float32)
+    zi = tl.zeros([BLOCK], tl.int32)
+    s1, s2, s3, s4, am, cu, co, cout, cz, h = zf, zf, zf, zf, zf, zi, zi, zi, zi, tl.zeros([64], tl.int32)
+    ce = zi
+    fin_amax = zf
+    ntiles = tl.cdiv(n, BLOCK)
+    for t in range(pid, ntiles, nprog):
+        offs = t * BLOCK + r
+        mask = offs < n
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        q = _cast_fp8(x * s, OUT_DTYPE, FMAX, MBITS, EMIN, SOFT_ROUND)
+        tl.store(q_ptr + offs, q, mask=mask)
+        s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
+            x, mask, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, True)
+        ce += mask.to(tl.int32)
+        if not CURRENT:
+            fin_amax = tl.maximum(fin_amax, _finite_abs(x))
+    if not CURRENT:
+        tl.atomic_max(accum_ptr, tl.max(fin_amax, 0))
+    if pid == 0:
+        if CURRENT:
+            tl.store(meta_ptr, amax)
+        tl.store(meta_ptr + 1, s)
+        tl.store(meta_ptr + 2, tl.math.div_rn(1.0, s))
+    nelem = tl.sum(ce, 0)
+    ok2, mean, m2, m3, m4, samax, zeros, under, over, outl, hist = _fast_result(
+        nelem, c, p, tu, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST)
+    nfin = nelem
+    nonfin = tl.zeros([], tl.int32)
+    if not (ok & ok2):  # NaN/Inf or a poor shift: re-read this program's tiles, carefully
+        acc = tl.zeros([BLOCK], tl.float64)
+        cnt = zi
+        for t in range(pid, ntiles, nprog):
+            offs = t * BLOCK + r
+            mask = offs < n
+            acc, cnt = _tile_sum(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32), mask, acc, cnt)
+        nfin = tl.sum(cnt, 0)
+        mean0 = tl.sum(acc, 0) / tl.maximum(nfin, 1).to(tl.float64)
+        zd = tl.zeros([BLOCK], tl.float64)
+        t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h = zd, zd, zd, zd, zf, zi, zi, zi, zi, zi, \
+            tl.zeros([64], tl.int32)
+        for t in range(pid, ntiles, nprog):
+            offs = t * BLOCK + r
+            mask = offs < n
+            t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h = _tile_careful(
+                tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32), mask, mean0, tu, to, lo, hi,
+                t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h, HIST)
+        mean, m2, m3, m4, samax, zeros, under, over, outl, nonfin = _careful_result(
+            nfin, mean0, t1, t2, t3, t4, am, cu, co, cout, cz, cnf)
+        hist = h
+    fused_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, s, nelem, nfin, nonfin, zeros,
+                   outl, under, over, samax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST)
+
+
 @triton.jit
 def _delayed_update_kernel(accum_ptr, hist_ptr, scale_ptr, meta_ptr, H, inv_margin,
                            FMAX: tl.constexpr, H_BLOCK: tl.constexpr):
@@ -232,19 +317,42 @@ def delayed_update(accum: torch.Tensor, history: torch.Tensor, scale: torch.Tens
                                  H_BLOCK=triton.next_power_of_2(max(H, 1)), num_warps=4)
 
 
+def stats_consts(fmt: Fp8Format) -> dict:
+    return dict(UTHR=float(fmt.underflow_threshold), OTHR=float(fmt.overflow_threshold))
+
+
+def stats_programs(tiles: int, device: torch.device) -> int:
+    """Programs of a persistent statistics kernel: every program gets at least one tile."""
+    return max(1, min(tiles, 4 * _num_sms(device)))
+
+
 def quantize(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tensor | None = None,
-             accum: torch.Tensor | None = None, block: int = 2048) -> Quantized:
+             accum: torch.Tensor | None = None, block: int = 2048, stats: "ts.Target | None" = None) -> Quantized:
     """Quantize x (any shape, made contiguous) to ``fmt``.
 
     ``scale is None``: current scaling (amax pass + cast pass). Else delayed: cast with the fp32
     device scalar ``scale`` and max the tensor's amax into the fp32 device scalar ``accum`` (call
     ``delayed_update`` afterwards; ``meta[0]`` (amax) is written by it).
+    ``stats``: also write x's statistics row (with the scale used) into the target, from the same read.
     """
     fmt = by_name(fmt)
     x = x.contiguous()
     n = x.numel()
     q = torch.empty(x.shape, dtype=fmt.dtype, device=x.device)
     meta = torch.empty(3, dtype=torch.float32, device=x.device)
+    if stats is not None:
+        grid = (stats_programs(triton.cdiv(n, block), x.device),)
+        if scale is None:
+            part = amax_partials(x)
+            args = (x, q, part, part.numel(), meta, meta, meta, n)
+            P = triton.next_power_of_2(part.numel())
+        else:
+            assert accum is not None, "delayed scaling needs an amax accumulator"
+            args = (x, q, meta, 0, scale, accum, meta, n)
+            P = 1
+        _quantize_stats_kernel[grid](*args, **ts.fused_args(stats, grid[0], x.device), CURRENT=scale is None,
+                                     P_BLOCK=P, BLOCK=block, num_warps=8, **_consts(fmt), **stats_consts(fmt))
+        return Quantized(q, None, meta)
     grid = (max(1, triton.cdiv(n, block)),)
     if scale is None:
         part = amax_partials(x)
@@ -290,3 +398,16 @@ def delayed_update_ref(amax: torch.Tensor, history: torch.Tensor, scale: torch.T
     new = torch.cat([amax.reshape(1).to(history.dtype), history[:-1]])
     history.copy_(new)
     scale.copy_(_finite_or_one(delayed_scale(history, fmt, margin)).reshape(scale.shape))
+
+
+def stats_ref(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tensor, target: "ts.Target") -> torch.Tensor:
+    """What the fused statistics write: ``device_stats.partials`` of x with the scale in use (outliers
+    against the target's center), merged into the target row like the kernel does."""
+    c = target.center
+    row = ds.partials(x, fmt=fmt, scale=scale, amax_history_max=target.amax_history_max,
+                      outlier_k=target.outlier_k, hist=target.hist,
+                      outlier_center=(0.0, float("nan")) if c is None else c)
+    if target.merge:
+        row = ds.merge(target.rows[target.index], row)
+    target.rows[target.index].copy_(row)
+    return row

@@ -8,6 +8,10 @@ fp32 tiles are re-read transposed, from L1/L2, because Triton 3.6's register tra
 wrong on an H200). Scaling is as in ``quantize.py`` (current: amax
 partials pass first; delayed: scale from history, amax accumulated atomically, then
 ``delayed_update``). Reference beside it: ``quantize_transpose_ref``.
+
+``stats=`` (an ``agent.triton_stats.Target``): a persistent variant (grid-stride over the tiles) also
+accumulates x's SPEC section-4 statistics with the scale it casts with, from the tile it has loaded, and
+writes the row into the target (see ``quantize.py``); reference ``quantize.stats_ref``.
 """
 
 from __future__ import annotations
@@ -18,8 +22,12 @@ import triton.language as tl
 
 from agent.formats import Fp8Format, by_name
 
+from agent import triton_stats as ts
+from agent.triton_stats import (_careful_result, _fast_result, _shift_of, _tile_careful, _tile_fast, _tile_sum,
+                                fused_epilogue, fused_prologue)
+
 from .quantize import (Quantized, _cast_fp8, _consts, _current_scale_from_partials, _finite_abs,
-                       amax_partials, quantize_ref)
+                       amax_partials, quantize_ref, stats_consts, stats_programs)
 
 # How the transposed tile is produced, per input dtype (see the kernel): 0 = tl.trans of the fp8 tile,
 # 1 = tl.trans of the fp32 tile then cast, 2 = re-read the tile transposed (no tl.trans). On an H200 with
@@ -72,13 +80,109 @@ def _quantize_transpose_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, scale_ptr
         tl.store(meta_ptr + 2, tl.math.div_rn(1.0, s))
 
 
+@triton.jit
+def _load_tile(x_ptr, t, n_tn, M, N, stride_xm, BM: tl.constexpr, BN: tl.constexpr):
+    rows = (t // n_tn) * BM + tl.arange(0, BM)
+    cols = (t % n_tn) * BN + tl.arange(0, BN)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
+    return x.to(tl.float32), mask, rows, cols
+
+
+@triton.jit(do_not_specialize=["dst_index", "merge"])
+def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, scale_ptr, accum_ptr, meta_ptr,
+                                     M, N, stride_xm,
+                                     sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, c_ptr, c_mean, c_std, k,
+                                     ahm_ptr, ahm_val,
+                                     FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
+                                     OUT_DTYPE: tl.constexpr, CURRENT: tl.constexpr,
+                                     WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr,
+                                     SOFT_ROUND: tl.constexpr, P_BLOCK: tl.constexpr, TRANS_MODE: tl.constexpr,
+                                     UTHR: tl.constexpr, OTHR: tl.constexpr, C_PTR: tl.constexpr,
+                                     AHM_PTR: tl.constexpr, HIST: tl.constexpr,
+                                     BM: tl.constexpr, BN: tl.constexpr):
+    """``_quantize_transpose_kernel``, persistent, with the statistics of x from the loaded tiles."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    if CURRENT:
+        amax, s = _current_scale_from_partials(part_ptr, n_part, FMAX, P_BLOCK)
+    else:
+        s = tl.load(scale_ptr)
+    tu, to, lo, hi = fused_prologue(s, c_ptr, c_mean, c_std, k, UTHR, OTHR, C_PTR)
+    n_tn = tl.cdiv(N, BN)
+    ntiles = tl.cdiv(M, BM) * n_tn
+    x0, m0, _, _ = _load_tile(x_ptr, pid, n_tn, M, N, stride_xm, BM, BN)
+    c, p, ok = _shift_of(tl.reshape(x0, [BM * BN], can_reorder=True), tl.reshape(m0, [BM * BN], can_reorder=True))
+    ncp = -(c * p)
+    zf = tl.zeros([BM], tl.float32)
+    zi = tl.zeros([BM], tl.int32)
+    s1, s2, s3, s4, am, cu, co, cout, cz, h = zf, zf, zf, zf, zf, zi, zi, zi, zi, tl.zeros([64], tl.int32)
+    ce = zi
+    fin_amax = zf
+    for t in range(pid, ntiles, nprog):
+        x, mask, rows, cols = _load_tile(x_ptr, t, n_tn, M, N, stride_xm, BM, BN)
+        y = x * s
+        if WRITE_Q:
+            q = _cast_fp8(y, OUT_DTYPE, FMAX, MBITS, EMIN, SOFT_ROUND)
+            tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], q, mask=mask)
+        if WRITE_QT:
+            mask_t = (cols[:, None] < N) & (rows[None, :] < M)
+            if TRANS_MODE == 0:
+                q_t = tl.trans(_cast_fp8(y, OUT_DTYPE, FMAX, MBITS, EMIN, SOFT_ROUND))
+            elif TRANS_MODE == 1:
+                q_t = _cast_fp8(tl.trans(y), OUT_DTYPE, FMAX, MBITS, EMIN, SOFT_ROUND)
+            else:
+                x_t = tl.load(x_ptr + rows[None, :].to(tl.int64) * stride_xm + cols[:, None], mask=mask_t, other=0.0)
+                q_t = _cast_fp8(x_t.to(tl.float32) * s, OUT_DTYPE, FMAX, MBITS, EMIN, SOFT_ROUND)
+            tl.store(qt_ptr + cols[:, None].to(tl.int64) * M + rows[None, :], q_t, mask=mask_t)
+        s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
+            x, mask, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, True, True)
+        ce += tl.sum(mask.to(tl.int32), 1)
+        if not CURRENT:
+            fin_amax = tl.maximum(fin_amax, tl.max(_finite_abs(x), 1))
+    if not CURRENT:
+        tl.atomic_max(accum_ptr, tl.max(fin_amax, 0))
+    if pid == 0:
+        if CURRENT:
+            tl.store(meta_ptr, amax)
+        tl.store(meta_ptr + 1, s)
+        tl.store(meta_ptr + 2, tl.math.div_rn(1.0, s))
+    nelem = tl.sum(ce, 0)
+    ok2, mean, m2, m3, m4, samax, zeros, under, over, outl, hist = _fast_result(
+        nelem, c, p, tu, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST)
+    nfin = nelem
+    nonfin = tl.zeros([], tl.int32)
+    if not (ok & ok2):  # NaN/Inf or a poor shift: re-read this program's tiles, carefully
+        acc = tl.zeros([BM], tl.float64)
+        cnt = zi
+        for t in range(pid, ntiles, nprog):
+            x, mask, rows, cols = _load_tile(x_ptr, t, n_tn, M, N, stride_xm, BM, BN)
+            acc, cnt = _tile_sum(x, mask, acc, cnt, True)
+        nfin = tl.sum(cnt, 0)
+        mean0 = tl.sum(acc, 0) / tl.maximum(nfin, 1).to(tl.float64)
+        zd = tl.zeros([BM], tl.float64)
+        t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h = zd, zd, zd, zd, zf, zi, zi, zi, zi, zi, \
+            tl.zeros([64], tl.int32)
+        for t in range(pid, ntiles, nprog):
+            x, mask, rows, cols = _load_tile(x_ptr, t, n_tn, M, N, stride_xm, BM, BN)
+            t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h = _tile_careful(
+                x, mask, mean0, tu, to, lo, hi, t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h, HIST, True)
+        mean, m2, m3, m4, samax, zeros, under, over, outl, nonfin = _careful_result(
+            nfin, mean0, t1, t2, t3, t4, am, cu, co, cout, cz, cnf)
+        hist = h
+    fused_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, s, nelem, nfin, nonfin, zeros,
+                   outl, under, over, samax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST)
+
+
 def quantize_transpose(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tensor | None = None,
                        accum: torch.Tensor | None = None, write_q: bool = True, write_qt: bool = True,
-                       bm: int = 64, bn: int = 128, num_warps: int = 8, trans_mode: int | None = None) -> Quantized:
+                       bm: int = 64, bn: int = 128, num_warps: int = 8, trans_mode: int | None = None,
+                       stats: "ts.Target | None" = None) -> Quantized:
     """Quantize 2-D x (M, N) to ``fmt``: ``data`` (M, N) and ``data_t`` (N, M), both contiguous.
 
     ``scale``/``accum`` as in ``quantize.quantize`` (None: current scaling). ``write_q``/``write_qt``
-    drop an output that is not needed (then that field is None). ``trans_mode`` overrides ``TRANS_MODE``."""
+    drop an output that is not needed (then that field is None). ``trans_mode`` overrides ``TRANS_MODE``.
+    ``stats``: also write x's statistics row (with the scale used) into the target, from the same read."""
     assert x.dim() == 2, "quantize_transpose takes a 2-D tensor"
     fmt = by_name(fmt)
     if x.stride(1) != 1:
@@ -94,6 +198,20 @@ def quantize_transpose(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tenso
                   **_consts(fmt))
     q_arg = q if write_q else meta
     qt_arg = qt if write_qt else meta
+    if stats is not None:
+        programs = stats_programs(grid[0] * grid[1], dev)
+        if scale is None:
+            part = amax_partials(x if x.is_contiguous() else x.contiguous())
+            args = (x, q_arg, qt_arg, part, part.numel(), meta, meta, meta, M, N, x.stride(0))
+            P = triton.next_power_of_2(part.numel())
+        else:
+            assert accum is not None, "delayed scaling needs an amax accumulator"
+            args = (x, q_arg, qt_arg, meta, 0, scale, accum, meta, M, N, x.stride(0))
+            P = 1
+        _quantize_transpose_stats_kernel[(programs,)](*args, **ts.fused_args(stats, programs, dev),
+                                                      CURRENT=scale is None, P_BLOCK=P, **common,
+                                                      **stats_consts(fmt))
+        return Quantized(q, qt, meta)
     if scale is None:
         part = amax_partials(x if x.is_contiguous() else x.contiguous())
         _quantize_transpose_kernel[grid](x, q_arg, qt_arg, part, part.numel(), meta, meta, meta, M, N,

@@ -1,0 +1,829 @@
+"""All SPEC section-4 statistics of a tensor in one read, with Triton: the fast path of ``device_stats``.
+
+The launcher ``rows`` produces, for a list of tensors (bf16, fp16 or fp32, any sizes, in ONE launch), the
+rows ``device_stats.partials`` produces, in its layout (``merge``, ``to_moments`` and ``Moments.to_stats``
+work unchanged), written into a given ``[R, WIDTH]`` fp64 buffer at given rows, optionally merged into
+what is there (the agent's step buffer: a micro-batch merges into its slot). No host sync: the work list
+goes to the device in one non-blocking copy from pinned memory; nothing is read back.
+
+Scheme (one kernel):
+  * Work list: every tensor is cut into chunks of ``CHUNK`` elements; a program per chunk. A table row per
+    tensor holds its address, dtype, size, the scale/center/history pointers or values and where its row
+    goes, so tensors of different dtypes and sizes share a launch.
+  * Per program, one read of its chunk: amax, a 64-bin histogram of the fp32 exponent (the 56 log2 binades
+    of ``wire``, plus zeros and non-finite: zero/nonzero/non-finite counts come from it), underflow and
+    overflow counts, outlier count, and the power sums of ``d = (x - c) * p`` in fp32 per lane, where the
+    shift ``c`` is the mean of the chunk's first tile and ``p`` a power of two from its amax (exact
+    scaling: no fp32 under/overflow of d**4 for tiny or large tensors). The per-program sums become central
+    moments in fp64. If the shift was poor (|mean - c| > std/4, where fp32 power sums would cancel), or the
+    chunk holds a NaN/Inf or values whose 4th power overflows fp32, the program re-reads its chunk on a
+    careful path: two passes in fp64 with masks, as the oracle does. Rare by construction; exact always.
+  * The last program of a tensor (an atomic counter per tensor) merges the tensor's per-program partials
+    with the Chan/Pebay formulas in fp64 (a tree ``tl.reduce``) and writes the row. No second launch.
+
+Underflow/overflow are exact counts of ``fl32(|x| * s) <= fmt.underflow_threshold`` and
+``> fmt.overflow_threshold`` when the scale ``s`` is known before the read (a scale tensor or number: delayed
+scaling, the trainer's real scale, the fused quantize kernels): monotonicity of the fp32 product turns each
+test into one integer comparison of |x|'s bits against a threshold found by bisection per program.
+Current scaling (s = max / amax of this very tensor) is only known after the read: then ``overflow`` is 0
+(exact: with s = max/amax nothing saturates), the scale is derived from the merged amax, and ``underflow``
+is derived from the log2 histogram: exact for the binades below the threshold's binade, plus that binade's
+count times the fraction of it below the threshold (values taken as uniform within it). The error is at
+most that one binade's count; without a histogram (``hist=False``) underflow is absent (NaN). The fused
+quantize kernels know the scale before the cast and are always exact.
+
+Outliers (|x - mean| > k * std) need the mean and std before the read. They come from the caller as a
+``center`` = (mean, std) pair (numbers, or a device fp64 tensor of 2): the agent passes the previous
+reporting step's mean and std of the same (layer, site); before one exists (std NaN) no outlier is counted.
+The count against the given center is exact (the oracle's ``outlier_center``): x > round_down32(mean + k std)
+or x < round_up32(mean - k std). ``device_stats.partials(..., outlier_center=)`` is the reference.
+
+Importing this module never needs Triton (``available()`` says whether it can run).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from . import device_stats as ds
+from .formats import by_name
+from .wire import LOG2_HIST_BINS, LOG2_HIST_LO
+
+try:  # the agent must stay importable without Triton
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    triton = None
+    tl = None
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+CHUNK = 1 << 16  # elements per program of the standalone kernel
+BLOCK = 2048  # elements per tile (per loop iteration)
+NUM_WARPS = 4  # CHUNK/BLOCK/NUM_WARPS: the best of bench/stats_kernel.py --sweep on an H200 (2026-11-21)
+P_BLOCK = 256  # partials merged per tree reduction in the finalize step
+MAX_TENSORS = 4096  # per launch (the size of the per-device counter buffer)
+PW = 16 + 64  # fp64 fields of a per-program partial: head + 64 histogram bins
+TABW = 20  # int64 fields of a tensor's table row
+_DTYPE_CODE = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}
+
+# per-program partial layout
+_P_N, _P_NUMEL, _P_NONFIN, _P_ZEROS, _P_OUTL, _P_UNDER, _P_OVER, _P_AMAX, _P_MEAN, _P_M2, _P_M3, _P_M4 = range(12)
+_P_HIST = 16
+# table row layout (int64; float fields bit-cast): the scale/center/history are a device pointer when
+# the *_ADDR field is non-zero, else the inline value
+(_T_ADDR, _T_NUMEL, _T_CODE, _T_FIRST, _T_NWORK, _T_DST, _T_MERGE, _T_SMODE, _T_SCALE_ADDR, _T_SCALE,
+ _T_CENTER_ADDR, _T_MEAN, _T_STD, _T_AHM_ADDR, _T_AHM, _T_FMT, _T_K) = range(17)
+SCALE_NONE, SCALE_GIVEN, SCALE_CURRENT = 0, 1, 2  # no format; scale known; s = max/amax of this tensor
+
+
+def available(device: torch.device | str | None = None) -> bool:
+    """Whether the Triton path can run for tensors on ``device`` (CUDA, or the CPU under TRITON_INTERPRET)."""
+    if triton is None:
+        return False
+    dev = torch.device(device) if device is not None else None
+    if dev is None or dev.type == "cuda":
+        return torch.cuda.is_available() or INTERPRET
+    return dev.type == "cpu" and INTERPRET
+
+
+def supports(x: torch.Tensor) -> bool:
+    return x.dtype in _DTYPE_CODE
+
+
+_FMT_CODES = {"e4m3": 1, "e5m2": 2}
+_FMT_CONST = {1: by_name("e4m3"), 2: by_name("e5m2")}
+
+
+if triton is not None:
+    _LO = tl.constexpr(LOG2_HIST_LO)
+    _NB = tl.constexpr(LOG2_HIST_BINS)
+    _BIN_ZERO = tl.constexpr(LOG2_HIST_BINS)  # 56
+    _BIN_NONFIN = tl.constexpr(LOG2_HIST_BINS + 1)  # 57
+    _BIN_DUMP = tl.constexpr(63)
+    _NAN_BITS = tl.constexpr(0x7FC00000)
+    _INF_BITS = tl.constexpr(0x7F800000)
+    _PW = tl.constexpr(PW)
+    _TABW = tl.constexpr(TABW)
+    _WIDTH = tl.constexpr(ds.WIDTH)
+    SCALE_NONE_C = tl.constexpr(SCALE_NONE)
+    SCALE_GIVEN_C = tl.constexpr(SCALE_GIVEN)
+    SCALE_CURRENT_C = tl.constexpr(SCALE_CURRENT)
+    # the layouts, as constexprs for the kernels (they index Python lists as well)
+    (_P_N, _P_NUMEL, _P_NONFIN, _P_ZEROS, _P_OUTL, _P_UNDER, _P_OVER, _P_AMAX, _P_MEAN, _P_M2, _P_M3, _P_M4,
+     _P_HIST) = (tl.constexpr(v) for v in (_P_N, _P_NUMEL, _P_NONFIN, _P_ZEROS, _P_OUTL, _P_UNDER, _P_OVER,
+                                           _P_AMAX, _P_MEAN, _P_M2, _P_M3, _P_M4, _P_HIST))
+    (_T_ADDR, _T_NUMEL, _T_CODE, _T_FIRST, _T_NWORK, _T_DST, _T_MERGE, _T_SMODE, _T_SCALE_ADDR, _T_SCALE,
+     _T_CENTER_ADDR, _T_MEAN, _T_STD, _T_AHM_ADDR, _T_AHM, _T_FMT, _T_K) = (tl.constexpr(v) for v in range(17))
+
+    # ---- scalar helpers ---------------------------------------------------------------------------
+
+    @triton.jit
+    def _threshold_bits(s, thr):
+        """Largest fp32 a >= 0 (its bits, int32) with fl32(a * s) <= thr; -1 when none. fl32(a * s) is
+        monotone in a, so bisection over the bit patterns [0, inf) finds it exactly."""
+        lo = tl.full([], -1, tl.int32)  # f(lo) holds (virtual)
+        hi = tl.full([], 0x7F800000, tl.int32)  # f(inf) fails for any s > 0
+        for _ in range(31):
+            mid = lo + (hi - lo) // 2
+            ok = (mid.to(tl.float32, bitcast=True) * s) <= thr
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid)
+        return lo
+
+    @triton.jit
+    def _round_down32(v):
+        """Largest fp32 <= v (fp64); NaN stays NaN."""
+        h = v.to(tl.float32)
+        hb = h.to(tl.int32, bitcast=True)
+        down = tl.where(h > 0, hb - 1, tl.where(h < 0, hb + 1, -2147483647)).to(tl.float32, bitcast=True)
+        return tl.where(h.to(tl.float64) > v, down, h)
+
+    @triton.jit
+    def _round_up32(v):
+        """Smallest fp32 >= v (fp64); NaN stays NaN."""
+        h = v.to(tl.float32)
+        hb = h.to(tl.int32, bitcast=True)
+        up = tl.where(h > 0, hb + 1, tl.where(h < 0, hb - 1, 1)).to(tl.float32, bitcast=True)
+        return tl.where(h.to(tl.float64) < v, up, h)
+
+    @triton.jit
+    def _outlier_bounds(mean, std, k):
+        """(lo, hi) fp32: x is an outlier iff x < lo or x > hi, i.e. |x - mean| > k * std exactly."""
+        lim = std * k
+        return _round_up32(mean - lim), _round_down32(mean + lim)
+
+    @triton.jit
+    def _bins(bits):
+        """Histogram bin of |x| from its fp32 bits: binades LO..HI-1 (clamped), 56 zero, 57 NaN/Inf."""
+        e = bits >> 23
+        b = tl.minimum(tl.maximum(e - (127 + _LO), 0), _NB - 1)
+        b = tl.where(bits == 0, _BIN_ZERO, b)
+        return tl.where(e >= 255, _BIN_NONFIN, b)
+
+    @triton.jit
+    def _chan(na, ma, a2, a3, a4, nb, mb, b2, b3, b4):
+        """Chan/Pebay merge of (n, mean, M2, M3, M4) pairs (fp64); an empty side is the identity."""
+        n = na + nb
+        n1 = tl.where(n > 0, n, 1.0)
+        d = mb - ma
+        mean = ma + d * nb / n1
+        m2 = a2 + b2 + d * d * na * nb / n1
+        m3 = a3 + b3 + d * d * d * na * nb * (na - nb) / (n1 * n1) + 3.0 * d * (na * b2 - nb * a2) / n1
+        m4 = (a4 + b4 + d * d * d * d * na * nb * (na * na - na * nb + nb * nb) / (n1 * n1 * n1)
+              + 6.0 * d * d * (na * na * b2 + nb * nb * a2) / (n1 * n1) + 4.0 * d * (na * b3 - nb * a3) / n1)
+        a_only = nb == 0
+        b_only = na == 0
+        mean = tl.where(a_only, ma, tl.where(b_only, mb, mean))
+        m2 = tl.where(a_only, a2, tl.where(b_only, b2, m2))
+        m3 = tl.where(a_only, a3, tl.where(b_only, b3, m3))
+        m4 = tl.where(a_only, a4, tl.where(b_only, b4, m4))
+        return n, mean, m2, m3, m4
+
+    @triton.jit
+    def _central(n, s1, s2, s3, s4):
+        """Central moments (mean offset, M2, M3, M4) from power sums of values shifted near their mean."""
+        n1 = tl.where(n > 0, n, 1.0)
+        m = s1 / n1
+        m2 = s2 - m * s1
+        m3 = s3 - 3.0 * m * s2 + 2.0 * n * m * m * m
+        m4 = s4 - 4.0 * m * s3 + 6.0 * m * m * s2 - 3.0 * n * m * m * m * m
+        return m, tl.maximum(m2, 0.0), m3, tl.maximum(m4, 0.0)
+
+    # ---- per-tile updates -------------------------------------------------------------------------
+    # RED: the tile is 2-D and the accumulators 1-D (the tile summed over axis 1 first): keeps the
+    # register footprint of large 2-D tiles (quantize_transpose) small.
+
+    @triton.jit
+    def _red(v, RED: tl.constexpr):
+        if RED:
+            return tl.sum(v, 1)
+        else:
+            return v
+
+    @triton.jit
+    def _redmax(v, RED: tl.constexpr):
+        if RED:
+            return tl.max(v, 1)
+        else:
+            return v
+
+    @triton.jit
+    def _hist(bins, RED: tl.constexpr):
+        if RED:  # order is irrelevant to a histogram: no layout shuffle needed
+            return tl.histogram(tl.reshape(bins, [bins.numel], can_reorder=True), 64)
+        else:
+            return tl.histogram(bins, 64)
+
+    @triton.jit
+    def _tile_fast(x, mask, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, amax, cu, co, cout, cz, hist,
+                   HIST: tl.constexpr, HAS_MASK: tl.constexpr, RED: tl.constexpr = False):
+        """Fast path (no NaN/Inf expected): fp32 power sums of the scaled shifted values per lane, counts
+        as integer compares of |x|'s bits (zeros included in ``cu``: subtracted per program). Only a
+        partial tile (``HAS_MASK``) pays for masks; its masked lanes are loaded as 0."""
+        a = tl.abs(x)
+        bits = a.to(tl.int32, bitcast=True)
+        d = tl.fma(x, p, ncp)
+        amax = tl.maximum(amax, _redmax(a, RED))
+        if HAS_MASK:
+            d = tl.where(mask, d, 0.0)
+            cu += _red(((bits <= tu) & mask).to(tl.int32), RED)
+            co += _red(((bits > to) & mask).to(tl.int32), RED)
+            cout += _red((((x > hi) | (x < lo)) & mask).to(tl.int32), RED)
+            if HIST:
+                hist += _hist(tl.where(mask, _bins(bits), _BIN_DUMP), RED)
+            else:
+                cz += _red(((bits == 0) & mask).to(tl.int32), RED)
+        else:
+            cu += _red((bits <= tu).to(tl.int32), RED)
+            co += _red((bits > to).to(tl.int32), RED)
+            cout += _red(((x > hi) | (x < lo)).to(tl.int32), RED)
+            if HIST:
+                hist += _hist(_bins(bits), RED)
+            else:
+                cz += _red((bits == 0).to(tl.int32), RED)
+        d2 = d * d
+        s1 += _red(d, RED)
+        s2 += _red(d2, RED)
+        s3 += _red(d2 * d, RED)
+        s4 += _red(d2 * d2, RED)
+        return s1, s2, s3, s4, amax, cu, co, cout, cz, hist
+
+    @triton.jit
+    def _tile_sum(x, mask, acc, cnt, RED: tl.constexpr = False):
+        """Careful pass 1: fp64 sum and count of the finite elements."""
+        v = mask & (tl.abs(x) < float("inf"))
+        return acc + _red(tl.where(v, x, 0.0).to(tl.float64), RED), cnt + _red(v.to(tl.int32), RED)
+
+    @triton.jit
+    def _tile_careful(x, mask, mean0, tu, to, lo, hi, t1, t2, t3, t4, amax, cu, co, cout, cz, cnf, hist,
+                      HIST: tl.constexpr, RED: tl.constexpr = False):
+        """Careful pass 2: everything masked, moments in fp64 about the chunk's fp64 mean."""
+        a = tl.abs(x)
+        bits = tl.where(mask, a.to(tl.int32, bitcast=True), _NAN_BITS)
+        fin = bits < _INF_BITS
+        d = tl.where(fin, x.to(tl.float64) - mean0, 0.0)
+        d2 = d * d
+        t1 += _red(d, RED)
+        t2 += _red(d2, RED)
+        t3 += _red(d2 * d, RED)
+        t4 += _red(d2 * d2, RED)
+        amax = tl.maximum(amax, _redmax(tl.where(fin, a, 0.0), RED))
+        cu += _red(((bits <= tu) & (bits != 0)).to(tl.int32), RED)
+        co += _red(((bits > to) & fin).to(tl.int32), RED)
+        cout += _red((((x > hi) | (x < lo)) & fin).to(tl.int32), RED)
+        cz += _red((bits == 0).to(tl.int32), RED)
+        cnf += _red((mask & ~fin).to(tl.int32), RED)
+        if HIST:
+            hist += _hist(tl.where(mask, _bins(bits), _BIN_DUMP), RED)
+        return t1, t2, t3, t4, amax, cu, co, cout, cz, cnf, hist
+
+    @triton.jit
+    def _shift_of(x, mask):
+        """(c, p, ok) from a first tile: c its finite mean (fp32), p = 2**-e for its amax in [2**e, 2**e+1),
+        ok False when it holds NaN/Inf (then the careful path runs)."""
+        a = tl.abs(x)
+        fin = a < float("inf")
+        v = mask & fin
+        cnt = tl.sum(v.to(tl.int32), 0)
+        c = tl.sum(tl.where(v, x, 0.0), 0) / tl.maximum(cnt, 1).to(tl.float32)
+        am = tl.max(tl.where(v, a, 0.0), 0)
+        e = (am.to(tl.int32, bitcast=True) >> 23) - 127
+        e = tl.minimum(tl.maximum(e, -100), 100)
+        p = ((127 - e) << 23).to(tl.float32, bitcast=True)
+        ok = (tl.sum((mask & ~fin).to(tl.int32), 0) == 0) & (c == c) & (tl.abs(c) < float("inf"))
+        return c, p, ok
+
+    # ---- per-program results ----------------------------------------------------------------------
+
+    @triton.jit
+    def _fast_result(n, c, p, tu, s1, s2, s3, s4, amax, cu, co, cout, cz, hist, HIST: tl.constexpr):
+        """Per-program partial of the fast path, and whether it is valid (else: careful path)."""
+        S1 = tl.sum(s1.to(tl.float64), 0)
+        S2 = tl.sum(s2.to(tl.float64), 0)
+        S3 = tl.sum(s3.to(tl.float64), 0)
+        S4 = tl.sum(s4.to(tl.float64), 0)
+        nf = n.to(tl.float64)
+        am = tl.max(amax, 0)
+        finite = (tl.abs(S1) < float("inf")) & (S2 < float("inf")) & (tl.abs(S3) < float("inf")) & \
+            (S4 < float("inf")) & (am < float("inf"))
+        ok = finite & (17.0 * S1 * S1 <= nf * S2)  # |mean - c| <= std / 4: no cancellation to speak of
+        if HIST:
+            ok = ok & (tl.sum(tl.where(tl.arange(0, 64) == _BIN_NONFIN, hist, 0), 0) == 0)
+        md, m2, m3, m4 = _central(nf, S1, S2, S3, S4)
+        pd = p.to(tl.float64)
+        mean = c.to(tl.float64) + md / pd
+        m2 = m2 / (pd * pd)
+        m3 = m3 / (pd * pd * pd)
+        m4 = m4 / (pd * pd * pd * pd)
+        if HIST:
+            zeros = tl.sum(tl.where(tl.arange(0, 64) == _BIN_ZERO, hist, 0), 0)
+        else:
+            zeros = tl.sum(cz, 0)
+        under = tl.where(tu >= 0, tl.sum(cu, 0) - zeros, 0)
+        over = tl.sum(co, 0)
+        outl = tl.sum(cout, 0)
+        return ok, mean, m2, m3, m4, am, zeros, under, over, outl, hist
+
+    @triton.jit
+    def _careful_result(n, mean0, t1, t2, t3, t4, amax, cu, co, cout, cz, cnf):
+        nf = n.to(tl.float64)
+        md, m2, m3, m4 = _central(nf, tl.sum(t1, 0), tl.sum(t2, 0), tl.sum(t3, 0), tl.sum(t4, 0))
+        return (mean0 + md, m2, m3, m4, tl.max(amax, 0), tl.sum(cz, 0), tl.sum(cu, 0), tl.sum(co, 0),
+                tl.sum(cout, 0), tl.sum(cnf, 0))
+
+    @triton.jit
+    def _store_partial(pp, numel, n, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist):
+        tl.store(pp + _P_N, n.to(tl.float64))
+        tl.store(pp + _P_NUMEL, numel.to(tl.float64))
+        tl.store(pp + _P_NONFIN, nonfin.to(tl.float64))
+        tl.store(pp + _P_ZEROS, zeros.to(tl.float64))
+        tl.store(pp + _P_OUTL, outl.to(tl.float64))
+        tl.store(pp + _P_UNDER, under.to(tl.float64))
+        tl.store(pp + _P_OVER, over.to(tl.float64))
+        tl.store(pp + _P_AMAX, amax.to(tl.float64))
+        tl.store(pp + _P_MEAN, mean)
+        tl.store(pp + _P_M2, m2)
+        tl.store(pp + _P_M3, m3)
+        tl.store(pp + _P_M4, m4)
+        tl.store(pp + _P_HIST + tl.arange(0, 64), hist.to(tl.float64))
+
+    # ---- the finalize step: last program of a tensor merges its partials into the row ---------------
+
+    @triton.jit
+    def _finalize(part, nwork, dst, merge, smode, s_given, fmax, uthr, ahm, HIST: tl.constexpr,
+                  PB: tl.constexpr):
+        an = tl.zeros([], tl.float64)
+        am = tl.zeros([], tl.float64)
+        a2 = tl.zeros([], tl.float64)
+        a3 = tl.zeros([], tl.float64)
+        a4 = tl.zeros([], tl.float64)
+        numel = tl.zeros([], tl.float64)
+        nonfin = tl.zeros([], tl.float64)
+        zeros = tl.zeros([], tl.float64)
+        outl = tl.zeros([], tl.float64)
+        under = tl.zeros([], tl.float64)
+        over = tl.zeros([], tl.float64)
+        amax = tl.zeros([], tl.float64)
+        hist = tl.zeros([64], tl.float64)
+        for b0 in range(0, nwork, PB):
+            i = b0 + tl.arange(0, PB)
+            m = i < nwork
+            rp = part + i.to(tl.int64) * _PW
+            bn = tl.load(rp + _P_N, mask=m, other=0.0, cache_modifier=".cg")
+            bm = tl.load(rp + _P_MEAN, mask=m, other=0.0, cache_modifier=".cg")
+            b2 = tl.load(rp + _P_M2, mask=m, other=0.0, cache_modifier=".cg")
+            b3 = tl.load(rp + _P_M3, mask=m, other=0.0, cache_modifier=".cg")
+            b4 = tl.load(rp + _P_M4, mask=m, other=0.0, cache_modifier=".cg")
+            rn, rm, r2, r3, r4 = tl.reduce((bn, bm, b2, b3, b4), 0, _chan)
+            an, am, a2, a3, a4 = _chan(an, am, a2, a3, a4, rn, rm, r2, r3, r4)
+            numel += tl.sum(tl.load(rp + _P_NUMEL, mask=m, other=0.0, cache_modifier=".cg"), 0)
+            nonfin += tl.sum(tl.load(rp + _P_NONFIN, mask=m, other=0.0, cache_modifier=".cg"), 0)
+            zeros += tl.sum(tl.load(rp + _P_ZEROS, mask=m, other=0.0, cache_modifier=".cg"), 0)
+            outl += tl.sum(tl.load(rp + _P_OUTL, mask=m, other=0.0, cache_modifier=".cg"), 0)
+            under += tl.sum(tl.load(rp + _P_UNDER, mask=m, other=0.0, cache_modifier=".cg"), 0)
+            over += tl.sum(tl.load(rp + _P_OVER, mask=m, other=0.0, cache_modifier=".cg"), 0)
+            amax = tl.maximum(amax, tl.max(tl.load(rp + _P_AMAX, mask=m, other=0.0, cache_modifier=".cg"), 0))
+            if HIST:
+                hb = tl.load(rp[:, None] + _P_HIST + tl.arange(0, 64)[None, :], mask=m[:, None], other=0.0,
+                             cache_modifier=".cg")
+                hist += tl.sum(hb, 0)
+        bins = tl.arange(0, 64)
+        if HIST:
+            nonzero = tl.sum(tl.where(bins < _NB, hist, 0.0), 0)
+        else:
+            nonzero = an - zeros
+        # the scale and what depends on it
+        nan = float("nan")
+        cur = (fmax / tl.where((amax > 0) & (amax < float("inf")), amax, fmax)).to(tl.float32)
+        scale = s_given
+        if smode == SCALE_CURRENT_C:
+            scale = cur
+            over = tl.zeros([], tl.float64)  # s = max/amax saturates nothing (see the module docstring)
+            if cur == float("inf"):  # amax so small that max/amax overflows fp32: every nonzero saturates
+                over = nonzero
+                under = tl.zeros([], tl.float64)
+            elif HIST:
+                tb = _threshold_bits(cur, uthr)
+                bt = (tb >> 23) - 127 - _LO
+                tf = tb.to(tl.float32, bitcast=True).to(tl.float64)
+                frac = tl.where(bt < 0, tf * 2.0 ** (-_LO - 1), (tb & 0x7FFFFF).to(tl.float64) * 2.0 ** -23)
+                full = tl.sum(tl.where(bins < bt, hist, 0.0), 0)
+                part_bin = tl.sum(tl.where(bins == tl.maximum(bt, 0), hist, 0.0), 0)
+                under = full + tl.floor(part_bin * frac + 0.5)
+                under = tl.where(bt >= _NB, nonzero, under)
+                under = tl.where(tb < 0, 0.0, under)
+            else:
+                under = tl.full([], nan, tl.float64)
+        if smode == SCALE_NONE_C:
+            scale = tl.full([], nan, tl.float32)
+            under = tl.full([], nan, tl.float64)
+            over = tl.full([], nan, tl.float64)
+        scale64 = scale.to(tl.float64)
+        if not HIST:
+            hist = tl.full([64], nan, tl.float64)
+        # into the destination row: overwrite, or merge as device_stats.merge(old, new) does
+        parts = tl.full([], 1.0, tl.float64)
+        write_all = tl.full([], 1, tl.int32)
+        if merge != 0:
+            o_parts = tl.load(dst + 0)
+            o_numel = tl.load(dst + 1)
+            if o_parts != 0:
+                parts = o_parts + 1.0
+                if o_numel != 0:
+                    if numel == 0:  # an empty tensor: the row stays, only parts add up
+                        write_all = 0
+                    else:
+                        an, am, a2, a3, a4 = _chan(tl.load(dst + 2), tl.load(dst + 10), tl.load(dst + 11),
+                                                   tl.load(dst + 12), tl.load(dst + 13), an, am, a2, a3, a4)
+                        numel += o_numel
+                        nonfin += tl.load(dst + 3)
+                        zeros += tl.load(dst + 4)
+                        nonzero += tl.load(dst + 5)
+                        outl += tl.load(dst + 6)
+                        under += tl.load(dst + 7)
+                        over += tl.load(dst + 8)
+                        amax = tl.maximum(amax, tl.load(dst + 9))
+                        os_ = tl.load(dst + 14)
+                        scale64 = tl.where((scale64 != scale64) | (os_ != os_), nan, tl.minimum(scale64, os_))
+                        oh = tl.load(dst + 15)
+                        ahm = tl.where(ahm != ahm, oh, tl.where(oh != oh, ahm, tl.maximum(ahm, oh)))
+                        hist += tl.load(dst + 16 + bins, mask=bins < _NB, other=0.0)
+        tl.store(dst + 0, parts)
+        if write_all != 0:
+            tl.store(dst + 1, numel)
+            tl.store(dst + 2, an)
+            tl.store(dst + 3, nonfin)
+            tl.store(dst + 4, zeros)
+            tl.store(dst + 5, nonzero)
+            tl.store(dst + 6, outl)
+            tl.store(dst + 7, under)
+            tl.store(dst + 8, over)
+            tl.store(dst + 9, amax)
+            tl.store(dst + 10, am)
+            tl.store(dst + 11, a2)
+            tl.store(dst + 12, a3)
+            tl.store(dst + 13, a4)
+            tl.store(dst + 14, scale64)
+            tl.store(dst + 15, ahm)
+            tl.store(dst + 16 + bins, hist, mask=bins < _NB)
+
+    @triton.jit
+    def _done(part_base, ctr, nwork, dst, merge, smode, s, fmax, uthr, ahm, HIST: tl.constexpr):
+        """Count this program in; the last one of its tensor writes the row and resets the counter."""
+        tl.debug_barrier()
+        prev = tl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu")
+        if prev == nwork - 1:
+            _finalize(part_base, nwork, dst, merge, smode, s, fmax, uthr, ahm, HIST, 256)
+            tl.atomic_xchg(ctr, 0, sem="relaxed", scope="gpu")
+
+    # ---- one chunk: fast path, careful path ----------------------------------------------------------
+
+    @triton.jit
+    def _chunk(ptr, start, end, tu, to, lo, hi, HIST: tl.constexpr, BLOCK: tl.constexpr):
+        n = (end - start).to(tl.int32)  # <= CHUNK
+        r = tl.arange(0, BLOCK)
+        offs0 = start + r
+        m0 = offs0 < end
+        x0 = tl.load(ptr + offs0, mask=m0, other=0.0).to(tl.float32)
+        c, p, ok = _shift_of(x0, m0)
+        ncp = -(c * p)
+        zf = tl.zeros([BLOCK], tl.float32)
+        zi = tl.zeros([BLOCK], tl.int32)
+        mean = tl.zeros([], tl.float64)
+        m2 = tl.zeros([], tl.float64)
+        m3 = tl.zeros([], tl.float64)
+        m4 = tl.zeros([], tl.float64)
+        amax = tl.zeros([], tl.float32)
+        zeros = tl.zeros([], tl.int32)
+        under = tl.zeros([], tl.int32)
+        over = tl.zeros([], tl.int32)
+        outl = tl.zeros([], tl.int32)
+        nonfin = tl.zeros([], tl.int32)
+        nfin = n
+        hist = tl.zeros([64], tl.int32)
+        if ok:
+            s1, s2, s3, s4, am, cu, co, cout, cz, h = zf, zf, zf, zf, zf, zi, zi, zi, zi, tl.zeros([64], tl.int32)
+            full_end = start + (n // BLOCK) * BLOCK
+            for o in range(start, full_end, BLOCK):
+                x = tl.load(ptr + o + r).to(tl.float32)
+                s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
+                    x, m0, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, False)
+            if full_end < end:
+                offs = full_end + r
+                mt = offs < end
+                x = tl.load(ptr + offs, mask=mt, other=0.0).to(tl.float32)
+                s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
+                    x, mt, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, True)
+            ok, mean, m2, m3, m4, amax, zeros, under, over, outl, hist = _fast_result(
+                n, c, p, tu, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST)
+        if not ok:
+            acc = tl.zeros([BLOCK], tl.float64)
+            cnt = zi
+            for o in range(start, end, BLOCK):
+                offs = o + r
+                mt = offs < end
+                x = tl.load(ptr + offs, mask=mt, other=0.0).to(tl.float32)
+                acc, cnt = _tile_sum(x, mt, acc, cnt)
+            nfin = tl.sum(cnt, 0)
+            mean0 = tl.sum(acc, 0) / tl.maximum(nfin, 1).to(tl.float64)
+            zd = tl.zeros([BLOCK], tl.float64)
+            t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h = zd, zd, zd, zd, zf, zi, zi, zi, zi, zi, \
+                tl.zeros([64], tl.int32)
+            for o in range(start, end, BLOCK):
+                offs = o + r
+                mt = offs < end
+                x = tl.load(ptr + offs, mask=mt, other=0.0).to(tl.float32)
+                t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h = _tile_careful(
+                    x, mt, mean0, tu, to, lo, hi, t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h, HIST)
+            mean, m2, m3, m4, amax, zeros, under, over, outl, nonfin = _careful_result(
+                nfin, mean0, t1, t2, t3, t4, am, cu, co, cout, cz, cnf)
+            hist = h
+        return nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist
+
+    @triton.jit
+    def _f64(bits):
+        return bits.to(tl.float64, bitcast=True)
+
+    @triton.jit
+    def _stats_kernel(tab_ptr, work_ptr, part_ptr, ctr_ptr, dst_ptr, HIST: tl.constexpr, CHUNK: tl.constexpr,
+                      BLOCK: tl.constexpr):
+        w = tl.program_id(0)
+        t = tl.load(work_ptr + 2 * w)
+        start = tl.load(work_ptr + 2 * w + 1)
+        row = tab_ptr + t * _TABW
+        addr = tl.load(row + _T_ADDR)
+        numel = tl.load(row + _T_NUMEL)
+        code = tl.load(row + _T_CODE)
+        end = tl.minimum(start + CHUNK, numel)
+        smode = tl.load(row + _T_SMODE)
+        fmt = tl.load(row + _T_FMT)
+        uthr = tl.where(fmt == 1, 2.0 ** -10, 2.0 ** -17).to(tl.float32)
+        othr = tl.where(fmt == 1, 464.0, 61440.0 - 2.0 ** -8).to(tl.float32)
+        fmax = tl.where(fmt == 1, 448.0, 57344.0)
+        s_addr = tl.load(row + _T_SCALE_ADDR)
+        s = _f64(tl.load(row + _T_SCALE)).to(tl.float32)
+        if s_addr != 0:
+            s = tl.load(s_addr.to(tl.pointer_type(tl.float32)))
+        c_addr = tl.load(row + _T_CENTER_ADDR)
+        cmean = _f64(tl.load(row + _T_MEAN))
+        cstd = _f64(tl.load(row + _T_STD))
+        if c_addr != 0:
+            cp = c_addr.to(tl.pointer_type(tl.float64))
+            cmean = tl.load(cp)
+            cstd = tl.load(cp + 1)
+        lo, hi = _outlier_bounds(cmean, cstd, _f64(tl.load(row + _T_K)))
+        if smode == SCALE_GIVEN_C:
+            tu = _threshold_bits(s, uthr)
+            to = _threshold_bits(s, othr)
+            to = tl.where(s == s, to, 0x7FFFFFFF)
+        else:
+            tu = tl.full([], -1, tl.int32)
+            to = tl.full([], 0x7FFFFFFF, tl.int32)
+        if code == 0:
+            res = _chunk(addr.to(tl.pointer_type(tl.bfloat16)), start, end, tu, to, lo, hi, HIST, BLOCK)
+        elif code == 1:
+            res = _chunk(addr.to(tl.pointer_type(tl.float32)), start, end, tu, to, lo, hi, HIST, BLOCK)
+        else:
+            res = _chunk(addr.to(tl.pointer_type(tl.float16)), start, end, tu, to, lo, hi, HIST, BLOCK)
+        nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = res
+        _store_partial(part_ptr + w.to(tl.int64) * _PW, end - start, nfin, nonfin, zeros, outl, under, over,
+                       amax, mean, m2, m3, m4, hist)
+        ahm_addr = tl.load(row + _T_AHM_ADDR)
+        ahm = _f64(tl.load(row + _T_AHM))
+        if ahm_addr != 0:
+            ahm = tl.load(ahm_addr.to(tl.pointer_type(tl.float32))).to(tl.float64)
+        first = tl.load(row + _T_FIRST)
+        nwork = tl.load(row + _T_NWORK)
+        dst = dst_ptr + tl.load(row + _T_DST) * _WIDTH
+        _done(part_ptr + first * _PW, ctr_ptr + t, nwork, dst, tl.load(row + _T_MERGE), smode, s, fmax, uthr,
+              ahm, HIST)
+
+
+# ---- launcher ---------------------------------------------------------------------------------------
+
+_counters: dict = {}
+_counters_lock = threading.Lock()
+
+
+def counters(device: torch.device) -> torch.Tensor:
+    """The per-device int32 counters of the last-program-done merge. Each launch leaves them at 0 again;
+    launches on one stream are ordered, so they can share them."""
+    key = (device.type, device.index)
+    with _counters_lock:
+        c = _counters.get(key)
+        if c is None:
+            c = _counters[key] = torch.zeros(MAX_TENSORS, dtype=torch.int32, device=device)
+        return c
+
+
+def _bits(v: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(v)))[0]
+
+
+def _f32(v: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", float(v)))[0]
+
+
+def _each(value, n: int) -> list:
+    if isinstance(value, (list, tuple)) and len(value) == n and not (n == 2 and _is_center_pair(value)):
+        return list(value)
+    return [value] * n
+
+
+def _is_center_pair(v) -> bool:
+    return all(isinstance(e, (int, float)) for e in v)
+
+
+def _scale_of_history(ahm: float, fmt) -> float:
+    """ds.scale_from_amax for a number: fp32(max / ahm), 1.0 for 0 or non-finite."""
+    if not (ahm == ahm and 0 < ahm < float("inf")):
+        return 1.0
+    return _f32(fmt.max / ahm)
+
+
+def rows(tensors: Sequence[torch.Tensor], *, fmt=None, scale=None, center=None, outlier_k: float = 6.0,
+         amax_history_max=None, hist: bool = True, out: torch.Tensor | None = None,
+         index: Sequence[int] | None = None, merge: Sequence[bool] | bool = False) -> torch.Tensor:
+    """The ``device_stats`` row of each tensor, all computed by one launch (per MAX_TENSORS tensors).
+
+    Per-tensor arguments take one value for all or a list: ``fmt`` ("e4m3" | "e5m2" | None), ``scale``
+    (None: current scaling, or delayed from ``amax_history_max`` when that is given; a number or a device
+    tensor otherwise), ``center`` ((mean, std) numbers, or an fp64 device tensor of 2; None: no outliers),
+    ``amax_history_max`` (number or device tensor). ``out`` (``[R, WIDTH]`` fp64, on the tensors' device)
+    receives tensor i's row at ``index[i]``, merged into the row there where ``merge[i]``; without ``out``
+    a new ``[len(tensors), WIDTH]`` tensor is returned (``out`` is returned either way)."""
+    n = len(tensors)
+    if n == 0:
+        return out if out is not None else ds.empty(0)
+    device = tensors[0].device
+    if out is None:
+        out = torch.empty(n, ds.WIDTH, dtype=torch.float64, device=device)
+        index = range(n)
+    assert out.dtype == torch.float64 and out.is_contiguous() and out.device == device
+    index = list(index if index is not None else range(n))
+    fmts, scales, centers = _each(fmt, n), _each(scale, n), _each(center, n)
+    ahms, merges = _each(amax_history_max, n), _each(merge, n)
+    for lo in range(0, n, MAX_TENSORS):
+        hi = min(n, lo + MAX_TENSORS)
+        _launch(tensors[lo:hi], fmts[lo:hi], scales[lo:hi], centers[lo:hi], float(outlier_k), ahms[lo:hi], hist,
+                out, index[lo:hi], merges[lo:hi], device)
+    return out
+
+
+def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, device) -> None:
+    keep = []  # what the device reads by address: alive until the launch is queued
+    table, work = [], []
+    for i, x in enumerate(tensors):
+        if x.device != device:
+            raise ValueError("rows(): all tensors must be on one device")
+        x = x.detach()
+        if x.dtype not in _DTYPE_CODE:
+            x = x.to(torch.float32)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        keep.append(x)
+        numel = x.numel()
+        nwork = max(1, -(-numel // CHUNK))
+        first = len(work) // 2
+        for j in range(nwork):
+            work += (i, j * CHUNK)
+        fmt = None if fmts[i] is None else by_name(fmts[i])
+        smode, s_addr, s_val = SCALE_NONE, 0, float("nan")
+        ahm = ahms[i]
+        ahm_addr, ahm_val = 0, float("nan")
+        if isinstance(ahm, torch.Tensor):
+            ahm = ahm.detach().to(device=device, dtype=torch.float32).reshape(())
+            keep.append(ahm)
+            ahm_addr = ahm.data_ptr()
+        elif ahm is not None:
+            ahm_val = float(ahm)
+        s = scales[i]
+        if fmt is not None:
+            if s is None and ahms[i] is not None:  # delayed scale from the history max, margin 0
+                s = ds.scale_from_amax(ahm, fmt) if isinstance(ahm, torch.Tensor) else _scale_of_history(ahm_val, fmt)
+            if s is None:
+                smode = SCALE_CURRENT
+            elif isinstance(s, torch.Tensor):
+                s = s.detach().to(device=device, dtype=torch.float32).reshape(()).contiguous()
+                keep.append(s)
+                smode, s_addr = SCALE_GIVEN, s.data_ptr()
+            else:
+                smode, s_val = SCALE_GIVEN, _f32(s)
+        elif s is not None:
+            raise ValueError("a scale needs an FP8 format (fmt='e4m3' or 'e5m2')")
+        c = centers[i]
+        c_addr, c_mean, c_std = 0, 0.0, float("nan")
+        if isinstance(c, torch.Tensor):
+            c = c.detach().to(device=device, dtype=torch.float64).reshape(2).contiguous()
+            keep.append(c)
+            c_addr = c.data_ptr()
+        elif c is not None:
+            c_mean, c_std = float(c[0]), float(c[1])
+        row = [0] * TABW
+        row[_T_ADDR], row[_T_NUMEL], row[_T_CODE] = x.data_ptr(), numel, _DTYPE_CODE[x.dtype]
+        row[_T_FIRST], row[_T_NWORK], row[_T_DST], row[_T_MERGE] = first, nwork, int(index[i]), int(bool(merges[i]))
+        row[_T_SMODE], row[_T_SCALE_ADDR], row[_T_SCALE] = smode, s_addr, _bits(s_val)
+        row[_T_CENTER_ADDR], row[_T_MEAN], row[_T_STD] = c_addr, _bits(c_mean), _bits(c_std)
+        row[_T_AHM_ADDR], row[_T_AHM] = ahm_addr, _bits(ahm_val)
+        row[_T_FMT], row[_T_K] = _FMT_CODES.get(fmt.name, 0) if fmt is not None else 0, _bits(k)
+        table += row
+    nwork_total = len(work) // 2
+    host = torch.tensor(table + work, dtype=torch.int64)
+    if device.type == "cuda":  # staged in pinned memory (the caching host allocator keeps it until copied)
+        pinned = torch.empty(host.numel(), dtype=torch.int64, pin_memory=True)
+        pinned.copy_(host)
+        buf = pinned.to(device, non_blocking=True)
+    else:
+        buf = host
+    tab, wl = buf[: len(table)], buf[len(table):]
+    part = torch.empty(nwork_total, PW, dtype=torch.float64, device=device)
+    _stats_kernel[(nwork_total,)](tab, wl, part, counters(device), out, HIST=bool(hist), CHUNK=CHUNK,
+                                  BLOCK=BLOCK, num_warps=NUM_WARPS)
+    del keep
+
+
+def partials(x: torch.Tensor, *, fmt=None, scale=None, amax_history_max=None, outlier_k: float = 6.0,
+             center=None, hist: bool = True) -> torch.Tensor:
+    """One tensor's row (``[WIDTH]``): ``device_stats.partials`` with outliers counted against ``center``."""
+    return rows([x], fmt=fmt, scale=[scale], center=[center], outlier_k=outlier_k,
+                amax_history_max=[amax_history_max], hist=hist)[0]
+
+
+# ---- fused kernels (trainer/kernels/quantize*.py): where their row goes ----------------------------
+
+@dataclass
+class Target:
+    """Where a fused kernel writes a tensor's row: ``rows[index]`` (``[R, WIDTH]`` fp64 on the tensor's
+    device), merged into the row there if ``merge``; the outlier ``center`` ((mean, std) or an fp64 device
+    tensor of 2, None: no outliers), ``outlier_k``, ``hist``, and the delayed-scaling history max to record
+    (number, fp32 device tensor or None)."""
+
+    rows: torch.Tensor
+    index: int = 0
+    merge: bool = False
+    center: Any = None
+    outlier_k: float = 6.0
+    hist: bool = True
+    amax_history_max: Any = None
+
+    @classmethod
+    def new(cls, device, **kw) -> "Target":
+        """A fresh one-row target (``rows[0]`` holds the result)."""
+        return cls(torch.zeros(1, ds.WIDTH, dtype=torch.float64, device=device), **kw)
+
+
+def fused_args(target: Target, programs: int, device) -> dict:
+    """The statistics arguments of a fused kernel launched on ``programs`` programs (see quantize.py)."""
+    part = torch.empty(max(1, programs), PW, dtype=torch.float64, device=device)
+    c = target.center
+    if c is not None and not isinstance(c, torch.Tensor):  # kernel float arguments are fp32: pass fp64 by pointer
+        c = torch.tensor([float(c[0]), float(c[1])], dtype=torch.float64).to(device, non_blocking=True)
+    if isinstance(c, torch.Tensor):
+        c_ptr, c_mean, c_std, C_PTR = c.detach().to(device=device, dtype=torch.float64).reshape(2), 0.0, 0.0, True
+    else:
+        c_mean, c_std = (0.0, float("nan")) if c is None else (float(c[0]), float(c[1]))
+        c_ptr, C_PTR = part, False
+    a = target.amax_history_max
+    if isinstance(a, torch.Tensor):
+        ahm_ptr, ahm_val, AHM_PTR = a.detach().to(device=device, dtype=torch.float32).reshape(()), 0.0, True
+    else:
+        ahm_ptr, ahm_val, AHM_PTR = part, float("nan") if a is None else float(a), False
+    return dict(sp_ptr=part, ctr_ptr=counters(device), dst_ptr=target.rows, dst_index=int(target.index),
+                merge=int(bool(target.merge)), c_ptr=c_ptr, c_mean=c_mean, c_std=c_std, k=float(target.outlier_k),
+                ahm_ptr=ahm_ptr, ahm_val=ahm_val, C_PTR=C_PTR, AHM_PTR=AHM_PTR, HIST=bool(target.hist))
+
+
+if triton is not None:
+
+    @triton.jit
+    def fused_prologue(s, c_ptr, c_mean, c_std, k, UTHR: tl.constexpr, OTHR: tl.constexpr, C_PTR: tl.constexpr):
+        """(tu, to, lo, hi) of a fused kernel: threshold bits of its scale, outlier bounds of its center."""
+        cm = c_mean + tl.zeros([], tl.float64)
+        cs = c_std + tl.zeros([], tl.float64)
+        if C_PTR:
+            cm = tl.load(c_ptr)
+            cs = tl.load(c_ptr + 1)
+        lo, hi = _outlier_bounds(cm, cs, k + tl.zeros([], tl.float64))
+        tu = _threshold_bits(s, UTHR)
+        to = tl.where(s == s, _threshold_bits(s, OTHR), 0x7FFFFFFF)
+        return tu, to, lo, hi
+
+    @triton.jit
+    def fused_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, s, nelem, nfin, nonfin, zeros,
+                       outl, under, over, amax, mean, m2, m3, m4, hist, FMAX: tl.constexpr, UTHR: tl.constexpr,
+                       AHM_PTR: tl.constexpr, HIST: tl.constexpr):
+        """Store this program's partial; the last program merges all into the target row."""
+        pid = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
+        nprog = tl.num_programs(0) * tl.num_programs(1)
+        _store_partial(sp_ptr + pid.to(tl.int64) * _PW, nelem, nfin, nonfin, zeros, outl, under, over, amax, mean,
+                       m2, m3, m4, hist)
+        ahm = ahm_val + tl.zeros([], tl.float64)  # (float arguments may arrive as Python floats)
+        if AHM_PTR:
+            ahm = tl.load(ahm_ptr).to(tl.float64)
+        _done(sp_ptr, ctr_ptr, nprog, dst_ptr + dst_index * _WIDTH, merge, SCALE_GIVEN_C, s, FMAX, UTHR, ahm, HIST)

@@ -1,0 +1,283 @@
+"""GPU self-check of the Triton statistics, without pytest: prints PASS/FAIL per check, exit status 1 on
+any failure.
+
+    python bench/stats_check.py            # standalone kernel, fused quantize, Fp8Linear + Agent
+    python bench/stats_check.py --only standalone
+
+Checks: (1) ``triton_stats.rows`` against ``device_stats.partials`` (the torch path) on adversarial tensors
+(NaN, +-Inf, zeros, subnormals, huge values, large mean, all-equal, empty, one element, bf16/fp16/fp32,
+non-contiguous), with a scale, with current scaling, with delayed scaling and with an outlier center;
+(2) one multi-tensor launch against per-tensor launches, merged into existing rows; (3) no host sync;
+(4) the quantize kernels' fused statistics against the standalone kernel; (5) Fp8Linear + Agent: the rows
+the layer reports from its quantize kernels against the rows of the hooks' path.
+"""
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from agent import device_stats as ds  # noqa: E402
+from agent import triton_stats as ts  # noqa: E402
+
+FAILS = []
+NO_CENTER = (0.0, float("nan"))  # no outlier counted: the Triton path before a center is known
+
+
+def report(name: str, ok: bool, detail: str = "") -> None:
+    print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
+    if not ok:
+        FAILS.append(name)
+
+
+def rows_close(a: torch.Tensor, b: torch.Tensor, *, rtol=1e-6, under_slack=None) -> tuple[bool, str]:
+    """Counts, amax, scale, histogram exact; moments to rtol (relative to the scale of the data)."""
+    a, b = a.double().cpu(), b.double().cpu()
+    exact = [ds.PARTS, ds.NUMEL, ds.N, ds.NONFINITE, ds.ZEROS, ds.NONZERO, ds.OUTLIERS, ds.OVERFLOW, ds.AMAX,
+             ds.SCALE, ds.AMAX_HISTORY_MAX] + list(range(ds.HIST, ds.WIDTH))
+    if under_slack is None:
+        exact.append(ds.UNDERFLOW)
+    bad = []
+    for i in exact:
+        x, y = a[..., i], b[..., i]
+        same = (x == y) | (x.isnan() & y.isnan())
+        if not bool(same.all()):
+            bad.append(f"{ds.FIELDS[i] if i < ds.HIST else 'hist'}: {x.flatten()[:4].tolist()} vs {y.flatten()[:4].tolist()}")
+    if under_slack is not None:
+        d = (a[..., ds.UNDERFLOW] - b[..., ds.UNDERFLOW]).abs()
+        if bool((d > under_slack).any()):
+            bad.append(f"underflow {a[..., ds.UNDERFLOW].tolist()} vs {b[..., ds.UNDERFLOW].tolist()} (slack {under_slack})")
+    n = b[..., ds.N].clamp(min=1)
+    var = b[..., ds.M2] / n
+    sd = var.sqrt()
+    scale = b[..., ds.MEAN].abs() + sd
+    tol = {ds.MEAN: rtol * scale + 1e-300, ds.M2: rtol * (b[..., ds.M2].abs() + n * scale**2 * 1e-9) + 1e-300,
+           ds.M3: rtol * (n * sd**3) + 1e-300, ds.M4: rtol * b[..., ds.M4].abs() + 1e-300}
+    for i, t in tol.items():
+        x, y = a[..., i], b[..., i]
+        ok = ((x - y).abs() <= t) | (x.isnan() & y.isnan())
+        if not bool(ok.all()):
+            bad.append(f"{ds.FIELDS[i]}: {x.flatten()[:3].tolist()} vs {y.flatten()[:3].tolist()}")
+    return not bad, "; ".join(bad)
+
+
+def adversarial(device) -> dict:
+    g = torch.Generator(device="cpu").manual_seed(1)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    big = r(300_001)
+    big[::9973] = float("nan")
+    big[5::7919] = float("inf")
+    big[7::7919] = -float("inf")
+    cases = {
+        "gaussian fp32 1M": r(1 << 20),
+        "gaussian bf16 3M+5": r(3 * (1 << 20) + 5).to(torch.bfloat16),
+        "fp16 odd": (r(100_003) * 10).half(),
+        "nan/inf": big,
+        "zeros": torch.zeros(70_000),
+        "one element": torch.tensor([3.5]),
+        "empty": torch.zeros(0),
+        "all equal 0.1": torch.full((200_000,), 0.1),
+        "large mean": r(500_000) * 1e-3 + 1e4,
+        "subnormal range": r(100_000) * 1e-39,
+        "huge": r(100_000) * 1e30,
+        "heavy tail": r(400_000) ** 5,
+        "first tile zeros then 1000": torch.cat([torch.zeros(8192), r(200_000) + 1000.0]),
+        "non-contiguous": r(512, 768).t(),
+        "tiny gradients": r(300_000) * 1e-12,
+    }
+    return {k: v.to(device) for k, v in cases.items()}
+
+
+def check_standalone(device) -> None:
+    cases = adversarial(device)
+    for name, x in cases.items():
+        for hist in (True, False):
+            kw = dict(fmt="e4m3", scale=torch.tensor(3.0, device=device))
+            got = ts.partials(x, **kw, hist=hist)
+            want = ds.partials(x, **kw, hist=hist, outlier_center=NO_CENTER)
+            ok, why = rows_close(got, want)
+            report(f"standalone {name} hist={hist} scale", ok, why)
+        got = ts.partials(x, fmt="e5m2", amax_history_max=torch.tensor(2.5, device=device))
+        want = ds.partials(x, fmt="e5m2", amax_history_max=torch.tensor(2.5, device=device), outlier_center=NO_CENTER)
+        report(f"standalone {name} delayed e5m2", *rows_close(got, want))
+        got = ts.partials(x, fmt="e4m3")
+        want = ds.partials(x, fmt="e4m3", outlier_center=NO_CENTER)
+        binade = got[ds.HIST:].max().item() if x.numel() else 0  # documented bound: one binade's count
+        report(f"standalone {name} current e4m3", *rows_close(got, want, under_slack=binade))
+        x32 = x.float()
+        fin = x32[torch.isfinite(x32)].double()
+        c = (fin.mean().item(), fin.std(unbiased=False).item()) if fin.numel() else (0.0, float("nan"))
+        got = ts.partials(x, center=torch.tensor(c, dtype=torch.float64, device=device))
+        want = ds.partials(x, outlier_center=c)
+        report(f"standalone {name} outliers around its own mean", *rows_close(got, want))
+        want_self = ds.partials(x)  # the center as the two-pass path computes it
+        n = want_self[ds.N].clamp(min=1)
+        own = torch.stack([want_self[ds.MEAN], (want_self[ds.M2] / n).sqrt()])
+        got = ts.partials(x, center=own)
+        same = got[ds.OUTLIERS].item() == want_self[ds.OUTLIERS].item() or not fin.numel()
+        report(f"standalone {name} outliers = two-pass outliers", bool(same),
+               f"{got[ds.OUTLIERS].item()} vs {want_self[ds.OUTLIERS].item()}")
+
+
+def check_multi(device) -> None:
+    g = torch.Generator(device="cpu").manual_seed(2)
+    xs = []
+    for i in range(60):
+        n = int(torch.randint(1, 300_000, (1,), generator=g))
+        dt = (torch.bfloat16, torch.float32, torch.float16)[i % 3]
+        xs.append((torch.randn(n, generator=g) * (i + 1) + i).to(dt).to(device))
+    xs[7][3] = float("nan")
+    fmts = [("e4m3", "e5m2", None)[i % 3] for i in range(len(xs))]
+    scales = [None if f is None else torch.tensor(1.0 + i, device=device) for i, f in enumerate(fmts)]
+    got = ts.rows(xs, fmt=fmts, scale=scales)
+    want = torch.stack([ts.partials(x, fmt=f, scale=s) for x, f, s in zip(xs, fmts, scales)])
+    report("multi-tensor launch = per-tensor launches", *rows_close(got, want, rtol=1e-9))
+    want_t = torch.stack([ds.partials(x, fmt=f, scale=s, outlier_center=NO_CENTER) for x, f, s in zip(xs, fmts, scales)])
+    report("multi-tensor launch = torch path", *rows_close(got, want_t))
+    # merged into existing rows, at scattered indices: = device_stats.merge
+    base = torch.stack([ds.partials(x[: x.numel() // 2 + 1], fmt=f, scale=s, outlier_center=NO_CENTER) for x, f, s in zip(xs, fmts, scales)])
+    out = torch.zeros(2 * len(xs), ds.WIDTH, dtype=torch.float64, device=device)
+    idx = list(range(1, 2 * len(xs), 2))
+    out[idx] = base
+    ts.rows(xs, fmt=fmts, scale=scales, out=out, index=idx, merge=True)
+    report("multi-tensor merge into rows = device_stats.merge", *rows_close(out[idx], ds.merge(base, want_t)))
+
+
+def check_no_sync(device) -> None:
+    if device.type != "cuda":
+        return
+    xs = [torch.randn(1000 + i, device=device) for i in range(5)]
+    ts.rows(xs, fmt="e4m3")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ts.rows(xs, fmt="e4m3", scale=torch.tensor(2.0, device=device), center=torch.zeros(2, dtype=torch.float64, device=device))
+        ok, why = True, ""
+    except RuntimeError as exc:
+        ok, why = False, str(exc)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    report("no host sync in rows()", ok, why)
+
+
+def check_fused(device) -> None:
+    from trainer.kernels import quantize, quantize_transpose
+
+    g = torch.Generator(device="cpu").manual_seed(3)
+    shapes = [(256, 384), (1000, 777), (4096, 768), (1, 5)]
+    for (m, n) in shapes:
+        for dt, fmt in ((torch.bfloat16, "e4m3"), (torch.float32, "e5m2")):
+            if True:
+                x = (torch.randn(m, n, generator=g) * 3).to(dt).to(device)
+                if m > 10:
+                    x[3, 4] = float("nan")
+                    x[5, 1] = 0.0
+                for delayed in (False, True):
+                    scale = torch.tensor(7.0, device=device) if delayed else None
+                    accum = torch.zeros((), device=device) if delayed else None
+                    tgt = ts.Target.new(device)
+                    center = torch.tensor([0.1, 2.0], dtype=torch.float64, device=device)
+                    tgt = ts.Target(tgt.rows, 0, False, center, 6.0, True, None)
+                    r = quantize_transpose(x, fmt, scale=scale, accum=accum, stats=tgt)
+                    ref_q = quantize_transpose(x, fmt, scale=scale, accum=torch.zeros((), device=device) if delayed else None)
+                    want = ts.partials(x, fmt=fmt, scale=r.scale, center=center)
+                    ok, why = rows_close(tgt.rows[0], want)
+                    same_q = torch.equal(r.data.view(torch.uint8), ref_q.data.view(torch.uint8)) and \
+                        torch.equal(r.data_t.view(torch.uint8), ref_q.data_t.view(torch.uint8))
+                    report(f"fused quantize_transpose {m}x{n} {dt} {fmt} delayed={delayed}", ok and same_q,
+                           why + ("" if same_q else " fp8 data differs"))
+                    tgt1 = ts.Target(ts.Target.new(device).rows, 0, False, center, 6.0, True, None)
+                    r1 = quantize(x, fmt, scale=scale, accum=torch.zeros((), device=device) if delayed else None,
+                                  stats=tgt1)
+                    ok, why = rows_close(tgt1.rows[0], want)
+                    report(f"fused quantize {m}x{n} {dt} {fmt} delayed={delayed}", ok, why)
+
+
+class NullTransport:
+    def set_run_meta(self, **kw):
+        pass
+
+    def flush(self, timeout=None):
+        return True
+
+    def close(self, timeout=None):
+        return True
+
+
+def agent_rows(model, make_input, steps: int, device, **agent_kw) -> list[torch.Tensor]:
+    """The packed rows the agent ships at each step (training two micro-batches per step)."""
+    from agent import Agent
+
+    agent = Agent(transport=NullTransport(), every=1, **agent_kw).watch(model)
+    shipped = []
+    agent._ship = lambda step, rows, values: shipped.append(None if rows is None else rows.clone())
+    for step in range(steps):  # step 0 has no outlier center yet; the later ones use the previous step's
+        model.zero_grad(set_to_none=True)
+        for micro in range(2):
+            y = model(make_input(step, micro))
+            y.float().square().mean().backward()
+        agent.log(step)
+    keys = list(agent._slots.keys)
+    agent.close()
+    assert agent.errors == 0, agent.last_error
+    return shipped, keys
+
+
+def check_fp8_linear_agent(device) -> None:
+    from trainer.fp8_linear import Fp8Linear, Fp8Recipe
+
+    for recipe in (Fp8Recipe(),):  # (the hooks cannot see a delayed scale as it was before the call)
+        torch.manual_seed(4)
+        model = torch.nn.Sequential(Fp8Linear(256, 512, recipe=recipe), torch.nn.GELU(),
+                                    Fp8Linear(512, 256, recipe=recipe)).to(device)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        g = torch.Generator(device="cpu").manual_seed(5)
+        xs = [torch.randn(8, 64, 256, generator=g).to(device) * (1 + i) for i in range(8)]
+        make = lambda step, micro: xs[2 * step + micro]  # noqa: E731
+        got, keys = agent_rows(model, make, 3, device, fused=True)
+        model.load_state_dict(state)  # the same training again, every site through the hooks
+        want, keys2 = agent_rows(model, make, 3, device, fused=False)
+        assert keys == keys2 or sorted(keys) == sorted(keys2)
+        order = [keys2.index(k) for k in keys]
+        for step in range(3):
+            a, b = got[step], want[step][order]
+            fused_sites = torch.tensor([k[1] in ("input", "weight", "grad_output") for k in keys])
+            # the hooks emulate current scaling (fp64 max/amax, underflow from the histogram); the kernel's
+            # current scale is reciprocal(amax) * max in fp32: an ulp apart at most, underflow within a binade
+            slack = b[:, ds.HIST:].max().item()
+            a2, b2 = a.clone(), b.clone()
+            if recipe.scaling == "current":
+                rel = ((a[:, ds.SCALE] - b[:, ds.SCALE]).abs() / b[:, ds.SCALE].abs()).nan_to_num(0)
+                report(f"Fp8Linear+Agent {recipe.scaling} scales within an ulp, step {step}", bool((rel < 2.5e-7).all()),
+                       str(rel.max().item()))
+                a2[:, ds.SCALE] = b2[:, ds.SCALE]
+            ok, why = rows_close(a2, b2, rtol=1e-6, under_slack=slack if recipe.scaling == "current" else None)
+            report(f"Fp8Linear+Agent {recipe.scaling} fused rows = hook rows, step {step} "
+                   f"({int(fused_sites.sum())} fused of {len(keys)})", ok, why)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--only", choices=["standalone", "multi", "fused", "agent"], default=None)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
+    for name, fn in (("standalone", check_standalone), ("multi", check_multi), ("multi", check_no_sync),
+                     ("fused", check_fused), ("agent", check_fp8_linear_agent)):
+        if args.only in (None, name):
+            try:
+                fn(device)
+            except Exception as exc:  # a crash is a failure, the other checks still run
+                import traceback
+                traceback.print_exc()
+                report(f"{fn.__name__} raised", False, repr(exc))
+    print(f"{'ALL PASS' if not FAILS else f'{len(FAILS)} FAILED'}")
+    sys.exit(1 if FAILS else 0)
+
+
+if __name__ == "__main__":
+    main()

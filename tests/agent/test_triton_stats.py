@@ -1,0 +1,260 @@
+"""The one-pass Triton statistics (agent/triton_stats.py) against the torch path (device_stats.partials,
+itself tested against the fp64 oracle), on the CPU in Triton's interpreter.
+
+``TRITON_INTERPRET=1`` only takes effect for kernels defined after it is set, so the checks run in one
+child process (``python tests/agent/test_triton_stats.py``) that sets it first, with a small chunk and
+tile (``CHUNK``/``BLOCK``) so that small tensors still span several programs and exercise the merge.
+Each check prints a JSON line; the tests below assert them. On a GPU: ``python bench/stats_check.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+NO_CENTER = (0.0, float("nan"))  # the Triton path counts no outlier before it has a center
+
+
+# ---------------------------------------------------------------------------------------------------
+# child process (TRITON_INTERPRET=1)
+
+
+def _cases(torch):
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    nanny = r(5000)
+    nanny[::701] = float("nan")
+    nanny[3::997] = float("inf")
+    nanny[5::997] = -float("inf")
+    return {
+        "gaussian_fp32": r(5000) * 3 + 1,
+        "gaussian_bf16_odd": r(4099).to(torch.bfloat16),
+        "fp16": (r(3000) * 10).half(),
+        "nan_inf": nanny,
+        "zeros": torch.zeros(3000),
+        "one_element": torch.tensor([3.5]),
+        "empty": torch.zeros(0),
+        "all_equal": torch.full((5000,), 0.1),
+        "large_mean": r(5000) * 1e-3 + 1e4,
+        "subnormal_range": r(3000) * 1e-39,
+        "huge": r(3000) * 1e30,
+        "heavy_tail": r(5000) ** 5,
+        "first_tile_zeros": torch.cat([torch.zeros(1024), r(3000) + 1000.0]),
+        "tiny": r(3000) * 1e-12,
+        "non_contiguous": r(40, 70).t(),
+    }
+
+
+def _compare(torch, ds, a, b, *, rtol=1e-6, under_slack=None) -> str:
+    """'' when equal: counts, amax, scale, histogram exactly; moments to rtol of the data's scale."""
+    a, b = a.double(), b.double()
+    exact = [ds.PARTS, ds.NUMEL, ds.N, ds.NONFINITE, ds.ZEROS, ds.NONZERO, ds.OUTLIERS, ds.OVERFLOW, ds.AMAX,
+             ds.SCALE, ds.AMAX_HISTORY_MAX] + list(range(ds.HIST, ds.WIDTH))
+    if under_slack is None:
+        exact.append(ds.UNDERFLOW)
+    bad = []
+    for i in exact:
+        x, y = a[..., i], b[..., i]
+        if not bool(((x == y) | (x.isnan() & y.isnan())).all()):
+            bad.append(f"field {i}: {x.flatten()[:3].tolist()} vs {y.flatten()[:3].tolist()}")
+    if under_slack is not None and bool(((a[..., ds.UNDERFLOW] - b[..., ds.UNDERFLOW]).abs() > under_slack).any()):
+        bad.append(f"underflow {a[..., ds.UNDERFLOW].tolist()} vs {b[..., ds.UNDERFLOW].tolist()}")
+    n = b[..., ds.N].clamp(min=1)
+    sd = (b[..., ds.M2] / n).sqrt()
+    size = b[..., ds.MEAN].abs() + sd
+    tol = {ds.MEAN: rtol * size, ds.M2: rtol * b[..., ds.M2].abs() + 1e-300, ds.M3: rtol * n * sd**3 + 1e-300,
+           ds.M4: rtol * b[..., ds.M4].abs() + 1e-300}
+    for i, t in tol.items():
+        x, y = a[..., i], b[..., i]
+        if not bool((((x - y).abs() <= t) | (x.isnan() & y.isnan())).all()):
+            bad.append(f"{ds.FIELDS[i]}: {x.flatten()[:3].tolist()} vs {y.flatten()[:3].tolist()}")
+    return "; ".join(bad)
+
+
+def _child(names: list[str]) -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, str(ROOT))
+    import torch
+    from torch import nn
+
+    from agent import Agent
+    from agent import device_stats as ds
+    from agent import triton_stats as ts
+
+    torch.set_num_threads(1)
+    ts.CHUNK, ts.BLOCK = 2048, 512  # several programs per tensor even for small ones
+
+    def emit(name, problem):
+        print(json.dumps({"check": name, "problem": problem}), flush=True)
+
+    def rows_vs_torch():
+        for i, (case, x) in enumerate(_cases(torch).items()):
+            s = torch.tensor(3.0)
+            got = ts.partials(x, fmt="e4m3", scale=s)
+            emit(f"rows_vs_torch:{case}:scale",
+                 _compare(torch, ds, got, ds.partials(x, fmt="e4m3", scale=s, outlier_center=NO_CENTER)))
+            if i % 3 == 0:
+                got = ts.partials(x, fmt="e4m3", scale=s, hist=False)
+                emit(f"rows_vs_torch:{case}:no_hist",
+                     _compare(torch, ds, got, ds.partials(x, fmt="e4m3", scale=s, hist=False, outlier_center=NO_CENTER)))
+            if i % 3 == 1:
+                got = ts.partials(x, fmt="e5m2", amax_history_max=2.5)
+                emit(f"rows_vs_torch:{case}:delayed",
+                     _compare(torch, ds, got, ds.partials(x, fmt="e5m2", amax_history_max=2.5, outlier_center=NO_CENTER)))
+            if i % 3 == 2:
+                got = ts.partials(x)  # no format: underflow, overflow, scale absent
+                emit(f"rows_vs_torch:{case}:no_format", _compare(torch, ds, got, ds.partials(x, outlier_center=NO_CENTER)))
+
+    def current_scaling():
+        for case, x in list(_cases(torch).items())[::2]:
+            got = ts.partials(x, fmt="e4m3")
+            want = ds.partials(x, fmt="e4m3", outlier_center=NO_CENTER)
+            binade = float(got[ds.HIST:].max()) if x.numel() else 0.0  # the documented bound
+            emit(f"current_scaling:{case}", _compare(torch, ds, got, want, under_slack=binade))
+
+    def outliers_with_center():
+        for i, (case, x) in enumerate(_cases(torch).items()):
+            fin = x.float()[torch.isfinite(x.float())].double()
+            own = (float(fin.mean()) if fin.numel() else 0.0, float(fin.std()) if fin.numel() > 1 else 0.0)
+            for center in ((0.5, 1.0), own) if i % 4 == 0 else (own,):
+                got = ts.partials(x, center=torch.tensor(center, dtype=torch.float64), outlier_k=2.0)
+                want = ds.partials(x, outlier_center=center, outlier_k=2.0)
+                emit(f"outliers_with_center:{case}:{center[0]:.3g}", _compare(torch, ds, got, want))
+
+    def multi_tensor():
+        g = torch.Generator().manual_seed(1)
+        xs = [(torch.randn(int(torch.randint(1, 6000, (1,), generator=g)), generator=g) * (i + 1) + i)
+              .to((torch.bfloat16, torch.float32, torch.float16)[i % 3]) for i in range(12)]
+        xs[4][2] = float("nan")
+        fmts = [("e4m3", "e5m2", None)[i % 3] for i in range(len(xs))]
+        scales = [None if f is None else torch.tensor(1.0 + i) for i, f in enumerate(fmts)]
+        one = ts.rows(xs, fmt=fmts, scale=scales)
+        each = torch.stack([ts.partials(x, fmt=f, scale=s) for x, f, s in zip(xs, fmts, scales)])
+        emit("multi_tensor:one_launch_equals_per_tensor", _compare(torch, ds, one, each, rtol=1e-12))
+        want = torch.stack([ds.partials(x, fmt=f, scale=s, outlier_center=NO_CENTER) for x, f, s in zip(xs, fmts, scales)])
+        emit("multi_tensor:equals_torch", _compare(torch, ds, one, want))
+        base = torch.stack([ds.partials(x[: x.numel() // 2], fmt=f, scale=s, outlier_center=NO_CENTER)
+                            for x, f, s in zip(xs, fmts, scales)])
+        base[3] = ds.empty(1)[0]  # a row that observed nothing: the merge identity
+        out = torch.zeros(2 * len(xs), ds.WIDTH, dtype=torch.float64)
+        idx = list(range(1, 2 * len(xs), 2))
+        out[idx] = base
+        ts.rows(xs, fmt=fmts, scale=scales, out=out, index=idx, merge=True)
+        emit("multi_tensor:merged_into_rows", _compare(torch, ds, out[idx], ds.merge(base, want)))
+        emit("multi_tensor:other_rows_untouched", "" if bool((out[0::2] == 0).all()) else "rows written outside index")
+
+    def agent_backends():
+        """The agent on the Triton path vs the torch path: same rows, except outliers, which the Triton
+        path counts against the previous reporting step's mean/std of the slot."""
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        xs = [torch.randn(8, 32) * (1 + i) for i in range(3)]
+
+        class Null:
+            def set_run_meta(self, **kw): ...
+            def flush(self, timeout=None): return True
+            def close(self, timeout=None): return True
+
+        shipped = {}
+        for backend in ("triton", "torch"):
+            model.load_state_dict(state)
+            agent = Agent(transport=Null(), every=1, stats_backend=backend).watch(model)
+            shipped[backend] = []
+            agent._ship = lambda step, rows, values, b=backend: shipped[b].append(rows.clone())
+            for step, x in enumerate(xs):
+                model.zero_grad(set_to_none=True)
+                model(x).square().mean().backward()
+                agent.log(step)
+            errors = agent.errors
+            agent.close()
+            emit(f"agent_backends:{backend}:no_errors", "" if errors == 0 else agent.last_error)
+        tri, tor = shipped["triton"], shipped["torch"]
+        for step in range(len(xs)):
+            a, b = tri[step].clone(), tor[step].clone()
+            # outliers: none before a center exists (step 0); later steps see agent_outlier_centers
+            problem = "" if step or bool((a[:, ds.OUTLIERS] == 0).all()) else "outliers before any center"
+            a[:, ds.OUTLIERS] = b[:, ds.OUTLIERS] = 0
+            # the torch path emulates current scaling exactly; the kernel derives underflow from the histogram
+            slack = float(b[:, ds.HIST:].max())
+            emit(f"agent_backends:step{step}:rows", problem or _compare(torch, ds, a, b, under_slack=slack))
+
+    def agent_outlier_centers():
+        """Step 1's outliers on the Triton path = torch count against step 0's (mean, std) of the slot."""
+        torch.manual_seed(1)
+        lin = nn.Linear(16, 16)
+        x0, x1 = torch.randn(64, 16), torch.randn(64, 16) * 3
+
+        class Null:
+            def set_run_meta(self, **kw): ...
+            def flush(self, timeout=None): return True
+            def close(self, timeout=None): return True
+
+        agent = Agent(transport=Null(), every=1, stats_backend="triton", sites=("input",), outlier_k=1.0).watch(lin)
+        rows = []
+        agent._ship = lambda step, r, values: rows.append(r.clone())
+        for step, x in enumerate((x0, x1)):
+            with torch.no_grad():
+                lin(x)
+            agent.log(step)
+        agent.close()
+        fin = x0.double()
+        center = (float(fin.mean()), float(fin.std(unbiased=False)))
+        want = ds.partials(x1, outlier_center=center, outlier_k=1.0)[ds.OUTLIERS]
+        got = rows[1][0, ds.OUTLIERS]
+        emit("agent_outlier_centers", "" if float(got) == float(want) and float(want) > 0 else f"{got} vs {want}")
+
+    checks = dict(rows_vs_torch=rows_vs_torch, current_scaling=current_scaling,
+                  outliers_with_center=outliers_with_center, multi_tensor=multi_tensor,
+                  agent_backends=agent_backends, agent_outlier_centers=agent_outlier_centers)
+    for name in names or checks:
+        try:
+            checks[name]()
+        except Exception as exc:  # a crash is one failed check, the others still run
+            emit(f"{name}:raised", repr(exc))
+
+
+# ---------------------------------------------------------------------------------------------------
+# tests
+
+GROUPS = ["rows_vs_torch", "current_scaling", "outliers_with_center", "multi_tensor", "agent_backends",
+          "agent_outlier_centers"]
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run([sys.executable, __file__, *GROUPS], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=600)
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert lines, out.stderr[-3000:]
+    return {d["check"]: d["problem"] for d in lines}
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_triton_rows_match_torch_path(results, group):
+    mine = {k: v for k, v in results.items() if k.split(":")[0] == group}
+    assert mine, f"check group {group} produced nothing"
+    failed = {k: v for k, v in mine.items() if v}
+    assert not failed, failed
+
+
+@pytest.mark.gpu
+def test_gpu_self_check():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "stats_check.py")], capture_output=True, text=True,
+                         cwd=ROOT, timeout=1200)
+    assert out.returncode == 0, out.stdout[-4000:]
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1:])

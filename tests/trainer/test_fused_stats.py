@@ -1,0 +1,147 @@
+"""Statistics fused into the trainer's quantize kernels, on the CPU in Triton's interpreter: the row that
+``quantize``/``quantize_transpose`` write with ``stats=`` equals the standalone kernel's row
+(``agent.triton_stats``) and the torch path's (``quantize.stats_ref``) with the scale actually used, the FP8
+data is bit-identical with and without statistics, and an agent watching ``Fp8Linear`` layers reports the
+same rows from the fused kernels as from its own hooks (no hook reads input, weight or grad_output).
+
+As in tests/trainer/test_kernels.py the checks run in one child process that sets TRITON_INTERPRET=1
+before importing Triton; each prints a JSON line that the tests assert. GPU: ``python bench/stats_check.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _child(names: list[str]) -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "tests" / "agent"))
+    import torch
+
+    from agent import device_stats as ds
+    from agent import triton_stats as ts
+    from test_triton_stats import _compare
+    from trainer.kernels import quantize, quantize_transpose
+    from trainer.kernels.quantize import stats_ref
+
+    torch.set_num_threads(1)
+
+    def emit(name, problem):
+        print(json.dumps({"check": name, "problem": problem}), flush=True)
+
+    def same_bits(a, b):
+        return a is None and b is None or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+    def fused_kernels():
+        g = torch.Generator().manual_seed(0)
+        for (m, n) in ((130, 70), (1, 3)):
+            for dt, fmt in ((torch.bfloat16, "e4m3"), (torch.float32, "e5m2")):
+                x = (torch.randn(m, n, generator=g) * 3).to(dt)
+                if m > 2:
+                    x[1, 2] = float("nan")
+                    x[2, 1] = 0.0
+                for delayed in (False, True):
+                    scale = torch.tensor(7.0) if delayed else None
+                    center = torch.tensor([0.1, 2.0], dtype=torch.float64)
+                    for kernel in ("quantize", "quantize_transpose"):
+                        fn = quantize if kernel == "quantize" else quantize_transpose
+                        acc = lambda: torch.zeros(()) if delayed else None  # noqa: E731
+                        tgt = ts.Target.new("cpu", center=center, amax_history_max=torch.tensor(1.5) if delayed else None)
+                        r = fn(x, fmt, scale=scale, accum=acc(), stats=tgt)
+                        plain = fn(x, fmt, scale=scale, accum=acc())
+                        name = f"fused_kernels:{kernel}:{m}x{n}:{fmt}:delayed={delayed}"
+                        problems = []
+                        if not (same_bits(r.data, plain.data) and same_bits(r.data_t, plain.data_t)
+                                and torch.equal(r.meta[1:], plain.meta[1:])):
+                            problems.append("FP8 data or scale differ with stats on")
+                        standalone = ts.partials(x, fmt=fmt, scale=r.scale, center=center,
+                                                 amax_history_max=tgt.amax_history_max)
+                        problems.append(_compare(torch, ds, tgt.rows[0], standalone, rtol=1e-6))
+                        ref = ts.Target.new("cpu", center=(0.1, 2.0), amax_history_max=tgt.amax_history_max)
+                        problems.append(_compare(torch, ds, tgt.rows[0], stats_ref(x, fmt, r.scale, ref)))
+                        emit(name, "; ".join(p for p in problems if p))
+
+    def fused_merge():
+        """A second call into the same row merges (micro-batches), as device_stats.merge does."""
+        x1, x2 = torch.randn(40, 60), torch.randn(40, 60) * 5 + 1
+        tgt = ts.Target.new("cpu")
+        r1 = quantize_transpose(x1, "e4m3", stats=tgt)
+        tgt.merge = True
+        r2 = quantize_transpose(x2, "e4m3", stats=tgt)
+        want = ds.merge(ts.partials(x1, fmt="e4m3", scale=r1.scale), ts.partials(x2, fmt="e4m3", scale=r2.scale))
+        emit("fused_merge", _compare(torch, ds, tgt.rows[0], want))
+
+    def fp8_linear_agent():
+        sys.path.insert(0, str(ROOT / "bench"))
+        from stats_check import agent_rows
+        from trainer.fp8_linear import Fp8Linear
+
+        torch.manual_seed(4)
+        model = torch.nn.Sequential(Fp8Linear(32, 64), torch.nn.GELU(), Fp8Linear(64, 32))
+        for m in model:
+            if isinstance(m, Fp8Linear):
+                m.backend = "triton"  # the Triton kernels, in the interpreter
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        xs = [torch.randn(4, 16, 32) * (1 + i) for i in range(6)]
+        make = lambda step, micro: xs[2 * step + micro]  # noqa: E731
+        got, keys = agent_rows(model, make, 3, "cpu", fused=True, stats_backend="triton")
+        model.load_state_dict(state)
+        want, keys2 = agent_rows(model, make, 3, "cpu", fused=False, stats_backend="triton")
+        order = [keys2.index(k) for k in keys]
+        for step in range(3):
+            a, b = got[step].clone(), want[step][order].clone()
+            # current scaling: the kernel's scale is reciprocal(amax) * max in fp32, the hooks' emulation
+            # fp64 max / amax: at most an ulp apart; the hooks' underflow comes from the histogram
+            rel = ((a[:, ds.SCALE] - b[:, ds.SCALE]).abs() / b[:, ds.SCALE]).nan_to_num(0)
+            a[:, ds.SCALE] = b[:, ds.SCALE]
+            problem = _compare(torch, ds, a, b, under_slack=float(b[:, ds.HIST:].max()))
+            if float(rel.max()) > 2.5e-7:
+                problem += f" scale differs by {float(rel.max())}"
+            emit(f"fp8_linear_agent:step{step}", problem)
+        fused = {k for k in keys if k[1] in ("input", "weight", "grad_output")}
+        emit("fp8_linear_agent:sites", "" if len(fused) == 6 and len(keys) == 10 else f"slots {keys}")
+
+    checks = dict(fused_kernels=fused_kernels, fused_merge=fused_merge, fp8_linear_agent=fp8_linear_agent)
+    for name in names or checks:
+        try:
+            checks[name]()
+        except Exception as exc:
+            import traceback
+
+            traceback.print_exc()
+            emit(f"{name}:raised", repr(exc))
+
+
+GROUPS = ["fused_kernels", "fused_merge", "fp8_linear_agent"]
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run([sys.executable, __file__, *GROUPS], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=600)
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert lines, out.stderr[-3000:]
+    return {d["check"]: d["problem"] for d in lines}
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_fused_statistics(results, group):
+    mine = {k: v for k, v in results.items() if k.split(":")[0] == group}
+    assert mine, f"check group {group} produced nothing"
+    failed = {k: v for k, v in mine.items() if v}
+    assert not failed, failed
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1:])
