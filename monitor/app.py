@@ -10,7 +10,7 @@ from monitor.metrics import Metrics
 from monitor.migrate import check_schema
 from monitor.pipeline import Pipeline
 from monitor.rollup import Compactor, interval_from_env
-from monitor.routers import alerts, ingest, metrics, predictions, runs, series
+from monitor.routers import alerts, dashboard, ingest, metrics, predictions, runs, series
 from monitor.settings import Settings
 from monitor.store import Store
 
@@ -67,6 +67,7 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None, 
     app.include_router(series.router, prefix=API_PREFIX)
     app.include_router(runs.router, prefix=API_PREFIX)
     app.include_router(metrics.router)
+    app.include_router(dashboard.router)
 
     @app.get("/healthz", include_in_schema=False)
     def healthz() -> dict:

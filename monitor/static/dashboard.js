@@ -1,0 +1,775 @@
+// fp8mon dashboard: vanilla JS over the /api/v1 REST API, charts with the plotly.js served by the monitor.
+"use strict";
+
+(function () {
+  const API = "/api/v1";
+  const TOKEN_KEY = "fp8mon.token";
+  const INTERVAL_KEY = "fp8mon.refresh";
+  const RUN_LIMIT = 100;
+  const SERIES_POINTS = 1500;
+  const HEATMAP_COLUMNS = 600;
+  const ALERT_LIMIT = 500;
+  const SEVERITY_COLOURS = { info: "#2f6fdb", warning: "#e08a00", critical: "#d93025" };
+  const SEVERITY_RANK = { info: 1, warning: 2, critical: 3 };
+  const PREFERRED_STATS = ["kurtosis", "amax", "underflow_frac", "overflow_frac", "rms", "outlier_frac", "crest",
+    "nonfinite", "scale"];
+  // Statistics spanning decades (kurtosis 3 -> 1000s): a log colour scale keeps the healthy layers readable.
+  const LOG_STATS = new Set(["kurtosis", "kurtosis_central", "amax", "rms", "crest", "scale", "amax_history_max"]);
+  const PLOT_CONFIG = { displaylogo: false, responsive: true };
+
+  const state = {
+    runs: [],
+    selected: null,
+    generation: 0, // bumped on every run switch: responses for an older selection are dropped
+    catalogueKey: "",
+    paused: false,
+    timer: null,
+    ticking: false,
+    again: false, // a refresh was asked for while one was running
+  };
+
+  const $ = (id) => document.getElementById(id);
+  const drawn = new Map(); // chart id -> what it shows now
+
+  // ---- the API -------------------------------------------------------------------------------------------
+
+  class ApiError extends Error {
+    constructor(status, message) {
+      super(message);
+      this.status = status;
+    }
+  }
+
+  function runPath(name) {
+    return name.split("/").map(encodeURIComponent).join("/");
+  }
+
+  function token() {
+    return sessionStorage.getItem(TOKEN_KEY) || "";
+  }
+
+  async function api(path, { method = "GET", params = {} } = {}) {
+    const url = new URL(API + path, window.location.origin);
+    for (const [key, value] of Object.entries(params)) {
+      if (value !== undefined && value !== null) url.searchParams.append(key, value);
+    }
+    const headers = { Accept: "application/json" };
+    if (token()) headers.Authorization = "Bearer " + token();
+    let response;
+    try {
+      response = await fetch(url, { method, headers });
+    } catch (err) {
+      throw new ApiError(0, "cannot reach the monitor server (" + err.message + ")");
+    }
+    if (!response.ok) throw new ApiError(response.status, await errorText(response));
+    return response.json();
+  }
+
+  async function errorText(response) {
+    let detail = "";
+    try {
+      const body = await response.json();
+      detail = typeof body.detail === "string" ? body.detail
+        : (body.detail || []).map((d) => (d.loc || []).slice(1).join(".") + ": " + d.msg).join("; ");
+    } catch (err) {
+      detail = response.statusText;
+    }
+    return (detail || "error") + " (HTTP " + response.status + ")";
+  }
+
+  function isAuthError(err) {
+    return err instanceof ApiError && (err.status === 401 || err.status === 403);
+  }
+
+  // The API writes NaN and infinities as strings; plotly needs numbers or null.
+  function num(value) {
+    return typeof value === "number" ? value : null;
+  }
+
+  function nonFinite(value) {
+    return typeof value === "string";
+  }
+
+  function fmt(value, digits = 3) {
+    if (value === null || value === undefined) return "–";
+    if (typeof value === "string") return value;
+    const abs = Math.abs(value);
+    if (abs !== 0 && (abs >= 1e5 || abs < 1e-3)) return value.toExponential(2);
+    return Number(value.toPrecision(digits)).toString();
+  }
+
+  // ---- small DOM helpers -----------------------------------------------------------------------------------
+
+  function el(tag, { cls, text, title, data } = {}, children = []) {
+    const node = document.createElement(tag);
+    if (cls) node.className = cls;
+    if (text !== undefined) node.textContent = text;
+    if (title) node.title = title;
+    for (const [key, value] of Object.entries(data || {})) node.dataset[key] = value;
+    for (const child of children) node.append(child);
+    return node;
+  }
+
+  function showMessage(id, text, isError = false) {
+    const node = $(id);
+    node.textContent = text || "";
+    node.classList.toggle("error", Boolean(isError));
+  }
+
+  function showBanner(text) {
+    $("banner").textContent = text || "";
+    $("banner").hidden = !text;
+  }
+
+  function errorMessage(err) {
+    return err instanceof ApiError ? err.message : "unexpected error: " + (err && err.message ? err.message : err);
+  }
+
+  function hasPlotly() {
+    return typeof window.Plotly !== "undefined";
+  }
+
+  function drawChart(id, traces, layout) {
+    const node = $(id);
+    if (!hasPlotly()) return;
+    const signature = JSON.stringify([traces, layout]);
+    if (drawn.get(id) === signature) return; // a refresh without new data: no redraw
+    drawn.set(id, signature);
+    node.classList.remove("blank");
+    window.Plotly.react(node, traces, layout, PLOT_CONFIG);
+  }
+
+  function blankChart(id) {
+    const node = $(id);
+    drawn.delete(id);
+    if (hasPlotly()) window.Plotly.purge(node);
+    node.classList.add("blank");
+  }
+
+  // ---- URL and token ---------------------------------------------------------------------------------------
+
+  function readUrl() {
+    const params = new URLSearchParams(window.location.search);
+    if (params.has("token")) {
+      sessionStorage.setItem(TOKEN_KEY, params.get("token"));
+      params.delete("token"); // keep the secret out of the address bar and the history
+    }
+    const interval = Number(params.get("refresh") || localStorage.getItem(INTERVAL_KEY));
+    if (interval > 0) setIntervalOption(interval);
+    writeUrl(params);
+    return params;
+  }
+
+  function writeUrl(params) {
+    const query = params.toString();
+    window.history.replaceState(null, "", window.location.pathname + (query ? "?" + query : ""));
+  }
+
+  function updateUrl(changes) {
+    const params = new URLSearchParams(window.location.search);
+    for (const [key, value] of Object.entries(changes)) {
+      if (value) params.set(key, value);
+      else params.delete(key);
+    }
+    writeUrl(params);
+  }
+
+  function setIntervalOption(seconds) {
+    const select = $("refresh-interval");
+    if (![...select.options].some((o) => Number(o.value) === seconds)) {
+      select.append(el("option", { text: seconds + " s" }));
+      select.lastChild.value = String(seconds);
+    }
+    select.value = String(seconds);
+  }
+
+  function askForToken(err) {
+    showBanner("The monitor needs an API token: " + err.message + ". Enter it below, or open this page as "
+      + "/?token=<your token>.");
+    $("token-form").hidden = false;
+    $("token-input").focus();
+  }
+
+  function bindTokenForm() {
+    $("token-button").addEventListener("click", () => {
+      $("token-form").hidden = !$("token-form").hidden;
+    });
+    $("token-form").addEventListener("submit", (event) => {
+      event.preventDefault();
+      sessionStorage.setItem(TOKEN_KEY, $("token-input").value.trim());
+      $("token-input").value = "";
+      $("token-form").hidden = true;
+      showBanner("");
+      refreshNow();
+    });
+    $("token-clear").addEventListener("click", () => {
+      sessionStorage.removeItem(TOKEN_KEY);
+      $("token-form").hidden = true;
+      refreshNow();
+    });
+  }
+
+  // ---- run list --------------------------------------------------------------------------------------------
+
+  async function loadRuns() {
+    const [list, firing] = await Promise.all([
+      api("/runs", { params: { limit: RUN_LIMIT } }),
+      api("/alerts", { params: { state: "firing", limit: 1000 } }),
+    ]);
+    const risks = await Promise.all(list.runs.map((run) => latestPrediction(run.name).catch(() => null)));
+    return list.runs.map((run, i) => ({ ...run, prediction: risks[i], ...firingSummary(firing.alerts, run.name) }));
+  }
+
+  async function latestPrediction(name) {
+    // ?limit=1 rather than /predictions/latest: a run without predictions is an empty list, not a 404.
+    const body = await api(`/runs/${runPath(name)}/predictions`, { params: { limit: 1 } });
+    return body.predictions.length ? body.predictions[body.predictions.length - 1] : null;
+  }
+
+  function firingSummary(alerts, name) {
+    const mine = alerts.filter((a) => a.run === name);
+    const rank = (severity) => SEVERITY_RANK[severity] || 0;
+    const worst = mine.reduce((w, a) => (rank(a.severity) > rank(w) ? a.severity : w), "");
+    return { firing: mine.length, worstSeverity: worst };
+  }
+
+  function renderRuns() {
+    const filter = $("run-filter").value.trim().toLowerCase();
+    const runs = state.runs.filter((run) => run.name.toLowerCase().includes(filter));
+    $("run-list").replaceChildren(...runs.map(runItem));
+    if (!state.runs.length) showMessage("run-list-message", "No runs yet: start a training with the agent attached.");
+    else if (!runs.length) showMessage("run-list-message", "No run matches the filter.");
+    else showMessage("run-list-message", "");
+  }
+
+  function runItem(run) {
+    const severity = run.worstSeverity ? " sev-" + run.worstSeverity : "";
+    const selected = run.name === state.selected ? " selected" : "";
+    const risk = run.prediction ? run.prediction.risk : null;
+    const health = el("div", { cls: "run-health" }, [
+      el("span", { cls: "badge status-" + run.status, text: run.status }),
+      el("span", { cls: "run-step", text: run.last_step === null ? "no steps" : "step " + run.last_step }),
+      el("span", { cls: "run-risk " + riskClass(risk), text: risk === null ? "risk –" : "risk " + fmt(risk, 2) }),
+      el("span", { cls: "run-firing" + (run.firing ? " firing-" + run.worstSeverity : ""),
+        text: run.firing + " firing" }),
+    ]);
+    const title = run.firing ? `${run.firing} firing alert(s), worst ${run.worstSeverity}` : "no firing alert";
+    const item = el("li", { cls: "run-item" + severity + selected, title, data: { run: run.name } },
+      [el("div", { cls: "run-name", text: run.name }), health]);
+    item.addEventListener("click", () => selectRun(run.name));
+    return item;
+  }
+
+  function riskClass(risk) {
+    if (risk === null || risk === undefined) return "";
+    return risk >= 0.7 ? "risk-high" : risk >= 0.3 ? "risk-mid" : "risk-low";
+  }
+
+  async function refreshRuns() {
+    try {
+      state.runs = await loadRuns();
+      showBanner("");
+      renderRuns();
+      return true;
+    } catch (err) {
+      if (isAuthError(err)) askForToken(err);
+      else showBanner("Could not load the runs: " + errorMessage(err));
+      return false;
+    }
+  }
+
+  // ---- one run ---------------------------------------------------------------------------------------------
+
+  function selectRun(name) {
+    if (name === state.selected) return;
+    state.selected = name;
+    state.generation += 1;
+    state.catalogueKey = "";
+    updateUrl({ run: name, stat: null, site: null });
+    for (const item of document.querySelectorAll(".run-item")) {
+      item.classList.toggle("selected", item.dataset.run === name);
+    }
+    ["loss-chart", "grad-norm-chart", "heatmap-chart", "alert-chart"].forEach(blankChart);
+    $("alert-table").hidden = true;
+    $("prediction").replaceChildren();
+    showMessage("run-empty", "Loading " + name + " …");
+    refreshRun();
+  }
+
+  async function refreshRun() {
+    const name = state.selected;
+    const generation = state.generation;
+    if (!name) return;
+    const current = () => generation === state.generation;
+    try {
+      const [run, catalogue] = await Promise.all([api(`/runs/${runPath(name)}`),
+        api(`/runs/${runPath(name)}/catalogue`)]);
+      if (!current()) return;
+      showRunHeader(run);
+      fillHeatmapSelectors(catalogue);
+    } catch (err) {
+      if (current()) showRunError(name, err);
+      return;
+    }
+    const alerts = await loadRunAlerts(name, generation);
+    await Promise.all([
+      drawScalar(name, generation, "loss", "loss-chart", "loss-message", alerts),
+      drawScalar(name, generation, "grad_norm", "grad-norm-chart", "grad-norm-message", alerts),
+      drawHeatmap(name, generation),
+      drawPrediction(name, generation),
+    ]);
+  }
+
+  function showRunHeader(run) {
+    $("run-empty").hidden = true;
+    $("run-view").hidden = false;
+    $("run-title").textContent = run.name;
+    $("run-status").textContent = run.status;
+    $("run-status").className = "badge status-" + run.status;
+    $("run-steps").textContent = run.last_step === null ? "no steps yet"
+      : `steps ${run.first_step}–${run.last_step} · ${run.tensor_series} layer×site series`;
+    document.title = run.name + " · fp8mon";
+  }
+
+  function showRunError(name, err) {
+    if (isAuthError(err)) askForToken(err);
+    $("run-view").hidden = true;
+    $("run-empty").hidden = false;
+    showMessage("run-empty", `Cannot show run '${name}': ${errorMessage(err)}`, true);
+  }
+
+  // ---- loss and grad-norm with alert markers -----------------------------------------------------------------
+
+  async function drawScalar(name, generation, scalar, chartId, messageId, alerts) {
+    let series;
+    try {
+      series = await api(`/runs/${runPath(name)}/series`, { params: { scalar, max_points: SERIES_POINTS } });
+    } catch (err) {
+      if (generation !== state.generation) return;
+      blankChart(chartId);
+      const missing = err instanceof ApiError && err.status === 404;
+      showMessage(messageId, missing ? `No ${scalar} reported for this run yet.` : errorMessage(err), !missing);
+      return;
+    }
+    if (generation !== state.generation) return;
+    if (!series.points.step.length) {
+      blankChart(chartId);
+      showMessage(messageId, `No ${scalar} reported for this run yet.`);
+      return;
+    }
+    showMessage(messageId, series.downsampled ? `${series.bucket_width} steps per point: the band is each `
+      + "bucket's min–max, the line its mean." : "");
+    const traces = [...seriesTraces(series, scalar), ...alertMarkerTraces(alerts)];
+    drawChart(chartId, traces, scalarLayout(name, scalar, alerts));
+  }
+
+  function seriesTraces(series, scalar) {
+    const p = series.points;
+    const colour = scalar === "loss" ? "#1d4fa8" : "#6b4fbb";
+    const traces = [];
+    if (p.value) {
+      traces.push({ type: "scatter", mode: "lines", name: scalar, x: p.step, y: p.value.map(num),
+        line: { color: colour, width: 1.5 } });
+    } else {
+      traces.push({ type: "scatter", mode: "lines", name: "min", x: p.step, y: p.min.map(num), line: { width: 0 },
+        showlegend: false, hoverinfo: "skip" });
+      traces.push({ type: "scatter", mode: "lines", name: "min–max", x: p.step, y: p.max.map(num),
+        fill: "tonexty", fillcolor: "rgba(47,111,219,0.2)", line: { width: 0 } });
+      traces.push({ type: "scatter", mode: "lines", name: scalar + " (mean)", x: p.step, y: p.mean.map(num),
+        line: { color: colour, width: 1.5 } });
+    }
+    const raw = p.value || p.max;
+    const bad = p.step.filter((_, i) => nonFinite(raw[i]));
+    if (bad.length) {
+      traces.push({ type: "scatter", mode: "markers", name: "non-finite", x: bad, y: bad.map(() => 0.5),
+        yaxis: "y2", marker: { symbol: "x", size: 10, color: SEVERITY_COLOURS.critical } });
+    }
+    return traces;
+  }
+
+  function firedGroups(alerts) {
+    // One marker per fired step, coloured by its worst alert: dozens of layer alerts often fire together.
+    const groups = new Map();
+    for (const alert of alerts) {
+      if (alert.fired_step === null) continue;
+      const group = groups.get(alert.fired_step) || { step: alert.fired_step, severity: "info", lines: [] };
+      if (SEVERITY_RANK[alert.severity] > SEVERITY_RANK[group.severity]) group.severity = alert.severity;
+      group.lines.push(`${alert.severity}: ${alert.message}`);
+      groups.set(alert.fired_step, group);
+    }
+    return [...groups.values()].sort((a, b) => a.step - b.step);
+  }
+
+  function alertMarkerTraces(alerts) {
+    const groups = firedGroups(alerts);
+    if (!groups.length) return [];
+    return [{
+      type: "scatter", mode: "markers", name: "alerts fired", x: groups.map((g) => g.step),
+      y: groups.map(() => 1), yaxis: "y2", cliponaxis: false,
+      marker: { symbol: "triangle-down", size: 11, color: groups.map((g) => SEVERITY_COLOURS[g.severity]) },
+      text: groups.map((g) => `step ${g.step}<br>` + g.lines.slice(0, 8).join("<br>")
+        + (g.lines.length > 8 ? `<br>… ${g.lines.length - 8} more` : "")),
+      hoverinfo: "text",
+    }];
+  }
+
+  function scalarLayout(name, scalar, alerts) {
+    const shapes = firedGroups(alerts).map((g) => ({
+      type: "line", xref: "x", yref: "paper", x0: g.step, x1: g.step, y0: 0, y1: 1,
+      line: { color: SEVERITY_COLOURS[g.severity], width: 1, dash: "dot" },
+    }));
+    return {
+      uirevision: name, // the user's zoom survives live updates, and resets on another run
+      margin: { l: 56, r: 16, t: 10, b: 40 },
+      xaxis: { title: { text: "step" } },
+      yaxis: { title: { text: scalar } },
+      yaxis2: { overlaying: "y", range: [0, 1.02], visible: false, fixedrange: true },
+      legend: { orientation: "h", x: 0, y: 1.15 },
+      hovermode: "closest",
+      shapes,
+    };
+  }
+
+  // ---- layer x step heatmap ----------------------------------------------------------------------------------
+
+  function fillHeatmapSelectors(catalogue) {
+    const key = catalogue.stats.join(",") + "|" + catalogue.sites.join(",");
+    if (key === state.catalogueKey) return;
+    state.catalogueKey = key;
+    const params = new URLSearchParams(window.location.search);
+    const stats = [...PREFERRED_STATS.filter((s) => catalogue.stats.includes(s)),
+      ...catalogue.stats.filter((s) => !PREFERRED_STATS.includes(s))];
+    fillSelect("heatmap-stat", stats, params.get("stat") || $("heatmap-stat").value || "kurtosis");
+    fillSelect("heatmap-site", catalogue.sites, params.get("site") || $("heatmap-site").value || "input");
+    $("heatmap-log").checked = LOG_STATS.has($("heatmap-stat").value);
+  }
+
+  function fillSelect(id, values, preferred) {
+    const select = $(id);
+    select.replaceChildren(...values.map((v) => el("option", { text: v })));
+    select.value = values.includes(preferred) ? preferred : (values[0] || "");
+  }
+
+  async function drawHeatmap(name, generation) {
+    const stat = $("heatmap-stat").value;
+    const site = $("heatmap-site").value;
+    if (!stat || !site) {
+      blankChart("heatmap-chart");
+      showMessage("heatmap-message", "No per-layer statistics in this run yet.");
+      return;
+    }
+    let heatmap;
+    try {
+      heatmap = await api(`/runs/${runPath(name)}/heatmap`, {
+        params: { stat, site, agg: $("heatmap-agg").value, max_points: HEATMAP_COLUMNS } });
+    } catch (err) {
+      if (generation !== state.generation) return;
+      blankChart("heatmap-chart");
+      showMessage("heatmap-message", errorMessage(err), true);
+      return;
+    }
+    if (generation !== state.generation || stat !== $("heatmap-stat").value || site !== $("heatmap-site").value) {
+      return; // the user switched while this was loading; the newer request draws
+    }
+    if (!heatmap.layers.length || !heatmap.edges.length) {
+      blankChart("heatmap-chart");
+      showMessage("heatmap-message", `No ${stat} at the ${site} site in this run.`);
+      return;
+    }
+    showMessage("heatmap-message", heatmap.downsampled
+      ? `${heatmap.bucket_width} steps per column (${heatmap.agg} of each bucket).` : "");
+    drawChart("heatmap-chart", heatmapTraces(heatmap), heatmapLayout(name));
+  }
+
+  function reportedColumns(heatmap) {
+    // Statistics every N steps leave N-1 empty columns in between; drawn, they would stripe the map.
+    return heatmap.edges.slice(0, -1).map((_, c) => c)
+      .filter((c) => heatmap.values.some((row) => row[c] !== null));
+  }
+
+  function heatmapTraces(heatmap) {
+    const log = $("heatmap-log").checked;
+    const columns = reportedColumns(heatmap);
+    const cell = (v) => {
+      const value = num(v);
+      if (!log || value === null) return value;
+      return value > 0 ? Math.log10(value) : null;
+    };
+    const first = (c) => heatmap.edges[c];
+    const last = (c) => heatmap.edges[c + 1] - 1;
+    const trace = {
+      type: "heatmap", name: heatmap.stat, x: columns.map((c) => (first(c) + last(c)) / 2), y: heatmap.layers,
+      z: heatmap.values.map((row) => columns.map((c) => cell(row[c]))),
+      colorscale: "Viridis", hoverongaps: false,
+      colorbar: { title: { text: (log ? "log₁₀ " : "") + heatmap.stat }, thickness: 12 },
+      customdata: heatmap.values.map((row) => columns.map((c) =>
+        [first(c) === last(c) ? first(c) : `${first(c)}–${last(c)}`, typeof row[c] === "number" ? fmt(row[c], 4)
+          : String(row[c])])),
+      hovertemplate: "%{y}<br>step %{customdata[0]}<br>" + heatmap.stat + " %{customdata[1]}<extra></extra>",
+    };
+    const bad = { x: [], y: [] };
+    heatmap.values.forEach((row, r) => columns.forEach((c) => {
+      if (nonFinite(row[c])) {
+        bad.x.push((first(c) + last(c)) / 2);
+        bad.y.push(heatmap.layers[r]);
+      }
+    }));
+    const traces = [trace];
+    if (bad.x.length) {
+      traces.push({ type: "scatter", mode: "markers", name: "non-finite", ...bad, hoverinfo: "x+y+name",
+        marker: { symbol: "x", size: 9, color: SEVERITY_COLOURS.critical } });
+    }
+    return traces;
+  }
+
+  function heatmapLayout(name) {
+    return {
+      uirevision: name,
+      margin: { l: 10, r: 10, t: 10, b: 40 },
+      xaxis: { title: { text: "step" } },
+      yaxis: { autorange: "reversed", automargin: true, type: "category" },
+      showlegend: false,
+    };
+  }
+
+  function bindHeatmapControls() {
+    const redraw = () => {
+      updateUrl({ stat: $("heatmap-stat").value, site: $("heatmap-site").value });
+      if (state.selected) drawHeatmap(state.selected, state.generation);
+    };
+    $("heatmap-stat").addEventListener("change", () => {
+      $("heatmap-log").checked = LOG_STATS.has($("heatmap-stat").value);
+      redraw();
+    });
+    $("heatmap-site").addEventListener("change", redraw);
+    $("heatmap-agg").addEventListener("change", redraw);
+    $("heatmap-log").addEventListener("change", redraw);
+  }
+
+  // ---- alerts ------------------------------------------------------------------------------------------------
+
+  async function loadRunAlerts(name, generation) {
+    let body;
+    try {
+      body = await api(`/runs/${runPath(name)}/alerts`, { params: { limit: ALERT_LIMIT } });
+    } catch (err) {
+      if (generation === state.generation) showMessage("alert-message", errorMessage(err), true);
+      return [];
+    }
+    if (generation !== state.generation) return [];
+    const more = body.total > body.alerts.length ? ` (the ${body.alerts.length} most recent of ${body.total})` : "";
+    showMessage("alert-message", body.alerts.length ? more : "No alerts for this run.");
+    drawAlertTimeline(name, body.alerts);
+    renderAlertTable(body.alerts);
+    return body.alerts;
+  }
+
+  function alertLabel(alert) {
+    const where = alert.layer ? ` · ${alert.layer}${alert.site ? " " + alert.site : ""}` : "";
+    return alert.rule + where;
+  }
+
+  function alertEnd(alert) {
+    return alert.resolved_step ?? alert.last_step ?? alert.first_step;
+  }
+
+  function drawAlertTimeline(name, alerts) {
+    const timed = alerts.filter((a) => a.first_step !== null);
+    if (!timed.length) {
+      blankChart("alert-chart");
+      return;
+    }
+    const traces = ["critical", "warning", "info"].map((severity) => {
+      const mine = timed.filter((a) => a.severity === severity);
+      return {
+        type: "bar", orientation: "h", name: severity, y: mine.map(alertLabel),
+        base: mine.map((a) => a.first_step), x: mine.map((a) => Math.max(1, alertEnd(a) - a.first_step)),
+        marker: { color: SEVERITY_COLOURS[severity], opacity: mine.map((a) => (a.state === "resolved" ? 0.35 : 0.9)),
+          pattern: { shape: mine.map((a) => (a.state === "pending" ? "/" : "")) } },
+        text: mine.map((a) => `${a.state}: ${a.message}`), hoverinfo: "text", textposition: "none",
+      };
+    }).filter((t) => t.y.length);
+    const rows = new Set(timed.map(alertLabel)).size;
+    const height = Math.min(600, 80 + 20 * rows);
+    $("alert-chart").style.height = height + "px"; // one row per alert identity: grow the box with them
+    drawChart("alert-chart", traces, {
+      uirevision: name, barmode: "overlay", height,
+      margin: { l: 10, r: 10, t: 10, b: 36 },
+      xaxis: { title: { text: "step" } },
+      yaxis: { automargin: true, autorange: "reversed", type: "category" },
+      legend: { orientation: "h", x: 0, y: 1.1 },
+    });
+  }
+
+  function renderAlertTable(alerts) {
+    const table = $("alert-table");
+    table.hidden = !alerts.length;
+    table.tBodies[0].replaceChildren(...alerts.map(alertRow));
+  }
+
+  function alertRow(alert) {
+    const where = alert.layer ? `${alert.layer}${alert.site ? " / " + alert.site : ""}` : "model";
+    const cells = [
+      el("td", { text: alert.rule }),
+      el("td", { text: where }),
+      el("td", {}, [el("span", { cls: "badge sev-" + alert.severity, text: alert.severity })]),
+      el("td", { cls: "state", text: alert.state }),
+      el("td", { cls: "num", text: fmt(alert.first_step) }),
+      el("td", { cls: "num", text: fmt(alert.fired_step) }),
+      el("td", { cls: "num", text: fmt(alertEnd(alert)) }),
+      el("td", { cls: "alert-text", text: alert.message }),
+      el("td", {}, [ackButton(alert)]),
+    ];
+    return el("tr", { cls: "state-" + alert.state, data: { alertId: alert.id } }, cells);
+  }
+
+  function ackButton(alert) {
+    const button = el("button", { cls: "ack", text: alert.acknowledged_at ? "acknowledged" : "Acknowledge",
+      title: alert.acknowledged_at ? "acknowledged at " + alert.acknowledged_at : "" });
+    button.type = "button";
+    button.disabled = Boolean(alert.acknowledged_at);
+    button.addEventListener("click", () => acknowledge(alert, button));
+    return button;
+  }
+
+  async function acknowledge(alert, button) {
+    button.disabled = true;
+    try {
+      const acked = await api(`/alerts/${alert.id}/ack`, { method: "POST" });
+      button.textContent = "acknowledged";
+      button.title = "acknowledged at " + acked.acknowledged_at;
+    } catch (err) {
+      button.disabled = false;
+      const why = err instanceof ApiError && err.status === 403 ? " (acknowledging needs a write token)" : "";
+      showMessage("alert-message", "Could not acknowledge alert " + alert.id + ": " + errorMessage(err) + why, true);
+    }
+  }
+
+  // ---- prediction --------------------------------------------------------------------------------------------
+
+  async function drawPrediction(name, generation) {
+    let prediction;
+    try {
+      prediction = await latestPrediction(name);
+    } catch (err) {
+      if (generation === state.generation) $("prediction").replaceChildren(el("p", { cls: "message error",
+        text: errorMessage(err) }));
+      return;
+    }
+    if (generation !== state.generation) return;
+    if (!prediction) {
+      $("prediction").replaceChildren(el("p", { cls: "message", text: "No prediction yet." }));
+      return;
+    }
+    $("prediction").replaceChildren(el("div", { cls: "prediction" }, [
+      figure("risk", fmt(prediction.risk, 2), riskClass(prediction.risk)),
+      figure("steps to divergence", prediction.steps_to_divergence === null ? "no trend"
+        : "≈ " + Math.round(prediction.steps_to_divergence)),
+      figure("at step", String(prediction.step)),
+      listBlock("signals", signalLines(prediction.signals)),
+      listBlock("culprits", prediction.culprits.slice(0, 6).map(culpritLine)),
+    ]));
+  }
+
+  function figure(label, value, cls = "") {
+    return el("div", {}, [el("div", { cls: "label", text: label }), el("div", { cls: "figure " + cls, text: value })]);
+  }
+
+  function listBlock(label, lines) {
+    const items = lines.length ? lines.map((line) => el("li", { text: line })) : [el("li", { text: "none" })];
+    return el("div", { cls: "list-" + label }, [el("div", { cls: "label", text: label }), el("ul", {}, items)]);
+  }
+
+  function signalLines(signals) {
+    return Object.entries(signals)
+      .filter(([, score]) => score !== 0 && score !== null)
+      .sort((a, b) => (num(b[1]) ?? Infinity) - (num(a[1]) ?? Infinity))
+      .map(([signal, score]) => `${signal} ${fmt(score, 2)}`);
+  }
+
+  function culpritLine(culprit) {
+    const where = culprit.layer ? `${culprit.layer}${culprit.site ? " " + culprit.site : ""}` : "model";
+    return `${where}: ${culprit.signal} ${fmt(culprit.value)}`;
+  }
+
+  // ---- live refresh ------------------------------------------------------------------------------------------
+
+  function intervalSeconds() {
+    return Number($("refresh-interval").value) || 5;
+  }
+
+  function schedule() {
+    clearTimeout(state.timer);
+    state.timer = null;
+    if (!state.paused) state.timer = setTimeout(tick, intervalSeconds() * 1000);
+  }
+
+  async function tick() {
+    if (state.ticking) {
+      state.again = true;
+      return;
+    }
+    state.ticking = true;
+    let status = "update failed at ";
+    try {
+      if (await refreshRuns()) {
+        await refreshRun();
+        status = "updated ";
+      }
+    } catch (err) {
+      showBanner(errorMessage(err)); // the draw functions handle API errors; this is a last resort
+    } finally {
+      state.ticking = false;
+      $("refresh-status").textContent = state.paused ? "paused" : status + new Date().toLocaleTimeString();
+      if (state.again) {
+        state.again = false;
+        setTimeout(tick, 0);
+      } else {
+        schedule();
+      }
+    }
+  }
+
+  function refreshNow() {
+    clearTimeout(state.timer);
+    tick();
+  }
+
+  function togglePause() {
+    state.paused = !state.paused;
+    $("refresh-toggle").textContent = state.paused ? "Resume" : "Pause";
+    if (state.paused) {
+      // "paused" once the update under way (if any) has landed: nothing changes after that
+      $("refresh-status").textContent = state.ticking ? "pausing…" : "paused";
+      schedule();
+    } else {
+      refreshNow();
+    }
+  }
+
+  function bindRefreshControls() {
+    $("refresh-interval").addEventListener("change", () => {
+      localStorage.setItem(INTERVAL_KEY, $("refresh-interval").value);
+      schedule();
+    });
+    $("refresh-toggle").addEventListener("click", togglePause);
+  }
+
+  // ---- start -------------------------------------------------------------------------------------------------
+
+  function start() {
+    const params = readUrl();
+    bindTokenForm();
+    bindRefreshControls();
+    bindHeatmapControls();
+    $("run-filter").addEventListener("input", renderRuns);
+    if (!hasPlotly()) showBanner("plotly.js did not load from /static/plotly.min.js: charts are off, tables work.");
+    if (params.get("run")) {
+      state.selected = params.get("run");
+      $("run-empty").textContent = "Loading " + state.selected + " …";
+    }
+    refreshNow();
+  }
+
+  start();
+})();
