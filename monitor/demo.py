@@ -65,7 +65,7 @@ def _links(app, client: httpx.Client | None, base: str, run: str, run_id: int | 
         try:
             page = client.get("/")
             if page.status_code == 200 and page.headers.get("content-type", "").startswith("text/html"):
-                links.insert(0, ("dashboard", f"{base}/"))
+                links.insert(0, ("dashboard", f"{base}/?run={quote(run, safe='')}"))
         except httpx.HTTPError:
             pass
     try:

@@ -95,6 +95,7 @@ def test_demo_serves_until_interrupted_and_its_links_work(tmp_path):
         gets = [u for u in urls if not u.endswith("/api/v1/ingest")]
         assert f"http://127.0.0.1:{port}/docs" in gets
         assert f"http://127.0.0.1:{port}/api/v1/runs/team/demo-1" in gets
+        assert f"http://127.0.0.1:{port}/?run=team%2Fdemo-1" in gets  # the dashboard, opened on the run
         for url in gets:
             assert httpx.get(url, timeout=10).status_code == 200, url
         proc.send_signal(signal.SIGINT)  # Ctrl-C
