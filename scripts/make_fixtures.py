@@ -2,13 +2,19 @@
 monitor, exported from it, labelled with the divergence rule and written as fixtures.
 
     python scripts/make_fixtures.py --profile cpu                      # tests/fixtures/runs/*.json.gz
-    python3 scripts/make_fixtures.py --profile gpu --out $OUT/gpu      # on one GPU, <= 8 minutes
-    python scripts/make_fixtures.py --profile cpu --only fog-fp8-ramp  # one run
+    FP8MON_FP8_BACKEND=torch python3 scripts/make_fixtures.py --profile gpu --out /tmp/fx  # one GPU (see below)
+    python scripts/make_fixtures.py --profile cpu --only cpu-fog-bf16-div  # one run
 
 A `fp8mon serve` on a temporary SQLite file receives the runs (`--monitor-url`); each run is exported
 with monitor.export (fewer statistics, no histogram, values rounded to 5 significant digits, so a fixture
-stays around 100-300 KB gzipped) and labelled by monitor.predictors.divergence. `split` says whether a
-run was used to choose the predictor thresholds ("tune") or held out ("test").
+stays around 100-300 KB gzipped) and labelled by monitor.predictors.divergence.
+
+GPU profile: its 16 runs start at once and each is stopped after 235 s (--timeout) and exported as far as it
+got; on one H200 with the torch FP8 backend that was step 299-339 for the FP8 runs and 549-674 for bf16 ones,
+and the exports of 4 runs did not finish within the 265 s the whole command was given (docs/prediction.md).
+
+`split` says whether a run was used to choose the predictor thresholds ("tune") or held out ("test"), and
+`labels.outcome` is "diverged", "stable", or "censored" (chosen to diverge, not diverged by its last step).
 """
 
 from __future__ import annotations
@@ -43,63 +49,64 @@ class RunSpec:
     expect: str  # "stable" | "diverging": what the settings were chosen for (the label decides)
 
 
-# CPU: 2 layers x d 64, batch 4 x 64 tokens, statistics every 2 steps. Diverging runs ramp the learning
-# rate linearly (a long warm-up to a peak no model of this size survives), so they break at a step that
-# depends on the ramp's slope, well after step 150.
+# CPU: 2 layers x d 64, batch 16 x 64 tokens, statistics every 2 steps. Stable runs: a sane lr, cosine.
+# Diverging runs (FOG, no weight decay): the usual linear warm-up, here long (400 steps), to a peak just above
+# the stable edge of this model, then a constant lr, so that the run trains normally for hundreds of steps
+# before it breaks.
 CPU_BASE = ("--config", "tiny", "--n-layer", "2", "--d-model", "64", "--n-head", "2", "--d-ff", "192",
-            "--batch-size", "4", "--seq-len", "64", "--device", "cpu", "--threads", "1", "--monitor-every", "2")
+            "--batch-size", "16", "--seq-len", "64", "--device", "cpu", "--threads", "1", "--monitor-every", "2")
+CPU_DIVERGE = ("--schedule", "constant", "--warmup", "400", "--weight-decay", "0", "--steps", "520")
 CPU_RUNS = (
-    RunSpec("cpu-fog-fp8-ramp", ("--arch", "fog", "--precision", "fp8", "--lr", "0.12", "--warmup", "600",
-                                 "--steps", "700", "--stop-at", "420"), "tune", "diverging"),
-    RunSpec("cpu-llama-fp8-stable", ("--arch", "llama", "--precision", "fp8", "--lr", "2e-3", "--steps", "400"),
-            "tune", "stable"),
-    RunSpec("cpu-fog-bf16-ramp", ("--arch", "fog", "--precision", "bf16", "--lr", "0.15", "--warmup", "600",
-                                  "--steps", "700", "--stop-at", "450"), "tune", "diverging"),
-    RunSpec("cpu-fog-fp8-delayed-ramp", ("--arch", "fog", "--precision", "fp8", "--fp8-scaling", "delayed",
-                                         "--amax-history", "16", "--lr", "0.15", "--warmup", "600", "--steps",
-                                         "700", "--stop-at", "450"), "tune", "diverging"),
-    RunSpec("cpu-fog-fp8-stable", ("--arch", "fog", "--precision", "fp8", "--lr", "2e-3", "--steps", "400"),
-            "tune", "stable"),
-    RunSpec("cpu-llama-bf16-stable", ("--arch", "llama", "--precision", "bf16", "--lr", "3e-3", "--steps", "400"),
-            "tune", "stable"),
-    RunSpec("cpu-llama-fp8-delayed-stable", ("--arch", "llama", "--precision", "fp8", "--fp8-scaling", "delayed",
-                                             "--amax-history", "16", "--lr", "2e-3", "--steps", "400"),
+    RunSpec("cpu-fog-bf16-div", ("--arch", "fog", "--precision", "bf16", "--lr", "0.13", *CPU_DIVERGE),
+            "tune", "diverging"),
+    RunSpec("cpu-fog-fp8-delayed-div", ("--arch", "fog", "--precision", "fp8", "--fp8-scaling", "delayed",
+                                        "--amax-history", "2", "--lr", "0.13", *CPU_DIVERGE), "tune", "diverging"),
+    RunSpec("cpu-llama-fp8-stable", ("--arch", "llama", "--precision", "fp8", "--lr", "3e-3", "--steps", "420"),
             "tune", "stable"),
     RunSpec("cpu-fog-fp8-delayed-stable", ("--arch", "fog", "--precision", "fp8", "--fp8-scaling", "delayed",
-                                           "--amax-history", "16", "--lr", "2e-3", "--steps", "400"),
+                                           "--amax-history", "2", "--lr", "3e-3", "--steps", "420"),
+            "tune", "stable"),
+    RunSpec("cpu-llama-bf16-stable", ("--arch", "llama", "--precision", "bf16", "--lr", "3e-3", "--steps", "420"),
             "tune", "stable"),
 )
 
-# GPU: 4 layers x d 512 (head_dim 128), 16 x 256 tokens per step, statistics every 4 steps (a fixture of
-# 600 steps stays ~250 KB). Stable runs train at a sane lr with the default cosine schedule; the others ramp
-# the lr linearly over 800 steps toward a peak they do not survive, stopped at step 600 (or at a NaN).
-GPU_BASE = ("--device", "cuda", "--monitor-every", "4", "--config", "124m", "--n-layer", "4", "--d-model", "512",
-            "--n-head", "4", "--d-ff", "1024", "--seq-len", "256", "--batch-size", "16")
+# GPU: 4 layers x d 512 (head_dim 128), 32 x 256 tokens per step, statistics every 5 steps, 700 steps.
+# Stable runs: lr 1e-3, cosine, weight decay 0.1. Diverging runs: warm-up over 400 steps to a constant peak
+# lr just above the stable edge, no weight decay (the earlier corpus's FOG ramps at 16 x 256 tokens broke
+# when the ramp passed lr ~0.039); Llama candidates also without clipping and with beta2 0.99.
+GPU_BASE = ("--device", "cuda", "--monitor-every", "5", "--config", "124m", "--n-layer", "4", "--d-model", "512",
+            "--n-head", "4", "--d-ff", "1024", "--seq-len", "256", "--batch-size", "32", "--steps", "700")
+GPU_DIVERGE = ("--schedule", "constant", "--warmup", "400", "--weight-decay", "0")
 
 
-def _gpu_ramp(name: str, arch: str, precision: str, peak: str, *extra: str) -> RunSpec:
-    return RunSpec(name, ("--arch", arch, "--precision", precision, "--lr", peak, "--warmup", "800", "--steps", "900",
-                          "--stop-at", "600", *extra), "test", "diverging")
+def _gpu_div(name: str, arch: str, precision: str, peak: str, split: str, *extra: str) -> RunSpec:
+    return RunSpec(name, ("--arch", arch, "--precision", precision, "--lr", peak, *GPU_DIVERGE, *extra), split,
+                   "diverging")
 
 
-def _gpu_stable(name: str, arch: str, precision: str) -> RunSpec:
-    return RunSpec(name, ("--arch", arch, "--precision", precision, "--lr", "1e-3", "--steps", "600"), "test", "stable")
+def _gpu_stable(name: str, arch: str, precision: str, split: str, *extra: str) -> RunSpec:
+    return RunSpec(name, ("--arch", arch, "--precision", precision, "--lr", "1e-3", *extra), split, "stable")
 
 
+DELAYED = ("--fp8-scaling", "delayed", "--amax-history")
 GPU_RUNS = (
-    _gpu_stable("gpu-llama-fp8-stable", "llama", "fp8"),
-    _gpu_stable("gpu-llama-bf16-stable", "llama", "bf16"),
-    _gpu_stable("gpu-fog-fp8-stable", "fog", "fp8"),
-    _gpu_stable("gpu-fog-bf16-stable", "fog", "bf16"),
-    _gpu_ramp("gpu-fog-fp8-ramp", "fog", "fp8", "0.1"),
-    _gpu_ramp("gpu-fog-bf16-ramp", "fog", "bf16", "0.1"),
-    _gpu_ramp("gpu-fog-fp8-delayed-ramp", "fog", "fp8", "0.1", "--fp8-scaling", "delayed", "--amax-history", "16"),
-    _gpu_ramp("gpu-fog-fp8-slow-ramp", "fog", "fp8", "0.05"),
-    _gpu_ramp("gpu-fog-fp8-mid-ramp", "fog", "fp8", "0.07"),
-    _gpu_ramp("gpu-llama-fp8-ramp", "llama", "fp8", "0.3"),
-    _gpu_ramp("gpu-llama-bf16-ramp", "llama", "bf16", "0.3"),
-    _gpu_ramp("gpu-llama-fp8-delayed-ramp", "llama", "fp8", "0.3", "--fp8-scaling", "delayed", "--amax-history", "16"),
-    _gpu_ramp("gpu-llama-fp8-slow-ramp", "llama", "fp8", "0.1"),
+    _gpu_div("gpu-fog-fp8-div", "fog", "fp8", "0.05", "tune"),
+    _gpu_div("gpu-fog-bf16-div-055", "fog", "bf16", "0.055", "tune"),
+    _gpu_div("gpu-llama-fp8-div", "llama", "fp8", "0.3", "tune", "--clip", "0", "--betas", "0.9", "0.99"),
+    _gpu_div("gpu-fog-bf16-div", "fog", "bf16", "0.05", "test"),
+    _gpu_div("gpu-fog-fp8-delayed-div", "fog", "fp8", "0.055", "test", *DELAYED, "2"),
+    _gpu_div("gpu-fog-fp8-hot-div", "fog", "fp8", "0.07", "test"),
+    _gpu_div("gpu-fog-fp8-b2-div", "fog", "fp8", "0.045", "test", "--betas", "0.9", "0.99"),
+    _gpu_div("gpu-fog-fp8-noqk-div", "fog", "fp8", "0.03", "test", "--no-qk-norm"),
+    _gpu_div("gpu-fog-fp8-delayed1-div", "fog", "fp8", "0.06", "test", *DELAYED, "1"),
+    _gpu_div("gpu-llama-fp8-delayed-div", "llama", "fp8", "0.3", "test", "--clip", "0", "--betas", "0.9", "0.99",
+             *DELAYED, "1"),
+    _gpu_stable("gpu-fog-fp8-stable", "fog", "fp8", "tune"),
+    _gpu_stable("gpu-llama-bf16-stable", "llama", "bf16", "tune"),
+    _gpu_stable("gpu-llama-fp8-stable", "llama", "fp8", "test"),
+    _gpu_stable("gpu-fog-bf16-stable", "fog", "bf16", "test"),
+    _gpu_stable("gpu-fog-fp8-delayed-stable", "fog", "fp8", "test", *DELAYED, "4"),
+    _gpu_stable("gpu-llama-fp8-delayed-stable", "llama", "fp8", "test", *DELAYED, "4"),
 )
 PROFILES = {"cpu": (CPU_BASE, CPU_RUNS), "gpu": (GPU_BASE, GPU_RUNS)}
 
@@ -170,9 +177,10 @@ def fixture_of(store, spec: RunSpec, argv: list[str], profile: str) -> dict:
             losses += [(st, v) for st, n, v, r in zip(s["step"], s["name"], s["value"], s["rank"])
                        if n == "loss" and r in (0, -1) and v is not None]
     step = divergence_step(losses)
+    outcome = "diverged" if step is not None else ("censored" if spec.expect == "diverging" else "stable")
     return {"name": spec.name, "profile": profile, "split": spec.split, "expect": spec.expect,
             "config": {"trainer_args": argv[:argv.index("--run-name")]},
-            "labels": {"diverged": step is not None, "divergence_step": step, "rule": RULE},
+            "labels": {"diverged": step is not None, "divergence_step": step, "rule": RULE, "outcome": outcome},
             "batches": batches}
 
 
@@ -182,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="output directory (default: tests/fixtures/runs, gpu/ for the gpu profile)")
     parser.add_argument("--only", action="append", help="run only these names (repeatable)")
     parser.add_argument("--jobs", type=int, help="trainings at once (default: 2 cpu, 4 gpu)")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds per training before it is stopped")
+    parser.add_argument("--timeout", type=float, help="seconds per training before it is stopped (and exported as "
+                        "far as it got); default 900 cpu, 235 gpu")
     args = parser.parse_args(argv)
 
     from monitor.store import Store
@@ -190,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     base, runs = PROFILES[args.profile]
     if args.only:
         runs = tuple(r for r in runs if r.name in args.only)
-    jobs = args.jobs or (4 if args.profile == "gpu" else 2)
+    jobs = args.jobs or (16 if args.profile == "gpu" else 2)
+    timeout = args.timeout or (235 if args.profile == "gpu" else 900)
     out = Path(args.out) if args.out else (FIXTURE_DIR / "gpu" if args.profile == "gpu" else FIXTURE_DIR)
     failed = []
     with tempfile.TemporaryDirectory(prefix="fp8mon-fixtures-") as tmpdir:
@@ -200,18 +210,22 @@ def main(argv: list[str] | None = None) -> int:
         store = Store(db_url)
         try:
             with ThreadPoolExecutor(max(1, jobs)) as pool:
-                futures = [pool.submit(train, spec, base, url, tmp, args.timeout) for spec in runs]
+                futures = [pool.submit(train, spec, base, url, tmp, timeout) for spec in runs]
                 for future in as_completed(futures):  # export each run as soon as it ends
                     spec, argv_, rc, seconds = future.result()
                     print(f"{spec.name}: trainer exit {rc} in {seconds:.0f} s", flush=True)
-                    if rc not in (0, 3):
+                    if rc == -1:  # stopped at --timeout: exported as far as it got (labelled by its last step)
+                        print(f"{spec.name}: timed out; exporting the steps it ran", flush=True)
+                    elif rc not in (0, 3):
                         print((tmp / f"{spec.name}.log").read_text()[-3000:], file=sys.stderr, flush=True)
                         failed.append(spec.name)
                         continue
+                    time.sleep(2)  # let the agent's last batches land
                     data = fixture_of(store, spec, argv_, args.profile)
                     size = write_fixture(out / f"{spec.name}.json.gz", data)
                     labels = data["labels"]
-                    verdict = (f"diverged at step {labels['divergence_step']}" if labels["diverged"] else "stable")
+                    verdict = (f"diverged at step {labels['divergence_step']}" if labels["diverged"]
+                               else labels["outcome"])
                     print(f"{spec.name}: {verdict} (chosen as {spec.expect}), last step "
                           f"{data['batches'][-1]['scalars']['step'][-1]}, {size / 1024:.0f} KiB", flush=True)
         finally:

@@ -49,12 +49,12 @@ def autocast(precision: str, device: torch.device | str):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, arch: str, make_linear: MakeLinear):
+    def __init__(self, cfg: ModelConfig, arch: str, make_linear: MakeLinear, qk_norm: bool | None = None):
         super().__init__()
         self.arch = arch
         d = cfg.d_model
         fog = arch == "fog"
-        self.attn = Attention(d, cfg.n_head, make_linear, qk_norm=fog,
+        self.attn = Attention(d, cfg.n_head, make_linear, qk_norm=fog if qk_norm is None else qk_norm,
                               softmax_scale=cfg.fog_softmax_scale if fog else None, eps=cfg.norm_eps)
         if fog:
             gain = 1.0 / math.sqrt(cfg.n_layer)
@@ -75,7 +75,9 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, arch: str = "llama", precision: str = "fp32", recipe=None):
+    def __init__(self, cfg: ModelConfig, arch: str = "llama", precision: str = "fp32", recipe=None,
+                 qk_norm: bool | None = None):
+        """``qk_norm``: None = the architecture's own (fog: QK-RMSNorm, llama: none); True/False forces it."""
         super().__init__()
         if arch not in ARCHS:
             raise ValueError(f"arch must be one of {ARCHS}")
@@ -86,7 +88,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.embed_scale = 1.0 / cfg.init_std if arch == "fog" else 1.0
         self.rope = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
-        self.blocks = nn.ModuleList(Block(cfg, arch, make_linear) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, arch, make_linear, qk_norm) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps) if arch == "llama" else None
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.track_diagnostics = False

@@ -52,6 +52,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     m.add_argument("--d-model", type=int, help="override the config's width")
     m.add_argument("--n-head", type=int, help="override the config's head count")
     m.add_argument("--d-ff", type=int, help="override the config's SwiGLU hidden width (FOG: x1.5)")
+    m.add_argument("--no-qk-norm", action="store_true", help="fog: drop the QK-RMSNorm of attention (an "
+                   "ablation that lets attention logits grow; llama has none)")
     m.add_argument("--vocab-size", type=int, help="default: 256 for text, max token id + 1 (rounded to 64) "
                                                   "for a token file")
     t = p.add_argument_group("optimisation")
@@ -64,8 +66,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, help=f"peak learning rate; default per config {DEFAULT_LR}")
     t.add_argument("--min-lr", type=float, help="final learning rate; default lr/10")
     t.add_argument("--warmup", type=int, help="linear warm-up steps; default steps/20")
-    t.add_argument("--schedule", choices=("cosine", "wsd"), default="cosine",
-                   help="cosine decay to min-lr, or warmup-stable-decay (linear decay over --decay-frac)")
+    t.add_argument("--schedule", choices=("cosine", "wsd", "constant"), default="cosine",
+                   help="cosine decay to min-lr, warmup-stable-decay (linear decay over --decay-frac), or constant "
+                        "lr after the warm-up")
     t.add_argument("--decay-frac", type=float, default=0.2, help="WSD: fraction of the steps spent decaying")
     t.add_argument("--weight-decay", type=float, default=0.1)
     t.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.95), metavar=("BETA1", "BETA2"))
@@ -127,6 +130,8 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, steps: int, sched
           decay_frac: float = 0.2) -> float:
     if step < warmup:
         return lr * (step + 1) / warmup
+    if schedule == "constant":
+        return lr
     if schedule == "cosine":
         progress = min(1.0, (step - warmup) / max(1, steps - warmup))
         return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
@@ -316,7 +321,8 @@ def run(args) -> TrainResult:
 
     torch.manual_seed(args.seed)  # same initial weights on every rank
     recipe = fp8_recipe(args) if args.precision == "fp8" else None
-    raw = Transformer(cfg, args.arch, args.precision, recipe).to(device)
+    raw = Transformer(cfg, args.arch, args.precision, recipe,
+                      qk_norm=False if getattr(args, "no_qk_norm", False) else None).to(device)
     optimizer = torch.optim.AdamW(raw.param_groups(args.weight_decay), lr=args.lr, betas=tuple(args.betas),
                                   eps=args.adam_eps, fused=device.type == "cuda")
     ckpt = Path(args.out) / "ckpt.pt" if args.out else None

@@ -318,21 +318,30 @@ CPU_FIXTURES = fixture_paths(profile="cpu")
 
 def test_the_cpu_corpus_has_stable_and_diverging_runs_with_room_for_a_100_step_lead():
     fixtures = [load_fixture(p) for p in CPU_FIXTURES]
-    diverging = [f for f in fixtures if f.diverged]
-    assert len(diverging) >= 2 and len(fixtures) - len(diverging) >= 2
-    assert all(f.divergence_step >= 150 for f in diverging)
+    diverging = [f for f in fixtures if f.outcome == "diverged"]
+    stable = [f for f in fixtures if f.outcome == "stable"]
+    assert len(diverging) >= 2 and len(stable) >= 2
+    assert len(diverging) + len(stable) == len(fixtures)  # no censored run in the CI corpus
+    assert all(f.divergence_step >= 300 for f in diverging)
     for f in fixtures:  # the stored label is the rule applied to the stored losses
         assert f.divergence_step == divergence_step(f.losses())
 
 
+def test_a_run_chosen_to_diverge_that_did_not_is_censored_not_stable():
+    fx = load_fixture(CPU_FIXTURES[0])
+    censored = dataclasses.replace(fx, diverged=False, divergence_step=None, extra={"expect": "diverging"})
+    assert censored.outcome == "censored" and not censored.stable and not censored.diverged
+    assert dataclasses.replace(censored, extra={"expect": "stable"}).outcome == "stable"
+
+
 @pytest.mark.parametrize("path", CPU_FIXTURES, ids=[p.name.split(".")[0] for p in CPU_FIXTURES])
-def test_replaying_a_cpu_run_alerts_before_divergence_and_never_on_a_stable_run(path):
+def test_replaying_a_cpu_run_alerts_100_steps_before_divergence_and_never_on_a_stable_run(path):
     fixture = load_fixture(path)
     assessments = replay(fixture.batches)
     step, alert = first_fired(assessments)
     if fixture.diverged:
-        assert step is not None and step < fixture.divergence_step, (step, fixture.divergence_step)
-        assert next(a.step for a in assessments if a.risk >= 0.5) < fixture.divergence_step
+        assert step is not None and fixture.divergence_step - step >= 100, (step, fixture.divergence_step)
+        assert fixture.divergence_step - next(a.step for a in assessments if a.risk >= 0.5) >= 100
         assert assessments[-1].risk == 1.0
     else:
         assert alert is None, alert
