@@ -4,7 +4,15 @@ The launcher ``rows`` produces, for a list of tensors (bf16, fp16 or fp32, any s
 rows ``device_stats.partials`` produces, in its layout (``merge``, ``to_moments`` and ``Moments.to_stats``
 work unchanged), written into a given ``[R, WIDTH]`` fp64 buffer at given rows, optionally merged into
 what is there (the agent's step buffer: a micro-batch merges into its slot). No host sync: the work list
-goes to the device in one non-blocking copy from pinned memory; nothing is read back.
+goes to the device in one non-blocking copy from a persistent pinned staging ring (``_Staging``: a buffer
+is reused only once its last copy's event has completed, polled, never waited on); nothing is read back.
+bench/stats_check.py checks this under torch's sync debug mode (rows, fused kernels, an agent step).
+
+Hot loop (standalone kernel): tiles are [ROWS, 16 bytes] (8 bf16/fp16 or 4 fp32 per row); a thread owns
+whole rows, so the loads are 16 bytes wide (the launcher makes every address 16-byte aligned, cloning a
+misaligned view) and the per-row sums are a thread's own adds: the accumulators are [ROWS], nothing
+crosses threads inside the loop. The kernel is launched with a register cap (``MAXNREG``): its cold code
+(finalize, careful path) otherwise drives ptxas to 153-255 registers, one program per SM.
 
 Scheme (one kernel):
   * Work list: every tensor is cut into chunks of ``CHUNK`` elements; a program per chunk. A table row per
@@ -63,10 +71,14 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
     tl = None
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-CHUNK = 1 << 16  # elements per program of the standalone kernel
-BLOCK = 2048  # elements per tile (per loop iteration)
-NUM_WARPS = 4  # CHUNK/BLOCK/NUM_WARPS: the best of bench/stats_kernel.py --sweep on an H200 (2026-11-21)
-P_BLOCK = 256  # partials merged per tree reduction in the finalize step
+CHUNK = 1 << 16  # elements per program of the standalone kernel (a multiple of 8)
+NUM_WARPS = 8
+ROWS = 512  # rows of a [ROWS, 16 bytes] tile: ROWS / (32 * NUM_WARPS) 16-byte loads per thread per iteration
+# Register cap (ptxas): uncapped, the cold code (finalize, careful path, threshold bisection) took 153-255
+# registers, one program (8 warps) per SM, too few loads in flight. At 80 the hot loops do not spill
+# (checked in the SASS: no LDL/STL between the 16-byte loads and the back branch) and 3 programs fit.
+MAXNREG = 80
+P_BLOCK = 32  # partials merged per tree reduction in the finalize step (larger: more registers for the whole kernel)
 MAX_TENSORS = 4096  # per launch (the size of the per-device counter buffer)
 PW = 16 + 64  # fp64 fields of a per-program partial: head + 64 histogram bins
 TABW = 20  # int64 fields of a tensor's table row
@@ -109,6 +121,8 @@ if triton is not None:
     _NAN_BITS = tl.constexpr(0x7FC00000)
     _INF_BITS = tl.constexpr(0x7F800000)
     _PW = tl.constexpr(PW)
+    # partials per tree reduction in the finalize step (the interpreter runs a reduction's combine per element)
+    _PB = tl.constexpr(8 if INTERPRET else P_BLOCK)
     _TABW = tl.constexpr(TABW)
     _WIDTH = tl.constexpr(ds.WIDTH)
     SCALE_NONE_C = tl.constexpr(SCALE_NONE)
@@ -479,22 +493,39 @@ if triton is not None:
         tl.debug_barrier()
         prev = tl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu")
         if prev == nwork - 1:
-            _finalize(part_base, nwork, dst, merge, smode, s, fmax, uthr, ahm, HIST, 256)
+            _finalize(part_base, nwork, dst, merge, smode, s, fmax, uthr, ahm, HIST, _PB)
             tl.atomic_xchg(ctr, 0, sem="relaxed", scope="gpu")
 
     # ---- one chunk: fast path, careful path ----------------------------------------------------------
 
     @triton.jit
-    def _chunk(ptr, start, end, tu, to, lo, hi, HIST: tl.constexpr, BLOCK: tl.constexpr):
-        n = (end - start).to(tl.int32)  # <= CHUNK
-        r = tl.arange(0, BLOCK)
-        offs0 = start + r
-        m0 = offs0 < end
-        x0 = tl.load(ptr + offs0, mask=m0, other=0.0).to(tl.float32)
-        c, p, ok = _shift_of(x0, m0)
+    def _shift_of2(x, mask):
+        """``_shift_of`` of a 2-D first tile."""
+        a = tl.abs(x)
+        fin = a < float("inf")
+        v = mask & fin
+        cnt = tl.sum(tl.sum(v.to(tl.int32), 1), 0)
+        c = tl.sum(tl.sum(tl.where(v, x, 0.0), 1), 0) / tl.maximum(cnt, 1).to(tl.float32)
+        am = tl.max(tl.max(tl.where(v, a, 0.0), 1), 0)
+        e = (am.to(tl.int32, bitcast=True) >> 23) - 127
+        e = tl.minimum(tl.maximum(e, -100), 100)
+        p = ((127 - e) << 23).to(tl.float32, bitcast=True)
+        ok = (tl.sum(tl.sum((mask & ~fin).to(tl.int32), 1), 0) == 0) & (c == c) & (tl.abs(c) < float("inf"))
+        return c, p, ok
+
+    @triton.jit
+    def _chunk(base, n, tu, to, lo, hi, HIST: tl.constexpr, R: tl.constexpr, V: tl.constexpr):
+        """Statistics of the ``n`` (<= CHUNK) elements at ``base`` (16-byte aligned). Tiles are [R, V]: a
+        thread holds whole rows of V contiguous elements (one 16-byte load), so the per-row sums inside the
+        loop are a thread's own adds and the accumulators are [R] (no cross-thread work in the hot loop)."""
+        TILE: tl.constexpr = R * V
+        offs = tl.arange(0, R)[:, None] * V + tl.arange(0, V)[None, :]
+        m0 = offs < n
+        x0 = tl.load(base + offs, mask=m0, other=0.0).to(tl.float32)
+        c, p, ok = _shift_of2(x0, m0)
         ncp = -(c * p)
-        zf = tl.zeros([BLOCK], tl.float32)
-        zi = tl.zeros([BLOCK], tl.int32)
+        zf = tl.zeros([R], tl.float32)
+        zi = tl.zeros([R], tl.int32)
         mean = tl.zeros([], tl.float64)
         m2 = tl.zeros([], tl.float64)
         m3 = tl.zeros([], tl.float64)
@@ -507,40 +538,38 @@ if triton is not None:
         nonfin = tl.zeros([], tl.int32)
         nfin = n
         hist = tl.zeros([64], tl.int32)
+        ntiles = tl.cdiv(n, TILE)
         if ok:
             s1, s2, s3, s4, am, cu, co, cout, cz, h = zf, zf, zf, zf, zf, zi, zi, zi, zi, tl.zeros([64], tl.int32)
-            full_end = start + (n // BLOCK) * BLOCK
-            for o in range(start, full_end, BLOCK):
-                x = tl.load(ptr + o + r).to(tl.float32)
+            nfull = n // TILE
+            for k in range(0, nfull):
+                x = tl.load(base + k * TILE + offs).to(tl.float32)
                 s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
-                    x, m0, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, False)
-            if full_end < end:
-                offs = full_end + r
-                mt = offs < end
-                x = tl.load(ptr + offs, mask=mt, other=0.0).to(tl.float32)
+                    x, m0, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, False, True)
+            if nfull < ntiles:
+                mt = nfull * TILE + offs < n
+                x = tl.load(base + nfull * TILE + offs, mask=mt, other=0.0).to(tl.float32)
                 s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
-                    x, mt, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, True)
+                    x, mt, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, True, True)
             ok, mean, m2, m3, m4, amax, zeros, under, over, outl, hist = _fast_result(
                 n, c, p, tu, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST)
-        if not ok:
-            acc = tl.zeros([BLOCK], tl.float64)
+        if not ok:  # NaN/Inf, fp32 overflow of the power sums or a poor shift: two exact fp64 passes
+            acc = tl.zeros([R], tl.float64)
             cnt = zi
-            for o in range(start, end, BLOCK):
-                offs = o + r
-                mt = offs < end
-                x = tl.load(ptr + offs, mask=mt, other=0.0).to(tl.float32)
-                acc, cnt = _tile_sum(x, mt, acc, cnt)
+            for k in range(0, ntiles):
+                mt = k * TILE + offs < n
+                x = tl.load(base + k * TILE + offs, mask=mt, other=0.0).to(tl.float32)
+                acc, cnt = _tile_sum(x, mt, acc, cnt, True)
             nfin = tl.sum(cnt, 0)
             mean0 = tl.sum(acc, 0) / tl.maximum(nfin, 1).to(tl.float64)
-            zd = tl.zeros([BLOCK], tl.float64)
+            zd = tl.zeros([R], tl.float64)
             t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h = zd, zd, zd, zd, zf, zi, zi, zi, zi, zi, \
                 tl.zeros([64], tl.int32)
-            for o in range(start, end, BLOCK):
-                offs = o + r
-                mt = offs < end
-                x = tl.load(ptr + offs, mask=mt, other=0.0).to(tl.float32)
+            for k in range(0, ntiles):
+                mt = k * TILE + offs < n
+                x = tl.load(base + k * TILE + offs, mask=mt, other=0.0).to(tl.float32)
                 t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h = _tile_careful(
-                    x, mt, mean0, tu, to, lo, hi, t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h, HIST)
+                    x, mt, mean0, tu, to, lo, hi, t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h, HIST, True)
             mean, m2, m3, m4, amax, zeros, under, over, outl, nonfin = _careful_result(
                 nfin, mean0, t1, t2, t3, t4, am, cu, co, cout, cz, cnf)
             hist = h
@@ -552,7 +581,7 @@ if triton is not None:
 
     @triton.jit
     def _stats_kernel(tab_ptr, work_ptr, part_ptr, ctr_ptr, dst_ptr, HIST: tl.constexpr, CHUNK: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      R: tl.constexpr):
         w = tl.program_id(0)
         t = tl.load(work_ptr + 2 * w)
         start = tl.load(work_ptr + 2 * w + 1)
@@ -585,12 +614,16 @@ if triton is not None:
         else:
             tu = tl.full([], -1, tl.int32)
             to = tl.full([], 0x7FFFFFFF, tl.int32)
+        n = (end - start).to(tl.int32)  # <= CHUNK; the launcher makes every address 16-byte aligned
         if code == 0:
-            res = _chunk(addr.to(tl.pointer_type(tl.bfloat16)), start, end, tu, to, lo, hi, HIST, BLOCK)
+            res = _chunk(tl.multiple_of(addr.to(tl.pointer_type(tl.bfloat16)) + start, 16), n, tu, to, lo, hi,
+                         HIST, R, 8)
         elif code == 1:
-            res = _chunk(addr.to(tl.pointer_type(tl.float32)), start, end, tu, to, lo, hi, HIST, BLOCK)
+            res = _chunk(tl.multiple_of(addr.to(tl.pointer_type(tl.float32)) + start, 16), n, tu, to, lo, hi,
+                         HIST, R, 4)
         else:
-            res = _chunk(addr.to(tl.pointer_type(tl.float16)), start, end, tu, to, lo, hi, HIST, BLOCK)
+            res = _chunk(tl.multiple_of(addr.to(tl.pointer_type(tl.float16)) + start, 16), n, tu, to, lo, hi,
+                         HIST, R, 8)
         nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = res
         _store_partial(part_ptr + w.to(tl.int64) * _PW, end - start, nfin, nonfin, zeros, outl, under, over,
                        amax, mean, m2, m3, m4, hist)
@@ -685,8 +718,8 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
         x = x.detach()
         if x.dtype not in _DTYPE_CODE:
             x = x.to(torch.float32)
-        if not x.is_contiguous():
-            x = x.contiguous()
+        if not x.is_contiguous() or (x.data_ptr() % 16 and x.numel()):  # the kernel loads 16 aligned bytes
+            x = x.contiguous() if not x.is_contiguous() else x.clone()
         keep.append(x)
         numel = x.numel()
         nwork = max(1, -(-numel // CHUNK))
@@ -734,18 +767,64 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
         row[_T_FMT], row[_T_K] = _FMT_CODES.get(fmt.name, 0) if fmt is not None else 0, _bits(k)
         table += row
     nwork_total = len(work) // 2
-    host = torch.tensor(table + work, dtype=torch.int64)
-    if device.type == "cuda":  # staged in pinned memory (the caching host allocator keeps it until copied)
-        pinned = torch.empty(host.numel(), dtype=torch.int64, pin_memory=True)
-        pinned.copy_(host)
-        buf = pinned.to(device, non_blocking=True)
-    else:
-        buf = host
+    buf = to_device(table + work, device)
     tab, wl = buf[: len(table)], buf[len(table):]
     part = torch.empty(nwork_total, PW, dtype=torch.float64, device=device)
+    opts = {} if INTERPRET or not MAXNREG else {"maxnreg": MAXNREG}
     _stats_kernel[(nwork_total,)](tab, wl, part, counters(device), out, HIST=bool(hist), CHUNK=CHUNK,
-                                  BLOCK=BLOCK, num_warps=NUM_WARPS)
+                                  R=ROWS, num_warps=NUM_WARPS, **opts)
     del keep
+
+
+class _Staging:
+    """Host-to-device staging without a host sync: a ring of persistent pinned int64 buffers, each reused
+    only once the copy that last read it has completed (a CUDA event, polled with ``query()``, never waited
+    on). When every buffer is still in flight, the ring grows by one (pinned allocation: rare, bounded by
+    the number of copies in flight)."""
+
+    def __init__(self, device: torch.device, size: int = 1 << 14):
+        self.device, self.size = device, size
+        self.bufs: list[list] = []  # [pinned tensor, event or None]
+        self.next = 0
+        self.lock = threading.Lock()
+
+    def put(self, values: list[int]) -> torch.Tensor:
+        n = len(values)
+        with self.lock:
+            slot = None
+            for j in range(len(self.bufs)):
+                i = (self.next + j) % len(self.bufs)
+                b = self.bufs[i]
+                if b[0].numel() >= n and (b[1] is None or b[1].query()):
+                    slot, self.next = b, (i + 1) % len(self.bufs)
+                    break
+            if slot is None:
+                slot = [torch.empty(max(self.size, n), dtype=torch.int64, pin_memory=True), None]
+                self.bufs.append(slot)
+            host = slot[0][:n]
+            host.copy_(torch.tensor(values, dtype=torch.int64))
+            dev = torch.empty(n, dtype=torch.int64, device=self.device)
+            dev.copy_(host, non_blocking=True)
+            if slot[1] is None:
+                slot[1] = torch.cuda.Event()
+            slot[1].record()
+            return dev
+
+
+_staging: dict = {}
+
+
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 ``values`` as a tensor on ``device``, without a host sync on CUDA (see ``_Staging``)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.int64)
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    with _counters_lock:
+        st = _staging.get(key)
+        if st is None:
+            st = _staging[key] = _Staging(torch.device("cuda", key))
+    with torch.cuda.device(key):
+        return st.put(values)
 
 
 def partials(x: torch.Tensor, *, fmt=None, scale=None, amax_history_max=None, outlier_k: float = 6.0,
@@ -783,7 +862,7 @@ def fused_args(target: Target, programs: int, device) -> dict:
     part = torch.empty(max(1, programs), PW, dtype=torch.float64, device=device)
     c = target.center
     if c is not None and not isinstance(c, torch.Tensor):  # kernel float arguments are fp32: pass fp64 by pointer
-        c = torch.tensor([float(c[0]), float(c[1])], dtype=torch.float64).to(device, non_blocking=True)
+        c = to_device([_bits(c[0]), _bits(c[1])], torch.device(device)).view(torch.float64)
     if isinstance(c, torch.Tensor):
         c_ptr, c_mean, c_std, C_PTR = c.detach().to(device=device, dtype=torch.float64).reshape(2), 0.0, 0.0, True
     else:

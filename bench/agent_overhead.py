@@ -1,15 +1,28 @@
-"""Step time of a GPT-style model with the agent off vs on (every step, all block linears, all five sites),
-as a ratio measured in one process: off, on, off again (the two off phases bracket drift).
+"""Monitoring overhead: whole optimizer steps of the trainer's real model (trainer/model.py) with the agent
+off vs on, every step (``every=1``), every block linear watched at all five sites (input, weight, output,
+grad_output, grad_weight), measured in one process, phases alternating.
 
-    python bench/agent_overhead.py --device cpu --config tiny
-    python bench/agent_overhead.py --device cuda --config 124m --dtype bf16
+    python bench/agent_overhead.py --configs 124m,1.5b --precisions fp8,bf16          # on a GPU
+    python bench/agent_overhead.py --configs tiny --precisions bf16 --device cpu --steps 3 --warmup 1 --rounds 1
 
-The agent posts to --url (a real `fp8mon serve`), or by default to bench/sink.py, a stdlib endpoint in a
-subprocess that acknowledges every batch, so the agent's whole client side (statistics, copy, encoding,
-gzip, HTTP) is in the measurement.
+Per config and precision one model is built (as bench/train_step.py builds it: llama, fused AdamW, gradient
+clipping, autocast) and the phases run in the order ``off, on, on-torch, off, on, ...`` (``--rounds``
+repetitions of ``off`` + each backend): the agent on the one-pass Triton path (``stats_backend="triton"``:
+in fp8 the rows of input/weight/grad_output come from the FP8 quantize kernels of Fp8Linear, output and
+grad_weight from the standalone kernel; in bf16 all five sites from the standalone kernel), and the naive
+torch path (``stats_backend="torch"``) for comparison. Each phase: its own warm-up steps, then ``--steps``
+timed steps (host clock around a synchronised step); the figure is the median step time of each phase;
+overhead = median(on) / median(off) - 1 over all phases of a kind (off phases bracket the on phases).
+
+The agent posts to --url (a real ``fp8mon serve``), or by default to bench/sink.py, a stdlib endpoint in a
+subprocess that acknowledges every batch: the agent's whole client side (statistics, device-to-host copy,
+encoding, gzip, HTTP) is in the measurement.
 """
 
+from __future__ import annotations
+
 import argparse
+import gc
 import statistics
 import subprocess
 import sys
@@ -21,85 +34,137 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agent import Agent  # noqa: E402
-from bench.gpt import CONFIGS, GPT  # noqa: E402
+from trainer.config import get_config  # noqa: E402
+from trainer.fp8_linear import Fp8Recipe  # noqa: E402
+from trainer.model import Transformer, autocast  # noqa: E402
+
+BATCH = {"tiny": 8, "124m": 16, "1.5b": 4}  # as bench/train_step.py: 124m 16 x 1024, 1.5b 4 x 2048
 
 
-def timed_steps(model, opt, batch, n, device, dtype, agent=None, start=0) -> list[float]:
-    idx, targets = batch
-    times = []
-    for i in range(n):
-        t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            loss = model(idx, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if agent is not None:
-            agent.log(start + i, loss=loss.detach())
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--config", default=None, choices=sorted(CONFIGS))
-    parser.add_argument("--batch", type=int, default=None)
-    parser.add_argument("--dtype", default=None, choices=["bf16", "fp32"])
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per phase")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--every", type=int, default=1)
-    parser.add_argument("--url", default=None, help="monitor URL; default: a local acknowledging sink")
-    parser.add_argument("--stats-backend", default="auto", choices=["auto", "triton", "torch"],
-                        help="the agent's statistics path: one-pass Triton kernel or plain torch")
-    args = parser.parse_args()
-
-    device = torch.device(args.device)
-    config = CONFIGS[args.config or ("124m" if device.type == "cuda" else "tiny")]
-    batch_size = args.batch or (16 if device.type == "cuda" else 8)
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+def build(config: str, precision: str, vocab: int, device: torch.device):
+    cfg = get_config(config, vocab_size=vocab)
     torch.manual_seed(0)
-    model = GPT(config).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    idx = torch.randint(0, config.vocab, (batch_size, config.seq_len), device=device)
-    batch = (idx, torch.roll(idx, -1, dims=1))
+    recipe = Fp8Recipe() if precision == "fp8" else None
+    model = Transformer(cfg, "llama", precision, recipe).to(device)
+    optimizer = torch.optim.AdamW(model.param_groups(0.1), lr=1e-4, fused=device.type == "cuda")
+    return model, optimizer, cfg
 
+
+def measure(config: str, precision: str, args, device: torch.device, url: str) -> dict:
+    model, optimizer, cfg = build(config, precision, args.vocab, device)
+    batch = args.batch_size or BATCH[config]
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), device=device, generator=gen)
+    y = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), device=device, generator=gen)
+    params = [p for p in model.parameters() if p.requires_grad]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    step_no = [0]
+
+    def step(agent):
+        with autocast(precision, device):
+            loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if agent is not None:
+            agent.log(step_no[0], loss=loss.detach())
+        step_no[0] += 1
+
+    def phase(backend: str | None) -> dict:
+        agent = None
+        spool = tempfile.TemporaryDirectory()
+        if backend is not None:
+            agent = Agent(url, run=f"overhead-{config}-{precision}-{int(time.time())}", every=1,
+                          modules=r"^blocks\.", spool_dir=spool.name, stats_backend=backend).watch(model)
+            agent.step(step_no[0])
+        for _ in range(args.warmup):
+            step(agent)
+        sync()
+        times = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            step(agent)
+            sync()
+            times.append(time.perf_counter() - t0)
+        info = {"times": times}
+        if agent is not None:
+            info["linears"] = len(agent._layers)
+            info["delivered"] = agent.close(timeout=120)
+            info["errors"] = agent.errors
+            info["last_error"] = agent.last_error
+        spool.cleanup()
+        return info
+
+    phase(None)  # warm-up of the model alone (Triton autotuning, allocator)
+    got: dict[str, list[dict]] = {"off": []}
+    for b in args.backends:
+        got[b] = []
+    for r in range(args.rounds):
+        for kind in ["off", *args.backends]:
+            info = phase(None if kind == "off" else kind)
+            got[kind].append(info)
+            med = statistics.median(info["times"]) * 1e3
+            extra = "" if kind == "off" else (f"  {info['linears']} linears x 5 sites, delivered={info['delivered']}, "
+                                              f"errors={info['errors']}")
+            print(f"{config:>5} {precision:>4} round {r} {kind:>6}: median {med:8.2f} ms  "
+                  f"(min {min(info['times']) * 1e3:.2f}){extra}", flush=True)
+            if kind != "off" and info["errors"]:
+                print(f"      last agent error: {info['last_error']}", flush=True)
+    del model, optimizer, x, y, params
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    off = statistics.median([t for i in got["off"] for t in i["times"]])
+    out = {"off_ms": off * 1e3}
+    for b in args.backends:
+        on = statistics.median([t for i in got[b] for t in i["times"]])
+        # per round too: each on phase against the mean of the off phases around it
+        out[b] = (on / off - 1) * 100
+        out[f"{b}_ms"] = on * 1e3
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default="124m,1.5b")
+    p.add_argument("--precisions", default="fp8,bf16")
+    p.add_argument("--backends", default="triton,torch", help="agent statistics paths to measure (triton, torch)")
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--steps", type=int, default=15, help="timed steps per phase")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per phase")
+    p.add_argument("--rounds", type=int, default=2, help="off/on alternations")
+    p.add_argument("--url", default=None, help="monitor URL; default: a local acknowledging sink (bench/sink.py)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    args.backends = [b for b in args.backends.split(",") if b]
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        print(f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}", flush=True)
     sink = None
     url = args.url
     if url is None:
-        sink = subprocess.Popen([sys.executable, str(Path(__file__).with_name("sink.py"))], stdout=subprocess.PIPE, text=True)
+        sink = subprocess.Popen([sys.executable, str(Path(__file__).with_name("sink.py"))], stdout=subprocess.PIPE,
+                                text=True)
         url = f"http://127.0.0.1:{sink.stdout.readline().strip()}"
+    summary = []
     try:
-        timed_steps(model, opt, batch, args.warmup, device, dtype)
-        off1 = timed_steps(model, opt, batch, args.steps, device, dtype)
-        with tempfile.TemporaryDirectory() as spool:
-            agent = Agent(url, run=f"bench-{int(time.time())}", every=args.every, modules=r"^blocks\.",
-                          spool_dir=spool, stats_backend=args.stats_backend).watch(model)
-            n_linears = len(agent._layers)
-            timed_steps(model, opt, batch, args.warmup, device, dtype, agent, start=0)
-            on = timed_steps(model, opt, batch, args.steps, device, dtype, agent, start=args.warmup)
-            delivered = agent.close(timeout=120)
-            errors = agent.errors
-        off2 = timed_steps(model, opt, batch, args.steps, device, dtype)
+        for config in args.configs.split(","):
+            for precision in args.precisions.split(","):
+                r = measure(config, precision, args, device, url)
+                summary.append((config, precision, r))
     finally:
         if sink is not None:
             sink.terminate()
-
-    # Means, not medians: with every=N only one step in N reports, and its cost must be averaged in.
-    mean_off = statistics.fmean(off1 + off2)
-    mean_on = statistics.fmean(on)
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(f"device {name}, torch {torch.__version__}, config {args.config or ''} "
-          f"(layers {config.n_layer}, d {config.d_model}, seq {config.seq_len}), batch {batch_size}, {dtype}")
-    print(f"agent: every={args.every}, {n_linears} linears x 5 sites, stats {args.stats_backend}, "
-          f"delivered={delivered}, errors={errors}")
-    print(f"{'phase':<10}{'mean ms':>10}{'median ms':>12}{'min ms':>10}")
-    for label, ts in (("off", off1), ("on", on), ("off again", off2)):
-        print(f"{label:<10}{statistics.fmean(ts) * 1e3:>10.2f}{statistics.median(ts) * 1e3:>12.2f}{min(ts) * 1e3:>10.2f}")
-    print(f"overhead: on/off = {mean_on / mean_off:.3f}  ({(mean_on / mean_off - 1) * 100:+.1f}%)")
+    print("\nconfig precision   off ms " + "".join(f"{b + ' ms':>12}{b + ' %':>10}" for b in args.backends))
+    for config, precision, r in summary:
+        print(f"{config:>6} {precision:>9} {r['off_ms']:8.2f} "
+              + "".join(f"{r[f'{b}_ms']:12.2f}{r[b]:+10.2f}" for b in args.backends))
+    print("(every=1, every block linear x input/weight/output/grad_output/grad_weight; medians of whole steps)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

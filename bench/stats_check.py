@@ -24,6 +24,7 @@ from agent import device_stats as ds  # noqa: E402
 from agent import triton_stats as ts  # noqa: E402
 
 FAILS = []
+SYNC_MODELS = True  # --no-sync-models: the sync check skips the agent step on a small model
 NO_CENTER = (0.0, float("nan"))  # no outlier counted: the Triton path before a center is known
 
 
@@ -146,21 +147,94 @@ def check_multi(device) -> None:
     report("multi-tensor merge into rows = device_stats.merge", *rows_close(out[idx], ds.merge(base, want_t)))
 
 
+def sync_free(name: str, fn) -> None:
+    """Run ``fn`` under torch's sync debug mode; FAIL with the Python stack of every host sync it does."""
+    import traceback
+    import warnings
+
+    torch.cuda.synchronize()
+    stacks = []
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "ynchroniz" in str(message) and "prototype feature" not in str(message):
+            stacks.append(f"{str(message).splitlines()[0]} at {filename}:{lineno}\n"
+                          + "".join(traceback.format_stack(limit=14)[:-1]))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    report(f"no host sync: {name}", not stacks, f"{len(stacks)} syncs; first:\n{stacks[0]}" if stacks else "")
+
+
 def check_no_sync(device) -> None:
     if device.type != "cuda":
         return
-    xs = [torch.randn(1000 + i, device=device) for i in range(5)]
-    ts.rows(xs, fmt="e4m3")
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        ts.rows(xs, fmt="e4m3", scale=torch.tensor(2.0, device=device), center=torch.zeros(2, dtype=torch.float64, device=device))
-        ok, why = True, ""
-    except RuntimeError as exc:
-        ok, why = False, str(exc)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    report("no host sync in rows()", ok, why)
+    from trainer.kernels import quantize, quantize_transpose
+
+    xs = [torch.randn(1000 + 70_000 * i, device=device).to((torch.bfloat16, torch.float32)[i % 2]) for i in range(5)]
+    scale = torch.tensor(2.0, device=device)
+    center = torch.zeros(2, dtype=torch.float64, device=device)
+    out = torch.zeros(8, ds.WIDTH, dtype=torch.float64, device=device)
+
+    ahm = torch.tensor(3.0, device=device)
+
+    def standalone():
+        for i in range(30):
+            ts.rows(xs, fmt="e4m3", scale=scale, center=center)
+            ts.rows(xs, fmt=["e4m3", None, "e5m2", "e4m3", None], out=out, index=[0, 2, 4, 6, 7], merge=i > 0)
+            ts.partials(xs[1], fmt="e5m2", amax_history_max=ahm, center=(0.0, 1.0))
+
+    standalone()  # warm: compiles, grows the staging ring
+    sync_free("triton_stats.rows (multi-tensor, device scale/center, merge, delayed)", standalone)
+
+    x = torch.randn(4096, 768, device=device, dtype=torch.bfloat16)
+    rowsbuf = torch.zeros(4, ds.WIDTH, dtype=torch.float64, device=device)
+
+    def fused():
+        for i in range(10):
+            quantize_transpose(x, "e4m3", stats=ts.Target(rowsbuf, 0, i > 0, center))
+            quantize_transpose(x, "e5m2", scale=scale, accum=torch.zeros((), device=device),
+                               stats=ts.Target(rowsbuf, 1, False, (0.1, 2.0)))
+            quantize(x, "e4m3", stats=ts.Target(rowsbuf, 2, False, None))
+
+    fused()
+    sync_free("fused quantize / quantize_transpose statistics", fused)
+    if not SYNC_MODELS:
+        return
+
+    # a full agent reporting step of a small real model (trainer/model.py, tiny) in fp8 and bf16: hooks,
+    # fused rows, the step buffer, centers, the device-to-host copy and the collector job
+    from agent import Agent
+    from trainer.config import get_config
+    from trainer.model import Transformer, autocast
+
+    cfg = get_config("tiny", vocab_size=512)
+    for precision in ("fp8", "bf16"):
+        torch.manual_seed(0)
+        model = Transformer(cfg, "llama", precision, None).to(device)
+        idx = torch.randint(0, 512, (4, cfg.seq_len), device=device)
+        agent = Agent(transport=NullTransport(), every=1, modules=r"^blocks\.").watch(model)
+        step = [0]
+
+        def train(n):
+            for _ in range(n):
+                with autocast(precision, device):
+                    loss = model(idx, idx)
+                loss.backward()
+                model.zero_grad(set_to_none=True)
+                agent.log(step[0], loss=loss.detach())
+                step[0] += 1
+
+        train(3)
+        sync_free(f"agent reporting step, trainer tiny llama {precision} (every=1, all five sites)", lambda: train(3))
+        agent.close()
+        report(f"agent {precision} no errors", agent.errors == 0, str(agent.last_error))
 
 
 def check_fused(device) -> None:
@@ -198,6 +272,12 @@ def check_fused(device) -> None:
 
 class NullTransport:
     def set_run_meta(self, **kw):
+        pass
+
+    def send_tensors(self, block):
+        pass
+
+    def send_scalars(self, block):
         pass
 
     def flush(self, timeout=None):
@@ -261,12 +341,15 @@ def check_fp8_linear_agent(device) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--only", choices=["standalone", "multi", "fused", "agent"], default=None)
+    p.add_argument("--only", choices=["sync", "standalone", "multi", "fused", "agent"], default=None)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--no-sync-models", action="store_true", help="sync check: skip the agent step on a small model")
     args = p.parse_args()
+    global SYNC_MODELS
+    SYNC_MODELS = not args.no_sync_models
     device = torch.device(args.device)
     print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
-    for name, fn in (("standalone", check_standalone), ("multi", check_multi), ("multi", check_no_sync),
+    for name, fn in (("sync", check_no_sync), ("standalone", check_standalone), ("multi", check_multi),
                      ("fused", check_fused), ("agent", check_fp8_linear_agent)):
         if args.only in (None, name):
             try:

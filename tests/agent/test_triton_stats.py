@@ -88,7 +88,7 @@ def _child(names: list[str]) -> None:
     from agent import triton_stats as ts
 
     torch.set_num_threads(1)
-    ts.CHUNK, ts.BLOCK = 2048, 512  # several programs per tensor even for small ones
+    ts.CHUNK, ts.ROWS = 4096, 128  # several programs per tensor (5000 elements: 2), several tiles per program
 
     def emit(name, problem):
         print(json.dumps({"check": name, "problem": problem}), flush=True)
