@@ -24,7 +24,9 @@ the same (layer, site) (none before the first one), the kernel's single read can
 own; the torch path counts them against the tensor's own mean and std. Layers that compute their
 statistics in their own kernels (``fp8mon_reported_sites`` plus an ``fp8mon_stats`` attribute: the
 trainer's ``Fp8Linear``, whose quantize kernels emit the rows of input, weight and grad_output from the
-read they do for the FP8 cast) get a ``FusedLink`` in ``fp8mon_stats``; no hook reads those sites.
+read they do for the FP8 cast, and its GEMM epilogues those of output and grad_weight) get a ``FusedLink`` in
+``fp8mon_stats``; no hook reads those sites. A reported grad_weight row replaces the step's row (it is the
+accumulated gradient, as the hook sees it), the other sites merge.
 """
 
 from __future__ import annotations
@@ -208,10 +210,11 @@ class Agent:
         except Exception as exc:
             self._error("step", exc)
 
-    def report(self, layer: str, site: str, stats: torch.Tensor | Moments) -> None:
+    def report(self, layer: str, site: str, stats: torch.Tensor | Moments, replace: bool = False) -> None:
         """Statistics a layer computed itself, e.g. in its fused quantize kernel: a ``device_stats`` row
         (``[WIDTH]`` fp64, any device, merged without a sync) or a ``stats.Moments``. Only on reporting
-        steps (check ``agent.reporting`` before computing them); several calls per step are merged."""
+        steps (check ``agent.reporting`` before computing them); several calls per step are merged, unless
+        ``replace``."""
         try:
             if site not in SITES:
                 raise ValueError(f"unknown site {site!r}")
@@ -220,7 +223,7 @@ class Agent:
             if len(layer) > _MAX_LAYER:
                 raise ValueError(f"layer name longer than {_MAX_LAYER} characters")
             row = ds.from_moments(stats, self._device()) if isinstance(stats, Moments) else stats.detach()
-            self._pack.add(self._slots.get(layer, site), row.to(torch.float64))
+            self._pack.add(self._slots.get(layer, site), row.to(torch.float64), replace=replace)
         except Exception as exc:
             self._error("report", exc)
 
@@ -434,8 +437,10 @@ class Agent:
             if slot in self._seen:
                 return None
             self._seen.add(slot)
-        rows, merge, centers = self._claim([slot], [False], device)
-        return ts.Target(rows, slot, merge[0], centers[slot], self.outlier_k, self.hist, None)
+        rows, merge, centers = self._claim([slot], [site in _REPLACED], device)
+        fmt = self.formats.get(site)  # a GEMM epilogue's row takes this format's current scaling, as the hooks do
+        return ts.Target(rows, slot, merge[0], centers[slot], self.outlier_k, self.hist, None,
+                         None if fmt is None else fmt.name)
 
     def grad_hook(self, layer: str) -> Callable[[torch.Tensor], None]:
         token = self._token
@@ -472,6 +477,11 @@ class Agent:
             self._logged.add(key)
             log.error("fp8mon agent: %s failed (%r); training continues, further such errors are only counted",
                       where, exc, exc_info=exc)
+
+
+# sites whose row of a step is the last one written, not a merge: grad_weight is the accumulated gradient
+# (the hooks observe param.grad after each accumulation), the layers report it as such
+_REPLACED = ("grad_weight",)
 
 
 def _no_centers(k: int, device) -> torch.Tensor:
@@ -517,5 +527,9 @@ class FusedLink:
     def hist(self) -> bool:
         return self.agent.hist
 
+    def fmt(self, site: str):
+        """The format the agent assumes for ``site`` (a tensor the layer does not cast itself), or None."""
+        return self.agent.formats.get(site)
+
     def report(self, site: str, row: torch.Tensor) -> None:
-        self.agent.report(self.layer, site, row)
+        self.agent.report(self.layer, site, row, replace=site in _REPLACED)

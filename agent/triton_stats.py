@@ -841,7 +841,9 @@ class Target:
     """Where a fused kernel writes a tensor's row: ``rows[index]`` (``[R, WIDTH]`` fp64 on the tensor's
     device), merged into the row there if ``merge``; the outlier ``center`` ((mean, std) or an fp64 device
     tensor of 2, None: no outliers), ``outlier_k``, ``hist``, and the delayed-scaling history max to record
-    (number, fp32 device tensor or None)."""
+    (number, fp32 device tensor or None). ``fmt``: for a kernel that casts nothing (the GEMM epilogues), the
+    format ("e4m3" | "e5m2") whose current scaling (s = max / amax of the tensor) the row assumes, as the
+    agent's hooks emulate it; None: no format (scale, underflow, overflow NaN)."""
 
     rows: torch.Tensor
     index: int = 0
@@ -850,11 +852,20 @@ class Target:
     outlier_k: float = 6.0
     hist: bool = True
     amax_history_max: Any = None
+    fmt: Any = None
 
     @classmethod
     def new(cls, device, **kw) -> "Target":
         """A fresh one-row target (``rows[0]`` holds the result)."""
         return cls(torch.zeros(1, ds.WIDTH, dtype=torch.float64, device=device), **kw)
+
+
+def nofmt_consts(target: Target) -> dict:
+    """The constexprs of ``nofmt_epilogue`` for the target's ``fmt``."""
+    if target.fmt is None:
+        return dict(SMODE=SCALE_NONE, FMAX=448.0, UTHR=0.0)
+    f = by_name(target.fmt)
+    return dict(SMODE=SCALE_CURRENT, FMAX=float(f.max), UTHR=float(f.underflow_threshold))
 
 
 def fused_args(target: Target, programs: int, device) -> dict:
@@ -881,14 +892,19 @@ def fused_args(target: Target, programs: int, device) -> dict:
 if triton is not None:
 
     @triton.jit
-    def fused_prologue(s, c_ptr, c_mean, c_std, k, UTHR: tl.constexpr, OTHR: tl.constexpr, C_PTR: tl.constexpr):
-        """(tu, to, lo, hi) of a fused kernel: threshold bits of its scale, outlier bounds of its center."""
+    def fused_bounds(c_ptr, c_mean, c_std, k, C_PTR: tl.constexpr):
+        """(lo, hi): the outlier bounds of a fused kernel's center."""
         cm = c_mean + tl.zeros([], tl.float64)
         cs = c_std + tl.zeros([], tl.float64)
         if C_PTR:
             cm = tl.load(c_ptr)
             cs = tl.load(c_ptr + 1)
-        lo, hi = _outlier_bounds(cm, cs, k + tl.zeros([], tl.float64))
+        return _outlier_bounds(cm, cs, k + tl.zeros([], tl.float64))
+
+    @triton.jit
+    def fused_prologue(s, c_ptr, c_mean, c_std, k, UTHR: tl.constexpr, OTHR: tl.constexpr, C_PTR: tl.constexpr):
+        """(tu, to, lo, hi) of a fused kernel: threshold bits of its scale, outlier bounds of its center."""
+        lo, hi = fused_bounds(c_ptr, c_mean, c_std, k, C_PTR)
         tu = _threshold_bits(s, UTHR)
         to = tl.where(s == s, _threshold_bits(s, OTHR), 0x7FFFFFFF)
         return tu, to, lo, hi
@@ -896,8 +912,10 @@ if triton is not None:
     @triton.jit
     def fused_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, s, nelem, nfin, nonfin, zeros,
                        outl, under, over, amax, mean, m2, m3, m4, hist, FMAX: tl.constexpr, UTHR: tl.constexpr,
-                       AHM_PTR: tl.constexpr, HIST: tl.constexpr):
-        """Store this program's partial; the last program merges all into the target row."""
+                       AHM_PTR: tl.constexpr, HIST: tl.constexpr, SMODE: tl.constexpr = 1):
+        """Store this program's partial; the last program merges all into the target row. ``SMODE``: the
+        scale ``s`` given (1), none (0: scale, underflow and overflow NaN) or current scaling (2: s from the
+        merged amax, see the module docstring)."""
         pid = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
         nprog = tl.num_programs(0) * tl.num_programs(1)
         _store_partial(sp_ptr + pid.to(tl.int64) * _PW, nelem, nfin, nonfin, zeros, outl, under, over, amax, mean,
@@ -905,4 +923,62 @@ if triton is not None:
         ahm = ahm_val + tl.zeros([], tl.float64)  # (float arguments may arrive as Python floats)
         if AHM_PTR:
             ahm = tl.load(ahm_ptr).to(tl.float64)
-        _done(sp_ptr, ctr_ptr, nprog, dst_ptr + dst_index * _WIDTH, merge, SCALE_GIVEN_C, s, FMAX, UTHR, ahm, HIST)
+        _done(sp_ptr, ctr_ptr, nprog, dst_ptr + dst_index * _WIDTH, merge, SMODE, s, FMAX, UTHR, ahm, HIST)
+
+    # ---- fused statistics of register tiles (the GEMM epilogues, trainer/kernels/fp8_gemm.py) ----------
+    # A partial is the tuple (nelem, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist).
+
+    @triton.jit
+    def tile_partial(x, mask, lo, hi, HIST: tl.constexpr):
+        """The partial of a 2-D fp32 register tile of a format-less tensor (lanes outside ``mask`` excluded):
+        the fast path, or, on NaN/Inf or a poor shift, the careful fp64 two passes over the same registers
+        (nothing is re-read: the tile is still in registers)."""
+        x = tl.where(mask, x, 0.0)
+        tu = tl.full([], -1, tl.int32)
+        to = tl.full([], 0x7FFFFFFF, tl.int32)
+        c, p, ok = _shift_of2(x, mask)
+        zf = tl.zeros([x.shape[0]], tl.float32)
+        zi = tl.zeros([x.shape[0]], tl.int32)
+        zh = tl.zeros([64], tl.int32)
+        s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
+            x, mask, p, -(c * p), tu, to, lo, hi, zf, zf, zf, zf, zf, zi, zi, zi, zi, zh, HIST, True, True)
+        n = tl.sum(tl.sum(mask.to(tl.int32), 1), 0)
+        ok2, mean, m2, m3, m4, amax, zeros, under, over, outl, hist = _fast_result(
+            n, c, p, tu, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST)
+        nfin = n
+        nonfin = tl.zeros([], tl.int32)
+        if not (ok & ok2):
+            acc, cnt = _tile_sum(x, mask, tl.zeros([x.shape[0]], tl.float64), zi, True)
+            nfin = tl.sum(cnt, 0)
+            mean0 = tl.sum(acc, 0) / tl.maximum(nfin, 1).to(tl.float64)
+            zd = tl.zeros([x.shape[0]], tl.float64)
+            t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h = _tile_careful(
+                x, mask, mean0, tu, to, lo, hi, zd, zd, zd, zd, zf, zi, zi, zi, zi, zi, zh, HIST, True)
+            mean, m2, m3, m4, amax, zeros, under, over, outl, nonfin = _careful_result(
+                nfin, mean0, t1, t2, t3, t4, am, cu, co, cout, cz, cnf)
+            hist = h
+        return n, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist
+
+    @triton.jit
+    def partial_zero():
+        """The empty partial (the identity of ``partial_merge``)."""
+        zi = tl.zeros([], tl.int32)
+        zd = tl.zeros([], tl.float64)
+        return zi, zi, zi, zi, zi, zi, zi, tl.zeros([], tl.float32), zd, zd, zd, zd, tl.zeros([64], tl.int32)
+
+    @triton.jit
+    def partial_merge(a, b):
+        """Two partials as one (Chan/Pebay for the moments)."""
+        fin, mean, m2, m3, m4 = _chan(a[1].to(tl.float64), a[8], a[9], a[10], a[11],
+                                      b[1].to(tl.float64), b[8], b[9], b[10], b[11])
+        return (a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3], a[4] + b[4], a[5] + b[5], a[6] + b[6],
+                tl.maximum(a[7], b[7]), mean, m2, m3, m4, a[12] + b[12])
+
+    @triton.jit
+    def nofmt_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, part, AHM_PTR: tl.constexpr,
+                       HIST: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr, SMODE: tl.constexpr):
+        """``fused_epilogue`` of a program's partial of a tensor with no scale known before the read (SMODE 0
+        or 2, see ``fused_epilogue``; counts were taken without thresholds)."""
+        fused_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, 1.0, part[0], part[1],
+                       part[2], part[3], part[4], part[5], part[6], part[7], part[8], part[9], part[10], part[11],
+                       part[12], FMAX, UTHR, AHM_PTR, HIST, SMODE)

@@ -9,7 +9,9 @@ Checks: (1) ``triton_stats.rows`` against ``device_stats.partials`` (the torch p
 non-contiguous), with a scale, with current scaling, with delayed scaling and with an outlier center;
 (2) one multi-tensor launch against per-tensor launches, merged into existing rows; (3) no host sync;
 (4) the quantize kernels' fused statistics against the standalone kernel; (5) Fp8Linear + Agent: the rows
-the layer reports from its quantize kernels against the rows of the hooks' path.
+the layer reports from its quantize kernels and GEMM epilogues against the rows of the hooks' path; (6) the
+FP8 GEMM epilogue statistics (``fp8_gemm(stats=)``, ptr and TMA, split-K, edges, bias, a base) against
+``device_stats.partials`` of the returned output; the sync check covers them too.
 """
 
 import argparse
@@ -205,6 +207,21 @@ def check_no_sync(device) -> None:
 
     fused()
     sync_free("fused quantize / quantize_transpose statistics", fused)
+
+    from trainer.kernels import fp8_gemm
+
+    qa, qb = x.to(torch.float8_e4m3fn), x[:512].to(torch.float8_e5m2)
+    qt = qa.t().contiguous()  # a wgrad-like (768, 768, K=4096) product, split in 4
+    gbase = torch.ones(768, 768, device=device)
+
+    def gemm():
+        for impl in ("ptr", "tma"):
+            fp8_gemm(qa, qb, scale, scale, stats=ts.Target(rowsbuf, 3, False, center, fmt="e5m2"), impl=impl)
+            fp8_gemm(qt, qt, scale, scale, torch.float32, stats=ts.Target(rowsbuf, 3, True, (0.1, 2.0)),
+                     stats_base=gbase, impl=impl, split_k=4)
+
+    gemm()
+    sync_free("fp8_gemm epilogue statistics (ptr, tma, split-K, base)", gemm)
     if not SYNC_MODELS:
         return
 
@@ -324,7 +341,7 @@ def check_fp8_linear_agent(device) -> None:
         order = [keys2.index(k) for k in keys]
         for step in range(3):
             a, b = got[step], want[step][order]
-            fused_sites = torch.tensor([k[1] in ("input", "weight", "grad_output") for k in keys])
+            fused_sites = torch.tensor([k[1] in Fp8Linear.fp8mon_reported_sites for k in keys])
             # the hooks emulate current scaling (fp64 max/amax, underflow from the histogram); the kernel's
             # current scale is reciprocal(amax) * max in fp32: an ulp apart at most, underflow within a binade
             slack = b[:, ds.HIST:].max().item()
@@ -339,9 +356,36 @@ def check_fp8_linear_agent(device) -> None:
                    f"({int(fused_sites.sum())} fused of {len(keys)})", ok, why)
 
 
+def check_gemm(device) -> None:
+    from trainer.kernels import fp8_gemm
+
+    g = torch.Generator(device="cpu").manual_seed(6)
+    center = (0.05, 3.0)
+    for M, N, K, od, bias, split in ((1000, 777, 512, torch.bfloat16, True, None), (4096, 4096, 1024, torch.bfloat16,
+                                     False, None), (768, 768, 16384, torch.float32, False, None),
+                                     (300, 200, 8192, torch.float32, True, 3), (1, 5, 16, torch.float32, False, None)):
+        a = torch.randn(M, K, generator=g).to(device).to(torch.float8_e4m3fn)
+        b = (torch.randn(N, K, generator=g) * 2).to(device).to(torch.float8_e5m2)
+        sa, sb = torch.tensor(0.5, device=device), torch.tensor(0.01, device=device)
+        bv = torch.randn(N, generator=g).to(device) if bias else None
+        base = torch.randn(M, N, generator=g).to(device) if od == torch.float32 else None
+        for impl in ("ptr", "tma"):
+            for fmt in (None, "e5m2"):
+                tgt = ts.Target.new(device, center=center, fmt=fmt)
+                c = fp8_gemm(a, b, sa, sb, od, bv, impl=impl, split_k=split, stats=tgt, stats_base=base)
+                plain = fp8_gemm(a, b, sa, sb, od, bv, impl=impl, split_k=split)
+                v = c if base is None else base + c.float()
+                want = ds.partials(v, fmt=fmt, outlier_center=center)
+                slack = want[ds.HIST:].max().item() if fmt else None
+                ok, why = rows_close(tgt.rows[0], want, under_slack=slack)
+                same = torch.equal(c.view(torch.uint8), plain.view(torch.uint8))
+                report(f"gemm epilogue stats {impl} {M}x{N}x{K} {od} bias={bias} split={split} fmt={fmt}",
+                       ok and same, why + ("" if same else " C differs with stats on"))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--only", choices=["sync", "standalone", "multi", "fused", "agent"], default=None)
+    p.add_argument("--only", choices=["sync", "standalone", "multi", "fused", "agent", "gemm"], default=None)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-sync-models", action="store_true", help="sync check: skip the agent step on a small model")
     args = p.parse_args()
@@ -350,7 +394,7 @@ def main() -> None:
     device = torch.device(args.device)
     print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
     for name, fn in (("sync", check_no_sync), ("standalone", check_standalone), ("multi", check_multi),
-                     ("fused", check_fused), ("agent", check_fp8_linear_agent)):
+                     ("fused", check_fused), ("agent", check_fp8_linear_agent), ("gemm", check_gemm)):
         if args.only in (None, name):
             try:
                 fn(device)

@@ -29,7 +29,13 @@ Statistics: with an agent watching (it sets ``module.fp8mon_stats`` to its ``Fus
 step the quantize kernels of input, weight (E4M3) and grad_output (E5M2) also write those tensors' SPEC
 section-4 rows, with the scale they cast with, straight into the agent's step buffer (``stats=`` of
 ``quantize_transpose``): no hook reads a GEMM input a second time. The torch path computes the same rows
-with ``device_stats.partials`` and reports them. ``output`` and ``grad_weight`` stay with the hooks.
+with ``device_stats.partials`` and reports them. Likewise the forward GEMM's epilogue writes the row of
+``output`` (y as returned, in its dtype) and the wgrad GEMM's that of ``grad_weight`` (``fp8_gemm(stats=)``):
+no hook reads y or dW. The hooks see grad_weight as ``weight.grad`` after each accumulation (replacing the
+step's row), so the wgrad epilogue takes the statistics of ``weight.grad + dW`` (the old gradient read on
+reporting steps only, from the second micro-batch on), the value autograd accumulates next (an fp32 add
+either way). A weight that is not fp32 (its gradient rounded and accumulated in its dtype) gets that row
+from one standalone statistics launch instead.
 
 For the statistics fusion, after a forward (and backward) ``module.fp8_amax`` and ``module.fp8_scale``
 map site -> fp32 0-d device tensor: "input", "weight" (forward), "grad_output" (backward). amax is
@@ -39,6 +45,7 @@ them costs nothing until someone copies them to the host.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -48,8 +55,11 @@ from torch import nn
 
 from agent.formats import E4M3, E5M2, Fp8Format
 
-SITES = ("input", "weight", "grad_output")
+SITES = ("input", "weight", "grad_output")  # the quantized tensors
+GEMM_SITES = ("output", "grad_weight")  # the GEMM results
 _FORMATS = {"input": E4M3, "weight": E4M3, "grad_output": E5M2}
+_GEMM_STATS = {"ok": True}  # False once a GEMM with fused statistics failed: the statistics are then taken apart
+log = logging.getLogger("fp8mon.fp8_linear")
 
 
 @dataclass(frozen=True)
@@ -94,6 +104,7 @@ class _State:
         self.amax = module.fp8_amax
         self.scale = module.fp8_scale
         self.link = module.fp8mon_stats  # the agent's FusedLink, or None
+        self.weight = module.weight  # its .grad: what the wgrad result accumulates into
         self.delayed = module.recipe.scaling == "delayed"
         if self.delayed:
             self.history = {s: getattr(module, f"amax_history_{s}") for s in SITES}
@@ -134,15 +145,50 @@ class _State:
         self.scale[site] = r.scale
         return r.data, r.data_t, r.meta[2:3]
 
-    def gemm(self, a, b, sa, sb, out_dtype, fast_accum, bias=None):
-        """(a @ bᵀ) * sa * sb, a (M, K), b (N, K) FP8."""
+    def gemm(self, a, b, sa, sb, out_dtype, fast_accum, bias=None, site=None, base=None):
+        """(a @ bᵀ) * sa * sb, a (M, K), b (N, K) FP8; with ``site`` also the statistics row of the result (of
+        ``base`` + result in fp32 where a ``base`` is given) for the agent."""
+        link = self.link if site is not None else None
         if self.backend == "triton":
             from .kernels import fp8_gemm
 
-            return fp8_gemm(a, b, sa, sb, out_dtype=out_dtype, bias=bias, fast_accum=fast_accum)
+            wanted = link is not None and link.wants(site)
+            target = link.target(site, a.device) if wanted and _GEMM_STATS["ok"] else None
+            if target is not None:
+                try:
+                    return fp8_gemm(a, b, sa, sb, out_dtype=out_dtype, bias=bias, fast_accum=fast_accum,
+                                    stats=target, stats_base=base)
+                except Exception as exc:  # a statistics variant that cannot compile or launch must not stop training
+                    _GEMM_STATS["ok"] = False
+                    log.error("FP8 GEMM with fused statistics failed (%r); computing %s statistics apart from now on",
+                              exc, site)
+            y = fp8_gemm(a, b, sa, sb, out_dtype=out_dtype, bias=bias, fast_accum=fast_accum)
+            if wanted:
+                self.side_stats(site, y if base is None else base.to(torch.float32) + y.to(torch.float32))
+            return y
         from .kernels import fp8_gemm_ref
 
-        return fp8_gemm_ref(a, b, sa, sb, out_dtype=out_dtype, bias=bias, fast_accum=fast_accum)
+        y = fp8_gemm_ref(a, b, sa, sb, out_dtype=out_dtype, bias=bias, fast_accum=fast_accum)
+        if link is not None:
+            self.side_stats(site, y if base is None else base.to(torch.float32) + y.to(torch.float32))
+        return y
+
+    def side_stats(self, site: str, value: torch.Tensor) -> None:
+        """The row of ``value`` for the agent, computed apart from any kernel of the layer."""
+        link = self.link
+        if link is None:
+            return
+        if self.backend == "triton":
+            from agent import triton_stats as ts
+
+            t = link.target(site, value.device)
+            if t is not None:
+                ts.rows([value], fmt=[t.fmt], center=[t.center], outlier_k=t.outlier_k, hist=t.hist, out=t.rows,
+                        index=[t.index], merge=[t.merge])
+        elif link.wants(site):
+            from agent import device_stats as ds
+
+            link.report(site, ds.partials(value, fmt=link.fmt(site), outlier_k=link.outlier_k, hist=link.hist))
 
 
 class _Fp8LinearFn(torch.autograd.Function):
@@ -154,7 +200,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):  # the fallback matmul must stay fp32
             qx, qx_t, sx = state.quantize("input", x2, want_q=True, want_t=need_dw)
             qw, qw_t, sw = state.quantize("weight", weight, want_q=True, want_t=need_dx)
-            y = state.gemm(qx, qw, sx, sw, out_dtype, state.recipe.fast_accum_fwd, bias)
+            y = state.gemm(qx, qw, sx, sw, out_dtype, state.recipe.fast_accum_fwd, bias, site="output")
         ctx.save_for_backward(qx_t if need_dw else None, qw_t if need_dx else None, sx, sw)
         ctx.state, ctx.x_dtype, ctx.w_dtype, ctx.lead = state, x.dtype, weight.dtype, lead
         ctx.has_bias = bias is not None
@@ -175,10 +221,20 @@ class _Fp8LinearFn(torch.autograd.Function):
                 if need_dx:  # (M, N) @ (N, K): B = Wᵀ stored (K, N)
                     dx = state.gemm(qg, qw_t, sg, sw, ctx.x_dtype, False).reshape(*ctx.lead, -1)
                 if need_dw:  # (N, M) @ (M, K): A = Gᵀ (N, M), B = xᵀ stored (K, M)
-                    dw = state.gemm(qg_t, qx_t, sg, sx, torch.float32, False).to(ctx.w_dtype)
+                    dw = _wgrad(state, qg_t, qx_t, sg, sx, ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g2.to(torch.float32).sum(0).to(ctx.b_dtype)
         return dx, dw, db, None, None, None, None
+
+
+def _wgrad(state: _State, qg_t, qx_t, sg, sx, w_dtype) -> torch.Tensor:
+    """dW in the weight's dtype, and its grad_weight row (of weight.grad + dW: see the module docstring)."""
+    base = state.weight.grad
+    if w_dtype == torch.float32:
+        return state.gemm(qg_t, qx_t, sg, sx, torch.float32, False, site="grad_weight", base=base)
+    dw = state.gemm(qg_t, qx_t, sg, sx, torch.float32, False).to(w_dtype)
+    state.side_stats("grad_weight", dw if base is None else base + dw)
+    return dw
 
 
 class Fp8Linear(nn.Module):
@@ -190,7 +246,7 @@ class Fp8Linear(nn.Module):
     """
 
     fp8mon_linear = True
-    fp8mon_reported_sites = SITES  # input, weight, grad_output: from the quantize kernels (see the docstring)
+    fp8mon_reported_sites = SITES + GEMM_SITES  # from the quantize kernels and the GEMM epilogues (see the docstring)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, recipe: Fp8Recipe = Fp8Recipe(),
                  device=None, dtype=None):

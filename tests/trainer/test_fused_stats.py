@@ -80,6 +80,15 @@ def _child(names: list[str]) -> None:
         want = ds.merge(ts.partials(x1, fmt="e4m3", scale=r1.scale), ts.partials(x2, fmt="e4m3", scale=r2.scale))
         emit("fused_merge", _compare(torch, ds, tgt.rows[0], want))
 
+    def agent_hooks(model):
+        from agent import Agent
+        from stats_check import NullTransport
+
+        agent = Agent(transport=NullTransport(), every=1).watch(model)
+        layers = list(agent._layers)
+        agent.close()
+        return layers
+
     def fp8_linear_agent():
         sys.path.insert(0, str(ROOT / "bench"))
         from stats_check import agent_rows
@@ -109,8 +118,8 @@ def _child(names: list[str]) -> None:
             if float(rel.max()) > 2.5e-7:
                 problem += f" scale differs by {float(rel.max())}"
             emit(f"fp8_linear_agent:step{step}", problem)
-        fused = {k for k in keys if k[1] in ("input", "weight", "grad_output")}
-        emit("fp8_linear_agent:sites", "" if len(fused) == 6 and len(keys) == 10 else f"slots {keys}")
+        hooked = [h.sites for h in agent_hooks(model)]
+        emit("fp8_linear_agent:sites", "" if len(keys) == 10 and not any(hooked) else f"slots {keys}, hooks {hooked}")
 
     checks = dict(fused_kernels=fused_kernels, fused_merge=fused_merge, fp8_linear_agent=fp8_linear_agent)
     for name in names or checks:

@@ -45,6 +45,10 @@ import torch
 import triton
 import triton.language as tl
 
+from agent import triton_stats as ts
+from .quantize import stats_ref
+from agent.triton_stats import fused_bounds, nofmt_epilogue, partial_merge, partial_zero, tile_partial
+
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover
@@ -107,9 +111,30 @@ def _to_out(acc, out_dtype: tl.constexpr, SOFT_ROUND: tl.constexpr):
 
 
 @triton.jit
+def _out_stats(y, offs, mask, base_ptr, lo, hi, HAS_BASE: tl.constexpr, HIST: tl.constexpr):
+    """Statistics partial of a 2-D tile ``y`` of C (its values in the output dtype) at the flat offsets
+    ``offs`` of C, lanes outside ``mask`` (edges) excluded; with ``HAS_BASE`` of base + y (base: a contiguous
+    fp32 tensor of C's shape, e.g. the gradient that y accumulates into)."""
+    v = y.to(tl.float32)
+    if HAS_BASE:
+        v += tl.load(base_ptr + offs, mask=mask, other=0.0)
+    return tile_partial(v, mask, lo, hi, HIST)
+
+
+@triton.jit
+def _rc_stats(y, rows, cols, M, N, base_ptr, lo, hi, HAS_BASE: tl.constexpr, HIST: tl.constexpr):
+    """``_out_stats`` of the tile at rows x cols of the (M, N) output."""
+    offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+    return _out_stats(y, offs, (rows[:, None] < M) & (cols[None, :] < N), base_ptr, lo, hi, HAS_BASE, HIST)
+
+
+@triton.jit(do_not_specialize=["dst_index", "merge"])
 def _fp8_gemm_ptr_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, stride_am, stride_bn,
-                         stride_cm, KEY: tl.constexpr, HAS_BIAS: tl.constexpr, FAST_ACC: tl.constexpr,
-                         SOFT_ROUND: tl.constexpr, SPLIT_K: tl.constexpr,
+                         stride_cm, base_ptr, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, cen_ptr, c_mean, c_std, k,
+                         ahm_ptr, ahm_val, KEY: tl.constexpr, HAS_BIAS: tl.constexpr, FAST_ACC: tl.constexpr,
+                         SOFT_ROUND: tl.constexpr, SPLIT_K: tl.constexpr, STATS: tl.constexpr,
+                         HAS_BASE: tl.constexpr, C_PTR: tl.constexpr, AHM_PTR: tl.constexpr, HIST: tl.constexpr,
+                         FMAX: tl.constexpr, UTHR: tl.constexpr, SMODE: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
     pid_m, pid_n = _tile_ids(pid, tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
@@ -130,8 +155,8 @@ def _fp8_gemm_ptr_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
     a_ptrs = a_ptr + offs_am[:, None].to(tl.int64) * stride_am + (k0 * BK + offs_k)[None, :]
     b_ptrs = b_ptr + offs_bn[:, None].to(tl.int64) * stride_bn + (k0 * BK + offs_k)[None, :]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(k0, k1):
-        k_left = K - k * BK
+    for kt in range(k0, k1):
+        k_left = K - kt * BK
         a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
         b = tl.load(b_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
         if FAST_ACC:
@@ -148,7 +173,13 @@ def _fp8_gemm_ptr_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_cn, mask=offs_cn < N, other=0.0).to(tl.float32)[None, :]
         c_ptrs = c_ptr + offs_cm[:, None].to(tl.int64) * stride_cm + offs_cn[None, :]
-        tl.store(c_ptrs, _to_out(acc, c_ptr.dtype.element_ty, SOFT_ROUND), mask=c_mask)
+        y = _to_out(acc, c_ptr.dtype.element_ty, SOFT_ROUND)
+        tl.store(c_ptrs, y, mask=c_mask)
+        if STATS:  # one partial per program (= tile)
+            lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
+            part = _rc_stats(y, offs_cm, offs_cn, M, N, base_ptr, lo, hi, HAS_BASE, HIST)
+            nofmt_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, part, AHM_PTR, HIST, FMAX,
+                           UTHR, SMODE)
     else:  # c_ptr is the (SPLIT_K, M, N) fp32 workspace
         ws_ptrs = (c_ptr + tl.program_id(1).to(tl.int64) * M * N + offs_cm[:, None].to(tl.int64) * N
                    + offs_cn[None, :])
@@ -156,10 +187,10 @@ def _fp8_gemm_ptr_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
 
 
 @triton.jit
-def _splitk_reduce_kernel(ws_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, MN, N, SPLIT_K: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, SOFT_ROUND: tl.constexpr, BLOCK: tl.constexpr):
-    """C = sum over splits of the workspace, * sa * sb (+ bias), in a fixed order (deterministic)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _reduce_block(ws_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, MN, N, blk, SPLIT_K: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, SOFT_ROUND: tl.constexpr, BLOCK: tl.constexpr):
+    """Block ``blk`` of C = sum over splits of the workspace, * sa * sb (+ bias); returns (C values, offsets)."""
+    offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
@@ -167,14 +198,44 @@ def _splitk_reduce_kernel(ws_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, MN, N, SPLIT_
     acc = acc * (tl.load(sa_ptr) * tl.load(sb_ptr))
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(c_ptr + offs, _to_out(acc, c_ptr.dtype.element_ty, SOFT_ROUND), mask=mask)
+    y = _to_out(acc, c_ptr.dtype.element_ty, SOFT_ROUND)
+    tl.store(c_ptr + offs, y, mask=mask)
+    return y, offs
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["dst_index", "merge"])
+def _splitk_reduce_kernel(ws_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, MN, N, base_ptr, sp_ptr, ctr_ptr, dst_ptr,
+                          dst_index, merge, cen_ptr, c_mean, c_std, k, ahm_ptr, ahm_val, SPLIT_K: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, SOFT_ROUND: tl.constexpr, STATS: tl.constexpr,
+                          HAS_BASE: tl.constexpr, C_PTR: tl.constexpr, AHM_PTR: tl.constexpr, HIST: tl.constexpr,
+                          FMAX: tl.constexpr, UTHR: tl.constexpr, SMODE: tl.constexpr, BLOCK: tl.constexpr):
+    """C = sum over splits of the workspace, * sa * sb (+ bias), in a fixed order (deterministic). With
+    ``STATS`` the grid is persistent (blocks pid, pid + nprog, ...): one statistics partial per program."""
+    if STATS:
+        lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
+        part = partial_zero()
+        for blk in range(tl.program_id(0), tl.cdiv(MN, BLOCK), tl.num_programs(0)):
+            y, offs = _reduce_block(ws_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, MN, N, blk + tl.zeros([], tl.int32),
+                                    SPLIT_K, HAS_BIAS, SOFT_ROUND, BLOCK)
+            o2 = tl.reshape(offs, [BLOCK // 16, 16])  # the statistics helpers take 2-D tiles
+            part = partial_merge(part, _out_stats(tl.reshape(y, [BLOCK // 16, 16]), o2, o2 < MN, base_ptr, lo, hi,
+                                                  HAS_BASE, HIST))
+        nofmt_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, part, AHM_PTR, HIST, FMAX, UTHR,
+                       SMODE)
+    else:
+        _reduce_block(ws_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, MN, N, tl.program_id(0), SPLIT_K, HAS_BIAS,
+                      SOFT_ROUND, BLOCK)
+
+
+@triton.jit(do_not_specialize=["dst_index", "merge"])
 def _fp8_gemm_tma_kernel(a_desc, b_desc, c_desc, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
+                         base_ptr, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, cen_ptr, c_mean, c_std, k,
+                         ahm_ptr, ahm_val,
                          KEY: tl.constexpr, HAS_BIAS: tl.constexpr, FAST_ACC: tl.constexpr, NUM_SMS: tl.constexpr,
                          SOFT_ROUND: tl.constexpr, SPLIT_K: tl.constexpr, FLATTEN: tl.constexpr,
-                         WARP_SPEC: tl.constexpr,
+                         WARP_SPEC: tl.constexpr, STATS: tl.constexpr, HAS_BASE: tl.constexpr, C_PTR: tl.constexpr,
+                         AHM_PTR: tl.constexpr, HIST: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr,
+                         SMODE: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     start_pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BM)
@@ -186,6 +247,9 @@ def _fp8_gemm_tma_kernel(a_desc, b_desc, c_desc, ws_ptr, sa_ptr, sb_ptr, bias_pt
     scale = tl.load(sa_ptr) * tl.load(sb_ptr)
     out_dtype = c_desc.dtype
     item_c = start_pid - NUM_SMS  # separate epilogue counter (tutorial: keeps the flattened loop simple)
+    if STATS:  # the program's tiles accumulate into one partial
+        lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
+        part = partial_zero()
     for item in tl.range(start_pid, num_items, NUM_SMS, flatten=FLATTEN, warp_specialize=WARP_SPEC):
         if SPLIT_K == 1:
             pid_m, pid_n = _tile_ids(item, num_pid_m, num_pid_n, GROUP_M)
@@ -215,6 +279,10 @@ def _fp8_gemm_tma_kernel(a_desc, b_desc, c_desc, ws_ptr, sa_ptr, sb_ptr, bias_pt
             if HAS_BIAS:
                 cols = offs_cn + tl.arange(0, BN)
                 acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            if STATS:
+                part = partial_merge(part, _rc_stats(_to_out(acc, out_dtype, SOFT_ROUND), offs_cm + tl.arange(0, BM),
+                                                     offs_cn + tl.arange(0, BN), M, N, base_ptr, lo, hi, HAS_BASE,
+                                                     HIST))
             acc = tl.reshape(acc, (BM, 2, BN // 2))
             acc = tl.permute(acc, (0, 2, 1))
             acc0, acc1 = tl.split(acc)
@@ -227,6 +295,9 @@ def _fp8_gemm_tma_kernel(a_desc, b_desc, c_desc, ws_ptr, sa_ptr, sb_ptr, bias_pt
             ws = (ws_ptr + (item_c // num_tiles).to(tl.int64) * M * N + rows[:, None].to(tl.int64) * N
                   + cols[None, :])
             tl.store(ws, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
+    if STATS:
+        nofmt_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, part, AHM_PTR, HIST, FMAX, UTHR,
+                       SMODE)
 
 
 def _tune_bench(fn, quantiles=None):
@@ -235,11 +306,12 @@ def _tune_bench(fn, quantiles=None):
 
 
 def _autotune(configs, extra=()):
-    key = ["M", "N", "K", "KEY", "HAS_BIAS", "FAST_ACC", *extra]
+    key = ["M", "N", "K", "KEY", "HAS_BIAS", "FAST_ACC", "STATS", "HAS_BASE", *extra]
+    # the statistics row is restored after every timed run (a merge into it must happen once)
     try:
-        return triton.autotune(configs=configs, key=key, do_bench=_tune_bench)
+        return triton.autotune(configs=configs, key=key, do_bench=_tune_bench, restore_value=["dst_ptr"])
     except TypeError:  # pragma: no cover - Triton without the do_bench argument
-        return triton.autotune(configs=configs, key=key)
+        return triton.autotune(configs=configs, key=key, restore_value=["dst_ptr"])
 
 
 _ptr_tuned = _autotune(_ptr_configs(), ["SPLIT_K"])(_fp8_gemm_ptr_kernel)
@@ -290,15 +362,40 @@ def _pick_impl(a, b, scale_a, scale_b, out_dtype, bias, fast_accum) -> str:
     return impl
 
 
+def _max_programs(M: int, N: int, impl: str, config: dict | None, num_sms: int) -> int:
+    """An upper bound of the GEMM kernel's programs over the configs it may run with (autotuning)."""
+    shapes = [(config["BM"], config["BN"])] if config is not None else [(c[0], c[1]) for c in _CFG]
+    tiles = max(triton.cdiv(M, bm) * triton.cdiv(N, bn) for bm, bn in shapes)
+    return tiles if impl == "ptr" else min(num_sms, tiles)
+
+
+def _stats_args(stats, base, programs: int, dummy: torch.Tensor) -> dict:
+    """The statistics arguments of the GEMM and reduce kernels (``dummy`` pointers when ``stats`` is None)."""
+    if stats is None:
+        return dict(base_ptr=dummy, sp_ptr=dummy, ctr_ptr=dummy, dst_ptr=dummy, dst_index=0, merge=0, cen_ptr=dummy,
+                    c_mean=0.0, c_std=0.0, k=0.0, ahm_ptr=dummy, ahm_val=0.0, STATS=False, HAS_BASE=False,
+                    C_PTR=False, AHM_PTR=False, HIST=False, SMODE=0, FMAX=448.0, UTHR=0.0)
+    args = ts.fused_args(stats, programs, dummy.device)
+    args["cen_ptr"] = args.pop("c_ptr")  # c_ptr is C here
+    return dict(args, **ts.nofmt_consts(stats), base_ptr=dummy if base is None else base, STATS=True,
+                HAS_BASE=base is not None)
+
+
 def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
              out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None, fast_accum: bool = True,
-             impl: str | None = None, config: dict | None = None, split_k: int | None = None) -> torch.Tensor:
+             impl: str | None = None, config: dict | None = None, split_k: int | None = None,
+             stats: "ts.Target | None" = None, stats_base: torch.Tensor | None = None) -> torch.Tensor:
     """(M, N) = (a @ b.T) * scale_a * scale_b (+ bias), a: (M, K) fp8, b: (N, K) fp8, both K-major.
 
     ``config`` = {"BM", "BN", "BK", "GROUP_M", "num_warps", "num_stages"} bypasses the autotuner (tests,
     interpreter). ``impl``: "auto" | "tma" | "tma_ws" | "ptr" | None (``DEFAULT_IMPL``); the TMA variants fall
     back to "ptr" where the TMA alignment does not hold. ``split_k`` (ptr only; None = heuristic): partial sums over
-    K slices into an fp32 workspace, then a reduce kernel in a fixed order (deterministic)."""
+    K slices into an fp32 workspace, then a reduce kernel in a fixed order (deterministic).
+
+    ``stats`` (an ``agent.triton_stats.Target``): also write the statistics row of the returned C (format-less:
+    scale, underflow, overflow NaN) from the epilogue's registers (after the split-K reduce with split-K), no
+    second read of C. ``stats_base`` (an (M, N) tensor): the row is that of ``stats_base + C`` in fp32, the value
+    C takes once accumulated into it (a gradient accumulated over micro-batches); read on the statistics path only."""
     assert a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[1], (a.shape, b.shape)
     assert a.element_size() == 1 and b.element_size() == 1, "fp8 operands expected"
     if a.stride(1) != 1:
@@ -308,10 +405,15 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
     M, K = a.shape
     N = b.shape[0]
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
-    if M == 0 or N == 0:
+    if M == 0 or N == 0 or K == 0:
+        if K == 0:
+            c = c.zero_() if bias is None else c.copy_(bias.expand(M, N))
+        if stats is not None:
+            stats_ref(c if stats_base is None else stats_base.float() + c.float(), stats.fmt, None, stats)
         return c
-    if K == 0:
-        return c.zero_() if bias is None else c.copy_(bias.expand(M, N))
+    if stats_base is not None:
+        assert stats_base.shape == (M, N), (stats_base.shape, (M, N))
+        stats_base = stats_base.detach().to(torch.float32).contiguous()
     has_bias = bias is not None
     bias_arg = bias if has_bias else scale_a
     key = f"{a.dtype}x{b.dtype}->{out_dtype}"
@@ -327,11 +429,16 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
             impl = "ptr"
     if impl not in ("ptr", "tma", "tma_ws"):
         raise ValueError(f"unknown impl {impl!r}")
+    if impl == "tma_ws" and stats is not None:  # the statistics' loop-carried partial: no warp specialization
+        impl = "tma"
     if split_k is None:  # few output tiles and a long K (the 124M wgrads): split K to fill the GPU
         split_k = 4 if (a.is_cuda and triton.cdiv(M, 128) * triton.cdiv(N, 128) < _num_sms(a.device.index or 0)
                         and K >= 8192) else 1
     ws = torch.empty((split_k, M, N), dtype=torch.float32, device=a.device) if split_k > 1 else None
     flags = dict(KEY=key, HAS_BIAS=has_bias, FAST_ACC=fast_accum, SOFT_ROUND=INTERPRET, SPLIT_K=split_k)
+    num_sms = _num_sms(a.device.index or 0) if a.is_cuda else 4
+    programs = _max_programs(M, N, impl, config, num_sms)
+    flags.update(_stats_args(stats if ws is None else None, stats_base, programs, scale_a))
     if impl == "ptr":
         args = (a, b, c if ws is None else ws, scale_a, scale_b, bias_arg, M, N, K, a.stride(0), b.stride(0),
                 c.stride(0))
@@ -343,7 +450,6 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
             grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]), split_k)
             _fp8_gemm_ptr_kernel[grid](*args, **flags, **cfg)
     else:
-        num_sms = _num_sms(a.device.index or 0) if a.is_cuda else 4
         wspec = impl == "tma_ws"
         flags.update(NUM_SMS=num_sms, WARP_SPEC=wspec, FLATTEN=not wspec)
         dummy = [1, 1]
@@ -363,9 +469,12 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
             _fp8_gemm_tma_kernel[grid](*args, **flags, **cfg)
     if ws is not None:
         block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](ws, c, scale_a, scale_b, bias_arg, M * N, N,
-                                                             SPLIT_K=split_k, HAS_BIAS=has_bias, SOFT_ROUND=INTERPRET,
-                                                             BLOCK=block, num_warps=4)
+        grid = triton.cdiv(M * N, block)
+        if stats is not None:  # persistent: a statistics partial per program
+            grid = min(grid, 4 * num_sms)
+        _splitk_reduce_kernel[(grid,)](ws, c, scale_a, scale_b, bias_arg, M * N, N,
+                                       **_stats_args(stats, stats_base, grid, scale_a), SPLIT_K=split_k,
+                                       HAS_BIAS=has_bias, SOFT_ROUND=INTERPRET, BLOCK=block, num_warps=4)
     return c
 
 
@@ -384,7 +493,18 @@ def _dequant_mm(a, b, scale_a, scale_b, out_dtype, bias):
 
 def fp8_gemm_ref(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                  out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None,
-                 fast_accum: bool = True) -> torch.Tensor:
+                 fast_accum: bool = True, stats: "ts.Target | None" = None,
+                 stats_base: torch.Tensor | None = None) -> torch.Tensor:
+    """``_scaled_mm_ref`` (below), and with ``stats`` the row ``fp8_gemm`` writes (``device_stats.partials`` of
+    the result, or of ``stats_base + result`` in fp32)."""
+    c = _scaled_mm_ref(a, b, scale_a, scale_b, out_dtype, bias, fast_accum)
+    if stats is not None:
+        stats_ref(c if stats_base is None else stats_base.to(torch.float32) + c.to(torch.float32), stats.fmt, None,
+                  stats)
+    return c
+
+
+def _scaled_mm_ref(a, b, scale_a, scale_b, out_dtype, bias, fast_accum) -> torch.Tensor:
     """The same product through ``torch._scaled_mm`` (tensorwise scales, fp32 accumulation).
 
     a: (M, K), b: (N, K), any strides. torch 2.13 on CPU accepts every e4m3/e5m2 pair (e5m2 x e5m2

@@ -1,0 +1,91 @@
+"""Statistics fused into the FP8 GEMM epilogues (``fp8_gemm(stats=)``), on the CPU in Triton's interpreter:
+the row equals ``device_stats.partials`` of the returned C (and ``fp8_gemm_ref``'s row), for the ptr and TMA
+kernels, bf16 and fp32 outputs, bias, edge tiles, split-K (taken after the reduce), NaN/Inf scales, a format's
+current scaling, a base that C accumulates into, a merge into an existing row; C is bit-identical with and
+without statistics. The agent end-to-end check is in test_fused_stats.py (``fp8_linear_agent``).
+
+One child process sets TRITON_INTERPRET=1 before importing Triton; each check prints a JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CFG = {"BM": 32, "BN": 32, "BK": 32, "GROUP_M": 2}
+
+
+def _child() -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "tests" / "agent"))
+    import torch
+
+    from agent import device_stats as ds
+    from agent import triton_stats as ts
+    from test_triton_stats import _compare
+    from trainer.kernels import fp8_gemm, fp8_gemm_ref
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    nan, inf = float("nan"), float("inf")
+    cases = [  # (name, M, N, K, out dtype, bias, split_k, scale_a, fmt, base, merge)
+        ("edges bf16 bias", 70, 45, 96, torch.bfloat16, True, 1, 0.5, None, False, False),
+        ("edges fp32", 33, 40, 64, torch.float32, False, 1, 0.25, None, False, False),
+        ("split-k bf16 bias", 70, 45, 128, torch.bfloat16, True, 3, 0.5, None, False, False),
+        ("split-k fp32 base e5m2", 40, 36, 128, torch.float32, False, 2, 2.0, "e5m2", True, False),
+        ("fp32 base e5m2 merge", 64, 64, 64, torch.float32, True, 1, 1.0, "e5m2", True, True),
+        ("nan scale", 20, 30, 32, torch.bfloat16, True, 1, nan, None, False, False),
+        ("inf scale split-k", 20, 30, 64, torch.float32, False, 2, inf, "e4m3", False, False),
+    ]
+    for name, M, N, K, od, has_bias, split, sa, fmt, has_base, merge in cases:
+        a = torch.randn(M, K, generator=g).to(torch.float8_e4m3fn)
+        b = (torch.randn(N, K, generator=g) * 4).to(torch.float8_e5m2)
+        sa, sb = torch.tensor(sa), torch.tensor(3.0)
+        bias = torch.randn(N, generator=g) if has_bias else None
+        base = torch.randn(M, N, generator=g) * 10 if has_base else None
+        old = ds.partials(torch.randn(50, generator=g))
+        for impl in ("ptr", "tma"):
+            problems = []
+            tgt = ts.Target.new("cpu", center=(0.1, 2.0), fmt=fmt, merge=merge)
+            tgt.rows[0] = old
+            c = fp8_gemm(a, b, sa, sb, od, bias, impl=impl, config=CFG, split_k=split, stats=tgt, stats_base=base)
+            plain = fp8_gemm(a, b, sa, sb, od, bias, impl=impl, config=CFG, split_k=split)
+            if not torch.equal(c.view(torch.uint8), plain.view(torch.uint8)):
+                problems.append("C differs with statistics on")
+            v = c if base is None else base + c.float()
+            want = ds.partials(v, fmt=fmt, outlier_center=(0.1, 2.0))
+            if merge:
+                want = ds.merge(old, want)
+            slack = float(want[ds.HIST:].max()) if fmt else None  # current scaling: underflow within a binade
+            problems.append(_compare(torch, ds, tgt.rows[0], want, under_slack=slack))
+            ref = ts.Target.new("cpu", center=(0.1, 2.0), fmt=fmt, merge=merge)
+            ref.rows[0] = old
+            fp8_gemm_ref(a, b, sa, sb, od, bias, stats=ref, stats_base=base)
+            problems.append(_compare(torch, ds, tgt.rows[0], ref.rows[0], rtol=1e-5, under_slack=slack))
+            print(json.dumps({"check": f"{name}:{impl}", "problem": "; ".join(p for p in problems if p)}), flush=True)
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 14, out.stderr[-3000:]
+    return {d["check"]: d["problem"] for d in lines}
+
+
+def test_gemm_epilogue_statistics(results):
+    failed = {k: v for k, v in results.items() if v}
+    assert not failed, failed
+
+
+if __name__ == "__main__":
+    _child()
