@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -179,21 +178,16 @@ GROUPS = ["fused_kernels", "fused_merge", "fp8_linear_agent", "gemm_stats_fallba
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    out = subprocess.run([sys.executable, __file__, *GROUPS], capture_output=True, text=True, env=env, cwd=ROOT,
-                         timeout=600)
-    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert lines, out.stderr[-3000:]
-    return {d["check"]: d["problem"] for d in lines}
+    from interpreter_child import run_checks  # tests/ is on the path under pytest, not in the child
+
+    return run_checks(__file__, GROUPS)
 
 
 @pytest.mark.parametrize("group", GROUPS)
 def test_fused_statistics(results, group):
-    mine = {k: v for k, v in results.items() if k.split(":")[0] == group}
-    assert mine, f"check group {group} produced nothing"
-    failed = {k: v for k, v in mine.items() if v}
-    assert not failed, failed
+    from interpreter_child import assert_group
+
+    assert_group(results, group)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,30 @@
+"""Checks that must run under Triton's interpreter run in one child process: TRITON_INTERPRET=1 has to be set
+before Triton is imported, which this pytest process has done already. The child (the test module run as a
+script) prints one JSON line {"check": "group:name", "problem": ""} per check; an empty problem is a pass."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_checks(module_file: str, groups: list[str]) -> dict[str, str]:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run([sys.executable, module_file, *groups], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=600)
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert lines, out.stderr[-3000:]
+    return {d["check"]: d["problem"] for d in lines}
+
+
+def assert_group(results: dict[str, str], group: str) -> None:
+    mine = {k: v for k, v in results.items() if k.split(":")[0] == group}
+    assert mine, f"check group {group} produced nothing"
+    failed = {k: v for k, v in mine.items() if v}
+    assert not failed, failed
