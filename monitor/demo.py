@@ -164,8 +164,9 @@ def run_demo(args: argparse.Namespace, settings: Settings) -> int:
             except (httpx.HTTPError, ValueError) as exc:
                 print(f"fp8mon demo: cannot read the run back: {exc}", file=sys.stderr, flush=True)
             links = _links(app, client, base, run, None)
+        width = max(len(label) for label, _ in links)
         for label, url in links:
-            print(f"  {label:<36} {url}", flush=True)
+            print(f"  {label:<{width}}  {url}", flush=True)
         if args.exit_after_train:
             server.should_exit = True
         else:
