@@ -51,41 +51,17 @@ def _cases(torch):
     }
 
 
-def _compare(torch, ds, a, b, *, rtol=1e-6, under_slack=None) -> str:
-    """'' when equal: counts, amax, scale, histogram exactly; moments to rtol of the data's scale."""
-    a, b = a.double(), b.double()
-    exact = [ds.PARTS, ds.NUMEL, ds.N, ds.NONFINITE, ds.ZEROS, ds.NONZERO, ds.OUTLIERS, ds.OVERFLOW, ds.AMAX,
-             ds.SCALE, ds.AMAX_HISTORY_MAX] + list(range(ds.HIST, ds.WIDTH))
-    if under_slack is None:
-        exact.append(ds.UNDERFLOW)
-    bad = []
-    for i in exact:
-        x, y = a[..., i], b[..., i]
-        if not bool(((x == y) | (x.isnan() & y.isnan())).all()):
-            bad.append(f"field {i}: {x.flatten()[:3].tolist()} vs {y.flatten()[:3].tolist()}")
-    if under_slack is not None and bool(((a[..., ds.UNDERFLOW] - b[..., ds.UNDERFLOW]).abs() > under_slack).any()):
-        bad.append(f"underflow {a[..., ds.UNDERFLOW].tolist()} vs {b[..., ds.UNDERFLOW].tolist()}")
-    n = b[..., ds.N].clamp(min=1)
-    sd = (b[..., ds.M2] / n).sqrt()
-    size = b[..., ds.MEAN].abs() + sd
-    tol = {ds.MEAN: rtol * size, ds.M2: rtol * b[..., ds.M2].abs() + 1e-300, ds.M3: rtol * n * sd**3 + 1e-300,
-           ds.M4: rtol * b[..., ds.M4].abs() + 1e-300}
-    for i, t in tol.items():
-        x, y = a[..., i], b[..., i]
-        if not bool((((x - y).abs() <= t) | (x.isnan() & y.isnan())).all()):
-            bad.append(f"{ds.FIELDS[i]}: {x.flatten()[:3].tolist()} vs {y.flatten()[:3].tolist()}")
-    return "; ".join(bad)
-
-
 def _child(names: list[str]) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "bench"))
     import torch
     from torch import nn
 
     from agent import Agent
     from agent import device_stats as ds
     from agent import triton_stats as ts
+    from stats_check import row_problems
 
     torch.set_num_threads(1)
     ts.CHUNK, ts.ROWS = 4096, 128  # several programs per tensor (5000 elements: 2), several tiles per program
@@ -98,25 +74,25 @@ def _child(names: list[str]) -> None:
             s = torch.tensor(3.0)
             got = ts.partials(x, fmt="e4m3", scale=s)
             emit(f"rows_vs_torch:{case}:scale",
-                 _compare(torch, ds, got, ds.partials(x, fmt="e4m3", scale=s, outlier_center=NO_CENTER)))
+                 row_problems(got, ds.partials(x, fmt="e4m3", scale=s, outlier_center=NO_CENTER)))
             if i % 3 == 0:
                 got = ts.partials(x, fmt="e4m3", scale=s, hist=False)
                 emit(f"rows_vs_torch:{case}:no_hist",
-                     _compare(torch, ds, got, ds.partials(x, fmt="e4m3", scale=s, hist=False, outlier_center=NO_CENTER)))
+                     row_problems(got, ds.partials(x, fmt="e4m3", scale=s, hist=False, outlier_center=NO_CENTER)))
             if i % 3 == 1:
                 got = ts.partials(x, fmt="e5m2", amax_history_max=2.5)
                 emit(f"rows_vs_torch:{case}:delayed",
-                     _compare(torch, ds, got, ds.partials(x, fmt="e5m2", amax_history_max=2.5, outlier_center=NO_CENTER)))
+                     row_problems(got, ds.partials(x, fmt="e5m2", amax_history_max=2.5, outlier_center=NO_CENTER)))
             if i % 3 == 2:
                 got = ts.partials(x)  # no format: underflow, overflow, scale absent
-                emit(f"rows_vs_torch:{case}:no_format", _compare(torch, ds, got, ds.partials(x, outlier_center=NO_CENTER)))
+                emit(f"rows_vs_torch:{case}:no_format", row_problems(got, ds.partials(x, outlier_center=NO_CENTER)))
 
     def current_scaling():
         for case, x in list(_cases(torch).items())[::2]:
             got = ts.partials(x, fmt="e4m3")
             want = ds.partials(x, fmt="e4m3", outlier_center=NO_CENTER)
             binade = float(got[ds.HIST:].max()) if x.numel() else 0.0  # the documented bound
-            emit(f"current_scaling:{case}", _compare(torch, ds, got, want, under_slack=binade))
+            emit(f"current_scaling:{case}", row_problems(got, want, under_slack=binade))
 
     def outliers_with_center():
         for i, (case, x) in enumerate(_cases(torch).items()):
@@ -125,7 +101,7 @@ def _child(names: list[str]) -> None:
             for center in ((0.5, 1.0), own) if i % 4 == 0 else (own,):
                 got = ts.partials(x, center=torch.tensor(center, dtype=torch.float64), outlier_k=2.0)
                 want = ds.partials(x, outlier_center=center, outlier_k=2.0)
-                emit(f"outliers_with_center:{case}:{center[0]:.3g}", _compare(torch, ds, got, want))
+                emit(f"outliers_with_center:{case}:{center[0]:.3g}", row_problems(got, want))
 
     def multi_tensor():
         g = torch.Generator().manual_seed(1)
@@ -136,9 +112,9 @@ def _child(names: list[str]) -> None:
         scales = [None if f is None else torch.tensor(1.0 + i) for i, f in enumerate(fmts)]
         one = ts.rows(xs, fmt=fmts, scale=scales)
         each = torch.stack([ts.partials(x, fmt=f, scale=s) for x, f, s in zip(xs, fmts, scales)])
-        emit("multi_tensor:one_launch_equals_per_tensor", _compare(torch, ds, one, each, rtol=1e-12))
+        emit("multi_tensor:one_launch_equals_per_tensor", row_problems(one, each, rtol=1e-12))
         want = torch.stack([ds.partials(x, fmt=f, scale=s, outlier_center=NO_CENTER) for x, f, s in zip(xs, fmts, scales)])
-        emit("multi_tensor:equals_torch", _compare(torch, ds, one, want))
+        emit("multi_tensor:equals_torch", row_problems(one, want))
         base = torch.stack([ds.partials(x[: x.numel() // 2], fmt=f, scale=s, outlier_center=NO_CENTER)
                             for x, f, s in zip(xs, fmts, scales)])
         base[3] = ds.empty(1)[0]  # a row that observed nothing: the merge identity
@@ -146,7 +122,7 @@ def _child(names: list[str]) -> None:
         idx = list(range(1, 2 * len(xs), 2))
         out[idx] = base
         ts.rows(xs, fmt=fmts, scale=scales, out=out, index=idx, merge=True)
-        emit("multi_tensor:merged_into_rows", _compare(torch, ds, out[idx], ds.merge(base, want)))
+        emit("multi_tensor:merged_into_rows", row_problems(out[idx], ds.merge(base, want)))
         emit("multi_tensor:other_rows_untouched", "" if bool((out[0::2] == 0).all()) else "rows written outside index")
 
     def agent_backends():
@@ -183,7 +159,7 @@ def _child(names: list[str]) -> None:
             a[:, ds.OUTLIERS] = b[:, ds.OUTLIERS] = 0
             # the torch path emulates current scaling exactly; the kernel derives underflow from the histogram
             slack = float(b[:, ds.HIST:].max())
-            emit(f"agent_backends:step{step}:rows", problem or _compare(torch, ds, a, b, under_slack=slack))
+            emit(f"agent_backends:step{step}:rows", problem or row_problems(a, b, under_slack=slack))
 
     def agent_outlier_centers():
         """Step 1's outliers on the Triton path = torch count against step 0's (mean, std) of the slot."""

@@ -23,12 +23,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def _child(names: list[str]) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "tests" / "agent"))
+    sys.path.insert(0, str(ROOT / "bench"))
     import torch
 
     from agent import device_stats as ds
     from agent import triton_stats as ts
-    from test_triton_stats import _compare
+    from stats_check import row_problems
     from trainer.kernels import quantize, quantize_transpose
     from trainer.kernels.quantize import stats_ref
 
@@ -64,9 +64,9 @@ def _child(names: list[str]) -> None:
                             problems.append("FP8 data or scale differ with stats on")
                         standalone = ts.partials(x, fmt=fmt, scale=r.scale, center=center,
                                                  amax_history_max=tgt.amax_history_max)
-                        problems.append(_compare(torch, ds, tgt.rows[0], standalone, rtol=1e-6))
+                        problems.append(row_problems(tgt.rows[0], standalone, rtol=1e-6))
                         ref = ts.Target.new("cpu", center=(0.1, 2.0), amax_history_max=tgt.amax_history_max)
-                        problems.append(_compare(torch, ds, tgt.rows[0], stats_ref(x, fmt, r.scale, ref)))
+                        problems.append(row_problems(tgt.rows[0], stats_ref(x, fmt, r.scale, ref)))
                         emit(name, "; ".join(p for p in problems if p))
 
     def fused_merge():
@@ -77,7 +77,7 @@ def _child(names: list[str]) -> None:
         tgt.merge = True
         r2 = quantize_transpose(x2, "e4m3", stats=tgt)
         want = ds.merge(ts.partials(x1, fmt="e4m3", scale=r1.scale), ts.partials(x2, fmt="e4m3", scale=r2.scale))
-        emit("fused_merge", _compare(torch, ds, tgt.rows[0], want))
+        emit("fused_merge", row_problems(tgt.rows[0], want))
 
     def agent_hooks(model):
         from agent import Agent
@@ -113,7 +113,7 @@ def _child(names: list[str]) -> None:
             # fp64 max / amax: at most an ulp apart; the hooks' underflow comes from the histogram
             rel = ((a[:, ds.SCALE] - b[:, ds.SCALE]).abs() / b[:, ds.SCALE]).nan_to_num(0)
             a[:, ds.SCALE] = b[:, ds.SCALE]
-            problem = _compare(torch, ds, a, b, under_slack=float(b[:, ds.HIST:].max()))
+            problem = row_problems(a, b, under_slack=float(b[:, ds.HIST:].max()))
             if float(rel.max()) > 2.5e-7:
                 problem += f" scale differs by {float(rel.max())}"
             emit(f"fp8_linear_agent:step{step}", problem)
@@ -154,7 +154,7 @@ def _child(names: list[str]) -> None:
         order = [keys2.index(k) for k in keys]
         a, b = got[0].clone(), want[0][order].clone()
         a[:, ds.SCALE] = b[:, ds.SCALE]  # the quantize kernels' scale vs the hooks' emulation: an ulp apart
-        problem = _compare(torch, ds, a, b, under_slack=float(b[:, ds.HIST:].max()))
+        problem = row_problems(a, b, under_slack=float(b[:, ds.HIST:].max()))
         if not broken:
             problem += " the failure was not noticed"
         if not {"output", "grad_weight"} <= sites:

@@ -24,12 +24,12 @@ CFG = {"BM": 32, "BN": 32, "BK": 32, "GROUP_M": 2}
 def _child() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "tests" / "agent"))
+    sys.path.insert(0, str(ROOT / "bench"))
     import torch
 
     from agent import device_stats as ds
     from agent import triton_stats as ts
-    from test_triton_stats import _compare
+    from stats_check import row_problems
     from trainer.kernels import fp8_gemm, fp8_gemm_ref
 
     torch.set_num_threads(1)
@@ -64,11 +64,11 @@ def _child() -> None:
             if merge:
                 want = ds.merge(old, want)
             slack = float(want[ds.HIST:].max()) if fmt else None  # current scaling: underflow within a binade
-            problems.append(_compare(torch, ds, tgt.rows[0], want, under_slack=slack))
+            problems.append(row_problems(tgt.rows[0], want, under_slack=slack))
             ref = ts.Target.new("cpu", center=(0.1, 2.0), fmt=fmt, merge=merge)
             ref.rows[0] = old
             fp8_gemm_ref(a, b, sa, sb, od, bias, stats=ref, stats_base=base)
-            problems.append(_compare(torch, ds, tgt.rows[0], ref.rows[0], rtol=1e-5, under_slack=slack))
+            problems.append(row_problems(tgt.rows[0], ref.rows[0], rtol=1e-5, under_slack=slack))
             print(json.dumps({"check": f"{name}:{impl}", "problem": "; ".join(p for p in problems if p)}), flush=True)
 
 
