@@ -19,6 +19,15 @@ from bench.train_step import BATCH, build  # noqa: E402
 from trainer.model import autocast  # noqa: E402
 
 
+def train_step(model, optimizer, precision: str, x, y) -> None:
+    with autocast(precision, x.device):
+        loss = model(x, y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([q for q in model.parameters() if q.requires_grad], 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="1.5b")
@@ -33,26 +42,16 @@ def main(argv=None) -> int:
         batch = args.batch_size or BATCH[args.config]
         x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), device=device)
         y = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), device=device)
-        params = [q for q in model.parameters() if q.requires_grad]
-
-        def step():
-            with autocast(precision, device):
-                loss = model(x, y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
         for _ in range(4):
-            step()
+            train_step(model, optimizer, precision, x, y)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(2):
-                step()
+                train_step(model, optimizer, precision, x, y)
             torch.cuda.synchronize()
         print(f"===== {precision} ({args.config}, two steps)")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
-        del model, optimizer, params
+        del model, optimizer
         torch.cuda.empty_cache()
     return 0
 
