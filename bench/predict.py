@@ -12,7 +12,8 @@ escalates to warning counts from then on); and the same for the baseline: a loss
 over the previous 30 logged losses (mean/std), firing at the first logged step with z > 3 (a non-finite
 loss counts as firing). Runs are marked "tune" (used to choose the thresholds) or "test" (held out), and
 labelled diverged, stable or censored (monitor.fixtures: chosen to diverge, not diverged by its last step);
-censored runs count neither as stable (false alerts) nor as diverging (leads), they are reported apart.
+censored runs count neither as stable (false alerts) nor as diverging (leads), they are reported apart; so
+are early failures (diverged before monitor.fixtures.EARLY_BEFORE: no lead of 100 steps is possible).
 
 Beside the literal baseline (the target's definition, whose figure is the one the summary judges), two
 lines are printed as context: the baseline at a matched false-alarm threshold (the smallest z with no
@@ -28,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 
 from monitor.alerting.lifecycle import ESCALATED, FIRED, AlertTracker
-from monitor.fixtures import Fixture, fixture_paths, load_fixture
+from monitor.fixtures import EARLY_BEFORE, Fixture, fixture_paths, load_fixture
 from monitor.predictors import PredictorParams, RunPredictor
 from monitor.schemas import IngestBatch
 
@@ -200,9 +201,10 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [r for r in rows if split == "all" or r[0].split == split]
         if not chosen:
             continue
-        diverging = [r for r in chosen if r[0].diverged]
+        diverging = [r for r in chosen if r[0].outcome == "diverged"]
         stable = [r for r in chosen if r[0].stable]
         censored = [r for r in chosen if r[0].censored]
+        early = [r for r in chosen if r[0].early]
         leads = [r[3] for r in diverging]
         ahead = sum(1 for x in leads if x is not None and x >= TARGET_LEAD)
         false_alerts = sum(r[1].alerts for r in stable)
@@ -214,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         matched_leads = [r[7] for r in diverging]
         matched_total = sum(max(0, x) for x in matched_leads if x is not None)
         matched_ratio = ours_total / matched_total if matched_total > 0 else math.inf
-        print(f"[{split}] {len(diverging)} diverged, {len(stable)} stable, {len(censored)} censored runs")
+        print(f"[{split}] {len(diverging)} diverged, {len(stable)} stable, {len(censored)} censored, {len(early)} "
+              f"early-failure runs")
         print(f"  diverging runs alerted >= {TARGET_LEAD} steps ahead: {ahead}/{len(diverging)} "
               f"(leads {leads}; baseline leads {base_leads})  target: all")
         print(f"  alerts on stable runs: {false_alerts} (baseline: {base_false})  target: 0")
@@ -222,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  censored runs (not targets): alerts {sum(r[1].alerts for r in censored)} (baseline "
                   f"{sum(r[2].alerts for r in censored)}), runs with an alert {sum(1 for r in censored if r[1].alerts)}"
                   f"/{len(censored)} (baseline {sum(1 for r in censored if r[2].alerts)}/{len(censored)})")
+        if early:
+            print(f"  early failures (diverged before step {EARLY_BEFORE}; not targets): " + ", ".join(
+                f"{r[0].name} at step {r[0].divergence_step}: our lead {fmt(r[3])}, baseline {fmt(r[4])}"
+                for r in early))
         print(f"  total lead vs the literal baseline (late baseline counted as 0): {ours_total} / {base_total} = "
               f"{'inf' if math.isinf(ratio) else f'{ratio:.1f}x'}  target: >= {TARGET_RATIO:.0f}x")
         if diverging:

@@ -8,7 +8,9 @@ ingest batch dicts]}``; the batches replay through POST /api/v1/ingest or `RunPr
 Outcome (`Fixture.outcome`): "diverged" when the divergence rule fired; else "censored" when the run was
 trained with settings chosen to make it diverge (`expect` "diverging") and had not diverged by its last
 step: its fate is unknown, so it is neither a stable run (alerts on it are not false alerts) nor a diverging
-one (it has no divergence step); else "stable" (a run at a sane learning rate that did not diverge).
+one (it has no divergence step); else "stable" (a run at a sane learning rate that did not diverge). A run
+that diverged before `EARLY_BEFORE` is an "early" failure: no monitor that first needs to learn the run's
+normal can warn it 100 steps ahead (the predictors' warm-up is 60 steps), so it is reported apart as well.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# 100-step lead target + the predictors' warm-up (monitor.predictors.params.PredictorParams.warmup_steps)
+EARLY_BEFORE = 160
 FIXTURE_DIR = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "runs"
 # Files kept under FIXTURE_DIR for another test but no longer part of the labelled corpus (fixture_paths skips
 # them): cpu-fog-fp8-ramp (a learning-rate ramp of the first corpus, batch 4 x 64) feeds
@@ -40,14 +44,18 @@ class Fixture:
 
     @property
     def outcome(self) -> str:
-        """"diverged" | "stable" | "censored" (see the module docstring)."""
+        """"diverged" | "early" | "stable" | "censored" (see the module docstring)."""
         if self.diverged:
-            return "diverged"
+            return "early" if self.divergence_step < EARLY_BEFORE else "diverged"
         return "censored" if self.extra.get("expect") == "diverging" else "stable"
 
     @property
     def stable(self) -> bool:
         return self.outcome == "stable"
+
+    @property
+    def early(self) -> bool:
+        return self.outcome == "early"
 
     @property
     def censored(self) -> bool:

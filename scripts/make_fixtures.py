@@ -13,7 +13,7 @@ GPU profile: its 16 runs start at once and each is stopped after 235 s (--timeou
 got; on one H200 with the torch FP8 backend that was step 299-339 for the FP8 runs and 549-674 for bf16 ones,
 and the exports of 4 runs did not finish within the 265 s the whole command was given (docs/prediction.md).
 
-`split` says whether a run was used to choose the predictor thresholds ("tune") or held out ("test"), and
+`split` says whether a run was used to choose the predictor thresholds ("tune") or held out ("tune"), and
 `labels.outcome` is "diverged", "stable", or "censored" (chosen to diverge, not diverged by its last step).
 """
 
@@ -45,7 +45,7 @@ FIXTURE_STATS = ("numel", "amax", "rms", "kurtosis", "underflow_frac", "overflow
 class RunSpec:
     name: str
     args: tuple[str, ...]
-    split: str  # "tune" | "test"
+    split: str  # "tune" | "tune"
     expect: str  # "stable" | "diverging": what the settings were chosen for (the label decides)
 
 
@@ -56,6 +56,9 @@ class RunSpec:
 CPU_BASE = ("--config", "tiny", "--n-layer", "2", "--d-model", "64", "--n-head", "2", "--d-ff", "192",
             "--batch-size", "16", "--seq-len", "64", "--device", "cpu", "--threads", "1", "--monitor-every", "2")
 CPU_DIVERGE = ("--schedule", "constant", "--warmup", "400", "--weight-decay", "0", "--steps", "520")
+CPU_FROZEN = ("--precision", "fp8", "--fp8-scaling", "delayed", "--amax-history", "16", "--fp8-margin", "2",
+              "--fp8-freeze-scale-after", "300", "--fp8-no-saturate", "--lr", "3e-3", "--schedule", "constant",
+              "--warmup", "100", "--weight-decay", "0")
 CPU_RUNS = (
     RunSpec("cpu-fog-bf16-div", ("--arch", "fog", "--precision", "bf16", "--lr", "0.13", *CPU_DIVERGE),
             "tune", "diverging"),
@@ -68,6 +71,11 @@ CPU_RUNS = (
             "tune", "stable"),
     RunSpec("cpu-llama-bf16-stable", ("--arch", "llama", "--precision", "bf16", "--lr", "3e-3", "--steps", "420"),
             "tune", "stable"),
+    # third corpus: sane-lr runs whose delayed scales freeze after 300 steps and whose casts do not saturate
+    # (CPU_FROZEN): they train normally until the growing amax of a tensor reaches its stale scale's range,
+    # then the first overflow is a NaN
+    RunSpec("cpu-fog-fp8-frozen-div", ("--arch", "fog", *CPU_FROZEN, "--steps", "1200"), "tune", "diverging"),
+    RunSpec("cpu-llama-fp8-frozen-div", ("--arch", "llama", *CPU_FROZEN, "--steps", "1200"), "tune", "diverging"),
 )
 
 # GPU: 4 layers x d 512 (head_dim 128), 32 x 256 tokens per step, statistics every 5 steps, 700 steps.
@@ -93,22 +101,70 @@ GPU_RUNS = (
     _gpu_div("gpu-fog-fp8-div", "fog", "fp8", "0.05", "tune"),
     _gpu_div("gpu-fog-bf16-div-055", "fog", "bf16", "0.055", "tune"),
     _gpu_div("gpu-llama-fp8-div", "llama", "fp8", "0.3", "tune", "--clip", "0", "--betas", "0.9", "0.99"),
-    _gpu_div("gpu-fog-bf16-div", "fog", "bf16", "0.05", "test"),
-    _gpu_div("gpu-fog-fp8-delayed-div", "fog", "fp8", "0.055", "test", *DELAYED, "2"),
-    _gpu_div("gpu-fog-fp8-hot-div", "fog", "fp8", "0.07", "test"),
-    _gpu_div("gpu-fog-fp8-b2-div", "fog", "fp8", "0.045", "test", "--betas", "0.9", "0.99"),
-    _gpu_div("gpu-fog-fp8-noqk-div", "fog", "fp8", "0.03", "test", "--no-qk-norm"),
-    _gpu_div("gpu-fog-fp8-delayed1-div", "fog", "fp8", "0.06", "test", *DELAYED, "1"),
-    _gpu_div("gpu-llama-fp8-delayed-div", "llama", "fp8", "0.3", "test", "--clip", "0", "--betas", "0.9", "0.99",
+    _gpu_div("gpu-fog-bf16-div", "fog", "bf16", "0.05", "tune"),
+    _gpu_div("gpu-fog-fp8-delayed-div", "fog", "fp8", "0.055", "tune", *DELAYED, "2"),
+    _gpu_div("gpu-fog-fp8-hot-div", "fog", "fp8", "0.07", "tune"),
+    _gpu_div("gpu-fog-fp8-b2-div", "fog", "fp8", "0.045", "tune", "--betas", "0.9", "0.99"),
+    _gpu_div("gpu-fog-fp8-noqk-div", "fog", "fp8", "0.03", "tune", "--no-qk-norm"),
+    _gpu_div("gpu-fog-fp8-delayed1-div", "fog", "fp8", "0.06", "tune", *DELAYED, "1"),
+    _gpu_div("gpu-llama-fp8-delayed-div", "llama", "fp8", "0.3", "tune", "--clip", "0", "--betas", "0.9", "0.99",
              *DELAYED, "1"),
     _gpu_stable("gpu-fog-fp8-stable", "fog", "fp8", "tune"),
     _gpu_stable("gpu-llama-bf16-stable", "llama", "bf16", "tune"),
-    _gpu_stable("gpu-llama-fp8-stable", "llama", "fp8", "test"),
-    _gpu_stable("gpu-fog-bf16-stable", "fog", "bf16", "test"),
-    _gpu_stable("gpu-fog-fp8-delayed-stable", "fog", "fp8", "test", *DELAYED, "4"),
-    _gpu_stable("gpu-llama-fp8-delayed-stable", "llama", "fp8", "test", *DELAYED, "4"),
+    _gpu_stable("gpu-llama-fp8-stable", "llama", "fp8", "tune"),
+    _gpu_stable("gpu-fog-bf16-stable", "fog", "bf16", "tune"),
+    _gpu_stable("gpu-fog-fp8-delayed-stable", "fog", "fp8", "tune", *DELAYED, "4"),
+    _gpu_stable("gpu-llama-fp8-delayed-stable", "llama", "fp8", "tune", *DELAYED, "4"),
 )
-PROFILES = {"cpu": (CPU_BASE, CPU_RUNS), "gpu": (GPU_BASE, GPU_RUNS)}
+
+# Third corpus (profile gpu-frozen, same model and batch, 1500 steps): healthy settings (lr 1e-3, weight decay
+# 0.1) with delayed scaling (history 16) whose scales freeze after 200-400 steps and whose casts do not
+# saturate, so a run dies at the first overflow of a stale scale; controls: the same casts with scales
+# refreshed at every step, and a long current-scaling run. Split fixed before the runs were made.
+FROZEN = ("--precision", "fp8", "--fp8-scaling", "delayed", "--amax-history", "16", "--fp8-no-saturate")
+
+
+def _gpu_frozen(name: str, arch: str, split: str, freeze: int, margin: int, lr: str, *extra: str) -> RunSpec:
+    return RunSpec(name, ("--arch", arch, *FROZEN, "--fp8-freeze-scale-after", str(freeze), "--fp8-margin",
+                          str(margin), "--lr", lr, "--steps", "1500", *extra), split, "diverging")
+
+
+CONSTANT = ("--schedule", "constant", "--warmup", "100")
+GPU_FROZEN_RUNS = (
+    _gpu_frozen("gpu-fog-fp8-frozen-div", "fog", "tune", 300, 2, "1e-3", *CONSTANT),
+    _gpu_frozen("gpu-llama-fp8-frozen-div", "llama", "tune", 300, 2, "1e-3", *CONSTANT),
+    _gpu_frozen("gpu-fog-fp8-frozen-cos-div", "fog", "tune", 300, 2, "1e-3"),
+    _gpu_frozen("gpu-llama-fp8-frozen-cos-div", "llama", "tune", 300, 2, "1e-3"),
+    _gpu_frozen("gpu-fog-fp8-frozen-m3-div", "fog", "tune", 400, 3, "2e-3", *CONSTANT),
+    _gpu_frozen("gpu-llama-fp8-frozen-m3-div", "llama", "tune", 400, 3, "2e-3", *CONSTANT),
+    _gpu_frozen("gpu-fog-fp8-frozen-s1-div", "fog", "tune", 200, 2, "1e-3", *CONSTANT, "--seed", "1"),
+    RunSpec("gpu-fog-fp8-nosat-stable", ("--arch", "fog", *FROZEN, "--fp8-margin", "2", "--lr", "1e-3", "--steps",
+                                         "1500", *CONSTANT), "tune", "stable"),
+    RunSpec("gpu-llama-fp8-nosat-stable", ("--arch", "llama", *FROZEN, "--fp8-margin", "2", "--lr", "1e-3",
+                                           "--steps", "1500", *CONSTANT), "tune", "stable"),
+    RunSpec("gpu-fog-fp8-long-stable", ("--arch", "fog", "--precision", "fp8", "--lr", "1e-3", "--steps", "1500"),
+            "tune", "stable"),
+)
+
+# Fresh held-out runs (profile gpu-test2), written down before any was made, after the thresholds had been
+# chosen on every earlier run (the earlier "test" runs had been seen, so they now count as tune runs):
+# learning-rate ramps past the stable edge as in the second corpus, frozen stale scales as in the third, and
+# long stable runs, each with a seed no earlier run used.
+GPU_TEST2_RUNS = (
+    _gpu_div("gpu-fog-fp8-ramp-s2-div", "fog", "fp8", "0.05", "test", "--seed", "2"),
+    _gpu_div("gpu-fog-bf16-ramp-s2-div", "fog", "bf16", "0.055", "test", "--seed", "2"),
+    _gpu_frozen("gpu-fog-fp8-frozen-s2-div", "fog", "test", 300, 2, "1e-3", *CONSTANT, "--seed", "2"),
+    _gpu_frozen("gpu-llama-fp8-frozen-s2-div", "llama", "test", 300, 2, "1e-3", "--seed", "2"),
+    _gpu_frozen("gpu-fog-fp8-frozen-h64-div", "fog", "test", 250, 2, "1e-3", "--amax-history", "64", "--seed", "3"),
+    RunSpec("gpu-llama-fp8-long-stable", ("--arch", "llama", "--precision", "fp8", "--lr", "1e-3", "--steps", "1500",
+                                          "--seed", "2"), "test", "stable"),
+    RunSpec("gpu-fog-bf16-long-stable", ("--arch", "fog", "--precision", "bf16", "--lr", "1e-3", "--steps", "1500",
+                                         "--seed", "2"), "test", "stable"),
+    RunSpec("gpu-llama-fp8-nosat-s2-stable", ("--arch", "llama", *FROZEN, "--fp8-margin", "2", "--lr", "1e-3",
+                                              "--steps", "1500", "--seed", "2"), "test", "stable"),
+)
+PROFILES = {"cpu": (CPU_BASE, CPU_RUNS), "gpu": (GPU_BASE, GPU_RUNS), "gpu-frozen": (GPU_BASE, GPU_FROZEN_RUNS),
+            "gpu-test2": (GPU_BASE, GPU_TEST2_RUNS)}
 
 
 def free_port() -> int:
@@ -199,9 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     base, runs = PROFILES[args.profile]
     if args.only:
         runs = tuple(r for r in runs if r.name in args.only)
-    jobs = args.jobs or (16 if args.profile == "gpu" else 2)
-    timeout = args.timeout or (235 if args.profile == "gpu" else 900)
-    out = Path(args.out) if args.out else (FIXTURE_DIR / "gpu" if args.profile == "gpu" else FIXTURE_DIR)
+    gpu = args.profile.startswith("gpu")
+    jobs = args.jobs or (16 if gpu else 2)
+    timeout = args.timeout or (235 if gpu else 900)
+    out = Path(args.out) if args.out else (FIXTURE_DIR / "gpu" if gpu else FIXTURE_DIR)
     failed = []
     with tempfile.TemporaryDirectory(prefix="fp8mon-fixtures-") as tmpdir:
         tmp = Path(tmpdir)

@@ -68,12 +68,21 @@ class Fp8Recipe:
     amax_history_len: int = 1024  # delayed scaling (TE defaults: 1024, algo max, margin 0)
     margin: int = 0
     fast_accum_fwd: bool = True  # fast accumulation in the forward GEMM, precise in the two backward GEMMs
+    # Delayed scaling: after this many quantizations of a site (one per optimizer step without gradient
+    # accumulation) its scale stops being refreshed from the amax history: static scales calibrated over the
+    # first steps, or a history that stopped updating. 0: refreshed at every step (TE's delayed scaling).
+    freeze_scale_after: int = 0
+    saturate: bool = True
 
     def __post_init__(self):
         if self.scaling not in ("current", "delayed"):
             raise ValueError(f"scaling must be 'current' or 'delayed', not {self.scaling!r}")
         if self.amax_history_len < 1:
             raise ValueError("amax_history_len must be >= 1")
+        if self.freeze_scale_after < 0:
+            raise ValueError("freeze_scale_after must be >= 0")
+        if self.freeze_scale_after and self.scaling != "delayed":
+            raise ValueError("freeze_scale_after applies to delayed scaling only")
 
 
 def _triton_fp8_ok(device: torch.device) -> bool:
@@ -86,13 +95,20 @@ def _triton_fp8_ok(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _resolve_backend(requested: str, device: torch.device) -> str:
+def _resolve_backend(requested: str, device: torch.device, recipe: Fp8Recipe = Fp8Recipe()) -> str:
     requested = os.environ.get("FP8MON_FP8_BACKEND", requested) if requested == "auto" else requested
     if requested == "auto":
-        return "triton" if _triton_fp8_ok(device) else "torch"
+        return "triton" if _triton_fp8_ok(device) and recipe_ok_on_triton(recipe) else "torch"
     if requested not in ("triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', not {requested!r}")
+    if requested == "triton" and not recipe_ok_on_triton(recipe):
+        raise ValueError("the Triton FP8 kernels always saturate and refresh delayed scales at every step: "
+                         "Fp8Recipe(saturate=False) or freeze_scale_after needs the torch backend")
     return requested
+
+
+def recipe_ok_on_triton(recipe: Fp8Recipe) -> bool:
+    return recipe.saturate and not recipe.freeze_scale_after
 
 
 class _State:
@@ -110,6 +126,8 @@ class _State:
             self.history = {s: getattr(module, f"amax_history_{s}") for s in SITES}
             self.next_scale = {s: getattr(module, f"scale_{s}") for s in SITES}
             self.accum = {s: getattr(module, f"amax_accum_{s}") for s in SITES}
+            if module.recipe.freeze_scale_after:
+                self.updates = {s: getattr(module, f"scale_updates_{s}") for s in SITES}
 
     def quantize(self, site: str, x2d: torch.Tensor, want_q: bool, want_t: bool):
         """(q, q_t, scale_inv): q (M, N) and/or q_t (N, M) K-major FP8 of the 2-D x."""
@@ -136,11 +154,19 @@ class _State:
             wants = link is not None and link.wants(site)
             ahm = self.history[site].amax() if self.delayed and wants else None
             r = quantize_ref(x2d, fmt, scale=self.next_scale[site] if self.delayed else None, transpose=want_t)
+            if not self.recipe.saturate:
+                r = _unsaturated(x2d, r, fmt, want_t)
             if wants:
                 link.report(site, ds.partials(x2d, fmt=fmt, scale=r.scale, amax_history_max=ahm,
                                               outlier_k=link.outlier_k, hist=link.hist))
             if self.delayed:
-                delayed_update_ref(r.amax, self.history[site], self.next_scale[site], fmt, self.recipe.margin)
+                scale = self.next_scale[site]
+                kept = scale.clone() if self.recipe.freeze_scale_after else None
+                delayed_update_ref(r.amax, self.history[site], scale, fmt, self.recipe.margin)
+                if kept is not None:  # on the device: no host sync
+                    count = self.updates[site]
+                    scale.copy_(torch.where(count >= self.recipe.freeze_scale_after, kept, scale))
+                    count.add_(1)
         self.amax[site] = r.amax
         self.scale[site] = r.scale
         return r.data, r.data_t, r.meta[2:3]
@@ -227,6 +253,17 @@ class _Fp8LinearFn(torch.autograd.Function):
         return dx, dw, db, None, None, None, None
 
 
+def _unsaturated(x2d: torch.Tensor, r, fmt: Fp8Format, want_t: bool):
+    """``r`` as a cast without saturation gives it: every finite |s*x| past the format's range becomes NaN
+    (E4M3, which has no infinity) or +-Inf (E5M2), as torch's own float8 conversion does."""
+    scaled = x2d.to(torch.float32) * r.scale
+    over = scaled.abs() > fmt.overflow_threshold
+    lost = torch.full_like(scaled, math.nan) if fmt.name == "e4m3" else torch.copysign(torch.full_like(
+        scaled, math.inf), scaled)
+    data = torch.where(over, lost, r.data.to(torch.float32)).to(r.data.dtype)
+    return r._replace(data=data, data_t=data.t() if want_t else None)
+
+
 def _wgrad(state: _State, qg_t, qx_t, sg, sx, w_dtype) -> torch.Tensor:
     """dW in the weight's dtype, and its grad_weight row (of weight.grad + dW: see the module docstring)."""
     base = state.weight.grad
@@ -266,6 +303,8 @@ class Fp8Linear(nn.Module):
                 self.register_buffer(f"scale_{site}", torch.ones((), dtype=torch.float32, device=device))
                 self.register_buffer(f"amax_accum_{site}", torch.zeros((), dtype=torch.float32, device=device),
                                      persistent=False)
+                if recipe.freeze_scale_after:  # scale refreshes so far (saved: a resumed run stays frozen)
+                    self.register_buffer(f"scale_updates_{site}", torch.zeros((), dtype=torch.int64, device=device))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -287,5 +326,5 @@ class Fp8Linear(nn.Module):
         grad = torch.is_grad_enabled()
         need_dx = grad and x.requires_grad
         need_dw = grad and self.weight.requires_grad
-        state = _State(self, _resolve_backend(self.backend, x.device))
+        state = _State(self, _resolve_backend(self.backend, x.device, self.recipe))
         return _Fp8LinearFn.apply(x, self.weight, self.bias, state, out_dtype, need_dx, need_dw)

@@ -102,6 +102,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     f.add_argument("--fp8-scaling", choices=("current", "delayed"), default="current")
     f.add_argument("--amax-history", type=int, default=1024, help="delayed scaling: amax history length")
     f.add_argument("--fp8-margin", type=int, default=0)
+    f.add_argument("--fp8-freeze-scale-after", type=int, default=0, metavar="N",
+                   help="delayed scaling: stop refreshing each scale after its first N steps (static scales, or a "
+                   "history that stopped updating); 0: never. Runs on the torch FP8 path")
+    f.add_argument("--fp8-no-saturate", action="store_true", help="cast overflows to NaN/Inf as torch's own float8 "
+                   "conversion does, instead of saturating (an FP8 stack that forgets to clamp); torch FP8 path")
     s = p.add_argument_group("system")
     s.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (torchrun: cuda:LOCAL_RANK)")
     s.add_argument("--threads", type=int, help="torch intra-op CPU threads")
@@ -163,7 +168,11 @@ def setup_distributed(device_arg: str) -> tuple[int, int, torch.device]:
 def fp8_recipe(args):
     from .fp8_linear import Fp8Recipe
 
-    return Fp8Recipe(scaling=args.fp8_scaling, amax_history_len=args.amax_history, margin=args.fp8_margin)
+    try:
+        return Fp8Recipe(scaling=args.fp8_scaling, amax_history_len=args.amax_history, margin=args.fp8_margin,
+                         freeze_scale_after=args.fp8_freeze_scale_after, saturate=not args.fp8_no_saturate)
+    except ValueError as exc:
+        raise SystemExit(f"fp8 flags: {exc}") from None
 
 
 def _json_safe(value):

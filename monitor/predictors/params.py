@@ -42,6 +42,14 @@ class PredictorParams:
     saturation_horizon: int = 300        # info when the headroom trend reaches overflow within this many steps
     saturation_for_steps: int = 10
     saturation_min_rate: float = 0.005   # binades/step: slower closing is noise (1 binade in 200 steps)
+    # A stale scale: log2(fmt_max / (amax_history_max * scale)) has moved this many binades since warm-up (it is
+    # exactly the margin while the scale is refreshed from the history at every step). Its tensor's headroom
+    # closing at >= `saturation_stale_min_rate` toward overflow within `saturation_warning_horizon` steps is a
+    # warning: with casts that do not saturate the first overflow is a NaN, so the overflow fraction never
+    # warns. A frozen scale under a steadily growing amax closes at ~0.004-0.01 binades/step.
+    saturation_stale: float = 0.5
+    saturation_stale_min_rate: float = 0.002
+    saturation_warning_horizon: int = 500
     saturation_min_headroom: float = 0.05  # binades: below it the tensor sits at its scale (overflow_frac decides)
 
     # -- underflow fraction rising above its running minimum (after warm-up), absolute fraction; high-lr
@@ -60,14 +68,18 @@ class PredictorParams:
     # -- slow drifts of the loss (nats) and ln(grad_norm) above their running minimum (after warm-up)
     slow_alpha: float = 0.05
     loss_drift: float = 0.3
-    grad_norm_rise: float = 0.5          # ~1.65x
+    # 0.7 = 2x (was 0.5 = 1.65x until the third corpus: a 1500-step healthy FOG run's grad norm grew 1.65x as
+    # its cosine schedule decayed; 0.7 changes no diverging run's first alert)
+    grad_norm_rise: float = 0.7
     drift_for_steps: int = 20
 
     # -- growth of ln(optimizer / attention scalars) above their running minimum (after warm-up)
     growth_info_fraction: float = 0.35   # info finding from this fraction of the warning rise on
     attn_logit_rise: float = 2.1         # 8x the minimum max-logit (healthy runs sharpen attention ~4x)
     adam_update_rise: float = 0.7        # 2x
-    logsumexp_rise: float = 2.0          # log Z drifts by 2 nats (healthy runs sharpen by ~1 nat)
+    # log Z drifts by 3 nats (was 2 until the third corpus: a 1500-step healthy FOG run drifted by 2; healthy
+    # 300-700-step runs sharpen by ~1 nat; no diverging run's first alert is this one)
+    logsumexp_rise: float = 3.0
     scalar_growth_for_steps: int = 20
 
     # -- the loss has left its running minimum (the divergence rule's condition, reported as it happens)

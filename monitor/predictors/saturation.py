@@ -2,9 +2,14 @@
 
 Saturation (only tensors with a reported `amax_history_max`, i.e. delayed scaling): the headroom
 h = log2(format_max / (amax * scale)) in binades is how far this step's amax stays below the value the
-stale scale saturates at. Its EWMA is extrapolated at its rate over the trend window to h = 0: the
+stale scale saturates at. A scale is stale when log2(format_max / (amax_history_max * scale)), which is
+exactly the margin while the scale is refreshed from the reported history at every step, has moved by
+`saturation_stale` binades since warm-up (a frozen scale, or a history that stopped updating). Its EWMA is extrapolated at its rate over the trend window to h = 0: the
 estimated steps until `overflow_frac` > 0 (it feeds the run's steps-to-divergence estimate). Findings:
-the extrapolation reaching overflow within `saturation_horizon` steps (info), the EWMA of the overflow
+the extrapolation reaching overflow within `saturation_horizon` steps (info) or within
+`saturation_warning_horizon` steps after warm-up by a tensor whose scale has gone stale (warning: where
+casts do not saturate the first overflow is a NaN, so the overflow fraction gives no warning at all), the
+EWMA of the overflow
 fraction at `overflow_frac_info` (info), `overflow_frac` (warning, from `warmup_steps` on), 10x that
 (critical). Healthy runs with
 a short amax history overflow ~1% of a gradient's elements for a few steps whenever gradients grow fast,
@@ -23,7 +28,7 @@ from monitor.assessment import Finding
 from monitor.predictors.base import INFO_RATIO_CAP, SignalOutput, score_of, top_culprits
 from monitor.predictors.frames import SlotTable, StepFrame
 from monitor.predictors.params import PredictorParams
-from monitor.predictors.series import LevelTracker
+from monitor.predictors.series import LevelTracker, grown
 
 
 class AmaxSaturation:
@@ -33,6 +38,9 @@ class AmaxSaturation:
         self.p = params
         self.headroom = LevelTracker(params.ewma_alpha, params.trend_window, warmup_steps=0)
         self.overflow_level = LevelTracker(params.ewma_alpha, params.trend_window, warmup_steps=0)
+        # staleness of the scale, log2(format_max / (amax_history_max * scale)): exactly the margin at every step
+        # while the scale is refreshed from the history it is reported with; its range since warm-up, per slot
+        self.stale_lo, self.stale_hi = np.full(0, np.nan), np.full(0, np.nan)
         self.last = SignalOutput()
 
     @property
@@ -49,6 +57,11 @@ class AmaxSaturation:
             h = np.log2(table.format_max / (amax * scale))
         h = np.where(delayed & (amax > 0) & (scale > 0), h, np.nan)
         self.headroom.update(frame.step, h)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            staleness = np.where(delayed & (scale > 0), np.log2(table.format_max / (hmax * scale)), np.nan)
+        self.stale_lo, self.stale_hi = grown(self.stale_lo, h.shape[0]), grown(self.stale_hi, h.shape[0])
+        if frame.step >= self.p.warmup_steps:
+            self.stale_lo, self.stale_hi = np.fmin(self.stale_lo, staleness), np.fmax(self.stale_hi, staleness)
         overflow = frame.stats.get("overflow_frac")
         if overflow is not None:
             self.overflow_level.update(frame.step, np.where(delayed, overflow, np.nan))
@@ -60,17 +73,27 @@ class AmaxSaturation:
         p = self.p
         self.headroom.grow(table.width)  # slots that appeared in a frame without these statistics
         self.overflow_level.grow(table.width)
+        self.stale_lo, self.stale_hi = grown(self.stale_lo, table.width), grown(self.stale_hi, table.width)
         level, rate = self.headroom.level, self.headroom.rate()
+        stale = (self.stale_hi - self.stale_lo) >= p.saturation_stale  # NaN (not yet seen) compares False
         overflow = self.overflow
+        min_rate = np.where(stale, p.saturation_stale_min_rate, p.saturation_min_rate)
         with np.errstate(divide="ignore", invalid="ignore"):
-            closing = (rate <= -p.saturation_min_rate) & (level >= p.saturation_min_headroom)
+            closing = (rate <= -min_rate) & (level >= p.saturation_min_headroom)
             to_overflow = np.where(closing, level / -rate, np.inf)
         to_overflow = np.where(overflow >= p.overflow_frac_info, 0.0, to_overflow)
-        approaching = to_overflow <= p.saturation_horizon
+        # a stale scale's countdown is info from twice the warning horizon: an info alert already firing
+        # escalates at once when it turns into a warning, where a new warning would wait out its holding time
+        # again each time the estimate wavers around the horizon
+        approaching = to_overflow <= np.where(stale, 2 * p.saturation_warning_horizon, p.saturation_horizon)
         # the score follows the overflow itself: 1 (warning) at overflow_frac, +1 per 10x
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = np.where(overflow > 0, 1.0 + np.log10(np.maximum(overflow, 1e-30) / p.overflow_frac), 0.0)
         ratio = np.maximum(ratio, 0.0)
+        # a stale scale closing in: 1 (warning) at the warning horizon, 1.5 (full score) at two thirds of it
+        with np.errstate(divide="ignore"):
+            closing_in = np.where(stale & approaching, p.saturation_warning_horizon / np.maximum(to_overflow, 1.0), 0.0)
+        ratio = np.maximum(ratio, closing_in)
         if step < p.warmup_steps:  # overflow while the model leaves its initialisation is info only
             ratio = np.minimum(ratio, INFO_RATIO_CAP)
         findings = []
@@ -82,7 +105,8 @@ class AmaxSaturation:
                 message = f"{layer} {site}: {overflow[i]:.2%} of the elements saturate (stale delayed scale)"
                 value = float(overflow[i])
             else:
-                severity = "info"
+                severity = ("warning" if step >= p.warmup_steps and stale[i]
+                            and to_overflow[i] <= p.saturation_warning_horizon else "info")
                 message = (f"{layer} {site}: amax {level[i]:.2f} binades below saturation, closing "
                            f"{-rate[i]:.3g}/step: overflow in ~{to_overflow[i]:.0f} steps")
                 value = float(to_overflow[i])

@@ -173,6 +173,40 @@ def test_amax_drifting_to_saturation_under_delayed_scaling_counts_down_to_overfl
     assert abs(assessments[100].steps_to_divergence - 100) < 30  # the amax reaches the history max at step 200
 
 
+def _frozen_scale_stream(freeze_at: int | None):
+    """fc1's input amax grows 0.8%/step; its delayed scale is refreshed from the history (margin 2) at every
+    step, or frozen at `freeze_at` (the history max keeps following the amax)."""
+    frozen = {}
+
+    def stats_fn(step, layer, site, rng):
+        stats = healthy(step, layer, site, rng)
+        if layer == "blocks.2.mlp.fc1" and site == "input":
+            amax = 4.0 * 2 ** (0.008 * step) * (1 + 0.01 * rng.standard_normal())
+            history_max = amax / (1 + 0.01 * abs(rng.standard_normal()))
+            scale = 448.0 / (history_max * 4)
+            if freeze_at is not None and step >= freeze_at:
+                scale = frozen.setdefault("scale", scale)
+            stats.update(amax=amax, amax_history_max=history_max, scale=scale)
+        return stats
+
+    return stats_fn
+
+
+def test_a_tensor_outgrowing_its_frozen_scale_warns_hundreds_of_steps_before_it_overflows():
+    assessments = replay(stream(400, _frozen_scale_stream(freeze_at=100)))  # 2 binades closed by step ~350
+    step, alert = first_fired(assessments)
+    assert (alert.rule, alert.layer, alert.site, alert.severity) == ("amax_saturation", "blocks.2.mlp.fc1", "input",
+                                                                      "warning")
+    assert 100 < step <= 350 - 100  # a page at least 100 steps before the first overflow
+    assert abs(assessments[250].steps_to_divergence - 100) < 40
+
+
+def test_a_scale_refreshed_at_every_step_never_warns_however_fast_its_tensor_grows():
+    assessments = replay(stream(400, _frozen_scale_stream(freeze_at=None)))
+    assert first_fired(assessments) == (None, None)
+    assert not [f for a in assessments for f in a.findings if f.rule == "amax_saturation"]
+
+
 def test_overflow_already_happening_is_a_finding():
     def stale(step, layer, site, rng):
         stats = healthy(step, layer, site, rng)
