@@ -76,6 +76,14 @@ CPU_RUNS = (
     # then the first overflow is a NaN
     RunSpec("cpu-fog-fp8-frozen-div", ("--arch", "fog", *CPU_FROZEN, "--steps", "1200"), "tune", "diverging"),
     RunSpec("cpu-llama-fp8-frozen-div", ("--arch", "llama", *CPU_FROZEN, "--steps", "1200"), "tune", "diverging"),
+    # held out (written down before they ran, with the thresholds already chosen): new seeds
+    RunSpec("cpu-fog-fp8-frozen-s2-div", ("--arch", "fog", *CPU_FROZEN, "--steps", "1200", "--seed", "2"), "test",
+            "diverging"),
+    RunSpec("cpu-fog-bf16-s2-div", ("--arch", "fog", "--precision", "bf16", "--lr", "0.13", *CPU_DIVERGE, "--seed",
+                                    "2"), "test", "diverging"),
+    RunSpec("cpu-llama-fp8-nosat-s2-stable", ("--arch", "llama", "--precision", "fp8", "--fp8-scaling", "delayed",
+                                              "--amax-history", "16", "--fp8-margin", "2", "--fp8-no-saturate", "--lr",
+                                              "3e-3", "--steps", "800", "--seed", "2"), "test", "stable"),
 )
 
 # GPU: 4 layers x d 512 (head_dim 128), 32 x 256 tokens per step, statistics every 5 steps, 700 steps.

@@ -170,6 +170,53 @@ def test_delayed_stale_scale_saturates():
     assert rel(y, expect) < 1e-5
 
 
+def test_without_saturation_an_overflow_of_a_stale_scale_is_nan_in_the_output_and_the_gradient():
+    m = Fp8Linear(32, 16, recipe=Fp8Recipe(scaling="delayed", amax_history_len=2, saturate=False))
+    m(torch.randn(8, 32).clamp(-2, 2))  # history: amax 2
+    x = torch.randn(8, 32).clamp(-1.9, 1.9)
+    saturating = Fp8Linear(32, 16, recipe=Fp8Recipe(scaling="delayed", amax_history_len=2))
+    saturating.load_state_dict(m.state_dict())
+    assert torch.equal(m(x), saturating(x))  # inside the range: the same as the saturating cast
+    x[3, 5] = 1000.0  # one element past what the stale scale allows
+    x.requires_grad_()
+    y = m(x)
+    assert torch.isnan(y[3]).all() and torch.isfinite(y[[0, 1, 2, 4, 5, 6, 7]]).all()  # E4M3 has no Inf: NaN
+    g = torch.full((8, 16), 1e6)  # an E5M2 gradient past its stale scale becomes +-Inf
+    m2 = Fp8Linear(32, 16, recipe=Fp8Recipe(scaling="delayed", amax_history_len=2, saturate=False))
+    xx = torch.randn(8, 32, requires_grad=True)
+    m2(xx).backward(torch.ones(8, 16))  # history of grad_output: amax 1
+    xx.grad = None
+    m2(xx).backward(g)
+    assert not torch.isfinite(xx.grad).all()
+
+
+def test_a_frozen_delayed_scale_stops_following_the_history_after_n_steps():
+    recipe = Fp8Recipe(scaling="delayed", amax_history_len=4, freeze_scale_after=3)
+    m = Fp8Linear(32, 16, recipe=recipe)
+    assert "scale_updates_input" in m.state_dict()  # saved: a resumed run stays frozen
+    scales = []
+    for step in range(6):
+        x = torch.randn(8, 32) * (step + 1)
+        m(x)
+        scales.append(float(m.scale_input))
+    assert scales[0] > scales[1] > scales[2]  # refreshed from the growing amax while step < 3
+    assert scales[2] == scales[3] == scales[4] == scales[5]  # then frozen ...
+    assert float(m.amax_history_input[0]) == float(x.abs().max())  # ... while the history rolls on
+    assert float(m.scale_input) > float(delayed_scale(m.amax_history_input, E4M3, 0))
+
+
+def test_recipes_the_triton_kernels_cannot_run_are_refused_there_and_validated():
+    from trainer.fp8_linear import _resolve_backend
+
+    with pytest.raises(ValueError, match="delayed scaling only"):
+        Fp8Recipe(freeze_scale_after=10)
+    with pytest.raises(ValueError, match=">= 0"):
+        Fp8Recipe(scaling="delayed", freeze_scale_after=-1)
+    with pytest.raises(ValueError, match="torch backend"):
+        _resolve_backend("triton", torch.device("cpu"), Fp8Recipe(saturate=False))
+    assert _resolve_backend("auto", torch.device("cpu"), Fp8Recipe(saturate=False)) == "torch"
+
+
 def test_scaled_mm_fallback(monkeypatch):
     """Where _scaled_mm refuses a case, the reference GEMM dequantizes and multiplies in fp32."""
     mod = sys.modules["trainer.kernels.fp8_gemm"]  # the module (the package exports the function)
