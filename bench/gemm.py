@@ -417,7 +417,7 @@ def main(argv=None):
     p.add_argument("--check", action="store_true", help="run the GPU correctness checks first")
     p.add_argument("--no-bench", action="store_true")
     p.add_argument("--shapes", default="all", choices=["all", "8192", "124m", "1.5b"])
-    p.add_argument("--impls", default="auto,tma,ptr",  # also "gluon" (precise accumulation only), "tma_ws"
+    p.add_argument("--impls", default="auto,tma,ptr",
                    help="Triton GEMM variants to time; the first is 'ours' in the ratio (auto = the default)")
     p.add_argument("--extras", action="store_true",
                    help="also time quantize_transpose, Fp8Linear fwd+bwd (eager, CUDA graph) and BK=256 precise GEMMs")
@@ -467,8 +467,6 @@ def main(argv=None):
                 for key, cfg in tuner.cache.items():
                     say(f"  best {name} {key[:3]} {key[3] if len(key) > 3 else ''} {key[5:8]}: {cfg}")
             say(f"  auto picks: { {k[:2]: v for k, v in fg._AUTO_CHOICE.items()} }")
-            gg = sys.modules["trainer.kernels.fp8_gemm_gluon"]
-            say(f"  gluon picks (BM, BN, BK, stages, warps, per SM): { {k[:2]: v for k, v in gg._BEST.items()} }")
         except Exception as exc:
             say(f"  (autotuner cache not readable: {exc})")
     if rows:

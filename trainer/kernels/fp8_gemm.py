@@ -19,10 +19,6 @@ Two implementations, both autotuned over BM x BN x BK in {128x256x128, 256x128x1
     pitch that is a multiple of 16 bytes. ``"tma_ws"``: the same with Triton's warp specialization
     (``tl.range(warp_specialize=True)``); measured no better on an H200, so not among the auto candidates.
   * ``"ptr"``: one program per tile, pointer loads (Triton's matmul tutorial structure); any shape.
-  * ``"gluon"`` (trainer/kernels/fp8_gemm_gluon.py): precise accumulation only, sm90 only, no statistics
-    epilogue (falls back to ``"tma"`` otherwise and in the interpreter): written in Gluon so that each 128-deep
-    K block's fp32 promotion overlaps the next block's wgmma. Opt-in (``FP8MON_GEMM_GLUON=1`` adds it to
-    ``impl="auto"``'s precise candidates) until measured on a GPU.
 Split-K (both) when the output has fewer 128x128 tiles than the GPU has SMs and K >= 8192 (the 124M
 model's wgrads, e.g. 768 x 768 x 16384): fp32 partials per K slice, then a fixed-order reduce.
 ``impl="auto"`` (the default) runs both on the first call of each shape/dtype/flag combination (that
@@ -50,7 +46,6 @@ import triton
 import triton.language as tl
 
 from agent import triton_stats as ts
-from . import fp8_gemm_gluon as _gluon
 from .quantize import stats_ref
 from agent.triton_stats import fused_bounds, nofmt_epilogue, partial_merge, partial_zero, tile_partial
 
@@ -338,10 +333,6 @@ def _tma_ok(a, b, out_dtype) -> bool:
 
 _AUTO_CHOICE: dict = {}
 AUTO_CANDIDATES = ["ptr", "tma"]  # timed by impl="auto"; "tma_ws" (Triton warp specialization) is opt-in
-# "gluon" (fp8_gemm_gluon: precise accumulation with the promotion overlapping the wgmma) joins the precise-
-# accumulation candidates only with FP8MON_GEMM_GLUON=1: it compiles for sm_90a without spills or wgmma
-# serialization, but it has not yet passed its GPU tests (its first GPU run hung on a pipeline bug fixed since).
-AUTO_GLUON = os.environ.get("FP8MON_GEMM_GLUON", "0") == "1"
 
 
 def _pick_impl(a, b, scale_a, scale_b, out_dtype, bias, fast_accum) -> str:
@@ -352,10 +343,7 @@ def _pick_impl(a, b, scale_a, scale_b, out_dtype, bias, fast_accum) -> str:
     impl = _AUTO_CHOICE.get(key)
     if impl is None:
         times, ref = {}, None
-        cands = AUTO_CANDIDATES if _tma_ok(a, b, out_dtype) else ["ptr"]
-        if AUTO_GLUON and not fast_accum and "tma" in cands and _gluon.supported(a):
-            cands = [*cands, "gluon"]  # precise accumulation with overlapped promotion (fp8_gemm_gluon)
-        for cand in cands:
+        for cand in AUTO_CANDIDATES if _tma_ok(a, b, out_dtype) else ["ptr"]:
             fn = functools.partial(fp8_gemm, a, b, scale_a, scale_b, out_dtype, bias, fast_accum, cand)
             try:
                 out = fn().float()  # autotunes outside the timing
@@ -376,7 +364,7 @@ def _pick_impl(a, b, scale_a, scale_b, out_dtype, bias, fast_accum) -> str:
 
 def _max_programs(M: int, N: int, impl: str, config: dict | None, num_sms: int) -> int:
     """An upper bound of the GEMM kernel's programs over the configs it may run with (autotuning)."""
-    shapes = [(config["BM"], config["BN"])] if isinstance(config, dict) else [(c[0], c[1]) for c in _CFG]
+    shapes = [(config["BM"], config["BN"])] if config is not None else [(c[0], c[1]) for c in _CFG]
     tiles = max(triton.cdiv(M, bm) * triton.cdiv(N, bn) for bm, bn in shapes)
     return tiles if impl == "ptr" else min(num_sms, tiles)
 
@@ -400,10 +388,8 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
     """(M, N) = (a @ b.T) * scale_a * scale_b (+ bias), a: (M, K) fp8, b: (N, K) fp8, both K-major.
 
     ``config`` = {"BM", "BN", "BK", "GROUP_M", "num_warps", "num_stages"} bypasses the autotuner (tests,
-    interpreter); for impl "gluon" a tuple of ``fp8_gemm_gluon.CONFIGS``. ``impl``: "auto" | "tma" | "tma_ws" |
-    "gluon" | "ptr" | None (``DEFAULT_IMPL``); the TMA variants fall back to "ptr" where the TMA alignment does not
-    hold; "gluon" (precise accumulation only, sm90, no ``stats``) falls back to "tma" elsewhere. ``split_k``
-    (ptr only; None = heuristic): partial sums over
+    interpreter). ``impl``: "auto" | "tma" | "tma_ws" | "ptr" | None (``DEFAULT_IMPL``); the TMA variants fall
+    back to "ptr" where the TMA alignment does not hold. ``split_k`` (ptr only; None = heuristic): partial sums over
     K slices into an fp32 workspace, then a reduce kernel in a fixed order (deterministic).
 
     ``stats`` (an ``agent.triton_stats.Target``): also write the statistics row of the returned C (format-less:
@@ -441,26 +427,19 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
         impl = _pick_impl(a, b, scale_a, scale_b, out_dtype, bias, fast_accum) if a.is_cuda else "tma"
         if impl == "tma" and not _tma_ok(a, b, out_dtype):
             impl = "ptr"
-    if impl not in ("ptr", "tma", "tma_ws", "gluon"):
+    if impl not in ("ptr", "tma", "tma_ws"):
         raise ValueError(f"unknown impl {impl!r}")
-    if impl == "gluon" and (stats is not None or fast_accum or INTERPRET or not _gluon.supported(a)):
-        impl = "tma"  # the Gluon kernel: precise accumulation on sm90 only, no statistics epilogue
     if impl == "tma_ws" and stats is not None:  # the statistics' loop-carried partial: no warp specialization
         impl = "tma"
     if split_k is None:  # few output tiles and a long K (the 124M wgrads): split K to fill the GPU
         split_k = 4 if (a.is_cuda and triton.cdiv(M, 128) * triton.cdiv(N, 128) < _num_sms(a.device.index or 0)
                         and K >= 8192) else 1
-    if impl == "gluon" and triton.cdiv(K, 128) % split_k:  # its K slices must not start past K (TMA boxes)
-        impl = "tma"
     ws = torch.empty((split_k, M, N), dtype=torch.float32, device=a.device) if split_k > 1 else None
     flags = dict(KEY=key, HAS_BIAS=has_bias, FAST_ACC=fast_accum, SOFT_ROUND=INTERPRET, SPLIT_K=split_k)
     num_sms = _num_sms(a.device.index or 0) if a.is_cuda else 4
     programs = _max_programs(M, N, impl, config, num_sms)
     flags.update(_stats_args(stats if ws is None else None, stats_base, programs, scale_a))
-    if impl == "gluon":
-        _gluon.run(a, b, c, ws, scale_a, scale_b, bias, split_k, num_sms,
-                   config=config if isinstance(config, tuple) else None)
-    elif impl == "ptr":
+    if impl == "ptr":
         args = (a, b, c if ws is None else ws, scale_a, scale_b, bias_arg, M, N, K, a.stride(0), b.stride(0),
                 c.stride(0))
         if config is None:
