@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from monitor.alerting.lifecycle import ESCALATED, FIRED, AlertTracker
-from monitor.fixtures import fixture_paths, load_fixture
+from monitor.fixtures import EARLY_BEFORE, fixture_paths, load_fixture
 from monitor.predictors import PredictorParams, RunPredictor, divergence_step
 from monitor.predictors.divergence import MARGIN, M
 from monitor.schemas import IngestBatch
@@ -354,9 +354,11 @@ def test_the_cpu_corpus_has_stable_and_diverging_runs_with_room_for_a_100_step_l
     fixtures = [load_fixture(p) for p in CPU_FIXTURES]
     diverging = [f for f in fixtures if f.outcome == "diverged"]
     stable = [f for f in fixtures if f.outcome == "stable"]
+    early = [f for f in fixtures if f.outcome == "early"]  # diverged before any 100-step lead was possible
     assert len(diverging) >= 2 and len(stable) >= 2
-    assert len(diverging) + len(stable) == len(fixtures)  # no censored run in the CI corpus
+    assert len(diverging) + len(stable) + len(early) == len(fixtures)  # no censored run in the CI corpus
     assert all(f.divergence_step >= 300 for f in diverging)
+    assert all(f.divergence_step < EARLY_BEFORE for f in early)
     for f in fixtures:  # the stored label is the rule applied to the stored losses
         assert f.divergence_step == divergence_step(f.losses())
 
@@ -373,7 +375,10 @@ def test_replaying_a_cpu_run_alerts_100_steps_before_divergence_and_never_on_a_s
     fixture = load_fixture(path)
     assessments = replay(fixture.batches)
     step, alert = first_fired(assessments)
-    if fixture.diverged:
+    if fixture.early:  # no lead is possible; the first non-finite value (a tensor or a scalar) pages at once
+        step, alert = first_fired(assessments, rule="nonfinite")
+        assert alert.severity == "critical" and step <= fixture.divergence_step
+    elif fixture.diverged:
         assert step is not None and fixture.divergence_step - step >= 100, (step, fixture.divergence_step)
         assert fixture.divergence_step - next(a.step for a in assessments if a.risk >= 0.5) >= 100
         assert assessments[-1].risk == 1.0
