@@ -97,6 +97,9 @@ def measure(config: str, precision: str, args, device: torch.device, url: str) -
         return info
 
     phase(None)  # warm-up of the model alone (Triton autotuning, allocator)
+    lower_bound(model, batch * cfg.seq_len, precision, device)
+    if args.profile:
+        return profile(step, phase, device, args)
     got: dict[str, list[dict]] = {"off": []}
     for b in args.backends:
         got[b] = []
@@ -125,6 +128,76 @@ def measure(config: str, precision: str, args, device: torch.device, url: str) -
     return out
 
 
+def lower_bound(model, tokens: int, precision: str, device: torch.device) -> None:
+    """The time a separate read of every watched tensor takes at the device's copy bandwidth (measured
+    here): what statistics that are not fused into a kernel already reading the tensor cost at least. In
+    bf16 all five sites need that read; in fp8 only those the kernels do not fuse (none when the GEMM
+    epilogues report output and grad_weight)."""
+    import re
+
+    rx = re.compile(r"^blocks\.")
+    act = 2  # bf16 activations and gradients under autocast
+    total = 0
+    for name, m in model.named_modules():
+        w = getattr(m, "weight", None)
+        if rx.search(name) and isinstance(w, torch.Tensor) and w.dim() == 2 and hasattr(m, "in_features"):
+            o, i = w.shape
+            total += tokens * (i + o + o) * act + 2 * o * i * w.element_size()  # x, y, dy; W, dW
+    if device.type != "cuda":
+        return
+    src = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    bw = 2 * src.numel() * 10 / (time.perf_counter() - t0)  # read + write
+    del src, dst
+    print(f"# {precision}: watched tensors {total / 1e9:.2f} GB per step; one read at copy bandwidth "
+          f"({bw / 1e12:.2f} TB/s) >= {total / bw * 1e3:.2f} ms", flush=True)
+
+
+def profile(step, phase, device, args) -> dict:
+    """Where the agent's time goes: torch.profiler over a few steps with the agent off and on (Triton
+    path), the top operators by self CPU time and by device time of each."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for backend in (None, "triton"):
+        steps, warmup = args.steps, args.warmup
+        args.steps, args.warmup = 0, max(1, warmup)
+        info = phase(backend)  # warm-up of this backend (compiles)
+        args.steps, args.warmup = steps, warmup
+        agent = None
+        if backend is not None:
+            from agent import Agent as _A  # noqa: F401
+        with tprofile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            info = phase(backend)
+            wall = time.perf_counter() - t0
+        med = statistics.median(info["times"]) * 1e3
+        print(f"\n=== profile {backend or 'off'}: median step {med:.2f} ms, phase wall {wall:.2f} s", flush=True)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+        if device.type == "cuda":
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
+        import cProfile
+        import io
+        import pstats
+
+        cp = cProfile.Profile()
+        cp.enable()
+        phase(backend)
+        cp.disable()
+        out = io.StringIO()
+        pstats.Stats(cp, stream=out).sort_stats("tottime").print_stats(25)
+        print("\n".join(out.getvalue().splitlines()[:45]))
+        del agent
+    return {"off_ms": 0.0}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default="124m,1.5b")
@@ -137,6 +210,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="off/on alternations")
     p.add_argument("--url", default=None, help="monitor URL; default: a local acknowledging sink (bench/sink.py)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--profile", action="store_true", help="torch.profiler tables of off vs on instead of the timing")
     args = p.parse_args(argv)
     args.backends = [b for b in args.backends.split(",") if b]
     device = torch.device(args.device)
@@ -158,6 +232,8 @@ def main(argv=None) -> int:
     finally:
         if sink is not None:
             sink.terminate()
+    if args.profile:
+        return 0
     print("\nconfig precision   off ms " + "".join(f"{b + ' ms':>12}{b + ' %':>10}" for b in args.backends))
     for config, precision, r in summary:
         print(f"{config:>6} {precision:>9} {r['off_ms']:8.2f} "
