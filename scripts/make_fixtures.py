@@ -76,14 +76,27 @@ CPU_RUNS = (
     # then the first overflow is a NaN
     RunSpec("cpu-fog-fp8-frozen-div", ("--arch", "fog", *CPU_FROZEN, "--steps", "1200"), "tune", "diverging"),
     RunSpec("cpu-llama-fp8-frozen-div", ("--arch", "llama", *CPU_FROZEN, "--steps", "1200"), "tune", "diverging"),
-    # held out (written down before they ran, with the thresholds already chosen): new seeds
-    RunSpec("cpu-fog-fp8-frozen-s2-div", ("--arch", "fog", *CPU_FROZEN, "--steps", "1200", "--seed", "2"), "test",
+    # held out in pass C (written down before they ran), tune runs from pass D on: new seeds
+    RunSpec("cpu-fog-fp8-frozen-s2-div", ("--arch", "fog", *CPU_FROZEN, "--steps", "1200", "--seed", "2"), "tune",
             "diverging"),
     RunSpec("cpu-fog-bf16-s2-div", ("--arch", "fog", "--precision", "bf16", "--lr", "0.13", *CPU_DIVERGE, "--seed",
-                                    "2"), "test", "diverging"),
+                                    "2"), "tune", "diverging"),
     RunSpec("cpu-llama-fp8-nosat-s2-stable", ("--arch", "llama", "--precision", "fp8", "--fp8-scaling", "delayed",
                                               "--amax-history", "16", "--fp8-margin", "2", "--fp8-no-saturate", "--lr",
-                                              "3e-3", "--steps", "800", "--seed", "2"), "test", "stable"),
+                                              "3e-3", "--steps", "800", "--seed", "2"), "tune", "stable"),
+    # held out in pass D (written down before they ran, with the pass-D thresholds fixed): seed 3
+    RunSpec("cpu-fog-fp8-frozen-s3-div", ("--arch", "fog", *CPU_FROZEN, "--steps", "1200", "--seed", "3"), "test",
+            "diverging"),
+    RunSpec("cpu-llama-fp8-frozen-s3-div", ("--arch", "llama", *CPU_FROZEN, "--steps", "1200", "--seed", "3"),
+            "test", "diverging"),
+    RunSpec("cpu-fog-fp8-delayed-s3-div", ("--arch", "fog", "--precision", "fp8", "--fp8-scaling", "delayed",
+                                           "--amax-history", "2", "--lr", "0.13", *CPU_DIVERGE, "--seed", "3"),
+            "test", "diverging"),
+    RunSpec("cpu-llama-fp8-long-s3-stable", ("--arch", "llama", "--precision", "fp8", "--lr", "3e-3", "--steps",
+                                             "1200", "--seed", "3"), "test", "stable"),
+    RunSpec("cpu-fog-fp8-delayed16-s3-stable", ("--arch", "fog", "--precision", "fp8", "--fp8-scaling", "delayed",
+                                                "--amax-history", "16", "--lr", "3e-3", "--steps", "1200", "--seed",
+                                                "3"), "test", "stable"),
 )
 
 # GPU: 4 layers x d 512 (head_dim 128), 32 x 256 tokens per step, statistics every 5 steps, 700 steps.
@@ -154,22 +167,22 @@ GPU_FROZEN_RUNS = (
             "tune", "stable"),
 )
 
-# Fresh held-out runs (profile gpu-test2), written down before any was made, after the thresholds had been
-# chosen on every earlier run (the earlier "test" runs had been seen, so they now count as tune runs):
+# Held-out runs of pass C (profile gpu-test2; tune runs from pass D on), written down before any was made,
+# after the thresholds had been chosen on every earlier run (the earlier "test" runs had been seen):
 # learning-rate ramps past the stable edge as in the second corpus, frozen stale scales as in the third, and
 # long stable runs, each with a seed no earlier run used.
 GPU_TEST2_RUNS = (
-    _gpu_div("gpu-fog-fp8-ramp-s2-div", "fog", "fp8", "0.05", "test", "--seed", "2"),
-    _gpu_div("gpu-fog-bf16-ramp-s2-div", "fog", "bf16", "0.055", "test", "--seed", "2"),
-    _gpu_frozen("gpu-fog-fp8-frozen-s2-div", "fog", "test", 300, 2, "1e-3", *CONSTANT, "--seed", "2"),
-    _gpu_frozen("gpu-llama-fp8-frozen-s2-div", "llama", "test", 300, 2, "1e-3", "--seed", "2"),
-    _gpu_frozen("gpu-fog-fp8-frozen-h64-div", "fog", "test", 250, 2, "1e-3", "--amax-history", "64", "--seed", "3"),
+    _gpu_div("gpu-fog-fp8-ramp-s2-div", "fog", "fp8", "0.05", "tune", "--seed", "2"),
+    _gpu_div("gpu-fog-bf16-ramp-s2-div", "fog", "bf16", "0.055", "tune", "--seed", "2"),
+    _gpu_frozen("gpu-fog-fp8-frozen-s2-div", "fog", "tune", 300, 2, "1e-3", *CONSTANT, "--seed", "2"),
+    _gpu_frozen("gpu-llama-fp8-frozen-s2-div", "llama", "tune", 300, 2, "1e-3", "--seed", "2"),
+    _gpu_frozen("gpu-fog-fp8-frozen-h64-div", "fog", "tune", 250, 2, "1e-3", "--amax-history", "64", "--seed", "3"),
     RunSpec("gpu-llama-fp8-long-stable", ("--arch", "llama", "--precision", "fp8", "--lr", "1e-3", "--steps", "1500",
-                                          "--seed", "2"), "test", "stable"),
+                                          "--seed", "2"), "tune", "stable"),
     RunSpec("gpu-fog-bf16-long-stable", ("--arch", "fog", "--precision", "bf16", "--lr", "1e-3", "--steps", "1500",
-                                         "--seed", "2"), "test", "stable"),
+                                         "--seed", "2"), "tune", "stable"),
     RunSpec("gpu-llama-fp8-nosat-s2-stable", ("--arch", "llama", *FROZEN, "--fp8-margin", "2", "--lr", "1e-3",
-                                              "--steps", "1500", "--seed", "2"), "test", "stable"),
+                                              "--steps", "1500", "--seed", "2"), "tune", "stable"),
 )
 PROFILES = {"cpu": (CPU_BASE, CPU_RUNS), "gpu": (GPU_BASE, GPU_RUNS), "gpu-frozen": (GPU_BASE, GPU_FROZEN_RUNS),
             "gpu-test2": (GPU_BASE, GPU_TEST2_RUNS)}

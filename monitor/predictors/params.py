@@ -80,6 +80,9 @@ class PredictorParams:
     # log Z drifts by 3 nats (was 2 until the third corpus: a 1500-step healthy FOG run drifted by 2; healthy
     # 300-700-step runs sharpen by ~1 nat; no diverging run's first alert is this one)
     logsumexp_rise: float = 3.0
+    # pass D: info only. Over 19 diverging runs it was never the first alert, and healthy 1500-step runs drift
+    # past 2 and 3 nats (gpu-fog-fp8-long-stable, gpu-llama-fp8-long-stable)
+    logsumexp_pages: bool = False
     scalar_growth_for_steps: int = 20
 
     # -- the loss has left its running minimum (the divergence rule's condition, reported as it happens)

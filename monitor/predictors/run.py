@@ -40,7 +40,7 @@ class RunPredictor:
                    for_steps=p.drift_for_steps),
             Growth("attn_logit_growth", "attn_max_logit", p.attn_logit_rise, p, log=True),
             Growth("adam_update_growth", "adam_update_rms", p.adam_update_rise, p, log=True),
-            Growth("logsumexp_drift", "logit_logsumexp", p.logsumexp_rise, p, log=False),
+            Growth("logsumexp_drift", "logit_logsumexp", p.logsumexp_rise, p, log=False, pages=p.logsumexp_pages),
             LossDivergence(p),
         ]
         self.nonfinite = NonFinite()

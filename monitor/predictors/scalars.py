@@ -60,8 +60,9 @@ class Growth:
     """A positive scalar (or a log already, `log=False`) rising above its running minimum."""
 
     def __init__(self, name: str, scalar: str, rise: float, params: PredictorParams, log: bool,
-                 alpha: float | None = None, for_steps: int | None = None):
+                 alpha: float | None = None, for_steps: int | None = None, pages: bool = True):
         self.name, self.scalar, self.threshold, self.log, self.p = name, scalar, rise, log, params
+        self.pages = pages  # False: its findings stay info and its score below a warning's
         self.for_steps = params.scalar_growth_for_steps if for_steps is None else for_steps
         self.level = ScalarLevel(alpha or params.ewma_alpha, params.warmup_steps)
         self.last = SignalOutput()
@@ -78,13 +79,13 @@ class Growth:
         findings, culprits = [], []
         if ratio >= self.p.growth_info_fraction:
             how = f"{math.exp(rise):.1f}x" if self.log else f"+{rise:.2f}"
-            severity = "warning" if ratio >= 1.0 else "info"
+            severity = "warning" if ratio >= 1.0 and self.pages else "info"
             findings.append(Finding(self.name, severity, step, f"{self.scalar} grew {how} over its minimum to "
                                     f"{value:.4g}", value=float(value), for_steps=self.for_steps))
         if ratio >= 0.5:
             culprits.append({"layer": None, "site": None, "signal": self.name, "value": float(value),
                              "ratio": float(ratio)})
-        self.last = SignalOutput(scalar_score(ratio), findings, culprits)
+        self.last = SignalOutput(scalar_score(ratio if self.pages else min(ratio, INFO_RATIO_CAP)), findings, culprits)
         return self.last
 
 

@@ -239,6 +239,17 @@ def test_attention_max_logit_growth_is_a_finding():
     assert alert.rule == "attn_logit_growth" and 150 < step < 250
 
 
+def test_log_z_drift_is_shown_but_never_pages():
+    def drift(step, rng):  # log Z falls 5 nats after warm-up, as in long healthy runs
+        return {"loss": 3.0, "grad_norm": 1.0, "logit_logsumexp": 8.0 + 0.02 * max(0, step - 100)}
+
+    assessments = replay(stream(400, scalar_fn=drift))
+    assert first_fired(assessments) == (None, None)
+    shown = [f for a in assessments for f in a.findings if f.rule == "logsumexp_drift"]
+    assert shown and {f.severity for f in shown} == {"info"}
+    assert max(a.risk for a in assessments) < 0.5
+
+
 def test_gradient_kurtosis_growth_is_only_info():
     def ramp(step, layer, site, rng):
         stats = healthy(step, layer, site, rng)
