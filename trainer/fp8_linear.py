@@ -72,6 +72,8 @@ class Fp8Recipe:
     # accumulation) its scale stops being refreshed from the amax history: static scales calibrated over the
     # first steps, or a history that stopped updating. 0: refreshed at every step (TE's delayed scaling).
     freeze_scale_after: int = 0
+    # False: a value past the format's range becomes NaN (E4M3) or +-Inf (E5M2), as in torch's own float8
+    # conversion, instead of saturating to +-max: an FP8 stack that forgets to clamp (torch backend only)
     saturate: bool = True
 
     def __post_init__(self):
@@ -98,16 +100,17 @@ def _triton_fp8_ok(device: torch.device) -> bool:
 def _resolve_backend(requested: str, device: torch.device, recipe: Fp8Recipe = Fp8Recipe()) -> str:
     requested = os.environ.get("FP8MON_FP8_BACKEND", requested) if requested == "auto" else requested
     if requested == "auto":
-        return "triton" if _triton_fp8_ok(device) and recipe_ok_on_triton(recipe) else "torch"
+        return "triton" if _triton_fp8_ok(device) and _recipe_ok_on_triton(recipe) else "torch"
     if requested not in ("triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', not {requested!r}")
-    if requested == "triton" and not recipe_ok_on_triton(recipe):
+    if requested == "triton" and not _recipe_ok_on_triton(recipe):
         raise ValueError("the Triton FP8 kernels always saturate and refresh delayed scales at every step: "
                          "Fp8Recipe(saturate=False) or freeze_scale_after needs the torch backend")
     return requested
 
 
-def recipe_ok_on_triton(recipe: Fp8Recipe) -> bool:
+def _recipe_ok_on_triton(recipe: Fp8Recipe) -> bool:
+    """The Triton kernels saturate and refresh delayed scales at every step."""
     return recipe.saturate and not recipe.freeze_scale_after
 
 
@@ -254,7 +257,7 @@ class _Fp8LinearFn(torch.autograd.Function):
 
 
 def _unsaturated(x2d: torch.Tensor, r, fmt: Fp8Format, want_t: bool):
-    """``r`` as a cast without saturation gives it: every finite |s*x| past the format's range becomes NaN
+    """``r`` as a cast without saturation gives it: every |s*x| past the format's range becomes NaN
     (E4M3, which has no infinity) or +-Inf (E5M2), as torch's own float8 conversion does."""
     scaled = x2d.to(torch.float32) * r.scale
     over = scaled.abs() > fmt.overflow_threshold
