@@ -381,7 +381,24 @@ def test_a_run_chosen_to_diverge_that_did_not_is_censored_not_stable():
     assert dataclasses.replace(censored, extra={"expect": "stable"}).outcome == "stable"
 
 
-@pytest.mark.parametrize("path", CPU_FIXTURES, ids=[p.name.split(".")[0] for p in CPU_FIXTURES])
+# Held-out runs on which the predictor misses its target (docs/prediction.md, pass D). Strict: a change that
+# fixes one must take it off this list, and it must then stay fixed.
+KNOWN_MISSES = {
+    "cpu-fog-fp8-delayed16-s3-stable": "pass D held-out: kurtosis_growth alert at step 680 of a healthy 1200-step "
+                                       "run (a rise over the all-time minimum accumulates slow drift)",
+}
+
+
+def _cpu_fixture_params():
+    out = []
+    for p in CPU_FIXTURES:
+        name = p.name.split(".")[0]
+        marks = [pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[name])] if name in KNOWN_MISSES else []
+        out.append(pytest.param(p, id=name, marks=marks))
+    return out
+
+
+@pytest.mark.parametrize("path", _cpu_fixture_params())
 def test_replaying_a_cpu_run_alerts_100_steps_before_divergence_and_never_on_a_stable_run(path):
     fixture = load_fixture(path)
     assessments = replay(fixture.batches)
