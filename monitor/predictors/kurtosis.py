@@ -28,8 +28,10 @@ class KurtosisGrowth:
 
     def __init__(self, params: PredictorParams):
         self.p = params
-        self.slots = LevelTracker(params.kurtosis_alpha, params.trend_window, params.warmup_steps)
-        self.means = LevelTracker(params.kurtosis_alpha, params.trend_window, params.warmup_steps)
+        self.slots = LevelTracker(params.kurtosis_alpha, params.trend_window, params.warmup_steps,
+                                  baseline_steps=params.kurtosis_baseline_steps)
+        self.means = LevelTracker(params.kurtosis_alpha, params.trend_window, params.warmup_steps,
+                                  baseline_steps=params.kurtosis_baseline_steps)
         self.last = SignalOutput()
 
     def update(self, frame: StepFrame, table: SlotTable) -> None:

@@ -33,6 +33,10 @@ class PredictorParams:
     kurtosis_mean_rise_info: float = 0.4  # layer-average (per site) of ln(kurtosis): 1.5x -> info
     kurtosis_mean_rise: float = 1.1     # 3x -> warning
     kurtosis_for_steps: int = 20
+    # pass E: the minimum of ln(kurtosis) over only the last 500 steps, not since warm-up: a healthy 1200-step
+    # FOG run's mlp.fc2 output kurtosis drifted 10x over its minimum by step 680 (pass D, held out); diverging
+    # runs rise within 100-200 steps. 300 and 500 changed no diverging run's first alert on the tune runs
+    kurtosis_baseline_steps: int | None = 500
 
     # -- amax drift toward saturation (delayed scaling only: a reported amax_history_max)
     # Short histories overflow by ~1% for a few steps whenever gradients grow fast (early training), in

@@ -19,9 +19,16 @@ def grown(array: np.ndarray, width: int, fill=np.nan) -> np.ndarray:
 
 class LevelTracker:
     """EWMA level of each column, its minimum over the steps >= `warmup_steps` (the baseline), and its
-    rate of change per training step over the last `window` updates."""
+    rate of change per training step over the last `window` updates.
 
-    def __init__(self, alpha: float, window: int, warmup_steps: int, width: int = 0):
+    With `baseline_steps` the baseline is the minimum over only the last `baseline_steps` training steps
+    (from warm-up on), kept as the minima of 8 buckets of steps, so slow drift over a long run does not add
+    up into a rise."""
+
+    BUCKETS = 8
+
+    def __init__(self, alpha: float, window: int, warmup_steps: int, width: int = 0,
+                 baseline_steps: int | None = None):
         self.alpha, self.warmup_steps = alpha, warmup_steps
         self.level = np.full(width, np.nan)
         self.baseline = np.full(width, np.nan)
@@ -30,6 +37,8 @@ class LevelTracker:
         self._ring_steps = np.full(window, np.nan)
         self._n = 0
         self.step: int | None = None
+        self._bucket_steps = None if baseline_steps is None else max(1, baseline_steps // self.BUCKETS)
+        self._buckets: deque[tuple[int, np.ndarray]] = deque()  # (bucket index, minimum level in it)
 
     @property
     def width(self) -> int:
@@ -41,6 +50,7 @@ class LevelTracker:
         self.level, self.baseline = grown(self.level, width), grown(self.baseline, width)
         self.count = grown(self.count, width, 0)
         self._ring = grown(self._ring, width)
+        self._buckets = deque((b, grown(row, width)) for b, row in self._buckets)
 
     def update(self, step: int, values: np.ndarray) -> None:
         """`values`: one row, NaN/Inf where the column has no usable value at this step."""
@@ -52,12 +62,26 @@ class LevelTracker:
         self.level = np.where(later, self.level + self.alpha * (values - self.level), self.level)
         self.count += ok
         if step >= self.warmup_steps:
-            self.baseline = np.where(ok, np.fmin(self.baseline, self.level), self.baseline)
+            if self._bucket_steps is None:
+                self.baseline = np.where(ok, np.fmin(self.baseline, self.level), self.baseline)
+            else:
+                self._trail_baseline(step, np.where(ok, self.level, np.nan))
         slot = self._n % self._ring.shape[0]
         self._ring[slot] = self.level
         self._ring_steps[slot] = step
         self._n += 1
         self.step = step
+
+    def _trail_baseline(self, step: int, levels: np.ndarray) -> None:
+        bucket = step // self._bucket_steps
+        if self._buckets and self._buckets[-1][0] == bucket:
+            self._buckets[-1] = (bucket, np.fmin(self._buckets[-1][1], levels))
+        else:
+            self._buckets.append((bucket, levels.copy()))
+        while self._buckets[0][0] < bucket - self.BUCKETS:
+            self._buckets.popleft()
+        with np.errstate(invalid="ignore"):
+            self.baseline = np.fmin.reduce([row for _, row in self._buckets])
 
     def rise(self) -> np.ndarray:
         """Level minus baseline; NaN before the baseline exists."""
