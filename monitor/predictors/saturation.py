@@ -2,18 +2,20 @@
 
 Saturation (only tensors with a reported `amax_history_max`, i.e. delayed scaling): the headroom
 h = log2(format_max / (amax * scale)) in binades is how far this step's amax stays below the value the
-stale scale saturates at. A scale is stale when log2(format_max / (amax_history_max * scale)), which is
-exactly the margin while the scale is refreshed from the reported history at every step, has moved by
-`saturation_stale` binades since warm-up (a frozen scale, or a history that stopped updating). Its EWMA is extrapolated at its rate over the trend window to h = 0: the
-estimated steps until `overflow_frac` > 0 (it feeds the run's steps-to-divergence estimate). Findings:
-the extrapolation reaching overflow within `saturation_horizon` steps (info) or within
-`saturation_warning_horizon` steps after warm-up by a tensor whose scale has gone stale (warning: where
-casts do not saturate the first overflow is a NaN, so the overflow fraction gives no warning at all), the
-EWMA of the overflow
-fraction at `overflow_frac_info` (info), `overflow_frac` (warning, from `warmup_steps` on), 10x that
-(critical). Healthy runs with
-a short amax history overflow ~1% of a gradient's elements for a few steps whenever gradients grow fast,
-so only a sustained overflow is a warning.
+scale in use saturates at. Its EWMA is extrapolated at its rate over the trend window to h = 0: the
+estimated steps until `overflow_frac` > 0 (it feeds the run's steps-to-divergence estimate).
+
+A scale is *stale* when log2(format_max / (amax_history_max * scale)) has moved by `saturation_stale`
+binades since warm-up: while the scale is refreshed from the reported history at every step that quantity
+is exactly the margin, so it moves only for a frozen scale or a history that stopped updating.
+
+Findings: the extrapolation reaching overflow within `saturation_horizon` steps (info; twice
+`saturation_warning_horizon` for a stale scale); a stale scale's within `saturation_warning_horizon` steps
+after warm-up (warning: where casts do not saturate the first overflow is a NaN, so the overflow fraction
+gives no warning at all); the EWMA of the overflow fraction at `overflow_frac_info` (info),
+`overflow_frac` (warning, from `warmup_steps` on), 10x that (critical). Healthy runs with a short amax
+history overflow ~1% of a gradient's elements for a few steps whenever gradients grow fast, so only a
+sustained overflow is a warning.
 
 Underflow: the EWMA of `underflow_frac` against its running minimum since warm-up; a rise of
 `underflow_rise_info` (absolute fraction of the nonzero elements flushed to zero) is info,
@@ -92,7 +94,8 @@ class AmaxSaturation:
         ratio = np.maximum(ratio, 0.0)
         # a stale scale closing in: 1 (warning) at the warning horizon, 1.5 (full score) at two thirds of it
         with np.errstate(divide="ignore"):
-            closing_in = np.where(stale & approaching, p.saturation_warning_horizon / np.maximum(to_overflow, 1.0), 0.0)
+            closing_in = np.where(stale & approaching,
+                                  p.saturation_warning_horizon / np.maximum(to_overflow, 1.0), 0.0)
         ratio = np.maximum(ratio, closing_in)
         if step < p.warmup_steps:  # overflow while the model leaves its initialisation is info only
             ratio = np.minimum(ratio, INFO_RATIO_CAP)
