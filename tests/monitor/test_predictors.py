@@ -376,14 +376,13 @@ def test_divergence_rule_needs_m_consecutive_steps_above_the_margin():
 CPU_FIXTURES = fixture_paths(profile="cpu")
 
 
-def test_the_cpu_corpus_has_stable_and_diverging_runs_with_room_for_a_100_step_lead():
+def test_the_cpu_corpus_has_stable_and_diverging_runs_labelled_by_the_rule():
     fixtures = [load_fixture(p) for p in CPU_FIXTURES]
     diverging = [f for f in fixtures if f.outcome == "diverged"]
     stable = [f for f in fixtures if f.outcome == "stable"]
     early = [f for f in fixtures if f.outcome == "early"]  # diverged before any 100-step lead was possible
     assert len(diverging) >= 2 and len(stable) >= 2
     assert len(diverging) + len(stable) + len(early) == len(fixtures)  # no censored run in the CI corpus
-    assert all(f.divergence_step >= 300 for f in diverging)
     assert all(f.divergence_step < EARLY_BEFORE for f in early)
     for f in fixtures:  # the stored label is the rule applied to the stored losses
         assert f.divergence_step == divergence_step(f.losses())
@@ -400,7 +399,10 @@ def test_a_run_chosen_to_diverge_that_did_not_is_censored_not_stable():
 # fixes one must take it off this list, and it must then stay fixed.
 # (pass D's miss, cpu-fog-fp8-delayed16-s3-stable, was fixed by pass E; pass E's, cpu-llama-bf16-long-s4-stable,
 # by pass F)
-KNOWN_MISSES: dict[str, str] = {}
+KNOWN_MISSES = {
+    "cpu-fog-fp8-frozen-s5-div": "pass F held-out: a cast without saturation overflowed at step 166, before its "
+                                 "scales froze (an early amax jump past the margin); paged only at the NaN",
+}
 
 
 def _cpu_fixture_params():
