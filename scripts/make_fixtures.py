@@ -59,6 +59,26 @@ CPU_DIVERGE = ("--schedule", "constant", "--warmup", "400", "--weight-decay", "0
 CPU_FROZEN = ("--precision", "fp8", "--fp8-scaling", "delayed", "--amax-history", "16", "--fp8-margin", "2",
               "--fp8-freeze-scale-after", "300", "--fp8-no-saturate", "--lr", "3e-3", "--schedule", "constant",
               "--warmup", "100", "--weight-decay", "0")
+
+def _cpu_frozen(arch: str, split: str, seed: int) -> RunSpec:
+    return RunSpec(f"cpu-{arch}-fp8-frozen-s{seed}-div", ("--arch", arch, *CPU_FROZEN, "--steps", "1200", "--seed",
+                                                          str(seed)), split, "diverging")
+
+
+def _cpu_ramp(name: str, precision: str, split: str, seed: int, *recipe: str) -> RunSpec:
+    """FOG, the CPU_DIVERGE learning-rate ramp."""
+    return RunSpec(name, ("--arch", "fog", "--precision", precision, *recipe, "--lr", "0.13", *CPU_DIVERGE, "--seed",
+                          str(seed)), split, "diverging")
+
+
+def _cpu_long(arch: str, precision: str, split: str, seed: int, *recipe: str, name: str | None = None) -> RunSpec:
+    """A 1200-step healthy run (lr 3e-3, cosine)."""
+    return RunSpec(name or f"cpu-{arch}-{precision}-long-s{seed}-stable",
+                   ("--arch", arch, "--precision", precision, *recipe, "--lr", "3e-3", "--steps", "1200", "--seed",
+                    str(seed)), split, "stable")
+
+
+DELAYED2 = ("--fp8-scaling", "delayed", "--amax-history", "2")
 CPU_RUNS = (
     RunSpec("cpu-fog-bf16-div", ("--arch", "fog", "--precision", "bf16", "--lr", "0.13", *CPU_DIVERGE),
             "tune", "diverging"),
@@ -77,49 +97,30 @@ CPU_RUNS = (
     RunSpec("cpu-fog-fp8-frozen-div", ("--arch", "fog", *CPU_FROZEN, "--steps", "1200"), "tune", "diverging"),
     RunSpec("cpu-llama-fp8-frozen-div", ("--arch", "llama", *CPU_FROZEN, "--steps", "1200"), "tune", "diverging"),
     # held out in pass C (written down before they ran), tune runs from pass D on: new seeds
-    RunSpec("cpu-fog-fp8-frozen-s2-div", ("--arch", "fog", *CPU_FROZEN, "--steps", "1200", "--seed", "2"), "tune",
-            "diverging"),
-    RunSpec("cpu-fog-bf16-s2-div", ("--arch", "fog", "--precision", "bf16", "--lr", "0.13", *CPU_DIVERGE, "--seed",
-                                    "2"), "tune", "diverging"),
+    _cpu_frozen("fog", "tune", 2),
+    _cpu_ramp("cpu-fog-bf16-s2-div", "bf16", "tune", 2),
     RunSpec("cpu-llama-fp8-nosat-s2-stable", ("--arch", "llama", "--precision", "fp8", "--fp8-scaling", "delayed",
                                               "--amax-history", "16", "--fp8-margin", "2", "--fp8-no-saturate", "--lr",
                                               "3e-3", "--steps", "800", "--seed", "2"), "tune", "stable"),
-    # held out in pass D (written down before they ran), tune runs from pass E on: seed 3
-    RunSpec("cpu-fog-fp8-frozen-s3-div", ("--arch", "fog", *CPU_FROZEN, "--steps", "1200", "--seed", "3"), "tune",
-            "diverging"),
-    RunSpec("cpu-llama-fp8-frozen-s3-div", ("--arch", "llama", *CPU_FROZEN, "--steps", "1200", "--seed", "3"),
-            "tune", "diverging"),
-    RunSpec("cpu-fog-fp8-delayed-s3-div", ("--arch", "fog", "--precision", "fp8", "--fp8-scaling", "delayed",
-                                           "--amax-history", "2", "--lr", "0.13", *CPU_DIVERGE, "--seed", "3"),
-            "tune", "diverging"),
-    RunSpec("cpu-llama-fp8-long-s3-stable", ("--arch", "llama", "--precision", "fp8", "--lr", "3e-3", "--steps",
-                                             "1200", "--seed", "3"), "tune", "stable"),
-    # held out in pass E (written down before they ran), tune runs from pass F on: seed 4
-    RunSpec("cpu-fog-fp8-frozen-s4-div", ("--arch", "fog", *CPU_FROZEN, "--steps", "1200", "--seed", "4"), "tune",
-            "diverging"),
-    RunSpec("cpu-llama-fp8-frozen-s4-div", ("--arch", "llama", *CPU_FROZEN, "--steps", "1200", "--seed", "4"),
-            "tune", "diverging"),
-    RunSpec("cpu-fog-bf16-s4-div", ("--arch", "fog", "--precision", "bf16", "--lr", "0.13", *CPU_DIVERGE, "--seed",
-                                    "4"), "tune", "diverging"),
-    RunSpec("cpu-fog-fp8-long-s4-stable", ("--arch", "fog", "--precision", "fp8", "--lr", "3e-3", "--steps", "1200",
-                                           "--seed", "4"), "tune", "stable"),
-    # held out in pass F (written down before they ran, with the pass-F thresholds fixed): seed 5
-    RunSpec("cpu-fog-fp8-frozen-s5-div", ("--arch", "fog", *CPU_FROZEN, "--steps", "1200", "--seed", "5"), "test",
-            "diverging"),
-    RunSpec("cpu-llama-fp8-frozen-s5-div", ("--arch", "llama", *CPU_FROZEN, "--steps", "1200", "--seed", "5"),
-            "test", "diverging"),
-    RunSpec("cpu-fog-fp8-delayed-s5-div", ("--arch", "fog", "--precision", "fp8", "--fp8-scaling", "delayed",
-                                           "--amax-history", "2", "--lr", "0.13", *CPU_DIVERGE, "--seed", "5"),
-            "test", "diverging"),
-    RunSpec("cpu-llama-fp8-long-s5-stable", ("--arch", "llama", "--precision", "fp8", "--lr", "3e-3", "--steps",
-                                             "1200", "--seed", "5"), "test", "stable"),
-    RunSpec("cpu-llama-bf16-long-s5-stable", ("--arch", "llama", "--precision", "bf16", "--lr", "3e-3", "--steps",
-                                              "1200", "--seed", "5"), "test", "stable"),
-    RunSpec("cpu-llama-bf16-long-s4-stable", ("--arch", "llama", "--precision", "bf16", "--lr", "3e-3", "--steps",
-                                              "1200", "--seed", "4"), "test", "stable"),
-    RunSpec("cpu-fog-fp8-delayed16-s3-stable", ("--arch", "fog", "--precision", "fp8", "--fp8-scaling", "delayed",
-                                                "--amax-history", "16", "--lr", "3e-3", "--steps", "1200", "--seed",
-                                                "3"), "test", "stable"),
+    # held out in pass D, tune runs from pass E on
+    _cpu_frozen("fog", "tune", 3),
+    _cpu_frozen("llama", "tune", 3),
+    _cpu_ramp("cpu-fog-fp8-delayed-s3-div", "fp8", "tune", 3, *DELAYED2),
+    _cpu_long("llama", "fp8", "tune", 3),
+    _cpu_long("fog", "fp8", "tune", 3, "--fp8-scaling", "delayed", "--amax-history", "16",
+              name="cpu-fog-fp8-delayed16-s3-stable"),
+    # held out in pass E, tune runs from pass F on
+    _cpu_frozen("fog", "tune", 4),
+    _cpu_frozen("llama", "tune", 4),
+    _cpu_ramp("cpu-fog-bf16-s4-div", "bf16", "tune", 4),
+    _cpu_long("fog", "fp8", "tune", 4),
+    _cpu_long("llama", "bf16", "tune", 4),
+    # held out in pass F (written down before they ran, with the pass-F thresholds fixed)
+    _cpu_frozen("fog", "test", 5),
+    _cpu_frozen("llama", "test", 5),
+    _cpu_ramp("cpu-fog-fp8-delayed-s5-div", "fp8", "test", 5, *DELAYED2),
+    _cpu_long("llama", "fp8", "test", 5),
+    _cpu_long("llama", "bf16", "test", 5),
 )
 
 # GPU: 4 layers x d 512 (head_dim 128), 32 x 256 tokens per step, statistics every 5 steps, 700 steps.
