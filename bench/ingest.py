@@ -22,7 +22,6 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,8 @@ import uuid
 
 import msgpack
 import numpy as np
+
+from monitor.localserver import ServerProcess
 
 STATS = ("amax", "rms", "mean", "std", "kurtosis", "kurtosis_central", "crest", "underflow_frac",
          "overflow_frac", "outlier_frac", "zero_frac", "scale")
@@ -139,12 +140,6 @@ def fp8mon_command() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "monitor.cli"]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class Database:
     """A fresh, migrated database: a SQLite file in a temporary folder, or a new PostgreSQL schema."""
 
@@ -192,24 +187,11 @@ class Database:
             self.admin.dispose()
 
 
-def start_server(url: str, port: int, workers: int) -> subprocess.Popen:
-    proc = subprocess.Popen([*fp8mon_command(), "serve", "--database-url", url, "--port", str(port),
-                             "--workers", str(workers), "--no-access-log", "--log-level", "warning"])
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
-            conn.request("GET", "/healthz")
-            if conn.getresponse().status == 200:
-                # --workers N: wait until every worker process has started its application.
-                time.sleep(0.5 + 0.5 * workers if workers > 1 else 0.2)
-                return proc
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("server did not come up")
+def start_server(url: str, workers: int) -> ServerProcess:
+    server = ServerProcess(url, args=("--workers", str(workers))).start(timeout=60)
+    # --workers N: wait until every worker process has started its application.
+    time.sleep(0.5 + 0.5 * workers if workers > 1 else 0.2)
+    return server
 
 
 def cpu_seconds(pids: set[int]) -> dict[int, float]:
@@ -271,8 +253,8 @@ def machine_busy() -> tuple[float, float]:
 
 def measure(backend: str, args) -> dict:
     db = Database(backend, args.database_url)
-    port = free_port()
-    server = start_server(db.url, port, args.workers)
+    server = start_server(db.url, args.workers)
+    port = server.port
     try:
         values_per_batch = args.steps * len(args.layer_names) * len(SITES) * len(STATS)
         n_bodies = math.ceil(args.duration * args.max_rate / values_per_batch / args.clients) + 2
@@ -284,7 +266,7 @@ def measure(backend: str, args) -> dict:
             p.start()
         for _ in procs:
             ready.get(timeout=600)
-        pids = process_tree(server.pid)
+        pids = process_tree(server.proc.pid)
         t0 = time.time() + 0.2
         for _ in procs:
             start.put((t0, t0 + args.duration))
@@ -297,12 +279,11 @@ def measure(backend: str, args) -> dict:
         for p in procs:
             p.join()
     finally:
-        server.send_signal(signal.SIGINT)
+        server.proc.send_signal(signal.SIGINT)
         try:
-            server.wait(30)
+            server.proc.wait(30)
         except subprocess.TimeoutExpired:
             server.kill()
-            server.wait()
     try:
         stored_batches, stored_records, stored_values = db.count()
     finally:

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +33,7 @@ from sqlalchemy import create_engine, insert, text
 from agent.wire import TENSOR_STATS
 from monitor import queries, rollup
 from monitor.db import create_db_engine, normalise_url
+from monitor.localserver import ServerProcess
 from monitor.migrate import upgrade
 from monitor.models import Run
 from monitor.store import Store
@@ -107,32 +106,6 @@ def layer_name(i: int) -> str:
     return f"blocks.{i // 4}.{('attn.qkv', 'attn.out', 'mlp.fc1', 'mlp.fc2')[i % 4]}"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def serve(url: str, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = {**os.environ, "FP8MON_ROLLUP_INTERVAL_S": "0"}
-    proc = subprocess.Popen([sys.executable, "-m", "monitor.cli", "serve", "--database-url", url, "--port", str(port),
-                             "--no-access-log", "--log-level", "warning"], env=env, stdout=open(log, "wb"),
-                            stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {log.read_text()}")
-        try:
-            if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("server did not come up")
-
-
 TARGET_MS = 200.0
 
 
@@ -178,9 +151,10 @@ def bench(label: str, url: str, args, workdir: Path) -> None:
                                                   max_points=args.max_points), args.repeat)
         line("series (one layer)", samples, f"in process, {len(s['points']['step'])} buckets of "
                                             f"{s['bucket_width']} steps with min/max/mean/last")
-        proc, base = serve(url, workdir / f"server-{label}.log")
+        server = ServerProcess(url, env={"FP8MON_ROLLUP_INTERVAL_S": "0"}, log=workdir / f"server-{label}.log")
+        server.start(timeout=60)
         try:
-            with httpx.Client(base_url=base, timeout=60) as client:
+            with httpx.Client(base_url=server.url, timeout=60) as client:
                 params = {"stat": stat, "site": SITE, "max_points": args.max_points}
                 samples, r = timed(lambda: client.get(f"/api/v1/runs/{RUN}/heatmap", params=params), args.repeat)
                 assert r.status_code == 200, r.text
@@ -191,8 +165,7 @@ def bench(label: str, url: str, args, workdir: Path) -> None:
                 assert r.status_code == 200, r.text
                 line("HTTP GET .../series", samples, f"{len(r.content) / 1e3:.0f} kB of JSON")
         finally:
-            proc.terminate()
-            proc.wait(10)
+            server.stop()
         print("(the planted spike and NaN are visible in the heatmap)", flush=True)
     finally:
         store.close()

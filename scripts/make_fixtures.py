@@ -20,12 +20,10 @@ and the exports of 4 runs did not finish within the 265 s the whole command was 
 from __future__ import annotations
 
 import argparse
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from monitor.fixtures import FIXTURE_DIR, write_fixture  # noqa: E402
+from monitor.localserver import ServerProcess  # noqa: E402
 from monitor.predictors.divergence import RULE, divergence_step  # noqa: E402
 
 # What a fixture keeps of each tensor record (the predictors read a subset of these).
@@ -212,32 +211,6 @@ PROFILES = {"cpu": (CPU_BASE, CPU_RUNS), "gpu": (GPU_BASE, GPU_RUNS), "gpu-froze
             "gpu-test2": (GPU_BASE, GPU_TEST2_RUNS)}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(db_url: str, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "monitor.cli", "serve", "--database-url", db_url, "--migrate",
-                             "--port", str(port), "--no-access-log", "--log-level", "warning"],
-                            cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"monitor exited with {proc.returncode}; see {log}")
-        try:
-            with urllib.request.urlopen(f"{url}/healthz", timeout=1) as resp:
-                if resp.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("monitor did not come up")
-
-
 def train(spec: RunSpec, base: tuple[str, ...], url: str, tmp: Path,
           timeout: float) -> tuple[RunSpec, list[str], int, float]:
     """One training with the agent attached; (spec, trainer argv, exit code (-1: timed out), seconds)."""
@@ -308,7 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="fp8mon-fixtures-") as tmpdir:
         tmp = Path(tmpdir)
         db_url = f"sqlite:///{tmp / 'monitor.db'}"
-        server, url = start_server(db_url, tmp / "server.log")
+        server = ServerProcess(db_url, args=("--migrate",), log=tmp / "server.log")
+        try:
+            server.start(timeout=60)
+        except RuntimeError as exc:
+            raise SystemExit(f"monitor: {exc}") from None
+        url = server.url
         store = Store(db_url)
         try:
             with ThreadPoolExecutor(max(1, jobs)) as pool:
@@ -332,8 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{data['batches'][-1]['scalars']['step'][-1]}, {size / 1024:.0f} KiB", flush=True)
         finally:
             store.close()
-            server.terminate()
-            server.wait(30)
+            server.stop()
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

@@ -2,19 +2,13 @@
 uvicorn server process on 127.0.0.1."""
 
 import os
-import socket
-import subprocess
-import sys
-import time
 import uuid
-from dataclasses import dataclass, field
-from pathlib import Path
 
-import httpx
 import pytest
 from sqlalchemy import create_engine, text
 
 from monitor.db import create_db_engine, normalise_url
+from monitor.localserver import ServerProcess
 from monitor.migrate import upgrade
 from monitor.store import Store
 
@@ -85,59 +79,6 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclass
-class ServerProcess:
-    """`fp8mon serve` as a child process; start/stop/kill it to test what clients see."""
-
-    database_url: str
-    port: int = field(default_factory=free_port)
-    env: dict = field(default_factory=dict)
-    proc: subprocess.Popen | None = None
-    log: Path | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 30.0) -> "ServerProcess":
-        env = {**os.environ, **self.env}
-        self._log_file = open(self.log, "ab") if self.log else subprocess.DEVNULL
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "monitor.cli", "serve", "--database-url", self.database_url,
-             "--port", str(self.port), "--no-access-log", "--log-level", "warning"],
-            env=env, stdout=self._log_file, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; log: {self.log}")
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                time.sleep(0.05)
-        raise RuntimeError("server did not come up")
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@ all_gather per reporting step merges them exactly and only rank 0 sends, as rank
 
 import math
 import os
-import socket
 from collections import defaultdict
 
 import pytest
@@ -16,6 +15,7 @@ from agent import Agent
 from agent import distributed
 from agent.stats import Moments, merge_moments
 from agent.wire import SITES, TENSOR_STATS
+from monitor.localserver import free_port
 
 WORLD = 2
 STEPS = 4
@@ -104,11 +104,6 @@ def _worker(rank, port, outdir, backend="gloo"):
     finally:
         dist.destroy_process_group()
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(outdir, backend):

@@ -14,17 +14,13 @@ import httpx
 from sqlalchemy import text
 
 from agent.wire import SITES
+from monitor.localserver import free_port
 from monitor.store import Store
 
 # A smaller model than the demo's default, so the test trains in seconds on two cores.
 SMALL = ["--", "--n-layer", "2", "--d-model", "64", "--n-head", "2", "--d-ff", "128", "--seq-len", "32",
          "--batch-size", "2", "--threads", "1"]
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def demo(database_url: str, cwd, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:

@@ -9,8 +9,8 @@ import pytest
 from monitor.alerting.lifecycle import AlertTracker
 from monitor.alerting.webhooks import WebhookSender, slack_payload
 from monitor.assessment import Finding
+from monitor.localserver import free_port
 from monitor.metrics import Metrics
-from tests.conftest import free_port
 from tests.integration.receiver import Receiver
 from tests.integration.streams import fake_predictor_env, kurtosis_stream
 

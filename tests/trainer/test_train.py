@@ -5,7 +5,6 @@ fp32 loss parity."""
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from monitor.cli import main as fp8mon
+from monitor.localserver import free_port
 from trainer.train import EXIT_DIVERGED, build_parser, lr_at, main, run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,11 +28,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def train(*argv):
     return run(build_parser().parse_args([*FAST, *map(str, argv)]))
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.parametrize("arch", ["llama", "fog"])
