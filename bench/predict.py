@@ -29,11 +29,10 @@ import time
 from dataclasses import dataclass, field
 
 from monitor.alerting.lifecycle import ESCALATED, FIRED, AlertTracker
-from monitor.fixtures import EARLY_BEFORE, Fixture, fixture_paths, load_fixture
+from monitor.fixtures import EARLY_BEFORE, TARGET_LEAD, Fixture, fixture_paths, load_fixture
 from monitor.predictors import PredictorParams, RunPredictor
 from monitor.schemas import IngestBatch
 
-TARGET_LEAD = 100
 TARGET_RATIO = 5.0
 BASELINE_WINDOW = 30
 BASELINE_Z = 3.0

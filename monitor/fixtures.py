@@ -20,8 +20,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# 100-step lead target + the predictors' warm-up (monitor.predictors.params.PredictorParams.warmup_steps)
-EARLY_BEFORE = 160
+from monitor.predictors.params import PredictorParams
+
+TARGET_LEAD = 100  # steps of warning before the divergence step (SPEC section 7)
+# a run diverging earlier cannot be warned TARGET_LEAD steps ahead by predictors that first learn its normal
+EARLY_BEFORE = TARGET_LEAD + PredictorParams.warmup_steps
 FIXTURE_DIR = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "runs"
 # Files kept under FIXTURE_DIR for another test but no longer part of the labelled corpus (fixture_paths skips
 # them): cpu-fog-fp8-ramp (a learning-rate ramp of the first corpus, batch 4 x 64) feeds
