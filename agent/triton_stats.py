@@ -78,7 +78,8 @@ ROWS = 512  # rows of a [ROWS, 16 bytes] tile: ROWS / (32 * NUM_WARPS) 16-byte l
 # registers, one program (8 warps) per SM, too few loads in flight. At 80 the hot loops do not spill
 # (checked in the SASS: no LDL/STL between the 16-byte loads and the back branch) and 3 programs fit.
 MAXNREG = 80
-P_BLOCK = 32  # partials merged per tree reduction in the finalize step (larger: more registers for the whole kernel)
+P_BLOCK = 256  # partials per block of the finalize step's scalar loop (a lane each with 8 warps)
+H_BLOCK = 32  # partials per block of its histogram loop ([H_BLOCK, 64] fp64: 8 per thread with 8 warps)
 MAX_TENSORS = 4096  # per launch (the size of the per-device counter buffer)
 PW = 16 + 64  # fp64 fields of a per-program partial: head + 64 histogram bins
 TABW = 20  # int64 fields of a tensor's table row
@@ -121,8 +122,9 @@ if triton is not None:
     _NAN_BITS = tl.constexpr(0x7FC00000)
     _INF_BITS = tl.constexpr(0x7F800000)
     _PW = tl.constexpr(PW)
-    # partials per tree reduction in the finalize step (the interpreter runs a reduction's combine per element)
+    # partials per block in the finalize step (smaller in the interpreter, which runs a reduction per element)
     _PB = tl.constexpr(8 if INTERPRET else P_BLOCK)
+    _PH = tl.constexpr(8 if INTERPRET else H_BLOCK)
     _TABW = tl.constexpr(TABW)
     _WIDTH = tl.constexpr(ds.WIDTH)
     SCALE_NONE_C = tl.constexpr(SCALE_NONE)
@@ -371,42 +373,47 @@ if triton is not None:
 
     @triton.jit
     def _finalize(part, nwork, dst, merge, smode, s_given, fmax, uthr, ahm, HIST: tl.constexpr,
-                  PB: tl.constexpr):
-        an = tl.zeros([], tl.float64)
-        am = tl.zeros([], tl.float64)
-        a2 = tl.zeros([], tl.float64)
-        a3 = tl.zeros([], tl.float64)
-        a4 = tl.zeros([], tl.float64)
-        numel = tl.zeros([], tl.float64)
-        nonfin = tl.zeros([], tl.float64)
-        zeros = tl.zeros([], tl.float64)
-        outl = tl.zeros([], tl.float64)
-        under = tl.zeros([], tl.float64)
-        over = tl.zeros([], tl.float64)
-        amax = tl.zeros([], tl.float64)
-        hist = tl.zeros([64], tl.float64)
+                  PB: tl.constexpr, PH: tl.constexpr):
+        # Lane j merges partials j, j + PB, ... elementwise (no cross-thread work in the loops); the lanes
+        # are reduced once at the end. A tree reduction per block instead (one barrier each) made this
+        # serial tail, run by one program while the rest of the GPU idles, half of a 64 MiB kernel's time.
+        zb = tl.zeros([PB], tl.float64)
+        vn, vm, v2, v3, v4 = zb, zb, zb, zb, zb
+        vnumel, vnonfin, vzeros, voutl, vunder, vover, vamax = zb, zb, zb, zb, zb, zb, zb
         for b0 in range(0, nwork, PB):
             i = b0 + tl.arange(0, PB)
             m = i < nwork
             rp = part + i.to(tl.int64) * _PW
-            bn = tl.load(rp + _P_N, mask=m, other=0.0, cache_modifier=".cg")
-            bm = tl.load(rp + _P_MEAN, mask=m, other=0.0, cache_modifier=".cg")
-            b2 = tl.load(rp + _P_M2, mask=m, other=0.0, cache_modifier=".cg")
-            b3 = tl.load(rp + _P_M3, mask=m, other=0.0, cache_modifier=".cg")
-            b4 = tl.load(rp + _P_M4, mask=m, other=0.0, cache_modifier=".cg")
-            rn, rm, r2, r3, r4 = tl.reduce((bn, bm, b2, b3, b4), 0, _chan)
-            an, am, a2, a3, a4 = _chan(an, am, a2, a3, a4, rn, rm, r2, r3, r4)
-            numel += tl.sum(tl.load(rp + _P_NUMEL, mask=m, other=0.0, cache_modifier=".cg"), 0)
-            nonfin += tl.sum(tl.load(rp + _P_NONFIN, mask=m, other=0.0, cache_modifier=".cg"), 0)
-            zeros += tl.sum(tl.load(rp + _P_ZEROS, mask=m, other=0.0, cache_modifier=".cg"), 0)
-            outl += tl.sum(tl.load(rp + _P_OUTL, mask=m, other=0.0, cache_modifier=".cg"), 0)
-            under += tl.sum(tl.load(rp + _P_UNDER, mask=m, other=0.0, cache_modifier=".cg"), 0)
-            over += tl.sum(tl.load(rp + _P_OVER, mask=m, other=0.0, cache_modifier=".cg"), 0)
-            amax = tl.maximum(amax, tl.max(tl.load(rp + _P_AMAX, mask=m, other=0.0, cache_modifier=".cg"), 0))
-            if HIST:
-                hb = tl.load(rp[:, None] + _P_HIST + tl.arange(0, 64)[None, :], mask=m[:, None], other=0.0,
-                             cache_modifier=".cg")
-                hist += tl.sum(hb, 0)
+            vn, vm, v2, v3, v4 = _chan(vn, vm, v2, v3, v4,
+                                       tl.load(rp + _P_N, mask=m, other=0.0, cache_modifier=".cg"),
+                                       tl.load(rp + _P_MEAN, mask=m, other=0.0, cache_modifier=".cg"),
+                                       tl.load(rp + _P_M2, mask=m, other=0.0, cache_modifier=".cg"),
+                                       tl.load(rp + _P_M3, mask=m, other=0.0, cache_modifier=".cg"),
+                                       tl.load(rp + _P_M4, mask=m, other=0.0, cache_modifier=".cg"))
+            vnumel += tl.load(rp + _P_NUMEL, mask=m, other=0.0, cache_modifier=".cg")
+            vnonfin += tl.load(rp + _P_NONFIN, mask=m, other=0.0, cache_modifier=".cg")
+            vzeros += tl.load(rp + _P_ZEROS, mask=m, other=0.0, cache_modifier=".cg")
+            voutl += tl.load(rp + _P_OUTL, mask=m, other=0.0, cache_modifier=".cg")
+            vunder += tl.load(rp + _P_UNDER, mask=m, other=0.0, cache_modifier=".cg")
+            vover += tl.load(rp + _P_OVER, mask=m, other=0.0, cache_modifier=".cg")
+            vamax = tl.maximum(vamax, tl.load(rp + _P_AMAX, mask=m, other=0.0, cache_modifier=".cg"))
+        an, am, a2, a3, a4 = tl.reduce((vn, vm, v2, v3, v4), 0, _chan)
+        numel = tl.sum(vnumel, 0)
+        nonfin = tl.sum(vnonfin, 0)
+        zeros = tl.sum(vzeros, 0)
+        outl = tl.sum(voutl, 0)
+        under = tl.sum(vunder, 0)
+        over = tl.sum(vover, 0)
+        amax = tl.max(vamax, 0)
+        hist = tl.zeros([64], tl.float64)
+        if HIST:
+            hacc = tl.zeros([PH, 64], tl.float64)
+            for b0 in range(0, nwork, PH):
+                i = b0 + tl.arange(0, PH)
+                rp = part + i.to(tl.int64) * _PW
+                hacc += tl.load(rp[:, None] + _P_HIST + tl.arange(0, 64)[None, :], mask=(i < nwork)[:, None],
+                                other=0.0, cache_modifier=".cg")
+            hist = tl.sum(hacc, 0)
         bins = tl.arange(0, 64)
         if HIST:
             nonzero = tl.sum(tl.where(bins < _NB, hist, 0.0), 0)
@@ -493,7 +500,7 @@ if triton is not None:
         tl.debug_barrier()
         prev = tl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu")
         if prev == nwork - 1:
-            _finalize(part_base, nwork, dst, merge, smode, s, fmax, uthr, ahm, HIST, _PB)
+            _finalize(part_base, nwork, dst, merge, smode, s, fmax, uthr, ahm, HIST, _PB, _PH)
             tl.atomic_xchg(ctr, 0, sem="relaxed", scope="gpu")
 
     # ---- one chunk: fast path, careful path ----------------------------------------------------------

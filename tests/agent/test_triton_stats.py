@@ -125,6 +125,24 @@ def _child(names: list[str]) -> None:
         emit("multi_tensor:merged_into_rows", row_problems(out[idx], ds.merge(base, want)))
         emit("multi_tensor:other_rows_untouched", "" if bool((out[0::2] == 0).all()) else "rows written outside index")
 
+    def many_partials():
+        """One tensor cut into more programs than the finalize step merges per block (8 lanes in the
+        interpreter, several blocks' worth of partials and of histograms): the per-lane merges."""
+        g = torch.Generator().manual_seed(2)
+        x = (torch.randn(30011, generator=g) * 3 + 1).to(torch.bfloat16)
+        x[7] = 0.0
+        chunk = ts.CHUNK
+        ts.CHUNK = 512  # 59 programs
+        try:
+            s = torch.tensor(3.0)
+            emit("many_partials:scale", row_problems(ts.partials(x, fmt="e4m3", scale=s),
+                                                     ds.partials(x, fmt="e4m3", scale=s, outlier_center=NO_CENTER)))
+            got = ts.partials(x, fmt="e5m2", amax_history_max=2.5, hist=False)
+            emit("many_partials:delayed_no_hist", row_problems(
+                got, ds.partials(x, fmt="e5m2", amax_history_max=2.5, hist=False, outlier_center=NO_CENTER)))
+        finally:
+            ts.CHUNK = chunk
+
     def agent_backends():
         """The agent on the Triton path vs the torch path: same rows, except outliers, which the Triton
         path counts against the previous reporting step's mean/std of the slot."""
@@ -188,7 +206,7 @@ def _child(names: list[str]) -> None:
 
     checks = dict(rows_vs_torch=rows_vs_torch, current_scaling=current_scaling,
                   outliers_with_center=outliers_with_center, multi_tensor=multi_tensor,
-                  agent_backends=agent_backends, agent_outlier_centers=agent_outlier_centers)
+                  many_partials=many_partials, agent_backends=agent_backends, agent_outlier_centers=agent_outlier_centers)
     for name in names or checks:
         try:
             checks[name]()
@@ -199,7 +217,7 @@ def _child(names: list[str]) -> None:
 # ---------------------------------------------------------------------------------------------------
 # tests
 
-GROUPS = ["rows_vs_torch", "current_scaling", "outliers_with_center", "multi_tensor", "agent_backends",
+GROUPS = ["rows_vs_torch", "current_scaling", "outliers_with_center", "multi_tensor", "many_partials", "agent_backends",
           "agent_outlier_centers"]
 
 
