@@ -155,7 +155,8 @@ class IngestBatch(Base):
 
 class Alert(Base):
     """One alert of the lifecycle in monitor.assessment. first_step: the finding first appeared (pending);
-    fired_step: it fired; last_step: the finding last held; resolved_step: it resolved."""
+    fired_step: it fired; escalated_step: its severity last rose after firing (null if it never did);
+    last_step: the finding last held; resolved_step: it resolved."""
 
     __tablename__ = "alerts"
     __table_args__ = (Index("ix_alerts_run_fingerprint", "run_id", "fingerprint"),
@@ -174,6 +175,7 @@ class Alert(Base):
     first_step: Mapped[int | None] = mapped_column(BigInteger)
     last_step: Mapped[int | None] = mapped_column(BigInteger)
     fired_step: Mapped[int | None] = mapped_column(BigInteger)
+    escalated_step: Mapped[int | None] = mapped_column(BigInteger)
     resolved_step: Mapped[int | None] = mapped_column(BigInteger)
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

@@ -239,7 +239,8 @@ class Pipeline:
             alert = Alert(run=batch.run, rule=row.rule, layer=row.layer, site=row.site, severity=row.severity,
                           state=row.state, message=row.message, first_step=row.first_step or 0,
                           last_step=row.last_step or 0, for_steps=int((row.details or {}).get("for_steps", 0)),
-                          value=(row.details or {}).get("value"), fired_step=row.fired_step)
+                          value=(row.details or {}).get("value"), fired_step=row.fired_step,
+                          escalated_step=row.escalated_step)
             if alert.fingerprint in state.alert_ids:
                 continue
             state.alert_ids[alert.fingerprint] = row.id
@@ -377,7 +378,7 @@ class Pipeline:
 def _alert_values(a: Alert, now: datetime, extra: dict) -> dict:
     return {"severity": a.severity, "state": a.state, "message": a.message,
             "first_step": a.first_step, "last_step": a.last_step, "fired_step": a.fired_step,
-            "resolved_step": a.resolved_step, "updated_at": now,
+            "escalated_step": a.escalated_step, "resolved_step": a.resolved_step, "updated_at": now,
             "details": json_safe({"value": a.value, "for_steps": a.for_steps, **extra})}
 
 

@@ -276,6 +276,8 @@ class AlertOut(BaseModel):
                                       "the last update")
     first_step: int | None = Field(description="step at which the finding first appeared (pending)")
     fired_step: int | None = Field(description="step at which the alert fired; null while pending")
+    escalated_step: int | None = Field(description="step at which the severity last rose after the alert fired "
+                                                   "(it fired at a lower severity); null if it never rose")
     last_step: int | None = Field(description="last step at which the finding held")
     resolved_step: int | None
     started_at: datetime

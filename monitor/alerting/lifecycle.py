@@ -11,8 +11,9 @@ The rules are those of `monitor.assessment`:
 * a pending alert whose finding is absent at an evaluation of its run is dropped;
 * a firing alert resolves once its finding has been absent for `RESOLVE_AFTER_STEPS` steps
   (`step - last_step >= RESOLVE_AFTER_STEPS`); if the finding comes back before that, it keeps firing;
-* a finding of higher severity raises the alert's severity (an `escalated` event when it is firing);
-  severity never decreases while the alert lives;
+* a finding of higher severity raises the alert's severity (an `escalated` event when it is firing, which
+  sets `escalated_step` to that step; a rise while pending is no escalation: the alert fires at the higher
+  severity and `escalated_step` stays None); severity never decreases while the alert lives;
 * after resolution, the same condition opens a new alert.
 
 `AlertTracker.update(run, step, findings)` is called once per evaluated step of a run, in step order, with
@@ -57,6 +58,7 @@ class Alert:
     for_steps: int = 0
     value: float | None = None
     fired_step: int | None = None
+    escalated_step: int | None = None  # step of the last severity rise after firing; None if it never rose
     resolved_step: int | None = None
 
     @property
@@ -113,6 +115,7 @@ class AlertTracker:
             if alert.state == PENDING:
                 self._maybe_fire(alert, step, events)
             elif escalates:
+                alert.escalated_step = step
                 events.append(AlertEvent(ESCALATED, step, dataclasses.replace(alert), previous_severity=previous))
 
         if in_order:

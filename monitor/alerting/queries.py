@@ -9,15 +9,17 @@ from monitor.queries import BadParameter, NotFound, _iso, json_safe, reading, ru
 from monitor.store import utcnow
 
 _ALERT_COLUMNS = (Alert.id, Run.name, Alert.fingerprint, Alert.rule, Alert.severity, Alert.state, Alert.layer,
-                  Alert.site, Alert.message, Alert.details, Alert.first_step, Alert.fired_step, Alert.last_step,
-                  Alert.resolved_step, Alert.started_at, Alert.updated_at, Alert.resolved_at, Alert.acknowledged_at)
+                  Alert.site, Alert.message, Alert.details, Alert.first_step, Alert.fired_step, Alert.escalated_step,
+                  Alert.last_step, Alert.resolved_step, Alert.started_at, Alert.updated_at, Alert.resolved_at,
+                  Alert.acknowledged_at)
 
 
 def _alert_dict(row) -> dict:
     return {"id": row.id, "run": row.name, "fingerprint": row.fingerprint, "rule": row.rule,
             "severity": row.severity, "state": row.state, "layer": row.layer, "site": row.site,
             "message": row.message, "details": json_safe(row.details or {}), "first_step": row.first_step,
-            "fired_step": row.fired_step, "last_step": row.last_step, "resolved_step": row.resolved_step,
+            "fired_step": row.fired_step, "escalated_step": row.escalated_step, "last_step": row.last_step,
+            "resolved_step": row.resolved_step,
             "started_at": _iso(row.started_at), "updated_at": _iso(row.updated_at),
             "resolved_at": _iso(row.resolved_at), "acknowledged_at": _iso(row.acknowledged_at)}
 

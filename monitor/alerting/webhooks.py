@@ -39,7 +39,8 @@ def slack_payload(event: AlertEvent, base_url: str) -> dict:
     link = run_link(base_url, a.run)
     text = f"[{verb}] {a.severity.upper()} {a.rule} on run {a.run} ({where}) at step {event.step}: {a.message}"
     if event.kind == "escalated" and event.previous_severity:
-        text += f" (was {event.previous_severity})"
+        text += (f" (escalated to {a.severity} at step {a.escalated_step}, was {event.previous_severity}; "
+                 f"fired at step {a.fired_step})")
     fields = [("Run", f"<{link}|{a.run}>"), ("Severity", a.severity), ("Rule", a.rule), ("Where", where),
               ("Step", str(event.step)), ("Since step", str(a.first_step))]
     return {
@@ -55,8 +56,8 @@ def slack_payload(event: AlertEvent, base_url: str) -> dict:
                          "fallback": text, "title": f"{a.run}: {a.rule}", "title_link": link}],
         "fp8mon": {"event": event.kind, "run": a.run, "rule": a.rule, "severity": a.severity, "layer": a.layer,
                    "site": a.site, "step": event.step, "first_step": a.first_step, "fired_step": a.fired_step,
-                   "resolved_step": a.resolved_step, "message": a.message, "value": a.value,
-                   "fingerprint": a.fingerprint, "url": link},
+                   "escalated_step": a.escalated_step, "resolved_step": a.resolved_step, "message": a.message,
+                   "value": a.value, "fingerprint": a.fingerprint, "url": link},
     }
 
 

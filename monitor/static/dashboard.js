@@ -394,7 +394,8 @@
       if (alert.fired_step === null) continue;
       const group = groups.get(alert.fired_step) || { step: alert.fired_step, severity: "info", lines: [] };
       if (SEVERITY_RANK[alert.severity] > SEVERITY_RANK[group.severity]) group.severity = alert.severity;
-      group.lines.push(`${alert.severity}: ${alert.message}`);
+      const escalated = alert.escalated_step === null ? "" : ` (from step ${alert.escalated_step})`;
+      group.lines.push(`${alert.severity}${escalated}: ${alert.message}`);
       groups.set(alert.fired_step, group);
     }
     return [...groups.values()].sort((a, b) => a.step - b.step);
@@ -616,6 +617,7 @@
       el("td", { cls: "state", text: alert.state }),
       el("td", { cls: "num", text: fmt(alert.first_step) }),
       el("td", { cls: "num", text: fmt(alert.fired_step) }),
+      el("td", { cls: "num", text: fmt(alert.escalated_step) }),
       el("td", { cls: "num", text: fmt(alertEnd(alert)) }),
       el("td", { cls: "alert-text", text: alert.message }),
       el("td", {}, [ackButton(alert)]),

@@ -100,6 +100,37 @@ def test_escalation_of_a_firing_alert_and_no_deescalation():
     assert t.update("r", 3, [f(severity="critical")]) == []
 
 
+def test_escalated_step_is_the_last_rise_after_firing_and_fired_step_stays():
+    t = AlertTracker()
+    assert t.update("r", 80, [f(severity="info")])[0].alert.escalated_step is None
+    assert t.update("r", 200, [f(severity="info")]) == []
+    (event,) = t.update("r", 300, [f(severity="warning")])
+    assert (event.kind, event.alert.fired_step, event.alert.escalated_step) == ("escalated", 80, 300)
+    assert t.update("r", 310, [f(severity="info")]) == [] and t.active("r")[0].escalated_step == 300
+    (event,) = t.update("r", 400, [f(severity="critical")])
+    assert (event.alert.fired_step, event.alert.escalated_step) == (80, 400)
+    # resolution keeps it
+    last = 400 + RESOLVE_AFTER_STEPS
+    (event,) = t.update("r", last, [])
+    assert (event.kind, event.alert.fired_step, event.alert.escalated_step) == ("resolved", 80, 400)
+
+
+def test_a_severity_rise_while_pending_is_no_escalation():
+    t = AlertTracker()
+    t.update("r", 0, [f(severity="info", for_steps=10)])
+    t.update("r", 5, [f(severity="warning", for_steps=10)])
+    (event,) = t.update("r", 10, [f(severity="warning", for_steps=10)])
+    assert (event.kind, event.alert.severity, event.alert.fired_step) == ("fired", "warning", 10)
+    assert event.alert.escalated_step is None
+    # never rising after firing: still None; a restored alert keeps its escalated_step
+    assert t.update("r", 20, [f(severity="warning", for_steps=10)]) == []
+    assert t.active("r")[0].escalated_step is None
+    t.update("r", 30, [f(severity="critical", for_steps=10)])
+    fresh = AlertTracker()
+    fresh.restore(t.active("r"))
+    assert fresh.active("r")[0].escalated_step == 30
+
+
 def test_pending_alert_takes_the_higher_severity_and_its_shorter_for_steps():
     t = AlertTracker()
     assert kinds(t.update("r", 0, [f(severity="warning", for_steps=100)])) == ["pending"]
@@ -211,10 +242,11 @@ def test_alert_and_prediction_api(server_factory):
         by_rule = {a["rule"]: a for a in alerts}
         k = by_rule["kurtosis_growth"]
         assert (k["state"], k["severity"], k["layer"], k["site"]) == ("firing", "warning", "blocks.1.mlp.fc1", "input")
-        assert (k["first_step"], k["fired_step"], k["resolved_step"]) == (10, 15, None)
+        assert (k["first_step"], k["fired_step"], k["escalated_step"], k["resolved_step"]) == (10, 15, None, None)
         assert k["run"] == "a/b" and k["acknowledged_at"] is None and "kurtosis 30.0" in k["message"]
         n = by_rule["nonfinite"]
         assert (n["state"], n["severity"], n["fired_step"], n["layer"]) == ("firing", "critical", 30, None)
+        assert n["escalated_step"] is None
         assert n["last_step"] == 30  # held at step 30 only; it resolves 50 steps later
 
         assert wait_json(c, "/api/v1/runs/quiet/alerts", lambda b: True)["total"] == 0
@@ -268,6 +300,34 @@ def test_alert_and_prediction_api(server_factory):
         # deleting the run removes its alerts and predictions
         assert c.delete("/api/v1/runs/a/b", headers=write).status_code == 200
         assert c.get("/api/v1/alerts").json()["total"] == 0
+
+
+def test_escalated_step_is_listed_and_survives_a_restart(server_factory):
+    # kurtosis 30 (warning) from step 10, fires at 15; 80 (critical) from step 25: an escalation at 25
+    def kurtosis(step):
+        return 80.0 if step >= 25 else 30.0 if step >= 10 else 3.0
+
+    url = "/api/v1/runs/esc/alerts"
+
+    def only_alert_at(last_step):
+        return lambda b: b["total"] == 1 and b["alerts"][0]["last_step"] == last_step
+
+    server = server_factory(**fake_predictor_env()).start()
+    with httpx.Client(base_url=server.url, timeout=10) as c:
+        for body in kurtosis_stream("esc", range(0, 40), kurtosis):
+            assert c.post("/api/v1/ingest", json=body).status_code == 200
+        (a,) = wait_json(c, url, only_alert_at(39))["alerts"]
+    assert (a["rule"], a["state"], a["severity"]) == ("kurtosis_growth", "firing", "critical")
+    assert (a["first_step"], a["fired_step"], a["escalated_step"]) == (10, 15, 25)
+    server.stop()
+
+    # a new server process reads the alert back from the database and keeps its escalated_step
+    server = server_factory(**fake_predictor_env()).start()
+    with httpx.Client(base_url=server.url, timeout=10) as c:
+        for body in kurtosis_stream("esc", range(40, 60), kurtosis):
+            assert c.post("/api/v1/ingest", json=body).status_code == 200
+        (a,) = wait_json(c, url, only_alert_at(59))["alerts"]
+    assert (a["state"], a["fired_step"], a["escalated_step"]) == ("firing", 15, 25)
 
 
 def httpx_json(body) -> bytes:

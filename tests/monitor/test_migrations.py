@@ -2,15 +2,17 @@
 
 import subprocess
 import sys
+from datetime import UTC, datetime
 
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import text
+from sqlalchemy import inspect, insert, select, text
 
 from monitor.db import create_db_engine
-from monitor.migrate import SchemaError, check_schema, head_revision
-from monitor.models import Base
+from monitor.migrate import SchemaError, alembic_config, check_schema, current_revision, head_revision, upgrade
+from monitor.models import Alert, Base, Run
 
 
 def test_migrated_schema_matches_the_models(database_url):
@@ -19,6 +21,37 @@ def test_migrated_schema_matches_the_models(database_url):
         with engine.connect() as conn:
             diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
         assert diff == []
+    finally:
+        engine.dispose()
+
+
+def test_escalated_step_migration_downgrades_and_upgrades_keeping_the_alerts(database_url):
+    engine = create_db_engine(database_url)
+
+    def alert_columns():
+        return {c["name"] for c in inspect(engine).get_columns("alerts")}
+
+    try:
+        assert "escalated_step" in alert_columns()
+        now = datetime.now(UTC)
+        with engine.begin() as conn:
+            run_id = conn.execute(insert(Run).values(name="r", created_at=now).returning(Run.id)).scalar_one()
+            conn.execute(insert(Alert).values(run_id=run_id, fingerprint="fp", rule="stale_scale", severity="warning",
+                                              state="firing", message="m", fired_step=80, escalated_step=300,
+                                              started_at=now, updated_at=now))
+        config = alembic_config()
+        with engine.begin() as conn:
+            config.attributes["connection"] = conn
+            command.downgrade(config, "0002")
+        assert current_revision(engine) == "0002"
+        assert "escalated_step" not in alert_columns() and "fired_step" in alert_columns()
+        with engine.connect() as conn:
+            assert conn.execute(text("select rule, fired_step from alerts")).all() == [("stale_scale", 80)]
+        upgrade(engine)
+        assert current_revision(engine) == head_revision() and "escalated_step" in alert_columns()
+        with engine.connect() as conn:
+            assert conn.execute(select(Alert.fired_step, Alert.escalated_step)).all() == [(80, None)]
+            assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
     finally:
         engine.dispose()
 

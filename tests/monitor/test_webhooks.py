@@ -34,6 +34,23 @@ def test_slack_payload_names_run_severity_rule_where_step_and_links_the_run():
     assert p["fp8mon"]["event"] == "fired" and p["fp8mon"]["layer"] == "blocks.3.mlp.fc2"
 
 
+def test_escalation_payload_carries_the_escalated_step_beside_the_fired_step():
+    t = AlertTracker()
+
+    def finding(severity):
+        return Finding(rule="stale_scale", severity=severity, step=0, layer="blocks.0.mlp.fc2", site="grad_output",
+                       message=f"stale scale ({severity})")
+
+    (fired,) = t.update("exp/run", 80, [finding("info")])
+    assert slack_payload(fired, "http://mon")["fp8mon"]["escalated_step"] is None
+    (escalated,) = t.update("exp/run", 300, [finding("warning")])
+    p = slack_payload(escalated, "http://mon")
+    assert p["fp8mon"]["event"] == "escalated" and p["fp8mon"]["severity"] == "warning"
+    assert (p["fp8mon"]["fired_step"], p["fp8mon"]["escalated_step"], p["fp8mon"]["step"]) == (80, 300, 300)
+    assert p["text"].startswith("[ESCALATED] WARNING stale_scale on run exp/run")
+    assert "escalated to warning at step 300, was info; fired at step 80" in p["text"]
+
+
 def test_retries_with_backoff_until_delivered():
     metrics = Metrics()
     with Receiver(fail_first=2) as rx:
