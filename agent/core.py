@@ -508,6 +508,13 @@ class FusedLink:
             self.agent._error("fused target", exc)
             return None
 
+    def due(self, site: str) -> bool:
+        """Whether ``target``/``wants`` would still ask for ``site``'s row this step (claims nothing)."""
+        agent = self.agent
+        if site not in self.sites or not agent.reporting:
+            return False
+        return site != "weight" or agent._slots.get(self.layer, site) not in agent._seen
+
     def wants(self, site: str) -> bool:
         agent = self.agent
         if site not in self.sites or not agent.reporting:

@@ -124,6 +124,7 @@ class _State:
         self.scale = module.fp8_scale
         self.link = module.fp8mon_stats  # the agent's FusedLink, or None
         self.weight = module.weight  # its .grad: what the wgrad result accumulates into
+        self.weight_cache = module.fp8_weight_cache
         self.delayed = module.recipe.scaling == "delayed"
         if self.delayed:
             self.history = {s: getattr(module, f"amax_history_{s}") for s in SITES}
@@ -173,6 +174,21 @@ class _State:
         self.amax[site] = r.amax
         self.scale[site] = r.scale
         return r.data, r.data_t, r.meta[2:3]
+
+    def quantize_weight(self, weight: torch.Tensor, want_t: bool):
+        """``quantize("weight", ...)``, cast once per value of the weight: the micro-batches of an optimizer
+        step reuse the first one's FP8 weight and transpose (TE's FP8 weight caching). It is cast again when
+        the weight changed (its data pointer or version counter: optimizers and checkpoint loads write it in
+        place), when the transpose is newly wanted, or when the agent still wants this step's weight row.
+        Delayed scaling therefore rolls the weight's amax history once per weight value, not per forward."""
+        key = (weight.data_ptr(), weight._version)
+        hit = self.weight_cache[0]
+        due = self.link is not None and self.link.due("weight")
+        if hit is not None and hit[0] == key and (hit[1][1] is not None or not want_t) and not due:
+            return hit[1]
+        out = self.quantize("weight", weight, want_q=True, want_t=want_t)
+        self.weight_cache[0] = (key, out)
+        return out
 
     def gemm(self, a, b, sa, sb, out_dtype, fast_accum, bias=None, site=None, base=None):
         """(a @ bᵀ) * sa * sb, a (M, K), b (N, K) FP8; with ``site`` also the statistics row of the result (of
@@ -228,7 +244,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         x2 = x.reshape(-1, in_features)
         with torch.autocast(x.device.type, enabled=False):  # the fallback matmul must stay fp32
             qx, qx_t, sx = state.quantize("input", x2, want_q=True, want_t=need_dw)
-            qw, qw_t, sw = state.quantize("weight", weight, want_q=True, want_t=need_dx)
+            qw, qw_t, sw = state.quantize_weight(weight, want_t=need_dx)
             y = state.gemm(qx, qw, sx, sw, out_dtype, state.recipe.fast_accum_fwd, bias, site="output")
         ctx.save_for_backward(qx_t if need_dw else None, qw_t if need_dx else None, sx, sw)
         ctx.state, ctx.x_dtype, ctx.w_dtype, ctx.lead = state, x.dtype, weight.dtype, lead
@@ -297,6 +313,7 @@ class Fp8Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self.backend = "auto"
         self.fp8mon_stats = None  # set by agent.Agent.watch
+        self.fp8_weight_cache: list = [None]  # ((data_ptr, version), (q, q_t, scale_inv)): see _State.quantize_weight
         self.fp8_amax: dict[str, torch.Tensor] = {}
         self.fp8_scale: dict[str, torch.Tensor] = {}
         if recipe.scaling == "delayed":

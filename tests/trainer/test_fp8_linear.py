@@ -172,10 +172,11 @@ def test_delayed_stale_scale_saturates():
 
 def test_without_saturation_an_overflow_of_a_stale_scale_is_nan_in_the_output_and_the_gradient():
     m = Fp8Linear(32, 16, recipe=Fp8Recipe(scaling="delayed", amax_history_len=2, saturate=False))
-    m(torch.randn(8, 32).clamp(-2, 2))  # history: amax 2
-    x = torch.randn(8, 32).clamp(-1.9, 1.9)
     saturating = Fp8Linear(32, 16, recipe=Fp8Recipe(scaling="delayed", amax_history_len=2))
     saturating.load_state_dict(m.state_dict())
+    x0 = torch.randn(8, 32).clamp(-2, 2)
+    m(x0), saturating(x0)  # history: amax 2
+    x = torch.randn(8, 32).clamp(-1.9, 1.9)
     assert torch.equal(m(x), saturating(x))  # inside the range: the same as the saturating cast
     x[3, 5] = 1000.0  # one element past what the stale scale allows
     x.requires_grad_()
@@ -254,3 +255,22 @@ def test_no_host_sync_cuda(scaling):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert set(m.fp8_amax) == {"input", "weight", "grad_output"}
+
+
+def test_the_fp8_weight_is_cast_once_per_weight_value():
+    """Micro-batches of one optimizer step reuse the FP8 weight (delayed scaling: its history rolls once);
+    an in-place update of the weight, as an optimizer step makes, casts it again."""
+    m = Fp8Linear(32, 16, recipe=Fp8Recipe(scaling="delayed", amax_history_len=4))
+    x = torch.randn(8, 32, requires_grad=True)
+    m(x).sum().backward()
+    m(x).sum().backward()  # same weight: the cached cast
+    amax = float(m.weight.detach().abs().max())
+    assert m.amax_history_weight.tolist() == pytest.approx([amax, 0, 0, 0])
+    assert m.amax_history_input.tolist()[:2] == pytest.approx([float(x.detach().abs().max())] * 2)
+    with torch.no_grad():
+        m.weight.mul_(2)
+    y = m(x)
+    assert m.amax_history_weight.tolist() == pytest.approx([2 * amax, amax, 0, 0])
+    qw = (m.weight.detach() * m.fp8_scale["weight"]).clamp(-E4M3.max, E4M3.max).to(torch.float8_e4m3fn)
+    qx = (x.detach() * m.fp8_scale["input"]).clamp(-E4M3.max, E4M3.max).to(torch.float8_e4m3fn)
+    assert rel(y, fp8_gemm_ref(qx, qw, 1 / m.fp8_scale["input"], 1 / m.fp8_scale["weight"], torch.float32)) < 1e-5
