@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.config import get_config  # noqa: E402
-from trainer.fp8_linear import Fp8Recipe  # noqa: E402
+from trainer.fp8_linear import Fp8Recipe, cache_fp8_weights  # noqa: E402
 from trainer.model import Transformer, autocast  # noqa: E402
 
 BATCH = {"tiny": 8, "124m": 16, "1.5b": 4}  # sequences per step at the config's seq_len (124m: 16 x 1024)
@@ -38,6 +38,8 @@ def build(config: str, arch: str, precision: str, vocab: int, scaling: str, devi
     recipe = Fp8Recipe(scaling=scaling) if precision == "fp8" else None
     model = Transformer(cfg, arch, precision, recipe).to(device)
     optimizer = torch.optim.AdamW(model.param_groups(0.1), lr=1e-4, fused=device.type == "cuda")
+    if precision == "fp8":  # as fp8mon train: the micro-batches of a step reuse each FP8 weight cast
+        cache_fp8_weights(model, optimizer)
     return model, optimizer, cfg
 
 
@@ -104,6 +106,7 @@ def main(argv=None) -> int:
         print(f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}", flush=True)
     else:
         print(f"# CPU, torch {torch.__version__} (the FP8 reference path: no speed-up expected)", flush=True)
+    failed = False
     for config in args.configs.split(","):
         ratios = []
         for r in range(args.rounds):
@@ -116,9 +119,14 @@ def main(argv=None) -> int:
                       f"{m['tokens_per_s']:>10,.0f} tok/s  ({m['tokens']} tokens/step, loss {m['loss']:.3f}, "
                       f"peak {m['peak_gib']:.1f} GiB)", flush=True)
             ratios.append(got["fp8"]["tokens_per_s"] / got["bf16"]["tokens_per_s"])
+            # a throughput of an FP8 model that does not learn is no result (the batch repeats: both fit it)
+            if not got["fp8"]["loss"] <= 2 * got["bf16"]["loss"] + 0.5:
+                failed = True
+                print(f"{config:>5} FAIL: the fp8 loss {got['fp8']['loss']:.3f} does not track bf16's "
+                      f"{got['bf16']['loss']:.3f}", flush=True)
         print(f"{config:>5} {args.arch}: fp8/bf16 tokens/s = " + ", ".join(f"{q:.3f}" for q in ratios)
               + f" (per round; median {statistics.median(ratios):.3f})", flush=True)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -125,6 +125,7 @@ class _State:
         self.link = module.fp8mon_stats  # the agent's FusedLink, or None
         self.weight = module.weight  # its .grad: what the wgrad result accumulates into
         self.weight_cache = module.fp8_weight_cache
+        self.cache_weight = module.fp8_cache_weight
         self.delayed = module.recipe.scaling == "delayed"
         if self.delayed:
             self.history = {s: getattr(module, f"amax_history_{s}") for s in SITES}
@@ -176,11 +177,15 @@ class _State:
         return r.data, r.data_t, r.meta[2:3]
 
     def quantize_weight(self, weight: torch.Tensor, want_t: bool):
-        """``quantize("weight", ...)``, cast once per value of the weight: the micro-batches of an optimizer
-        step reuse the first one's FP8 weight and transpose (TE's FP8 weight caching). It is cast again when
-        the weight changed (its data pointer or version counter: optimizers and checkpoint loads write it in
-        place), when the transpose is newly wanted, or when the agent still wants this step's weight row.
-        Delayed scaling therefore rolls the weight's amax history once per weight value, not per forward."""
+        """``quantize("weight", ...)``, and with weight caching on (``cache_fp8_weights``) cast once per
+        optimizer step: the micro-batches of a step reuse the first one's FP8 weight and transpose (TE's FP8
+        weight caching). The cache is dropped after each optimizer step (a step hook: a fused optimizer
+        writes the weight without bumping its version counter), and is not used when the weight's data
+        pointer or version changed (a checkpoint load), when the transpose is newly wanted, or when the agent
+        still wants this step's weight row. Delayed scaling then rolls the weight's amax history once per
+        optimizer step, not per micro-batch."""
+        if not self.cache_weight:
+            return self.quantize("weight", weight, want_q=True, want_t=want_t)
         key = (weight.data_ptr(), weight._version)
         hit = self.weight_cache[0]
         due = self.link is not None and self.link.due("weight")
@@ -313,6 +318,7 @@ class Fp8Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self.backend = "auto"
         self.fp8mon_stats = None  # set by agent.Agent.watch
+        self.fp8_cache_weight = False  # set by cache_fp8_weights
         self.fp8_weight_cache: list = [None]  # ((data_ptr, version), (q, q_t, scale_inv)): see _State.quantize_weight
         self.fp8_amax: dict[str, torch.Tensor] = {}
         self.fp8_scale: dict[str, torch.Tensor] = {}
@@ -348,3 +354,18 @@ class Fp8Linear(nn.Module):
         need_dw = grad and self.weight.requires_grad
         state = _State(self, _resolve_backend(self.backend, x.device, self.recipe))
         return _Fp8LinearFn.apply(x, self.weight, self.bias, state, out_dtype, need_dx, need_dw)
+
+
+def cache_fp8_weights(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Cast each ``Fp8Linear`` weight of ``model`` once per step of ``optimizer`` (see
+    ``_State.quantize_weight``): worth it with gradient accumulation. Returns the number of layers."""
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    for m in layers:
+        m.fp8_cache_weight = True
+
+    def drop(*_):
+        for m in layers:
+            m.fp8_weight_cache[0] = None
+
+    optimizer.register_step_post_hook(drop)
+    return len(layers)

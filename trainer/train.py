@@ -334,6 +334,10 @@ def run(args) -> TrainResult:
                       qk_norm=False if getattr(args, "no_qk_norm", False) else None).to(device)
     optimizer = torch.optim.AdamW(raw.param_groups(args.weight_decay), lr=args.lr, betas=tuple(args.betas),
                                   eps=args.adam_eps, fused=device.type == "cuda")
+    if args.precision == "fp8":  # the micro-batches of a step reuse each FP8 weight cast
+        from .fp8_linear import cache_fp8_weights
+
+        cache_fp8_weights(raw, optimizer)
     ckpt = Path(args.out) / "ckpt.pt" if args.out else None
     start = 0
     resume_from = resolve_checkpoint(args)

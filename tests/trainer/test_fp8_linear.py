@@ -19,7 +19,7 @@ from torch import nn
 
 from agent.formats import E4M3, E5M2, current_scale, delayed_scale
 from agent.hooks import is_linear
-from trainer.fp8_linear import Fp8Linear, Fp8Recipe
+from trainer.fp8_linear import Fp8Linear, Fp8Recipe, cache_fp8_weights
 from trainer.kernels import fp8_gemm_ref
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -257,20 +257,40 @@ def test_no_host_sync_cuda(scaling):
     assert set(m.fp8_amax) == {"input", "weight", "grad_output"}
 
 
-def test_the_fp8_weight_is_cast_once_per_weight_value():
+def test_with_weight_caching_the_fp8_weight_is_cast_once_per_optimizer_step():
     """Micro-batches of one optimizer step reuse the FP8 weight (delayed scaling: its history rolls once);
-    an in-place update of the weight, as an optimizer step makes, casts it again."""
+    after the optimizer's step it is cast again, even by an optimizer that writes the weight without bumping
+    its version counter (as torch's fused AdamW does on CUDA)."""
     m = Fp8Linear(32, 16, recipe=Fp8Recipe(scaling="delayed", amax_history_len=4))
+
+    class DataSGD(torch.optim.Optimizer):
+        def step(self, closure=None):
+            for p in self.param_groups[0]["params"]:
+                p.data.mul_(2)  # .data: the parameter's version counter stays
+
+    opt = DataSGD(m.parameters(), {})
+    assert cache_fp8_weights(m, opt) == 1
     x = torch.randn(8, 32, requires_grad=True)
     m(x).sum().backward()
-    m(x).sum().backward()  # same weight: the cached cast
+    m(x).sum().backward()  # same step: the cached cast
     amax = float(m.weight.detach().abs().max())
     assert m.amax_history_weight.tolist() == pytest.approx([amax, 0, 0, 0])
     assert m.amax_history_input.tolist()[:2] == pytest.approx([float(x.detach().abs().max())] * 2)
-    with torch.no_grad():
-        m.weight.mul_(2)
+    opt.step()
     y = m(x)
     assert m.amax_history_weight.tolist() == pytest.approx([2 * amax, amax, 0, 0])
     qw = (m.weight.detach() * m.fp8_scale["weight"]).clamp(-E4M3.max, E4M3.max).to(torch.float8_e4m3fn)
     qx = (x.detach() * m.fp8_scale["input"]).clamp(-E4M3.max, E4M3.max).to(torch.float8_e4m3fn)
     assert rel(y, fp8_gemm_ref(qx, qw, 1 / m.fp8_scale["input"], 1 / m.fp8_scale["weight"], torch.float32)) < 1e-5
+    with torch.no_grad():
+        m.weight.copy_(m.weight / 4)  # a checkpoint load: in place, version bumped, no optimizer step
+    m(x)
+    assert m.amax_history_weight.tolist() == pytest.approx([amax / 2, 2 * amax, amax, 0])
+
+
+def test_without_weight_caching_every_forward_casts_the_weight():
+    m = Fp8Linear(32, 16, recipe=Fp8Recipe(scaling="delayed", amax_history_len=4))
+    x = torch.randn(8, 32)
+    m(x), m(x)
+    amax = float(m.weight.detach().abs().max())
+    assert m.amax_history_weight.tolist() == pytest.approx([amax, amax, 0, 0])
