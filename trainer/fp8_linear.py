@@ -183,7 +183,8 @@ class _State:
         writes the weight without bumping its version counter), and is not used when the weight's data
         pointer or version changed (a checkpoint load), when the transpose is newly wanted, or when the agent
         still wants this step's weight row. Delayed scaling then rolls the weight's amax history once per
-        optimizer step, not per micro-batch."""
+        optimizer step, not per micro-batch; the module's very first cast, made with an empty history (scale
+        1), is not reused."""
         if not self.cache_weight:
             return self.quantize("weight", weight, want_q=True, want_t=want_t)
         key = (weight.data_ptr(), weight._version)
@@ -192,7 +193,10 @@ class _State:
         if hit is not None and hit[0] == key and (hit[1][1] is not None or not want_t) and not due:
             return hit[1]
         out = self.quantize("weight", weight, want_q=True, want_t=want_t)
-        self.weight_cache[0] = (key, out)
+        # the first cast of a delayed-scaling module had an empty history (scale 1): not worth reusing
+        if self.weight_cache[1] or not self.delayed:
+            self.weight_cache[0] = (key, out)
+        self.weight_cache[1] += 1
         return out
 
     def gemm(self, a, b, sa, sb, out_dtype, fast_accum, bias=None, site=None, base=None):
@@ -319,7 +323,8 @@ class Fp8Linear(nn.Module):
         self.backend = "auto"
         self.fp8mon_stats = None  # set by agent.Agent.watch
         self.fp8_cache_weight = False  # set by cache_fp8_weights
-        self.fp8_weight_cache: list = [None]  # ((data_ptr, version), (q, q_t, scale_inv)): see _State.quantize_weight
+        # [((data_ptr, version), (q, q_t, scale_inv)) or None, casts so far]: see _State.quantize_weight
+        self.fp8_weight_cache: list = [None, 0]
         self.fp8_amax: dict[str, torch.Tensor] = {}
         self.fp8_scale: dict[str, torch.Tensor] = {}
         if recipe.scaling == "delayed":
