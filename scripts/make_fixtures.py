@@ -120,6 +120,13 @@ CPU_RUNS = (
     _cpu_ramp("cpu-fog-fp8-delayed-s5-div", "fp8", "test", 5, *DELAYED2),
     _cpu_long("llama", "fp8", "test", 5),
     _cpu_long("llama", "bf16", "test", 5),
+    # held out in pass G (written down before they ran; no threshold changed after pass F): seed 6
+    _cpu_frozen("fog", "test", 6),
+    _cpu_frozen("llama", "test", 6),
+    _cpu_ramp("cpu-fog-bf16-s6-div", "bf16", "test", 6),
+    _cpu_long("fog", "fp8", "test", 6),
+    _cpu_long("llama", "fp8", "test", 6),
+    _cpu_long("fog", "bf16", "test", 6),
 )
 
 # GPU: 4 layers x d 512 (head_dim 128), 32 x 256 tokens per step, statistics every 5 steps, 700 steps.
