@@ -1,0 +1,107 @@
+"""Device time of the standalone statistics kernel alone (CUDA kernel time from torch.profiler), beside the
+host time of a whole ``triton_stats.partials`` call, as fractions of the copy bandwidth measured in the same
+run. bench/stats_kernel.py times whole calls with CUDA events, so its figures include the launcher's host
+work whenever that is longer than the kernel; this one separates the two.
+
+    python3 bench/stats_kernel_time.py            # on a GPU: sizes 16, 64, 256 MiB, bf16 and fp32,
+                                                  # the 20 tensors of a GPT-124M layer, a launch-shape sweep
+
+With ncu (hardware counters) on the kernel: ``ncu --clock-control none -k regex:_stats_kernel --launch-count 8
+--section SpeedOfLight --section Occupancy --section LaunchStats python3 bench/stats_kernel_time.py --ncu``
+(``--ncu``: only 8 launches, 64 and 256 MiB bf16 with and without the histogram, nothing timed).
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from agent import triton_stats as ts  # noqa: E402
+
+MiB = 1 << 20
+
+
+def timed(fn, reps: int = 20) -> tuple[float, float, float]:
+    """(host µs per call, wall µs per call, device µs per call of the statistics kernel)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    host = (time.perf_counter() - t0) / reps
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / reps
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    kernel = sum(e.time_range.elapsed_us() for e in prof.events()
+                 if e.device_type.name == "CUDA" and "stats" in e.name)
+    return host * 1e6, wall * 1e6, kernel / reps
+
+
+def copy_tbs(x: torch.Tensor) -> float:
+    """Copy bandwidth, TB/s counting read + write."""
+    dst = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: dst.copy_(x), warmup=25, rep=100, return_mode="median")
+    return 2 * x.numel() * x.element_size() / (ms * 1e-3) / 1e12
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ncu", action="store_true", help="only the 8 launches for ncu, no timing")
+    args = p.parse_args()
+    scale = torch.tensor(2.0, device="cuda")
+    center = torch.tensor([0.0, 1.0], dtype=torch.float64, device="cuda")
+    if args.ncu:
+        for mib in (64, 256):
+            x = torch.randn(mib * MiB // 2, device="cuda").to(torch.bfloat16)
+            for hist in (True, False):
+                for _ in range(2):
+                    ts.partials(x, fmt="e4m3", scale=scale, center=center, hist=hist)
+        torch.cuda.synchronize()
+        return
+    print(torch.cuda.get_device_name())
+    for dtype in (torch.bfloat16, torch.float32):
+        for mib in (16, 64, 256):
+            nbytes = mib * MiB
+            x = torch.randn(nbytes // torch.empty((), dtype=dtype).element_size(), device="cuda").to(dtype)
+            bw = copy_tbs(x)
+            for hist in (True, False):
+                host, wall, kernel = timed(lambda: ts.partials(x, fmt="e4m3", scale=scale, center=center, hist=hist))
+                print(f"{str(dtype)[6:]:9} {mib:4} MiB hist={hist!s:5} copy {bw:5.2f} TB/s | kernel {kernel:8.1f} us = "
+                      f"{nbytes / (kernel * 1e-6) / 1e12 / bw:.3f} of copy | host/call {host:7.1f} us, wall/call "
+                      f"{wall:7.1f} us = {nbytes / (wall * 1e-6) / 1e12 / bw:.3f}", flush=True)
+            del x
+    # the 20 tensors of one GPT-124M layer (input, weight, output, grad_output, grad_weight of 4 linears)
+    d, tok = 768, 16 * 1024
+    shapes = []
+    for (i, o) in ((d, 3 * d), (d, d), (d, 4 * d), (4 * d, d)):
+        shapes += [(tok * i, torch.bfloat16), (o * i, torch.float32), (tok * o, torch.bfloat16),
+                   (tok * o, torch.bfloat16), (o * i, torch.float32)]
+    xs = [torch.randn(n, device="cuda").to(dt) for n, dt in shapes]
+    nbytes = sum(x.numel() * x.element_size() for x in xs)
+    host, wall, kernel = timed(lambda: ts.rows(xs, fmt="e4m3", scale=scale, center=center))
+    print(f"20 tensors {nbytes / MiB:.0f} MiB: kernel {kernel:.1f} us = {nbytes / (kernel * 1e-6) / 1e12 / bw:.3f} "
+          f"of copy; host/call {host:.1f} us, wall {wall:.1f} us")
+    del xs
+    # launch shapes, 64 MiB bf16
+    x = torch.randn(32 * MiB, device="cuda").to(torch.bfloat16)
+    bw = copy_tbs(x)
+    for chunk, rows, warps, nreg in ((65536, 512, 8, 80), (65536, 512, 8, 128), (32768, 512, 8, 80),
+                                     (131072, 512, 8, 80), (65536, 1024, 8, 96), (65536, 256, 4, 80),
+                                     (32768, 256, 4, 64)):
+        ts.CHUNK, ts.ROWS, ts.NUM_WARPS, ts.MAXNREG = chunk, rows, warps, nreg
+        for hist in (True, False):
+            _, _, kernel = timed(lambda: ts.partials(x, fmt="e4m3", scale=scale, center=center, hist=hist))
+            print(f"sweep CHUNK={chunk} ROWS={rows} warps={warps} maxnreg={nreg} hist={hist}: {kernel:.1f} us = "
+                  f"{64 * MiB / (kernel * 1e-6) / 1e12 / bw:.3f} of copy ({bw:.2f} TB/s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
