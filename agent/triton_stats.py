@@ -3,7 +3,7 @@
 The launcher ``rows`` produces, for a list of tensors (bf16, fp16 or fp32, any sizes, in ONE launch), the
 rows ``device_stats.partials`` produces, in its layout (``merge``, ``to_moments`` and ``Moments.to_stats``
 work unchanged), written into a given ``[R, WIDTH]`` fp64 buffer at given rows, optionally merged into
-what is there (the agent's step buffer: a micro-batch merges into its slot). No host sync: the work list
+what is there (the agent's step buffer: a micro-batch merges into its slot). No host sync: the tensor table
 goes to the device in one non-blocking copy from a persistent pinned staging ring (``_Staging``: a buffer
 is reused only once its last copy's event has completed, polled, never waited on); nothing is read back.
 bench/stats_check.py checks this under torch's sync debug mode (rows, fused kernels, an agent step).
@@ -15,9 +15,10 @@ crosses threads inside the loop. The kernel is launched with a register cap (``M
 (finalize, careful path) otherwise drives ptxas to 153-255 registers, one program per SM.
 
 Scheme (one kernel):
-  * Work list: every tensor is cut into chunks of ``CHUNK`` elements; a program per chunk. A table row per
-    tensor holds its address, dtype, size, the scale/center/history pointers or values and where its row
-    goes, so tensors of different dtypes and sizes share a launch.
+  * Work: every tensor is cut into chunks of ``CHUNK`` elements; a program per chunk. A table row per
+    tensor holds its address, dtype, size, its first chunk's program, the scale/center/history pointers or
+    values and where its row goes, so tensors of different dtypes and sizes share a launch; a program finds
+    its tensor by bisection over the rows' first chunks (the host's work is per tensor, not per chunk).
   * Per program, one read of its chunk: amax, a 64-bin histogram of the fp32 exponent (the 56 log2 binades
     of ``wire``, plus zeros and non-finite: zero/nonzero/non-finite counts come from it), underflow and
     overflow counts, outlier count, and the power sums of ``d = (x - c) * p`` in fp32 per lane, where the
@@ -587,12 +588,20 @@ if triton is not None:
         return bits.to(tl.float64, bitcast=True)
 
     @triton.jit
-    def _stats_kernel(tab_ptr, work_ptr, part_ptr, ctr_ptr, dst_ptr, HIST: tl.constexpr, CHUNK: tl.constexpr,
+    def _stats_kernel(tab_ptr, ntab, part_ptr, ctr_ptr, dst_ptr, HIST: tl.constexpr, CHUNK: tl.constexpr,
                       R: tl.constexpr):
         w = tl.program_id(0)
-        t = tl.load(work_ptr + 2 * w)
-        start = tl.load(work_ptr + 2 * w + 1)
+        # this program's tensor: the last table row whose first chunk is <= w (bisection over the rows)
+        lo = tl.zeros([], tl.int32)
+        hi = ntab + tl.zeros([], tl.int32)  # a tensor even where Triton specialises ntab == 1 to a constant
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            go_up = tl.load(tab_ptr + mid.to(tl.int64) * _TABW + _T_FIRST) <= w
+            lo = tl.where(go_up, mid, lo)
+            hi = tl.where(go_up, hi, mid)
+        t = lo.to(tl.int64)
         row = tab_ptr + t * _TABW
+        start = (w - tl.load(row + _T_FIRST)) * CHUNK
         addr = tl.load(row + _T_ADDR)
         numel = tl.load(row + _T_NUMEL)
         code = tl.load(row + _T_CODE)
@@ -718,7 +727,7 @@ def rows(tensors: Sequence[torch.Tensor], *, fmt=None, scale=None, center=None, 
 
 def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, device) -> None:
     keep = []  # what the device reads by address: alive until the launch is queued
-    table, work = [], []
+    table, nwork_total = [], 0
     for i, x in enumerate(tensors):
         if x.device != device:
             raise ValueError("rows(): all tensors must be on one device")
@@ -730,9 +739,7 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
         keep.append(x)
         numel = x.numel()
         nwork = max(1, -(-numel // CHUNK))
-        first = len(work) // 2
-        for j in range(nwork):
-            work += (i, j * CHUNK)
+        first, nwork_total = nwork_total, nwork_total + nwork
         fmt = None if fmts[i] is None else by_name(fmts[i])
         smode, s_addr, s_val = SCALE_NONE, 0, float("nan")
         ahm = ahms[i]
@@ -773,12 +780,10 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
         row[_T_AHM_ADDR], row[_T_AHM] = ahm_addr, _bits(ahm_val)
         row[_T_FMT], row[_T_K] = _FMT_CODES.get(fmt.name, 0) if fmt is not None else 0, _bits(k)
         table += row
-    nwork_total = len(work) // 2
-    buf = to_device(table + work, device)
-    tab, wl = buf[: len(table)], buf[len(table):]
+    tab = to_device(table, device)
     part = torch.empty(nwork_total, PW, dtype=torch.float64, device=device)
     opts = {} if INTERPRET or not MAXNREG else {"maxnreg": MAXNREG}
-    _stats_kernel[(nwork_total,)](tab, wl, part, counters(device), out, HIST=bool(hist), CHUNK=CHUNK,
+    _stats_kernel[(nwork_total,)](tab, len(tensors), part, counters(device), out, HIST=bool(hist), CHUNK=CHUNK,
                                   R=ROWS, num_warps=NUM_WARPS, **opts)
     del keep
 
