@@ -69,8 +69,9 @@ class Fp8Recipe:
     margin: int = 0
     fast_accum_fwd: bool = True  # fast accumulation in the forward GEMM, precise in the two backward GEMMs
     # Delayed scaling: after this many quantizations of a site (one per optimizer step without gradient
-    # accumulation) its scale stops being refreshed from the amax history: static scales calibrated over the
-    # first steps, or a history that stopped updating. 0: refreshed at every step (TE's delayed scaling).
+    # accumulation; for the weight under cache_fp8_weights, one per step always) its scale stops being
+    # refreshed from the amax history: static scales calibrated over the first steps, or a history that
+    # stopped updating. 0: refreshed at every step (TE's delayed scaling).
     freeze_scale_after: int = 0
     # False: a value past the format's range becomes NaN (E4M3) or +-Inf (E5M2), as in torch's own float8
     # conversion, instead of saturating to +-max: an FP8 stack that forgets to clamp (torch backend only)
