@@ -375,10 +375,15 @@ class Agent:
         if self._triton_for(todo[0][1]) and all(t[1].device == todo[0][1].device for t in todo):
             try:
                 self._observe_triton(todo)
+                return
             except Exception as exc:
-                for t in todo:
-                    self._error(f"hook {t[7]}", exc)
-            return
+                if self.stats_backend != "auto":
+                    for t in todo:
+                        self._error(f"hook {t[7]}", exc)
+                    return
+                # "auto" falls back to the torch path for good: these rows and all later ones are still taken
+                self._error("Triton statistics (the torch path from now on)", exc)
+                self.stats_backend = "torch"
         for slot, x, fmt, scale, ahm, emulated, replace, site in todo:
             try:
                 row = ds.partials(x, fmt=fmt, scale=scale, amax_history_max=ahm, outlier_k=self.outlier_k,

@@ -420,6 +420,33 @@ def test_errors_in_hooks_never_reach_the_training_loop(monkeypatch, caplog):
     assert cap.tensors == [] and len(cap.scalars) == 3  # the scalars still arrive
 
 
+def test_auto_backend_falls_back_to_torch_when_the_triton_statistics_fail(monkeypatch):
+    """stats_backend="auto": a Triton statistics launch that fails (say, a kernel that does not compile on
+    this GPU) is one counted error, and that step's rows and all later ones come from the torch path."""
+    from agent import triton_stats as ts
+
+    torch.manual_seed(3)
+    model = TinyLM()
+    ref = Reference(model, BLOCK_LINEARS)
+    cap = CaptureTransport()
+    agent = Agent(transport=cap, every=1, modules=r"^blocks\.").watch(model)
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("no kernel image for this GPU")
+
+    monkeypatch.setattr(ts, "rows", broken)
+    monkeypatch.setattr(agent, "_triton_for", lambda x: agent.stats_backend == "auto")  # as on a GPU
+    train(model, agent, batches(3, seed=4), ref=ref)
+    agent.close()
+    assert len(calls) == 1 and agent.errors == 1 and "torch path" in agent.last_error
+    records = cap.records()
+    assert {k[0] for k in records} == {0, 1, 2}
+    for (step, layer, site, rank), rec in records.items():
+        assert_record(rec, ref.expected(step, layer, site))
+
+
 def test_context_manager_sets_the_run_status():
     cap = CaptureTransport()
     with Agent(transport=cap, config={"lr": 0.1}, tags={"arch": "llama"}) as agent:
