@@ -402,6 +402,8 @@ def test_a_run_chosen_to_diverge_that_did_not_is_censored_not_stable():
 KNOWN_MISSES = {
     "cpu-fog-fp8-frozen-s5-div": "pass F held-out: a cast without saturation overflowed at step 166, before its "
                                  "scales froze (an early amax jump past the margin); paged only at the NaN",
+    "cpu-fog-fp8-frozen-s6-div": "pass G held-out: diverged 104 steps after its scales froze (step 300); the "
+                                 "stale-scale warning came 14 steps after the freeze, 90 ahead",
 }
 
 
