@@ -78,6 +78,15 @@ def _cpu_long(arch: str, precision: str, split: str, seed: int, *recipe: str, na
 
 
 DELAYED2 = ("--fp8-scaling", "delayed", "--amax-history", "2")
+
+
+def _cpu_pass_runs(split: str, seed: int) -> tuple[RunSpec, ...]:
+    """The held-out set of passes G and H: 2 frozen-scale runs, 1 FOG bf16 ramp, 3 long healthy runs."""
+    return (_cpu_frozen("fog", split, seed), _cpu_frozen("llama", split, seed),
+            _cpu_ramp(f"cpu-fog-bf16-s{seed}-div", "bf16", split, seed),
+            _cpu_long("fog", "fp8", split, seed), _cpu_long("llama", "fp8", split, seed),
+            _cpu_long("fog", "bf16", split, seed))
+
 CPU_RUNS = (
     RunSpec("cpu-fog-bf16-div", ("--arch", "fog", "--precision", "bf16", "--lr", "0.13", *CPU_DIVERGE),
             "tune", "diverging"),
@@ -121,19 +130,9 @@ CPU_RUNS = (
     _cpu_long("llama", "fp8", "tune", 5),
     _cpu_long("llama", "bf16", "tune", 5),
     # held out in pass G (written down before they ran; no threshold changed after pass F), tune runs from pass H on
-    _cpu_frozen("fog", "tune", 6),
-    _cpu_frozen("llama", "tune", 6),
-    _cpu_ramp("cpu-fog-bf16-s6-div", "bf16", "tune", 6),
-    _cpu_long("fog", "fp8", "tune", 6),
-    _cpu_long("llama", "fp8", "tune", 6),
-    _cpu_long("fog", "bf16", "tune", 6),
-    # held out in pass H (written down before they ran, with the pass-H thresholds fixed): seed 7
-    _cpu_frozen("fog", "test", 7),
-    _cpu_frozen("llama", "test", 7),
-    _cpu_ramp("cpu-fog-bf16-s7-div", "bf16", "test", 7),
-    _cpu_long("fog", "fp8", "test", 7),
-    _cpu_long("llama", "fp8", "test", 7),
-    _cpu_long("fog", "bf16", "test", 7),
+    *_cpu_pass_runs("tune", 6),
+    # held out in pass H (written down before they ran, with the pass-H thresholds fixed)
+    *_cpu_pass_runs("test", 7),
 )
 
 # GPU: 4 layers x d 512 (head_dim 128), 32 x 256 tokens per step, statistics every 5 steps, 700 steps.
