@@ -99,7 +99,7 @@ def measure(config: str, precision: str, args, device: torch.device, url: str) -
     phase(None)  # warm-up of the model alone (Triton autotuning, allocator)
     lower_bound(model, batch * cfg.seq_len, precision, device)
     if args.profile:
-        return profile(step, phase, device, args)
+        return profile(phase, device, args)
     got: dict[str, list[dict]] = {"off": []}
     for b in args.backends:
         got[b] = []
@@ -160,20 +160,21 @@ def lower_bound(model, tokens: int, precision: str, device: torch.device) -> Non
           f"({bw / 1e12:.2f} TB/s) >= {total / bw * 1e3:.2f} ms", flush=True)
 
 
-def profile(step, phase, device, args) -> dict:
+def profile(phase, device, args) -> dict:
     """Where the agent's time goes: torch.profiler over a few steps with the agent off and on (Triton
-    path), the top operators by self CPU time and by device time of each."""
+    path), the top operators by self CPU time and by device time of each, then cProfile's top host functions."""
+    import cProfile
+    import io
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile as tprofile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     for backend in (None, "triton"):
         steps, warmup = args.steps, args.warmup
         args.steps, args.warmup = 0, max(1, warmup)
-        info = phase(backend)  # warm-up of this backend (compiles)
+        phase(backend)  # warm-up of this backend (compiles)
         args.steps, args.warmup = steps, warmup
-        agent = None
-        if backend is not None:
-            from agent import Agent as _A  # noqa: F401
         with tprofile(activities=acts) as prof:
             t0 = time.perf_counter()
             info = phase(backend)
@@ -183,10 +184,6 @@ def profile(step, phase, device, args) -> dict:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
         if device.type == "cuda":
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
-        import cProfile
-        import io
-        import pstats
-
         cp = cProfile.Profile()
         cp.enable()
         phase(backend)
@@ -194,8 +191,7 @@ def profile(step, phase, device, args) -> dict:
         out = io.StringIO()
         pstats.Stats(cp, stream=out).sort_stats("tottime").print_stats(25)
         print("\n".join(out.getvalue().splitlines()[:45]))
-        del agent
-    return {"off_ms": 0.0}
+    return {}
 
 
 def main(argv=None) -> int:
