@@ -15,17 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.train_step import BATCH, build  # noqa: E402
-from trainer.model import autocast  # noqa: E402
-
-
-def train_step(model, optimizer, precision: str, x, y) -> None:
-    with autocast(precision, x.device):
-        loss = model(x, y)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_([q for q in model.parameters() if q.requires_grad], 1.0)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+from bench.train_step import BATCH, build, optimizer_step  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -42,12 +32,13 @@ def main(argv=None) -> int:
         batch = args.batch_size or BATCH[args.config]
         x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), device=device)
         y = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), device=device)
+        params = [q for q in model.parameters() if q.requires_grad]
         for _ in range(4):
-            train_step(model, optimizer, precision, x, y)
+            optimizer_step(model, optimizer, params, precision, x, y)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(2):
-                train_step(model, optimizer, precision, x, y)
+                optimizer_step(model, optimizer, params, precision, x, y)
             torch.cuda.synchronize()
         print(f"===== {precision} ({args.config}, two steps)")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))

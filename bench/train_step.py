@@ -43,6 +43,19 @@ def build(config: str, arch: str, precision: str, vocab: int, scaling: str, devi
     return model, optimizer, cfg
 
 
+def optimizer_step(model, optimizer, params, precision: str, x, y, grad_accum: int = 1) -> torch.Tensor:
+    """One whole optimizer step as `fp8mon train` takes it: `grad_accum` forwards under autocast and backwards,
+    gradient clipping, AdamW. Returns the last micro-batch's loss."""
+    for _ in range(grad_accum):
+        with autocast(precision, x.device):
+            loss = model(x, y)
+        (loss / grad_accum).backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
 def measure(config: str, arch: str, precision: str, args, device: torch.device) -> dict:
     model, optimizer, cfg = build(config, arch, precision, args.vocab, args.scaling, device)
     batch = args.batch_size or BATCH[config]
@@ -54,14 +67,7 @@ def measure(config: str, arch: str, precision: str, args, device: torch.device) 
     step_fn = torch.compile(model) if args.compile else model
 
     def step():
-        for _ in range(args.grad_accum):
-            with autocast(precision, device):
-                loss = step_fn(x, y)
-            (loss / args.grad_accum).backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
+        return optimizer_step(step_fn, optimizer, params, precision, x, y, args.grad_accum)
 
     for _ in range(args.warmup):
         step()
