@@ -1,5 +1,5 @@
 """Does FP8 weight caching change training? Losses of the tiny Llama with delayed scaling over optimizer
-steps of several micro-batches: bf16, fp8 casting the weight every micro-batch, fp8 with
+steps of several micro-batches (bench/train_step.py's optimizer_step: clipping, AdamW): bf16, fp8 casting the weight every micro-batch, fp8 with
 ``cache_fp8_weights``, and fp8 with caching that also reuses a module's very first cast (made with an empty
 amax history, scale 1), which ``cache_fp8_weights`` does not do. CPU (the torch FP8 path) or GPU.
 
@@ -13,9 +13,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.train_step import optimizer_step  # noqa: E402
 from trainer.config import get_config  # noqa: E402
 from trainer.fp8_linear import Fp8Linear, Fp8Recipe, cache_fp8_weights  # noqa: E402
-from trainer.model import Transformer, autocast  # noqa: E402
+from trainer.model import Transformer  # noqa: E402
 
 
 def losses(mode: str, steps: int, micro: int, device: torch.device) -> list[float]:
@@ -34,16 +35,8 @@ def losses(mode: str, steps: int, micro: int, device: torch.device) -> list[floa
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 256, (4, cfg.seq_len), generator=g).to(device)
     y = torch.randint(0, 256, (4, cfg.seq_len), generator=g).to(device)
-    out = []
-    for _ in range(steps):
-        for _ in range(micro):
-            with autocast(precision, device):
-                loss = model(x, y)
-            (loss / micro).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        out.append(float(loss.detach()))
-    return out
+    params = [q for q in model.parameters() if q.requires_grad]
+    return [float(optimizer_step(model, opt, params, precision, x, y, micro).detach()) for _ in range(steps)]
 
 
 def main() -> None:
