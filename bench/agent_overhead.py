@@ -5,8 +5,8 @@ grad_output, grad_weight), measured in one process, phases alternating.
     python bench/agent_overhead.py --configs 124m,1.5b --precisions fp8,bf16          # on a GPU
     python bench/agent_overhead.py --configs tiny --precisions bf16 --device cpu --steps 3 --warmup 1 --rounds 1
 
-Per config and precision one model is built (as bench/train_step.py builds it: llama, fused AdamW, gradient
-clipping, autocast) and the phases run in the order ``off, on, on-torch, off, on, ...`` (``--rounds``
+Per config and precision one model is built and stepped by bench/train_step.py's ``build`` and
+``optimizer_step`` (llama, current scaling, fused AdamW, gradient clipping, autocast) and the phases run in the order ``off, on, on-torch, off, on, ...`` (``--rounds``
 repetitions of ``off`` + each backend): the agent on the one-pass Triton path (``stats_backend="triton"``:
 in fp8 the rows of input/weight/grad_output come from the FP8 quantize kernels of Fp8Linear, output and
 grad_weight from the standalone kernel; in bf16 all five sites from the standalone kernel), and the naive
@@ -34,24 +34,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agent import Agent  # noqa: E402
-from trainer.config import get_config  # noqa: E402
-from trainer.fp8_linear import Fp8Recipe  # noqa: E402
-from trainer.model import Transformer, autocast  # noqa: E402
-
-BATCH = {"tiny": 8, "124m": 16, "1.5b": 4}  # as bench/train_step.py: 124m 16 x 1024, 1.5b 4 x 2048
-
-
-def build(config: str, precision: str, vocab: int, device: torch.device):
-    cfg = get_config(config, vocab_size=vocab)
-    torch.manual_seed(0)
-    recipe = Fp8Recipe() if precision == "fp8" else None
-    model = Transformer(cfg, "llama", precision, recipe).to(device)
-    optimizer = torch.optim.AdamW(model.param_groups(0.1), lr=1e-4, fused=device.type == "cuda")
-    return model, optimizer, cfg
-
+from bench.train_step import BATCH, build, optimizer_step  # noqa: E402
 
 def measure(config: str, precision: str, args, device: torch.device, url: str) -> dict:
-    model, optimizer, cfg = build(config, precision, args.vocab, device)
+    model, optimizer, cfg = build(config, "llama", precision, args.vocab, "current", device)
     batch = args.batch_size or BATCH[config]
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), device=device, generator=gen)
@@ -61,12 +47,7 @@ def measure(config: str, precision: str, args, device: torch.device, url: str) -
     step_no = [0]
 
     def step(agent):
-        with autocast(precision, device):
-            loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss = optimizer_step(model, optimizer, params, precision, x, y)
         if agent is not None:
             agent.log(step_no[0], loss=loss.detach())
         step_no[0] += 1
