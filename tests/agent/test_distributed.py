@@ -105,7 +105,6 @@ def _worker(rank, port, outdir, backend="gloo"):
         dist.destroy_process_group()
 
 
-
 def run_ranks(outdir, backend):
     mp.start_processes(_worker, args=(free_port(), str(outdir), backend), nprocs=WORLD, join=True,
                        start_method="spawn")
