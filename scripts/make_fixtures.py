@@ -13,7 +13,7 @@ GPU profile: its 16 runs start at once and each is stopped after 235 s (--timeou
 got; on one H200 with the torch FP8 backend that was step 299-339 for the FP8 runs and 549-674 for bf16 ones,
 and the exports of 4 runs did not finish within the 265 s the whole command was given (docs/prediction.md).
 
-`split` says whether a run was used to choose the predictor thresholds ("tune") or held out ("tune"), and
+`split` says whether a run was used to choose the predictor thresholds ("tune") or held out ("test"), and
 `labels.outcome` is "diverged", "stable", or "censored" (chosen to diverge, not diverged by its last step).
 """
 
@@ -44,7 +44,7 @@ FIXTURE_STATS = ("numel", "amax", "rms", "kurtosis", "underflow_frac", "overflow
 class RunSpec:
     name: str
     args: tuple[str, ...]
-    split: str  # "tune" | "tune"
+    split: str  # "tune" | "test"
     expect: str  # "stable" | "diverging": what the settings were chosen for (the label decides)
 
 
@@ -58,6 +58,7 @@ CPU_DIVERGE = ("--schedule", "constant", "--warmup", "400", "--weight-decay", "0
 CPU_FROZEN = ("--precision", "fp8", "--fp8-scaling", "delayed", "--amax-history", "16", "--fp8-margin", "2",
               "--fp8-freeze-scale-after", "300", "--fp8-no-saturate", "--lr", "3e-3", "--schedule", "constant",
               "--warmup", "100", "--weight-decay", "0")
+
 
 def _cpu_frozen(arch: str, split: str, seed: int) -> RunSpec:
     return RunSpec(f"cpu-{arch}-fp8-frozen-s{seed}-div", ("--arch", arch, *CPU_FROZEN, "--steps", "1200", "--seed",
@@ -86,6 +87,7 @@ def _cpu_pass_runs(split: str, seed: int) -> tuple[RunSpec, ...]:
             _cpu_ramp(f"cpu-fog-bf16-s{seed}-div", "bf16", split, seed),
             _cpu_long("fog", "fp8", split, seed), _cpu_long("llama", "fp8", split, seed),
             _cpu_long("fog", "bf16", split, seed))
+
 
 CPU_RUNS = (
     RunSpec("cpu-fog-bf16-div", ("--arch", "fog", "--precision", "bf16", "--lr", "0.13", *CPU_DIVERGE),
