@@ -550,10 +550,16 @@ if triton is not None:
         if ok:
             s1, s2, s3, s4, am, cu, co, cout, cz, h = zf, zf, zf, zf, zf, zi, zi, zi, zi, tl.zeros([64], tl.int32)
             nfull = n // TILE
+            # Software prefetch: tile k+1 is loaded before tile k is processed, so a tile's loads are in flight
+            # during the previous tile's arithmetic (without it each warp waits out the full memory latency
+            # once per tile). The first tile is x0, already loaded; the last iteration re-loads the last full
+            # tile (an unmasked, uniform load instead of a per-element mask; read from L2).
+            x = x0
             for k in range(0, nfull):
-                x = tl.load(base + k * TILE + offs).to(tl.float32)
+                xn = tl.load(base + tl.minimum(k + 1, nfull - 1) * TILE + offs).to(tl.float32)
                 s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
                     x, m0, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, False, True)
+                x = xn
             if nfull < ntiles:
                 mt = nfull * TILE + offs < n
                 x = tl.load(base + nfull * TILE + offs, mask=mt, other=0.0).to(tl.float32)

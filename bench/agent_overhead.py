@@ -57,7 +57,7 @@ def measure(config: str, precision: str, args, device: torch.device, url: str) -
         spool = tempfile.TemporaryDirectory()
         if backend is not None:
             agent = Agent(url, run=f"overhead-{config}-{precision}-{int(time.time())}", every=1,
-                          modules=r"^blocks\.", spool_dir=spool.name, stats_backend=backend).watch(model)
+                          modules=r"^blocks\.", spool_dir=spool.name, stats_backend=backend, hist=args.hist).watch(model)
             agent.step(step_no[0])
         for _ in range(args.warmup):
             step(agent)
@@ -188,6 +188,8 @@ def main(argv=None) -> int:
     p.add_argument("--url", default=None, help="monitor URL; default: a local acknowledging sink (bench/sink.py)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--profile", action="store_true", help="torch.profiler tables of off vs on instead of the timing")
+    p.add_argument("--no-hist", dest="hist", action="store_false",
+                   help="the agent without the optional log2 histogram (SPEC section 4)")
     args = p.parse_args(argv)
     args.backends = [b for b in args.backends.split(",") if b]
     device = torch.device(args.device)
