@@ -3,7 +3,8 @@ columnar wire blocks and hand them to the transport, on a thread of its own.
 
 The training thread only enqueues a ``Job`` (never blocks). This thread polls the job's CUDA event
 (``query`` + short sleeps: no synchronisation call that torch's sync debug mode would flag), decodes the
-pinned host buffer with the oracle's ``Moments.to_stats`` and returns the buffer to the pool.
+pinned host buffer into the SPEC statistics of all rows at once (``tensors_block``: the formulas of the
+oracle's ``Moments.to_stats``, vectorised) and returns the buffer to the pool.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from . import device_stats as ds
@@ -36,25 +38,64 @@ class Job:
     pooled: bool = False
 
 
-def tensors_block(step: int, rank: int, keys, rows: list[list[float]]) -> dict | None:
-    """The wire tensors block of the rows that observed something (parts > 0)."""
-    layers, sites, hists = [], [], []
-    stats: dict[str, list] = {name: [] for name in TENSOR_STATS}
-    for (layer, site), row in zip(keys, rows):
-        if row[ds.PARTS] <= 0:
-            continue
-        values = ds.to_moments(row).to_stats()
-        layers.append(layer)
-        sites.append(site)
-        for name in TENSOR_STATS:
-            stats[name].append(values[name])
-        hists.append(values.get("log2_hist"))
-    if not layers:
+def tensors_block(step: int, rank: int, keys, rows: np.ndarray) -> dict | None:
+    """The wire tensors block of the rows (``[len(keys), WIDTH]`` fp64) that observed something (parts > 0).
+
+    The SPEC statistics of all rows at once, with the formulas of ``Moments.to_stats`` (the oracle; equal up
+    to the last bit of ``mean**4``). Vectorised because this thread shares the GIL with the training loop: a
+    per-row Python conversion cost a host-bound 124M step ~40 ms of GIL time per reporting step (240 rows)."""
+    rows = np.asarray(rows, dtype=np.float64).reshape(len(keys), ds.WIDTH)
+    seen = np.flatnonzero(rows[:, ds.PARTS] > 0)
+    if seen.size == 0:
         return None
-    block = {"step": step, "layer": layers, "site": sites, "rank": rank, "stats": stats}
-    if any(h is not None for h in hists):
-        block["log2_hist"] = hists
+    r = rows[seen]
+    numel, n, mu, m2c, m3c, m4c, amax = (r[:, i] for i in (ds.NUMEL, ds.N, ds.MEAN, ds.M2, ds.M3, ds.M4, ds.AMAX))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        has = n > 0
+        mu = np.where(has, mu, np.nan)
+        var = np.where(has, m2c / n, np.nan)
+        ms = var + mu * mu  # mean(x^2)
+        m4 = m4c / n + 4.0 * mu * m3c / n + 6.0 * mu * mu * var + mu ** 4  # mean(x^4), as Moments.to_stats
+        rms, std = np.sqrt(ms), np.sqrt(var)
+        stats = {
+            "numel": numel.astype(np.int64).tolist(),
+            "amax": amax.tolist(),
+            "rms": rms.tolist(),
+            "mean": mu.tolist(),
+            "std": std.tolist(),
+            "kurtosis": np.where(ms > 0, m4 / (ms * ms), np.nan).tolist(),
+            "kurtosis_central": np.where(m2c > 0, n * m4c / (m2c * m2c), np.nan).tolist(),
+            "crest": np.where(rms > 0, amax / rms, np.nan).tolist(),
+            "underflow_frac": _optional(_frac(r[:, ds.UNDERFLOW], r[:, ds.NONZERO])),
+            "overflow_frac": _optional(_frac(r[:, ds.OVERFLOW], numel)),
+            "outlier_frac": _frac(r[:, ds.OUTLIERS], numel).tolist(),
+            "zero_frac": _frac(r[:, ds.ZEROS], numel).tolist(),
+            "nonfinite": r[:, ds.NONFINITE].astype(np.int64).tolist(),
+            "scale": _optional(r[:, ds.SCALE]),
+            "amax_history_max": _optional(r[:, ds.AMAX_HISTORY_MAX]),
+        }
+    assert tuple(stats) == TENSOR_STATS
+    block = {"step": step, "layer": [keys[i][0] for i in seen], "site": [keys[i][1] for i in seen], "rank": rank,
+             "stats": stats}
+    hist = r[:, ds.HIST:]
+    with_hist = ~np.isnan(hist[:, 0])
+    if with_hist.any():
+        counts = np.where(with_hist[:, None], hist, 0).astype(np.int64).tolist()
+        block["log2_hist"] = [c if w else None for c, w in zip(counts, with_hist.tolist())]
     return block
+
+
+def _frac(count: np.ndarray, total: np.ndarray) -> np.ndarray:
+    """count / total, 0 where total is 0 (NaN counts stay NaN)."""
+    return np.where(total != 0, count / np.where(total != 0, total, 1.0), np.where(np.isnan(count), np.nan, 0.0))
+
+
+def _optional(values: np.ndarray) -> list:
+    """The values as a list, None where NaN (an absent optional statistic)."""
+    out = values.tolist()
+    for i in np.flatnonzero(np.isnan(values)).tolist():
+        out[i] = None
+    return out
 
 
 class PinnedPool:
@@ -121,16 +162,15 @@ class Collector:
             while not job.event.query():
                 time.sleep(delay)
                 delay = min(2 * delay, 5e-3)
-        values = job.host.tolist() if job.host is not None else []
+        values = job.host.numpy().copy() if job.host is not None else np.zeros(0)
         if job.pooled:
             self.pool.put(job.host)
         nrows = len(job.keys)
-        rows = [values[i * ds.WIDTH:(i + 1) * ds.WIDTH] for i in range(nrows)]
-        block = tensors_block(job.step, job.rank, job.keys, rows)
+        block = tensors_block(job.step, job.rank, job.keys, values[:nrows * ds.WIDTH]) if nrows else None
         if block is not None:
             self.transport.send_tensors(block)
         scalars = dict(job.scalars)
-        scalars.update(zip(job.tensor_scalars, values[nrows * ds.WIDTH:]))
+        scalars.update(zip(job.tensor_scalars, values[nrows * ds.WIDTH:].tolist()))
         if scalars:
             self.transport.send_scalars({"step": job.step, "name": list(scalars), "value": list(scalars.values()),
                                          "rank": job.scalar_rank})
