@@ -89,3 +89,36 @@ def test_gemm_epilogue_statistics(results):
 
 if __name__ == "__main__":
     _child()
+
+
+# ---------------------------------------------------------------------------------------------------
+# autotuning of the statistics variants (host logic; the autotuner itself runs only on a GPU)
+
+def test_statistics_variant_is_tuned_among_the_plain_best_and_one_spare():
+    import importlib
+
+    fg = importlib.import_module("trainer.kernels.fp8_gemm")  # the module (the package exports the function)
+
+    configs = fg._tma_configs()
+    prune = fg._stats_prune("tma")
+    flags = dict(KEY="e5m2xe4m3->bf16", HAS_BIAS=False, FAST_ACC=False, SPLIT_K=1)
+    shape = {"M": 256, "N": 512, "K": 1024}
+    assert prune(configs, shape, STATS=False, **flags) == configs
+    assert prune(configs, shape, STATS=True, **flags) == configs  # the plain best is not known yet
+
+    class Tuner:  # what the launch sees of triton.autotune: a launch, then best_config
+        best_config = configs[0]  # 128x256x128, 3 stages
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    try:
+        fg._tuned_launch(Tuner(), "tma", None, (), dict(flags, STATS=True), *shape.values())
+        assert not fg._PLAIN_BEST  # a statistics variant's choice is not a plain one
+        fg._tuned_launch(Tuner(), "tma", None, (), dict(flags, STATS=False, WARP_SPEC=False), *shape.values())
+        kept = [fg._config_dict(c) for c in prune(configs, shape, STATS=True, **flags)]
+        assert kept == [fg._config_dict(configs[0]), fg._STATS_SPARE]
+        assert prune(configs, dict(shape, K=2048), STATS=True, **flags) == configs  # another shape
+        assert fg._stats_prune("ptr")(fg._ptr_configs(), shape, STATS=True, **flags) == fg._ptr_configs()
+    finally:
+        fg._PLAIN_BEST.clear()

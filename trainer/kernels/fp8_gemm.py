@@ -23,7 +23,8 @@ Split-K (both) when the output has fewer 128x128 tiles than the GPU has SMs and 
 model's wgrads, e.g. 768 x 768 x 16384): fp32 partials per K slice, then a fixed-order reduce.
 ``impl="auto"`` (the default) runs both on the first call of each shape/dtype/flag combination (that
 call autotunes and synchronizes), checks them against each other, keeps the faster; later calls are a
-dict lookup and never synchronize.
+dict lookup and never synchronize. A variant with a statistics epilogue (``stats=``) is tuned among two configs
+only: the one chosen for the same GEMM without statistics (tuned first if need be) and a 128x128 tile.
 
 Measured on one H200 (Triton 3.6, torch 2.11; bench/gemm.py): the fast-accumulation forward GEMM is at
 0.87-1.04x torch._scaled_mm (1.02x at 8192^3); the precise backward GEMMs are at 0.57-0.92x, because
@@ -305,17 +306,59 @@ def _tune_bench(fn, quantiles=None):
     return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
 
 
-def _autotune(configs, extra=()):
+# The config the autotuner chose for a GEMM without statistics, per (impl, shape, flags): a variant with a
+# statistics epilogue is tuned among that config and one 128x128 tile only. Tuning it among every config cost
+# the first reporting step minutes at 1.5B (each config of each statistics variant is a large kernel to
+# compile), for an epilogue that runs once per tile and leaves the main loop's best shape unchanged.
+_PLAIN_BEST: dict = {}
+_STATS_SPARE = {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "num_stages": 4, "num_warps": 8}
+
+
+def _plain_key(impl: str, M: int, N: int, K: int, flags: dict) -> tuple:
+    return (impl, M, N, K, flags["KEY"], flags["HAS_BIAS"], flags["FAST_ACC"], flags["SPLIT_K"])
+
+
+def _config_dict(cfg) -> dict:
+    return dict(cfg.kwargs, num_stages=cfg.num_stages, num_warps=cfg.num_warps)
+
+
+def _stats_prune(impl: str):
+    """The autotuner's ``early_config_prune`` of ``impl``: every config without statistics; with statistics,
+    the plain variant's best config (when known) and ``_STATS_SPARE``."""
+
+    def prune(configs, nargs, **kwargs):
+        if not kwargs.get("STATS"):
+            return configs
+        best = _PLAIN_BEST.get(_plain_key(impl, nargs["M"], nargs["N"], nargs["K"], kwargs))
+        if best is None:
+            return configs
+        keep = [c for c in configs if _config_dict(c) in (best, _STATS_SPARE)]
+        return keep or configs
+
+    return prune
+
+
+def _autotune(impl: str, configs, extra=()):
     key = ["M", "N", "K", "KEY", "HAS_BIAS", "FAST_ACC", "STATS", "HAS_BASE", *extra]
     # the statistics row is restored after every timed run (a merge into it must happen once)
+    kw = dict(configs=configs, key=key, restore_value=["dst_ptr"], prune_configs_by={"early_config_prune": _stats_prune(impl)})
     try:
-        return triton.autotune(configs=configs, key=key, do_bench=_tune_bench, restore_value=["dst_ptr"])
+        return triton.autotune(**kw, do_bench=_tune_bench)
     except TypeError:  # pragma: no cover - Triton without the do_bench argument
-        return triton.autotune(configs=configs, key=key, restore_value=["dst_ptr"])
+        return triton.autotune(**kw)
 
 
-_ptr_tuned = _autotune(_ptr_configs(), ["SPLIT_K"])(_fp8_gemm_ptr_kernel)
-_tma_tuned = _autotune(_tma_configs(), ["SPLIT_K", "WARP_SPEC"])(_fp8_gemm_tma_kernel)
+_ptr_tuned = _autotune("ptr", _ptr_configs(), ["SPLIT_K"])(_fp8_gemm_ptr_kernel)
+_tma_tuned = _autotune("tma", _tma_configs(), ["SPLIT_K", "WARP_SPEC"])(_fp8_gemm_tma_kernel)
+
+
+def _tuned_launch(tuner, impl: str, grid, args, flags: dict, M: int, N: int, K: int) -> None:
+    """An autotuned launch; a plain one records its config for the statistics variants of the same GEMM."""
+    tuner[grid](*args, **flags)
+    if not flags["STATS"] and not flags.get("WARP_SPEC"):
+        best = getattr(tuner, "best_config", None)
+        if best is not None:
+            _PLAIN_BEST.setdefault(_plain_key(impl, M, N, K, flags), _config_dict(best))
 
 
 @functools.lru_cache(maxsize=None)
@@ -435,6 +478,10 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
         split_k = 4 if (a.is_cuda and triton.cdiv(M, 128) * triton.cdiv(N, 128) < _num_sms(a.device.index or 0)
                         and K >= 8192) else 1
     ws = torch.empty((split_k, M, N), dtype=torch.float32, device=a.device) if split_k > 1 else None
+    if stats is not None and ws is None and config is None and impl in ("ptr", "tma") and \
+            _plain_key(impl, M, N, K, dict(KEY=key, HAS_BIAS=has_bias, FAST_ACC=fast_accum, SPLIT_K=1)) not in _PLAIN_BEST:
+        # first call of this GEMM with statistics: tune the plain variant first (see _PLAIN_BEST)
+        fp8_gemm(a, b, scale_a, scale_b, out_dtype, bias, fast_accum, impl, None, 1)
     flags = dict(KEY=key, HAS_BIAS=has_bias, FAST_ACC=fast_accum, SOFT_ROUND=INTERPRET, SPLIT_K=split_k)
     num_sms = _num_sms(a.device.index or 0) if a.is_cuda else 4
     programs = _max_programs(M, N, impl, config, num_sms)
@@ -444,7 +491,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
                 c.stride(0))
         if config is None:
             grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]), split_k)  # noqa: E731
-            _ptr_tuned[grid](*args, **flags)
+            _tuned_launch(_ptr_tuned, "ptr", grid, args, flags, M, N, K)
         else:
             cfg = dict(config)
             grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]), split_k)
@@ -461,7 +508,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
             def grid(meta):
                 return (min(num_sms, triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]) * split_k),)
 
-            _tma_tuned[grid](*args, **flags)
+            _tuned_launch(_tma_tuned, "tma", grid, args, flags, M, N, K)
         else:
             cfg = dict(config)
             _tma_set_block_shapes({"a_desc": a_desc, "b_desc": b_desc, "c_desc": c_desc, **cfg})
