@@ -58,6 +58,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from . import device_stats as ds
@@ -677,10 +678,6 @@ def counters(device: torch.device) -> torch.Tensor:
         return c
 
 
-def _bits(v: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", float(v)))[0]
-
-
 def _f32(v: float) -> float:
     return struct.unpack("<f", struct.pack("<f", float(v)))[0]
 
@@ -731,17 +728,31 @@ def rows(tensors: Sequence[torch.Tensor], *, fmt=None, scale=None, center=None, 
     return out
 
 
+# A table row as bytes: int64 fields, the float ones (scale, center mean/std, history max, k) as fp64 bits, in
+# the order of the _T_* indices (TABW fields; the last three unused).
+_ROW = struct.Struct("<9qdq2dqdqd3q")
+assert _ROW.size == TABW * 8
+
+
+def _addressed(v: torch.Tensor, device, dtype, shape) -> torch.Tensor:
+    """``v`` as a contiguous ``dtype`` tensor of ``shape`` on ``device`` that the kernel reads by address: ``v``
+    itself when it already is one (no torch op: each costs microseconds of host time on CUDA)."""
+    if v.device == device and v.dtype == dtype and v.shape == shape and v.is_contiguous():
+        return v
+    return v.detach().to(device=device, dtype=dtype).reshape(shape).contiguous()
+
+
 def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, device) -> None:
     keep = []  # what the device reads by address: alive until the launch is queued
-    table, nwork_total = [], 0
+    table = bytearray(_ROW.size * len(tensors))
+    nwork_total = 0
     for i, x in enumerate(tensors):
         if x.device != device:
             raise ValueError("rows(): all tensors must be on one device")
-        x = x.detach()
         if x.dtype not in _DTYPE_CODE:
-            x = x.to(torch.float32)
+            x = x.detach().to(torch.float32)
         if not x.is_contiguous() or (x.data_ptr() % 16 and x.numel()):  # the kernel loads 16 aligned bytes
-            x = x.contiguous() if not x.is_contiguous() else x.clone()
+            x = x.detach().contiguous() if not x.is_contiguous() else x.detach().clone()
         keep.append(x)
         numel = x.numel()
         nwork = max(1, -(-numel // CHUNK))
@@ -751,7 +762,7 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
         ahm = ahms[i]
         ahm_addr, ahm_val = 0, float("nan")
         if isinstance(ahm, torch.Tensor):
-            ahm = ahm.detach().to(device=device, dtype=torch.float32).reshape(())
+            ahm = _addressed(ahm, device, torch.float32, ())
             keep.append(ahm)
             ahm_addr = ahm.data_ptr()
         elif ahm is not None:
@@ -763,7 +774,7 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
             if s is None:
                 smode = SCALE_CURRENT
             elif isinstance(s, torch.Tensor):
-                s = s.detach().to(device=device, dtype=torch.float32).reshape(()).contiguous()
+                s = _addressed(s, device, torch.float32, ())
                 keep.append(s)
                 smode, s_addr = SCALE_GIVEN, s.data_ptr()
             else:
@@ -773,19 +784,14 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
         c = centers[i]
         c_addr, c_mean, c_std = 0, 0.0, float("nan")
         if isinstance(c, torch.Tensor):
-            c = c.detach().to(device=device, dtype=torch.float64).reshape(2).contiguous()
+            c = _addressed(c, device, torch.float64, (2,))
             keep.append(c)
             c_addr = c.data_ptr()
         elif c is not None:
             c_mean, c_std = float(c[0]), float(c[1])
-        row = [0] * TABW
-        row[_T_ADDR], row[_T_NUMEL], row[_T_CODE] = x.data_ptr(), numel, _DTYPE_CODE[x.dtype]
-        row[_T_FIRST], row[_T_NWORK], row[_T_DST], row[_T_MERGE] = first, nwork, int(index[i]), int(bool(merges[i]))
-        row[_T_SMODE], row[_T_SCALE_ADDR], row[_T_SCALE] = smode, s_addr, _bits(s_val)
-        row[_T_CENTER_ADDR], row[_T_MEAN], row[_T_STD] = c_addr, _bits(c_mean), _bits(c_std)
-        row[_T_AHM_ADDR], row[_T_AHM] = ahm_addr, _bits(ahm_val)
-        row[_T_FMT], row[_T_K] = _FMT_CODES.get(fmt.name, 0) if fmt is not None else 0, _bits(k)
-        table += row
+        _ROW.pack_into(table, i * _ROW.size, x.data_ptr(), numel, _DTYPE_CODE[x.dtype], first, nwork, int(index[i]),
+                       int(bool(merges[i])), smode, s_addr, s_val, c_addr, c_mean, c_std, ahm_addr, ahm_val,
+                       _FMT_CODES.get(fmt.name, 0) if fmt is not None else 0, k, 0, 0, 0)
     tab = to_device(table, device)
     part = torch.empty(nwork_total, PW, dtype=torch.float64, device=device)
     opts = {} if INTERPRET or not MAXNREG else {"maxnreg": MAXNREG}
@@ -806,8 +812,9 @@ class _Staging:
         self.next = 0
         self.lock = threading.Lock()
 
-    def put(self, values: list[int]) -> torch.Tensor:
-        n = len(values)
+    def put(self, data: bytes | bytearray) -> torch.Tensor:
+        """The int64 values whose little-endian bytes are ``data``, in a new device tensor."""
+        n = len(data) // 8
         with self.lock:
             slot = None
             for j in range(len(self.bufs)):
@@ -820,7 +827,7 @@ class _Staging:
                 slot = [torch.empty(max(self.size, n), dtype=torch.int64, pin_memory=True), None]
                 self.bufs.append(slot)
             host = slot[0][:n]
-            host.copy_(torch.tensor(values, dtype=torch.int64))
+            host.numpy()[:] = np.frombuffer(data, dtype="<i8")  # a memcpy: no torch op
             dev = torch.empty(n, dtype=torch.int64, device=self.device)
             dev.copy_(host, non_blocking=True)
             if slot[1] is None:
@@ -832,17 +839,19 @@ class _Staging:
 _staging: dict = {}
 
 
-def to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """int64 ``values`` as a tensor on ``device``, without a host sync on CUDA (see ``_Staging``)."""
+def to_device(values: list[int] | bytes | bytearray, device: torch.device) -> torch.Tensor:
+    """int64 ``values`` (a list, or their little-endian bytes) as a tensor on ``device``, without a host sync on
+    CUDA (see ``_Staging``)."""
+    data = values if isinstance(values, (bytes, bytearray)) else struct.pack(f"<{len(values)}q", *values)
     if device.type != "cuda":
-        return torch.tensor(values, dtype=torch.int64)
+        return torch.frombuffer(bytearray(data), dtype=torch.int64)
     key = device.index if device.index is not None else torch.cuda.current_device()
     with _counters_lock:
         st = _staging.get(key)
         if st is None:
             st = _staging[key] = _Staging(torch.device("cuda", key))
     with torch.cuda.device(key):
-        return st.put(values)
+        return st.put(data)
 
 
 def partials(x: torch.Tensor, *, fmt=None, scale=None, amax_history_max=None, outlier_k: float = 6.0,
@@ -891,7 +900,7 @@ def fused_args(target: Target, programs: int, device) -> dict:
     part = torch.empty(max(1, programs), PW, dtype=torch.float64, device=device)
     c = target.center
     if c is not None and not isinstance(c, torch.Tensor):  # kernel float arguments are fp32: pass fp64 by pointer
-        c = to_device([_bits(c[0]), _bits(c[1])], torch.device(device)).view(torch.float64)
+        c = to_device(struct.pack("<2d", float(c[0]), float(c[1])), torch.device(device)).view(torch.float64)
     if isinstance(c, torch.Tensor):
         c_ptr, c_mean, c_std, C_PTR = c.detach().to(device=device, dtype=torch.float64).reshape(2), 0.0, 0.0, True
     else:
