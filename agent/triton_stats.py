@@ -682,8 +682,10 @@ def _f32(v: float) -> float:
     return struct.unpack("<f", struct.pack("<f", float(v)))[0]
 
 
-def _each(value, n: int) -> list:
-    if isinstance(value, (list, tuple)) and len(value) == n and not (n == 2 and _is_center_pair(value)):
+def _each(value, n: int, pair: bool = False) -> list:
+    """A per-tensor argument as a list of n: a list of n is one value per tensor, anything else one for all.
+    With ``pair`` (``center``) a 2-list of numbers is one (mean, std) for all, even for two tensors."""
+    if isinstance(value, (list, tuple)) and len(value) == n and not (pair and n == 2 and _is_center_pair(value)):
         return list(value)
     return [value] * n
 
@@ -719,7 +721,7 @@ def rows(tensors: Sequence[torch.Tensor], *, fmt=None, scale=None, center=None, 
         index = range(n)
     assert out.dtype == torch.float64 and out.is_contiguous() and out.device == device
     index = list(index if index is not None else range(n))
-    fmts, scales, centers = _each(fmt, n), _each(scale, n), _each(center, n)
+    fmts, scales, centers = _each(fmt, n), _each(scale, n), _each(center, n, pair=True)
     ahms, merges = _each(amax_history_max, n), _each(merge, n)
     for lo in range(0, n, MAX_TENSORS):
         hi = min(n, lo + MAX_TENSORS)

@@ -268,3 +268,15 @@ def test_table_row_is_packed_in_the_kernel_field_order():
     for name, v in want_float.items():
         assert d[operator.index(getattr(ts, f"_T_{name}"))] == v, name
     assert len(q) == ts.TABW
+
+
+def test_per_tensor_lists_of_two():
+    """Two tensors, two per-tensor values: a list of two merge flags or scales is one value per tensor; only
+    ``center`` reads two numbers as one (mean, std) for all (a replaced grad_weight row was once merged)."""
+    from agent.triton_stats import _each
+
+    assert _each([True, False], 2) == [True, False]
+    assert _each([2.0, 3.0], 2) == [2.0, 3.0]
+    assert _each((0.5, 2.0), 2, pair=True) == [(0.5, 2.0), (0.5, 2.0)]
+    assert _each([(0.5, 2.0), (1.0, 3.0)], 2, pair=True) == [(0.5, 2.0), (1.0, 3.0)]
+    assert _each(None, 3) == [None, None, None]
