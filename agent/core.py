@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -123,6 +124,11 @@ class Agent:
         self._step = 0
         self._token = 0  # changes at every step begin: a gradient hook from an older step is late
         self._seen: set[int] = set()
+        # A layer's grad_output waits for its grad_weight (computed right after it in the same backward node)
+        # to share one statistics launch: one launch fewer per watched layer and step. At most one waits.
+        self._pairs: set[str] = set()  # layers whose hooks observe both
+        self._waiting: tuple[str, torch.Tensor] | None = None
+        self._waiting_lock = threading.Lock()  # backward hooks may run on several device threads
         self._closed = False
         self.reporting = False
 
@@ -168,6 +174,10 @@ class Agent:
             hooks = LayerHooks(name, module, self.sites, self, skip=() if reference else None)
             for site in hooks.sites:
                 self._slots.get(name, site)
+            weight = getattr(module, "weight", None)
+            if {"grad_output", "grad_weight"} <= set(hooks.sites) and isinstance(weight, torch.Tensor) and \
+                    weight.is_leaf and weight.requires_grad:
+                self._pairs.add(name)
             if fused:
                 module.fp8mon_stats = FusedLink(self, name, tuple(s for s in self.sites if s not in hooks.sites))
             elif hasattr(module, "fp8mon_stats"):
@@ -291,6 +301,7 @@ class Agent:
             hooks.install() if want else hooks.remove()
 
     def _end(self, step: int, values: dict) -> None:
+        self._release_waiting()
         rows = None
         if self._pack.open:
             if self.reduce:
@@ -353,6 +364,10 @@ class Agent:
     def observe_many(self, layer: str, items) -> None:
         """Tensors of one layer, ``(site, tensor, once, replace)`` each: on the Triton path one launch.
         A failure is counted (and logged once) per site, as if each had been observed alone."""
+        if self._waiting is not None and any(it[0] == "grad_weight" for it in items):
+            grad = self._take_waiting(layer)
+            if grad is not None:
+                items = [("grad_output", grad, False, False), *items]
         todo = []
         for site, x, once, replace in items:
             try:
@@ -455,9 +470,30 @@ class Agent:
                 self._error("grad_output", RuntimeError(
                     f"a gradient of step {self._step - 1} arrived after log() closed it; call log() after backward"))
                 return
-            self.observe(layer, "grad_output", grad)
+            if layer in self._pairs and self.reporting:
+                with self._waiting_lock:
+                    before, self._waiting = self._waiting, (layer, grad)  # observed with the layer's grad_weight
+                if before is not None:  # its grad_weight did not follow
+                    self.observe(before[0], "grad_output", before[1])
+            else:
+                self.observe(layer, "grad_output", grad)
 
         return hook
+
+    def _take_waiting(self, layer: str) -> torch.Tensor | None:
+        """``layer``'s waiting grad_output, no longer waiting (None: none waits)."""
+        with self._waiting_lock:
+            if self._waiting is None or self._waiting[0] != layer:
+                return None
+            grad, self._waiting = self._waiting[1], None
+            return grad
+
+    def _release_waiting(self) -> None:
+        """Observe a waiting grad_output alone (its grad_weight did not follow)."""
+        with self._waiting_lock:
+            waiting, self._waiting = self._waiting, None
+        if waiting is not None:
+            self.observe(waiting[0], "grad_output", waiting[1])
 
     def _scale_for(self, layer, site, slot, fmt, device):
         """(scale, amax_history_max, emulated-delayed?) for a tensor of the slot."""

@@ -447,6 +447,53 @@ def test_auto_backend_falls_back_to_torch_when_the_triton_statistics_fail(monkey
         assert_record(rec, ref.expected(step, layer, site))
 
 
+def test_a_layers_backward_sites_share_one_launch_and_a_frozen_weight_loses_no_grad_output(monkeypatch):
+    """On the Triton path a watched layer's grad_output waits for its grad_weight (the same backward node
+    produces it next): the five sites cost two statistics launches per layer and step, not three. A weight
+    frozen after watch() sends no grad_weight; its layer's waiting grad_output is then observed alone, in
+    its own step."""
+    from agent import device_stats as ds
+    from agent import triton_stats as ts
+
+    torch.manual_seed(5)
+    model = TinyLM()
+    ref = Reference(model, BLOCK_LINEARS)
+    cap = CaptureTransport()
+    agent = Agent(transport=cap, every=1, modules=r"^blocks\.").watch(model)
+    launches = []
+
+    def rows(tensors, *, fmt, scale, center, outlier_k, amax_history_max, hist, out, index, merge):  # torch rows
+        launches.append(len(tensors))
+        for i, x in enumerate(tensors):
+            row = ds.partials(x, fmt=fmt[i], scale=scale[i], amax_history_max=amax_history_max[i],
+                              outlier_k=outlier_k, hist=hist)
+            out[index[i]] = ds.merge(out[index[i]], row) if merge[i] else row
+
+    monkeypatch.setattr(ts, "rows", rows)
+    monkeypatch.setattr(agent, "_triton_for", lambda x: True)  # as on a GPU
+    frozen = "blocks.1.mlp.fc2"
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step, tokens in enumerate(batches(4, seed=6)):
+        if step == 2:
+            dict(model.named_modules())[frozen].weight.requires_grad_(False)
+        ref.step = step
+        lm_loss(model, tokens).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        agent.log(step)
+        if step == 0:
+            assert launches == [3] * 8 + [2] * 8  # 8 forward, 8 backward launches
+    agent.close()
+    assert agent.errors == 0
+    records = cap.records()
+    for (step, layer, site, rank), rec in records.items():
+        want = ref.expected(step, layer, site)
+        assert rec["numel"] == want["numel"] and math.isclose(rec["rms"], want["rms"], rel_tol=1e-9), (step, layer, site)
+    for step in (2, 3):
+        assert (step, frozen, "grad_output", 0) in records and (step, frozen, "grad_weight", 0) not in records
+    assert sum(site == "grad_output" for (_, _, site, _) in records) == 4 * 8
+
+
 def test_context_manager_sets_the_run_status():
     cap = CaptureTransport()
     with Agent(transport=cap, config={"lr": 0.1}, tags={"arch": "llama"}) as agent:
