@@ -904,13 +904,13 @@ def fused_args(target: Target, programs: int, device) -> dict:
     if c is not None and not isinstance(c, torch.Tensor):  # kernel float arguments are fp32: pass fp64 by pointer
         c = to_device(struct.pack("<2d", float(c[0]), float(c[1])), torch.device(device)).view(torch.float64)
     if isinstance(c, torch.Tensor):
-        c_ptr, c_mean, c_std, C_PTR = c.detach().to(device=device, dtype=torch.float64).reshape(2), 0.0, 0.0, True
+        c_ptr, c_mean, c_std, C_PTR = _addressed(c, torch.device(device), torch.float64, (2,)), 0.0, 0.0, True
     else:
         c_mean, c_std = (0.0, float("nan")) if c is None else (float(c[0]), float(c[1]))
         c_ptr, C_PTR = part, False
     a = target.amax_history_max
     if isinstance(a, torch.Tensor):
-        ahm_ptr, ahm_val, AHM_PTR = a.detach().to(device=device, dtype=torch.float32).reshape(()), 0.0, True
+        ahm_ptr, ahm_val, AHM_PTR = _addressed(a, torch.device(device), torch.float32, ()), 0.0, True
     else:
         ahm_ptr, ahm_val, AHM_PTR = part, float("nan") if a is None else float(a), False
     return dict(sp_ptr=part, ctr_ptr=counters(device), dst_ptr=target.rows, dst_index=int(target.index),

@@ -13,8 +13,8 @@ the backward, never the high-precision x.
 Two paths, chosen per call (``module.backend``: "auto" | "triton" | "torch"):
   * Triton (CUDA, compute capability >= 8.9): ``trainer.kernels`` quantize_transpose (one pass writes
     the FP8 tensor and the transpose the other GEMM needs K-major) and fp8_gemm. No host sync.
-  * torch reference (CPU, or CUDA without Triton FP8): torch float8 casts and ``torch._scaled_mm``
-    (dequantize + fp32 matmul where _scaled_mm refuses a case; see ``fp8_gemm_ref``). Same scales,
+  * torch reference (CPU, or CUDA without Triton FP8): torch float8 casts and ``torch._scaled_mm`` on CUDA,
+    dequantize + fp32 matmul on the CPU or where _scaled_mm refuses a case (see ``fp8_gemm_ref``). Same scales,
     same casts, bit-identical FP8 tensors; GEMM results equal up to accumulation order.
   "triton" on CPU tensors runs the Triton kernels in Triton's interpreter (``TRITON_INTERPRET=1`` set
   before Triton is imported; tests only).

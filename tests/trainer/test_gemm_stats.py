@@ -115,6 +115,12 @@ def test_statistics_variant_is_tuned_among_the_plain_best_and_one_spare():
     try:
         fg._tuned_launch(Tuner(), "tma", None, (), dict(flags, STATS=True), *shape.values())
         assert not fg._PLAIN_BEST  # a statistics variant's choice is not a plain one
+        Tuner.best_config = None  # a Triton that does not say: known as tuned (no second plain run), every config
+        fg._tuned_launch(Tuner(), "tma", None, (), dict(flags, STATS=False, WARP_SPEC=False), *shape.values())
+        assert list(fg._PLAIN_BEST.values()) == [None]
+        assert prune(configs, shape, STATS=True, **flags) == configs
+        fg._PLAIN_BEST.clear()
+        Tuner.best_config = configs[0]
         fg._tuned_launch(Tuner(), "tma", None, (), dict(flags, STATS=False, WARP_SPEC=False), *shape.values())
         kept = [fg._config_dict(c) for c in prune(configs, shape, STATS=True, **flags)]
         assert kept == [fg._config_dict(configs[0]), fg._STATS_SPARE]

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from agent import triton_stats as ts
-from .quantize import stats_ref
+from .quantize import cdiv, stats_ref
 from agent.triton_stats import fused_bounds, nofmt_epilogue, partial_merge, partial_zero, tile_partial
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
@@ -356,9 +356,8 @@ def _tuned_launch(tuner, impl: str, grid, args, flags: dict, M: int, N: int, K: 
     """An autotuned launch; a plain one records its config for the statistics variants of the same GEMM."""
     tuner[grid](*args, **flags)
     if not flags["STATS"] and not flags.get("WARP_SPEC"):
-        best = getattr(tuner, "best_config", None)
-        if best is not None:
-            _PLAIN_BEST.setdefault(_plain_key(impl, M, N, K, flags), _config_dict(best))
+        best = getattr(tuner, "best_config", None)  # None (unknown): the statistics variants try every config
+        _PLAIN_BEST.setdefault(_plain_key(impl, M, N, K, flags), None if best is None else _config_dict(best))
 
 
 @functools.lru_cache(maxsize=None)
@@ -408,7 +407,7 @@ def _pick_impl(a, b, scale_a, scale_b, out_dtype, bias, fast_accum) -> str:
 def _max_programs(M: int, N: int, impl: str, config: dict | None, num_sms: int) -> int:
     """An upper bound of the GEMM kernel's programs over the configs it may run with (autotuning)."""
     shapes = [(config["BM"], config["BN"])] if config is not None else [(c[0], c[1]) for c in _CFG]
-    tiles = max(triton.cdiv(M, bm) * triton.cdiv(N, bn) for bm, bn in shapes)
+    tiles = max(cdiv(M, bm) * cdiv(N, bn) for bm, bn in shapes)
     return tiles if impl == "ptr" else min(num_sms, tiles)
 
 
@@ -475,7 +474,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
     if impl == "tma_ws" and stats is not None:  # the statistics' loop-carried partial: no warp specialization
         impl = "tma"
     if split_k is None:  # few output tiles and a long K (the 124M wgrads): split K to fill the GPU
-        split_k = 4 if (a.is_cuda and triton.cdiv(M, 128) * triton.cdiv(N, 128) < _num_sms(a.device.index or 0)
+        split_k = 4 if (a.is_cuda and cdiv(M, 128) * cdiv(N, 128) < _num_sms(a.device.index or 0)
                         and K >= 8192) else 1
     ws = torch.empty((split_k, M, N), dtype=torch.float32, device=a.device) if split_k > 1 else None
     if stats is not None and ws is None and config is None and impl in ("ptr", "tma") and \
@@ -484,17 +483,17 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
         fp8_gemm(a, b, scale_a, scale_b, out_dtype, bias, fast_accum, impl, None, 1)
     flags = dict(KEY=key, HAS_BIAS=has_bias, FAST_ACC=fast_accum, SOFT_ROUND=INTERPRET, SPLIT_K=split_k)
     num_sms = _num_sms(a.device.index or 0) if a.is_cuda else 4
-    programs = _max_programs(M, N, impl, config, num_sms)
+    programs = _max_programs(M, N, impl, config, num_sms) if stats is not None and ws is None else 0
     flags.update(_stats_args(stats if ws is None else None, stats_base, programs, scale_a))
     if impl == "ptr":
         args = (a, b, c if ws is None else ws, scale_a, scale_b, bias_arg, M, N, K, a.stride(0), b.stride(0),
                 c.stride(0))
         if config is None:
-            grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]), split_k)  # noqa: E731
+            grid = lambda meta: (cdiv(M, meta["BM"]) * cdiv(N, meta["BN"]), split_k)  # noqa: E731
             _tuned_launch(_ptr_tuned, "ptr", grid, args, flags, M, N, K)
         else:
             cfg = dict(config)
-            grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]), split_k)
+            grid = (cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]), split_k)
             _fp8_gemm_ptr_kernel[grid](*args, **flags, **cfg)
     else:
         wspec = impl == "tma_ws"
@@ -506,17 +505,17 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
         args = (a_desc, b_desc, c_desc, c if ws is None else ws, scale_a, scale_b, bias_arg, M, N, K)
         if config is None:
             def grid(meta):
-                return (min(num_sms, triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]) * split_k),)
+                return (min(num_sms, cdiv(M, meta["BM"]) * cdiv(N, meta["BN"]) * split_k),)
 
             _tuned_launch(_tma_tuned, "tma", grid, args, flags, M, N, K)
         else:
             cfg = dict(config)
             _tma_set_block_shapes({"a_desc": a_desc, "b_desc": b_desc, "c_desc": c_desc, **cfg})
-            grid = (min(num_sms, triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]) * split_k),)
+            grid = (min(num_sms, cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]) * split_k),)
             _fp8_gemm_tma_kernel[grid](*args, **flags, **cfg)
     if ws is not None:
         block = 1024
-        grid = triton.cdiv(M * N, block)
+        grid = cdiv(M * N, block)
         if stats is not None:  # persistent: a statistics partial per program
             grid = min(grid, 4 * num_sms)
         _splitk_reduce_kernel[(grid,)](ws, c, scale_a, scale_b, bias_arg, M * N, N,
@@ -552,18 +551,21 @@ def fp8_gemm_ref(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_
 
 
 def _scaled_mm_ref(a, b, scale_a, scale_b, out_dtype, bias, fast_accum) -> torch.Tensor:
-    """The same product through ``torch._scaled_mm`` (tensorwise scales, fp32 accumulation).
+    """The same product through ``torch._scaled_mm`` on CUDA (tensorwise scales, fp32 accumulation), through
+    dequantize + fp32 matmul on the CPU.
 
-    a: (M, K), b: (N, K), any strides. torch 2.13 on CPU accepts every e4m3/e5m2 pair (e5m2 x e5m2
-    too), any M/N/K and either layout of mat2, so the CPU path is _scaled_mm as is. On CUDA _scaled_mm
-    wants mat1 row-major, mat2 column-major, dims multiple of 16 and rejects e5m2 x e5m2: operands are
-    made contiguous here and anything it still refuses (odd dims, dtype pair, older GPU) goes through
-    dequantize + fp32 matmul (remembered per case, so the refusal costs one try). Bias is added in
-    fp32 before the output cast."""
+    a: (M, K), b: (N, K), any strides. On the CPU, torch 2.13's _scaled_mm accepts every case but ran a
+    reference kernel on a Sapphire Rapids VM (~1 s for a 512x128x384 product, against ~1 ms dequantized), so
+    the CPU path dequantizes: the same values, as every product of two FP8 numbers is exact in fp32, summed
+    in fp32. On CUDA _scaled_mm wants mat1 row-major, mat2 column-major, dims multiple of 16 and rejects
+    e5m2 x e5m2: operands are made contiguous here and anything it still refuses (odd dims, dtype pair, older
+    GPU) goes through dequantize + fp32 matmul (remembered per case, so the refusal costs one try). Bias is
+    added in fp32 before the output cast."""
     sa = scale_a.to(torch.float32).reshape(())
     sb = scale_b.to(torch.float32).reshape(())
-    if a.is_cuda:
-        a, b = a.contiguous(), b.contiguous()
+    if not a.is_cuda:
+        return _dequant_mm(a, b, sa, sb, out_dtype, bias)
+    a, b = a.contiguous(), b.contiguous()
     case = (a.device.type, a.dtype, b.dtype, out_dtype, a.shape[0] % 16, a.shape[1] % 16, b.shape[0] % 16)
     if case not in _SCALED_MM_REFUSED:
         try:

@@ -295,6 +295,16 @@ def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of host integers (``triton.cdiv`` is a constexpr function: microseconds per host call)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (>= 1), of a host integer (``triton.next_power_of_2`` is slow there too)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def _num_sms(device: torch.device) -> int:
     return _sms(device.index or 0) if device.type == "cuda" else 4
 
@@ -302,7 +312,7 @@ def _num_sms(device: torch.device) -> int:
 def amax_partials(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
     """fp32 tensor of per-program partial amaxes of contiguous x (reduce with .max(); stage 1 of 2)."""
     n = x.numel()
-    grid = max(1, min(triton.cdiv(n, block), 4 * _num_sms(x.device), MAX_PARTIALS))
+    grid = max(1, min(cdiv(n, block), 4 * _num_sms(x.device), MAX_PARTIALS))
     part = torch.empty(grid, dtype=torch.float32, device=x.device)
     _amax_partials_kernel[(grid,)](x, part, n, BLOCK=block, num_warps=8)
     return part
@@ -314,7 +324,7 @@ def delayed_update(accum: torch.Tensor, history: torch.Tensor, scale: torch.Tens
     fmt = by_name(fmt)
     H = history.numel()
     _delayed_update_kernel[(1,)](accum, history, scale, meta, H, 2.0 ** -margin, FMAX=float(fmt.max),
-                                 H_BLOCK=triton.next_power_of_2(max(H, 1)), num_warps=4)
+                                 H_BLOCK=next_power_of_2(max(H, 1)), num_warps=4)
 
 
 def stats_consts(fmt: Fp8Format) -> dict:
@@ -341,11 +351,11 @@ def quantize(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tensor | None =
     q = torch.empty(x.shape, dtype=fmt.dtype, device=x.device)
     meta = torch.empty(3, dtype=torch.float32, device=x.device)
     if stats is not None:
-        grid = (stats_programs(triton.cdiv(n, block), x.device),)
+        grid = (stats_programs(cdiv(n, block), x.device),)
         if scale is None:
             part = amax_partials(x)
             args = (x, q, part, part.numel(), meta, meta, meta, n)
-            P = triton.next_power_of_2(part.numel())
+            P = next_power_of_2(part.numel())
         else:
             assert accum is not None, "delayed scaling needs an amax accumulator"
             args = (x, q, meta, 0, scale, accum, meta, n)
@@ -353,11 +363,11 @@ def quantize(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tensor | None =
         _quantize_stats_kernel[grid](*args, **ts.fused_args(stats, grid[0], x.device), CURRENT=scale is None,
                                      P_BLOCK=P, BLOCK=block, num_warps=8, **_consts(fmt), **stats_consts(fmt))
         return Quantized(q, None, meta)
-    grid = (max(1, triton.cdiv(n, block)),)
+    grid = (max(1, cdiv(n, block)),)
     if scale is None:
         part = amax_partials(x)
         _quantize_kernel[grid](x, q, part, part.numel(), meta, meta, meta, n, CURRENT=True,
-                               P_BLOCK=triton.next_power_of_2(part.numel()), BLOCK=block, num_warps=8,
+                               P_BLOCK=next_power_of_2(part.numel()), BLOCK=block, num_warps=8,
                                **_consts(fmt))
     else:
         assert accum is not None, "delayed scaling needs an amax accumulator"

@@ -26,7 +26,7 @@ from agent import triton_stats as ts
 from agent.triton_stats import (_careful_result, _fast_result, _shift_of, _tile_careful, _tile_fast, _tile_sum,
                                 fused_epilogue, fused_prologue)
 
-from .quantize import (Quantized, _cast_fp8, _consts, _current_scale_from_partials, _finite_abs,
+from .quantize import (Quantized, _cast_fp8, cdiv, next_power_of_2, _consts, _current_scale_from_partials, _finite_abs,
                        amax_partials, quantize_ref, stats_consts, stats_programs)
 
 # How the transposed tile is produced, per input dtype (see the kernel): 0 = tl.trans of the fp8 tile,
@@ -192,7 +192,7 @@ def quantize_transpose(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tenso
     q = torch.empty((M, N), dtype=fmt.dtype, device=dev) if write_q else None
     qt = torch.empty((N, M), dtype=fmt.dtype, device=dev) if write_qt else None
     meta = torch.empty(3, dtype=torch.float32, device=dev)
-    grid = (max(1, triton.cdiv(M, bm)), max(1, triton.cdiv(N, bn)))
+    grid = (max(1, cdiv(M, bm)), max(1, cdiv(N, bn)))
     common = dict(WRITE_Q=write_q, WRITE_QT=write_qt, BM=bm, BN=bn, num_warps=num_warps,
                   TRANS_MODE=TRANS_MODE.get(x.dtype, TRANS_MODE_DEFAULT) if trans_mode is None else trans_mode,
                   **_consts(fmt))
@@ -203,7 +203,7 @@ def quantize_transpose(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tenso
         if scale is None:
             part = amax_partials(x if x.is_contiguous() else x.contiguous())
             args = (x, q_arg, qt_arg, part, part.numel(), meta, meta, meta, M, N, x.stride(0))
-            P = triton.next_power_of_2(part.numel())
+            P = next_power_of_2(part.numel())
         else:
             assert accum is not None, "delayed scaling needs an amax accumulator"
             args = (x, q_arg, qt_arg, meta, 0, scale, accum, meta, M, N, x.stride(0))
@@ -216,7 +216,7 @@ def quantize_transpose(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tenso
         part = amax_partials(x if x.is_contiguous() else x.contiguous())
         _quantize_transpose_kernel[grid](x, q_arg, qt_arg, part, part.numel(), meta, meta, meta, M, N,
                                          x.stride(0), CURRENT=True,
-                                         P_BLOCK=triton.next_power_of_2(part.numel()), **common)
+                                         P_BLOCK=next_power_of_2(part.numel()), **common)
     else:
         assert accum is not None, "delayed scaling needs an amax accumulator"
         _quantize_transpose_kernel[grid](x, q_arg, qt_arg, meta, 0, scale, accum, meta, M, N, x.stride(0),
