@@ -21,31 +21,27 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agent import Agent  # noqa: E402
 from agent import triton_stats as ts  # noqa: E402
+from bench.stats_check import NullTransport  # noqa: E402
 
 
-class _Launches:
-    """Stands in for the compiled kernel: counts launches, computes nothing."""
+class NoLaunch:
+    """Stands in for a compiled or autotuned kernel: counts launches in ``counter[0]``, computes nothing, and
+    reports no autotuned config."""
 
-    def __init__(self):
-        self.count = 0
+    best_config = None
+
+    def __init__(self, counter: list):
+        self.counter = counter
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.count += 1
+            self.counter[0] += 1
         return launch
 
 
-class _Keep:
-    def send_tensors(self, block): pass
-    def send_scalars(self, block): pass
-    def set_run_meta(self, **meta): pass
-    def flush(self, timeout=None): return True
-    def close(self, timeout=None): return True
-
-
 def main(layers: int = 8, width: int = 256, steps: int = 200) -> None:
-    launches = _Launches()
-    ts._stats_kernel = launches
+    launches = [0]
+    ts._stats_kernel = NoLaunch(launches)
     ts.available = lambda device=None: True
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
@@ -67,12 +63,12 @@ def main(layers: int = 8, width: int = 256, steps: int = 200) -> None:
 
     timed(None)
     off = timed(None)
-    agent = Agent("http://127.0.0.1:9", run="host-cost", every=1, transport=_Keep(), stats_backend="triton").watch(model)
+    agent = Agent("http://127.0.0.1:9", run="host-cost", every=1, transport=NullTransport(), stats_backend="triton").watch(model)
     agent.step(0)
     timed(agent)
-    launches.count = 0
+    launches[0] = 0
     on = timed(agent)
-    per_step = launches.count / steps
+    per_step = launches[0] / steps
     agent.close()
     print(f"agent off {off * 1e6:.0f} us/step, on {on * 1e6:.0f} us/step (kernel a no-op): "
           f"+{(on - off) * 1e6:.0f} us for {per_step:.0f} launches, {(on - off) * 1e6 / per_step:.1f} us per launch; "

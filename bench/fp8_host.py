@@ -21,6 +21,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agent import Agent  # noqa: E402
 from agent import triton_stats as ts  # noqa: E402
+from bench.agent_host import NoLaunch  # noqa: E402
+from bench.stats_check import NullTransport  # noqa: E402
 from trainer.fp8_linear import Fp8Linear  # noqa: E402
 
 KERNELS = {
@@ -33,32 +35,12 @@ KERNELS = {
 }
 
 
-class _NoLaunch:
-    best_config = None
-
-    def __init__(self, counter: list):
-        self.counter = counter
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.counter[0] += 1
-        return launch
-
-
-class _Keep:
-    def send_tensors(self, block): pass
-    def send_scalars(self, block): pass
-    def set_run_meta(self, **meta): pass
-    def flush(self, timeout=None): return True
-    def close(self, timeout=None): return True
-
-
 def main(layers: int = 8, width: int = 256, steps: int = 200) -> None:
     launches = [0]
     for module, names in KERNELS.items():
         mod = importlib.import_module(module)
         for name in names:
-            setattr(mod, name, _NoLaunch(launches))
+            setattr(mod, name, NoLaunch(launches))
     ts.available = lambda device=None: True
     torch.manual_seed(0)
     model = nn.Sequential(*[Fp8Linear(width, width) for _ in range(layers)])
@@ -79,7 +61,7 @@ def main(layers: int = 8, width: int = 256, steps: int = 200) -> None:
 
     timed(None)
     off, n_off = timed(None)
-    agent = Agent("http://127.0.0.1:9", run="fp8-host", every=1, transport=_Keep(), stats_backend="triton").watch(model)
+    agent = Agent("http://127.0.0.1:9", run="fp8-host", every=1, transport=NullTransport(), stats_backend="triton").watch(model)
     agent.step(0)
     timed(agent)
     on, n_on = timed(agent)
