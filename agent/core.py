@@ -263,10 +263,13 @@ class Agent:
             if isinstance(getattr(hooks.module, "fp8mon_stats", None), FusedLink):
                 hooks.module.fp8mon_stats = None
         try:
+            if not self.reduce:
+                self._release_waiting()  # into the pack: a grad_output whose grad_weight never came
             if not self.reduce and self._pack.written:
                 self._end(self._step, {})
         except Exception as exc:
             self._error("close", exc)
+        self._waiting = None
         if self._collector is None:
             return True
         if status is not None:

@@ -483,15 +483,34 @@ def test_a_layers_backward_sites_share_one_launch_and_a_frozen_weight_loses_no_g
         agent.log(step)
         if step == 0:
             assert launches == [3] * 8 + [2] * 8  # 8 forward, 8 backward launches
-    agent.close()
+    ref.step = 4
+    lm_loss(model, batches(1, seed=8)[0]).backward()
+    agent.close()  # no log(): what the hooks saw is sent as step 4, the last grad_output that waited too
     assert agent.errors == 0
     records = cap.records()
+    assert (4, frozen, "grad_output", 0) in records and (4, "blocks.0.attn.qkv", "grad_output", 0) in records
     for (step, layer, site, rank), rec in records.items():
         want = ref.expected(step, layer, site)
         assert rec["numel"] == want["numel"] and math.isclose(rec["rms"], want["rms"], rel_tol=1e-9), (step, layer, site)
-    for step in (2, 3):
+    for step in (2, 3, 4):
         assert (step, frozen, "grad_output", 0) in records and (step, frozen, "grad_weight", 0) not in records
-    assert sum(site == "grad_output" for (_, _, site, _) in records) == 4 * 8
+    assert sum(site == "grad_output" for (_, _, site, _) in records) == 5 * 8
+
+
+def test_close_sends_a_grad_output_still_waiting_for_its_grad_weight():
+    """Only grad_output and grad_weight watched, the weight frozen after watch(): at close() the grad_output
+    still waits for a grad_weight that never comes, and nothing else was observed; it is sent, not lost."""
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(8, 4))
+    cap = CaptureTransport()
+    agent = Agent(transport=cap, every=1, sites=("grad_output", "grad_weight")).watch(model)
+    model[0].weight.requires_grad_(False)
+    model[0].bias.requires_grad_(False)
+    model(torch.randn(5, 8, requires_grad=True)).square().sum().backward()
+    agent.close()
+    records = cap.records()
+    assert agent.errors == 0 and list(records) == [(0, "0", "grad_output", 0)]
+    assert records[(0, "0", "grad_output", 0)]["numel"] == 5 * 4
 
 
 def test_context_manager_sets_the_run_status():
