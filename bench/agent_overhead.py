@@ -11,7 +11,9 @@ repetitions of ``off`` + each backend): the agent on the one-pass Triton path (`
 in fp8 the rows of input/weight/grad_output come from the FP8 quantize kernels of Fp8Linear, output and
 grad_weight from the standalone kernel; in bf16 all five sites from the standalone kernel), and the naive
 torch path (``stats_backend="torch"``) for comparison. Each phase: its own warm-up steps, then ``--steps``
-timed steps (host clock around a synchronised step); the figure is the median step time of each phase;
+timed steps (host clock around a synchronised step); the figure is the median step time of each phase,
+printed beside the median host time until the step's Python returned (a step whose host time is close to its
+step time is host-bound: its GPU waits for launches);
 overhead = median(on) / median(off) - 1 over all phases of a kind (off phases bracket the on phases).
 
 The agent posts to --url (a real ``fp8mon serve``), or by default to bench/sink.py, a stdlib endpoint in a
@@ -62,13 +64,14 @@ def measure(config: str, precision: str, args, device: torch.device, url: str) -
         for _ in range(args.warmup):
             step(agent)
         sync()
-        times = []
+        times, host = [], []
         for _ in range(args.steps):
             t0 = time.perf_counter()
             step(agent)
+            host.append(time.perf_counter() - t0)  # until the step's Python returns: its launches are queued
             sync()
             times.append(time.perf_counter() - t0)
-        info = {"times": times}
+        info = {"times": times, "host": host}
         if agent is not None:
             info["linears"] = len(agent._layers)
             info["delivered"] = agent.close(timeout=120)
@@ -92,7 +95,8 @@ def measure(config: str, precision: str, args, device: torch.device, url: str) -
             extra = "" if kind == "off" else (f"  {info['linears']} linears x 5 sites, delivered={info['delivered']}, "
                                               f"errors={info['errors']}")
             print(f"{config:>5} {precision:>4} round {r} {kind:>6}: median {med:8.2f} ms  "
-                  f"(min {min(info['times']) * 1e3:.2f}){extra}", flush=True)
+                  f"(min {min(info['times']) * 1e3:.2f}; host {statistics.median(info['host']) * 1e3:.2f}){extra}",
+                  flush=True)
             if kind != "off" and info["errors"]:
                 print(f"      last agent error: {info['last_error']}", flush=True)
     del model, optimizer, x, y, params
