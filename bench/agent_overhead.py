@@ -59,7 +59,8 @@ def measure(config: str, precision: str, args, device: torch.device, url: str) -
         spool = tempfile.TemporaryDirectory()
         if backend is not None:
             agent = Agent(url, run=f"overhead-{config}-{precision}-{int(time.time())}", every=1,
-                          modules=r"^blocks\.", spool_dir=spool.name, stats_backend=backend, hist=args.hist).watch(model)
+                          modules=r"^blocks\.", spool_dir=spool.name, stats_backend=backend,
+                          hist=args.hist).watch(model)
             agent.step(step_no[0])
         for _ in range(args.warmup):
             step(agent)

@@ -61,7 +61,8 @@ def main(layers: int = 8, width: int = 256, steps: int = 200) -> None:
 
     timed(None)
     off, n_off = timed(None)
-    agent = Agent("http://127.0.0.1:9", run="fp8-host", every=1, transport=NullTransport(), stats_backend="triton").watch(model)
+    agent = Agent("http://127.0.0.1:9", run="fp8-host", every=1, transport=NullTransport(),
+                  stats_backend="triton").watch(model)
     agent.step(0)
     timed(agent)
     on, n_on = timed(agent)

@@ -491,7 +491,8 @@ def test_a_layers_backward_sites_share_one_launch_and_a_frozen_weight_loses_no_g
     assert (4, frozen, "grad_output", 0) in records and (4, "blocks.0.attn.qkv", "grad_output", 0) in records
     for (step, layer, site, rank), rec in records.items():
         want = ref.expected(step, layer, site)
-        assert rec["numel"] == want["numel"] and math.isclose(rec["rms"], want["rms"], rel_tol=1e-9), (step, layer, site)
+        assert rec["numel"] == want["numel"], (step, layer, site)
+        assert math.isclose(rec["rms"], want["rms"], rel_tol=1e-9), (step, layer, site)
     for step in (2, 3, 4):
         assert (step, frozen, "grad_output", 0) in records and (step, frozen, "grad_weight", 0) not in records
     assert sum(site == "grad_output" for (_, _, site, _) in records) == 5 * 8

@@ -341,7 +341,8 @@ def _stats_prune(impl: str):
 def _autotune(impl: str, configs, extra=()):
     key = ["M", "N", "K", "KEY", "HAS_BIAS", "FAST_ACC", "STATS", "HAS_BASE", *extra]
     # the statistics row is restored after every timed run (a merge into it must happen once)
-    kw = dict(configs=configs, key=key, restore_value=["dst_ptr"], prune_configs_by={"early_config_prune": _stats_prune(impl)})
+    kw = dict(configs=configs, key=key, restore_value=["dst_ptr"],
+              prune_configs_by={"early_config_prune": _stats_prune(impl)})
     try:
         return triton.autotune(**kw, do_bench=_tune_bench)
     except TypeError:  # pragma: no cover - Triton without the do_bench argument
@@ -477,8 +478,9 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
         split_k = 4 if (a.is_cuda and cdiv(M, 128) * cdiv(N, 128) < _num_sms(a.device.index or 0)
                         and K >= 8192) else 1
     ws = torch.empty((split_k, M, N), dtype=torch.float32, device=a.device) if split_k > 1 else None
+    plain = dict(KEY=key, HAS_BIAS=has_bias, FAST_ACC=fast_accum, SPLIT_K=1)
     if stats is not None and ws is None and config is None and impl in ("ptr", "tma") and \
-            _plain_key(impl, M, N, K, dict(KEY=key, HAS_BIAS=has_bias, FAST_ACC=fast_accum, SPLIT_K=1)) not in _PLAIN_BEST:
+            _plain_key(impl, M, N, K, plain) not in _PLAIN_BEST:
         # first call of this GEMM with statistics: tune the plain variant first (see _PLAIN_BEST)
         fp8_gemm(a, b, scale_a, scale_b, out_dtype, bias, fast_accum, impl, None, 1)
     flags = dict(KEY=key, HAS_BIAS=has_bias, FAST_ACC=fast_accum, SOFT_ROUND=INTERPRET, SPLIT_K=split_k)
