@@ -28,7 +28,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = [
     "quantize_current", "quantize_transpose_current", "quantize_transpose_partial_outputs", "amax_ignores_nonfinite",
-    "delayed_history_and_saturation", "gemm_ptr", "gemm_tma", "gemm_split_k", "gemm_e5m2_e5m2",
+    "delayed_history_and_saturation", "gemm_ptr", "gemm_tma", "gemm_ws_fallback", "gemm_split_k", "gemm_e5m2_e5m2",
     "fp8_linear_triton_vs_torch",
 ]
 
@@ -165,6 +165,10 @@ def _child_checks():
 
     def gemm_tma():
         return _gemm_cases("tma")
+
+    def gemm_ws_fallback():
+        # impl "ws" (fp8_gemm_ws, Gluon, sm90 only: no interpreter) falls back to the Triton kernels off sm90
+        return _gemm_cases("ws")
 
     def gemm_split_k():
         return _gemm_cases("ptr", split_k=3) + "; " + _gemm_cases("tma", split_k=2)

@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from agent import triton_stats as ts
+from . import fp8_gemm_ws as _ws
 from .quantize import cdiv, stats_ref
 from agent.triton_stats import fused_bounds, nofmt_epilogue, partial_merge, partial_zero, tile_partial
 
@@ -378,6 +379,11 @@ _AUTO_CHOICE: dict = {}
 AUTO_CANDIDATES = ["ptr", "tma"]  # timed by impl="auto"; "tma_ws" (Triton warp specialization) is opt-in
 
 
+def _ws_ok(a, b, out_dtype, fast_accum: bool, stats) -> bool:
+    """Where impl "ws" (fp8_gemm_ws, Gluon, sm90) runs: precise accumulation, no statistics epilogue, TMA alignment."""
+    return not fast_accum and stats is None and _ws.supported(a) and _tma_ok(a, b, out_dtype)
+
+
 def _pick_impl(a, b, scale_a, scale_b, out_dtype, bias, fast_accum) -> str:
     """impl="auto": the first call of a (shape, dtypes, flags) runs every candidate (autotuned), checks it
     against the first, times it and keeps the fastest (this synchronizes, like the autotuner's own first
@@ -386,7 +392,8 @@ def _pick_impl(a, b, scale_a, scale_b, out_dtype, bias, fast_accum) -> str:
     impl = _AUTO_CHOICE.get(key)
     if impl is None:
         times, ref = {}, None
-        for cand in AUTO_CANDIDATES if _tma_ok(a, b, out_dtype) else ["ptr"]:
+        cands = AUTO_CANDIDATES if _tma_ok(a, b, out_dtype) else ["ptr"]
+        for cand in cands + ["ws"] * _ws_ok(a, b, out_dtype, fast_accum, None):
             fn = functools.partial(fp8_gemm, a, b, scale_a, scale_b, out_dtype, bias, fast_accum, cand)
             try:
                 out = fn().float()  # autotunes outside the timing
@@ -398,7 +405,7 @@ def _pick_impl(a, b, scale_a, scale_b, out_dtype, bias, fast_accum) -> str:
             if ref is None:
                 ref = out
             elif not bool(((out - ref).norm() <= 1e-2 * ref.norm()).item()):
-                warnings.warn(f"fp8_gemm: variant {cand} disagrees with {AUTO_CANDIDATES[0]}; skipped")
+                warnings.warn(f"fp8_gemm: variant {cand} disagrees with {cands[0]}; skipped")
                 continue
             times[cand] = triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
         impl = _AUTO_CHOICE[key] = min(times, key=times.get)
@@ -470,8 +477,12 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
         impl = _pick_impl(a, b, scale_a, scale_b, out_dtype, bias, fast_accum) if a.is_cuda else "tma"
         if impl == "tma" and not _tma_ok(a, b, out_dtype):
             impl = "ptr"
-    if impl not in ("ptr", "tma", "tma_ws"):
+    if impl not in ("ptr", "tma", "tma_ws", "ws"):
         raise ValueError(f"unknown impl {impl!r}")
+    if impl == "ws" and not _ws_ok(a, b, out_dtype, fast_accum, stats):
+        impl = "tma" if _tma_ok(a, b, out_dtype) else "ptr"
+    if impl == "ws" and split_k is None:  # its 128x128 configs fill the GPU without splitting (bench/gemm_ws.py)
+        split_k = 1
     if impl == "tma_ws" and stats is not None:  # the statistics' loop-carried partial: no warp specialization
         impl = "tma"
     if split_k is None:  # few output tiles and a long K (the 124M wgrads): split K to fill the GPU
@@ -487,7 +498,9 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
     num_sms = _num_sms(a.device.index or 0) if a.is_cuda else 4
     programs = _max_programs(M, N, impl, config, num_sms) if stats is not None and ws is None else 0
     flags.update(_stats_args(stats if ws is None else None, stats_base, programs, scale_a))
-    if impl == "ptr":
+    if impl == "ws":
+        _ws.run(a, b, c, ws, scale_a, scale_b, bias, split_k, num_sms)
+    elif impl == "ptr":
         args = (a, b, c if ws is None else ws, scale_a, scale_b, bias_arg, M, N, K, a.stride(0), b.stride(0),
                 c.stride(0))
         if config is None:

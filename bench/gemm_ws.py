@@ -1,0 +1,148 @@
+"""The warp-specialized Gluon precise-accumulation GEMM (trainer/kernels/fp8_gemm_ws.py) against torch._scaled_mm
+(precise) and our Triton fp8_gemm(fast_accum=False): accuracy against an fp64 product, then speed.
+
+    python3 bench/gemm_ws.py acc       # relative errors, every config
+    python3 bench/gemm_ws.py speed     # TFLOP/s: 8192^3 dgrad and the 124M / 1.5B backward shapes (T = 16384)
+    python3 bench/gemm_ws.py speed --quick
+
+Speed: median of triton.testing.do_bench per shape; ratios are _scaled_mm time / ours (> 1: faster). Wgrads with
+fewer output tiles than SMs also run split-K 2 and 4, timed with the reduction (fp8_gemm's split-K reduce kernel).
+Each timed output is checked against _scaled_mm (rel). Run on an sm90 GPU.
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from trainer.kernels import fp8_gemm_ws as W  # noqa: E402
+from trainer.kernels.fp8_gemm import _splitk_reduce_kernel, _stats_args, fp8_gemm  # noqa: E402
+
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+DEV = "cuda"
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+def ops(M, N, K, da, db, seed):
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.randn(M, K, generator=g) * 4).to(da).to(DEV)
+    b = (torch.randn(N, K, generator=g) * 4).to(db).to(DEV)
+    return a, b
+
+
+def rel(x, ref):
+    return float((x.double() - ref.double()).norm() / ref.double().norm())
+
+
+def tag(cfg):
+    return f"ws{cfg[0]}x{cfg[1]}s{cfg[3]}"
+
+
+def reduce_ws(ws, c, sa, sb, split_k):
+    MN = c.numel()
+    _splitk_reduce_kernel[(triton.cdiv(MN, 1024),)](ws, c, sa, sb, sa, MN, c.shape[1], **_stats_args(None, None, 0, sa),
+                                                    SPLIT_K=split_k, HAS_BIAS=False, SOFT_ROUND=False, BLOCK=1024,
+                                                    num_warps=4)
+
+
+def acc_mode(nsm):
+    one = torch.tensor(1.0, device=DEV)
+    for (M, N, K, seed, pos) in [(256, 256, 512, 1, False), (384, 512, 8192, 2, False), (256, 256, 16384, 3, True),
+                                 (1024, 1024, 4096, 4, False), (1000, 520, 272, 5, False)]:
+        a, b = ops(M, N, K, E5, E4, seed)
+        if pos:
+            a = a.float().abs().to(E5)
+            b = b.float().abs().to(E4)
+        exact = a.double() @ b.double().t()
+        res = {}
+        for cfg in W.CONFIGS:
+            c = torch.empty(M, N, dtype=torch.float32, device=DEV)
+            W.launch(a, b, c, None, one, one, None, 1, nsm, cfg)
+            res[tag(cfg)] = rel(c, exact)
+            ws = torch.empty(4, M, N, dtype=torch.float32, device=DEV)
+            W.launch(a, b, c, ws, one, one, None, 4, nsm, cfg)
+            res[tag(cfg) + "/k4"] = rel(ws.sum(0), exact)
+        if M % 16 == 0 and N % 16 == 0:
+            for fast in (False, True):
+                res["sm_fast" if fast else "sm_precise"] = rel(torch._scaled_mm(
+                    a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=fast), exact)
+        res["triton_precise"] = rel(fp8_gemm(a, b, one, one, out_dtype=torch.float32, fast_accum=False), exact)
+        log(f"acc {M}x{N}x{K} pos={pos}: " + ", ".join(f"{k} {v:.2e}" for k, v in res.items()))
+
+
+def bench(fn, quick):
+    return triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 100, return_mode="median")
+
+
+def speed_mode(nsm, quick):
+    shapes = [("8192^3 dgrad", 8192, 8192, 8192, torch.bfloat16)]
+    for T, lins, mtag in [(16384, {"qkv": (2048, 6144), "proj": (2048, 2048), "fc1": (2048, 16384),
+                                   "fc2": (8192, 2048)}, "1.5b"),
+                          (16384, {"qkv": (768, 2304), "fc1": (768, 4096)}, "124m")]:
+        for name, (fin, fout) in lins.items():
+            shapes.append((f"{mtag}.{name} dgrad", T, fin, fout, torch.bfloat16))
+            shapes.append((f"{mtag}.{name} wgrad", fout, fin, T, torch.float32))
+    if quick:
+        shapes = [s for s in shapes if s[0] in ("8192^3 dgrad", "1.5b.fc1 dgrad", "1.5b.proj wgrad", "124m.qkv wgrad")]
+    summary = []
+    for label, M, N, K, od in shapes:
+        a, b = ops(M, N, K, E5, E4, 7)
+        sa, sb = torch.tensor(0.5, device=DEV), torch.tensor(2.0, device=DEV)
+        fl = 2 * M * N * K
+        ref = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32, use_fast_accum=False)
+        t, err = {}, {}
+        t["sm"] = bench(lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=od,
+                                                 use_fast_accum=False), quick)
+        t["triton"] = bench(lambda: fp8_gemm(a, b, sa, sb, out_dtype=od, fast_accum=False), quick)
+        c = torch.empty(M, N, dtype=od, device=DEV)
+        splits = [1]
+        if triton.cdiv(M, 128) * triton.cdiv(N, 128) < nsm and K >= 8192:
+            splits += [2, 4]
+        for cfg in W.CONFIGS:
+            for sk in splits:
+                name = tag(cfg) + (f"/k{sk}" if sk > 1 else "")
+                ws = torch.empty(sk, M, N, dtype=torch.float32, device=DEV) if sk > 1 else None
+
+                def fn(cfg=cfg, sk=sk, ws=ws):
+                    W.launch(a, b, c, ws, sa, sb, None, sk, nsm, cfg)
+                    if sk > 1:
+                        reduce_ws(ws, c, sa, sb, sk)
+                try:
+                    fn()
+                    torch.cuda.synchronize()
+                    err[name] = rel(c, ref)
+                    t[name] = bench(fn, quick)
+                except Exception as e:  # report and go on
+                    log(f"  fail {name}: {type(e).__name__}: {str(e)[:300]}")
+        ws_names = [k for k in t if k.startswith("ws")]
+        best = min(ws_names, key=t.get) if ws_names else None
+        line = (f"speed {label:16s} M{M} N{N} K{K}: " + ", ".join(f"{k} {fl / v / 1e9:.0f}" for k, v in t.items())
+                + f" TFLOP/s | triton/sm {t['sm'] / t['triton']:.3f}")
+        if best:
+            line += f" best {best} ws/sm {t['sm'] / t[best]:.3f} | max rel err vs sm {max(err.values()):.1e}"
+            summary.append((label, t["sm"] / t[best], best))
+        log(line)
+    log("summary (ws best / _scaled_mm): " + ", ".join(f"{lab} {r:.2f} ({b})" for lab, r, b in summary))
+
+
+def main():
+    mode = sys.argv[1] if len(sys.argv) > 1 else "speed"
+    quick = "--quick" in sys.argv
+    if not (torch.cuda.is_available() and W.AVAILABLE):
+        log("needs a CUDA GPU and Triton's Gluon; nothing run")
+        return
+    props = torch.cuda.get_device_properties(0)
+    log(f"device {props.name}, torch {torch.__version__}, triton {triton.__version__}, configs {W.CONFIGS}")
+    nsm = props.multi_processor_count
+    if mode == "acc":
+        acc_mode(nsm)
+    else:
+        speed_mode(nsm, quick)
+
+
+if __name__ == "__main__":
+    main()

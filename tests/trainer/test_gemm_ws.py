@@ -1,0 +1,128 @@
+"""trainer/kernels/fp8_gemm_ws.py (warp-specialized precise-accumulation FP8 GEMM, Gluon) against an fp64 product.
+
+On the CPU only the import and ``supported`` are checked (Gluon has no interpreter). On an sm90 GPU: every config
+over tile-multiple and edge shapes (M, N not tile multiples, K % 128 != 0), bias, bf16 / fp32 output, e5m2 x e4m3
+and e4m3 x e4m3, split-K into the workspace, and a long-K same-sign product where fast accumulation is visibly
+worse. Tolerance: the relative error against the fp64 product of the same fp8 operands is at most 1.5x that of
+``torch._scaled_mm(use_fast_accum=False)`` (operands zero-padded to multiples of 16 where it needs that), plus
+the output rounding for bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.kernels import fp8_gemm_ws as W
+
+E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and W.AVAILABLE
+needs_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm90 GPU and Triton's Gluon")
+
+
+def test_import_and_declines_cpu_tensors():
+    assert isinstance(W.AVAILABLE, bool)
+    assert W.CONFIGS and all(len(c) == 4 for c in W.CONFIGS)
+    assert not W.supported(torch.empty(2, 2))
+    assert not W.supported(torch.empty(2, 2, dtype=E4))
+
+
+def _operands(M, N, K, da, db, seed):
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.randn(M, K, generator=g) * 4).to(da).cuda()
+    b = (torch.randn(N, K, generator=g) * 4).to(db).cuda()
+    return a, b
+
+
+def _rel(x, ref) -> float:
+    return float((x.double() - ref.double()).norm() / ref.double().norm())
+
+
+def _pad16(x):
+    r, k = x.shape
+    out = torch.zeros(-(-r // 16) * 16, -(-k // 16) * 16, dtype=x.dtype, device=x.device)
+    out[:r, :k] = x
+    return out
+
+
+def _scaled_mm_f32(a, b, fast: bool):
+    """Unscaled fp32 A @ B^T through cuBLAS (zero padding changes no sum)."""
+    one = torch.tensor(1.0, device=a.device)
+    c = torch._scaled_mm(_pad16(a), _pad16(b).t(), scale_a=one, scale_b=one, out_dtype=torch.float32,
+                         use_fast_accum=fast)
+    return c[:a.shape[0], :b.shape[0]]
+
+
+def _num_sms():
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
+CASES = [  # M, N, K, A dtype, B dtype, out dtype, bias dtype (None: no bias), split_k
+    (256, 256, 512, E5, E4, torch.float32, None, 1),
+    (1024, 768, 1024, E4, E4, torch.bfloat16, torch.bfloat16, 1),
+    (1000, 520, 272, E5, E4, torch.bfloat16, torch.bfloat16, 1),
+    (130, 200, 96, E5, E4, torch.float32, None, 1),
+    (512, 384, 640, E5, E4, torch.bfloat16, torch.float32, 1),
+    (4096, 2048, 384, E5, E4, torch.bfloat16, None, 1),  # more tiles than SMs: the ring runs across tiles
+    (384, 512, 8192, E5, E4, torch.float32, None, 2),
+    (300, 260, 4112, E5, E4, torch.float32, None, 4),  # 33 K blocks: slices of 9, 9, 9 and 6
+    (768, 768, 16384, E4, E4, torch.float32, None, 4),
+]
+
+
+@needs_sm90
+@pytest.mark.parametrize("config", W.CONFIGS, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}-s{c[7]}")
+def test_ws_vs_fp64(case, config):
+    M, N, K, da, db, od, bias_dt, split_k = case
+    a, b = _operands(M, N, K, da, db, seed=M + N + K)
+    sa, sb = torch.tensor(0.37, device="cuda"), torch.tensor(1.9, device="cuda")
+    bias = torch.randn(N, device="cuda").to(bias_dt) if bias_dt is not None else None
+    exact = a.double() @ b.double().t()
+    cublas = _rel(_scaled_mm_f32(a, b, fast=False), exact)
+    if split_k == 1:
+        c = torch.full((M, N), float("nan"), dtype=od, device="cuda")
+        W.launch(a, b, c, None, sa, sb, bias, 1, _num_sms(), config)
+        want = exact * (0.37 * 1.9) + (0 if bias is None else bias.double())
+        assert bool(torch.isfinite(c).all())
+        e = _rel(c, want)
+        tol = 1.5 * cublas + (4e-3 if od == torch.bfloat16 else 1e-7)
+    else:
+        ws = torch.full((split_k, M, N), float("nan"), dtype=torch.float32, device="cuda")
+        c = torch.empty((M, N), dtype=torch.float32, device="cuda")
+        W.launch(a, b, c, ws, sa, sb, None, split_k, _num_sms(), config)
+        assert bool(torch.isfinite(ws).all()), "every K slice writes its whole partial"
+        e = _rel(ws.sum(0) * (sa * sb), exact * (0.37 * 1.9))
+        tol = 1.5 * cublas + 1e-7
+    assert e <= tol, (e, cublas)
+
+
+@needs_sm90
+@pytest.mark.parametrize("config", W.CONFIGS, ids=lambda c: "x".join(map(str, c)))
+def test_ws_promotes_every_128(config):
+    """Same-sign products over a long K: partial sums outgrow the tensor core accumulator's precision, so fast
+    accumulation is visibly worse; the kernel must stay at _scaled_mm's precise level."""
+    a, b = _operands(256, 256, 16384, E4, E4, seed=3)
+    a = (a.float().abs() * 16).to(E4)
+    b = b.float().abs().to(E4)
+    one = torch.tensor(1.0, device="cuda")
+    exact = a.double() @ b.double().t()
+    c = torch.empty(256, 256, dtype=torch.float32, device="cuda")
+    W.launch(a, b, c, None, one, one, None, 1, _num_sms(), config)
+    e = _rel(c, exact)
+    precise = _rel(_scaled_mm_f32(a, b, fast=False), exact)
+    fast = _rel(_scaled_mm_f32(a, b, fast=True), exact)
+    assert e <= 1.5 * precise + 1e-7, (e, precise, fast)
+    assert e < fast, (e, precise, fast)
+
+
+@needs_sm90
+def test_ws_run_tunes_and_reuses():
+    a, b = _operands(512, 512, 1024, E5, E4, seed=11)
+    sa, sb = torch.tensor(0.5, device="cuda"), torch.tensor(2.0, device="cuda")
+    exact = a.double() @ b.double().t()
+    for _ in range(2):  # the second call takes the remembered config
+        c = torch.empty(512, 512, dtype=torch.bfloat16, device="cuda")
+        W.run(a, b, c, None, sa, sb, None, 1, _num_sms())
+        assert _rel(c, exact) <= 1.5 * _rel(_scaled_mm_f32(a, b, fast=False), exact) + 4e-3
+    assert len([k for k in W._BEST if k[0] == (512, 1024)]) == 1

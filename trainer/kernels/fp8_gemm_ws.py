@@ -1,0 +1,248 @@
+"""Warp-specialized FP8 GEMM with precise accumulation for Hopper (sm_90a), in Gluon.
+
+``C = (A @ Bᵀ) * scale_a * scale_b (+ bias)``, A (M, K) and B (N, K) fp8 (e4m3 / e5m2), both K-major; scales are
+fp32 0-d device tensors read in the kernel; C bf16 or fp32. Same contract as ``fp8_gemm.fp8_gemm``.
+
+Precise accumulation: every BK = 128 deep K block runs as one wgmma chain (four k=32 instructions) that starts
+from zero in the tensor core's reduced-precision accumulator; its result is then added into an fp32 accumulator
+(what ``max_num_imprecise_acc=128`` and cuBLAS' precise mode do).
+
+Why this structure: Triton's ``max_num_imprecise_acc`` lowering waits for the chain and adds with both warpgroups
+of the CTA in lockstep, so the tensor cores idle during every add (~20-25%). Here (the DeepGEMM / CUTLASS
+sm90 "cooperative" layout, via ``gl.warp_specialize``):
+  * a 1-warp producer partition (few registers) issues the TMA loads of A and B into a STAGES-deep ring with
+    per-stage ``ready`` (TMA byte count) and ``empty`` mbarriers, running ahead across tile boundaries;
+  * two consumer warpgroups (raised register budget) each own 64 rows of the 128-row tile: wait ``ready[s]``,
+    issue their own wgmma chain on their half of the A stage and the whole B stage, wait for it, release the
+    stage (``empty[s]`` counts one arrival per consumer) and add the partial into fp32. They never synchronise
+    with each other inside the K loop, so one's adds run while the other's wgmma occupies the tensor cores.
+    With BN = 256 a consumer runs its 64 x 256 as two 128-wide chains into one 64 x 128 temporary (registers).
+Persistent (grid = min(items, SMs)), grouped tile order (GROUP_M rows of tiles sweep the columns). Each
+consumer stores its 64 x BN half with masked stores (scale, bias, cast); rows / columns / K past the tensor are
+zero-filled by TMA. Split-K (split_k > 1): a work item is (tile, K slice) and writes its unscaled fp32 partial
+into the (split_k, M, N) workspace ``ws``, which the caller reduces.
+
+Needs Triton with Gluon's Hopper API (written against Triton 3.6); ``AVAILABLE`` is False elsewhere. No
+interpreter support (Gluon has none). TMA alignment: K % 16 == 0, 16-byte aligned bases (``fp8_gemm._tma_ok``).
+Status: compiled offline for sm_90a with Triton 3.6 (no spills, no wgmma serialization); not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+import triton
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    AVAILABLE = hasattr(gl, "warp_specialize")
+except Exception:  # pragma: no cover - Triton without Gluon's Hopper API
+    AVAILABLE = False
+
+# (BM, BN, BK, STAGES). Shared memory: STAGES * (BM + BN) * BK bytes. Register tensors need power-of-2 shapes, so
+# no BN = 192. BN = 256: per consumer thread 128 accumulator + 64 temporary fp32 registers (see _consumer).
+CONFIGS = [
+    (128, 256, 128, 4),
+    (128, 128, 128, 6),
+    (128, 256, 128, 3),
+    (128, 128, 128, 4),
+]
+GROUP_M = 8
+# setmaxnreg budgets (multiples of 8); 3 warpgroups (consumer, consumer, producer padded to 4 warps) under a
+# 168-register launch limit (168 * 384 threads <= 64K): 232 + 232 + 40 = 3 * 168.
+MAXNREG = 168
+CONSUMER_REGS = 232
+PRODUCER_REGS = 40
+
+
+def supported(a: torch.Tensor) -> bool:
+    """True where this kernel can run: a CUDA tensor on an sm90 GPU, and Gluon's Hopper API importable."""
+    return AVAILABLE and a.is_cuda and torch.cuda.get_device_capability(a.device) == (9, 0)
+
+
+if AVAILABLE:
+    @gluon.jit
+    def _work_item(item, num_pid_m, num_pid_n, num_tiles, per, k_tiles, GROUP: gl.constexpr):
+        """Work item -> (tile row, tile column, K slice, first K block, K blocks); grouped tile order."""
+        tile = item % num_tiles
+        group = GROUP * num_pid_n
+        first_m = (tile // group) * GROUP
+        size_m = gl.minimum(num_pid_m - first_m, GROUP)
+        pid_m = first_m + ((tile % group) % size_m)
+        pid_n = (tile % group) // size_m
+        ks = item // num_tiles
+        k0 = ks * per
+        return pid_m, pid_n, ks, k0, gl.minimum(per, k_tiles - k0)
+
+    @gluon.jit
+    def _producer(a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n, num_tiles,
+                  num_items, per, k_tiles, STAGES: gl.constexpr, GROUP: gl.constexpr):
+        BM: gl.constexpr = a_desc.block_type.shape[0]
+        BK: gl.constexpr = a_desc.block_type.shape[1]
+        BN: gl.constexpr = b_desc.block_type.shape[0]
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+        c = 0
+        for item in range(pid, num_items, nprog):
+            pid_m, pid_n, ks, k0, nk = _work_item(item, num_pid_m, num_pid_n, num_tiles, per, k_tiles, GROUP)
+            for kb in range(nk):
+                s = c % STAGES
+                # a fresh mbarrier completes the (virtual) phase before phase 0: the first lap does not wait
+                mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, nbytes)
+                tma.async_copy_global_to_shared(a_desc, [pid_m * BM, (k0 + kb) * BK], bar, a_smem.index(s))
+                tma.async_copy_global_to_shared(b_desc, [pid_n * BN, (k0 + kb) * BK], bar, b_smem.index(s))
+                c += 1
+
+    @gluon.jit
+    def _store_tile(acc, c_ptr, ws_ptr, scale, bias_ptr, M, N, ks, row0, col0, HAS_BIAS: gl.constexpr,
+                    SPLIT: gl.constexpr, layout: gl.constexpr):
+        rows = row0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+        cols = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        offs = rows[:, None].to(gl.int64) * N + cols[None, :]
+        if SPLIT:  # unscaled fp32 partial of K slice ks
+            gl.store(ws_ptr + ks.to(gl.int64) * M * N + offs, acc, mask=mask)
+        else:
+            out = acc * scale
+            if HAS_BIAS:
+                out = out + gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)[None, :]
+            gl.store(c_ptr + offs, out.to(c_ptr.dtype.element_ty), mask=mask)
+
+    @gluon.jit
+    def _consumer(a_smem, b_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid, nprog,
+                  num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, WG: gl.constexpr, HAS_BIAS: gl.constexpr,
+                  SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr):
+        """Consumer warpgroup WG: rows [64 WG, 64 WG + 64) of every tile. With BN = 256 the columns run as two
+        128-wide wgmma chains into one temporary (acc0/acc1 + temporary = 192 registers; two 256-wide sets would
+        not fit)."""
+        BM: gl.constexpr = a_smem.shape[1]
+        BN: gl.constexpr = b_smem.shape[1]
+        HALF: gl.constexpr = BM // 2
+        SUB: gl.constexpr = 128 if BN > 128 else BN
+        gl.static_assert(BN == SUB or BN == 2 * SUB, "BN: 64, 128 or 256")
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, SUB, 32])
+        scale = gl.load(sa_ptr) * gl.load(sb_ptr)
+        # the wgmma temporary: loop-carried so that it keeps its registers (use_acc=False ignores its value)
+        part = gl.zeros((HALF, SUB), gl.float32, layout)
+        c = 0
+        for item in range(pid, num_items, nprog):
+            pid_m, pid_n, ks, k0, nk = _work_item(item, num_pid_m, num_pid_n, num_tiles, per, k_tiles, GROUP)
+            acc0 = gl.zeros((HALF, SUB), gl.float32, layout)
+            if BN > SUB:
+                acc1 = gl.zeros((HALF, SUB), gl.float32, layout)
+            for kb in range(nk):
+                s = c % STAGES
+                mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+                a = a_smem.index(s).slice(WG * HALF, HALF)
+                b = b_smem.index(s).slice(0, SUB).permute((1, 0))
+                tok = warpgroup_mma(a, b, part, use_acc=False, is_async=True)
+                part, a, b = warpgroup_mma_wait(num_outstanding=0, deps=(tok, a, b))
+                if BN > SUB:
+                    acc0 = acc0 + part  # fp32 promotion; the other consumer's wgmma keeps the tensor cores busy
+                    b = b_smem.index(s).slice(SUB, SUB).permute((1, 0))
+                    tok = warpgroup_mma(a, b, part, use_acc=False, is_async=True)
+                    part, a, b = warpgroup_mma_wait(num_outstanding=0, deps=(tok, a, b))
+                    mbarrier.arrive(empty.index(s), count=1)
+                    acc1 = acc1 + part
+                else:
+                    mbarrier.arrive(empty.index(s), count=1)
+                    acc0 = acc0 + part
+                c += 1
+            row0 = pid_m * BM + WG * HALF
+            _store_tile(acc0, c_ptr, ws_ptr, scale, bias_ptr, M, N, ks, row0, pid_n * BN, HAS_BIAS, SPLIT, layout)
+            if BN > SUB:
+                _store_tile(acc1, c_ptr, ws_ptr, scale, bias_ptr, M, N, ks, row0, pid_n * BN + SUB, HAS_BIAS, SPLIT,
+                            layout)
+
+    @gluon.jit
+    def _fp8_gemm_ws_kernel(a_desc, b_desc, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, split_k,
+                            HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+        BM: gl.constexpr = a_desc.block_type.shape[0]
+        BK: gl.constexpr = a_desc.block_type.shape[1]
+        BN: gl.constexpr = b_desc.block_type.shape[0]
+        gl.static_assert(BM == 128 and num_warps == 4, "two 64-row consumer warpgroups")
+        a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+        b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        num_pid_m = gl.cdiv(M, BM)
+        num_pid_n = gl.cdiv(N, BN)
+        num_tiles = num_pid_m * num_pid_n
+        num_items = num_tiles * split_k
+        k_tiles = gl.cdiv(K, BK)
+        per = gl.cdiv(k_tiles, split_k)
+        WG0: gl.constexpr = 0
+        WG1: gl.constexpr = 1
+        gl.warp_specialize([
+            (_consumer, (a_smem, b_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid, nprog,
+                         num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, WG0, HAS_BIAS, SPLIT, STAGES,
+                         GROUP)),
+            (_consumer, (a_smem, b_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid, nprog,
+                         num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, WG1, HAS_BIAS, SPLIT, STAGES,
+                         GROUP)),
+            (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n, num_tiles,
+                         num_items, per, k_tiles, STAGES, GROUP)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+    _GL_DTYPE = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
+
+
+def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, config=CONFIGS[0]) -> None:
+    """Runs the kernel: C (split_k == 1) or the (split_k, M, N) fp32 workspace ``ws`` (split_k > 1, unscaled,
+    no bias) from a (M, K) and b (N, K); ``config`` is one of ``CONFIGS``."""
+    BM, BN, BK, stages = config
+    M, K = a.shape
+    N = b.shape[0]
+    a_desc = GluonDescriptor(a, [M, K], [K, 1], [BM, BK], gl.NVMMASharedLayout.get_default_for([BM, BK],
+                                                                                              _GL_DTYPE[a.dtype]))
+    b_desc = GluonDescriptor(b, [N, K], [K, 1], [BN, BK], gl.NVMMASharedLayout.get_default_for([BN, BK],
+                                                                                              _GL_DTYPE[b.dtype]))
+    items = triton.cdiv(M, BM) * triton.cdiv(N, BN) * split_k
+    split = split_k > 1
+    _fp8_gemm_ws_kernel[(min(items, num_sms),)](
+        a_desc, b_desc, c, ws if split else c, scale_a, scale_b, bias if bias is not None else scale_a, M, N, K,
+        split_k, HAS_BIAS=bias is not None and not split, SPLIT=split, STAGES=stages, GROUP=GROUP_M,
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
+
+
+_BEST: dict = {}
+
+
+def _tune_key(a, b, c, bias, split_k):
+    return (tuple(a.shape), tuple(b.shape), a.dtype, b.dtype, c.dtype, bias is not None, split_k, a.device)
+
+
+def run(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, config=None) -> None:
+    """``launch`` with ``config``, or with the fastest of ``CONFIGS`` for this shape (timed on the first call of
+    each shape / dtype / flag combination, like Triton's autotuner: that call synchronizes)."""
+    if config is None:
+        key = _tune_key(a, b, c, bias, split_k)
+        config = _BEST.get(key)
+        if config is None:
+            times = {}
+            for cfg in CONFIGS:
+                fn = functools.partial(launch, a, b, c, ws, scale_a, scale_b, bias, split_k, num_sms, cfg)
+                try:
+                    fn()
+                except Exception as exc:  # e.g. out of shared memory on a smaller part
+                    warnings.warn(f"fp8_gemm_ws: config {cfg} failed ({type(exc).__name__}: {exc})")
+                    continue
+                times[cfg] = triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
+            if not times:
+                raise RuntimeError("fp8_gemm_ws: no config runs")
+            config = _BEST[key] = min(times, key=times.get)
+    launch(a, b, c, ws, scale_a, scale_b, bias, split_k, num_sms, config)
