@@ -4,6 +4,9 @@
     python3 bench/gemm_ws.py acc       # relative errors, every config
     python3 bench/gemm_ws.py speed     # TFLOP/s: 8192^3 dgrad and the 124M / 1.5B backward shapes (T = 16384)
     python3 bench/gemm_ws.py speed --quick
+    python3 bench/gemm_ws.py speed --short  # every shape, shorter timing (warmup 5 ms, rep 25 ms)
+    python3 bench/gemm_ws.py warm [--workers 8]  # runs tests/trainer/test_gemm_ws.py's GPU cases per config in
+                                                # parallel processes (fills the Triton cache; logs pass / fail)
 
 Speed: median of triton.testing.do_bench per shape; ratios are _scaled_mm time / ours (> 1: faster). Wgrads with
 fewer output tiles than SMs also run split-K 2 and 4, timed with the reduction (fp8_gemm's split-K reduce kernel).
@@ -39,7 +42,7 @@ def rel(x, ref):
 
 
 def tag(cfg):
-    return f"ws{cfg[0]}x{cfg[1]}s{cfg[3]}"
+    return f"ws{cfg[0]}x{cfg[1]}s{cfg[3]}" + (cfg[4] if len(cfg) > 4 and cfg[4] != "ptr" else "")
 
 
 def reduce_ws(ws, c, sa, sb, split_k):
@@ -74,8 +77,12 @@ def acc_mode(nsm):
         log(f"acc {M}x{N}x{K} pos={pos}: " + ", ".join(f"{k} {v:.2e}" for k, v in res.items()))
 
 
+REPS = {"full": (25, 100), "quick": (10, 40), "short": (5, 25)}
+
+
 def bench(fn, quick):
-    return triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 100, return_mode="median")
+    warmup, rep = REPS[quick] if isinstance(quick, str) else REPS["quick" if quick else "full"]
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
 def speed_mode(nsm, quick):
@@ -86,7 +93,7 @@ def speed_mode(nsm, quick):
         for name, (fin, fout) in lins.items():
             shapes.append((f"{mtag}.{name} dgrad", T, fin, fout, torch.bfloat16))
             shapes.append((f"{mtag}.{name} wgrad", fout, fin, T, torch.float32))
-    if quick:
+    if quick is True:
         shapes = [s for s in shapes if s[0] in ("8192^3 dgrad", "1.5b.fc1 dgrad", "1.5b.proj wgrad", "124m.qkv wgrad")]
     summary = []
     for label, M, N, K, od in shapes:
@@ -129,9 +136,45 @@ def speed_mode(nsm, quick):
     log("summary (ws best / _scaled_mm): " + ", ".join(f"{lab} {r:.2f} ({b})" for lab, r, b in summary))
 
 
+def _warm_job(j):
+    """Worker: every GPU test of tests/trainer/test_gemm_ws.py for config j (compiles land in the Triton cache)."""
+    import importlib.util
+    import time
+    import traceback
+    spec = importlib.util.spec_from_file_location("_t_gemm_ws", str(Path(__file__).resolve().parent.parent / "tests"
+                                                                     / "trainer" / "test_gemm_ws.py"))
+    T = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(T)
+    cfg = T.W.CONFIGS[j]
+    out = []
+    for case in T.CASES + ["promote"]:
+        t0 = time.time()
+        try:
+            if case == "promote":
+                T.test_ws_promotes_every_128(cfg)
+            else:
+                T.test_ws_vs_fp64(case, cfg)
+            res = "ok"
+        except Exception as e:  # noqa: BLE001 - reported
+            res = f"FAIL {type(e).__name__}: {str(e)[:300]}" + ("" if isinstance(e, AssertionError)
+                                                                else " " + traceback.format_exc()[-600:])
+        name = case if case == "promote" else case[:3] + case[-1:]
+        out.append(f"warm {tag(cfg)} {name}: {res} ({time.time() - t0:.1f} s)")
+    return out
+
+
+def warm_mode(workers):
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+        for lines in ex.map(_warm_job, range(len(W.CONFIGS))):
+            for line in lines:
+                log(line)
+
+
 def main():
     mode = sys.argv[1] if len(sys.argv) > 1 else "speed"
-    quick = "--quick" in sys.argv
+    quick = "short" if "--short" in sys.argv else "--quick" in sys.argv
     if not (torch.cuda.is_available() and W.AVAILABLE):
         log("needs a CUDA GPU and Triton's Gluon; nothing run")
         return
@@ -140,6 +183,9 @@ def main():
     nsm = props.multi_processor_count
     if mode == "acc":
         acc_mode(nsm)
+    elif mode == "warm":
+        workers = int(sys.argv[sys.argv.index("--workers") + 1]) if "--workers" in sys.argv else len(W.CONFIGS)
+        warm_mode(workers)
     else:
         speed_mode(nsm, quick)
 

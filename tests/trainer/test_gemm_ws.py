@@ -3,7 +3,8 @@
 On the CPU only the import and ``supported`` are checked (Gluon has no interpreter). On an sm90 GPU: every config
 over tile-multiple and edge shapes (M, N not tile multiples, K % 128 != 0), bias, bf16 / fp32 output, e5m2 x e4m3
 and e4m3 x e4m3, split-K into the workspace, and a long-K same-sign product where fast accumulation is visibly
-worse. Tolerance: the relative error against the fp64 product of the same fp8 operands is at most 1.5x that of
+worse. Configs with the "tma" epilogue also run its pointer fallback (unaligned
+C rows) and the clipped TMA stores at the edges. Tolerance: the relative error against the fp64 product of the same fp8 operands is at most 1.5x that of
 ``torch._scaled_mm(use_fast_accum=False)`` (operands zero-padded to multiples of 16 where it needs that), plus
 the output rounding for bf16.
 """
@@ -22,9 +23,25 @@ needs_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm90 GPU and Triton's
 
 def test_import_and_declines_cpu_tensors():
     assert isinstance(W.AVAILABLE, bool)
-    assert W.CONFIGS and all(len(c) == 4 for c in W.CONFIGS)
+    assert W.CONFIGS and all(len(c) == 4 or (len(c) == 5 and c[4] in ("ptr", "tma")) for c in W.CONFIGS)
     assert not W.supported(torch.empty(2, 2))
     assert not W.supported(torch.empty(2, 2, dtype=E4))
+
+
+@pytest.mark.skipif(not W.AVAILABLE, reason="needs Triton's Gluon")
+def test_epilogue_choice(monkeypatch):
+    """The TMA epilogue's buffers: one per 128-column chain where the shared memory has room, else one; pointer
+    stores for split-K, unaligned C rows and configs without "tma"."""
+    monkeypatch.setattr(W, "_smem_limit", lambda device: 232448)
+    bf, f32 = torch.empty(256, 256, dtype=torch.bfloat16), torch.empty(256, 256)
+    assert W._epilogue((128, 256, 128, 3, "tma"), bf, 1) == 2
+    assert W._epilogue((128, 256, 128, 3, "tma"), f32, 1) == 1
+    assert W._epilogue((128, 256, 128, 4, "tma"), bf, 1) == 1
+    assert W._epilogue((128, 256, 128, 4, "tma"), f32, 1) == 0
+    assert W._epilogue((128, 128, 128, 5, "tma"), f32, 1) == 1
+    assert W._epilogue((128, 256, 128, 3, "tma"), f32, 2) == 0
+    assert W._epilogue((128, 256, 128, 3, "tma"), torch.empty(256, 100, dtype=torch.bfloat16), 1) == 0
+    assert W._epilogue((128, 256, 128, 3), bf, 1) == 0
 
 
 def _operands(M, N, K, da, db, seed):
@@ -67,6 +84,8 @@ CASES = [  # M, N, K, A dtype, B dtype, out dtype, bias dtype (None: no bias), s
     (384, 512, 8192, E5, E4, torch.float32, None, 2),
     (300, 260, 4112, E5, E4, torch.float32, None, 4),  # 33 K blocks: slices of 9, 9, 9 and 6
     (768, 768, 16384, E4, E4, torch.float32, None, 4),
+    (200, 100, 256, E5, E4, torch.bfloat16, torch.bfloat16, 1),  # 200-byte rows: no TMA store, pointer fallback
+    (4100, 1032, 1152, E5, E4, torch.bfloat16, torch.bfloat16, 1),  # TMA store ring over many tiles, clipped edges
 ]
 
 

@@ -18,13 +18,18 @@ sm90 "cooperative" layout, via ``gl.warp_specialize``):
     with each other inside the K loop, so one's adds run while the other's wgmma occupies the tensor cores.
     With BN = 256 a consumer runs its 64 x 256 as two 128-wide chains into one 64 x 128 temporary (registers).
 Persistent (grid = min(items, SMs)), grouped tile order (GROUP_M rows of tiles sweep the columns). Each
-consumer stores its 64 x BN half with masked stores (scale, bias, cast); rows / columns / K past the tensor are
-zero-filled by TMA. Split-K (split_k > 1): a work item is (tile, K slice) and writes its unscaled fp32 partial
+consumer stores its 64 x BN half (scale, bias, cast in registers); rows / columns / K past the tensor are
+zero-filled by TMA. Two epilogues (``CONFIGS``' optional 5th entry): "ptr", masked stores from registers; "tma",
+through per-consumer shared-memory buffers and asynchronous TMA stores (clipped at the edges) that drain while
+the next tile's main loop runs. With "ptr" every SM's consumers stall in the stores at the same time (all SMs
+finish their tiles together, so the stores queue on the write bandwidth) while the tensor cores idle: costliest
+for short K (few K blocks per tile); on the H200, "ptr" reached 0.79-0.83x _scaled_mm on K = 2048-8192 dgrads. Split-K (split_k > 1): a work item is (tile, K slice) and writes its unscaled fp32 partial
 into the (split_k, M, N) workspace ``ws``, which the caller reduces.
 
 Needs Triton with Gluon's Hopper API (written against Triton 3.6); ``AVAILABLE`` is False elsewhere. No
 interpreter support (Gluon has none). TMA alignment: K % 16 == 0, 16-byte aligned bases (``fp8_gemm._tma_ok``).
-Status: compiled offline for sm_90a with Triton 3.6 (no spills, no wgmma serialization); not yet run on a GPU.
+Status: "ptr" configs ran on an H200 (Triton 3.6): exact vs _scaled_mm(use_fast_accum=False). "tma" configs:
+compiled offline for sm_90a with Triton 3.6 (168 registers, no spills, no wgmma serialization); not yet run.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ import triton
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                       warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     AVAILABLE = hasattr(gl, "warp_specialize")
 except Exception:  # pragma: no cover - Triton without Gluon's Hopper API
@@ -46,11 +52,22 @@ except Exception:  # pragma: no cover - Triton without Gluon's Hopper API
 
 # (BM, BN, BK, STAGES). Shared memory: STAGES * (BM + BN) * BK bytes. Register tensors need power-of-2 shapes, so
 # no BN = 192. BN = 256: per consumer thread 128 accumulator + 64 temporary fp32 registers (see _consumer).
+#
+# An optional 5th entry picks the epilogue: "ptr" (default; masked stores from registers) or "tma" (scale / bias /
+# cast in registers, then shared memory and an asynchronous TMA store that drains while the next tile's main loop
+# runs; the consumer waits for its previous store only before reusing that buffer). "tma" takes 64 x min(BN, 128)
+# output-dtype buffers per consumer: one per 128-column chain when that fits the shared memory, else one (the
+# second chain's store then waits for the first to be read out); split-K, unaligned C (N * itemsize % 16 != 0)
+# or no room fall back to "ptr" (``_epilogue``).
 CONFIGS = [
     (128, 256, 128, 4),
     (128, 128, 128, 6),
     (128, 256, 128, 3),
     (128, 128, 128, 4),
+    (128, 256, 128, 3, "tma"),  # 144 KB ring + 64 KB bf16 (2 bufs) / 64 KB fp32 (1 buf)
+    (128, 128, 128, 5, "tma"),  # 160 KB ring + 32 KB bf16 / 64 KB fp32
+    (128, 128, 128, 4, "tma"),
+    (128, 256, 128, 4, "tma"),  # 192 KB ring + 32 KB bf16 (1 buf); fp32 output: no room, "ptr"
 ]
 GROUP_M = 8
 # setmaxnreg budgets (multiples of 8); 3 warpgroups (consumer, consumer, producer padded to 4 warps) under a
@@ -115,9 +132,26 @@ if AVAILABLE:
             gl.store(c_ptr + offs, out.to(c_ptr.dtype.element_ty), mask=mask)
 
     @gluon.jit
-    def _consumer(a_smem, b_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid, nprog,
+    def _store_tile_tma(acc, c_desc, c_smem, buf, scale, bias_ptr, N, row0, col0, HAS_BIAS: gl.constexpr,
+                        PENDING: gl.constexpr, layout: gl.constexpr):
+        """Scale / bias / cast in registers, then buffer ``buf`` of ``c_smem`` and an asynchronous TMA store (TMA
+        clips rows / columns past C). Waits only until at most PENDING of this warpgroup's stores are still reading
+        shared memory, i.e. until the store that last used ``buf`` is done with it."""
+        out = acc * scale
+        if HAS_BIAS:
+            cols = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+            out = out + gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)[None, :]
+        out = out.to(c_desc.dtype)
+        tma.store_wait(PENDING)
+        dst = c_smem.index(buf)
+        dst.store(out)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [row0, col0], dst)
+
+    @gluon.jit
+    def _consumer(a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid, nprog,
                   num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, WG: gl.constexpr, HAS_BIAS: gl.constexpr,
-                  SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr):
+                  SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, EPI_BUFS: gl.constexpr):
         """Consumer warpgroup WG: rows [64 WG, 64 WG + 64) of every tile. With BN = 256 the columns run as two
         128-wide wgmma chains into one temporary (acc0/acc1 + temporary = 192 registers; two 256-wide sets would
         not fit)."""
@@ -156,15 +190,27 @@ if AVAILABLE:
                     acc0 = acc0 + part
                 c += 1
             row0 = pid_m * BM + WG * HALF
-            _store_tile(acc0, c_ptr, ws_ptr, scale, bias_ptr, M, N, ks, row0, pid_n * BN, HAS_BIAS, SPLIT, layout)
-            if BN > SUB:
-                _store_tile(acc1, c_ptr, ws_ptr, scale, bias_ptr, M, N, ks, row0, pid_n * BN + SUB, HAS_BIAS, SPLIT,
-                            layout)
+            if EPI_BUFS > 0:  # c_ptr is C's TMA descriptor, block (HALF, SUB)
+                _store_tile_tma(acc0, c_ptr, c_smem, WG * EPI_BUFS, scale, bias_ptr, N, row0, pid_n * BN, HAS_BIAS,
+                                EPI_BUFS - 1, layout)
+                if BN > SUB:
+                    _store_tile_tma(acc1, c_ptr, c_smem, WG * EPI_BUFS + EPI_BUFS - 1, scale, bias_ptr, N, row0,
+                                    pid_n * BN + SUB, HAS_BIAS, EPI_BUFS - 1, layout)
+            else:
+                _store_tile(acc0, c_ptr, ws_ptr, scale, bias_ptr, M, N, ks, row0, pid_n * BN, HAS_BIAS, SPLIT, layout)
+                if BN > SUB:
+                    _store_tile(acc1, c_ptr, ws_ptr, scale, bias_ptr, M, N, ks, row0, pid_n * BN + SUB, HAS_BIAS,
+                                SPLIT, layout)
+        if EPI_BUFS > 0:
+            tma.store_wait(0)  # the buffers must outlive the stores reading them
 
     @gluon.jit
     def _fp8_gemm_ws_kernel(a_desc, b_desc, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, split_k,
                             HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                            EPI_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                            num_warps: gl.constexpr):
+        """EPI_BUFS > 0: TMA epilogue with EPI_BUFS shared-memory buffers per consumer and ``c_ptr`` C's tensor
+        descriptor (block BM // 2 x min(BN, 128)); EPI_BUFS == 0: masked pointer stores."""
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -173,6 +219,10 @@ if AVAILABLE:
         b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        if EPI_BUFS > 0:
+            c_smem = gl.allocate_shared_memory(c_ptr.dtype, [2 * EPI_BUFS] + c_ptr.block_type.shape, c_ptr.layout)
+        else:
+            c_smem = a_smem  # unused
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
@@ -188,23 +238,44 @@ if AVAILABLE:
         WG0: gl.constexpr = 0
         WG1: gl.constexpr = 1
         gl.warp_specialize([
-            (_consumer, (a_smem, b_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid, nprog,
-                         num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, WG0, HAS_BIAS, SPLIT, STAGES,
-                         GROUP)),
-            (_consumer, (a_smem, b_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid, nprog,
-                         num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, WG1, HAS_BIAS, SPLIT, STAGES,
-                         GROUP)),
+            (_consumer, (a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid,
+                         nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, WG0, HAS_BIAS, SPLIT,
+                         STAGES, GROUP, EPI_BUFS)),
+            (_consumer, (a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid,
+                         nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, WG1, HAS_BIAS, SPLIT,
+                         STAGES, GROUP, EPI_BUFS)),
             (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n, num_tiles,
                          num_items, per, k_tiles, STAGES, GROUP)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     _GL_DTYPE = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
+    _GL_OUT_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32, torch.float16: gl.float16}
+
+
+def _smem_limit(device) -> int:
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 232448)
+
+
+def _epilogue(config, c, split_k: int) -> int:
+    """Shared-memory output buffers per consumer for ``config``'s epilogue on C ``c``: 0 = pointer stores."""
+    BM, BN, BK, stages = config[:4]
+    if len(config) < 5 or config[4] != "tma" or split_k > 1 or c.dtype not in _GL_OUT_DTYPE:
+        return 0
+    M, N = c.shape
+    if c.stride(1) != 1 or c.stride(0) != N or (N * c.element_size()) % 16 or c.data_ptr() % 16:
+        return 0
+    sub = min(BN, 128)
+    ring = stages * (BM + BN) * BK + 2 * stages * 8
+    for bufs in (BN // sub, 1):
+        if ring + 2 * bufs * (BM // 2) * sub * c.element_size() + 1024 <= _smem_limit(c.device):
+            return bufs
+    return 0
 
 
 def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, config=CONFIGS[0]) -> None:
     """Runs the kernel: C (split_k == 1) or the (split_k, M, N) fp32 workspace ``ws`` (split_k > 1, unscaled,
     no bias) from a (M, K) and b (N, K); ``config`` is one of ``CONFIGS``."""
-    BM, BN, BK, stages = config
+    BM, BN, BK, stages = config[:4]
     M, K = a.shape
     N = b.shape[0]
     a_desc = GluonDescriptor(a, [M, K], [K, 1], [BM, BK], gl.NVMMASharedLayout.get_default_for([BM, BK],
@@ -213,10 +284,16 @@ def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, conf
                                                                                               _GL_DTYPE[b.dtype]))
     items = triton.cdiv(M, BM) * triton.cdiv(N, BN) * split_k
     split = split_k > 1
+    epi_bufs = _epilogue(config, c, split_k)
+    c_arg = c
+    if epi_bufs:
+        block = [BM // 2, min(BN, 128)]
+        c_arg = GluonDescriptor(c, [M, N], [N, 1], block,
+                                gl.NVMMASharedLayout.get_default_for(block, _GL_OUT_DTYPE[c.dtype]))
     _fp8_gemm_ws_kernel[(min(items, num_sms),)](
-        a_desc, b_desc, c, ws if split else c, scale_a, scale_b, bias if bias is not None else scale_a, M, N, K,
+        a_desc, b_desc, c_arg, ws if split else c, scale_a, scale_b, bias if bias is not None else scale_a, M, N, K,
         split_k, HAS_BIAS=bias is not None and not split, SPLIT=split, STAGES=stages, GROUP=GROUP_M,
-        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
+        EPI_BUFS=epi_bufs, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
 
 
 _BEST: dict = {}
