@@ -8,7 +8,8 @@
     python3 bench/gemm_ws.py warm [--workers 8]  # runs tests/trainer/test_gemm_ws.py's GPU cases per config in
                                                 # parallel processes (fills the Triton cache; logs pass / fail)
 
-Speed: median of triton.testing.do_bench per shape; ratios are _scaled_mm time / ours (> 1: faster). Wgrads with
+Speed: per shape the candidates (_scaled_mm, fp8_gemm, every config / split) are timed in turn, 3 rounds
+interleaved, and each one's median over the rounds is reported (each timing itself do_bench's median); ratios are _scaled_mm time / ours (> 1: faster). Wgrads with
 fewer output tiles than SMs also run split-K 2 and 4, timed with the reduction (fp8_gemm's split-K reduce kernel).
 Each timed output is checked against _scaled_mm (rel). Run on an sm90 GPU.
 """
@@ -42,7 +43,8 @@ def rel(x, ref):
 
 
 def tag(cfg):
-    return f"ws{cfg[0]}x{cfg[1]}s{cfg[3]}" + (cfg[4] if len(cfg) > 4 and cfg[4] != "ptr" else "")
+    return (f"ws{cfg[0]}x{cfg[1]}s{cfg[3]}" + (cfg[4] if len(cfg) > 4 and cfg[4] != "ptr" else "")
+            + ("p" if W._pipe(cfg) else ""))
 
 
 def reduce_ws(ws, c, sa, sb, split_k):
@@ -78,6 +80,7 @@ def acc_mode(nsm):
 
 
 REPS = {"full": (25, 100), "quick": (10, 40), "short": (5, 25)}
+ROUNDS = 3  # speed: every candidate of a shape timed once per round, rounds interleaved; median reported
 
 
 def bench(fn, quick):
@@ -101,10 +104,9 @@ def speed_mode(nsm, quick):
         sa, sb = torch.tensor(0.5, device=DEV), torch.tensor(2.0, device=DEV)
         fl = 2 * M * N * K
         ref = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32, use_fast_accum=False)
-        t, err = {}, {}
-        t["sm"] = bench(lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=od,
-                                                 use_fast_accum=False), quick)
-        t["triton"] = bench(lambda: fp8_gemm(a, b, sa, sb, out_dtype=od, fast_accum=False), quick)
+        err, fns = {}, {}
+        fns["sm"] = lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=od, use_fast_accum=False)
+        fns["triton"] = lambda: fp8_gemm(a, b, sa, sb, out_dtype=od, fast_accum=False)
         c = torch.empty(M, N, dtype=od, device=DEV)
         splits = [1]
         if triton.cdiv(M, 128) * triton.cdiv(N, 128) < nsm and K >= 8192:
@@ -122,9 +124,15 @@ def speed_mode(nsm, quick):
                     fn()
                     torch.cuda.synchronize()
                     err[name] = rel(c, ref)
-                    t[name] = bench(fn, quick)
+                    fns[name] = fn
                 except Exception as e:  # report and go on
                     log(f"  fail {name}: {type(e).__name__}: {str(e)[:300]}")
+        # candidates interleaved, ROUNDS rounds, median per candidate (clock / thermal drift hits all alike)
+        runs = {k: [] for k in fns}
+        for _ in range(ROUNDS):
+            for k, fn in fns.items():
+                runs[k].append(bench(fn, quick))
+        t = {k: sorted(v)[len(v) // 2] for k, v in runs.items()}
         ws_names = [k for k in t if k.startswith("ws")]
         best = min(ws_names, key=t.get) if ws_names else None
         line = (f"speed {label:16s} M{M} N{N} K{K}: " + ", ".join(f"{k} {fl / v / 1e9:.0f}" for k, v in t.items())

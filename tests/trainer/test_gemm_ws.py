@@ -3,7 +3,8 @@
 On the CPU only the import and ``supported`` are checked (Gluon has no interpreter). On an sm90 GPU: every config
 over tile-multiple and edge shapes (M, N not tile multiples, K % 128 != 0), bias, bf16 / fp32 output, e5m2 x e4m3
 and e4m3 x e4m3, split-K into the workspace, and a long-K same-sign product where fast accumulation is visibly
-worse. Configs with the "tma" epilogue also run its pointer fallback (unaligned
+worse (every config: "pipe" ones run their K loop unrolled by two, so odd / even K block counts, one block, and
+an empty last K slice are all covered by CASES). Configs with the "tma" epilogue also run its pointer fallback (unaligned
 C rows) and the clipped TMA stores at the edges. Tolerance: the relative error against the fp64 product of the same fp8 operands is at most 1.5x that of
 ``torch._scaled_mm(use_fast_accum=False)`` (operands zero-padded to multiples of 16 where it needs that), plus
 the output rounding for bf16.
@@ -23,7 +24,9 @@ needs_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm90 GPU and Triton's
 
 def test_import_and_declines_cpu_tensors():
     assert isinstance(W.AVAILABLE, bool)
-    assert W.CONFIGS and all(len(c) == 4 or (len(c) == 5 and c[4] in ("ptr", "tma")) for c in W.CONFIGS)
+    assert W.CONFIGS and all(len(c) == 4 or (len(c) in (5, 6) and c[4] in ("ptr", "tma")) for c in W.CONFIGS)
+    assert all(c[5] == "pipe" and c[1] == 128 for c in W.CONFIGS if len(c) == 6)  # pipelined consumer: BN = 128
+    assert len(set(W.CONFIGS)) == len(W.CONFIGS)
     assert not W.supported(torch.empty(2, 2))
     assert not W.supported(torch.empty(2, 2, dtype=E4))
 
@@ -42,6 +45,9 @@ def test_epilogue_choice(monkeypatch):
     assert W._epilogue((128, 256, 128, 3, "tma"), f32, 2) == 0
     assert W._epilogue((128, 256, 128, 3, "tma"), torch.empty(256, 100, dtype=torch.bfloat16), 1) == 0
     assert W._epilogue((128, 256, 128, 3), bf, 1) == 0
+    assert W._epilogue((128, 128, 128, 5, "tma", "pipe"), f32, 1) == 1
+    assert W._epilogue((128, 128, 128, 6, "ptr", "pipe"), bf, 1) == 0
+    assert W._pipe((128, 128, 128, 6, "ptr", "pipe")) and not W._pipe((128, 128, 128, 5, "tma"))
 
 
 def _operands(M, N, K, da, db, seed):
@@ -86,6 +92,7 @@ CASES = [  # M, N, K, A dtype, B dtype, out dtype, bias dtype (None: no bias), s
     (768, 768, 16384, E4, E4, torch.float32, None, 4),
     (200, 100, 256, E5, E4, torch.bfloat16, torch.bfloat16, 1),  # 200-byte rows: no TMA store, pointer fallback
     (4100, 1032, 1152, E5, E4, torch.bfloat16, torch.bfloat16, 1),  # TMA store ring over many tiles, clipped edges
+    (520, 260, 640, E5, E4, torch.float32, None, 4),  # 5 K blocks in slices of 2, 2, 1 and none (zero partial)
 ]
 
 

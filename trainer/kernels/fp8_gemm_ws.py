@@ -30,6 +30,11 @@ Needs Triton with Gluon's Hopper API (written against Triton 3.6); ``AVAILABLE``
 interpreter support (Gluon has none). TMA alignment: K % 16 == 0, 16-byte aligned bases (``fp8_gemm._tma_ok``).
 Status: "ptr" configs ran on an H200 (Triton 3.6): exact vs _scaled_mm(use_fast_accum=False). "tma" configs:
 compiled offline for sm_90a with Triton 3.6 (168 registers, no spills, no wgmma serialization); not yet run.
+"pipe" configs (6th entry, BN = 128, ``_consumer_pipe``): each consumer keeps one wgmma chain in flight while it
+promotes the previous one (two 64 x 128 temporaries; with BN = 256 that would need 256 registers), so its adds no
+longer rely on the other consumer to cover them. Compiled offline (Triton 3.6, sm_90a): <= 200 consumer registers,
+no spills, no ptxas C7514 serialization, ``wait_group 1`` in the loop; not yet run on a GPU. Not expressible in
+Gluon 3.6: TMA multicast across a 2-CTA cluster (``async_copy_global_to_shared`` has no multicast / CTA mask).
 """
 
 from __future__ import annotations
@@ -68,6 +73,10 @@ CONFIGS = [
     (128, 128, 128, 5, "tma"),  # 160 KB ring + 32 KB bf16 / 64 KB fp32
     (128, 128, 128, 4, "tma"),
     (128, 256, 128, 4, "tma"),  # 192 KB ring + 32 KB bf16 (1 buf); fp32 output: no room, "ptr"
+    # "pipe" (6th entry): ``_consumer_pipe``, a chain of each consumer always in flight while it promotes
+    (128, 128, 128, 6, "ptr", "pipe"),  # 192 KB ring
+    (128, 128, 128, 5, "tma", "pipe"),  # 160 KB ring + 32 KB bf16 / 64 KB fp32
+    (128, 128, 128, 4, "ptr", "pipe"),  # 128 KB ring
 ]
 GROUP_M = 8
 # setmaxnreg budgets (multiples of 8); 3 warpgroups (consumer, consumer, producer padded to 4 warps) under a
@@ -205,12 +214,97 @@ if AVAILABLE:
             tma.store_wait(0)  # the buffers must outlive the stores reading them
 
     @gluon.jit
+    def _store_sub(acc, c_ptr, ws_ptr, c_smem, buf, scale, bias_ptr, M, N, ks, row0, col0, HAS_BIAS: gl.constexpr,
+                   SPLIT: gl.constexpr, EPI_BUFS: gl.constexpr, layout: gl.constexpr):
+        if EPI_BUFS > 0:
+            _store_tile_tma(acc, c_ptr, c_smem, buf, scale, bias_ptr, N, row0, col0, HAS_BIAS, EPI_BUFS - 1, layout)
+        else:
+            _store_tile(acc, c_ptr, ws_ptr, scale, bias_ptr, M, N, ks, row0, col0, HAS_BIAS, SPLIT, layout)
+
+    @gluon.jit
+    def _consumer_pipe(a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid,
+                       nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, WG: gl.constexpr,
+                       HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
+                       EPI_BUFS: gl.constexpr):
+        """Pipelined consumer ("pipe" configs, BN = 128): a wgmma chain of its own always stays in flight while the
+        warpgroup promotes the previous one (``warpgroup_mma_wait(num_outstanding=1)``), so the tensor cores never
+        wait for this warpgroup's adds, whatever the other consumer does. One 64 x 128 chain per K block, into the
+        temporaries t0 / t1 alternately; the K loop is unrolled by two so that each keeps its registers (64
+        accumulator + 2 x 64 temporary registers). A stage is released (``empty``) as soon as its chain is
+        complete. (A BN = 192 variant, a 64 x 128 and a 64 x 64 chain per K block, compiled but ptxas serialized
+        its wgmmas, C7514: not kept.)"""
+        BM: gl.constexpr = a_smem.shape[1]
+        BN: gl.constexpr = b_smem.shape[1]
+        HALF: gl.constexpr = BM // 2
+        gl.static_assert(BN == 128, "pipelined consumer: BN = 128")
+        lay: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+        scale = gl.load(sa_ptr) * gl.load(sb_ptr)
+        # the wgmma temporaries: loop-carried so that they keep their registers (use_acc=False ignores the value)
+        t0 = gl.zeros((HALF, BN), gl.float32, lay)
+        t1 = gl.zeros((HALF, BN), gl.float32, lay)
+        c = 0
+        for item in range(pid, num_items, nprog):
+            pid_m, pid_n, ks, k0, nk = _work_item(item, num_pid_m, num_pid_n, num_tiles, per, k_tiles, GROUP)
+            acc0 = gl.zeros((HALF, BN), gl.float32, lay)
+            if nk > 0:  # (a last K slice can be empty: zero partial)
+                # K block 0
+                s = c % STAGES
+                mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+                a = a_smem.index(s).slice(WG * HALF, HALF)
+                tok0 = warpgroup_mma(a, b_smem.index(s).permute((1, 0)), t0, use_acc=False,
+                                     is_async=True)
+                # blocks 1, 2, ... in pairs (into t1, then t0); loop-carried: tok0 (in flight), t1 (promoted)
+                for p in range((nk - 1) // 2):
+                    sp = s
+                    c += 1
+                    s = c % STAGES
+                    mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+                    tk1 = warpgroup_mma(a_smem.index(s).slice(WG * HALF, HALF), b_smem.index(s).permute((1, 0)),
+                                        t1, use_acc=False, is_async=True)
+                    d0 = warpgroup_mma_wait(num_outstanding=1, deps=(tok0,))
+                    mbarrier.arrive(empty.index(sp), count=1)
+                    acc0 = acc0 + d0
+                    sp = s
+                    c += 1
+                    s = c % STAGES
+                    mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+                    tok0 = warpgroup_mma(a_smem.index(s).slice(WG * HALF, HALF), b_smem.index(s).permute((1, 0)),
+                                         d0, use_acc=False, is_async=True)
+                    t1 = warpgroup_mma_wait(num_outstanding=1, deps=(tk1,))
+                    mbarrier.arrive(empty.index(sp), count=1)
+                    acc0 = acc0 + t1
+                if nk % 2 == 0:  # one block left: into t1
+                    sp = s
+                    c += 1
+                    s = c % STAGES
+                    mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+                    tk1 = warpgroup_mma(a_smem.index(s).slice(WG * HALF, HALF), b_smem.index(s).permute((1, 0)),
+                                        t1, use_acc=False, is_async=True)
+                    t0 = warpgroup_mma_wait(num_outstanding=1, deps=(tok0,))
+                    mbarrier.arrive(empty.index(sp), count=1)
+                    acc0 = acc0 + t0
+                    t1 = warpgroup_mma_wait(num_outstanding=0, deps=(tk1,))
+                    mbarrier.arrive(empty.index(s), count=1)
+                    acc0 = acc0 + t1
+                else:
+                    t0 = warpgroup_mma_wait(num_outstanding=0, deps=(tok0,))
+                    mbarrier.arrive(empty.index(s), count=1)
+                    acc0 = acc0 + t0
+                c += 1
+            row0 = pid_m * BM + WG * HALF
+            _store_sub(acc0, c_ptr, ws_ptr, c_smem, WG * EPI_BUFS, scale, bias_ptr, M, N, ks, row0, pid_n * BN,
+                       HAS_BIAS, SPLIT, EPI_BUFS, lay)
+        if EPI_BUFS > 0:
+            tma.store_wait(0)  # the buffers must outlive the stores reading them
+
+    @gluon.jit
     def _fp8_gemm_ws_kernel(a_desc, b_desc, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, split_k,
                             HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
                             EPI_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                            num_warps: gl.constexpr):
+                            num_warps: gl.constexpr, PIPE: gl.constexpr = False):
         """EPI_BUFS > 0: TMA epilogue with EPI_BUFS shared-memory buffers per consumer and ``c_ptr`` C's tensor
-        descriptor (block BM // 2 x min(BN, 128)); EPI_BUFS == 0: masked pointer stores."""
+        descriptor (block BM // 2 x min(BN, 128)); EPI_BUFS == 0: masked pointer stores. PIPE: ``_consumer_pipe``
+        (BN = 128), else ``_consumer`` (BN 64, 128 or 256)."""
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -237,16 +331,28 @@ if AVAILABLE:
         per = gl.cdiv(k_tiles, split_k)
         WG0: gl.constexpr = 0
         WG1: gl.constexpr = 1
-        gl.warp_specialize([
-            (_consumer, (a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid,
-                         nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, WG0, HAS_BIAS, SPLIT,
-                         STAGES, GROUP, EPI_BUFS)),
-            (_consumer, (a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid,
-                         nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, WG1, HAS_BIAS, SPLIT,
-                         STAGES, GROUP, EPI_BUFS)),
-            (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n, num_tiles,
-                         num_items, per, k_tiles, STAGES, GROUP)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        if PIPE:
+            gl.warp_specialize([
+                (_consumer_pipe, (a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr,
+                                  bias_ptr, M, N, pid, nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles,
+                                  WG0, HAS_BIAS, SPLIT, STAGES, GROUP, EPI_BUFS)),
+                (_consumer_pipe, (a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr,
+                                  bias_ptr, M, N, pid, nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles,
+                                  WG1, HAS_BIAS, SPLIT, STAGES, GROUP, EPI_BUFS)),
+                (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n, num_tiles,
+                             num_items, per, k_tiles, STAGES, GROUP)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer, (a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid,
+                             nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, WG0, HAS_BIAS, SPLIT,
+                             STAGES, GROUP, EPI_BUFS)),
+                (_consumer, (a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid,
+                             nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, WG1, HAS_BIAS, SPLIT,
+                             STAGES, GROUP, EPI_BUFS)),
+                (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n, num_tiles,
+                             num_items, per, k_tiles, STAGES, GROUP)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     _GL_DTYPE = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
     _GL_OUT_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32, torch.float16: gl.float16}
@@ -293,7 +399,12 @@ def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, conf
     _fp8_gemm_ws_kernel[(min(items, num_sms),)](
         a_desc, b_desc, c_arg, ws if split else c, scale_a, scale_b, bias if bias is not None else scale_a, M, N, K,
         split_k, HAS_BIAS=bias is not None and not split, SPLIT=split, STAGES=stages, GROUP=GROUP_M,
-        EPI_BUFS=epi_bufs, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
+        EPI_BUFS=epi_bufs, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG,
+        PIPE=_pipe(config))
+
+
+def _pipe(config) -> bool:
+    return len(config) > 5 and config[5] == "pipe"
 
 
 _BEST: dict = {}

@@ -26,8 +26,8 @@ from agent import triton_stats as ts
 from agent.triton_stats import (_careful_result, _fast_result, _shift_of, _tile_careful, _tile_fast, _tile_sum,
                                 fused_epilogue, fused_prologue)
 
-from .quantize import (Quantized, _cast_fp8, cdiv, next_power_of_2, _consts, _current_scale_from_partials, _finite_abs,
-                       amax_partials, quantize_ref, stats_consts, stats_programs)
+from .quantize import (INTERPRET, Quantized, _cast_fp8, cdiv, next_power_of_2, _consts, _current_scale_from_partials,
+                       _finite_abs, amax_partials, quantize_ref, stats_consts, stats_programs)
 
 # How the transposed tile is produced, per input dtype (see the kernel): 0 = tl.trans of the fp8 tile,
 # 1 = tl.trans of the fp32 tile then cast, 2 = re-read the tile transposed (no tl.trans). On an H200 with
@@ -36,6 +36,9 @@ from .quantize import (Quantized, _cast_fp8, cdiv, next_power_of_2, _consts, _cu
 # was bit-exact on every shape checked. Each dtype uses the mode verified for it.
 TRANS_MODE = {torch.float32: 2}
 TRANS_MODE_DEFAULT = 0
+# Register cap of the statistics variant (None: ptxas's choice, 172-188 registers: one 8-warp program per SM,
+# as for the standalone statistics kernel, whose cold code inflates the count). bench/qt_stats.py times it.
+STATS_MAXNREG: int | None = None
 
 
 @triton.jit
@@ -183,6 +186,10 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, sca
                    outl, under, over, samax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST)
 
 
+def _stats_opts() -> dict:
+    return {"maxnreg": STATS_MAXNREG} if STATS_MAXNREG and not INTERPRET else {}
+
+
 def quantize_transpose(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tensor | None = None,
                        accum: torch.Tensor | None = None, write_q: bool = True, write_qt: bool = True,
                        bm: int = 64, bn: int = 128, num_warps: int = 8, trans_mode: int | None = None,
@@ -219,7 +226,7 @@ def quantize_transpose(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tenso
             P = 1
         _quantize_transpose_stats_kernel[(programs,)](*args, **ts.fused_args(stats, programs, dev),
                                                       CURRENT=scale is None, P_BLOCK=P, V=8,
-                                                      **common, **stats_consts(fmt))
+                                                      **common, **stats_consts(fmt), **_stats_opts())
         return Quantized(q, qt, meta)
     if scale is None:
         part = amax_partials(x if x.is_contiguous() else x.contiguous())

@@ -1,0 +1,49 @@
+"""Cost of the statistics fused into quantize_transpose (trainer/kernels/quantize_transpose.py), on a GPU:
+kernel time with and without ``stats=``, with and without the histogram, at register caps of the statistics
+variant (``STATS_MAXNREG``), on the 1.5B model's activation and weight shapes. CUDA-event medians
+(``triton.testing.do_bench``), all in one run.
+
+    python3 bench/qt_stats.py
+"""
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from agent import triton_stats as ts  # noqa: E402
+from trainer.kernels import quantize_transpose as QT  # noqa: E402
+
+CASES = [("activation 16384x2048 bf16, current", (16384, 2048), torch.bfloat16, False),
+         ("grad_output 16384x8192 bf16, current", (16384, 8192), torch.bfloat16, False),
+         ("weight 6144x2048 fp32, delayed", (6144, 2048), torch.float32, True)]
+
+
+def main() -> int:
+    dev = torch.device("cuda")
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    for label, shape, dtype, delayed in CASES:
+        x = torch.randn(shape, device=dev).to(dtype)
+        scale = torch.tensor(4.0, device=dev) if delayed else None
+        accum = torch.zeros((), device=dev) if delayed else None
+        fmt = "e4m3"
+        t = {"no stats": triton.testing.do_bench(lambda: QT.quantize_transpose(x, fmt, scale, accum),
+                                                 return_mode="median")}
+        for hist in (True, False):
+            for cap in (None, 128, 96, 80):
+                QT.STATS_MAXNREG = cap
+                tgt = ts.Target.new(dev, hist=hist)
+                fn = lambda: QT.quantize_transpose(x, fmt, scale, accum, stats=tgt)  # noqa: E731
+                t[f"stats{'' if hist else ' -hist'} cap {cap}"] = triton.testing.do_bench(fn, return_mode="median")
+        QT.STATS_MAXNREG = None
+        base = t["no stats"]
+        gbytes = x.numel() * x.element_size() / 1e9
+        print(f"{label}: " + ", ".join(f"{k} {v * 1e3:.0f} us ({v / base:.2f}x)" for k, v in t.items())
+              + f" | input {gbytes:.3f} GB, no stats {gbytes / base * 1e3:.0f} GB/s read", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
