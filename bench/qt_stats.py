@@ -14,7 +14,8 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agent import triton_stats as ts  # noqa: E402
-from trainer.kernels import quantize_transpose as QT  # noqa: E402
+import importlib  # noqa: E402
+QT = importlib.import_module("trainer.kernels.quantize_transpose")
 
 CASES = [("activation 16384x2048 bf16, current", (16384, 2048), torch.bfloat16, False),
          ("grad_output 16384x8192 bf16, current", (16384, 8192), torch.bfloat16, False),

@@ -12,25 +12,30 @@ accumulator by default (like cuBLAS fast accumulation). ``fast_accum=False`` pas
 BK-deep block (BK = 128 in the tuned configs, as cuBLAS and DeepGEMM do); the Fp8Linear recipe uses fast
 accumulation in the forward GEMM and precise accumulation in the two backward GEMMs.
 
-Two implementations, both autotuned over BM x BN x BK in {128x256x128, 256x128x128, 128x128x128, ...},
+Two Triton implementations, both autotuned over BM x BN x BK in {128x256x128, 256x128x128, 128x128x128, ...},
 3-5 stages, 8 warps, grouped tile ordering (GROUP_M tiles of M share B tiles in L2):
   * ``"tma"``: persistent (one program per SM), A/B tiles through TMA descriptors, TMA store of C in
     two half tiles (Triton's persistent-matmul tutorial structure). Needs K % 16 == 0 and a C row
     pitch that is a multiple of 16 bytes. ``"tma_ws"``: the same with Triton's warp specialization
     (``tl.range(warp_specialize=True)``); measured no better on an H200, so not among the auto candidates.
   * ``"ptr"``: one program per tile, pointer loads (Triton's matmul tutorial structure); any shape.
-Split-K (both) when the output has fewer 128x128 tiles than the GPU has SMs and K >= 8192 (the 124M
-model's wgrads, e.g. 768 x 768 x 16384): fp32 partials per K slice, then a fixed-order reduce.
-``impl="auto"`` (the default) runs both on the first call of each shape/dtype/flag combination (that
+  * ``"ws"`` (trainer/kernels/fp8_gemm_ws.py, Gluon, sm90 only): precise accumulation only, no statistics
+    epilogue; a TMA producer warp and two consumer warpgroups that promote without a CTA-wide barrier, so one
+    warpgroup's fp32 adds overlap the other's wgmma. Falls back to "tma"/"ptr" elsewhere (and in the
+    interpreter, which has no Gluon). Among ``impl="auto"``'s candidates for precise GEMMs without statistics.
+Split-K (the Triton kernels) when the output has fewer 128x128 tiles than the GPU has SMs and K >= 8192
+(the 124M model's wgrads, e.g. 768 x 768 x 16384): fp32 partials per K slice, then a fixed-order reduce.
+``impl="auto"`` (the default) runs every candidate on the first call of each shape/dtype/flag combination (that
 call autotunes and synchronizes), checks them against each other, keeps the faster; later calls are a
 dict lookup and never synchronize. A variant with a statistics epilogue (``stats=``) is tuned among two configs
 only: the one chosen for the same GEMM without statistics (tuned first if need be) and a 128x128 tile.
 
 Measured on one H200 (Triton 3.6, torch 2.11; bench/gemm.py): the fast-accumulation forward GEMM is at
-0.87-1.04x torch._scaled_mm (1.02x at 8192^3); the precise backward GEMMs are at 0.57-0.92x, because
-Triton's promotion (a wait on the wgmma chain and an fp32 add per BK block, no ping-pong between warp
-groups) costs ~20% where cuBLAS' costs ~2%; promoting every 256 instead of 128 products (BK=256) gains
-~10% at 1.7x the accumulation error, so it is not used. See the figures printed by bench/gemm.py.
+0.87-1.04x torch._scaled_mm (1.02x at 8192^3). The precise backward GEMMs of the Triton kernels are at
+0.57-0.92x, because Triton's promotion (a wait on the wgmma chain and an fp32 add per BK block, both warp
+groups in lockstep) costs ~20% where cuBLAS' costs ~2%; the Gluon "ws" kernel brings them to 0.87-1.05x
+(bench/gemm_ws.py speed, bench/RESULTS.md). Promoting every 256 instead of 128 products (BK=256) gains ~10% at
+1.7x the accumulation error, so it is not used. See the figures printed by bench/gemm.py.
 
 Reference beside it: ``fp8_gemm_ref`` (``torch._scaled_mm``, or dequantize + fp32 matmul where
 _scaled_mm refuses the operands).
@@ -384,14 +389,20 @@ def _ws_ok(a, b, out_dtype, fast_accum: bool, stats) -> bool:
     return not fast_accum and stats is None and _ws.supported(a) and _tma_ok(a, b, out_dtype)
 
 
+_PICK_ROUNDS = 3
+
+
 def _pick_impl(a, b, scale_a, scale_b, out_dtype, bias, fast_accum) -> str:
     """impl="auto": the first call of a (shape, dtypes, flags) runs every candidate (autotuned), checks it
-    against the first, times it and keeps the fastest (this synchronizes, like the autotuner's own first
-    call); later calls are a dict lookup. A candidate that fails to compile or disagrees is skipped."""
+    against the first, times them and keeps the fastest (this synchronizes, like the autotuner's own first
+    call); later calls are a dict lookup. A candidate that fails to compile or disagrees is skipped. The
+    candidates are timed in turn over ``_PICK_ROUNDS`` rounds and compared by their medians. With one short
+    timing each, auto ran 13% (8192^3 dgrad) and 27% (124M qkv dgrad) slower than the best candidate measured
+    in the same run (H200, bench/gemm_ws.py speed, 2026-11-21); short timings vary 5-10% between runs."""
     key = (a.shape, b.shape, a.dtype, b.dtype, out_dtype, bias is not None, fast_accum, a.device)
     impl = _AUTO_CHOICE.get(key)
     if impl is None:
-        times, ref = {}, None
+        fns, ref = {}, None
         cands = AUTO_CANDIDATES if _tma_ok(a, b, out_dtype) else ["ptr"]
         for cand in cands + ["ws"] * _ws_ok(a, b, out_dtype, fast_accum, None):
             fn = functools.partial(fp8_gemm, a, b, scale_a, scale_b, out_dtype, bias, fast_accum, cand)
@@ -407,8 +418,12 @@ def _pick_impl(a, b, scale_a, scale_b, out_dtype, bias, fast_accum) -> str:
             elif not bool(((out - ref).norm() <= 1e-2 * ref.norm()).item()):
                 warnings.warn(f"fp8_gemm: variant {cand} disagrees with {cands[0]}; skipped")
                 continue
-            times[cand] = triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
-        impl = _AUTO_CHOICE[key] = min(times, key=times.get)
+            fns[cand] = fn
+        runs = {cand: [] for cand in fns}
+        for _ in range(_PICK_ROUNDS):
+            for cand, fn in fns.items():
+                runs[cand].append(triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median"))
+        impl = _AUTO_CHOICE[key] = min(runs, key=lambda c: sorted(runs[c])[len(runs[c]) // 2])
     return impl
 
 
@@ -438,8 +453,9 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
     """(M, N) = (a @ b.T) * scale_a * scale_b (+ bias), a: (M, K) fp8, b: (N, K) fp8, both K-major.
 
     ``config`` = {"BM", "BN", "BK", "GROUP_M", "num_warps", "num_stages"} bypasses the autotuner (tests,
-    interpreter). ``impl``: "auto" | "tma" | "tma_ws" | "ptr" | None (``DEFAULT_IMPL``); the TMA variants fall
-    back to "ptr" where the TMA alignment does not hold. ``split_k`` (ptr only; None = heuristic): partial sums over
+    interpreter). ``impl``: "auto" | "tma" | "tma_ws" | "ws" | "ptr" | None (``DEFAULT_IMPL``); the TMA variants
+    fall back to "ptr" where the TMA alignment does not hold; "ws" (precise, sm90, no ``stats``) falls back to
+    "tma" elsewhere. ``split_k`` (ptr only; None = heuristic): partial sums over
     K slices into an fp32 workspace, then a reduce kernel in a fixed order (deterministic).
 
     ``stats`` (an ``agent.triton_stats.Target``): also write the statistics row of the returned C (format-less:

@@ -36,9 +36,9 @@ from .quantize import (INTERPRET, Quantized, _cast_fp8, cdiv, next_power_of_2, _
 # was bit-exact on every shape checked. Each dtype uses the mode verified for it.
 TRANS_MODE = {torch.float32: 2}
 TRANS_MODE_DEFAULT = 0
-# Register cap of the statistics variant (None: ptxas's choice, 172-188 registers: one 8-warp program per SM,
+# Register cap of the statistics variant (uncapped, ptxas gives it 172-188 registers: one 8-warp program per SM,
 # as for the standalone statistics kernel, whose cold code inflates the count). bench/qt_stats.py times it.
-STATS_MAXNREG: int | None = None
+STATS_MAXNREG: int | None = 128
 
 
 @triton.jit
