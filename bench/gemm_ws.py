@@ -8,11 +8,15 @@
     python3 bench/gemm_ws.py warm [--workers 8]  # runs tests/trainer/test_gemm_ws.py's GPU cases per config in
                                                 # parallel processes (fills the Triton cache; logs pass / fail)
 
-Speed: per shape the candidates (_scaled_mm, fp8_gemm, every config / split) are timed in turn, 3 rounds
+Stream-K configs (tag suffix "sk" / "skdp") are timed like the others, without split variants; warm also runs
+their stream-K tests (small grids, determinism). Speed: per shape the candidates (_scaled_mm, fp8_gemm, every
+config / split) are timed in turn, 3 rounds
 interleaved, and each one's median over the rounds is reported (each timing itself do_bench's median); ratios are _scaled_mm time / ours (> 1: faster). Wgrads with
-fewer output tiles than SMs also run split-K 2 and 4, timed with the reduction (fp8_gemm's split-K reduce kernel).
+fewer output tiles than SMs also run split-K 2 and 4 (not with --short), timed with the reduction (fp8_gemm's
+split-K reduce kernel).
 Each timed output is checked against _scaled_mm (rel). Run on an sm90 GPU.
 """
+import os
 import sys
 from pathlib import Path
 
@@ -22,6 +26,9 @@ import triton  # noqa: E402
 
 from trainer.kernels import fp8_gemm_ws as W  # noqa: E402
 from trainer.kernels.fp8_gemm import _splitk_reduce_kernel, _stats_args, fp8_gemm  # noqa: E402
+
+if os.environ.get("FP8MON_WS_SKIP_SK") == "1":  # stream-K configs left out (e.g. after a failed smoke test)
+    W.CONFIGS[:] = [c for c in W.CONFIGS if not (len(c) >= 7 and c[6] in ("sk", "skdp"))]
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 DEV = "cuda"
@@ -44,7 +51,7 @@ def rel(x, ref):
 
 def tag(cfg):
     return (f"ws{cfg[0]}x{cfg[1]}s{cfg[3]}" + (cfg[4] if len(cfg) > 4 and cfg[4] != "ptr" else "")
-            + ("p" if W._pipe(cfg) else ""))
+            + ("p" if W._pipe(cfg) else "") + W._sched(cfg))
 
 
 def reduce_ws(ws, c, sa, sb, split_k):
@@ -68,6 +75,8 @@ def acc_mode(nsm):
             c = torch.empty(M, N, dtype=torch.float32, device=DEV)
             W.launch(a, b, c, None, one, one, None, 1, nsm, cfg)
             res[tag(cfg)] = rel(c, exact)
+            if W._sched(cfg):  # stream-K: split_k == 1 only
+                continue
             ws = torch.empty(4, M, N, dtype=torch.float32, device=DEV)
             W.launch(a, b, c, ws, one, one, None, 4, nsm, cfg)
             res[tag(cfg) + "/k4"] = rel(ws.sum(0), exact)
@@ -109,10 +118,10 @@ def speed_mode(nsm, quick):
         fns["triton"] = lambda: fp8_gemm(a, b, sa, sb, out_dtype=od, fast_accum=False)
         c = torch.empty(M, N, dtype=od, device=DEV)
         splits = [1]
-        if triton.cdiv(M, 128) * triton.cdiv(N, 128) < nsm and K >= 8192:
-            splits += [2, 4]
+        if triton.cdiv(M, 128) * triton.cdiv(N, 128) < nsm and K >= 8192 and quick != "short":
+            splits += [2, 4]  # (not with --short: slower than split_k 1 in every earlier run)
         for cfg in W.CONFIGS:
-            for sk in splits:
+            for sk in (splits if not W._sched(cfg) else [1]):  # stream-K: no split variants
                 name = tag(cfg) + (f"/k{sk}" if sk > 1 else "")
                 ws = torch.empty(sk, M, N, dtype=torch.float32, device=DEV) if sk > 1 else None
 
@@ -155,18 +164,22 @@ def _warm_job(j):
     spec.loader.exec_module(T)
     cfg = T.W.CONFIGS[j]
     out = []
-    for case in T.CASES + ["promote"]:
+    sk_cases = [("sk",) + c for c in T.SK_CASES] if T.W._sched(cfg) else []
+    for case in T.CASES + ["promote"] + sk_cases:
         t0 = time.time()
         try:
             if case == "promote":
                 T.test_ws_promotes_every_128(cfg)
+            elif case[0] == "sk":  # stream-K: exactness + determinism, small grids
+                T.test_sk_exact_and_deterministic(case[1:], cfg)
             else:
                 T.test_ws_vs_fp64(case, cfg)
             res = "ok"
         except Exception as e:  # noqa: BLE001 - reported
             res = f"FAIL {type(e).__name__}: {str(e)[:300]}" + ("" if isinstance(e, AssertionError)
                                                                 else " " + traceback.format_exc()[-600:])
-        name = case if case == "promote" else case[:3] + case[-1:]
+        name = (case if case == "promote" else f"sk{case[1:4]}g{case[4]}" if case[0] == "sk"
+                else case[:3] + case[-1:])
         out.append(f"warm {tag(cfg)} {name}: {res} ({time.time() - t0:.1f} s)")
     return out
 

@@ -24,8 +24,11 @@ needs_sm90 = pytest.mark.skipif(not SM90, reason="needs an sm90 GPU and Triton's
 
 def test_import_and_declines_cpu_tensors():
     assert isinstance(W.AVAILABLE, bool)
-    assert W.CONFIGS and all(len(c) == 4 or (len(c) in (5, 6) and c[4] in ("ptr", "tma")) for c in W.CONFIGS)
+    assert W.CONFIGS and all(len(c) == 4 or (len(c) in (5, 6, 7) and c[4] in ("ptr", "tma")) for c in W.CONFIGS)
     assert all(c[5] == "pipe" and c[1] == 128 for c in W.CONFIGS if len(c) == 6)  # pipelined consumer: BN = 128
+    # stream-K: pointer epilogue, BN = 128
+    assert all(c[6] in ("sk", "skdp") and c[4] == "ptr" and c[1] == 128 and c[5] in ("plain", "pipe")
+               for c in W.CONFIGS if len(c) == 7)
     assert len(set(W.CONFIGS)) == len(W.CONFIGS)
     assert not W.supported(torch.empty(2, 2))
     assert not W.supported(torch.empty(2, 2, dtype=E4))
@@ -101,6 +104,8 @@ CASES = [  # M, N, K, A dtype, B dtype, out dtype, bias dtype (None: no bias), s
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}-s{c[7]}")
 def test_ws_vs_fp64(case, config):
     M, N, K, da, db, od, bias_dt, split_k = case
+    if W._sched(config):  # stream-K configs: split_k == 1 only (the split cases still cover their shapes)
+        split_k, od = 1, torch.float32
     a, b = _operands(M, N, K, da, db, seed=M + N + K)
     sa, sb = torch.tensor(0.37, device="cuda"), torch.tensor(1.9, device="cuda")
     bias = torch.randn(N, device="cuda").to(bias_dt) if bias_dt is not None else None
@@ -152,3 +157,89 @@ def test_ws_run_tunes_and_reuses():
         W.run(a, b, c, None, sa, sb, None, 1, _num_sms())
         assert _rel(c, exact) <= 1.5 * _rel(_scaled_mm_f32(a, b, fast=False), exact) + 4e-3
     assert len([k for k in W._BEST if k[0] == (512, 1024)]) == 1
+
+
+SK_PLANS = [  # tiles, k_tiles, grid (num_sms), sched
+    (5, 3, 2, "sk"), (5, 3, 2, "skdp"), (5, 33, 12, "sk"), (5, 3, 7, "sk"), (1, 1, 132, "sk"), (3, 2, 132, "sk"),
+    (108, 128, 132, "sk"), (192, 128, 132, "sk"), (192, 128, 132, "skdp"), (2048, 16, 132, "sk"),
+    (2048, 16, 132, "skdp"), (264, 7, 132, "skdp"), (7, 5, 3, "skdp"),
+]
+
+
+@pytest.mark.skipif(not W.AVAILABLE, reason="needs Triton's Gluon")
+@pytest.mark.parametrize("plan", SK_PLANS, ids=lambda p: "-".join(map(str, p)))
+def test_sk_plan(plan):
+    """The stream-K schedule (host model of the kernel's arithmetic): every K block of every tile exactly once;
+    equal ranges (+-1 block); each tile split over CTAs is finished by the CTA of its K block 0, which waits only
+    for later CTAs whose partial of that tile is their FIRST item (produced before any wait of theirs: no wait
+    cycle), in ascending K order; each CTA writes at most one partial (its workspace slot)."""
+    tiles, kt, nsm, sched = plan
+    P = W.sk_plan(tiles, kt, nsm, sched)
+    grid = len(P)
+    assert grid == min(nsm, tiles * kt)
+    seen = {}
+    for pid, items in enumerate(P):
+        for (t, k0, k1, role, waits) in items:
+            assert 0 <= k0 < k1 <= kt
+            for k in range(k0, k1):
+                assert (t, k) not in seen
+                seen[(t, k)] = pid
+    assert len(seen) == tiles * kt
+    _, dp_tiles, base, rem = W._sk_params(tiles, kt, nsm, sched)
+    sk = [sum(k1 - k0 for (t, k0, k1, r, w) in items if t >= dp_tiles) for items in P]
+    assert max(sk) - min(sk) <= 1 and sum(sk) == (tiles - dp_tiles) * kt, sk
+    for pid, items in enumerate(P):
+        assert sum(r == "partial" for (_, _, _, r, _) in items) <= 1
+        for j, (t, k0, k1, role, waits) in enumerate(items):
+            if role == "partial":
+                assert k0 > 0 and j == _first_sk(items, dp_tiles)  # its first stream-K item: before any wait
+            if role == "finish":
+                assert k0 == 0 and k1 < kt and j == len(items) - 1 and waits and waits[0] == pid + 1
+                covered = k1
+                for q in waits:
+                    first = P[q][_first_sk(P[q], dp_tiles)]
+                    assert q > pid and first[0] == t and first[3] == "partial" and first[1] == covered
+                    covered = first[2]
+                assert covered == kt
+            if role == "whole":
+                assert (k0, k1) == (0, kt)
+
+
+def _first_sk(items, dp_tiles):
+    return next(j for j, it in enumerate(items) if it[0] >= dp_tiles)
+
+
+SK_CONFIGS = [c for c in W.CONFIGS if W._sched(c)]
+SK_CASES = [  # M, N, K, num_sms (None: all), out dtype, bias
+    (640, 128, 384, 2, torch.float32, False),  # 5 tiles x 3 K blocks on 2 CTAs: CTA 0's range spans 3 tiles
+    (640, 128, 4112, 12, torch.bfloat16, True),  # 5 tiles x 33 K blocks on 12 CTAs: tiles split over 3 CTAs
+    (640, 200, 4112, 7, torch.float32, False),  # 10 tiles (edge columns), 7 CTAs
+    (2304, 768, 4096, None, torch.float32, False),  # 124M qkv wgrad at reduced K
+    (4096, 768, 2048, None, torch.float32, False),  # 124M fc1 wgrad at reduced K
+    (1000, 520, 272, None, torch.bfloat16, True),  # 3 K blocks (last one partial) over 40 tiles
+]
+
+
+@needs_sm90
+@pytest.mark.parametrize("config", SK_CONFIGS, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("case", SK_CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}-g{c[3]}")
+def test_sk_exact_and_deterministic(case, config):
+    """Stream-K against fp64 (same tolerance as test_ws_vs_fp64), and two launches bitwise identical."""
+    M, N, K, nsm, od, has_bias = case
+    a, b = _operands(M, N, K, E5, E4, seed=M + N + K + 1)
+    sa, sb = torch.tensor(0.37, device="cuda"), torch.tensor(1.9, device="cuda")
+    bias = torch.randn(N, device="cuda").to(torch.bfloat16) if has_bias else None
+    exact = a.double() @ b.double().t()
+    cublas = _rel(_scaled_mm_f32(a, b, fast=False), exact)
+    outs = []
+    for _ in range(2):
+        c = torch.full((M, N), float("nan"), dtype=od, device="cuda")
+        W.launch(a, b, c, None, sa, sb, bias, 1, nsm or _num_sms(), config)
+        outs.append(c)
+    torch.cuda.synchronize()
+    want = exact * (0.37 * 1.9) + (0 if bias is None else bias.double())
+    assert bool(torch.isfinite(outs[0]).all())
+    e = _rel(outs[0], want)
+    assert e <= 1.5 * cublas + (4e-3 if od == torch.bfloat16 else 1e-7), (e, cublas)
+    assert torch.equal(outs[0].view(torch.int16 if od == torch.bfloat16 else torch.int32),
+                       outs[1].view(torch.int16 if od == torch.bfloat16 else torch.int32)), "not deterministic"

@@ -35,6 +35,10 @@ promotes the previous one (two 64 x 128 temporaries; with BN = 256 that would ne
 longer rely on the other consumer to cover them. Compiled offline (Triton 3.6, sm_90a): <= 200 consumer registers,
 no spills, no ptxas C7514 serialization, ``wait_group 1`` in the loop; not yet run on a GPU. Not expressible in
 Gluon 3.6: TMA multicast across a 2-CTA cluster (``async_copy_global_to_shared`` has no multicast / CTA mask).
+Stream-K configs (7th entry "sk" / "skdp", BN = 128, ``_consumer_sk``): for outputs with few tiles (124M wgrads:
+108 / 192 tiles of 128 x 128 on 132 SMs); grid = SMs, the K blocks of all tiles split into equal contiguous ranges,
+partial tiles fixed up through a per-CTA fp32 workspace slot and release / acquire flags, in a fixed order
+(deterministic). Compiled offline (Triton 3.6, sm_90a): 168 registers, no spills, no C7514; not yet run.
 """
 
 from __future__ import annotations
@@ -77,6 +81,13 @@ CONFIGS = [
     (128, 128, 128, 6, "ptr", "pipe"),  # 192 KB ring
     (128, 128, 128, 5, "tma", "pipe"),  # 160 KB ring + 32 KB bf16 / 64 KB fp32
     (128, 128, 128, 4, "ptr", "pipe"),  # 128 KB ring
+    # stream-K (7th entry "sk": the whole problem; "skdp": whole waves of tiles data-parallel, the rest
+    # stream-K); "ptr" epilogue only, split_k == 1 only (``_consumer_sk``, ``sk_plan``). BN = 128 only: with
+    # BN = 256 the fix-up (acc0 + acc1 + temporary + loaded partial) spilled ~800 STL/LDL (Triton 3.6, offline).
+    (128, 128, 128, 6, "ptr", "plain", "sk"),  # 192 KB ring
+    (128, 128, 128, 6, "ptr", "pipe", "sk"),
+    (128, 128, 128, 6, "ptr", "plain", "skdp"),
+    (128, 128, 128, 6, "ptr", "pipe", "skdp"),
 ]
 GROUP_M = 8
 # setmaxnreg budgets (multiples of 8); 3 warpgroups (consumer, consumer, producer padded to 4 warps) under a
@@ -297,14 +308,234 @@ if AVAILABLE:
         if EPI_BUFS > 0:
             tma.store_wait(0)  # the buffers must outlive the stores reading them
 
+    # ---------------------------------------------------------------------------------------------------------
+    # Stream-K ("sk" / "skdp" configs). The first dp_tiles tiles (a multiple of the grid; 0 for "sk") run
+    # data-parallel: CTA pid takes tiles pid, pid + nprog, ... whole. The remaining tiles' K blocks, in tile-major
+    # order (sk_work = tiles x k_tiles blocks), are cut into nprog contiguous ranges of sk_base or sk_base + 1
+    # blocks (the first sk_rem CTAs one more); each CTA walks the tiles its range meets, after its DP tiles.
+    # A tile split over several CTAs is finished by the CTA that owns its FIRST K block (the tile is the last of
+    # that CTA's range); every other CTA meeting the tile begins its range inside it (the tile is the first of its
+    # range): it stores its fp32 partial into its own workspace slot ws[pid] (a CTA has at most one such tile)
+    # and raises flags[pid, WG]. The finisher, after its own K blocks, waits for and adds the partials of
+    # CTAs pid + 1, pid + 2, ... (ascending K: a fixed order, deterministic) and stores the tile. A CTA produces
+    # its partial at the start of its range, before any wait of its own, and waits only for later CTAs: no wait
+    # cycle, and (grid <= SMs, one CTA per SM, all co-resident) no deadlock; the partials are normally long done
+    # when the finisher gets there. ``sk_plan`` is the host-side model of this schedule (tests).
+    @gluon.jit
+    def _tile_coords(tile, num_pid_m, num_pid_n, GROUP: gl.constexpr):
+        group = GROUP * num_pid_n
+        first_m = (tile // group) * GROUP
+        size_m = gl.minimum(num_pid_m - first_m, GROUP)
+        pid_m = first_m + ((tile % group) % size_m)
+        pid_n = (tile % group) // size_m
+        return pid_m, pid_n
+
+    @gluon.jit
+    def _sk_lo(p, sk_base, sk_rem):
+        """First stream-K block of CTA p (its range: [_sk_lo(p), _sk_lo(p + 1)))."""
+        return p * sk_base + gl.minimum(p, sk_rem)
+
+    @gluon.jit
+    def _sk_items(pid, nprog, k_tiles, dp_tiles, sk_base, sk_rem):
+        """(lo, hi, DP tiles, work items) of CTA pid: its DP tiles, then the tiles its stream-K range meets."""
+        lo = _sk_lo(pid, sk_base, sk_rem)
+        hi = _sk_lo(pid + 1, sk_base, sk_rem)
+        n_dp = dp_tiles // nprog
+        n_sk = ((hi - 1) // k_tiles - lo // k_tiles + 1) * (hi > lo).to(gl.int32)
+        return lo, hi, n_dp, n_dp + n_sk
+
+    @gluon.jit
+    def _sk_item(i, pid, nprog, lo, hi, n_dp, dp_tiles, k_tiles, num_pid_m, num_pid_n, GROUP: gl.constexpr):
+        """Work item i of CTA pid -> (tile row, tile column, K blocks [k0, k1) of the tile, stream-K end block of
+        the tile). DP items: the whole tile (k0 = 0, k1 = k_tiles)."""
+        dp = (i < n_dp).to(gl.int32)
+        t = lo // k_tiles + (i - n_dp)  # stream-K tile index (meaningless for DP items: masked below)
+        ts = t * k_tiles
+        k0 = (gl.maximum(lo, ts) - ts) * (1 - dp)
+        k1 = (gl.minimum(hi, ts + k_tiles) - ts) * (1 - dp) + k_tiles * dp
+        tile = (pid + i * nprog) * dp + (dp_tiles + t) * (1 - dp)
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP)
+        return pid_m, pid_n, k0, k1, ts + k_tiles
+
+    @gluon.jit
+    def _producer_sk(a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n, k_tiles,
+                     dp_tiles, sk_base, sk_rem, STAGES: gl.constexpr, GROUP: gl.constexpr):
+        BM: gl.constexpr = a_desc.block_type.shape[0]
+        BK: gl.constexpr = a_desc.block_type.shape[1]
+        BN: gl.constexpr = b_desc.block_type.shape[0]
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+        lo, hi, n_dp, n_items = _sk_items(pid, nprog, k_tiles, dp_tiles, sk_base, sk_rem)
+        c = 0
+        for i in range(n_items):
+            pid_m, pid_n, k0, k1, te = _sk_item(i, pid, nprog, lo, hi, n_dp, dp_tiles, k_tiles, num_pid_m,
+                                                num_pid_n, GROUP)
+            for kb in range(k0, k1):
+                s = c % STAGES
+                mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, nbytes)
+                tma.async_copy_global_to_shared(a_desc, [pid_m * BM, kb * BK], bar, a_smem.index(s))
+                tma.async_copy_global_to_shared(b_desc, [pid_n * BN, kb * BK], bar, b_smem.index(s))
+                c += 1
+
+    @gluon.jit
+    def _kloop_pipe(a_smem, b_smem, ready, empty, acc0, t0, t1, c, nk, WG: gl.constexpr, STAGES: gl.constexpr):
+        """``_consumer_pipe``'s K loop (same code): nk blocks into acc0 through the temporaries t0 / t1."""
+        BM: gl.constexpr = a_smem.shape[1]
+        HALF: gl.constexpr = BM // 2
+        if nk > 0:
+            s = c % STAGES
+            mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+            a = a_smem.index(s).slice(WG * HALF, HALF)
+            tok0 = warpgroup_mma(a, b_smem.index(s).permute((1, 0)), t0, use_acc=False, is_async=True)
+            for p in range((nk - 1) // 2):
+                sp = s
+                c += 1
+                s = c % STAGES
+                mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+                tk1 = warpgroup_mma(a_smem.index(s).slice(WG * HALF, HALF), b_smem.index(s).permute((1, 0)),
+                                    t1, use_acc=False, is_async=True)
+                d0 = warpgroup_mma_wait(num_outstanding=1, deps=(tok0,))
+                mbarrier.arrive(empty.index(sp), count=1)
+                acc0 = acc0 + d0
+                sp = s
+                c += 1
+                s = c % STAGES
+                mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+                tok0 = warpgroup_mma(a_smem.index(s).slice(WG * HALF, HALF), b_smem.index(s).permute((1, 0)),
+                                     d0, use_acc=False, is_async=True)
+                t1 = warpgroup_mma_wait(num_outstanding=1, deps=(tk1,))
+                mbarrier.arrive(empty.index(sp), count=1)
+                acc0 = acc0 + t1
+            if nk % 2 == 0:
+                sp = s
+                c += 1
+                s = c % STAGES
+                mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+                tk1 = warpgroup_mma(a_smem.index(s).slice(WG * HALF, HALF), b_smem.index(s).permute((1, 0)),
+                                    t1, use_acc=False, is_async=True)
+                t0 = warpgroup_mma_wait(num_outstanding=1, deps=(tok0,))
+                mbarrier.arrive(empty.index(sp), count=1)
+                acc0 = acc0 + t0
+                t1 = warpgroup_mma_wait(num_outstanding=0, deps=(tk1,))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc0 = acc0 + t1
+            else:
+                t0 = warpgroup_mma_wait(num_outstanding=0, deps=(tok0,))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc0 = acc0 + t0
+            c += 1
+        return acc0, t0, t1, c
+
+    @gluon.jit
+    def _ws_ptrs(ws_ptr, slot, col0, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, layout: gl.constexpr):
+        """Pointers to consumer WG's 64 x SUB block at column col0 of workspace slot ``slot`` (BM x BN fp32,
+        row-major), in the accumulator's register layout (computed from the runtime slot: not hoisted and kept
+        live across the loop by the compiler)."""
+        HALF: gl.constexpr = BM // 2
+        SUB: gl.constexpr = 128 if BN > 128 else BN
+        rows = slot * BM + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))
+        cols = col0 + gl.arange(0, SUB, layout=gl.SliceLayout(0, layout))
+        return ws_ptr + (rows[:, None].to(gl.int64) * BN + cols[None, :])
+
+    @gluon.jit
+    def _consumer_sk(a_smem, b_smem, ready, empty, c_ptr, ws_ptr, flags_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid,
+                     nprog, num_pid_m, num_pid_n, k_tiles, dp_tiles, sk_base, sk_rem, WG: gl.constexpr,
+                     HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, PIPE: gl.constexpr):
+        """Stream-K consumer warpgroup WG (rows [64 WG, 64 WG + 64) of each tile): the K loop of ``_consumer``
+        (PIPE False; BN 128 or 256) or ``_consumer_pipe`` (PIPE; BN 128) over each work item's K blocks, then
+        by the item's role: whole tile -> store; partial not starting at K block 0 -> fp32 partial into
+        ws[pid] (this consumer's 64 rows), a warpgroup barrier, and one release increment of flags[2 pid + WG];
+        partial starting at K block 0 -> for each later CTA q whose range starts inside the tile (ascending):
+        spin on an acquire load of flags[2 q + WG], add ws[q]'s rows (the same register layout as the writer's,
+        so each thread reads exactly what its counterpart wrote), then store."""
+        BM: gl.constexpr = a_smem.shape[1]
+        BN: gl.constexpr = b_smem.shape[1]
+        HALF: gl.constexpr = BM // 2
+        SUB: gl.constexpr = 128 if BN > 128 else BN
+        gl.static_assert(BN == SUB or BN == 2 * SUB, "BN: 64, 128 or 256")
+        gl.static_assert(not PIPE or BN == 128, "pipelined consumer: BN = 128")
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, SUB, 32])
+        scale = gl.load(sa_ptr) * gl.load(sb_ptr)
+        if PIPE:
+            t0 = gl.zeros((HALF, SUB), gl.float32, layout)
+            t1 = gl.zeros((HALF, SUB), gl.float32, layout)
+        else:
+            part = gl.zeros((HALF, SUB), gl.float32, layout)
+        lo, hi, n_dp, n_items = _sk_items(pid, nprog, k_tiles, dp_tiles, sk_base, sk_rem)
+        c = 0
+        for i in range(n_items):
+            pid_m, pid_n, k0, k1, te = _sk_item(i, pid, nprog, lo, hi, n_dp, dp_tiles, k_tiles, num_pid_m,
+                                                num_pid_n, GROUP)
+            acc0 = gl.zeros((HALF, SUB), gl.float32, layout)
+            if PIPE:
+                acc0, t0, t1, c = _kloop_pipe(a_smem, b_smem, ready, empty, acc0, t0, t1, c, k1 - k0, WG, STAGES)
+            else:
+                if BN > SUB:
+                    acc1 = gl.zeros((HALF, SUB), gl.float32, layout)
+                for kb in range(k1 - k0):
+                    s = c % STAGES
+                    mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+                    a = a_smem.index(s).slice(WG * HALF, HALF)
+                    b = b_smem.index(s).slice(0, SUB).permute((1, 0))
+                    tok = warpgroup_mma(a, b, part, use_acc=False, is_async=True)
+                    part, a, b = warpgroup_mma_wait(num_outstanding=0, deps=(tok, a, b))
+                    if BN > SUB:
+                        acc0 = acc0 + part
+                        b = b_smem.index(s).slice(SUB, SUB).permute((1, 0))
+                        tok = warpgroup_mma(a, b, part, use_acc=False, is_async=True)
+                        part, a, b = warpgroup_mma_wait(num_outstanding=0, deps=(tok, a, b))
+                        mbarrier.arrive(empty.index(s), count=1)
+                        acc1 = acc1 + part
+                    else:
+                        mbarrier.arrive(empty.index(s), count=1)
+                        acc0 = acc0 + part
+                    c += 1
+            if k0 > 0:  # a later part of a tile another CTA finishes: partial into slot pid, then the flag
+                gl.store(_ws_ptrs(ws_ptr, pid, 0, WG, BM, BN, layout), acc0)
+                if BN > SUB:
+                    gl.store(_ws_ptrs(ws_ptr, pid, SUB, WG, BM, BN, layout), acc1)
+                gl.thread_barrier()  # the warpgroup's partial stores precede thread 0's release
+                gl.atomic_add(flags_ptr + 2 * pid + WG, 1, sem="release", scope="gpu")
+            else:
+                if k1 < k_tiles:  # this CTA finishes the tile: add the later CTAs' partials in K order
+                    q = pid + 1
+                    lo_q = _sk_lo(q, sk_base, sk_rem)
+                    while lo_q < te:
+                        f = gl.atomic_add(flags_ptr + 2 * q + WG, 0, sem="acquire", scope="gpu")
+                        while f == 0:
+                            f = gl.atomic_add(flags_ptr + 2 * q + WG, 0, sem="acquire", scope="gpu")
+                        # into the temporary's registers (its value is dead here): no extra registers
+                        if PIPE:
+                            t1 = gl.load(_ws_ptrs(ws_ptr, q, 0, WG, BM, BN, layout), cache_modifier=".cg")
+                            acc0 = acc0 + t1
+                        else:
+                            part = gl.load(_ws_ptrs(ws_ptr, q, 0, WG, BM, BN, layout), cache_modifier=".cg")
+                            acc0 = acc0 + part
+                            if BN > SUB:
+                                part = gl.load(_ws_ptrs(ws_ptr, q, SUB, WG, BM, BN, layout), cache_modifier=".cg")
+                                acc1 = acc1 + part
+                        q += 1
+                        lo_q = _sk_lo(q, sk_base, sk_rem)
+                row0 = pid_m * BM + WG * HALF
+                _store_tile(acc0, c_ptr, ws_ptr, scale, bias_ptr, M, N, 0, row0, pid_n * BN, HAS_BIAS, False,
+                            layout)
+                if BN > SUB:
+                    _store_tile(acc1, c_ptr, ws_ptr, scale, bias_ptr, M, N, 0, row0, pid_n * BN + SUB, HAS_BIAS,
+                                False, layout)
+
     @gluon.jit
     def _fp8_gemm_ws_kernel(a_desc, b_desc, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, split_k,
+                            dp_tiles, sk_base, sk_rem, flags_ptr,
                             HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
                             EPI_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                            num_warps: gl.constexpr, PIPE: gl.constexpr = False):
+                            num_warps: gl.constexpr, PIPE: gl.constexpr = False, SK: gl.constexpr = False):
         """EPI_BUFS > 0: TMA epilogue with EPI_BUFS shared-memory buffers per consumer and ``c_ptr`` C's tensor
         descriptor (block BM // 2 x min(BN, 128)); EPI_BUFS == 0: masked pointer stores. PIPE: ``_consumer_pipe``
-        (BN = 128), else ``_consumer`` (BN 64, 128 or 256)."""
+        (BN = 128), else ``_consumer`` (BN 64, 128 or 256). SK: stream-K (``_consumer_sk``; ws_ptr: nprog x BM x
+        BN fp32 slots, flags_ptr: 2 nprog int32 zeros; dp_tiles / sk_base / sk_rem as in the comment above
+        ``_tile_coords``); else dp_tiles, sk_base, sk_rem and flags_ptr are unused."""
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -331,7 +562,18 @@ if AVAILABLE:
         per = gl.cdiv(k_tiles, split_k)
         WG0: gl.constexpr = 0
         WG1: gl.constexpr = 1
-        if PIPE:
+        if SK:
+            gl.warp_specialize([
+                (_consumer_sk, (a_smem, b_smem, ready, empty, c_ptr, ws_ptr, flags_ptr, sa_ptr, sb_ptr, bias_ptr, M,
+                                N, pid, nprog, num_pid_m, num_pid_n, k_tiles, dp_tiles, sk_base, sk_rem, WG0, HAS_BIAS,
+                                STAGES, GROUP, PIPE)),
+                (_consumer_sk, (a_smem, b_smem, ready, empty, c_ptr, ws_ptr, flags_ptr, sa_ptr, sb_ptr, bias_ptr, M,
+                                N, pid, nprog, num_pid_m, num_pid_n, k_tiles, dp_tiles, sk_base, sk_rem, WG1, HAS_BIAS,
+                                STAGES, GROUP, PIPE)),
+                (_producer_sk, (a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n,
+                                k_tiles, dp_tiles, sk_base, sk_rem, STAGES, GROUP)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        elif PIPE:
             gl.warp_specialize([
                 (_consumer_pipe, (a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr,
                                   bias_ptr, M, N, pid, nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles,
@@ -380,7 +622,8 @@ def _epilogue(config, c, split_k: int) -> int:
 
 def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, config=CONFIGS[0]) -> None:
     """Runs the kernel: C (split_k == 1) or the (split_k, M, N) fp32 workspace ``ws`` (split_k > 1, unscaled,
-    no bias) from a (M, K) and b (N, K); ``config`` is one of ``CONFIGS``."""
+    no bias) from a (M, K) and b (N, K); ``config`` is one of ``CONFIGS``. Stream-K configs (``_sched``) need
+    split_k == 1 and allocate their own workspace (one BM x BN fp32 slot per CTA) and zeroed flags per launch."""
     BM, BN, BK, stages = config[:4]
     M, K = a.shape
     N = b.shape[0]
@@ -388,7 +631,22 @@ def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, conf
                                                                                               _GL_DTYPE[a.dtype]))
     b_desc = GluonDescriptor(b, [N, K], [K, 1], [BN, BK], gl.NVMMASharedLayout.get_default_for([BN, BK],
                                                                                               _GL_DTYPE[b.dtype]))
-    items = triton.cdiv(M, BM) * triton.cdiv(N, BN) * split_k
+    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    sched = _sched(config)
+    if sched:
+        if split_k != 1:
+            raise ValueError(f"fp8_gemm_ws: stream-K config {config} needs split_k == 1")
+        grid, dp_tiles, sk_base, sk_rem = _sk_params(tiles, triton.cdiv(K, BK), num_sms, sched)
+        # one partial slot per CTA (a CTA writes at most one), one flag per (CTA, consumer), zeroed per launch
+        ws_arg = torch.empty(grid * BM * BN if (sk_base or sk_rem) else 1, dtype=torch.float32, device=c.device)
+        flags = torch.zeros(2 * grid, dtype=torch.int32, device=c.device)
+        _fp8_gemm_ws_kernel[(grid,)](
+            a_desc, b_desc, c, ws_arg, scale_a, scale_b, bias if bias is not None else scale_a, M, N, K, 1,
+            dp_tiles, sk_base, sk_rem, flags, HAS_BIAS=bias is not None, SPLIT=False, STAGES=stages, GROUP=GROUP_M,
+            EPI_BUFS=0, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG,
+            PIPE=_pipe(config), SK=True)
+        return
+    items = tiles * split_k
     split = split_k > 1
     epi_bufs = _epilogue(config, c, split_k)
     c_arg = c
@@ -398,9 +656,72 @@ def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, conf
                                 gl.NVMMASharedLayout.get_default_for(block, _GL_OUT_DTYPE[c.dtype]))
     _fp8_gemm_ws_kernel[(min(items, num_sms),)](
         a_desc, b_desc, c_arg, ws if split else c, scale_a, scale_b, bias if bias is not None else scale_a, M, N, K,
-        split_k, HAS_BIAS=bias is not None and not split, SPLIT=split, STAGES=stages, GROUP=GROUP_M,
-        EPI_BUFS=epi_bufs, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG,
-        PIPE=_pipe(config))
+        split_k, 0, 0, 0, _dummy_i32(c.device), HAS_BIAS=bias is not None and not split, SPLIT=split, STAGES=stages,
+        GROUP=GROUP_M, EPI_BUFS=epi_bufs, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
+        maxnreg=MAXNREG, PIPE=_pipe(config))
+
+
+_DUMMY: dict = {}
+
+
+def _dummy_i32(device):
+    """A never-accessed int32 pointer argument (the flags of non-stream-K launches)."""
+    t = _DUMMY.get(device)
+    if t is None:
+        t = _DUMMY[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return t
+
+
+def _sched(config) -> str:
+    """"sk" / "skdp" for stream-K configs, else ""."""
+    return config[6] if len(config) > 6 else ""
+
+
+def _sk_params(tiles: int, k_tiles: int, num_sms: int, sched: str):
+    """(grid, dp_tiles, sk_base, sk_rem) of a stream-K launch: grid = min(SMs, tiles x k_tiles) CTAs; "skdp" runs
+    the whole waves (tiles // grid x grid tiles) data-parallel first; the other tiles' K blocks are split into
+    grid ranges of sk_base blocks, the first sk_rem one block more."""
+    grid = max(1, min(num_sms, tiles * k_tiles))
+    dp_tiles = (tiles // grid) * grid if sched == "skdp" else 0
+    sk_base, sk_rem = divmod((tiles - dp_tiles) * k_tiles, grid)
+    return grid, dp_tiles, sk_base, sk_rem
+
+
+def sk_plan(tiles: int, k_tiles: int, num_sms: int, sched: str = "sk"):
+    """Host model of the kernel's stream-K schedule (same arithmetic as ``_sk_items`` / ``_sk_item`` /
+    ``_consumer_sk``): per CTA, its work items as (tile, k0, k1, role, waits_on) with role "whole", "partial"
+    (stores its partial into its slot, raises its flag) or "finish" (adds the partials of the CTAs waits_on, in
+    that order, then stores)."""
+    grid, dp_tiles, base, rem = _sk_params(tiles, k_tiles, num_sms, sched)
+
+    def lo_(p):
+        return p * base + min(p, rem)
+
+    plan = []
+    for pid in range(grid):
+        lo, hi = lo_(pid), lo_(pid + 1)
+        n_dp = dp_tiles // grid
+        n_sk = ((hi - 1) // k_tiles - lo // k_tiles + 1) if hi > lo else 0
+        items = []
+        for i in range(n_dp + n_sk):
+            if i < n_dp:
+                items.append((pid + i * grid, 0, k_tiles, "whole", ()))
+                continue
+            t = lo // k_tiles + (i - n_dp)
+            ts = t * k_tiles
+            k0, k1 = max(lo, ts) - ts, min(hi, ts + k_tiles) - ts
+            if k0 > 0:
+                items.append((dp_tiles + t, k0, k1, "partial", ()))
+            elif k1 < k_tiles:
+                waits, q = [], pid + 1
+                while lo_(q) < ts + k_tiles:
+                    waits.append(q)
+                    q += 1
+                items.append((dp_tiles + t, k0, k1, "finish", tuple(waits)))
+            else:
+                items.append((dp_tiles + t, k0, k1, "whole", ()))
+        plan.append(items)
+    return plan
 
 
 def _pipe(config) -> bool:
@@ -423,6 +744,8 @@ def run(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, config=
         if config is None:
             times = {}
             for cfg in CONFIGS:
+                if split_k != 1 and _sched(cfg):
+                    continue
                 fn = functools.partial(launch, a, b, c, ws, scale_a, scale_b, bias, split_k, num_sms, cfg)
                 try:
                     fn()
