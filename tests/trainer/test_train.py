@@ -172,11 +172,12 @@ def test_fp8_loss_tracks_fp32_on_the_cpu(arch):
     ref = train(*common, "--precision", "fp32")
     fp8 = train(*common, "--precision", "fp8")  # FP8 block GEMMs (E4M3/E5M2, current scaling), bf16 elsewhere
     diffs = [fp8.losses[s] - ref.losses[s] for s in range(30)]
-    # Tolerances (nats), ~2-4x what was measured (per step <= 0.09, last-10 mean <= 0.016, val <= 0.01;
-    # bf16 alone deviates from fp32 by up to 0.07 per step), while the loss itself falls by > 2 nats.
+    # Tolerances (nats), ~2x the largest measured, while the loss itself falls by > 2 nats. The CPU's bf16 kernels
+    # move these: on an Intel Sapphire Rapids fp8 - fp32 was per step <= 0.09, last-10 mean <= 0.016, val <= 0.01;
+    # on an AMD EPYC (llama) 0.079, 0.039 and 0.031, where bf16 alone gave 0.067, -0.030 and -0.020.
     assert max(map(abs, diffs)) < 0.15, diffs
-    assert abs(sum(diffs[20:]) / 10) < 0.04, diffs
-    assert abs(fp8.val_losses[29] - ref.val_losses[29]) < 0.03
+    assert abs(sum(diffs[20:]) / 10) < 0.08, diffs
+    assert abs(fp8.val_losses[29] - ref.val_losses[29]) < 0.06
     assert ref.losses[0] - ref.losses[29] > 2.0
 
 
