@@ -8,12 +8,11 @@
     python3 bench/gemm_ws.py warm [--workers 8]  # runs tests/trainer/test_gemm_ws.py's GPU cases per config in
                                                 # parallel processes (fills the Triton cache; logs pass / fail)
 
-Stream-K configs (tag suffix "sk" / "skdp") are timed like the others, without split variants; warm also runs
-their stream-K tests (small grids, determinism). Speed: per shape the candidates (_scaled_mm, fp8_gemm, every
-config / split) are timed in turn, 3 rounds
-interleaved, and each one's median over the rounds is reported (each timing itself do_bench's median); ratios are _scaled_mm time / ours (> 1: faster). Wgrads with
-fewer output tiles than SMs also run split-K 2 and 4 (not with --short), timed with the reduction (fp8_gemm's
-split-K reduce kernel).
+Stream-K configs (tag suffix "sk" / "skdp") are timed like the others, without split variants; warm also runs their
+stream-K tests (small grids, determinism). Speed: per shape the candidates (_scaled_mm, fp8_gemm, every config /
+split) are timed in turn, 3 rounds interleaved, and each one's median over the rounds is reported (each timing
+itself do_bench's median); ratios are _scaled_mm time / ours (> 1: faster). Wgrads with fewer output tiles than SMs
+also run split-K 2 and 4 (not with --short), timed with the reduction (fp8_gemm's split-K reduce kernel).
 Each timed output is checked against _scaled_mm (rel). Run on an sm90 GPU.
 """
 import os

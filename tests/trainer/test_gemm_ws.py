@@ -2,12 +2,12 @@
 
 On the CPU only the import and ``supported`` are checked (Gluon has no interpreter). On an sm90 GPU: every config
 over tile-multiple and edge shapes (M, N not tile multiples, K % 128 != 0), bias, bf16 / fp32 output, e5m2 x e4m3
-and e4m3 x e4m3, split-K into the workspace, and a long-K same-sign product where fast accumulation is visibly
-worse (every config: "pipe" ones run their K loop unrolled by two, so odd / even K block counts, one block, and
-an empty last K slice are all covered by CASES). Configs with the "tma" epilogue also run its pointer fallback (unaligned
-C rows) and the clipped TMA stores at the edges. Tolerance: the relative error against the fp64 product of the same fp8 operands is at most 1.5x that of
-``torch._scaled_mm(use_fast_accum=False)`` (operands zero-padded to multiples of 16 where it needs that), plus
-the output rounding for bf16.
+and e4m3 x e4m3, split-K into the workspace, and a long-K same-sign product where fast accumulation is visibly worse
+(every config: "pipe" ones run their K loop unrolled by two, so odd / even K block counts, one block, and an empty
+last K slice are all covered by CASES). Configs with the "tma" epilogue also run its pointer fallback (unaligned C
+rows) and the clipped TMA stores at the edges. Tolerance: the relative error against the fp64 product of the same
+fp8 operands is at most 1.5x that of ``torch._scaled_mm(use_fast_accum=False)`` (operands zero-padded to multiples
+of 16 where it needs that), plus the output rounding for bf16.
 """
 
 from __future__ import annotations

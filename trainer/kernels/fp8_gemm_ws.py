@@ -17,14 +17,15 @@ sm90 "cooperative" layout, via ``gl.warp_specialize``):
     stage (``empty[s]`` counts one arrival per consumer) and add the partial into fp32. They never synchronise
     with each other inside the K loop, so one's adds run while the other's wgmma occupies the tensor cores.
     With BN = 256 a consumer runs its 64 x 256 as two 128-wide chains into one 64 x 128 temporary (registers).
-Persistent (grid = min(items, SMs)), grouped tile order (GROUP_M rows of tiles sweep the columns). Each
-consumer stores its 64 x BN half (scale, bias, cast in registers); rows / columns / K past the tensor are
-zero-filled by TMA. Two epilogues (``CONFIGS``' optional 5th entry): "ptr", masked stores from registers; "tma",
-through per-consumer shared-memory buffers and asynchronous TMA stores (clipped at the edges) that drain while
-the next tile's main loop runs. With "ptr" every SM's consumers stall in the stores at the same time (all SMs
-finish their tiles together, so the stores queue on the write bandwidth) while the tensor cores idle: costliest
-for short K (few K blocks per tile); on the H200, "ptr" reached 0.79-0.83x _scaled_mm on K = 2048-8192 dgrads. Split-K (split_k > 1): a work item is (tile, K slice) and writes its unscaled fp32 partial
-into the (split_k, M, N) workspace ``ws``, which the caller reduces.
+Persistent (grid = min(items, SMs)), grouped tile order (GROUP_M rows of tiles sweep the columns). Each consumer
+stores its 64 x BN half (scale, bias, cast in registers); rows / columns / K past the tensor are zero-filled by TMA.
+Two epilogues (``CONFIGS``' optional 5th entry): "ptr", masked stores from registers; "tma", through per-consumer
+shared-memory buffers and asynchronous TMA stores (clipped at the edges) that drain while the next tile's main loop
+runs. With "ptr" every SM's consumers stall in the stores at the same time (all SMs finish their tiles together, so
+the stores queue on the write bandwidth) while the tensor cores idle: costliest for short K (few K blocks per tile);
+on the H200, "ptr" reached 0.79-0.83x _scaled_mm on K = 2048-8192 dgrads. Split-K (split_k > 1): a work item is
+(tile, K slice) and writes its unscaled fp32 partial into the (split_k, M, N) workspace ``ws``, which the caller
+reduces.
 
 Needs Triton with Gluon's Hopper API (written against Triton 3.6); ``AVAILABLE`` is False elsewhere. No
 interpreter support (Gluon has none). TMA alignment: K % 16 == 0, 16-byte aligned bases (``fp8_gemm._tma_ok``).
