@@ -170,6 +170,35 @@ if AVAILABLE:
         tma.async_copy_shared_to_global(c_desc, [row0, col0], dst)
 
     @gluon.jit
+    def _kloop_plain(a_smem, b_smem, ready, empty, acc0, acc1, part, c, nk, WG: gl.constexpr, STAGES: gl.constexpr):
+        """The plain K loop (``_consumer``, ``_consumer_sk``): nk blocks from ring slot c on; per block a wgmma
+        chain into the temporary ``part``, drained, then added in fp32 into acc0 (and, with BN = 256, a second
+        128-wide chain into acc1). Returns (acc0, acc1, part, c past the last block); acc1 is unused for BN <= 128."""
+        BM: gl.constexpr = a_smem.shape[1]
+        BN: gl.constexpr = b_smem.shape[1]
+        HALF: gl.constexpr = BM // 2
+        SUB: gl.constexpr = 128 if BN > 128 else BN
+        for kb in range(nk):
+            s = c % STAGES
+            mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+            a = a_smem.index(s).slice(WG * HALF, HALF)
+            b = b_smem.index(s).slice(0, SUB).permute((1, 0))
+            tok = warpgroup_mma(a, b, part, use_acc=False, is_async=True)
+            part, a, b = warpgroup_mma_wait(num_outstanding=0, deps=(tok, a, b))
+            if BN > SUB:
+                acc0 = acc0 + part  # fp32 promotion; the other consumer's wgmma keeps the tensor cores busy
+                b = b_smem.index(s).slice(SUB, SUB).permute((1, 0))
+                tok = warpgroup_mma(a, b, part, use_acc=False, is_async=True)
+                part, a, b = warpgroup_mma_wait(num_outstanding=0, deps=(tok, a, b))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc1 = acc1 + part
+            else:
+                mbarrier.arrive(empty.index(s), count=1)
+                acc0 = acc0 + part
+            c += 1
+        return acc0, acc1, part, c
+
+    @gluon.jit
     def _consumer(a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid, nprog,
                   num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, WG: gl.constexpr, HAS_BIAS: gl.constexpr,
                   SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, EPI_BUFS: gl.constexpr):
@@ -189,27 +218,8 @@ if AVAILABLE:
         c = 0
         for item in range(pid, num_items, nprog):
             pid_m, pid_n, ks, k0, nk = _work_item(item, num_pid_m, num_pid_n, num_tiles, per, k_tiles, GROUP)
-            acc0 = gl.zeros((HALF, SUB), gl.float32, layout)
-            if BN > SUB:
-                acc1 = gl.zeros((HALF, SUB), gl.float32, layout)
-            for kb in range(nk):
-                s = c % STAGES
-                mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-                a = a_smem.index(s).slice(WG * HALF, HALF)
-                b = b_smem.index(s).slice(0, SUB).permute((1, 0))
-                tok = warpgroup_mma(a, b, part, use_acc=False, is_async=True)
-                part, a, b = warpgroup_mma_wait(num_outstanding=0, deps=(tok, a, b))
-                if BN > SUB:
-                    acc0 = acc0 + part  # fp32 promotion; the other consumer's wgmma keeps the tensor cores busy
-                    b = b_smem.index(s).slice(SUB, SUB).permute((1, 0))
-                    tok = warpgroup_mma(a, b, part, use_acc=False, is_async=True)
-                    part, a, b = warpgroup_mma_wait(num_outstanding=0, deps=(tok, a, b))
-                    mbarrier.arrive(empty.index(s), count=1)
-                    acc1 = acc1 + part
-                else:
-                    mbarrier.arrive(empty.index(s), count=1)
-                    acc0 = acc0 + part
-                c += 1
+            acc0, acc1, part, c = _kloop_plain(a_smem, b_smem, ready, empty, gl.zeros((HALF, SUB), gl.float32, layout),
+                                               gl.zeros((HALF, SUB), gl.float32, layout), part, c, nk, WG, STAGES)
             row0 = pid_m * BM + WG * HALF
             if EPI_BUFS > 0:  # c_ptr is C's TMA descriptor, block (HALF, SUB)
                 _store_tile_tma(acc0, c_ptr, c_smem, WG * EPI_BUFS, scale, bias_ptr, N, row0, pid_n * BN, HAS_BIAS,
@@ -232,6 +242,57 @@ if AVAILABLE:
             _store_tile_tma(acc, c_ptr, c_smem, buf, scale, bias_ptr, N, row0, col0, HAS_BIAS, EPI_BUFS - 1, layout)
         else:
             _store_tile(acc, c_ptr, ws_ptr, scale, bias_ptr, M, N, ks, row0, col0, HAS_BIAS, SPLIT, layout)
+
+    @gluon.jit
+    def _kloop_pipe(a_smem, b_smem, ready, empty, acc0, t0, t1, c, nk, WG: gl.constexpr, STAGES: gl.constexpr):
+        """The "pipe" K loop (``_consumer_pipe``, ``_consumer_sk``): nk blocks from ring slot c on, into acc0
+        through the temporaries t0 / t1; K block 0 into t0, then pairs (t1, t0), the loop unrolled by two so that
+        each temporary keeps its registers. Returns (acc0, t0, t1, c past the last block)."""
+        BM: gl.constexpr = a_smem.shape[1]
+        HALF: gl.constexpr = BM // 2
+        if nk > 0:
+            s = c % STAGES
+            mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+            a = a_smem.index(s).slice(WG * HALF, HALF)
+            tok0 = warpgroup_mma(a, b_smem.index(s).permute((1, 0)), t0, use_acc=False, is_async=True)
+            for p in range((nk - 1) // 2):
+                sp = s
+                c += 1
+                s = c % STAGES
+                mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+                tk1 = warpgroup_mma(a_smem.index(s).slice(WG * HALF, HALF), b_smem.index(s).permute((1, 0)),
+                                    t1, use_acc=False, is_async=True)
+                d0 = warpgroup_mma_wait(num_outstanding=1, deps=(tok0,))
+                mbarrier.arrive(empty.index(sp), count=1)
+                acc0 = acc0 + d0
+                sp = s
+                c += 1
+                s = c % STAGES
+                mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+                tok0 = warpgroup_mma(a_smem.index(s).slice(WG * HALF, HALF), b_smem.index(s).permute((1, 0)),
+                                     d0, use_acc=False, is_async=True)
+                t1 = warpgroup_mma_wait(num_outstanding=1, deps=(tk1,))
+                mbarrier.arrive(empty.index(sp), count=1)
+                acc0 = acc0 + t1
+            if nk % 2 == 0:
+                sp = s
+                c += 1
+                s = c % STAGES
+                mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+                tk1 = warpgroup_mma(a_smem.index(s).slice(WG * HALF, HALF), b_smem.index(s).permute((1, 0)),
+                                    t1, use_acc=False, is_async=True)
+                t0 = warpgroup_mma_wait(num_outstanding=1, deps=(tok0,))
+                mbarrier.arrive(empty.index(sp), count=1)
+                acc0 = acc0 + t0
+                t1 = warpgroup_mma_wait(num_outstanding=0, deps=(tk1,))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc0 = acc0 + t1
+            else:
+                t0 = warpgroup_mma_wait(num_outstanding=0, deps=(tok0,))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc0 = acc0 + t0
+            c += 1
+        return acc0, t0, t1, c
 
     @gluon.jit
     def _consumer_pipe(a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid,
@@ -257,52 +318,9 @@ if AVAILABLE:
         c = 0
         for item in range(pid, num_items, nprog):
             pid_m, pid_n, ks, k0, nk = _work_item(item, num_pid_m, num_pid_n, num_tiles, per, k_tiles, GROUP)
-            acc0 = gl.zeros((HALF, BN), gl.float32, lay)
-            if nk > 0:  # (a last K slice can be empty: zero partial)
-                # K block 0
-                s = c % STAGES
-                mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-                a = a_smem.index(s).slice(WG * HALF, HALF)
-                tok0 = warpgroup_mma(a, b_smem.index(s).permute((1, 0)), t0, use_acc=False,
-                                     is_async=True)
-                # blocks 1, 2, ... in pairs (into t1, then t0); loop-carried: tok0 (in flight), t1 (promoted)
-                for p in range((nk - 1) // 2):
-                    sp = s
-                    c += 1
-                    s = c % STAGES
-                    mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-                    tk1 = warpgroup_mma(a_smem.index(s).slice(WG * HALF, HALF), b_smem.index(s).permute((1, 0)),
-                                        t1, use_acc=False, is_async=True)
-                    d0 = warpgroup_mma_wait(num_outstanding=1, deps=(tok0,))
-                    mbarrier.arrive(empty.index(sp), count=1)
-                    acc0 = acc0 + d0
-                    sp = s
-                    c += 1
-                    s = c % STAGES
-                    mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-                    tok0 = warpgroup_mma(a_smem.index(s).slice(WG * HALF, HALF), b_smem.index(s).permute((1, 0)),
-                                         d0, use_acc=False, is_async=True)
-                    t1 = warpgroup_mma_wait(num_outstanding=1, deps=(tk1,))
-                    mbarrier.arrive(empty.index(sp), count=1)
-                    acc0 = acc0 + t1
-                if nk % 2 == 0:  # one block left: into t1
-                    sp = s
-                    c += 1
-                    s = c % STAGES
-                    mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-                    tk1 = warpgroup_mma(a_smem.index(s).slice(WG * HALF, HALF), b_smem.index(s).permute((1, 0)),
-                                        t1, use_acc=False, is_async=True)
-                    t0 = warpgroup_mma_wait(num_outstanding=1, deps=(tok0,))
-                    mbarrier.arrive(empty.index(sp), count=1)
-                    acc0 = acc0 + t0
-                    t1 = warpgroup_mma_wait(num_outstanding=0, deps=(tk1,))
-                    mbarrier.arrive(empty.index(s), count=1)
-                    acc0 = acc0 + t1
-                else:
-                    t0 = warpgroup_mma_wait(num_outstanding=0, deps=(tok0,))
-                    mbarrier.arrive(empty.index(s), count=1)
-                    acc0 = acc0 + t0
-                c += 1
+            # (a last K slice can be empty: zero partial)
+            acc0, t0, t1, c = _kloop_pipe(a_smem, b_smem, ready, empty, gl.zeros((HALF, BN), gl.float32, lay), t0,
+                                          t1, c, nk, WG, STAGES)
             row0 = pid_m * BM + WG * HALF
             _store_sub(acc0, c_ptr, ws_ptr, c_smem, WG * EPI_BUFS, scale, bias_ptr, M, N, ks, row0, pid_n * BN,
                        HAS_BIAS, SPLIT, EPI_BUFS, lay)
@@ -380,55 +398,6 @@ if AVAILABLE:
                 c += 1
 
     @gluon.jit
-    def _kloop_pipe(a_smem, b_smem, ready, empty, acc0, t0, t1, c, nk, WG: gl.constexpr, STAGES: gl.constexpr):
-        """``_consumer_pipe``'s K loop (same code): nk blocks into acc0 through the temporaries t0 / t1."""
-        BM: gl.constexpr = a_smem.shape[1]
-        HALF: gl.constexpr = BM // 2
-        if nk > 0:
-            s = c % STAGES
-            mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-            a = a_smem.index(s).slice(WG * HALF, HALF)
-            tok0 = warpgroup_mma(a, b_smem.index(s).permute((1, 0)), t0, use_acc=False, is_async=True)
-            for p in range((nk - 1) // 2):
-                sp = s
-                c += 1
-                s = c % STAGES
-                mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-                tk1 = warpgroup_mma(a_smem.index(s).slice(WG * HALF, HALF), b_smem.index(s).permute((1, 0)),
-                                    t1, use_acc=False, is_async=True)
-                d0 = warpgroup_mma_wait(num_outstanding=1, deps=(tok0,))
-                mbarrier.arrive(empty.index(sp), count=1)
-                acc0 = acc0 + d0
-                sp = s
-                c += 1
-                s = c % STAGES
-                mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-                tok0 = warpgroup_mma(a_smem.index(s).slice(WG * HALF, HALF), b_smem.index(s).permute((1, 0)),
-                                     d0, use_acc=False, is_async=True)
-                t1 = warpgroup_mma_wait(num_outstanding=1, deps=(tk1,))
-                mbarrier.arrive(empty.index(sp), count=1)
-                acc0 = acc0 + t1
-            if nk % 2 == 0:
-                sp = s
-                c += 1
-                s = c % STAGES
-                mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-                tk1 = warpgroup_mma(a_smem.index(s).slice(WG * HALF, HALF), b_smem.index(s).permute((1, 0)),
-                                    t1, use_acc=False, is_async=True)
-                t0 = warpgroup_mma_wait(num_outstanding=1, deps=(tok0,))
-                mbarrier.arrive(empty.index(sp), count=1)
-                acc0 = acc0 + t0
-                t1 = warpgroup_mma_wait(num_outstanding=0, deps=(tk1,))
-                mbarrier.arrive(empty.index(s), count=1)
-                acc0 = acc0 + t1
-            else:
-                t0 = warpgroup_mma_wait(num_outstanding=0, deps=(tok0,))
-                mbarrier.arrive(empty.index(s), count=1)
-                acc0 = acc0 + t0
-            c += 1
-        return acc0, t0, t1, c
-
-    @gluon.jit
     def _ws_ptrs(ws_ptr, slot, col0, WG: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, layout: gl.constexpr):
         """Pointers to consumer WG's 64 x SUB block at column col0 of workspace slot ``slot`` (BM x BN fp32,
         row-major), in the accumulator's register layout (computed from the runtime slot: not hoisted and kept
@@ -473,26 +442,9 @@ if AVAILABLE:
             if PIPE:
                 acc0, t0, t1, c = _kloop_pipe(a_smem, b_smem, ready, empty, acc0, t0, t1, c, k1 - k0, WG, STAGES)
             else:
-                if BN > SUB:
-                    acc1 = gl.zeros((HALF, SUB), gl.float32, layout)
-                for kb in range(k1 - k0):
-                    s = c % STAGES
-                    mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-                    a = a_smem.index(s).slice(WG * HALF, HALF)
-                    b = b_smem.index(s).slice(0, SUB).permute((1, 0))
-                    tok = warpgroup_mma(a, b, part, use_acc=False, is_async=True)
-                    part, a, b = warpgroup_mma_wait(num_outstanding=0, deps=(tok, a, b))
-                    if BN > SUB:
-                        acc0 = acc0 + part
-                        b = b_smem.index(s).slice(SUB, SUB).permute((1, 0))
-                        tok = warpgroup_mma(a, b, part, use_acc=False, is_async=True)
-                        part, a, b = warpgroup_mma_wait(num_outstanding=0, deps=(tok, a, b))
-                        mbarrier.arrive(empty.index(s), count=1)
-                        acc1 = acc1 + part
-                    else:
-                        mbarrier.arrive(empty.index(s), count=1)
-                        acc0 = acc0 + part
-                    c += 1
+                acc0, acc1, part, c = _kloop_plain(a_smem, b_smem, ready, empty, acc0,
+                                                   gl.zeros((HALF, SUB), gl.float32, layout), part, c, k1 - k0, WG,
+                                                   STAGES)
             if k0 > 0:  # a later part of a tile another CTA finishes: partial into slot pid, then the flag
                 gl.store(_ws_ptrs(ws_ptr, pid, 0, WG, BM, BN, layout), acc0)
                 if BN > SUB:
