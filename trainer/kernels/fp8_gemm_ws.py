@@ -29,17 +29,19 @@ reduces.
 
 Needs Triton with Gluon's Hopper API (written against Triton 3.6); ``AVAILABLE`` is False elsewhere. No
 interpreter support (Gluon has none). TMA alignment: K % 16 == 0, 16-byte aligned bases (``fp8_gemm._tma_ok``).
-Status: "ptr" configs ran on an H200 (Triton 3.6): exact vs _scaled_mm(use_fast_accum=False). "tma" configs:
-compiled offline for sm_90a with Triton 3.6 (168 registers, no spills, no wgmma serialization); not yet run.
-"pipe" configs (6th entry, BN = 128, ``_consumer_pipe``): each consumer keeps one wgmma chain in flight while it
-promotes the previous one (two 64 x 128 temporaries; with BN = 256 that would need 256 registers), so its adds no
-longer rely on the other consumer to cover them. Compiled offline (Triton 3.6, sm_90a): <= 200 consumer registers,
-no spills, no ptxas C7514 serialization, ``wait_group 1`` in the loop; not yet run on a GPU. Not expressible in
-Gluon 3.6: TMA multicast across a 2-CTA cluster (``async_copy_global_to_shared`` has no multicast / CTA mask).
-Stream-K configs (7th entry "sk" / "skdp", BN = 128, ``_consumer_sk``): for outputs with few tiles (124M wgrads:
-108 / 192 tiles of 128 x 128 on 132 SMs); grid = SMs, the K blocks of all tiles split into equal contiguous ranges,
-partial tiles fixed up through a per-CTA fp32 workspace slot and release / acquire flags, in a fixed order
-(deterministic). Compiled offline (Triton 3.6, sm_90a): 168 registers, no spills, no C7514; not yet run.
+Variants, all run on an H200 (Triton 3.6; every GPU test case of every config passes, bench/gemm_ws.py warm):
+  * "pipe" configs (6th entry, BN = 128, ``_consumer_pipe``): each consumer keeps one wgmma chain in flight while
+    it promotes the previous one (two 64 x 128 temporaries; with BN = 256 that would need 256 registers), so its
+    adds no longer rely on the other consumer to cover them.
+  * Stream-K configs (7th entry "sk" / "skdp", BN = 128, ``_consumer_sk``), for outputs with few tiles (124M
+    wgrads: 108 / 192 tiles of 128 x 128 on 132 SMs): grid = SMs, the K blocks of all tiles split into equal
+    contiguous ranges, partial tiles fixed up through a per-CTA fp32 workspace slot and release / acquire flags,
+    in a fixed order (deterministic). Correct, but slower than the other configs on every shape measured, so
+    ``run`` does not tune over them (``TUNED_CONFIGS``).
+Speed against ``_scaled_mm(use_fast_accum=False)``, best config per shape: 0.96-1.05x on 11 of the 13 backward
+shapes of the 124M and 1.5B models, 0.87-0.92x on the two 124M wgrads (bench/gemm_ws.py speed, bench/RESULTS.md).
+Not expressible in Gluon 3.6: TMA multicast across a 2-CTA cluster (``async_copy_global_to_shared`` has no
+multicast / CTA mask).
 """
 
 from __future__ import annotations
