@@ -25,9 +25,10 @@ import triton  # noqa: E402
 
 from trainer.kernels import fp8_gemm_ws as W  # noqa: E402
 from trainer.kernels.fp8_gemm import _splitk_reduce_kernel, _stats_args, fp8_gemm  # noqa: E402
+from trainer.kernels.timing import interleaved_medians  # noqa: E402
 
 if os.environ.get("FP8MON_WS_SKIP_SK") == "1":  # stream-K configs left out (e.g. after a failed smoke test)
-    W.CONFIGS[:] = [c for c in W.CONFIGS if not (len(c) >= 7 and c[6] in ("sk", "skdp"))]
+    W.CONFIGS[:] = W.TUNED_CONFIGS
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 DEV = "cuda"
@@ -91,9 +92,9 @@ REPS = {"full": (25, 100), "quick": (10, 40), "short": (5, 25)}
 ROUNDS = 3  # speed: every candidate of a shape timed once per round, rounds interleaved; median reported
 
 
-def bench(fn, quick):
-    warmup, rep = REPS[quick] if isinstance(quick, str) else REPS["quick" if quick else "full"]
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+def reps(quick):
+    """(warmup, rep) of do_bench for a timing mode."""
+    return REPS[quick] if isinstance(quick, str) else REPS["quick" if quick else "full"]
 
 
 def speed_mode(nsm, quick):
@@ -135,12 +136,7 @@ def speed_mode(nsm, quick):
                     fns[name] = fn
                 except Exception as e:  # report and go on
                     log(f"  fail {name}: {type(e).__name__}: {str(e)[:300]}")
-        # candidates interleaved, ROUNDS rounds, median per candidate (clock / thermal drift hits all alike)
-        runs = {k: [] for k in fns}
-        for _ in range(ROUNDS):
-            for k, fn in fns.items():
-                runs[k].append(bench(fn, quick))
-        t = {k: sorted(v)[len(v) // 2] for k, v in runs.items()}
+        t = interleaved_medians(fns, ROUNDS, *reps(quick))
         ws_names = [k for k in t if k.startswith("ws")]
         best = min(ws_names, key=t.get) if ws_names else None
         line = (f"speed {label:16s} M{M} N{N} K{K}: " + ", ".join(f"{k} {fl / v / 1e9:.0f}" for k, v in t.items())

@@ -53,7 +53,8 @@ import triton.language as tl
 
 from agent import triton_stats as ts
 from . import fp8_gemm_ws as _ws
-from .quantize import cdiv, stats_ref
+from .quantize import _num_sms, cdiv, stats_ref
+from .timing import fastest
 from agent.triton_stats import fused_bounds, nofmt_epilogue, partial_merge, partial_zero, tile_partial
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
@@ -367,11 +368,6 @@ def _tuned_launch(tuner, impl: str, grid, args, flags: dict, M: int, N: int, K: 
         _PLAIN_BEST.setdefault(_plain_key(impl, M, N, K, flags), None if best is None else _config_dict(best))
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _tma_ok(a, b, out_dtype) -> bool:
     K = a.shape[1]
     N = b.shape[0]
@@ -389,16 +385,11 @@ def _ws_ok(a, b, out_dtype, fast_accum: bool, stats) -> bool:
     return not fast_accum and stats is None and _ws.supported(a) and _tma_ok(a, b, out_dtype)
 
 
-_PICK_ROUNDS = 3
-
-
 def _pick_impl(a, b, scale_a, scale_b, out_dtype, bias, fast_accum) -> str:
     """impl="auto": the first call of a (shape, dtypes, flags) runs every candidate (autotuned), checks it
     against the first, times them and keeps the fastest (this synchronizes, like the autotuner's own first
     call); later calls are a dict lookup. A candidate that fails to compile or disagrees is skipped. The
-    candidates are timed in turn over ``_PICK_ROUNDS`` rounds and compared by their medians. With one short
-    timing each, auto ran 13% (8192^3 dgrad) and 27% (124M qkv dgrad) slower than the best candidate measured
-    in the same run (H200, bench/gemm_ws.py speed, 2026-11-21); short timings vary 5-10% between runs."""
+    candidates are compared by ``timing.fastest`` (medians of interleaved rounds)."""
     key = (a.shape, b.shape, a.dtype, b.dtype, out_dtype, bias is not None, fast_accum, a.device)
     impl = _AUTO_CHOICE.get(key)
     if impl is None:
@@ -419,11 +410,7 @@ def _pick_impl(a, b, scale_a, scale_b, out_dtype, bias, fast_accum) -> str:
                 warnings.warn(f"fp8_gemm: variant {cand} disagrees with {cands[0]}; skipped")
                 continue
             fns[cand] = fn
-        runs = {cand: [] for cand in fns}
-        for _ in range(_PICK_ROUNDS):
-            for cand, fn in fns.items():
-                runs[cand].append(triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median"))
-        impl = _AUTO_CHOICE[key] = min(runs, key=lambda c: sorted(runs[c])[len(runs[c]) // 2])
+        impl = _AUTO_CHOICE[key] = fastest(fns)
     return impl
 
 
@@ -502,7 +489,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
     if impl == "tma_ws" and stats is not None:  # the statistics' loop-carried partial: no warp specialization
         impl = "tma"
     if split_k is None:  # few output tiles and a long K (the 124M wgrads): split K to fill the GPU
-        split_k = 4 if (a.is_cuda and cdiv(M, 128) * cdiv(N, 128) < _num_sms(a.device.index or 0)
+        split_k = 4 if (a.is_cuda and cdiv(M, 128) * cdiv(N, 128) < _num_sms(a.device)
                         and K >= 8192) else 1
     ws = torch.empty((split_k, M, N), dtype=torch.float32, device=a.device) if split_k > 1 else None
     plain = dict(KEY=key, HAS_BIAS=has_bias, FAST_ACC=fast_accum, SPLIT_K=1)
@@ -511,7 +498,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
         # first call of this GEMM with statistics: tune the plain variant first (see _PLAIN_BEST)
         fp8_gemm(a, b, scale_a, scale_b, out_dtype, bias, fast_accum, impl, None, 1)
     flags = dict(KEY=key, HAS_BIAS=has_bias, FAST_ACC=fast_accum, SOFT_ROUND=INTERPRET, SPLIT_K=split_k)
-    num_sms = _num_sms(a.device.index or 0) if a.is_cuda else 4
+    num_sms = _num_sms(a.device)
     programs = _max_programs(M, N, impl, config, num_sms) if stats is not None and ws is None else 0
     flags.update(_stats_args(stats if ws is None else None, stats_base, programs, scale_a))
     if impl == "ws":

@@ -52,6 +52,8 @@ import warnings
 import torch
 import triton
 
+from .timing import fastest
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -102,7 +104,12 @@ PRODUCER_REGS = 40
 
 def supported(a: torch.Tensor) -> bool:
     """True where this kernel can run: a CUDA tensor on an sm90 GPU, and Gluon's Hopper API importable."""
-    return AVAILABLE and a.is_cuda and torch.cuda.get_device_capability(a.device) == (9, 0)
+    return AVAILABLE and a.is_cuda and _sm90(a.device.index or 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90(index: int) -> bool:  # asked on every precise GEMM call (fp8_gemm): once per device
+    return torch.cuda.get_device_capability(index) == (9, 0)
 
 
 if AVAILABLE:
@@ -575,13 +582,6 @@ def _epilogue(config, c, split_k: int) -> int:
     return 0
 
 
-# The configs ``run`` times on a shape's first call: not the stream-K ones. On an H200 they were correct (every GPU
-# test case) but 0.74-0.96x the best other config on the 13 backward shapes of bench/gemm_ws.py
-# (speed --short, 2026-11-21), and a stream-K launch waits on other CTAs of the grid, which
-# needs them all resident: not worth that risk in the default set. Tests and the bench still cover them.
-TUNED_CONFIGS = [c for c in CONFIGS if not (len(c) > 6 and c[6])]
-
-
 def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, config=CONFIGS[0]) -> None:
     """Runs the kernel: C (split_k == 1) or the (split_k, M, N) fp32 workspace ``ws`` (split_k > 1, unscaled,
     no bias) from a (M, K) and b (N, K); ``config`` is one of ``CONFIGS``. Stream-K configs (``_sched``) need
@@ -637,6 +637,13 @@ def _dummy_i32(device):
 def _sched(config) -> str:
     """"sk" / "skdp" for stream-K configs, else ""."""
     return config[6] if len(config) > 6 else ""
+
+
+# The configs ``run`` times on a shape's first call: not the stream-K ones. On an H200 they were correct (every GPU
+# test case) but 0.74-0.96x the best other config on the 13 backward shapes of bench/gemm_ws.py
+# (speed --short, 2026-11-21), and a stream-K launch waits on other CTAs of the grid, which
+# needs them all resident: not worth that risk in the default set. Tests and the bench still cover them.
+TUNED_CONFIGS = [c for c in CONFIGS if not _sched(c)]
 
 
 def _sk_params(tiles: int, k_tiles: int, num_sms: int, sched: str):
@@ -715,10 +722,5 @@ def run(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, config=
                 fns[cfg] = fn
             if not fns:
                 raise RuntimeError("fp8_gemm_ws: no config runs")
-            # timed in turn over 3 rounds, medians compared: single back-to-back timings vary 5-10% run to run
-            runs = {cfg: [] for cfg in fns}
-            for _ in range(3):
-                for cfg, fn in fns.items():
-                    runs[cfg].append(triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median"))
-            config = _BEST[key] = min(runs, key=lambda k: sorted(runs[k])[1])
+            config = _BEST[key] = fastest(fns)
     launch(a, b, c, ws, scale_a, scale_b, bias, split_k, num_sms, config)
