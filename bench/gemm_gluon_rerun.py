@@ -22,19 +22,10 @@ sys.path.insert(0, str(ROOT))
 import torch, triton
 import fp8_gemm_gluon as G
 from trainer.kernels.fp8_gemm import fp8_gemm, fp8_gemm_ref
+from bench.gemm_ws import E4, E5, ops, rel  # the same operands (seeded, x4) and relative error
 
-E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 mode = sys.argv[1]
 dev = "cuda"
-
-def ops(M, N, K, da, db, seed):
-    g = torch.Generator().manual_seed(seed)
-    a = (torch.randn(M, K, generator=g) * 4).to(da).to(dev)
-    b = (torch.randn(N, K, generator=g) * 4).to(db).to(dev)
-    return a, b
-
-def rel(x, ref):
-    return float((x.double() - ref.double()).norm() / ref.double().norm())
 
 one = torch.tensor(1.0, device=dev)
 if mode == "acc":
