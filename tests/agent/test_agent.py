@@ -422,16 +422,21 @@ def test_errors_in_hooks_never_reach_the_training_loop(monkeypatch, caplog):
     assert cap.tensors == [] and len(cap.scalars) == 3  # the scalars still arrive
 
 
+def _tiny_lm_watched_every_step(seed: int):
+    """A seeded TinyLM, its oracle, and an agent capturing every block linear's sites at every step."""
+    torch.manual_seed(seed)
+    model = TinyLM()
+    ref = Reference(model, BLOCK_LINEARS)
+    cap = CaptureTransport()
+    return model, ref, cap, Agent(transport=cap, every=1, modules=r"^blocks\.").watch(model)
+
+
 def test_auto_backend_falls_back_to_torch_when_the_triton_statistics_fail(monkeypatch):
     """stats_backend="auto": a Triton statistics launch that fails (say, a kernel that does not compile on
     this GPU) is one counted error, and that step's rows and all later ones come from the torch path."""
     from agent import triton_stats as ts
 
-    torch.manual_seed(3)
-    model = TinyLM()
-    ref = Reference(model, BLOCK_LINEARS)
-    cap = CaptureTransport()
-    agent = Agent(transport=cap, every=1, modules=r"^blocks\.").watch(model)
+    model, ref, cap, agent = _tiny_lm_watched_every_step(seed=3)
     calls = []
 
     def broken(*args, **kwargs):
@@ -457,11 +462,7 @@ def test_a_layers_backward_sites_share_one_launch_and_a_frozen_weight_loses_no_g
     from agent import device_stats as ds
     from agent import triton_stats as ts
 
-    torch.manual_seed(5)
-    model = TinyLM()
-    ref = Reference(model, BLOCK_LINEARS)
-    cap = CaptureTransport()
-    agent = Agent(transport=cap, every=1, modules=r"^blocks\.").watch(model)
+    model, ref, cap, agent = _tiny_lm_watched_every_step(seed=5)
     launches = []
 
     def rows(tensors, *, fmt, scale, center, outlier_k, amax_history_max, hist, out, index, merge):  # torch rows
