@@ -114,14 +114,33 @@ def _sm90(index: int) -> bool:  # asked on every precise GEMM call (fp8_gemm): o
 
 if AVAILABLE:
     @gluon.jit
-    def _work_item(item, num_pid_m, num_pid_n, num_tiles, per, k_tiles, GROUP: gl.constexpr):
-        """Work item -> (tile row, tile column, K slice, first K block, K blocks); grouped tile order."""
-        tile = item % num_tiles
+    def _tile_coords(tile, num_pid_m, num_pid_n, GROUP: gl.constexpr):
+        """Tile index -> (tile row, tile column) in grouped order (GROUP rows of tiles sweep the columns)."""
         group = GROUP * num_pid_n
         first_m = (tile // group) * GROUP
         size_m = gl.minimum(num_pid_m - first_m, GROUP)
         pid_m = first_m + ((tile % group) % size_m)
         pid_n = (tile % group) // size_m
+        return pid_m, pid_n
+
+    @gluon.jit
+    def _load_block(a_desc, b_desc, a_smem, b_smem, ready, empty, c, pid_m, pid_n, kb, STAGES: gl.constexpr):
+        """TMA loads of K block kb of tile (pid_m, pid_n) into ring slot c % STAGES, once that slot is free."""
+        BM: gl.constexpr = a_desc.block_type.shape[0]
+        BK: gl.constexpr = a_desc.block_type.shape[1]
+        BN: gl.constexpr = b_desc.block_type.shape[0]
+        s = c % STAGES
+        # a fresh mbarrier completes the (virtual) phase before phase 0: the first lap does not wait
+        mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+        bar = ready.index(s)
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(a_desc, [pid_m * BM, kb * BK], bar, a_smem.index(s))
+        tma.async_copy_global_to_shared(b_desc, [pid_n * BN, kb * BK], bar, b_smem.index(s))
+
+    @gluon.jit
+    def _work_item(item, num_pid_m, num_pid_n, num_tiles, per, k_tiles, GROUP: gl.constexpr):
+        """Work item -> (tile row, tile column, K slice, first K block, K blocks); grouped tile order."""
+        pid_m, pid_n = _tile_coords(item % num_tiles, num_pid_m, num_pid_n, GROUP)
         ks = item // num_tiles
         k0 = ks * per
         return pid_m, pid_n, ks, k0, gl.minimum(per, k_tiles - k0)
@@ -129,21 +148,11 @@ if AVAILABLE:
     @gluon.jit
     def _producer(a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n, num_tiles,
                   num_items, per, k_tiles, STAGES: gl.constexpr, GROUP: gl.constexpr):
-        BM: gl.constexpr = a_desc.block_type.shape[0]
-        BK: gl.constexpr = a_desc.block_type.shape[1]
-        BN: gl.constexpr = b_desc.block_type.shape[0]
-        nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
         c = 0
         for item in range(pid, num_items, nprog):
             pid_m, pid_n, ks, k0, nk = _work_item(item, num_pid_m, num_pid_n, num_tiles, per, k_tiles, GROUP)
             for kb in range(nk):
-                s = c % STAGES
-                # a fresh mbarrier completes the (virtual) phase before phase 0: the first lap does not wait
-                mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-                bar = ready.index(s)
-                mbarrier.expect(bar, nbytes)
-                tma.async_copy_global_to_shared(a_desc, [pid_m * BM, (k0 + kb) * BK], bar, a_smem.index(s))
-                tma.async_copy_global_to_shared(b_desc, [pid_n * BN, (k0 + kb) * BK], bar, b_smem.index(s))
+                _load_block(a_desc, b_desc, a_smem, b_smem, ready, empty, c, pid_m, pid_n, k0 + kb, STAGES)
                 c += 1
 
     @gluon.jit
@@ -253,10 +262,27 @@ if AVAILABLE:
             _store_tile(acc, c_ptr, ws_ptr, scale, bias_ptr, M, N, ks, row0, col0, HAS_BIAS, SPLIT, layout)
 
     @gluon.jit
+    def _pipe_step(a_smem, b_smem, ready, empty, acc0, pending, into, s, c, WG: gl.constexpr, STAGES: gl.constexpr):
+        """One step of the "pipe" K loop: issue the next K block's chain into the free temporary ``into``, then wait
+        for the chain in flight (``pending``), release its stage and add it into acc0. Returns (acc0, the new chain
+        in flight, the promoted temporary (now free), its ring slot, c)."""
+        HALF: gl.constexpr = a_smem.shape[1] // 2
+        sp = s
+        c += 1
+        s = c % STAGES
+        mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+        tok = warpgroup_mma(a_smem.index(s).slice(WG * HALF, HALF), b_smem.index(s).permute((1, 0)), into,
+                            use_acc=False, is_async=True)
+        done = warpgroup_mma_wait(num_outstanding=1, deps=(pending,))
+        mbarrier.arrive(empty.index(sp), count=1)
+        return acc0 + done, tok, done, s, c
+
+    @gluon.jit
     def _kloop_pipe(a_smem, b_smem, ready, empty, acc0, t0, t1, c, nk, WG: gl.constexpr, STAGES: gl.constexpr):
         """The "pipe" K loop (``_consumer_pipe``, ``_consumer_sk``): nk blocks from ring slot c on, into acc0
-        through the temporaries t0 / t1; K block 0 into t0, then pairs (t1, t0), the loop unrolled by two so that
-        each temporary keeps its registers. Returns (acc0, t0, t1, c past the last block)."""
+        through the temporaries t0 / t1; K block 0 into t0, then pairs of ``_pipe_step`` (into t1, then t0): the
+        loop is unrolled by two so that each temporary keeps its registers. Returns (acc0, t0, t1, c past the last
+        block)."""
         BM: gl.constexpr = a_smem.shape[1]
         HALF: gl.constexpr = BM // 2
         if nk > 0:
@@ -265,34 +291,10 @@ if AVAILABLE:
             a = a_smem.index(s).slice(WG * HALF, HALF)
             tok0 = warpgroup_mma(a, b_smem.index(s).permute((1, 0)), t0, use_acc=False, is_async=True)
             for p in range((nk - 1) // 2):
-                sp = s
-                c += 1
-                s = c % STAGES
-                mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-                tk1 = warpgroup_mma(a_smem.index(s).slice(WG * HALF, HALF), b_smem.index(s).permute((1, 0)),
-                                    t1, use_acc=False, is_async=True)
-                d0 = warpgroup_mma_wait(num_outstanding=1, deps=(tok0,))
-                mbarrier.arrive(empty.index(sp), count=1)
-                acc0 = acc0 + d0
-                sp = s
-                c += 1
-                s = c % STAGES
-                mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-                tok0 = warpgroup_mma(a_smem.index(s).slice(WG * HALF, HALF), b_smem.index(s).permute((1, 0)),
-                                     d0, use_acc=False, is_async=True)
-                t1 = warpgroup_mma_wait(num_outstanding=1, deps=(tk1,))
-                mbarrier.arrive(empty.index(sp), count=1)
-                acc0 = acc0 + t1
+                acc0, tk1, d0, s, c = _pipe_step(a_smem, b_smem, ready, empty, acc0, tok0, t1, s, c, WG, STAGES)
+                acc0, tok0, t1, s, c = _pipe_step(a_smem, b_smem, ready, empty, acc0, tk1, d0, s, c, WG, STAGES)
             if nk % 2 == 0:
-                sp = s
-                c += 1
-                s = c % STAGES
-                mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-                tk1 = warpgroup_mma(a_smem.index(s).slice(WG * HALF, HALF), b_smem.index(s).permute((1, 0)),
-                                    t1, use_acc=False, is_async=True)
-                t0 = warpgroup_mma_wait(num_outstanding=1, deps=(tok0,))
-                mbarrier.arrive(empty.index(sp), count=1)
-                acc0 = acc0 + t0
+                acc0, tk1, t0, s, c = _pipe_step(a_smem, b_smem, ready, empty, acc0, tok0, t1, s, c, WG, STAGES)
                 t1 = warpgroup_mma_wait(num_outstanding=0, deps=(tk1,))
                 mbarrier.arrive(empty.index(s), count=1)
                 acc0 = acc0 + t1
@@ -350,15 +352,6 @@ if AVAILABLE:
     # cycle, and (grid <= SMs, one CTA per SM, all co-resident) no deadlock; the partials are normally long done
     # when the finisher gets there. ``sk_plan`` is the host-side model of this schedule (tests).
     @gluon.jit
-    def _tile_coords(tile, num_pid_m, num_pid_n, GROUP: gl.constexpr):
-        group = GROUP * num_pid_n
-        first_m = (tile // group) * GROUP
-        size_m = gl.minimum(num_pid_m - first_m, GROUP)
-        pid_m = first_m + ((tile % group) % size_m)
-        pid_n = (tile % group) // size_m
-        return pid_m, pid_n
-
-    @gluon.jit
     def _sk_lo(p, sk_base, sk_rem):
         """First stream-K block of CTA p (its range: [_sk_lo(p), _sk_lo(p + 1)))."""
         return p * sk_base + gl.minimum(p, sk_rem)
@@ -388,22 +381,13 @@ if AVAILABLE:
     @gluon.jit
     def _producer_sk(a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n, k_tiles,
                      dp_tiles, sk_base, sk_rem, STAGES: gl.constexpr, GROUP: gl.constexpr):
-        BM: gl.constexpr = a_desc.block_type.shape[0]
-        BK: gl.constexpr = a_desc.block_type.shape[1]
-        BN: gl.constexpr = b_desc.block_type.shape[0]
-        nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
         lo, hi, n_dp, n_items = _sk_items(pid, nprog, k_tiles, dp_tiles, sk_base, sk_rem)
         c = 0
         for i in range(n_items):
             pid_m, pid_n, k0, k1, te = _sk_item(i, pid, nprog, lo, hi, n_dp, dp_tiles, k_tiles, num_pid_m,
                                                 num_pid_n, GROUP)
             for kb in range(k0, k1):
-                s = c % STAGES
-                mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-                bar = ready.index(s)
-                mbarrier.expect(bar, nbytes)
-                tma.async_copy_global_to_shared(a_desc, [pid_m * BM, kb * BK], bar, a_smem.index(s))
-                tma.async_copy_global_to_shared(b_desc, [pid_n * BN, kb * BK], bar, b_smem.index(s))
+                _load_block(a_desc, b_desc, a_smem, b_smem, ready, empty, c, pid_m, pid_n, kb, STAGES)
                 c += 1
 
     @gluon.jit
