@@ -50,8 +50,8 @@ import functools
 import warnings
 
 import torch
-import triton
 
+from .quantize import cdiv
 from .timing import fastest
 
 try:
@@ -577,12 +577,12 @@ def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, conf
                                                                                               _GL_DTYPE[a.dtype]))
     b_desc = GluonDescriptor(b, [N, K], [K, 1], [BN, BK], gl.NVMMASharedLayout.get_default_for([BN, BK],
                                                                                               _GL_DTYPE[b.dtype]))
-    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    tiles = cdiv(M, BM) * cdiv(N, BN)
     sched = _sched(config)
     if sched:
         if split_k != 1:
             raise ValueError(f"fp8_gemm_ws: stream-K config {config} needs split_k == 1")
-        grid, dp_tiles, sk_base, sk_rem = _sk_params(tiles, triton.cdiv(K, BK), num_sms, sched)
+        grid, dp_tiles, sk_base, sk_rem = _sk_params(tiles, cdiv(K, BK), num_sms, sched)
         # one partial slot per CTA (a CTA writes at most one), one flag per (CTA, consumer), zeroed per launch
         ws_arg = torch.empty(grid * BM * BN if (sk_base or sk_rem) else 1, dtype=torch.float32, device=c.device)
         flags = torch.zeros(2 * grid, dtype=torch.int32, device=c.device)
