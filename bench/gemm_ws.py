@@ -5,10 +5,11 @@
     python3 bench/gemm_ws.py speed     # TFLOP/s: 8192^3 dgrad and the 124M / 1.5B backward shapes (T = 16384)
     python3 bench/gemm_ws.py speed --quick
     python3 bench/gemm_ws.py speed --short  # every shape, shorter timing (warmup 5 ms, rep 25 ms)
+    python3 bench/gemm_ws.py speed --only 124m  # only the shapes whose label contains "124m"
     python3 bench/gemm_ws.py warm [--workers 8]  # runs tests/trainer/test_gemm_ws.py's GPU cases per config in
                                                 # parallel processes (fills the Triton cache; logs pass / fail)
 
-Stream-K configs (tag suffix "sk" / "skdp") are timed like the others, without split variants; warm also runs their
+Stream-K configs (tag suffix "sk") are timed like the others, without split variants; warm also runs their
 stream-K tests (small grids, determinism). Speed: per shape the candidates (_scaled_mm, fp8_gemm, every config /
 split) are timed in turn, 3 rounds interleaved, and each one's median over the rounds is reported (each timing
 itself do_bench's median); ratios are _scaled_mm time / ours (> 1: faster). Wgrads with fewer output tiles than SMs
@@ -97,16 +98,19 @@ def reps(quick):
     return REPS[quick] if isinstance(quick, str) else REPS["quick" if quick else "full"]
 
 
-def speed_mode(nsm, quick):
+def speed_mode(nsm, quick, only=None):
     shapes = [("8192^3 dgrad", 8192, 8192, 8192, torch.bfloat16)]
     for T, lins, mtag in [(16384, {"qkv": (2048, 6144), "proj": (2048, 2048), "fc1": (2048, 16384),
                                    "fc2": (8192, 2048)}, "1.5b"),
-                          (16384, {"qkv": (768, 2304), "fc1": (768, 4096)}, "124m")]:
+                          (16384, {"qkv": (768, 2304), "proj": (768, 768), "fc1": (768, 4096), "fc2": (2048, 768)},
+                           "124m")]:
         for name, (fin, fout) in lins.items():
             shapes.append((f"{mtag}.{name} dgrad", T, fin, fout, torch.bfloat16))
             shapes.append((f"{mtag}.{name} wgrad", fout, fin, T, torch.float32))
     if quick is True:
         shapes = [s for s in shapes if s[0] in ("8192^3 dgrad", "1.5b.fc1 dgrad", "1.5b.proj wgrad", "124m.qkv wgrad")]
+    if only:
+        shapes = [s for s in shapes if only in s[0]]
     summary = []
     for label, M, N, K, od in shapes:
         a, b = ops(M, N, K, E5, E4, 7)
@@ -203,7 +207,7 @@ def main():
         workers = int(sys.argv[sys.argv.index("--workers") + 1]) if "--workers" in sys.argv else len(W.CONFIGS)
         warm_mode(workers)
     else:
-        speed_mode(nsm, quick)
+        speed_mode(nsm, quick, sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ def test_import_and_declines_cpu_tensors():
     assert W.CONFIGS and all(len(c) == 4 or (len(c) in (5, 6, 7) and c[4] in ("ptr", "tma")) for c in W.CONFIGS)
     assert all(c[5] == "pipe" and c[1] == 128 for c in W.CONFIGS if len(c) == 6)  # pipelined consumer: BN = 128
     # stream-K: pointer epilogue, BN = 128
-    assert all(c[6] in ("sk", "skdp") and c[4] == "ptr" and c[1] == 128 and c[5] in ("plain", "pipe")
+    assert all(c[6] == "sk" and c[4] == "ptr" and c[1] == 128 and c[5] in ("plain", "pipe")
                for c in W.CONFIGS if len(c) == 7)
     assert len(set(W.CONFIGS)) == len(W.CONFIGS)
     assert not W.supported(torch.empty(2, 2))
@@ -159,10 +159,9 @@ def test_ws_run_tunes_and_reuses():
     assert len([k for k in W._BEST if k[0] == (512, 1024)]) == 1
 
 
-SK_PLANS = [  # tiles, k_tiles, grid (num_sms), sched
-    (5, 3, 2, "sk"), (5, 3, 2, "skdp"), (5, 33, 12, "sk"), (5, 3, 7, "sk"), (1, 1, 132, "sk"), (3, 2, 132, "sk"),
-    (108, 128, 132, "sk"), (192, 128, 132, "sk"), (192, 128, 132, "skdp"), (2048, 16, 132, "sk"),
-    (2048, 16, 132, "skdp"), (264, 7, 132, "skdp"), (7, 5, 3, "skdp"),
+SK_PLANS = [  # tiles, k_tiles, grid (num_sms)
+    (5, 3, 2), (5, 33, 12), (5, 3, 7), (1, 1, 132), (3, 2, 132), (108, 128, 132), (192, 128, 132), (36, 128, 132),
+    (96, 128, 132), (2048, 16, 132), (264, 7, 132), (7, 5, 3), (131, 1, 132), (10, 2, 7),
 ]
 
 
@@ -170,52 +169,58 @@ SK_PLANS = [  # tiles, k_tiles, grid (num_sms), sched
 @pytest.mark.parametrize("plan", SK_PLANS, ids=lambda p: "-".join(map(str, p)))
 def test_sk_plan(plan):
     """The stream-K schedule (host model of the kernel's arithmetic): every K block of every tile exactly once;
-    equal ranges (+-1 block); each tile split over CTAs is finished by the CTA of its K block 0, which waits only
-    for later CTAs whose partial of that tile is their FIRST item (produced before any wait of theirs: no wait
-    cycle), in ascending K order; each CTA writes at most one partial (its workspace slot)."""
-    tiles, kt, nsm, sched = plan
-    P = W.sk_plan(tiles, kt, nsm, sched)
-    grid = len(P)
-    assert grid == min(nsm, tiles * kt)
+    whole waves data-parallel; each CTA's stream work within one block of the ideal share (stream blocks / grid),
+    and no more than a data-parallel tile; the stream tiles' heads all run the same K blocks [0, x); each tile
+    split over CTAs is finished by its head, which waits only on tails (CTAs that never wait: no wait cycle), in
+    ascending K order, for partials in distinct workspace slots."""
+    tiles, kt, nsm = plan
+    P = W.sk_plan(tiles, kt, nsm)
+    grid, dp_tiles, x, _, _ = W._sk_params(tiles, kt, nsm)
+    assert len(P) == grid == nsm and dp_tiles == (tiles // nsm) * nsm
     seen = {}
     for pid, items in enumerate(P):
-        for (t, k0, k1, role, waits) in items:
+        for (t, k0, k1, role, detail) in items:
             assert 0 <= k0 < k1 <= kt
             for k in range(k0, k1):
                 assert (t, k) not in seen
                 seen[(t, k)] = pid
     assert len(seen) == tiles * kt
-    _, dp_tiles, base, rem = W._sk_params(tiles, kt, nsm, sched)
-    sk = [sum(k1 - k0 for (t, k0, k1, r, w) in items if t >= dp_tiles) for items in P]
-    assert max(sk) - min(sk) <= 1 and sum(sk) == (tiles - dp_tiles) * kt, sk
+    share = (tiles - dp_tiles) * kt / grid
     for pid, items in enumerate(P):
-        assert sum(r == "partial" for (_, _, _, r, _) in items) <= 1
-        for j, (t, k0, k1, role, waits) in enumerate(items):
+        assert [t for (t, *_) in items if t < dp_tiles] == list(range(pid, dp_tiles, grid))
+        work = sum(k1 - k0 for (t, k0, k1, r, d) in items if t >= dp_tiles)
+        assert work <= min(share + 1, kt), (work, share)
+    slots, tails = set(), set()
+    for pid, items in enumerate(P):
+        for (t, k0, k1, role, detail) in items:
             if role == "partial":
-                assert k0 > 0 and j == _first_sk(items, dp_tiles)  # its first stream-K item: before any wait
+                assert t >= dp_tiles and k0 >= x and detail not in slots and 0 <= detail < grid
+                slots.add(detail)
+                tails.add(pid)
+    for pid, items in enumerate(P):
+        for j, (t, k0, k1, role, detail) in enumerate(items):
+            if t >= dp_tiles:
+                assert role == "partial" or (k0, k1) == (0, x)  # heads run [0, x) in step
             if role == "finish":
-                assert k0 == 0 and k1 < kt and j == len(items) - 1 and waits and waits[0] == pid + 1
+                assert pid not in tails and j == len(items) - 1 and detail
                 covered = k1
-                for q in waits:
-                    first = P[q][_first_sk(P[q], dp_tiles)]
-                    assert q > pid and first[0] == t and first[3] == "partial" and first[1] == covered
-                    covered = first[2]
+                for q, slot in detail:
+                    part = [it for it in P[q] if it[0] == t]
+                    assert q in tails and len(part) == 1 and part[0][4] == slot and part[0][1] == covered
+                    covered = part[0][2]
                 assert covered == kt
             if role == "whole":
                 assert (k0, k1) == (0, kt)
 
 
-def _first_sk(items, dp_tiles):
-    return next(j for j, it in enumerate(items) if it[0] >= dp_tiles)
-
-
 SK_CONFIGS = [c for c in W.CONFIGS if W._sched(c)]
 SK_CASES = [  # M, N, K, num_sms (None: all), out dtype, bias
-    (640, 128, 384, 2, torch.float32, False),  # 5 tiles x 3 K blocks on 2 CTAs: CTA 0's range spans 3 tiles
-    (640, 128, 4112, 12, torch.bfloat16, True),  # 5 tiles x 33 K blocks on 12 CTAs: tiles split over 3 CTAs
-    (640, 200, 4112, 7, torch.float32, False),  # 10 tiles (edge columns), 7 CTAs
+    (640, 128, 384, 2, torch.float32, False),  # 5 tiles x 3 K blocks on 2 CTAs: 2 DP waves, 1 head, 1 tail
+    (640, 128, 4112, 12, torch.bfloat16, True),  # 5 tiles x 33 K blocks on 12 CTAs: 5 heads, 7 tails over 5 tiles
+    (640, 200, 4112, 7, torch.float32, False),  # 10 tiles (edge columns), 7 CTAs: a DP wave, 3 heads, 4 tails
     (2304, 768, 4096, None, torch.float32, False),  # 124M qkv wgrad at reduced K
     (4096, 768, 2048, None, torch.float32, False),  # 124M fc1 wgrad at reduced K
+    (768, 768, 4096, None, torch.float32, False),  # 124M proj wgrad at reduced K: 36 heads, 96 tails
     (1000, 520, 272, None, torch.bfloat16, True),  # 3 K blocks (last one partial) over 40 tiles
 ]
 

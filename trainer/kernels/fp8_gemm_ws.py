@@ -33,11 +33,11 @@ Variants, all run on an H200 (Triton 3.6; every GPU test case of every config pa
   * "pipe" configs (6th entry, BN = 128, ``_consumer_pipe``): each consumer keeps one wgmma chain in flight while
     it promotes the previous one (two 64 x 128 temporaries; with BN = 256 that would need 256 registers), so its
     adds no longer rely on the other consumer to cover them.
-  * Stream-K configs (7th entry "sk" / "skdp", BN = 128, ``_consumer_sk``), for outputs with few tiles (124M
-    wgrads: 108 / 192 tiles of 128 x 128 on 132 SMs): grid = SMs, the K blocks of all tiles split into equal
-    contiguous ranges, partial tiles fixed up through a per-CTA fp32 workspace slot and release / acquire flags,
-    in a fixed order (deterministic). Correct, but slower than the other configs on every shape measured, so
-    ``run`` does not tune over them (``TUNED_CONFIGS``).
+  * Stream-K configs (7th entry "sk", BN = 128, ``_consumer_sk``), for outputs whose tiles leave SMs idle in the
+    last wave (124M wgrads: 36-192 tiles of 128 x 128 on 132 SMs): grid = SMs, whole waves data-parallel, the other
+    tiles split in K at the same block for all of them (heads run the first part in step, so their loads share
+    L2), the rest of their K blocks spread over the remaining CTAs (tails); partials fixed up through fp32
+    workspace slots and release / acquire flags, in a fixed order (deterministic). See the comment above ``_sk_lo``.
 Speed against ``_scaled_mm(use_fast_accum=False)``, best config per shape: 0.96-1.05x on 11 of the 13 backward
 shapes of the 124M and 1.5B models, 0.87-0.92x on the two 124M wgrads (bench/gemm_ws.py speed, bench/RESULTS.md).
 Not expressible in Gluon 3.6: TMA multicast across a 2-CTA cluster (``async_copy_global_to_shared`` has no
@@ -86,13 +86,11 @@ CONFIGS = [
     (128, 128, 128, 6, "ptr", "pipe"),  # 192 KB ring
     (128, 128, 128, 5, "tma", "pipe"),  # 160 KB ring + 32 KB bf16 / 64 KB fp32
     (128, 128, 128, 4, "ptr", "pipe"),  # 128 KB ring
-    # stream-K (7th entry "sk": the whole problem; "skdp": whole waves of tiles data-parallel, the rest
-    # stream-K); "ptr" epilogue only, split_k == 1 only (``_consumer_sk``, ``sk_plan``). BN = 128 only: with
-    # BN = 256 the fix-up (acc0 + acc1 + temporary + loaded partial) spilled ~800 STL/LDL (Triton 3.6, offline).
+    # stream-K (7th entry "sk"): "ptr" epilogue only, split_k == 1 only (``_consumer_sk``, ``sk_plan``). BN = 128
+    # only: with BN = 256 the fix-up (acc0 + acc1 + temporary + loaded partial) spilled ~800 STL/LDL (Triton 3.6,
+    # offline).
     (128, 128, 128, 6, "ptr", "plain", "sk"),  # 192 KB ring
     (128, 128, 128, 6, "ptr", "pipe", "sk"),
-    (128, 128, 128, 6, "ptr", "plain", "skdp"),
-    (128, 128, 128, 6, "ptr", "pipe", "skdp"),
 ]
 GROUP_M = 8
 # setmaxnreg budgets (multiples of 8); 3 warpgroups (consumer, consumer, producer padded to 4 warps) under a
@@ -339,53 +337,83 @@ if AVAILABLE:
             tma.store_wait(0)  # the buffers must outlive the stores reading them
 
     # ---------------------------------------------------------------------------------------------------------
-    # Stream-K ("sk" / "skdp" configs). The first dp_tiles tiles (a multiple of the grid; 0 for "sk") run
-    # data-parallel: CTA pid takes tiles pid, pid + nprog, ... whole. The remaining tiles' K blocks, in tile-major
-    # order (sk_work = tiles x k_tiles blocks), are cut into nprog contiguous ranges of sk_base or sk_base + 1
-    # blocks (the first sk_rem CTAs one more); each CTA walks the tiles its range meets, after its DP tiles.
-    # A tile split over several CTAs is finished by the CTA that owns its FIRST K block (the tile is the last of
-    # that CTA's range); every other CTA meeting the tile begins its range inside it (the tile is the first of its
-    # range): it stores its fp32 partial into its own workspace slot ws[pid] (a CTA has at most one such tile)
-    # and raises flags[pid, WG]. The finisher, after its own K blocks, waits for and adds the partials of
-    # CTAs pid + 1, pid + 2, ... (ascending K: a fixed order, deterministic) and stores the tile. A CTA produces
-    # its partial at the start of its range, before any wait of its own, and waits only for later CTAs: no wait
-    # cycle, and (grid <= SMs, one CTA per SM, all co-resident) no deadlock; the partials are normally long done
-    # when the finisher gets there. ``sk_plan`` is the host-side model of this schedule (tests).
+    # Stream-K, K-aligned ("sk" configs), for outputs whose tiles do not fill whole waves of the grid (G = SMs).
+    # The first dp_tiles tiles (whole waves: tiles // G x G) run data-parallel: CTA pid takes tiles pid, pid + G, ...
+    # The T = tiles - dp_tiles others ("stream tiles") are split in K at block x = ceil(T k_tiles / G):
+    #   * head CTAs (pid >= Q = G - T; head h = pid - Q) run K blocks [0, x) of stream tile h, all T in step over
+    #     the same K blocks (so, like data-parallel tiles, they share their A / B loads in L2);
+    #   * tail CTAs (pid < Q) share the blocks [x, k_tiles) of all stream tiles, L = k_tiles - x per tile, in
+    #     tile-major order, cut into Q contiguous ranges of sk_base or sk_base + 1 blocks (the first sk_rem CTAs one
+    #     more); tail q stores its fp32 partial of each stream tile t its range meets into workspace slot q + t
+    #     (one slot per (q, t): ranges are contiguous and ascending, so q + t never repeats) and raises flags
+    #     [2 (q + t) + WG];
+    #   * the head of tile t, after its own blocks, waits for and adds the partials of the tails that meet t in
+    #     ascending K order (a fixed order: deterministic), then stores the tile.
+    # Each CTA's work is ~ T k_tiles / G blocks (+ its DP tiles), against k_tiles for a data-parallel tile. Only heads
+    # wait, and only on tails, which never wait and have the lower pids (launched first): no wait cycle, and with
+    # grid <= SMs (one CTA per SM, all co-resident) no deadlock. (An earlier stream-K cut all stream blocks into
+    # equal contiguous ranges: each CTA then read its own K position, the A / B working set was the whole of K, and
+    # it ran at 0.74-0.96x data-parallel even where that idles SMs.) ``sk_plan`` is the host model (tests).
     @gluon.jit
-    def _sk_lo(p, sk_base, sk_rem):
-        """First stream-K block of CTA p (its range: [_sk_lo(p), _sk_lo(p + 1)))."""
-        return p * sk_base + gl.minimum(p, sk_rem)
+    def _sk_lo(q, sk_base, sk_rem):
+        """First tail-work block of tail CTA q (its range: [_sk_lo(q), _sk_lo(q + 1)))."""
+        return q * sk_base + gl.minimum(q, sk_rem)
 
     @gluon.jit
-    def _sk_items(pid, nprog, k_tiles, dp_tiles, sk_base, sk_rem):
-        """(lo, hi, DP tiles, work items) of CTA pid: its DP tiles, then the tiles its stream-K range meets."""
+    def _sk_first_tail(w, sk_base, sk_rem):
+        """The tail CTA whose range holds tail-work block w."""
+        big = sk_rem * (sk_base + 1)
+        if w < big:
+            q = w // (sk_base + 1)
+        else:
+            q = sk_rem + (w - big) // gl.maximum(sk_base, 1)
+        return q
+
+    @gluon.jit
+    def _sk_items(pid, nprog, num_tiles, k_tiles, dp_tiles, sk_x, sk_base, sk_rem):
+        """(DP items, work items) of CTA pid: its DP tiles, then its head item or the stream tiles its tail range
+        meets."""
+        n_dp = dp_tiles // nprog
+        n_tail = nprog - (num_tiles - dp_tiles)
+        L = gl.maximum(k_tiles - sk_x, 1)
         lo = _sk_lo(pid, sk_base, sk_rem)
         hi = _sk_lo(pid + 1, sk_base, sk_rem)
-        n_dp = dp_tiles // nprog
-        n_sk = ((hi - 1) // k_tiles - lo // k_tiles + 1) * (hi > lo).to(gl.int32)
-        return lo, hi, n_dp, n_dp + n_sk
+        if pid < n_tail:
+            n_sk = ((hi - 1) // L - lo // L + 1) * (hi > lo).to(gl.int32)
+        else:
+            n_sk = (num_tiles > dp_tiles).to(gl.int32)
+        return n_dp, n_dp + n_sk
 
     @gluon.jit
-    def _sk_item(i, pid, nprog, lo, hi, n_dp, dp_tiles, k_tiles, num_pid_m, num_pid_n, GROUP: gl.constexpr):
-        """Work item i of CTA pid -> (tile row, tile column, K blocks [k0, k1) of the tile, stream-K end block of
-        the tile). DP items: the whole tile (k0 = 0, k1 = k_tiles)."""
-        dp = (i < n_dp).to(gl.int32)
-        t = lo // k_tiles + (i - n_dp)  # stream-K tile index (meaningless for DP items: masked below)
-        ts = t * k_tiles
-        k0 = (gl.maximum(lo, ts) - ts) * (1 - dp)
-        k1 = (gl.minimum(hi, ts + k_tiles) - ts) * (1 - dp) + k_tiles * dp
-        tile = (pid + i * nprog) * dp + (dp_tiles + t) * (1 - dp)
+    def _sk_item(i, pid, nprog, n_dp, num_tiles, k_tiles, dp_tiles, sk_x, sk_base, sk_rem, num_pid_m, num_pid_n,
+                 GROUP: gl.constexpr):
+        """Work item i of CTA pid -> (tile row, tile column, K blocks [k0, k1) of the tile, aux): aux is the
+        workspace slot of a tail's partial (k0 > 0), the stream-tile index h of a head (k0 == 0, k1 < k_tiles)."""
+        n_tail = nprog - (num_tiles - dp_tiles)
+        L = gl.maximum(k_tiles - sk_x, 1)
+        dp = (i < n_dp).to(gl.int32)  # branch-free: one role of three is 1
+        tail = (1 - dp) * (pid < n_tail).to(gl.int32)
+        head = 1 - dp - tail
+        lo = _sk_lo(pid, sk_base, sk_rem)
+        hi = _sk_lo(pid + 1, sk_base, sk_rem)
+        t = lo // L + (i - n_dp)  # a tail's stream tile (meaningless for the other roles: masked)
+        ts = t * L
+        tile = dp * (pid + i * nprog) + tail * (dp_tiles + t) + head * (dp_tiles + pid - n_tail)
+        k0 = tail * (sk_x + gl.maximum(lo, ts) - ts)
+        k1 = dp * k_tiles + tail * (sk_x + gl.minimum(hi, ts + L) - ts) + head * sk_x
+        aux = tail * (pid + t) + head * (pid - n_tail)
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP)
-        return pid_m, pid_n, k0, k1, ts + k_tiles
+        return pid_m, pid_n, k0, k1, aux
 
     @gluon.jit
     def _producer_sk(a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n, k_tiles,
-                     dp_tiles, sk_base, sk_rem, STAGES: gl.constexpr, GROUP: gl.constexpr):
-        lo, hi, n_dp, n_items = _sk_items(pid, nprog, k_tiles, dp_tiles, sk_base, sk_rem)
+                     dp_tiles, sk_x, sk_base, sk_rem, STAGES: gl.constexpr, GROUP: gl.constexpr):
+        num_tiles = num_pid_m * num_pid_n
+        n_dp, n_items = _sk_items(pid, nprog, num_tiles, k_tiles, dp_tiles, sk_x, sk_base, sk_rem)
         c = 0
         for i in range(n_items):
-            pid_m, pid_n, k0, k1, te = _sk_item(i, pid, nprog, lo, hi, n_dp, dp_tiles, k_tiles, num_pid_m,
-                                                num_pid_n, GROUP)
+            pid_m, pid_n, k0, k1, aux = _sk_item(i, pid, nprog, n_dp, num_tiles, k_tiles, dp_tiles, sk_x, sk_base,
+                                                 sk_rem, num_pid_m, num_pid_n, GROUP)
             for kb in range(k0, k1):
                 _load_block(a_desc, b_desc, a_smem, b_smem, ready, empty, c, pid_m, pid_n, kb, STAGES)
                 c += 1
@@ -403,15 +431,15 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer_sk(a_smem, b_smem, ready, empty, c_ptr, ws_ptr, flags_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid,
-                     nprog, num_pid_m, num_pid_n, k_tiles, dp_tiles, sk_base, sk_rem, WG: gl.constexpr,
+                     nprog, num_pid_m, num_pid_n, k_tiles, dp_tiles, sk_x, sk_base, sk_rem, WG: gl.constexpr,
                      HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, PIPE: gl.constexpr):
         """Stream-K consumer warpgroup WG (rows [64 WG, 64 WG + 64) of each tile): the K loop of ``_consumer``
         (PIPE False; BN 128 or 256) or ``_consumer_pipe`` (PIPE; BN 128) over each work item's K blocks, then
-        by the item's role: whole tile -> store; partial not starting at K block 0 -> fp32 partial into
-        ws[pid] (this consumer's 64 rows), a warpgroup barrier, and one release increment of flags[2 pid + WG];
-        partial starting at K block 0 -> for each later CTA q whose range starts inside the tile (ascending):
-        spin on an acquire load of flags[2 q + WG], add ws[q]'s rows (the same register layout as the writer's,
-        so each thread reads exactly what its counterpart wrote), then store."""
+        by the item's role: whole tile -> store; a tail's partial (k0 > 0) -> fp32 partial into its slot
+        (this consumer's 64 rows), a warpgroup barrier, and one release increment of the slot's flag for WG; a
+        head (k0 == 0, k1 < k_tiles) -> for each tail q meeting the tile (ascending): spin on an acquire load of
+        flag (q + h, WG), add slot q + h's rows (the same register layout as the writer's, so each thread reads
+        exactly what its counterpart wrote), then store."""
         BM: gl.constexpr = a_smem.shape[1]
         BN: gl.constexpr = b_smem.shape[1]
         HALF: gl.constexpr = BM // 2
@@ -426,11 +454,14 @@ if AVAILABLE:
             t1 = gl.zeros((HALF, SUB), gl.float32, layout)
         else:
             part = gl.zeros((HALF, SUB), gl.float32, layout)
-        lo, hi, n_dp, n_items = _sk_items(pid, nprog, k_tiles, dp_tiles, sk_base, sk_rem)
+        num_tiles = num_pid_m * num_pid_n
+        n_tail = nprog - (num_tiles - dp_tiles)
+        L = k_tiles - sk_x
+        n_dp, n_items = _sk_items(pid, nprog, num_tiles, k_tiles, dp_tiles, sk_x, sk_base, sk_rem)
         c = 0
         for i in range(n_items):
-            pid_m, pid_n, k0, k1, te = _sk_item(i, pid, nprog, lo, hi, n_dp, dp_tiles, k_tiles, num_pid_m,
-                                                num_pid_n, GROUP)
+            pid_m, pid_n, k0, k1, aux = _sk_item(i, pid, nprog, n_dp, num_tiles, k_tiles, dp_tiles, sk_x, sk_base,
+                                                 sk_rem, num_pid_m, num_pid_n, GROUP)
             acc0 = gl.zeros((HALF, SUB), gl.float32, layout)
             if PIPE:
                 acc0, t0, t1, c = _kloop_pipe(a_smem, b_smem, ready, empty, acc0, t0, t1, c, k1 - k0, WG, STAGES)
@@ -438,32 +469,31 @@ if AVAILABLE:
                 acc0, acc1, part, c = _kloop_plain(a_smem, b_smem, ready, empty, acc0,
                                                    gl.zeros((HALF, SUB), gl.float32, layout), part, c, k1 - k0, WG,
                                                    STAGES)
-            if k0 > 0:  # a later part of a tile another CTA finishes: partial into slot pid, then the flag
-                gl.store(_ws_ptrs(ws_ptr, pid, 0, WG, BM, BN, layout), acc0)
+            if k0 > 0:  # a tail's part of a stream tile: partial into its slot (aux), then the flag
+                gl.store(_ws_ptrs(ws_ptr, aux, 0, WG, BM, BN, layout), acc0)
                 if BN > SUB:
-                    gl.store(_ws_ptrs(ws_ptr, pid, SUB, WG, BM, BN, layout), acc1)
+                    gl.store(_ws_ptrs(ws_ptr, aux, SUB, WG, BM, BN, layout), acc1)
                 gl.thread_barrier()  # the warpgroup's partial stores precede thread 0's release
-                gl.atomic_add(flags_ptr + 2 * pid + WG, 1, sem="release", scope="gpu")
+                gl.atomic_add(flags_ptr + 2 * aux + WG, 1, sem="release", scope="gpu")
             else:
-                if k1 < k_tiles:  # this CTA finishes the tile: add the later CTAs' partials in K order
-                    q = pid + 1
-                    lo_q = _sk_lo(q, sk_base, sk_rem)
-                    while lo_q < te:
-                        f = gl.atomic_add(flags_ptr + 2 * q + WG, 0, sem="acquire", scope="gpu")
+                if k1 < k_tiles:  # head of stream tile h = aux: add the tails' partials in K order
+                    q = _sk_first_tail(aux * L, sk_base, sk_rem)
+                    while (q < n_tail) & (_sk_lo(q, sk_base, sk_rem) < aux * L + L):
+                        f = gl.atomic_add(flags_ptr + 2 * (q + aux) + WG, 0, sem="acquire", scope="gpu")
                         while f == 0:
-                            f = gl.atomic_add(flags_ptr + 2 * q + WG, 0, sem="acquire", scope="gpu")
+                            f = gl.atomic_add(flags_ptr + 2 * (q + aux) + WG, 0, sem="acquire", scope="gpu")
                         # into the temporary's registers (its value is dead here): no extra registers
                         if PIPE:
-                            t1 = gl.load(_ws_ptrs(ws_ptr, q, 0, WG, BM, BN, layout), cache_modifier=".cg")
+                            t1 = gl.load(_ws_ptrs(ws_ptr, q + aux, 0, WG, BM, BN, layout), cache_modifier=".cg")
                             acc0 = acc0 + t1
                         else:
-                            part = gl.load(_ws_ptrs(ws_ptr, q, 0, WG, BM, BN, layout), cache_modifier=".cg")
+                            part = gl.load(_ws_ptrs(ws_ptr, q + aux, 0, WG, BM, BN, layout), cache_modifier=".cg")
                             acc0 = acc0 + part
                             if BN > SUB:
-                                part = gl.load(_ws_ptrs(ws_ptr, q, SUB, WG, BM, BN, layout), cache_modifier=".cg")
+                                part = gl.load(_ws_ptrs(ws_ptr, q + aux, SUB, WG, BM, BN, layout),
+                                               cache_modifier=".cg")
                                 acc1 = acc1 + part
                         q += 1
-                        lo_q = _sk_lo(q, sk_base, sk_rem)
                 row0 = pid_m * BM + WG * HALF
                 _store_tile(acc0, c_ptr, ws_ptr, scale, bias_ptr, M, N, 0, row0, pid_n * BN, HAS_BIAS, False,
                             layout)
@@ -473,15 +503,15 @@ if AVAILABLE:
 
     @gluon.jit
     def _fp8_gemm_ws_kernel(a_desc, b_desc, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, split_k,
-                            dp_tiles, sk_base, sk_rem, flags_ptr,
+                            dp_tiles, sk_x, sk_base, sk_rem, flags_ptr,
                             HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
                             EPI_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                             num_warps: gl.constexpr, PIPE: gl.constexpr = False, SK: gl.constexpr = False):
         """EPI_BUFS > 0: TMA epilogue with EPI_BUFS shared-memory buffers per consumer and ``c_ptr`` C's tensor
         descriptor (block BM // 2 x min(BN, 128)); EPI_BUFS == 0: masked pointer stores. PIPE: ``_consumer_pipe``
         (BN = 128), else ``_consumer`` (BN 64, 128 or 256). SK: stream-K (``_consumer_sk``; ws_ptr: nprog x BM x
-        BN fp32 slots, flags_ptr: 2 nprog int32 zeros; dp_tiles / sk_base / sk_rem as in the comment above
-        ``_tile_coords``); else dp_tiles, sk_base, sk_rem and flags_ptr are unused."""
+        BN fp32 slots, flags_ptr: 2 nprog int32 zeros; dp_tiles / sk_x / sk_base / sk_rem as in the comment above
+        ``_sk_lo``); else dp_tiles, sk_x, sk_base, sk_rem and flags_ptr are unused."""
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -511,13 +541,13 @@ if AVAILABLE:
         if SK:
             gl.warp_specialize([
                 (_consumer_sk, (a_smem, b_smem, ready, empty, c_ptr, ws_ptr, flags_ptr, sa_ptr, sb_ptr, bias_ptr, M,
-                                N, pid, nprog, num_pid_m, num_pid_n, k_tiles, dp_tiles, sk_base, sk_rem, WG0, HAS_BIAS,
-                                STAGES, GROUP, PIPE)),
+                                N, pid, nprog, num_pid_m, num_pid_n, k_tiles, dp_tiles, sk_x, sk_base, sk_rem, WG0,
+                                HAS_BIAS, STAGES, GROUP, PIPE)),
                 (_consumer_sk, (a_smem, b_smem, ready, empty, c_ptr, ws_ptr, flags_ptr, sa_ptr, sb_ptr, bias_ptr, M,
-                                N, pid, nprog, num_pid_m, num_pid_n, k_tiles, dp_tiles, sk_base, sk_rem, WG1, HAS_BIAS,
-                                STAGES, GROUP, PIPE)),
+                                N, pid, nprog, num_pid_m, num_pid_n, k_tiles, dp_tiles, sk_x, sk_base, sk_rem, WG1,
+                                HAS_BIAS, STAGES, GROUP, PIPE)),
                 (_producer_sk, (a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n,
-                                k_tiles, dp_tiles, sk_base, sk_rem, STAGES, GROUP)),
+                                k_tiles, dp_tiles, sk_x, sk_base, sk_rem, STAGES, GROUP)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         elif PIPE:
             gl.warp_specialize([
@@ -569,7 +599,7 @@ def _epilogue(config, c, split_k: int) -> int:
 def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, config=CONFIGS[0]) -> None:
     """Runs the kernel: C (split_k == 1) or the (split_k, M, N) fp32 workspace ``ws`` (split_k > 1, unscaled,
     no bias) from a (M, K) and b (N, K); ``config`` is one of ``CONFIGS``. Stream-K configs (``_sched``) need
-    split_k == 1 and allocate their own workspace (one BM x BN fp32 slot per CTA) and zeroed flags per launch."""
+    split_k == 1 and allocate their own workspace (grid BM x BN fp32 slots) and zeroed flags per launch."""
     BM, BN, BK, stages = config[:4]
     M, K = a.shape
     N = b.shape[0]
@@ -582,14 +612,15 @@ def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, conf
     if sched:
         if split_k != 1:
             raise ValueError(f"fp8_gemm_ws: stream-K config {config} needs split_k == 1")
-        grid, dp_tiles, sk_base, sk_rem = _sk_params(tiles, cdiv(K, BK), num_sms, sched)
-        # one partial slot per CTA (a CTA writes at most one), one flag per (CTA, consumer), zeroed per launch
+        grid, dp_tiles, sk_x, sk_base, sk_rem = _sk_params(tiles, cdiv(K, BK), num_sms)
+        # grid partial slots (slot q + t of tail q's part of stream tile t), one flag per (slot, consumer), zeroed
+        # per launch
         ws_arg = torch.empty(grid * BM * BN if (sk_base or sk_rem) else 1, dtype=torch.float32, device=c.device)
         flags = torch.zeros(2 * grid, dtype=torch.int32, device=c.device)
         _fp8_gemm_ws_kernel[(grid,)](
             a_desc, b_desc, c, ws_arg, scale_a, scale_b, bias if bias is not None else scale_a, M, N, K, 1,
-            dp_tiles, sk_base, sk_rem, flags, HAS_BIAS=bias is not None, SPLIT=False, STAGES=stages, GROUP=GROUP_M,
-            EPI_BUFS=0, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG,
+            dp_tiles, sk_x, sk_base, sk_rem, flags, HAS_BIAS=bias is not None, SPLIT=False, STAGES=stages,
+            GROUP=GROUP_M, EPI_BUFS=0, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG,
             PIPE=_pipe(config), SK=True)
         return
     items = tiles * split_k
@@ -602,7 +633,7 @@ def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, conf
                                 gl.NVMMASharedLayout.get_default_for(block, _GL_OUT_DTYPE[c.dtype]))
     _fp8_gemm_ws_kernel[(min(items, num_sms),)](
         a_desc, b_desc, c_arg, ws if split else c, scale_a, scale_b, bias if bias is not None else scale_a, M, N, K,
-        split_k, 0, 0, 0, _dummy_i32(c.device), HAS_BIAS=bias is not None and not split, SPLIT=split, STAGES=stages,
+        split_k, 0, 0, 0, 0, _dummy_i32(c.device), HAS_BIAS=bias is not None and not split, SPLIT=split, STAGES=stages,
         GROUP=GROUP_M, EPI_BUFS=epi_bufs, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
         maxnreg=MAXNREG, PIPE=_pipe(config))
 
@@ -619,7 +650,7 @@ def _dummy_i32(device):
 
 
 def _sched(config) -> str:
-    """"sk" / "skdp" for stream-K configs, else ""."""
+    """"sk" for stream-K configs, else ""."""
     return config[6] if len(config) > 6 else ""
 
 
@@ -630,49 +661,45 @@ def _sched(config) -> str:
 TUNED_CONFIGS = [c for c in CONFIGS if not _sched(c)]
 
 
-def _sk_params(tiles: int, k_tiles: int, num_sms: int, sched: str):
-    """(grid, dp_tiles, sk_base, sk_rem) of a stream-K launch: grid = min(SMs, tiles x k_tiles) CTAs; "skdp" runs
-    the whole waves (tiles // grid x grid tiles) data-parallel first; the other tiles' K blocks are split into
-    grid ranges of sk_base blocks, the first sk_rem one block more."""
-    grid = max(1, min(num_sms, tiles * k_tiles))
-    dp_tiles = (tiles // grid) * grid if sched == "skdp" else 0
-    sk_base, sk_rem = divmod((tiles - dp_tiles) * k_tiles, grid)
-    return grid, dp_tiles, sk_base, sk_rem
+def _sk_params(tiles: int, k_tiles: int, num_sms: int):
+    """(grid, dp_tiles, x, sk_base, sk_rem) of a stream-K launch (the schedule in the comment above ``_sk_lo``):
+    grid = SMs; whole waves data-parallel; the T other tiles' heads run K blocks [0, x), x = ceil(T k_tiles / grid);
+    the T (k_tiles - x) tail blocks are cut into grid - T ranges of sk_base blocks, the first sk_rem one more."""
+    grid = max(1, num_sms)
+    dp_tiles = (tiles // grid) * grid
+    stream = tiles - dp_tiles
+    if stream == 0:
+        return grid, dp_tiles, k_tiles, 0, 0
+    x = min(k_tiles, cdiv(stream * k_tiles, grid))
+    sk_base, sk_rem = divmod(stream * (k_tiles - x), grid - stream)
+    return grid, dp_tiles, x, sk_base, sk_rem
 
 
-def sk_plan(tiles: int, k_tiles: int, num_sms: int, sched: str = "sk"):
+def sk_plan(tiles: int, k_tiles: int, num_sms: int):
     """Host model of the kernel's stream-K schedule (same arithmetic as ``_sk_items`` / ``_sk_item`` /
-    ``_consumer_sk``): per CTA, its work items as (tile, k0, k1, role, waits_on) with role "whole", "partial"
-    (stores its partial into its slot, raises its flag) or "finish" (adds the partials of the CTAs waits_on, in
-    that order, then stores)."""
-    grid, dp_tiles, base, rem = _sk_params(tiles, k_tiles, num_sms, sched)
+    ``_consumer_sk``): per CTA, its work items as (tile, k0, k1, role, detail) with role "whole", "partial" (detail:
+    the workspace slot it stores and flags) or "finish" (detail: the (tail CTA, slot) pairs whose partials it adds, in
+    that order, before it stores)."""
+    grid, dp_tiles, x, base, rem = _sk_params(tiles, k_tiles, num_sms)
+    stream = tiles - dp_tiles
+    n_tail = grid - stream
+    L = k_tiles - x
 
-    def lo_(p):
-        return p * base + min(p, rem)
+    def lo_(q):
+        return q * base + min(q, rem)
 
     plan = []
     for pid in range(grid):
-        lo, hi = lo_(pid), lo_(pid + 1)
-        n_dp = dp_tiles // grid
-        n_sk = ((hi - 1) // k_tiles - lo // k_tiles + 1) if hi > lo else 0
-        items = []
-        for i in range(n_dp + n_sk):
-            if i < n_dp:
-                items.append((pid + i * grid, 0, k_tiles, "whole", ()))
-                continue
-            t = lo // k_tiles + (i - n_dp)
-            ts = t * k_tiles
-            k0, k1 = max(lo, ts) - ts, min(hi, ts + k_tiles) - ts
-            if k0 > 0:
-                items.append((dp_tiles + t, k0, k1, "partial", ()))
-            elif k1 < k_tiles:
-                waits, q = [], pid + 1
-                while lo_(q) < ts + k_tiles:
-                    waits.append(q)
-                    q += 1
-                items.append((dp_tiles + t, k0, k1, "finish", tuple(waits)))
-            else:
-                items.append((dp_tiles + t, k0, k1, "whole", ()))
+        items = [(pid + i * grid, 0, k_tiles, "whole", ()) for i in range(dp_tiles // grid)]
+        if pid < n_tail:
+            lo, hi = lo_(pid), lo_(pid + 1)
+            for t in (range(lo // L, (hi - 1) // L + 1) if hi > lo else ()):
+                items.append((dp_tiles + t, x + max(lo, t * L) - t * L, x + min(hi, t * L + L) - t * L, "partial",
+                              pid + t))
+        elif stream:
+            h = pid - n_tail
+            waits = tuple((q, q + h) for q in range(n_tail) if lo_(q) < h * L + L and lo_(q + 1) > h * L)
+            items.append((dp_tiles + h, 0, x, "finish" if L else "whole", waits))
         plan.append(items)
     return plan
 
