@@ -12,7 +12,9 @@ Shapes: 8192^3 and the trainer's block GEMMs (trainer/config.py, llama arch) for
     wgrad (out, in, T)   E5M2 x E4M3 -> fp32, precise accumulation
 with T tokens: 124M (d 768, SwiGLU hidden 2048), T = 16 x 1024; 1.5B (d 2048, hidden 8192), T = 4 x 2048.
 _scaled_mm gets the same operands, layouts, output dtype and accumulation mode (use_fast_accum).
-Times are triton.testing.do_bench medians (L2 flushed before each run). Each shape is checked
+Times are triton.testing.do_bench medians (L2 flushed before each run); with ``--graph``, do_bench_cudagraph
+medians instead: device time with no host gaps between launches (L2 not flushed), for the small shapes whose kernels
+are shorter than a launch's Python host time. Each shape is checked
 against _scaled_mm before it is timed. ``--check`` first runs the kernel correctness checks (bit
 exactness of the quantizers, GEMM errors against an fp64 product, Fp8Linear against nn.Linear, and no
 host sync in Fp8Linear's forward + backward). The last lines are a summary table; with $OUT set the
@@ -301,9 +303,18 @@ def bench(dev, which: str, impls):
     return rows
 
 
-def bench_one(dev, label, M, N, K, kind, impls):
-    import triton
+GRAPH = False  # --graph: device time (CUDA graph replays) instead of eager launches
 
+
+def timed(fn) -> float:
+    """Median ms of ``fn``: eager do_bench, or do_bench_cudagraph with ``--graph``."""
+    import triton
+    if GRAPH:
+        return triton.testing.do_bench_cudagraph(fn, return_mode="median")
+    return triton.testing.do_bench(fn, return_mode="median")
+
+
+def bench_one(dev, label, M, N, K, kind, impls):
     from trainer.kernels import fp8_gemm
 
     def tflops(ms):
@@ -335,11 +346,9 @@ def bench_one(dev, label, M, N, K, kind, impls):
         if not (err < 3e-2):
             say(f"  {label} {kind} {impl}: rel diff vs _scaled_mm {err:.2e}: WRONG, not timed")
             continue
-        ms = triton.testing.do_bench(lambda: fp8_gemm(a, b, sa, sb, out_dtype=od, fast_accum=fast, impl=impl),
-                                     return_mode="median")
-        res[impl] = tflops(ms)
-    res["_scaled_mm"] = tflops(triton.testing.do_bench(scaled, return_mode="median"))
-    res["bf16"] = tflops(triton.testing.do_bench(lambda: a16 @ b16.t(), return_mode="median"))
+        res[impl] = tflops(timed(lambda: fp8_gemm(a, b, sa, sb, out_dtype=od, fast_accum=fast, impl=impl)))
+    res["_scaled_mm"] = tflops(timed(scaled))
+    res["bf16"] = tflops(timed(lambda: a16 @ b16.t()))
     ours = res.get(impls[0], float("nan"))
     say(f"  {label:10s} {kind:5s} {M:6d}x{N:6d}x{K:6d} " + " ".join(f"{k} {v:7.1f}" for k, v in res.items())
         + f"  ours/_scaled_mm {ours / res['_scaled_mm']:.3f}")
@@ -443,7 +452,10 @@ def main(argv=None):
                    help="Triton GEMM variants to time; the first is 'ours' in the ratio (auto = the default)")
     p.add_argument("--extras", action="store_true",
                    help="also time quantize_transpose, Fp8Linear fwd+bwd (eager, CUDA graph) and BK=256 precise GEMMs")
+    p.add_argument("--graph", action="store_true", help="time GEMMs as CUDA graph replays (device time)")
     args = p.parse_args(argv)
+    global GRAPH
+    GRAPH = args.graph
     if not torch.cuda.is_available():
         print("bench/gemm.py needs a CUDA GPU (the kernels are tested on the CPU by tests/trainer/test_kernels.py)")
         return 0
@@ -468,7 +480,7 @@ def main(argv=None):
         say(f"checks done in {time.time() - t0:.0f} s")
     rows = []
     if not args.no_bench:
-        say("TFLOP/s (do_bench medians):")
+        say("TFLOP/s (" + ("do_bench_cudagraph" if GRAPH else "do_bench") + " medians):")
         try:
             rows = bench(dev, args.shapes, [i for i in args.impls.split(",") if i])
         except Exception:

@@ -6,6 +6,7 @@
     python3 bench/gemm_ws.py speed --quick
     python3 bench/gemm_ws.py speed --short  # every shape, shorter timing (warmup 5 ms, rep 25 ms)
     python3 bench/gemm_ws.py speed --only 124m  # only the shapes whose label contains "124m"
+    python3 bench/gemm_ws.py host      # small shapes: eager vs CUDA-graph (device) time, host time per call
     python3 bench/gemm_ws.py warm [--workers 8]  # runs tests/trainer/test_gemm_ws.py's GPU cases per config in
                                                 # parallel processes (fills the Triton cache; logs pass / fail)
 
@@ -152,6 +153,51 @@ def speed_mode(nsm, quick, only=None):
     log("summary (ws best / _scaled_mm): " + ", ".join(f"{lab} {r:.2f} ({b})" for lab, r, b in summary))
 
 
+def host_mode(nsm):
+    """Per candidate on the small 124M shapes: do_bench (eager, L2 flushed), do_bench_cudagraph (device time, no
+    host gaps, L2 not flushed) and the host time per call (200 calls enqueued back to back)."""
+    import time
+    shapes = [("124m.proj wgrad", 768, 768, 16384, torch.float32), ("124m.qkv wgrad", 2304, 768, 16384, torch.float32),
+              ("124m.proj dgrad", 16384, 768, 768, torch.bfloat16),
+              ("124m.qkv dgrad", 16384, 768, 2304, torch.bfloat16),
+              ("1.5b.proj dgrad", 8192, 2048, 2048, torch.bfloat16)]
+    for label, M, N, K, od in shapes:
+        a, b = ops(M, N, K, E5, E4, 7)
+        sa, sb = torch.tensor(0.5, device=DEV), torch.tensor(2.0, device=DEV)
+        c = torch.empty(M, N, dtype=od, device=DEV)
+        fns = {"sm": lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=od, use_fast_accum=False)}
+        for cfg in W.CONFIGS:
+            fns[tag(cfg)] = (lambda cfg=cfg: W.launch(a, b, c, None, sa, sb, None, 1, nsm, cfg))
+        fl = 2 * M * N * K
+        parts = []
+        for name, fn in fns.items():
+            fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(200):
+                fn()
+            host_us = (time.perf_counter() - t0) / 200 * 1e6
+            torch.cuda.synchronize()
+            eager = triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
+            graph = triton.testing.do_bench_cudagraph(fn, rep=25, return_mode="median")
+            parts.append(f"{name} eager {fl / eager / 1e9:.0f} graph {fl / graph / 1e9:.0f} TFLOP/s "
+                         f"host {host_us:.0f} us")
+        log(f"host {label} M{M} N{N} K{K}: " + "; ".join(parts))
+        if "--profile" in sys.argv and label == "124m.proj dgrad":  # where a launch's host time goes
+            import cProfile
+            import io
+            import pstats
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(200):
+                fns[tag((128, 128, 128, 5, "tma"))]()
+            prof.disable()
+            torch.cuda.synchronize()
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
+            log(out.getvalue())
+
+
 def _warm_job(j):
     """Worker: every GPU test of tests/trainer/test_gemm_ws.py for config j (compiles land in the Triton cache)."""
     import importlib.util
@@ -203,6 +249,8 @@ def main():
     nsm = props.multi_processor_count
     if mode == "acc":
         acc_mode(nsm)
+    elif mode == "host":
+        host_mode(nsm)
     elif mode == "warm":
         workers = int(sys.argv[sys.argv.index("--workers") + 1]) if "--workers" in sys.argv else len(W.CONFIGS)
         warm_mode(workers)

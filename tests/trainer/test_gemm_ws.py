@@ -172,7 +172,7 @@ def test_sk_plan(plan):
     whole waves data-parallel; each CTA's stream work within one block of the ideal share (stream blocks / grid),
     and no more than a data-parallel tile; the stream tiles' heads all run the same K blocks [0, x); each tile
     split over CTAs is finished by its head, which waits only on tails (CTAs that never wait: no wait cycle), in
-    ascending K order, for partials in distinct workspace slots."""
+    ascending K order, for partials in distinct workspace slots, and consumes every partial (its flag is reset)."""
     tiles, kt, nsm = plan
     P = W.sk_plan(tiles, kt, nsm)
     grid, dp_tiles, x, _, _ = W._sk_params(tiles, kt, nsm)
@@ -197,6 +197,7 @@ def test_sk_plan(plan):
                 assert t >= dp_tiles and k0 >= x and detail not in slots and 0 <= detail < grid
                 slots.add(detail)
                 tails.add(pid)
+    consumed = set()
     for pid, items in enumerate(P):
         for j, (t, k0, k1, role, detail) in enumerate(items):
             if t >= dp_tiles:
@@ -209,8 +210,10 @@ def test_sk_plan(plan):
                     assert q in tails and len(part) == 1 and part[0][4] == slot and part[0][1] == covered
                     covered = part[0][2]
                 assert covered == kt
+                consumed.update(slot for _, slot in detail)
             if role == "whole":
                 assert (k0, k1) == (0, kt)
+    assert consumed == slots  # every raised flag is consumed (and reset) by a head
 
 
 SK_CONFIGS = [c for c in W.CONFIGS if W._sched(c)]
@@ -248,3 +251,5 @@ def test_sk_exact_and_deterministic(case, config):
     assert e <= 1.5 * cublas + (4e-3 if od == torch.bfloat16 else 1e-7), (e, cublas)
     assert torch.equal(outs[0].view(torch.int16 if od == torch.bfloat16 else torch.int32),
                        outs[1].view(torch.int16 if od == torch.bfloat16 else torch.int32)), "not deterministic"
+    flags = W._SK_BUFFERS[(a.device, torch.cuda.current_stream().cuda_stream)][1]
+    assert not bool(flags.any()), "every flag a tail raised is reset by its head, for the next launch"

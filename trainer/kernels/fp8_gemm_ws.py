@@ -482,6 +482,8 @@ if AVAILABLE:
                         f = gl.atomic_add(flags_ptr + 2 * (q + aux) + WG, 0, sem="acquire", scope="gpu")
                         while f == 0:
                             f = gl.atomic_add(flags_ptr + 2 * (q + aux) + WG, 0, sem="acquire", scope="gpu")
+                        # back to zero for the next launch (the flags buffer is reused: ``_sk_buffers``)
+                        gl.atomic_xchg(flags_ptr + 2 * (q + aux) + WG, 0, sem="relaxed", scope="gpu")
                         # into the temporary's registers (its value is dead here): no extra registers
                         if PIPE:
                             t1 = gl.load(_ws_ptrs(ws_ptr, q + aux, 0, WG, BM, BN, layout), cache_modifier=".cg")
@@ -577,7 +579,42 @@ if AVAILABLE:
 
 
 def _smem_limit(device) -> int:
-    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 232448)
+    return _smem_limit_of(device.index or 0)
+
+
+# Host time matters: a launch of this kernel cost 57-169 us of Python (Triton's launcher, descriptors, layouts)
+# against ~20 us for _scaled_mm (bench/gemm_ws.py host, H200), which on small GEMMs exceeds the kernel itself.
+# What does not depend on the tensors' addresses is computed once.
+@functools.lru_cache(maxsize=None)
+def _smem_limit_of(index: int) -> int:
+    return getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", 232448)
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_layout(block: tuple, dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPE.get(dtype) or _GL_OUT_DTYPE[dtype])
+
+
+def _descriptor(t: torch.Tensor, block: tuple):
+    """TMA descriptor of a row-major 2-D ``t`` with block ``block``."""
+    rows, cols = t.shape
+    return GluonDescriptor(t, [rows, cols], [cols, 1], list(block), _smem_layout(block, t.dtype))
+
+
+_SK_BUFFERS: dict = {}
+
+
+def _sk_buffers(device, grid: int, slot_elems: int):
+    """Stream-K workspace (grid slots of slot_elems fp32) and flags (2 grid int32, zero between launches: the heads
+    reset each flag they consume), kept per device and stream (launches on one stream run in order; two streams
+    must not share them) and grown on demand."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    ws, flags = _SK_BUFFERS.get(key, (None, None))
+    if ws is None or ws.numel() < grid * slot_elems or flags.numel() < 2 * grid:
+        ws = torch.empty(grid * slot_elems, dtype=torch.float32, device=device)
+        flags = torch.zeros(2 * grid, dtype=torch.int32, device=device)
+        _SK_BUFFERS[key] = (ws, flags)
+    return ws, flags
 
 
 def _epilogue(config, c, split_k: int) -> int:
@@ -599,38 +636,32 @@ def _epilogue(config, c, split_k: int) -> int:
 def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, config=CONFIGS[0]) -> None:
     """Runs the kernel: C (split_k == 1) or the (split_k, M, N) fp32 workspace ``ws`` (split_k > 1, unscaled,
     no bias) from a (M, K) and b (N, K); ``config`` is one of ``CONFIGS``. Stream-K configs (``_sched``) need
-    split_k == 1 and allocate their own workspace (grid BM x BN fp32 slots) and zeroed flags per launch."""
+    split_k == 1 and use a workspace (grid BM x BN fp32 slots) and flags kept per device and stream."""
     BM, BN, BK, stages = config[:4]
     M, K = a.shape
     N = b.shape[0]
-    a_desc = GluonDescriptor(a, [M, K], [K, 1], [BM, BK], gl.NVMMASharedLayout.get_default_for([BM, BK],
-                                                                                              _GL_DTYPE[a.dtype]))
-    b_desc = GluonDescriptor(b, [N, K], [K, 1], [BN, BK], gl.NVMMASharedLayout.get_default_for([BN, BK],
-                                                                                              _GL_DTYPE[b.dtype]))
+    a_desc = _descriptor(a, (BM, BK))
+    b_desc = _descriptor(b, (BN, BK))
     tiles = cdiv(M, BM) * cdiv(N, BN)
     sched = _sched(config)
     if sched:
         if split_k != 1:
             raise ValueError(f"fp8_gemm_ws: stream-K config {config} needs split_k == 1")
         grid, dp_tiles, sk_x, sk_base, sk_rem = _sk_params(tiles, cdiv(K, BK), num_sms)
-        # grid partial slots (slot q + t of tail q's part of stream tile t), one flag per (slot, consumer), zeroed
-        # per launch
-        ws_arg = torch.empty(grid * BM * BN if (sk_base or sk_rem) else 1, dtype=torch.float32, device=c.device)
-        flags = torch.zeros(2 * grid, dtype=torch.int32, device=c.device)
+        # grid partial slots (slot q + t of tail q's part of stream tile t), one flag per (slot, consumer)
+        ws_arg, flags = _sk_buffers(c.device, grid, BM * BN)
         _fp8_gemm_ws_kernel[(grid,)](
             a_desc, b_desc, c, ws_arg, scale_a, scale_b, bias if bias is not None else scale_a, M, N, K, 1,
             dp_tiles, sk_x, sk_base, sk_rem, flags, HAS_BIAS=bias is not None, SPLIT=False, STAGES=stages,
-            GROUP=GROUP_M, EPI_BUFS=0, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG,
-            PIPE=_pipe(config), SK=True)
+            GROUP=GROUP_M, EPI_BUFS=0, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
+            maxnreg=MAXNREG, PIPE=_pipe(config), SK=True)
         return
     items = tiles * split_k
     split = split_k > 1
     epi_bufs = _epilogue(config, c, split_k)
     c_arg = c
     if epi_bufs:
-        block = [BM // 2, min(BN, 128)]
-        c_arg = GluonDescriptor(c, [M, N], [N, 1], block,
-                                gl.NVMMASharedLayout.get_default_for(block, _GL_OUT_DTYPE[c.dtype]))
+        c_arg = _descriptor(c, (BM // 2, min(BN, 128)))
     _fp8_gemm_ws_kernel[(min(items, num_sms),)](
         a_desc, b_desc, c_arg, ws if split else c, scale_a, scale_b, bias if bias is not None else scale_a, M, N, K,
         split_k, 0, 0, 0, 0, _dummy_i32(c.device), HAS_BIAS=bias is not None and not split, SPLIT=split, STAGES=stages,
