@@ -30,7 +30,7 @@ from trainer.kernels.fp8_gemm import _splitk_reduce_kernel, _stats_args, fp8_gem
 from trainer.kernels.timing import interleaved_medians  # noqa: E402
 
 if os.environ.get("FP8MON_WS_SKIP_SK") == "1":  # stream-K configs left out (e.g. after a failed smoke test)
-    W.CONFIGS[:] = W.TUNED_CONFIGS
+    W.CONFIGS[:] = [c for c in W.CONFIGS if not W._sched(c)]
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 DEV = "cuda"
@@ -223,7 +223,7 @@ def _warm_job(j):
         except Exception as e:  # noqa: BLE001 - reported
             res = f"FAIL {type(e).__name__}: {str(e)[:300]}" + ("" if isinstance(e, AssertionError)
                                                                 else " " + traceback.format_exc()[-600:])
-        name = (case if case == "promote" else f"sk{case[1:4]}g{case[4]}" if case[0] == "sk"
+        name = (case if case == "promote" else f"sk{case[1:4]}g{case[4]}t{case[7]}" if case[0] == "sk"
                 else case[:3] + case[-1:])
         out.append(f"warm {tag(cfg)} {name}: {res} ({time.time() - t0:.1f} s)")
     return out

@@ -159,9 +159,12 @@ def test_ws_run_tunes_and_reuses():
     assert len([k for k in W._BEST if k[0] == (512, 1024)]) == 1
 
 
-SK_PLANS = [  # tiles, k_tiles, grid (num_sms)
-    (5, 3, 2), (5, 33, 12), (5, 3, 7), (1, 1, 132), (3, 2, 132), (108, 128, 132), (192, 128, 132), (36, 128, 132),
-    (96, 128, 132), (2048, 16, 132), (264, 7, 132), (7, 5, 3), (131, 1, 132), (10, 2, 7),
+SK_PLANS = [  # tiles, k_tiles, grid (num_sms), tails (None: _sk_params' choice)
+    (5, 3, 2, None), (5, 33, 12, None), (5, 3, 7, None), (1, 1, 132, None), (3, 2, 132, None), (108, 128, 132, None),
+    (192, 128, 132, None), (36, 128, 132, None), (96, 128, 132, None), (2048, 16, 132, None), (264, 7, 132, None),
+    (7, 5, 3, None), (131, 1, 132, None), (10, 2, 7, None),
+    # forced tail counts: tails' ranges cross tile boundaries, heads wait on several tails, some tails get nothing
+    (5, 33, 12, 7), (36, 128, 132, 96), (108, 128, 132, 24), (10, 33, 7, 2), (3, 2, 132, 129), (5, 3, 7, 1),
 ]
 
 
@@ -169,14 +172,18 @@ SK_PLANS = [  # tiles, k_tiles, grid (num_sms)
 @pytest.mark.parametrize("plan", SK_PLANS, ids=lambda p: "-".join(map(str, p)))
 def test_sk_plan(plan):
     """The stream-K schedule (host model of the kernel's arithmetic): every K block of every tile exactly once;
-    whole waves data-parallel; each CTA's stream work within one block of the ideal share (stream blocks / grid),
-    and no more than a data-parallel tile; the stream tiles' heads all run the same K blocks [0, x); each tile
-    split over CTAs is finished by its head, which waits only on tails (CTAs that never wait: no wait cycle), in
-    ascending K order, for partials in distinct workspace slots, and consumes every partial (its flag is reset)."""
-    tiles, kt, nsm = plan
-    P = W.sk_plan(tiles, kt, nsm)
-    grid, dp_tiles, x, _, _ = W._sk_params(tiles, kt, nsm)
-    assert len(P) == grid == nsm and dp_tiles == (tiles // nsm) * nsm
+    whole waves data-parallel; the other tiles split in two (one tail per head) where twice their number fits the
+    SMs, so no CTA runs more than half a tile's K blocks of them; the stream tiles' heads all run the same K blocks
+    [0, x); each tile split over CTAs is finished by its head, which waits only on tails (CTAs that never wait: no
+    wait cycle), in ascending K order, for partials in distinct workspace slots, and consumes every partial (its
+    flag is reset). Forced tail counts (tests of the kernel's general ranges) keep the same invariants."""
+    tiles, kt, nsm, forced = plan
+    P = W.sk_plan(tiles, kt, nsm, forced)
+    grid, dp_tiles, x, tails_n, _, _ = W._sk_params(tiles, kt, nsm, forced)
+    stream = tiles - dp_tiles
+    assert dp_tiles == (tiles // nsm) * nsm and len(P) == grid == (nsm if dp_tiles else stream + tails_n) <= nsm
+    if forced is None:
+        assert tails_n == (stream if 2 * stream <= nsm else 0)  # one tail per head where the SMs allow it
     seen = {}
     for pid, items in enumerate(P):
         for (t, k0, k1, role, detail) in items:
@@ -185,11 +192,13 @@ def test_sk_plan(plan):
                 assert (t, k) not in seen
                 seen[(t, k)] = pid
     assert len(seen) == tiles * kt
-    share = (tiles - dp_tiles) * kt / grid
     for pid, items in enumerate(P):
         assert [t for (t, *_) in items if t < dp_tiles] == list(range(pid, dp_tiles, grid))
         work = sum(k1 - k0 for (t, k0, k1, r, d) in items if t >= dp_tiles)
-        assert work <= min(share + 1, kt), (work, share)
+        if forced is None:
+            assert work <= (-(-kt // 2) if tails_n else kt), work  # a split tile's K blocks halve
+        else:  # heads: x blocks; tails: an equal share of the rest
+            assert work <= max(x, -(-stream * (kt - x) // max(tails_n, 1))), work
     slots, tails = set(), set()
     for pid, items in enumerate(P):
         for (t, k0, k1, role, detail) in items:
@@ -217,23 +226,26 @@ def test_sk_plan(plan):
 
 
 SK_CONFIGS = [c for c in W.CONFIGS if W._sched(c)]
-SK_CASES = [  # M, N, K, num_sms (None: all), out dtype, bias
-    (640, 128, 384, 2, torch.float32, False),  # 5 tiles x 3 K blocks on 2 CTAs: 2 DP waves, 1 head, 1 tail
-    (640, 128, 4112, 12, torch.bfloat16, True),  # 5 tiles x 33 K blocks on 12 CTAs: 5 heads, 7 tails over 5 tiles
-    (640, 200, 4112, 7, torch.float32, False),  # 10 tiles (edge columns), 7 CTAs: a DP wave, 3 heads, 4 tails
-    (2304, 768, 4096, None, torch.float32, False),  # 124M qkv wgrad at reduced K
-    (4096, 768, 2048, None, torch.float32, False),  # 124M fc1 wgrad at reduced K
-    (768, 768, 4096, None, torch.float32, False),  # 124M proj wgrad at reduced K: 36 heads, 96 tails
-    (1000, 520, 272, None, torch.bfloat16, True),  # 3 K blocks (last one partial) over 40 tiles
+SK_CASES = [  # M, N, K, num_sms (None: all), out dtype, bias, tails (None: _sk_params' choice)
+    (640, 128, 384, 2, torch.float32, False, None),  # 5 tiles x 3 K blocks on 2 CTAs: 2 DP waves, 1 head, 1 tail
+    (640, 128, 4112, 12, torch.bfloat16, True, None),  # 5 tiles x 33 K blocks on 12 CTAs: 5 heads, 5 tails
+    (640, 128, 4112, 12, torch.bfloat16, True, 7),  # the same with 7 tails: ranges across tiles, 2 waits per head
+    (640, 200, 4112, 7, torch.float32, False, None),  # 10 tiles (edge columns), 7 CTAs: a DP wave, 3 heads, 3 tails
+    (2304, 768, 4096, None, torch.float32, False, None),  # 124M qkv wgrad at reduced K: 108 tiles, not split
+    (2304, 768, 4096, None, torch.float32, False, 24),  # ... split over 24 tails (4-5 tiles each)
+    (4096, 768, 2048, None, torch.float32, False, None),  # 124M fc1 wgrad at reduced K: DP wave, 60 heads, 60 tails
+    (768, 768, 4096, None, torch.float32, False, None),  # 124M proj wgrad at reduced K: 36 heads, 36 tails
+    (768, 768, 4096, None, torch.float32, False, 96),  # ... 96 tails: up to 4 partials per head
+    (1000, 520, 272, None, torch.bfloat16, True, None),  # 3 K blocks (last one partial) over 40 tiles
 ]
 
 
 @needs_sm90
 @pytest.mark.parametrize("config", SK_CONFIGS, ids=lambda c: "x".join(map(str, c)))
-@pytest.mark.parametrize("case", SK_CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}-g{c[3]}")
+@pytest.mark.parametrize("case", SK_CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}-g{c[3]}-t{c[6]}")
 def test_sk_exact_and_deterministic(case, config):
     """Stream-K against fp64 (same tolerance as test_ws_vs_fp64), and two launches bitwise identical."""
-    M, N, K, nsm, od, has_bias = case
+    M, N, K, nsm, od, has_bias, tails = case
     a, b = _operands(M, N, K, E5, E4, seed=M + N + K + 1)
     sa, sb = torch.tensor(0.37, device="cuda"), torch.tensor(1.9, device="cuda")
     bias = torch.randn(N, device="cuda").to(torch.bfloat16) if has_bias else None
@@ -242,7 +254,7 @@ def test_sk_exact_and_deterministic(case, config):
     outs = []
     for _ in range(2):
         c = torch.full((M, N), float("nan"), dtype=od, device="cuda")
-        W.launch(a, b, c, None, sa, sb, bias, 1, nsm or _num_sms(), config)
+        W.launch(a, b, c, None, sa, sb, bias, 1, nsm or _num_sms(), config, sk_tails=tails)
         outs.append(c)
     torch.cuda.synchronize()
     want = exact * (0.37 * 1.9) + (0 if bias is None else bias.double())

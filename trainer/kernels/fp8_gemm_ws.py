@@ -38,6 +38,7 @@ Variants, all run on an H200 (Triton 3.6; every GPU test case of every config pa
     tiles split in K at the same block for all of them (heads run the first part in step, so their loads share
     L2), the rest of their K blocks spread over the remaining CTAs (tails); partials fixed up through fp32
     workspace slots and release / acquire flags, in a fixed order (deterministic). See the comment above ``_sk_lo``.
+    Tuned like the other configs (``TUNED_CONFIGS``).
 Speed against ``_scaled_mm(use_fast_accum=False)``, best config per shape: 0.96-1.05x on 11 of the 13 backward
 shapes of the 124M and 1.5B models, 0.87-0.92x on the two 124M wgrads (bench/gemm_ws.py speed, bench/RESULTS.md).
 Not expressible in Gluon 3.6: TMA multicast across a 2-CTA cluster (``async_copy_global_to_shared`` has no
@@ -337,10 +338,11 @@ if AVAILABLE:
             tma.store_wait(0)  # the buffers must outlive the stores reading them
 
     # ---------------------------------------------------------------------------------------------------------
-    # Stream-K, K-aligned ("sk" configs), for outputs whose tiles do not fill whole waves of the grid (G = SMs).
+    # Stream-K, K-aligned ("sk" configs), for outputs whose tiles do not fill whole waves of G = SMs CTAs.
     # The first dp_tiles tiles (whole waves: tiles // G x G) run data-parallel: CTA pid takes tiles pid, pid + G, ...
-    # The T = tiles - dp_tiles others ("stream tiles") are split in K at block x = ceil(T k_tiles / G):
-    #   * head CTAs (pid >= Q = G - T; head h = pid - Q) run K blocks [0, x) of stream tile h, all T in step over
+    # The T = tiles - dp_tiles others ("stream tiles") are split in K at block x, shared by Q = sk_tails tail CTAs
+    # (``_sk_params`` picks x and Q: today Q = T and x = ceil(k_tiles / 2) where 2 T <= G, else Q = 0, no split):
+    #   * head CTAs (pid in [Q, Q + T); head h = pid - Q) run K blocks [0, x) of stream tile h, all T in step over
     #     the same K blocks (so, like data-parallel tiles, they share their A / B loads in L2);
     #   * tail CTAs (pid < Q) share the blocks [x, k_tiles) of all stream tiles, L = k_tiles - x per tile, in
     #     tile-major order, cut into Q contiguous ranges of sk_base or sk_base + 1 blocks (the first sk_rem CTAs one
@@ -348,10 +350,9 @@ if AVAILABLE:
     #     (one slot per (q, t): ranges are contiguous and ascending, so q + t never repeats) and raises flags
     #     [2 (q + t) + WG];
     #   * the head of tile t, after its own blocks, waits for and adds the partials of the tails that meet t in
-    #     ascending K order (a fixed order: deterministic), then stores the tile.
-    # Each CTA's work is ~ T k_tiles / G blocks (+ its DP tiles), against k_tiles for a data-parallel tile. Only heads
-    # wait, and only on tails, which never wait and have the lower pids (launched first): no wait cycle, and with
-    # grid <= SMs (one CTA per SM, all co-resident) no deadlock. (An earlier stream-K cut all stream blocks into
+    #     ascending K order (a fixed order: deterministic), resets their flags, then stores the tile.
+    # Only heads wait, and only on tails, which never wait and have the lower pids (launched first): no wait cycle,
+    # and with grid <= SMs (one CTA per SM, all co-resident) no deadlock. (A first stream-K cut all stream blocks into
     # equal contiguous ranges: each CTA then read its own K position, the A / B working set was the whole of K, and
     # it ran at 0.74-0.96x data-parallel even where that idles SMs.) ``sk_plan`` is the host model (tests).
     @gluon.jit
@@ -370,26 +371,25 @@ if AVAILABLE:
         return q
 
     @gluon.jit
-    def _sk_items(pid, nprog, num_tiles, k_tiles, dp_tiles, sk_x, sk_base, sk_rem):
+    def _sk_items(pid, nprog, num_tiles, k_tiles, dp_tiles, sk_x, sk_tails, sk_base, sk_rem):
         """(DP items, work items) of CTA pid: its DP tiles, then its head item or the stream tiles its tail range
         meets."""
         n_dp = dp_tiles // nprog
-        n_tail = nprog - (num_tiles - dp_tiles)
         L = gl.maximum(k_tiles - sk_x, 1)
         lo = _sk_lo(pid, sk_base, sk_rem)
         hi = _sk_lo(pid + 1, sk_base, sk_rem)
-        if pid < n_tail:
+        if pid < sk_tails:
             n_sk = ((hi - 1) // L - lo // L + 1) * (hi > lo).to(gl.int32)
         else:
-            n_sk = (num_tiles > dp_tiles).to(gl.int32)
+            n_sk = (pid - sk_tails < num_tiles - dp_tiles).to(gl.int32)
         return n_dp, n_dp + n_sk
 
     @gluon.jit
-    def _sk_item(i, pid, nprog, n_dp, num_tiles, k_tiles, dp_tiles, sk_x, sk_base, sk_rem, num_pid_m, num_pid_n,
-                 GROUP: gl.constexpr):
+    def _sk_item(i, pid, nprog, n_dp, num_tiles, k_tiles, dp_tiles, sk_x, sk_tails, sk_base, sk_rem, num_pid_m,
+                 num_pid_n, GROUP: gl.constexpr):
         """Work item i of CTA pid -> (tile row, tile column, K blocks [k0, k1) of the tile, aux): aux is the
         workspace slot of a tail's partial (k0 > 0), the stream-tile index h of a head (k0 == 0, k1 < k_tiles)."""
-        n_tail = nprog - (num_tiles - dp_tiles)
+        n_tail = sk_tails
         L = gl.maximum(k_tiles - sk_x, 1)
         dp = (i < n_dp).to(gl.int32)  # branch-free: one role of three is 1
         tail = (1 - dp) * (pid < n_tail).to(gl.int32)
@@ -407,13 +407,13 @@ if AVAILABLE:
 
     @gluon.jit
     def _producer_sk(a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n, k_tiles,
-                     dp_tiles, sk_x, sk_base, sk_rem, STAGES: gl.constexpr, GROUP: gl.constexpr):
+                     dp_tiles, sk_x, sk_tails, sk_base, sk_rem, STAGES: gl.constexpr, GROUP: gl.constexpr):
         num_tiles = num_pid_m * num_pid_n
-        n_dp, n_items = _sk_items(pid, nprog, num_tiles, k_tiles, dp_tiles, sk_x, sk_base, sk_rem)
+        n_dp, n_items = _sk_items(pid, nprog, num_tiles, k_tiles, dp_tiles, sk_x, sk_tails, sk_base, sk_rem)
         c = 0
         for i in range(n_items):
-            pid_m, pid_n, k0, k1, aux = _sk_item(i, pid, nprog, n_dp, num_tiles, k_tiles, dp_tiles, sk_x, sk_base,
-                                                 sk_rem, num_pid_m, num_pid_n, GROUP)
+            pid_m, pid_n, k0, k1, aux = _sk_item(i, pid, nprog, n_dp, num_tiles, k_tiles, dp_tiles, sk_x, sk_tails,
+                                                 sk_base, sk_rem, num_pid_m, num_pid_n, GROUP)
             for kb in range(k0, k1):
                 _load_block(a_desc, b_desc, a_smem, b_smem, ready, empty, c, pid_m, pid_n, kb, STAGES)
                 c += 1
@@ -431,7 +431,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer_sk(a_smem, b_smem, ready, empty, c_ptr, ws_ptr, flags_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid,
-                     nprog, num_pid_m, num_pid_n, k_tiles, dp_tiles, sk_x, sk_base, sk_rem, WG: gl.constexpr,
+                     nprog, num_pid_m, num_pid_n, k_tiles, dp_tiles, sk_x, sk_tails, sk_base, sk_rem, WG: gl.constexpr,
                      HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, PIPE: gl.constexpr):
         """Stream-K consumer warpgroup WG (rows [64 WG, 64 WG + 64) of each tile): the K loop of ``_consumer``
         (PIPE False; BN 128 or 256) or ``_consumer_pipe`` (PIPE; BN 128) over each work item's K blocks, then
@@ -455,13 +455,13 @@ if AVAILABLE:
         else:
             part = gl.zeros((HALF, SUB), gl.float32, layout)
         num_tiles = num_pid_m * num_pid_n
-        n_tail = nprog - (num_tiles - dp_tiles)
+        n_tail = sk_tails
         L = k_tiles - sk_x
-        n_dp, n_items = _sk_items(pid, nprog, num_tiles, k_tiles, dp_tiles, sk_x, sk_base, sk_rem)
+        n_dp, n_items = _sk_items(pid, nprog, num_tiles, k_tiles, dp_tiles, sk_x, sk_tails, sk_base, sk_rem)
         c = 0
         for i in range(n_items):
-            pid_m, pid_n, k0, k1, aux = _sk_item(i, pid, nprog, n_dp, num_tiles, k_tiles, dp_tiles, sk_x, sk_base,
-                                                 sk_rem, num_pid_m, num_pid_n, GROUP)
+            pid_m, pid_n, k0, k1, aux = _sk_item(i, pid, nprog, n_dp, num_tiles, k_tiles, dp_tiles, sk_x, sk_tails,
+                                                 sk_base, sk_rem, num_pid_m, num_pid_n, GROUP)
             acc0 = gl.zeros((HALF, SUB), gl.float32, layout)
             if PIPE:
                 acc0, t0, t1, c = _kloop_pipe(a_smem, b_smem, ready, empty, acc0, t0, t1, c, k1 - k0, WG, STAGES)
@@ -505,7 +505,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _fp8_gemm_ws_kernel(a_desc, b_desc, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, split_k,
-                            dp_tiles, sk_x, sk_base, sk_rem, flags_ptr,
+                            dp_tiles, sk_x, sk_tails, sk_base, sk_rem, flags_ptr,
                             HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
                             EPI_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                             num_warps: gl.constexpr, PIPE: gl.constexpr = False, SK: gl.constexpr = False):
@@ -513,7 +513,7 @@ if AVAILABLE:
         descriptor (block BM // 2 x min(BN, 128)); EPI_BUFS == 0: masked pointer stores. PIPE: ``_consumer_pipe``
         (BN = 128), else ``_consumer`` (BN 64, 128 or 256). SK: stream-K (``_consumer_sk``; ws_ptr: nprog x BM x
         BN fp32 slots, flags_ptr: 2 nprog int32 zeros; dp_tiles / sk_x / sk_base / sk_rem as in the comment above
-        ``_sk_lo``); else dp_tiles, sk_x, sk_base, sk_rem and flags_ptr are unused."""
+        ``_sk_lo``); else dp_tiles, sk_x, sk_tails, sk_base, sk_rem and flags_ptr are unused."""
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -543,13 +543,13 @@ if AVAILABLE:
         if SK:
             gl.warp_specialize([
                 (_consumer_sk, (a_smem, b_smem, ready, empty, c_ptr, ws_ptr, flags_ptr, sa_ptr, sb_ptr, bias_ptr, M,
-                                N, pid, nprog, num_pid_m, num_pid_n, k_tiles, dp_tiles, sk_x, sk_base, sk_rem, WG0,
-                                HAS_BIAS, STAGES, GROUP, PIPE)),
+                                N, pid, nprog, num_pid_m, num_pid_n, k_tiles, dp_tiles, sk_x, sk_tails, sk_base,
+                                sk_rem, WG0, HAS_BIAS, STAGES, GROUP, PIPE)),
                 (_consumer_sk, (a_smem, b_smem, ready, empty, c_ptr, ws_ptr, flags_ptr, sa_ptr, sb_ptr, bias_ptr, M,
-                                N, pid, nprog, num_pid_m, num_pid_n, k_tiles, dp_tiles, sk_x, sk_base, sk_rem, WG1,
-                                HAS_BIAS, STAGES, GROUP, PIPE)),
+                                N, pid, nprog, num_pid_m, num_pid_n, k_tiles, dp_tiles, sk_x, sk_tails, sk_base,
+                                sk_rem, WG1, HAS_BIAS, STAGES, GROUP, PIPE)),
                 (_producer_sk, (a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n,
-                                k_tiles, dp_tiles, sk_x, sk_base, sk_rem, STAGES, GROUP)),
+                                k_tiles, dp_tiles, sk_x, sk_tails, sk_base, sk_rem, STAGES, GROUP)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         elif PIPE:
             gl.warp_specialize([
@@ -633,10 +633,12 @@ def _epilogue(config, c, split_k: int) -> int:
     return 0
 
 
-def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, config=CONFIGS[0]) -> None:
+def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, config=CONFIGS[0],
+           sk_tails: int | None = None) -> None:
     """Runs the kernel: C (split_k == 1) or the (split_k, M, N) fp32 workspace ``ws`` (split_k > 1, unscaled,
     no bias) from a (M, K) and b (N, K); ``config`` is one of ``CONFIGS``. Stream-K configs (``_sched``) need
-    split_k == 1 and use a workspace (grid BM x BN fp32 slots) and flags kept per device and stream."""
+    split_k == 1 and use a workspace (grid BM x BN fp32 slots) and flags kept per device and stream; ``sk_tails``
+    overrides their tail count (``_sk_params``)."""
     BM, BN, BK, stages = config[:4]
     M, K = a.shape
     N = b.shape[0]
@@ -647,12 +649,12 @@ def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, conf
     if sched:
         if split_k != 1:
             raise ValueError(f"fp8_gemm_ws: stream-K config {config} needs split_k == 1")
-        grid, dp_tiles, sk_x, sk_base, sk_rem = _sk_params(tiles, cdiv(K, BK), num_sms)
+        grid, dp_tiles, sk_x, sk_tails, sk_base, sk_rem = _sk_params(tiles, cdiv(K, BK), num_sms, sk_tails)
         # grid partial slots (slot q + t of tail q's part of stream tile t), one flag per (slot, consumer)
         ws_arg, flags = _sk_buffers(c.device, grid, BM * BN)
         _fp8_gemm_ws_kernel[(grid,)](
             a_desc, b_desc, c, ws_arg, scale_a, scale_b, bias if bias is not None else scale_a, M, N, K, 1,
-            dp_tiles, sk_x, sk_base, sk_rem, flags, HAS_BIAS=bias is not None, SPLIT=False, STAGES=stages,
+            dp_tiles, sk_x, sk_tails, sk_base, sk_rem, flags, HAS_BIAS=bias is not None, SPLIT=False, STAGES=stages,
             GROUP=GROUP_M, EPI_BUFS=0, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
             maxnreg=MAXNREG, PIPE=_pipe(config), SK=True)
         return
@@ -664,9 +666,9 @@ def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, conf
         c_arg = _descriptor(c, (BM // 2, min(BN, 128)))
     _fp8_gemm_ws_kernel[(min(items, num_sms),)](
         a_desc, b_desc, c_arg, ws if split else c, scale_a, scale_b, bias if bias is not None else scale_a, M, N, K,
-        split_k, 0, 0, 0, 0, _dummy_i32(c.device), HAS_BIAS=bias is not None and not split, SPLIT=split, STAGES=stages,
-        GROUP=GROUP_M, EPI_BUFS=epi_bufs, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
-        maxnreg=MAXNREG, PIPE=_pipe(config))
+        split_k, 0, 0, 0, 0, 0, _dummy_i32(c.device), HAS_BIAS=bias is not None and not split, SPLIT=split,
+        STAGES=stages, GROUP=GROUP_M, EPI_BUFS=epi_bufs, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=4, maxnreg=MAXNREG, PIPE=_pipe(config))
 
 
 _DUMMY: dict = {}
@@ -685,35 +687,44 @@ def _sched(config) -> str:
     return config[6] if len(config) > 6 else ""
 
 
-# The configs ``run`` times on a shape's first call: not the stream-K ones. On an H200 they were correct (every GPU
-# test case) but 0.74-0.96x the best other config on the 13 backward shapes of bench/gemm_ws.py
-# (speed --short, 2026-11-21), and a stream-K launch waits on other CTAs of the grid, which
-# needs them all resident: not worth that risk in the default set. Tests and the bench still cover them.
-TUNED_CONFIGS = [c for c in CONFIGS if not _sched(c)]
+# The configs ``run`` times on a shape's first call: all of them. The stream-K ones split tiles only where that
+# fits the SMs (``_sk_params``), else they run data-parallel like the others. Their heads wait on tails of the same
+# grid (grid <= SMs); a kernel running beside them on another stream only delays the tails until it ends; a
+# partition of the GPU smaller than the grid (MPS SM limits, green contexts) would never run them: not supported.
+TUNED_CONFIGS = list(CONFIGS)
 
 
-def _sk_params(tiles: int, k_tiles: int, num_sms: int):
-    """(grid, dp_tiles, x, sk_base, sk_rem) of a stream-K launch (the schedule in the comment above ``_sk_lo``):
-    grid = SMs; whole waves data-parallel; the T other tiles' heads run K blocks [0, x), x = ceil(T k_tiles / grid);
-    the T (k_tiles - x) tail blocks are cut into grid - T ranges of sk_base blocks, the first sk_rem one more."""
+def _sk_params(tiles: int, k_tiles: int, num_sms: int, tails: int | None = None):
+    """(grid, dp_tiles, x, tails, sk_base, sk_rem) of a stream-K launch (the schedule in the comment above
+    ``_sk_lo``): whole waves of num_sms tiles data-parallel; the T other tiles split in two where that fits the SMs
+    (2 T <= num_sms): T heads run K blocks [0, x), x = ceil(k_tiles / 2), and T tails one tile's [x, k_tiles) each
+    (sk_base = k_tiles - x, sk_rem = 0); else (T > num_sms / 2) the T tiles run whole, with no tails. One tail per
+    head: on the H200, more tails per head (grids of 84 and 132 CTAs for 36 tiles, or 120 and 132 for 108) were
+    slower than one (72) or none (108): each partial handed over costs more than the K blocks it takes off the head
+    (bench/RESULTS.md, 2026-11-21). ``tails`` overrides that choice (at most num_sms - T; tests, benches): with
+    fewer or more tails than heads the tails' ranges cross tile boundaries."""
     grid = max(1, num_sms)
     dp_tiles = (tiles // grid) * grid
     stream = tiles - dp_tiles
-    if stream == 0:
-        return grid, dp_tiles, k_tiles, 0, 0
-    x = min(k_tiles, cdiv(stream * k_tiles, grid))
-    sk_base, sk_rem = divmod(stream * (k_tiles - x), grid - stream)
-    return grid, dp_tiles, x, sk_base, sk_rem
+    if tails is None:
+        tails = stream if 2 * stream <= grid else 0
+    tails = max(0, min(tails, grid - stream))
+    if dp_tiles == 0:
+        grid = max(1, stream + tails)
+    if stream == 0 or tails == 0:
+        return grid, dp_tiles, k_tiles, 0, 0, 0
+    x = min(k_tiles, cdiv(stream * k_tiles, stream + tails))
+    sk_base, sk_rem = divmod(stream * (k_tiles - x), tails)
+    return grid, dp_tiles, x, tails, sk_base, sk_rem
 
 
-def sk_plan(tiles: int, k_tiles: int, num_sms: int):
+def sk_plan(tiles: int, k_tiles: int, num_sms: int, tails: int | None = None):
     """Host model of the kernel's stream-K schedule (same arithmetic as ``_sk_items`` / ``_sk_item`` /
     ``_consumer_sk``): per CTA, its work items as (tile, k0, k1, role, detail) with role "whole", "partial" (detail:
     the workspace slot it stores and flags) or "finish" (detail: the (tail CTA, slot) pairs whose partials it adds, in
     that order, before it stores)."""
-    grid, dp_tiles, x, base, rem = _sk_params(tiles, k_tiles, num_sms)
+    grid, dp_tiles, x, n_tail, base, rem = _sk_params(tiles, k_tiles, num_sms, tails)
     stream = tiles - dp_tiles
-    n_tail = grid - stream
     L = k_tiles - x
 
     def lo_(q):
@@ -727,7 +738,7 @@ def sk_plan(tiles: int, k_tiles: int, num_sms: int):
             for t in (range(lo // L, (hi - 1) // L + 1) if hi > lo else ()):
                 items.append((dp_tiles + t, x + max(lo, t * L) - t * L, x + min(hi, t * L + L) - t * L, "partial",
                               pid + t))
-        elif stream:
+        elif pid - n_tail < stream:
             h = pid - n_tail
             waits = tuple((q, q + h) for q in range(n_tail) if lo_(q) < h * L + L and lo_(q + 1) > h * L)
             items.append((dp_tiles + h, 0, x, "finish" if L else "whole", waits))
@@ -755,6 +766,8 @@ def run(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, config=
         if config is None:
             fns = {}
             for cfg in TUNED_CONFIGS:
+                if _sched(cfg) and split_k != 1:  # stream-K: split_k == 1 only
+                    continue
                 fn = functools.partial(launch, a, b, c, ws, scale_a, scale_b, bias, split_k, num_sms, cfg)
                 try:
                     fn()
