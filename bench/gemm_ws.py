@@ -7,6 +7,7 @@
     python3 bench/gemm_ws.py speed --short  # every shape, shorter timing (warmup 5 ms, rep 25 ms)
     python3 bench/gemm_ws.py speed --only 124m  # only the shapes whose label contains "124m"
     python3 bench/gemm_ws.py host      # small shapes: eager vs CUDA-graph (device) time, host time per call
+    python3 bench/gemm_ws.py tails     # stream-K tail counts on the 124M wgrads (device time)
     python3 bench/gemm_ws.py warm [--workers 8]  # runs tests/trainer/test_gemm_ws.py's GPU cases per config in
                                                 # parallel processes (fills the Triton cache; logs pass / fail)
 
@@ -198,6 +199,29 @@ def host_mode(nsm):
             log(out.getvalue())
 
 
+def tails_mode(nsm):
+    """Stream-K tail counts on the 124M wgrads: device time (graph replays) of the sk configs at 0 tails, at
+    ``_sk_params``' own choice and at the other counts that fit, beside the data-parallel 6-stage pipe config."""
+    dp_cfg = (128, 128, 128, 6, "ptr", "pipe")
+    for M, N, K in [(768, 768, 16384), (2304, 768, 16384), (4096, 768, 16384), (768, 2048, 16384)]:
+        a, b = ops(M, N, K, E5, E4, 1)
+        sa, sb = torch.tensor(0.5, device=DEV), torch.tensor(2.0, device=DEV)
+        c = torch.empty(M, N, dtype=torch.float32, device=DEV)
+        tiles = triton.cdiv(M, 128) * triton.cdiv(N, 128)
+        stream = tiles % nsm
+        parts = []
+        for cfg in [dp_cfg] + [c_ for c_ in W.CONFIGS if W._sched(c_)]:
+            counts = [None] if not W._sched(cfg) else sorted({0, min(stream, nsm - stream), nsm - stream}) + [None]
+            for tl in counts:
+                def fn(cfg=cfg, tl=tl):
+                    W.launch(a, b, c, None, sa, sb, None, 1, nsm, cfg, sk_tails=tl)
+                fn()
+                torch.cuda.synchronize()
+                us = triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
+                parts.append(f"{tag(cfg)} tails {'auto' if tl is None else tl} {us:.1f} us")
+        log(f"tails {M}x{N}x{K} ({tiles} tiles): " + "; ".join(parts))
+
+
 def _warm_job(j):
     """Worker: every GPU test of tests/trainer/test_gemm_ws.py for config j (compiles land in the Triton cache)."""
     import importlib.util
@@ -249,6 +273,8 @@ def main():
     nsm = props.multi_processor_count
     if mode == "acc":
         acc_mode(nsm)
+    elif mode == "tails":
+        tails_mode(nsm)
     elif mode == "host":
         host_mode(nsm)
     elif mode == "warm":
