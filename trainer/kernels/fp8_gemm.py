@@ -389,7 +389,7 @@ def _pick_impl(a, b, scale_a, scale_b, out_dtype, bias, fast_accum) -> str:
     """impl="auto": the first call of a (shape, dtypes, flags) runs every candidate (autotuned), checks it
     against the first, times them and keeps the fastest (this synchronizes, like the autotuner's own first
     call); later calls are a dict lookup. A candidate that fails to compile or disagrees is skipped. The
-    candidates are compared by ``timing.fastest`` (medians of interleaved rounds)."""
+    candidates are compared by ``timing.fastest`` (device time, medians of interleaved rounds)."""
     key = (a.shape, b.shape, a.dtype, b.dtype, out_dtype, bias is not None, fast_accum, a.device)
     impl = _AUTO_CHOICE.get(key)
     if impl is None:

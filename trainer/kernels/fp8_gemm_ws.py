@@ -39,8 +39,10 @@ Variants, all run on an H200 (Triton 3.6; every GPU test case of every config pa
     L2), the rest of their K blocks spread over the remaining CTAs (tails); partials fixed up through fp32
     workspace slots and release / acquire flags, in a fixed order (deterministic). See the comment above ``_sk_lo``.
     Tuned like the other configs (``TUNED_CONFIGS``).
-Speed against ``_scaled_mm(use_fast_accum=False)``, best config per shape: 0.96-1.05x on 11 of the 13 backward
-shapes of the 124M and 1.5B models, 0.87-0.92x on the two 124M wgrads (bench/gemm_ws.py speed, bench/RESULTS.md).
+Speed (bench/RESULTS.md, H200): as fp8_gemm's auto pick, every backward GEMM of the 124M and 1.5B models ran at
+0.97-1.22x ``_scaled_mm(use_fast_accum=False)`` in device time (bench/gemm.py --graph). A launch costs 34-81 us of
+Python host time (``_scaled_mm``: ~20 us), more than the kernel on the small 124M shapes: eager calls there are
+host-bound.
 Not expressible in Gluon 3.6: TMA multicast across a 2-CTA cluster (``async_copy_global_to_shared`` has no
 multicast / CTA mask).
 """
