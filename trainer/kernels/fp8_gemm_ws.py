@@ -34,9 +34,9 @@ Variants, all run on an H200 (Triton 3.6; every GPU test case of every config pa
     it promotes the previous one (two 64 x 128 temporaries; with BN = 256 that would need 256 registers), so its
     adds no longer rely on the other consumer to cover them.
   * Stream-K configs (7th entry "sk", BN = 128, ``_consumer_sk``), for outputs whose tiles leave SMs idle in the
-    last wave (124M wgrads: 36-192 tiles of 128 x 128 on 132 SMs): grid = SMs, whole waves data-parallel, the other
-    tiles split in K at the same block for all of them (heads run the first part in step, so their loads share
-    L2), the rest of their K blocks spread over the remaining CTAs (tails); partials fixed up through fp32
+    last wave (124M wgrads: 36-192 tiles of 128 x 128 on 132 SMs): whole waves data-parallel, the other tiles
+    split in K at the same block for all of them (heads run the first part in step, so their loads share L2), the
+    rest of each given to a tail CTA where twice their number fits the SMs; partials handed over through fp32
     workspace slots and release / acquire flags, in a fixed order (deterministic). See the comment above ``_sk_lo``.
     Tuned like the other configs (``TUNED_CONFIGS``).
 Speed (bench/RESULTS.md, H200): as fp8_gemm's auto pick, every backward GEMM of the 124M and 1.5B models ran at
@@ -514,8 +514,8 @@ if AVAILABLE:
         """EPI_BUFS > 0: TMA epilogue with EPI_BUFS shared-memory buffers per consumer and ``c_ptr`` C's tensor
         descriptor (block BM // 2 x min(BN, 128)); EPI_BUFS == 0: masked pointer stores. PIPE: ``_consumer_pipe``
         (BN = 128), else ``_consumer`` (BN 64, 128 or 256). SK: stream-K (``_consumer_sk``; ws_ptr: nprog x BM x
-        BN fp32 slots, flags_ptr: 2 nprog int32 zeros; dp_tiles / sk_x / sk_base / sk_rem as in the comment above
-        ``_sk_lo``); else dp_tiles, sk_x, sk_tails, sk_base, sk_rem and flags_ptr are unused."""
+        BN fp32 slots, flags_ptr: 2 nprog int32 zeros; dp_tiles / sk_x / sk_tails / sk_base / sk_rem as in the
+        comment above ``_sk_lo``); else dp_tiles, sk_x, sk_tails, sk_base, sk_rem and flags_ptr are unused."""
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         BN: gl.constexpr = b_desc.block_type.shape[0]
