@@ -355,6 +355,51 @@ def bench_one(dev, label, M, N, K, kind, impls):
     return (label, kind, M, N, K, res, ours / res["_scaled_mm"])
 
 
+def host_profile(dev, which: str):
+    """Host time per call (200 calls queued back to back) of fp8_gemm(impl="auto") and _scaled_mm per shape, then a
+    cProfile of fp8_gemm on the first shape: where a launch's Python time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    from trainer.kernels import fp8_gemm
+
+    def host_us(fn, n=200):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        us = (time.perf_counter() - t0) / n * 1e6
+        torch.cuda.synchronize()
+        return us
+
+    first = None
+    for label, M, N, K, kind in shapes(which):
+        da, db, od, fast = KINDS[kind]
+        a = torch.randn(M, K, device=dev).to(da)
+        b = torch.randn(N, K, device=dev).to(db)
+        sa, sb = torch.tensor(0.05, device=dev), torch.tensor(0.02, device=dev)
+
+        def ours():
+            return fp8_gemm(a, b, sa, sb, out_dtype=od, fast_accum=fast)
+
+        def scaled():
+            return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=od, use_fast_accum=fast)
+        say(f"  host {label:10s} {kind:5s} {M}x{N}x{K}: fp8_gemm {host_us(ours):.0f} us, _scaled_mm "
+            f"{host_us(scaled):.0f} us per call")
+        first = first or ours
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        first()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+    say(out.getvalue())
+
+
 def bench_linear(dev):
     """Fp8Linear vs bf16-autocast nn.Linear, forward + backward (quantize cost included), eager and as a
     replayed CUDA graph (the graph removes the host's launch overhead: it shows the GPU time alone)."""
@@ -453,6 +498,7 @@ def main(argv=None):
     p.add_argument("--extras", action="store_true",
                    help="also time quantize_transpose, Fp8Linear fwd+bwd (eager, CUDA graph) and BK=256 precise GEMMs")
     p.add_argument("--graph", action="store_true", help="time GEMMs as CUDA graph replays (device time)")
+    p.add_argument("--host", action="store_true", help="host time per call and a cProfile of fp8_gemm, no timing")
     args = p.parse_args(argv)
     global GRAPH
     GRAPH = args.graph
@@ -479,6 +525,9 @@ def main(argv=None):
                 say(f"check {fn.__name__}: ERROR\n" + traceback.format_exc(limit=6))
         say(f"checks done in {time.time() - t0:.0f} s")
     rows = []
+    if args.host:
+        host_profile(dev, args.shapes)
+        return 0
     if not args.no_bench:
         say("TFLOP/s (" + ("do_bench_cudagraph" if GRAPH else "do_bench") + " medians):")
         try:
