@@ -1,6 +1,7 @@
 """Cost of the statistics fused into quantize_transpose (trainer/kernels/quantize_transpose.py), on a GPU:
 kernel time with and without ``stats=``, with and without the histogram, at register caps of the statistics
-variant (``STATS_MAXNREG``), on the 1.5B model's activation and weight shapes. CUDA-event medians
+variant (``STATS_MAXNREG``) and pipelining depths of its tile loop (``STATS_STAGES``), on the 1.5B model's
+activation and weight shapes. CUDA-event medians
 (``triton.testing.do_bench``), all in one run.
 
     python3 bench/qt_stats.py
@@ -22,7 +23,13 @@ CASES = [("activation 16384x2048 bf16, current", (16384, 2048), torch.bfloat16, 
          ("weight 6144x2048 fp32, delayed", (6144, 2048), torch.float32, True)]
 
 
+# (histogram, register cap, pipelining depth of the persistent tile loop)
+VARIANTS = [(True, 128, None), (True, 128, 1), (True, 128, 2), (True, 128, 3), (True, None, 2), (True, None, 3),
+            (False, 128, None), (False, 128, 1), (False, 128, 2), (False, 128, 3)]
+
+
 def main() -> int:
+    defaults = (QT.STATS_MAXNREG, QT.STATS_STAGES)
     dev = torch.device("cuda")
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     for label, shape, dtype, delayed in CASES:
@@ -32,13 +39,16 @@ def main() -> int:
         fmt = "e4m3"
         t = {"no stats": triton.testing.do_bench(lambda: QT.quantize_transpose(x, fmt, scale, accum),
                                                  return_mode="median")}
-        for hist in (True, False):
-            for cap in (None, 128, 96, 80):
-                QT.STATS_MAXNREG = cap
-                tgt = ts.Target.new(dev, hist=hist)
-                fn = lambda: QT.quantize_transpose(x, fmt, scale, accum, stats=tgt)  # noqa: E731
-                t[f"stats{'' if hist else ' -hist'} cap {cap}"] = triton.testing.do_bench(fn, return_mode="median")
-        QT.STATS_MAXNREG = None
+        for hist, cap, stages in VARIANTS:
+            QT.STATS_MAXNREG, QT.STATS_STAGES = cap, stages
+            tgt = ts.Target.new(dev, hist=hist)
+            fn = lambda: QT.quantize_transpose(x, fmt, scale, accum, stats=tgt)  # noqa: E731
+            name = f"stats{'' if hist else ' -hist'} cap {cap} stages {stages or 'default'}"
+            try:
+                t[name] = triton.testing.do_bench(fn, return_mode="median")
+            except Exception as exc:  # e.g. a pipelining depth that does not compile: report, go on
+                print(f"  {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        QT.STATS_MAXNREG, QT.STATS_STAGES = defaults
         base = t["no stats"]
         gbytes = x.numel() * x.element_size() / 1e9
         print(f"{label}: " + ", ".join(f"{k} {v * 1e3:.0f} us ({v / base:.2f}x)" for k, v in t.items())

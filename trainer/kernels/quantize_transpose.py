@@ -39,6 +39,12 @@ TRANS_MODE_DEFAULT = 0
 # Register cap of the statistics variant (uncapped, ptxas gives it 172-188 registers: one 8-warp program per SM,
 # as for the standalone statistics kernel, whose cold code inflates the count). bench/qt_stats.py times it.
 STATS_MAXNREG: int | None = 128
+# Software-pipeline depth of the statistics variant's persistent tile loop (``tl.range(num_stages=...)``): with
+# STAGES > 1 Triton prefetches the next tiles into shared memory while the current one is reduced. None: 2 for
+# bf16 / fp16 inputs without the histogram, else 1. On an H200 (bench/qt_stats.py, RESULTS.md) depth 2 took the
+# histogram-less variant from 2.12x / 2.05x the plain cast to 1.82x / 1.63x on bf16 inputs; with the histogram,
+# or on fp32 inputs (re-read transposed), it was 4-35% slower.
+STATS_STAGES: int | None = None
 
 
 @triton.jit
@@ -103,7 +109,7 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, sca
                                      SOFT_ROUND: tl.constexpr, P_BLOCK: tl.constexpr, TRANS_MODE: tl.constexpr,
                                      UTHR: tl.constexpr, OTHR: tl.constexpr, C_PTR: tl.constexpr,
                                      AHM_PTR: tl.constexpr, HIST: tl.constexpr, V: tl.constexpr,
-                                     BM: tl.constexpr, BN: tl.constexpr):
+                                     BM: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr = 1):
     """``_quantize_transpose_kernel``, persistent, with the statistics of x from the loaded tiles.
 
     The statistics see each tile as [BM * BN / V, V], V the elements of one thread's vector load, so that the
@@ -128,7 +134,7 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, sca
     s1, s2, s3, s4, am, cu, co, cout, cz, h = zf, zf, zf, zf, zf, zi, zi, zi, zi, tl.zeros([64], tl.int32)
     ce = tl.zeros([], tl.int32)
     fin_amax = zf
-    for t in range(pid, ntiles, nprog):
+    for t in tl.range(pid, ntiles, nprog, num_stages=STAGES):
         x, mask, rows, cols = _load_tile(x_ptr, t, n_tn, M, N, stride_xm, BM, BN)
         y = x * s
         if WRITE_Q:
@@ -186,6 +192,12 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, sca
                    outl, under, over, samax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST)
 
 
+def _stats_stages(dtype: torch.dtype, hist: bool) -> int:
+    if STATS_STAGES is not None:
+        return STATS_STAGES
+    return 2 if not hist and dtype != torch.float32 and not INTERPRET else 1
+
+
 def _stats_opts() -> dict:
     return {"maxnreg": STATS_MAXNREG} if STATS_MAXNREG and not INTERPRET else {}
 
@@ -226,6 +238,7 @@ def quantize_transpose(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tenso
             P = 1
         _quantize_transpose_stats_kernel[(programs,)](*args, **ts.fused_args(stats, programs, dev),
                                                       CURRENT=scale is None, P_BLOCK=P, V=8,
+                                                      STAGES=_stats_stages(x.dtype, bool(stats.hist)),
                                                       **common, **stats_consts(fmt), **_stats_opts())
         return Quantized(q, qt, meta)
     if scale is None:
