@@ -355,49 +355,55 @@ def bench_one(dev, label, M, N, K, kind, impls):
     return (label, kind, M, N, K, res, ours / res["_scaled_mm"])
 
 
-def host_profile(dev, which: str):
-    """Host time per call (200 calls queued back to back) of fp8_gemm(impl="auto") and _scaled_mm per shape, then a
-    cProfile of fp8_gemm on the first shape: where a launch's Python time goes."""
+def host_us(fn, n: int = 200) -> float:
+    """Host time per call (µs) of ``fn``, n calls queued back to back (the GPU is synchronized before and after)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+def profile_calls(fn, n: int = 200, top: int = 25) -> str:
+    """cProfile of n calls of ``fn``: the ``top`` entries by own time."""
     import cProfile
     import io
     import pstats
 
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+def host_profile(dev, which: str):
+    """Host time per call (200 calls queued back to back) of fp8_gemm(impl="auto") and _scaled_mm per shape, then a
+    cProfile of fp8_gemm on the first shape: where a launch's Python time goes."""
     from trainer.kernels import fp8_gemm
 
-    def host_us(fn, n=200):
-        fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        us = (time.perf_counter() - t0) / n * 1e6
-        torch.cuda.synchronize()
-        return us
-
-    first = None
-    for label, M, N, K, kind in shapes(which):
+    def calls(M, N, K, kind):
         da, db, od, fast = KINDS[kind]
         a = torch.randn(M, K, device=dev).to(da)
         b = torch.randn(N, K, device=dev).to(db)
         sa, sb = torch.tensor(0.05, device=dev), torch.tensor(0.02, device=dev)
+        return (lambda: fp8_gemm(a, b, sa, sb, out_dtype=od, fast_accum=fast),
+                lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=od, use_fast_accum=fast))
 
-        def ours():
-            return fp8_gemm(a, b, sa, sb, out_dtype=od, fast_accum=fast)
-
-        def scaled():
-            return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=od, use_fast_accum=fast)
+    first = None
+    for label, M, N, K, kind in shapes(which):
+        ours, scaled = calls(M, N, K, kind)
         say(f"  host {label:10s} {kind:5s} {M}x{N}x{K}: fp8_gemm {host_us(ours):.0f} us, _scaled_mm "
             f"{host_us(scaled):.0f} us per call")
-        first = first or ours
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(200):
-        first()
-    prof.disable()
-    torch.cuda.synchronize()
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
-    say(out.getvalue())
+        first = first or (label, kind, ours)
+    say(f"  cProfile of 200 fp8_gemm calls, {first[0]} {first[1]}:\n" + profile_calls(first[2]))
 
 
 def bench_linear(dev):

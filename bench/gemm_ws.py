@@ -29,6 +29,7 @@ import triton  # noqa: E402
 from trainer.kernels import fp8_gemm_ws as W  # noqa: E402
 from trainer.kernels.fp8_gemm import _splitk_reduce_kernel, _stats_args, fp8_gemm  # noqa: E402
 from trainer.kernels.timing import interleaved_medians  # noqa: E402
+from bench.gemm import host_us, profile_calls  # noqa: E402
 
 if os.environ.get("FP8MON_WS_SKIP_SK") == "1":  # stream-K configs left out (e.g. after a failed smoke test)
     W.CONFIGS[:] = [c for c in W.CONFIGS if not W._sched(c)]
@@ -157,7 +158,6 @@ def speed_mode(nsm, quick, only=None):
 def host_mode(nsm):
     """Per candidate on the small 124M shapes: do_bench (eager, L2 flushed), do_bench_cudagraph (device time, no
     host gaps, L2 not flushed) and the host time per call (200 calls enqueued back to back)."""
-    import time
     shapes = [("124m.proj wgrad", 768, 768, 16384, torch.float32), ("124m.qkv wgrad", 2304, 768, 16384, torch.float32),
               ("124m.proj dgrad", 16384, 768, 768, torch.bfloat16),
               ("124m.qkv dgrad", 16384, 768, 2304, torch.bfloat16),
@@ -172,31 +172,14 @@ def host_mode(nsm):
         fl = 2 * M * N * K
         parts = []
         for name, fn in fns.items():
-            fn()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(200):
-                fn()
-            host_us = (time.perf_counter() - t0) / 200 * 1e6
-            torch.cuda.synchronize()
+            us = host_us(fn)
             eager = triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
             graph = triton.testing.do_bench_cudagraph(fn, rep=25, return_mode="median")
             parts.append(f"{name} eager {fl / eager / 1e9:.0f} graph {fl / graph / 1e9:.0f} TFLOP/s "
-                         f"host {host_us:.0f} us")
+                         f"host {us:.0f} us")
         log(f"host {label} M{M} N{N} K{K}: " + "; ".join(parts))
         if "--profile" in sys.argv and label == "124m.proj dgrad":  # where a launch's host time goes
-            import cProfile
-            import io
-            import pstats
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(200):
-                fns[tag((128, 128, 128, 5, "tma"))]()
-            prof.disable()
-            torch.cuda.synchronize()
-            out = io.StringIO()
-            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
-            log(out.getvalue())
+            log(profile_calls(fns[tag((128, 128, 128, 5, "tma"))], top=14))
 
 
 def tails_mode(nsm):
