@@ -42,8 +42,8 @@ STATS_MAXNREG: int | None = 128
 # Software-pipeline depth of the statistics variant's persistent tile loop (``tl.range(num_stages=...)``): with
 # STAGES > 1 Triton prefetches the next tiles into shared memory while the current one is reduced. None: 2 for
 # bf16 / fp16 inputs without the histogram, else 1. On an H200 (bench/qt_stats.py, RESULTS.md) depth 2 took the
-# histogram-less variant from 2.12x / 2.05x the plain cast to 1.82x / 1.63x on bf16 inputs; with the histogram,
-# or on fp32 inputs (re-read transposed), it was 4-35% slower.
+# histogram-less variant from 2.12x / 2.05x the plain cast to 1.82x / 1.63x on bf16 inputs; with the histogram it
+# was 4-13% slower; on fp32 inputs (re-read transposed) without it, two runs disagreed (+33%, -22%): left at 1.
 STATS_STAGES: int | None = None
 
 
