@@ -218,6 +218,14 @@ if AVAILABLE:
         return acc0, acc1, part, c
 
     @gluon.jit
+    def _store_sub(acc, c_ptr, ws_ptr, c_smem, buf, scale, bias_ptr, M, N, ks, row0, col0, HAS_BIAS: gl.constexpr,
+                   SPLIT: gl.constexpr, EPI_BUFS: gl.constexpr, layout: gl.constexpr):
+        if EPI_BUFS > 0:
+            _store_tile_tma(acc, c_ptr, c_smem, buf, scale, bias_ptr, N, row0, col0, HAS_BIAS, EPI_BUFS - 1, layout)
+        else:
+            _store_tile(acc, c_ptr, ws_ptr, scale, bias_ptr, M, N, ks, row0, col0, HAS_BIAS, SPLIT, layout)
+
+    @gluon.jit
     def _consumer(a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid, nprog,
                   num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, WG: gl.constexpr, HAS_BIAS: gl.constexpr,
                   SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, EPI_BUFS: gl.constexpr):
@@ -240,27 +248,14 @@ if AVAILABLE:
             acc0, acc1, part, c = _kloop_plain(a_smem, b_smem, ready, empty, gl.zeros((HALF, SUB), gl.float32, layout),
                                                gl.zeros((HALF, SUB), gl.float32, layout), part, c, nk, WG, STAGES)
             row0 = pid_m * BM + WG * HALF
-            if EPI_BUFS > 0:  # c_ptr is C's TMA descriptor, block (HALF, SUB)
-                _store_tile_tma(acc0, c_ptr, c_smem, WG * EPI_BUFS, scale, bias_ptr, N, row0, pid_n * BN, HAS_BIAS,
-                                EPI_BUFS - 1, layout)
-                if BN > SUB:
-                    _store_tile_tma(acc1, c_ptr, c_smem, WG * EPI_BUFS + EPI_BUFS - 1, scale, bias_ptr, N, row0,
-                                    pid_n * BN + SUB, HAS_BIAS, EPI_BUFS - 1, layout)
-            else:
-                _store_tile(acc0, c_ptr, ws_ptr, scale, bias_ptr, M, N, ks, row0, pid_n * BN, HAS_BIAS, SPLIT, layout)
-                if BN > SUB:
-                    _store_tile(acc1, c_ptr, ws_ptr, scale, bias_ptr, M, N, ks, row0, pid_n * BN + SUB, HAS_BIAS,
-                                SPLIT, layout)
+            # with EPI_BUFS > 0, c_ptr is C's TMA descriptor, block (HALF, SUB)
+            _store_sub(acc0, c_ptr, ws_ptr, c_smem, WG * EPI_BUFS, scale, bias_ptr, M, N, ks, row0, pid_n * BN,
+                       HAS_BIAS, SPLIT, EPI_BUFS, layout)
+            if BN > SUB:
+                _store_sub(acc1, c_ptr, ws_ptr, c_smem, WG * EPI_BUFS + EPI_BUFS - 1, scale, bias_ptr, M, N, ks, row0,
+                           pid_n * BN + SUB, HAS_BIAS, SPLIT, EPI_BUFS, layout)
         if EPI_BUFS > 0:
             tma.store_wait(0)  # the buffers must outlive the stores reading them
-
-    @gluon.jit
-    def _store_sub(acc, c_ptr, ws_ptr, c_smem, buf, scale, bias_ptr, M, N, ks, row0, col0, HAS_BIAS: gl.constexpr,
-                   SPLIT: gl.constexpr, EPI_BUFS: gl.constexpr, layout: gl.constexpr):
-        if EPI_BUFS > 0:
-            _store_tile_tma(acc, c_ptr, c_smem, buf, scale, bias_ptr, N, row0, col0, HAS_BIAS, EPI_BUFS - 1, layout)
-        else:
-            _store_tile(acc, c_ptr, ws_ptr, scale, bias_ptr, M, N, ks, row0, col0, HAS_BIAS, SPLIT, layout)
 
     @gluon.jit
     def _pipe_step(a_smem, b_smem, ready, empty, acc0, pending, into, s, c, WG: gl.constexpr, STAGES: gl.constexpr):
