@@ -69,7 +69,5 @@ else:
             except Exception as e:
                 print("  fail", cfg, type(e).__name__, str(e)[:200])
         best_gl = min(v for k, v in t.items() if k.startswith("gl"))
-        ref = fp8_gemm_ref(a, b, sa, sb, out_dtype=torch.float32, fast_accum=False)
-        cfgb = min((k for k in t if k.startswith("gl")), key=t.get)
         print(f"speed {label:18s} M{M} N{N} K{K}: " + ", ".join(f"{k} {fl/v/1e9:.0f}" for k, v in t.items())
               + f" TFLOP/s | ours/sm {t['sm']/t['ours']:.3f} gluon/sm {t['sm']/best_gl:.3f}", flush=True)

@@ -29,7 +29,7 @@ import triton  # noqa: E402
 from trainer.kernels import fp8_gemm_ws as W  # noqa: E402
 from trainer.kernels.fp8_gemm import _splitk_reduce_kernel, _stats_args, fp8_gemm  # noqa: E402
 from trainer.kernels.timing import interleaved_medians  # noqa: E402
-from bench.gemm import host_us, profile_calls  # noqa: E402
+from bench.gemm import MODELS, host_us, profile_calls  # noqa: E402
 
 if os.environ.get("FP8MON_WS_SKIP_SK") == "1":  # stream-K configs left out (e.g. after a failed smoke test)
     W.CONFIGS[:] = [c for c in W.CONFIGS if not W._sched(c)]
@@ -103,11 +103,9 @@ def reps(quick):
 
 def speed_mode(nsm, quick, only=None):
     shapes = [("8192^3 dgrad", 8192, 8192, 8192, torch.bfloat16)]
-    for T, lins, mtag in [(16384, {"qkv": (2048, 6144), "proj": (2048, 2048), "fc1": (2048, 16384),
-                                   "fc2": (8192, 2048)}, "1.5b"),
-                          (16384, {"qkv": (768, 2304), "proj": (768, 768), "fc1": (768, 4096), "fc2": (2048, 768)},
-                           "124m")]:
-        for name, (fin, fout) in lins.items():
+    T = 16384
+    for mtag in ("1.5b", "124m"):  # bench/gemm.py's linears, T = 16384 tokens for both models
+        for name, (fin, fout) in MODELS[mtag][1].items():
             shapes.append((f"{mtag}.{name} dgrad", T, fin, fout, torch.bfloat16))
             shapes.append((f"{mtag}.{name} wgrad", fout, fin, T, torch.float32))
     if quick is True:

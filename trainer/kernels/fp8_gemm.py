@@ -30,12 +30,13 @@ call autotunes and synchronizes), checks them against each other, keeps the fast
 dict lookup and never synchronize. A variant with a statistics epilogue (``stats=``) is tuned among two configs
 only: the one chosen for the same GEMM without statistics (tuned first if need be) and a 128x128 tile.
 
-Measured on one H200 (Triton 3.6, torch 2.11; bench/gemm.py): the fast-accumulation forward GEMM is at
-0.87-1.04x torch._scaled_mm (1.02x at 8192^3). The precise backward GEMMs of the Triton kernels are at
-0.57-0.92x, because Triton's promotion (a wait on the wgmma chain and an fp32 add per BK block, both warp
-groups in lockstep) costs ~20% where cuBLAS' costs ~2%; the Gluon "ws" kernel brings them to 0.87-1.05x
-(bench/gemm_ws.py speed, bench/RESULTS.md). Promoting every 256 instead of 128 products (BK=256) gains ~10% at
-1.7x the accumulation error, so it is not used. See the figures printed by bench/gemm.py.
+Measured on one H200 (Triton 3.6, torch 2.11; bench/gemm.py, eager): the Triton kernels' fast-accumulation
+forward GEMM is at 0.87-1.04x torch._scaled_mm (1.02x at 8192^3), their precise backward GEMMs at 0.57-0.92x,
+because Triton's promotion (a wait on the wgmma chain and an fp32 add per BK block, both warp groups in
+lockstep) costs ~20% where cuBLAS' costs ~2%. With the Gluon "ws" kernel among the candidates, every GEMM of the
+124M and 1.5B models is at 0.97-1.22x in device time (bench/gemm.py --graph, bench/RESULTS.md); eager calls on
+the small 124M shapes are slower than that, bound by the launch's Python host time. Promoting every 256 instead
+of 128 products (BK=256) gains ~10% at 1.7x the accumulation error, so it is not used.
 
 Reference beside it: ``fp8_gemm_ref`` (``torch._scaled_mm``, or dequantize + fp32 matmul where
 _scaled_mm refuses the operands).
@@ -484,7 +485,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
         raise ValueError(f"unknown impl {impl!r}")
     if impl == "ws" and not _ws_ok(a, b, out_dtype, fast_accum, stats):
         impl = "tma" if _tma_ok(a, b, out_dtype) else "ptr"
-    if impl == "ws" and split_k is None:  # its 128x128 configs fill the GPU without splitting (bench/gemm_ws.py)
+    if impl == "ws" and split_k is None:  # few tiles: its stream-K configs fill the GPU (no workspace split)
         split_k = 1
     if impl == "tma_ws" and stats is not None:  # the statistics' loop-carried partial: no warp specialization
         impl = "tma"

@@ -5,11 +5,12 @@ timing each, back to back, varied 5-10% between runs on an H200 (clock and therm
 13-27% slower than the best (bench/gemm_ws.py speed, 2026-11-21).
 
 Two clocks. ``interleaved_medians`` takes ``triton.testing.do_bench`` (eager calls, L2 flushed): where a call's
-Python host time exceeds its kernel (Gluon / Triton launches: 35-60 us of host time, against 18-20 us for
-``torch._scaled_mm``, H200 host), that measures the host. ``device_medians`` measures the device alone: the stream
-is held by a sleep kernel while ``calls`` launches are queued behind it, so the GPU runs them back to back with no
-host gap (inputs stay in L2 between calls, as in a CUDA graph replay). Tuning picks by device time: in training the
-host runs ahead of the GPU, so a launch's host time is hidden and its kernel time is what the step pays."""
+Python host time exceeds its kernel (an fp8_gemm call: 67-187 us of host time, against 17-33 us for
+``torch._scaled_mm``; bench/gemm.py --host on an H200 machine), that measures the host. ``device_medians``
+measures the device alone: the stream is held by a sleep kernel while ``calls`` launches are queued behind it, so
+the GPU runs them back to back with no host gap (inputs stay in L2 between calls, as in a CUDA graph replay).
+Tuning picks by device time: in training the host runs ahead of the GPU, so a launch's host time is hidden and
+its kernel time is what the step pays."""
 
 from __future__ import annotations
 
@@ -21,33 +22,39 @@ import triton
 SLEEP_CYCLES = 20_000_000  # ~10 ms at H100 / H200 clocks: longer than queueing ``calls`` launches on the host
 
 
-def interleaved_medians(fns: dict[Hashable, Callable[[], object]], rounds: int = 3, warmup: int = 5,
-                        rep: int = 25) -> dict:
-    """Per key, the median over ``rounds`` interleaved rounds of ``triton.testing.do_bench``'s median (ms)."""
+def _medians(fns: dict, rounds: int, time_one: Callable[[Callable[[], object]], float]) -> dict:
+    """Per key, the median over ``rounds`` interleaved rounds (each candidate once per round) of ``time_one``."""
     runs = {k: [] for k in fns}
     for _ in range(rounds):
         for k, fn in fns.items():
-            runs[k].append(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+            runs[k].append(time_one(fn))
     return {k: sorted(v)[len(v) // 2] for k, v in runs.items()}
+
+
+def interleaved_medians(fns: dict[Hashable, Callable[[], object]], rounds: int = 3, warmup: int = 5,
+                        rep: int = 25) -> dict:
+    """Per key, the median over ``rounds`` interleaved rounds of ``triton.testing.do_bench``'s median (ms)."""
+    return _medians(fns, rounds, lambda fn: triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def _queued_ms(fn, calls: int) -> float:
+    """Device time per call (ms) of ``calls`` calls queued behind a sleep kernel."""
+    fn()  # warm: compiles and first-call tuning stay out of the timing
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
 
 
 def device_medians(fns: dict[Hashable, Callable[[], object]], rounds: int = 3, calls: int = 20) -> dict:
     """Per key, the median over ``rounds`` interleaved rounds of the device time per call (ms) of ``calls`` calls
     queued behind a sleep kernel (no host gaps between them)."""
-    runs = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            fn()  # warm: compiles and first-call tuning stay out of the timing
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            torch.cuda._sleep(SLEEP_CYCLES)
-            start.record()
-            for _ in range(calls):
-                fn()
-            end.record()
-            end.synchronize()
-            runs[k].append(start.elapsed_time(end) / calls)
-    return {k: sorted(v)[len(v) // 2] for k, v in runs.items()}
+    return _medians(fns, rounds, lambda fn: _queued_ms(fn, calls))
 
 
 def fastest(fns: dict[Hashable, Callable[[], object]], rounds: int = 3) -> Hashable:
