@@ -7,7 +7,8 @@
     python3 bench/gemm_ws.py speed --short  # every shape, shorter timing (warmup 5 ms, rep 25 ms)
     python3 bench/gemm_ws.py speed --only 124m  # only the shapes whose label contains "124m"
     python3 bench/gemm_ws.py host      # small shapes: eager vs CUDA-graph (device) time, host time per call
-    python3 bench/gemm_ws.py tails     # stream-K tail counts on the 124M wgrads (device time)
+    python3 bench/gemm_ws.py tails     # stream-K tail counts on the 124M wgrads (device time; ratio:
+                                       # _scaled_mm time / ours)
     python3 bench/gemm_ws.py warm [--workers 8]  # runs tests/trainer/test_gemm_ws.py's GPU cases per config in
                                                 # parallel processes (fills the Triton cache; logs pass / fail)
 
@@ -28,7 +29,7 @@ import triton  # noqa: E402
 
 from trainer.kernels import fp8_gemm_ws as W  # noqa: E402
 from trainer.kernels.fp8_gemm import _splitk_reduce_kernel, _stats_args, fp8_gemm  # noqa: E402
-from trainer.kernels.timing import interleaved_medians  # noqa: E402
+from trainer.kernels.timing import device_medians, interleaved_medians  # noqa: E402
 from bench.gemm import MODELS, host_us, profile_calls  # noqa: E402
 
 if os.environ.get("FP8MON_WS_SKIP_SK") == "1":  # stream-K configs left out (e.g. after a failed smoke test)
@@ -180,9 +181,11 @@ def host_mode(nsm):
             log(profile_calls(fns[tag((128, 128, 128, 5, "tma"))], top=14))
 
 
-def tails_mode(nsm):
-    """Stream-K tail counts on the 124M wgrads: device time (graph replays) of the sk configs at 0 tails, at
-    ``_sk_params``' own choice and at the other counts that fit, beside the data-parallel 6-stage pipe config."""
+def tails_mode(nsm, rounds=5):
+    """Stream-K tail counts on the 124M wgrads: device time (``device_medians``: queued launches, medians of
+    interleaved rounds) of the sk configs at 0 tails, at ``_sk_params``' own choice, at every count that divides
+    the leftover tiles (each tail then takes whole tiles' K ranges) and at the largest counts that fit, beside the
+    data-parallel 6-stage pipe config and ``torch._scaled_mm`` (precise) in the same rounds."""
     dp_cfg = (128, 128, 128, 6, "ptr", "pipe")
     for M, N, K in [(768, 768, 16384), (2304, 768, 16384), (4096, 768, 16384), (768, 2048, 16384)]:
         a, b = ops(M, N, K, E5, E4, 1)
@@ -190,17 +193,19 @@ def tails_mode(nsm):
         c = torch.empty(M, N, dtype=torch.float32, device=DEV)
         tiles = triton.cdiv(M, 128) * triton.cdiv(N, 128)
         stream = tiles % nsm
-        parts = []
-        for cfg in [dp_cfg] + [c_ for c_ in W.CONFIGS if W._sched(c_)]:
-            counts = [None] if not W._sched(cfg) else sorted({0, min(stream, nsm - stream), nsm - stream}) + [None]
-            for tl in counts:
-                def fn(cfg=cfg, tl=tl):
-                    W.launch(a, b, c, None, sa, sb, None, 1, nsm, cfg, sk_tails=tl)
-                fn()
-                torch.cuda.synchronize()
-                us = triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
-                parts.append(f"{tag(cfg)} tails {'auto' if tl is None else tl} {us:.1f} us")
-        log(f"tails {M}x{N}x{K} ({tiles} tiles): " + "; ".join(parts))
+        fns = {"sm": lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32,
+                                              use_fast_accum=False)}
+        fns[tag(dp_cfg)] = lambda: W.launch(a, b, c, None, sa, sb, None, 1, nsm, dp_cfg)
+        aligned = {q for q in range(1, stream + 1) if stream % q == 0 and stream // q <= 6 and stream + q <= nsm}
+        for cfg in [c_ for c_ in W.CONFIGS if W._sched(c_)]:
+            for tl in sorted(aligned | {0, nsm - stream} - {nsm - stream - 1}) + [None]:
+                if tl is not None and tl > nsm - stream:
+                    continue
+                fns[f"{tag(cfg)} tails {'auto' if tl is None else tl}"] = (
+                    lambda cfg=cfg, tl=tl: W.launch(a, b, c, None, sa, sb, None, 1, nsm, cfg, sk_tails=tl))
+        t = device_medians(fns, rounds=rounds)
+        parts = [f"{k} {v * 1e3:.1f} us ({t['sm'] / v:.3f})" for k, v in t.items()]
+        log(f"tails {M}x{N}x{K} ({tiles} tiles, {stream} leftover): " + "; ".join(parts))
 
 
 def _warm_job(j):
