@@ -9,6 +9,7 @@
     python3 bench/gemm_ws.py host      # small shapes: eager vs CUDA-graph (device) time, host time per call
     python3 bench/gemm_ws.py tails     # stream-K tail counts on the 124M wgrads (device time; ratio:
                                        # _scaled_mm time / ours)
+    python3 bench/gemm_ws.py waves     # data-parallel time per K block against the tile count (one wave)
     python3 bench/gemm_ws.py warm [--workers 8]  # runs tests/trainer/test_gemm_ws.py's GPU cases per config in
                                                 # parallel processes (fills the Triton cache; logs pass / fail)
 
@@ -208,6 +209,32 @@ def tails_mode(nsm, rounds=5):
         log(f"tails {M}x{N}x{K} ({tiles} tiles, {stream} leftover): " + "; ".join(parts))
 
 
+def waves_mode(nsm, rounds=5):
+    """Data-parallel device time per K block against the number of output tiles (one wave, K = 16384): whether a
+    CTA's K blocks get slower as more SMs run at once (the cost that stream-K's extra CTAs would pay), beside
+    ``torch._scaled_mm`` (precise) on the same shapes, in the same rounds."""
+    dp_cfg = (128, 128, 128, 6, "ptr", "pipe")
+    K = 16384
+    for M, N in [(768, 768), (768, 1536), (768, 2048), (1024, 2048), (768, 2816)]:
+        a, b = ops(M, N, K, E5, E4, 1)
+        sa, sb = torch.tensor(0.5, device=DEV), torch.tensor(2.0, device=DEV)
+        c = torch.empty(M, N, dtype=torch.float32, device=DEV)
+        tiles = triton.cdiv(M, 128) * triton.cdiv(N, 128)
+        t = device_medians({
+            "sm": lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32,
+                                           use_fast_accum=False),
+            "dp": lambda: W.launch(a, b, c, None, sa, sb, None, 1, nsm, dp_cfg)}, rounds=rounds)
+        fl = 2 * M * N * K
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32, use_fast_accum=False)
+            torch.cuda.synchronize()
+        kernels = sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
+        log(f"waves {M}x{N}x{K}: _scaled_mm runs {kernels}")
+        log(f"waves {M}x{N}x{K} ({tiles} tiles): dp {t['dp'] * 1e3:.1f} us = {t['dp'] * 1e3 / (K // 128):.3f} us "
+            f"per K block, {fl / t['dp'] / 1e9:.0f} TFLOP/s; sm {t['sm'] * 1e3:.1f} us, {fl / t['sm'] / 1e9:.0f} "
+            f"TFLOP/s; sm / dp {t['sm'] / t['dp']:.3f}")
+
+
 def _warm_job(j):
     """Worker: every GPU test of tests/trainer/test_gemm_ws.py for config j (compiles land in the Triton cache)."""
     import importlib.util
@@ -261,6 +288,8 @@ def main():
         acc_mode(nsm)
     elif mode == "tails":
         tails_mode(nsm)
+    elif mode == "waves":
+        waves_mode(nsm)
     elif mode == "host":
         host_mode(nsm)
     elif mode == "warm":
