@@ -10,6 +10,7 @@
     python3 bench/gemm_ws.py tails     # stream-K tail counts on the 124M wgrads (device time; ratio:
                                        # _scaled_mm time / ours)
     python3 bench/gemm_ws.py waves     # data-parallel time per K block against the tile count (one wave)
+    python3 bench/gemm_ws.py trace     # per-CTA GPU timer stamps of stream-K launches (where the time goes)
     python3 bench/gemm_ws.py warm [--workers 8]  # runs tests/trainer/test_gemm_ws.py's GPU cases per config in
                                                 # parallel processes (fills the Triton cache; logs pass / fail)
 
@@ -235,6 +236,44 @@ def waves_mode(nsm, rounds=5):
             f"TFLOP/s; sm / dp {t['sm'] / t['dp']:.3f}")
 
 
+def trace_mode(nsm):
+    """Where a stream-K launch spends its time: one launch with GPU timer stamps per CTA (``launch(trace=True)``),
+    after warm-up launches; per role (tail CTAs, head CTAs, data-parallel items) the median and max, in us from the
+    first CTA's start, of each stamp of its first three work items (``W._TRACE_POINTS``)."""
+    import numpy as np
+    for M, N, tails in [(768, 768, 36), (768, 768, 0), (768, 2048, 32), (768, 2048, 0), (4096, 768, None)]:
+        K = 16384
+        a, b = ops(M, N, K, E5, E4, 1)
+        sa, sb = torch.tensor(0.5, device=DEV), torch.tensor(2.0, device=DEV)
+        c = torch.empty(M, N, dtype=torch.float32, device=DEV)
+        cfg = (128, 128, 128, 6, "ptr", "pipe", "sk")
+        for _ in range(3):
+            W.launch(a, b, c, None, sa, sb, None, 1, nsm, cfg, sk_tails=tails)
+        tr = W.launch(a, b, c, None, sa, sb, None, 1, nsm, cfg, sk_tails=tails, trace=True)
+        torch.cuda.synchronize()
+        ref = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32, use_fast_accum=False)
+        grid, dp_tiles, x, n_tail, _, _ = W._sk_params(triton.cdiv(M, 128) * triton.cdiv(N, 128), K // 128, nsm,
+                                                       tails)
+        t = tr.cpu().numpy().astype(np.int64)
+        t = (t - t[:, :1].min()) % (1 << 32)  # ns from the first start (the low 32 bits wrap every 4.3 s)
+        t[tr.cpu().numpy() == 0] = -1  # never stamped
+        log(f"trace {M}x{N}x{K} tails {tails} (grid {grid}, {dp_tiles} DP tiles, x {x}, {n_tail} tails): span "
+            f"{t.max() / 1e3:.1f} us, rel err {rel(c, ref):.1e}")
+        roles = {"tail": range(n_tail), "head": range(n_tail, grid)}
+        for role, pids in roles.items():
+            rows = t[list(pids)]
+            if not len(rows):
+                continue
+            cells = [f"start {np.median(rows[:, 0]) / 1e3:.1f}/{rows[:, 0].max() / 1e3:.1f}"]
+            for i in range(3):
+                for j, name in enumerate(W._TRACE_POINTS[1:]):
+                    col = rows[:, 1 + 5 * i + j]
+                    col = col[col >= 0]
+                    if len(col):
+                        cells.append(f"i{i}.{name} {np.median(col) / 1e3:.1f}/{col.max() / 1e3:.1f}")
+            log(f"  {role:4s} x{len(rows)} (median/max us): " + ", ".join(cells))
+
+
 def _warm_job(j):
     """Worker: every GPU test of tests/trainer/test_gemm_ws.py for config j (compiles land in the Triton cache)."""
     import importlib.util
@@ -288,6 +327,8 @@ def main():
         acc_mode(nsm)
     elif mode == "tails":
         tails_mode(nsm)
+    elif mode == "trace":
+        trace_mode(nsm)
     elif mode == "waves":
         waves_mode(nsm)
     elif mode == "host":

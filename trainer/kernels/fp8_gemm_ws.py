@@ -427,16 +427,26 @@ if AVAILABLE:
         return ws_ptr + (rows[:, None].to(gl.int64) * BN + cols[None, :])
 
     @gluon.jit
+    def _stamp(trace_ptr, slot, TRACE: gl.constexpr):
+        """TRACE only: the low 32 bits of the GPU's global nanosecond timer into trace_ptr[slot] (int32)."""
+        if TRACE:
+            t = gl.inline_asm_elementwise("mov.u32 $0, %globaltimer_lo;", "=r", [], dtype=gl.int32, is_pure=False,
+                                          pack=1)
+            gl.store(trace_ptr + slot, t)
+
+    @gluon.jit
     def _consumer_sk(a_smem, b_smem, ready, empty, c_ptr, ws_ptr, flags_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid,
                      nprog, num_pid_m, num_pid_n, k_tiles, dp_tiles, sk_x, sk_tails, sk_base, sk_rem, WG: gl.constexpr,
-                     HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, PIPE: gl.constexpr):
+                     HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, PIPE: gl.constexpr,
+                     TRACE: gl.constexpr = False):
         """Stream-K consumer warpgroup WG (rows [64 WG, 64 WG + 64) of each tile): the K loop of ``_consumer``
         (PIPE False; BN 128 or 256) or ``_consumer_pipe`` (PIPE; BN 128) over each work item's K blocks, then
         by the item's role: whole tile -> store; a tail's partial (k0 > 0) -> fp32 partial into its slot
         (this consumer's 64 rows), a warpgroup barrier, and one release increment of the slot's flag for WG; a
         head (k0 == 0, k1 < k_tiles) -> for each tail q meeting the tile (ascending): spin on an acquire load of
         flag (q + h, WG), add slot q + h's rows (the same register layout as the writer's, so each thread reads
-        exactly what its counterpart wrote), then store."""
+        exactly what its counterpart wrote), then store. TRACE (timing, ``launch(trace=True)``): consumer 0 stamps
+        TRACE_SLOTS timer values per CTA after the flags (``_TRACE_POINTS``)."""
         BM: gl.constexpr = a_smem.shape[1]
         BN: gl.constexpr = b_smem.shape[1]
         HALF: gl.constexpr = BM // 2
@@ -455,10 +465,15 @@ if AVAILABLE:
         n_tail = sk_tails
         L = k_tiles - sk_x
         n_dp, n_items = _sk_items(pid, nprog, num_tiles, k_tiles, dp_tiles, sk_x, sk_tails, sk_base, sk_rem)
+        TRACING: gl.constexpr = TRACE and WG == 0
+        trace = flags_ptr + 2 * nprog + pid * 16
+        _stamp(trace, 0, TRACING)
         c = 0
         for i in range(n_items):
             pid_m, pid_n, k0, k1, aux = _sk_item(i, pid, nprog, n_dp, num_tiles, k_tiles, dp_tiles, sk_x, sk_tails,
                                                  sk_base, sk_rem, num_pid_m, num_pid_n, GROUP)
+            ti = 1 + 5 * gl.minimum(i, 2)  # items past the third overwrite the third's stamps
+            _stamp(trace, ti, TRACING)
             acc0 = gl.zeros((HALF, SUB), gl.float32, layout)
             if PIPE:
                 acc0, t0, t1, c = _kloop_pipe(a_smem, b_smem, ready, empty, acc0, t0, t1, c, k1 - k0, WG, STAGES)
@@ -466,12 +481,15 @@ if AVAILABLE:
                 acc0, acc1, part, c = _kloop_plain(a_smem, b_smem, ready, empty, acc0,
                                                    gl.zeros((HALF, SUB), gl.float32, layout), part, c, k1 - k0, WG,
                                                    STAGES)
+            _stamp(trace, ti + 1, TRACING)
             if k0 > 0:  # a tail's part of a stream tile: partial into its slot (aux), then the flag
                 gl.store(_ws_ptrs(ws_ptr, aux, 0, WG, BM, BN, layout), acc0)
                 if BN > SUB:
                     gl.store(_ws_ptrs(ws_ptr, aux, SUB, WG, BM, BN, layout), acc1)
                 gl.thread_barrier()  # the warpgroup's partial stores precede thread 0's release
+                _stamp(trace, ti + 2, TRACING)
                 gl.atomic_add(flags_ptr + 2 * aux + WG, 1, sem="release", scope="gpu")
+                _stamp(trace, ti + 3, TRACING)
             else:
                 if k1 < k_tiles:  # head of stream tile h = aux: add the tails' partials in K order
                     q = _sk_first_tail(aux * L, sk_base, sk_rem)
@@ -479,6 +497,7 @@ if AVAILABLE:
                         f = gl.atomic_add(flags_ptr + 2 * (q + aux) + WG, 0, sem="acquire", scope="gpu")
                         while f == 0:
                             f = gl.atomic_add(flags_ptr + 2 * (q + aux) + WG, 0, sem="acquire", scope="gpu")
+                        _stamp(trace, ti + 3, TRACING)
                         # back to zero for the next launch (the flags buffer is reused: ``_sk_buffers``)
                         gl.atomic_xchg(flags_ptr + 2 * (q + aux) + WG, 0, sem="relaxed", scope="gpu")
                         # into the temporary's registers (its value is dead here): no extra registers
@@ -493,19 +512,22 @@ if AVAILABLE:
                                                cache_modifier=".cg")
                                 acc1 = acc1 + part
                         q += 1
+                    _stamp(trace, ti + 2, TRACING)
                 row0 = pid_m * BM + WG * HALF
                 _store_tile(acc0, c_ptr, ws_ptr, scale, bias_ptr, M, N, 0, row0, pid_n * BN, HAS_BIAS, False,
                             layout)
                 if BN > SUB:
                     _store_tile(acc1, c_ptr, ws_ptr, scale, bias_ptr, M, N, 0, row0, pid_n * BN + SUB, HAS_BIAS,
                                 False, layout)
+                _stamp(trace, ti + 4, TRACING)
 
     @gluon.jit
     def _fp8_gemm_ws_kernel(a_desc, b_desc, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, split_k,
                             dp_tiles, sk_x, sk_tails, sk_base, sk_rem, flags_ptr,
                             HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
                             EPI_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                            num_warps: gl.constexpr, PIPE: gl.constexpr = False, SK: gl.constexpr = False):
+                            num_warps: gl.constexpr, PIPE: gl.constexpr = False, SK: gl.constexpr = False,
+                            TRACE: gl.constexpr = False):
         """EPI_BUFS > 0: TMA epilogue with EPI_BUFS shared-memory buffers per consumer and ``c_ptr`` C's tensor
         descriptor (block BM // 2 x min(BN, 128)); EPI_BUFS == 0: masked pointer stores. PIPE: ``_consumer_pipe``
         (BN = 128), else ``_consumer`` (BN 64, 128 or 256). SK: stream-K (``_consumer_sk``; ws_ptr: nprog x BM x
@@ -541,10 +563,10 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_consumer_sk, (a_smem, b_smem, ready, empty, c_ptr, ws_ptr, flags_ptr, sa_ptr, sb_ptr, bias_ptr, M,
                                 N, pid, nprog, num_pid_m, num_pid_n, k_tiles, dp_tiles, sk_x, sk_tails, sk_base,
-                                sk_rem, WG0, HAS_BIAS, STAGES, GROUP, PIPE)),
+                                sk_rem, WG0, HAS_BIAS, STAGES, GROUP, PIPE, TRACE)),
                 (_consumer_sk, (a_smem, b_smem, ready, empty, c_ptr, ws_ptr, flags_ptr, sa_ptr, sb_ptr, bias_ptr, M,
                                 N, pid, nprog, num_pid_m, num_pid_n, k_tiles, dp_tiles, sk_x, sk_tails, sk_base,
-                                sk_rem, WG1, HAS_BIAS, STAGES, GROUP, PIPE)),
+                                sk_rem, WG1, HAS_BIAS, STAGES, GROUP, PIPE, TRACE)),
                 (_producer_sk, (a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n,
                                 k_tiles, dp_tiles, sk_x, sk_tails, sk_base, sk_rem, STAGES, GROUP)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -631,11 +653,12 @@ def _epilogue(config, c, split_k: int) -> int:
 
 
 def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, config=CONFIGS[0],
-           sk_tails: int | None = None) -> None:
+           sk_tails: int | None = None, trace: bool = False):
     """Runs the kernel: C (split_k == 1) or the (split_k, M, N) fp32 workspace ``ws`` (split_k > 1, unscaled,
     no bias) from a (M, K) and b (N, K); ``config`` is one of ``CONFIGS``. Stream-K configs (``_sched``) need
     split_k == 1 and use a workspace (grid BM x BN fp32 slots) and flags kept per device and stream; ``sk_tails``
-    overrides their tail count (``_sk_params``)."""
+    overrides their tail count (``_sk_params``). ``trace`` (stream-K only; benches): returns a (grid, 16) int32
+    tensor of per-CTA GPU timer stamps in ns (``_TRACE_POINTS``), from a launch with its own flags."""
     BM, BN, BK, stages = config[:4]
     M, K = a.shape
     N = b.shape[0]
@@ -649,12 +672,14 @@ def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, conf
         grid, dp_tiles, sk_x, sk_tails, sk_base, sk_rem = _sk_params(tiles, cdiv(K, BK), num_sms, sk_tails)
         # grid partial slots (slot q + t of tail q's part of stream tile t), one flag per (slot, consumer)
         ws_arg, flags = _sk_buffers(c.device, grid, BM * BN)
+        if trace:
+            flags = torch.zeros(2 * grid + 16 * grid, dtype=torch.int32, device=c.device)
         _fp8_gemm_ws_kernel[(grid,)](
             a_desc, b_desc, c, ws_arg, scale_a, scale_b, bias if bias is not None else scale_a, M, N, K, 1,
             dp_tiles, sk_x, sk_tails, sk_base, sk_rem, flags, HAS_BIAS=bias is not None, SPLIT=False, STAGES=stages,
             GROUP=GROUP_M, EPI_BUFS=0, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
-            maxnreg=MAXNREG, PIPE=_pipe(config), SK=True)
-        return
+            maxnreg=MAXNREG, PIPE=_pipe(config), SK=True, TRACE=trace)
+        return flags[2 * grid:].view(grid, 16) if trace else None
     items = tiles * split_k
     split = split_k > 1
     epi_bufs = _epilogue(config, c, split_k)
@@ -667,6 +692,11 @@ def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, conf
         STAGES=stages, GROUP=GROUP_M, EPI_BUFS=epi_bufs, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=4, maxnreg=MAXNREG, PIPE=_pipe(config))
 
+
+# What ``launch(trace=True)`` stamps per CTA (consumer 0): slot 0 its start; per work item i (items past the third
+# overwrite the third's), base 1 + 5 i: item start, K loop end, then a tail: partial stored, flag raised; a head:
+# tails' partials added, last flag seen, tile stored; a whole tile: -, -, tile stored.
+_TRACE_POINTS = ("start", "item", "kloop", "handover", "flag", "stored")
 
 _DUMMY: dict = {}
 
