@@ -338,7 +338,7 @@ if AVAILABLE:
     # Stream-K, K-aligned ("sk" configs), for outputs whose tiles do not fill whole waves of G = SMs CTAs.
     # The first dp_tiles tiles (whole waves: tiles // G x G) run data-parallel: CTA pid takes tiles pid, pid + G, ...
     # The T = tiles - dp_tiles others ("stream tiles") are split in K at block x, shared by Q = sk_tails tail CTAs
-    # (``_sk_params`` picks x and Q: today Q = T and x = ceil(k_tiles / 2) where 2 T <= G, else Q = 0, no split):
+    # (``_sk_params`` picks x and Q by a cost model: Q = 0, no split, or Q = T / k tails of k whole tiles' rests):
     #   * head CTAs (pid in [Q, Q + T); head h = pid - Q) run K blocks [0, x) of stream tile h, all T in step over
     #     the same K blocks (so, like data-parallel tiles, they share their A / B loads in L2);
     #   * tail CTAs (pid < Q) share the blocks [x, k_tiles) of all stream tiles, L = k_tiles - x per tile, in
@@ -721,26 +721,59 @@ def _sched(config) -> str:
 TUNED_CONFIGS = list(CONFIGS)
 
 
+# The stream-K cost model (in K blocks of one CTA), from per-CTA GPU timer stamps on an H200 (bench/gemm_ws.py
+# trace, bench/RESULTS.md): a K block takes ~0.35 us; handing one partial over costs its tail ~2.3 us (fp32 stores
+# ~1.3 us, the release ~0.6 us, the next item's start) and its head ~2.3 us after the flag (the flag's poll ~0.7 us,
+# loading and adding the partial ~1.6 us).
+SK_HANDOVER_BLOCKS = 7  # a tail's cost per partial it hands over
+SK_FINISH_BLOCKS = 7  # a head's wait and merge
+SK_MIN_GAIN = 0.9  # split only where the model's span is at most this share of the unsplit one
+
+
+def _sk_x(stream: int, k_tiles: int, tails: int) -> int:
+    """The head's K blocks x. Where ``tails`` divides the stream tiles, each tail takes the rest of k = stream / tails
+    whole tiles and x balances a head (x blocks) against a tail (k (k_tiles - x + SK_HANDOVER_BLOCKS)); otherwise
+    all stream blocks are shared equally between heads and tails."""
+    if stream % tails == 0:
+        k = stream // tails
+        x = round(k * (k_tiles + SK_HANDOVER_BLOCKS) / (k + 1))
+    else:
+        x = cdiv(stream * k_tiles, stream + tails)
+    return max(1, min(k_tiles - 1, x)) if k_tiles > 1 else k_tiles
+
+
+def _sk_span(stream: int, k_tiles: int, tails: int) -> float:
+    """The model's time (K blocks) of the stream tiles split over ``tails`` tails (0: unsplit)."""
+    if tails == 0:
+        return float(k_tiles)
+    x = _sk_x(stream, k_tiles, tails)
+    per_tail = stream * (k_tiles - x) / tails
+    pieces = -(-stream // tails) + (stream % tails != 0)  # tiles a tail's range meets
+    return max(x, per_tail + pieces * SK_HANDOVER_BLOCKS) + SK_FINISH_BLOCKS
+
+
 def _sk_params(tiles: int, k_tiles: int, num_sms: int, tails: int | None = None):
     """(grid, dp_tiles, x, tails, sk_base, sk_rem) of a stream-K launch (the schedule in the comment above
-    ``_sk_lo``): whole waves of num_sms tiles data-parallel; the T other tiles split in two where that fits the SMs
-    (2 T <= num_sms): T heads run K blocks [0, x), x = ceil(k_tiles / 2), and T tails one tile's [x, k_tiles) each
-    (sk_base = k_tiles - x, sk_rem = 0); else (T > num_sms / 2) the T tiles run whole, with no tails. One tail per
-    head: on the H200, more tails per head (grids of 84 and 132 CTAs for 36 tiles, or 120 and 132 for 108) were
-    slower than one (72) or none (108): each partial handed over costs more than the K blocks it takes off the head
-    (bench/RESULTS.md, 2026-11-21). ``tails`` overrides that choice (at most num_sms - T; tests, benches): with
-    fewer or more tails than heads the tails' ranges cross tile boundaries."""
+    ``_sk_lo``): whole waves of num_sms tiles data-parallel; the T other tiles either whole or split between T heads
+    (K blocks [0, x)) and Q tails (the rest, ``_sk_x``). Q is, of 0 and the counts that give each tail k <= 6 whole
+    tiles' rests (T = k Q, T + Q <= num_sms), the one with the shortest ``_sk_span``, if that is at most
+    SK_MIN_GAIN of the unsplit span. On the H200 one tail per head (k = 1) cut the 124M proj and fc1 wgrads by 33%
+    and 11%, and k = 3 ... (bench/RESULTS.md, 2026-11-21); tails whose ranges cross tile boundaries were slower
+    than unsplit tiles. ``tails`` overrides the choice (at most num_sms - T; tests, benches)."""
     grid = max(1, num_sms)
     dp_tiles = (tiles // grid) * grid
     stream = tiles - dp_tiles
     if tails is None:
-        tails = stream if 2 * stream <= grid else 0
+        tails = 0
+        for q in (stream // k for k in range(1, 7) if stream % k == 0 and stream + stream // k <= grid):
+            if _sk_span(stream, k_tiles, q) < min(_sk_span(stream, k_tiles, tails), SK_MIN_GAIN * k_tiles):
+                tails = q
     tails = max(0, min(tails, grid - stream))
     if dp_tiles == 0:
         grid = max(1, stream + tails)
     if stream == 0 or tails == 0:
         return grid, dp_tiles, k_tiles, 0, 0, 0
-    x = min(k_tiles, cdiv(stream * k_tiles, stream + tails))
+    x = _sk_x(stream, k_tiles, tails)
     sk_base, sk_rem = divmod(stream * (k_tiles - x), tails)
     return grid, dp_tiles, x, tails, sk_base, sk_rem
 
