@@ -11,6 +11,7 @@
                                        # _scaled_mm time / ours)
     python3 bench/gemm_ws.py waves     # data-parallel time per K block against the tile count (one wave)
     python3 bench/gemm_ws.py trace     # per-CTA GPU timer stamps of stream-K launches (where the time goes)
+    python3 bench/gemm_ws.py gaps      # GEMMs back to back against interleaved with another kernel (device time)
     python3 bench/gemm_ws.py warm [--workers 8]  # runs tests/trainer/test_gemm_ws.py's GPU cases per config in
                                                 # parallel processes (fills the Triton cache; logs pass / fail)
 
@@ -274,6 +275,33 @@ def trace_mode(nsm):
             log(f"  {role:4s} x{len(rows)} (median/max us): " + ", ".join(cells))
 
 
+def gaps_mode(nsm, rounds=5):
+    """Back-to-back against interleaved launches, device time (``device_medians``) of the 124M wgrads: each GEMM
+    (``torch._scaled_mm`` precise, our ``fp8_gemm``) queued alone, and queued with a small elementwise kernel after
+    each call (as in a training step, where other kernels run between GEMMs), that kernel's own time subtracted.
+    A gap between the two columns is time a GEMM gains from following a launch of itself."""
+    for M, N, K in [(768, 768, 16384), (2304, 768, 16384), (4096, 768, 16384), (768, 2048, 16384)]:
+        a, b = ops(M, N, K, E5, E4, 1)
+        sa, sb = torch.tensor(0.5, device=DEV), torch.tensor(2.0, device=DEV)
+        small = torch.zeros(1 << 16, device=DEV)
+
+        def sm():
+            torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32, use_fast_accum=False)
+
+        def ours():
+            fp8_gemm(a, b, sa, sb, out_dtype=torch.float32, fast_accum=False)
+
+        def other():
+            small.add_(1.0)
+        t = device_medians({"sm": sm, "ours": ours, "other": other, "sm+other": lambda: (sm(), other()),
+                            "ours+other": lambda: (ours(), other())}, rounds=rounds)
+        us = {k: v * 1e3 for k, v in t.items()}
+        sm_i, ours_i = us["sm+other"] - us["other"], us["ours+other"] - us["other"]
+        log(f"gaps {M}x{N}x{K}: back to back sm {us['sm']:.1f} us, ours {us['ours']:.1f} us, ratio "
+            f"{us['sm'] / us['ours']:.3f}; interleaved (other kernel {us['other']:.1f} us subtracted) sm {sm_i:.1f} us, "
+            f"ours {ours_i:.1f} us, ratio {sm_i / ours_i:.3f}")
+
+
 def _warm_job(j):
     """Worker: every GPU test of tests/trainer/test_gemm_ws.py for config j (compiles land in the Triton cache)."""
     import importlib.util
@@ -327,6 +355,8 @@ def main():
         acc_mode(nsm)
     elif mode == "tails":
         tails_mode(nsm)
+    elif mode == "gaps":
+        gaps_mode(nsm)
     elif mode == "trace":
         trace_mode(nsm)
     elif mode == "waves":
