@@ -298,8 +298,8 @@ def gaps_mode(nsm, rounds=5):
         us = {k: v * 1e3 for k, v in t.items()}
         sm_i, ours_i = us["sm+other"] - us["other"], us["ours+other"] - us["other"]
         log(f"gaps {M}x{N}x{K}: back to back sm {us['sm']:.1f} us, ours {us['ours']:.1f} us, ratio "
-            f"{us['sm'] / us['ours']:.3f}; interleaved (other kernel {us['other']:.1f} us subtracted) sm {sm_i:.1f} us, "
-            f"ours {ours_i:.1f} us, ratio {sm_i / ours_i:.3f}")
+            f"{us['sm'] / us['ours']:.3f}; interleaved (other kernel {us['other']:.1f} us subtracted) sm "
+            f"{sm_i:.1f} us, ours {ours_i:.1f} us, ratio {sm_i / ours_i:.3f}")
 
 
 def _warm_job(j):
