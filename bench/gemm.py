@@ -14,7 +14,8 @@ with T tokens: 124M (d 768, SwiGLU hidden 2048), T = 16 x 1024; 1.5B (d 2048, hi
 _scaled_mm gets the same operands, layouts, output dtype and accumulation mode (use_fast_accum).
 Times are triton.testing.do_bench medians (L2 flushed before each run); with ``--graph``, do_bench_cudagraph
 medians instead: device time with no host gaps between launches (L2 not flushed), for the small shapes whose kernels
-are shorter than a launch's Python host time. Each shape is checked
+are shorter than a launch's Python host time; with ``--queued``, device time of eager launches queued back to back
+behind a sleep kernel (no host gaps, no graph: the trainer launches eagerly). Each shape is checked
 against _scaled_mm before it is timed. ``--check`` first runs the kernel correctness checks (bit
 exactness of the quantizers, GEMM errors against an fp64 product, Fp8Linear against nn.Linear, and no
 host sync in Fp8Linear's forward + backward). The last lines are a summary table; with $OUT set the
@@ -304,11 +305,16 @@ def bench(dev, which: str, impls):
 
 
 GRAPH = False  # --graph: device time (CUDA graph replays) instead of eager launches
+QUEUED = False  # --queued: device time of eager launches queued back to back
 
 
 def timed(fn) -> float:
-    """Median ms of ``fn``: eager do_bench, or do_bench_cudagraph with ``--graph``."""
+    """Median ms of ``fn``: eager do_bench, do_bench_cudagraph with ``--graph``, or with ``--queued`` the median of 5
+    rounds of 20 eager calls queued behind a sleep kernel (``trainer.kernels.timing.device_medians``)."""
     import triton
+    if QUEUED:
+        from trainer.kernels.timing import device_medians
+        return device_medians({0: fn}, rounds=5)[0]
     if GRAPH:
         return triton.testing.do_bench_cudagraph(fn, return_mode="median")
     return triton.testing.do_bench(fn, return_mode="median")
@@ -504,10 +510,12 @@ def main(argv=None):
     p.add_argument("--extras", action="store_true",
                    help="also time quantize_transpose, Fp8Linear fwd+bwd (eager, CUDA graph) and BK=256 precise GEMMs")
     p.add_argument("--graph", action="store_true", help="time GEMMs as CUDA graph replays (device time)")
+    p.add_argument("--queued", action="store_true", help="time GEMMs as eager launches queued back to back (device "
+                   "time; cuBLAS may pick other kernels under graph capture)")
     p.add_argument("--host", action="store_true", help="host time per call and a cProfile of fp8_gemm, no timing")
     args = p.parse_args(argv)
-    global GRAPH
-    GRAPH = args.graph
+    global GRAPH, QUEUED
+    GRAPH, QUEUED = args.graph, args.queued
     if not torch.cuda.is_available():
         print("bench/gemm.py needs a CUDA GPU (the kernels are tested on the CPU by tests/trainer/test_kernels.py)")
         return 0
@@ -535,7 +543,8 @@ def main(argv=None):
         host_profile(dev, args.shapes)
         return 0
     if not args.no_bench:
-        say("TFLOP/s (" + ("do_bench_cudagraph" if GRAPH else "do_bench") + " medians):")
+        say("TFLOP/s (" + ("queued device time" if QUEUED else "do_bench_cudagraph" if GRAPH else "do_bench")
+            + " medians):")
         try:
             rows = bench(dev, args.shapes, [i for i in args.impls.split(",") if i])
         except Exception:
