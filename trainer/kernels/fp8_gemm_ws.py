@@ -757,8 +757,9 @@ def _sk_params(tiles: int, k_tiles: int, num_sms: int, tails: int | None = None)
     ``_sk_lo``): whole waves of num_sms tiles data-parallel; the T other tiles either whole or split between T heads
     (K blocks [0, x)) and Q tails (the rest, ``_sk_x``). Q is, of 0 and the counts that give each tail k <= 6 whole
     tiles' rests (T = k Q, T + Q <= num_sms), the one with the shortest ``_sk_span``, if that is at most
-    SK_MIN_GAIN of the unsplit span. On the H200 one tail per head (k = 1) cut the 124M proj and fc1 wgrads by 33%
-    and 11%, and k = 3 ... (bench/RESULTS.md, 2026-11-21); tails whose ranges cross tile boundaries were slower
+    SK_MIN_GAIN of the unsplit span. On the H200 (bench/RESULTS.md, 2026-11-21) one tail per head (k = 1) cut the
+    124M proj and fc1 wgrads by 33% and 13%; k = 3 (124M fc2, 32 tails) only by 2% of queued device time (5% of
+    the kernel's span), as its heads' merges all come at once; tails whose ranges cross tile boundaries were slower
     than unsplit tiles. ``tails`` overrides the choice (at most num_sms - T; tests, benches)."""
     grid = max(1, num_sms)
     dp_tiles = (tiles // grid) * grid
