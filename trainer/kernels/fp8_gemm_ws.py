@@ -446,7 +446,7 @@ if AVAILABLE:
         head (k0 == 0, k1 < k_tiles) -> for each tail q meeting the tile (ascending): spin on an acquire load of
         flag (q + h, WG), add slot q + h's rows (the same register layout as the writer's, so each thread reads
         exactly what its counterpart wrote), then store. TRACE (timing, ``launch(trace=True)``): consumer 0 stamps
-        TRACE_SLOTS timer values per CTA after the flags (``_TRACE_POINTS``)."""
+        16 timer values per CTA into flags_ptr past the flags (``_TRACE_POINTS``)."""
         BM: gl.constexpr = a_smem.shape[1]
         BN: gl.constexpr = b_smem.shape[1]
         HALF: gl.constexpr = BM // 2
@@ -723,8 +723,8 @@ TUNED_CONFIGS = list(CONFIGS)
 
 # The stream-K cost model (in K blocks of one CTA), from per-CTA GPU timer stamps on an H200 (bench/gemm_ws.py
 # trace, bench/RESULTS.md): a K block takes ~0.35 us; handing one partial over costs its tail ~2.3 us (fp32 stores
-# ~1.3 us, the release ~0.6 us, the next item's start) and its head ~2.3 us after the flag (the flag's poll ~0.7 us,
-# loading and adding the partial ~1.6 us).
+# ~1.0-1.3 us, the release ~0.6-0.9 us, the next item's start) and its head ~2.3 us or more after the flag is raised
+# (seeing it ~0.7-1.2 us, loading and adding the partial ~1.6-2.2 us, more when all heads merge at once).
 SK_HANDOVER_BLOCKS = 7  # a tail's cost per partial it hands over
 SK_FINISH_BLOCKS = 7  # a head's wait and merge
 SK_MIN_GAIN = 0.9  # split only where the model's span is at most this share of the unsplit one
