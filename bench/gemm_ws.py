@@ -53,6 +53,21 @@ def ops(M, N, K, da, db, seed):
     return a, b
 
 
+def case(M, N, K, od, seed):
+    """Operands of one wgrad / dgrad benchmark: a (M, K) e5m2, b (N, K) e4m3, scales 0.5 / 2, an empty C of ``od``."""
+    a, b = ops(M, N, K, E5, E4, seed)
+    sa, sb = torch.tensor(0.5, device=DEV), torch.tensor(2.0, device=DEV)
+    return a, b, sa, sb, torch.empty(M, N, dtype=od, device=DEV)
+
+
+def sm_precise(a, b, sa, sb, od):
+    """torch._scaled_mm with precise accumulation: the reference and the time to beat."""
+    return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=od, use_fast_accum=False)
+
+
+WGRADS_124M = [(768, 768, 16384), (2304, 768, 16384), (4096, 768, 16384), (768, 2048, 16384)]  # proj qkv fc1 fc2
+
+
 def rel(x, ref):
     return float((x.double() - ref.double()).norm() / ref.double().norm())
 
@@ -118,14 +133,12 @@ def speed_mode(nsm, quick, only=None):
         shapes = [s for s in shapes if only in s[0]]
     summary = []
     for label, M, N, K, od in shapes:
-        a, b = ops(M, N, K, E5, E4, 7)
-        sa, sb = torch.tensor(0.5, device=DEV), torch.tensor(2.0, device=DEV)
+        a, b, sa, sb, c = case(M, N, K, od, 7)
         fl = 2 * M * N * K
-        ref = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32, use_fast_accum=False)
+        ref = sm_precise(a, b, sa, sb, torch.float32)
         err, fns = {}, {}
-        fns["sm"] = lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=od, use_fast_accum=False)
+        fns["sm"] = lambda: sm_precise(a, b, sa, sb, od)
         fns["triton"] = lambda: fp8_gemm(a, b, sa, sb, out_dtype=od, fast_accum=False)
-        c = torch.empty(M, N, dtype=od, device=DEV)
         splits = [1]
         if triton.cdiv(M, 128) * triton.cdiv(N, 128) < nsm and K >= 8192 and quick != "short":
             splits += [2, 4]  # (not with --short: slower than split_k 1 in every earlier run)
@@ -165,10 +178,8 @@ def host_mode(nsm):
               ("124m.qkv dgrad", 16384, 768, 2304, torch.bfloat16),
               ("1.5b.proj dgrad", 8192, 2048, 2048, torch.bfloat16)]
     for label, M, N, K, od in shapes:
-        a, b = ops(M, N, K, E5, E4, 7)
-        sa, sb = torch.tensor(0.5, device=DEV), torch.tensor(2.0, device=DEV)
-        c = torch.empty(M, N, dtype=od, device=DEV)
-        fns = {"sm": lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=od, use_fast_accum=False)}
+        a, b, sa, sb, c = case(M, N, K, od, 7)
+        fns = {"sm": lambda: sm_precise(a, b, sa, sb, od)}
         for cfg in W.CONFIGS:
             fns[tag(cfg)] = (lambda cfg=cfg: W.launch(a, b, c, None, sa, sb, None, 1, nsm, cfg))
         fl = 2 * M * N * K
@@ -190,14 +201,11 @@ def tails_mode(nsm, rounds=5):
     the leftover tiles (each tail then takes whole tiles' K ranges) and at the largest counts that fit, beside the
     data-parallel 6-stage pipe config and ``torch._scaled_mm`` (precise) in the same rounds."""
     dp_cfg = (128, 128, 128, 6, "ptr", "pipe")
-    for M, N, K in [(768, 768, 16384), (2304, 768, 16384), (4096, 768, 16384), (768, 2048, 16384)]:
-        a, b = ops(M, N, K, E5, E4, 1)
-        sa, sb = torch.tensor(0.5, device=DEV), torch.tensor(2.0, device=DEV)
-        c = torch.empty(M, N, dtype=torch.float32, device=DEV)
+    for M, N, K in WGRADS_124M:
+        a, b, sa, sb, c = case(M, N, K, torch.float32, 1)
         tiles = triton.cdiv(M, 128) * triton.cdiv(N, 128)
         stream = tiles % nsm
-        fns = {"sm": lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32,
-                                              use_fast_accum=False)}
+        fns = {"sm": lambda: sm_precise(a, b, sa, sb, torch.float32)}
         fns[tag(dp_cfg)] = lambda: W.launch(a, b, c, None, sa, sb, None, 1, nsm, dp_cfg)
         aligned = {q for q in range(1, stream + 1) if stream % q == 0 and stream // q <= 6 and stream + q <= nsm}
         for cfg in [c_ for c_ in W.CONFIGS if W._sched(c_)]:
@@ -218,17 +226,13 @@ def waves_mode(nsm, rounds=5):
     dp_cfg = (128, 128, 128, 6, "ptr", "pipe")
     K = 16384
     for M, N in [(768, 768), (768, 1536), (768, 2048), (1024, 2048), (768, 2816)]:
-        a, b = ops(M, N, K, E5, E4, 1)
-        sa, sb = torch.tensor(0.5, device=DEV), torch.tensor(2.0, device=DEV)
-        c = torch.empty(M, N, dtype=torch.float32, device=DEV)
+        a, b, sa, sb, c = case(M, N, K, torch.float32, 1)
         tiles = triton.cdiv(M, 128) * triton.cdiv(N, 128)
-        t = device_medians({
-            "sm": lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32,
-                                           use_fast_accum=False),
-            "dp": lambda: W.launch(a, b, c, None, sa, sb, None, 1, nsm, dp_cfg)}, rounds=rounds)
+        t = device_medians({"sm": lambda: sm_precise(a, b, sa, sb, torch.float32),
+                            "dp": lambda: W.launch(a, b, c, None, sa, sb, None, 1, nsm, dp_cfg)}, rounds=rounds)
         fl = 2 * M * N * K
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32, use_fast_accum=False)
+            sm_precise(a, b, sa, sb, torch.float32)
             torch.cuda.synchronize()
         kernels = sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
         log(f"waves {M}x{N}x{K}: _scaled_mm runs {kernels}")
@@ -244,15 +248,13 @@ def trace_mode(nsm):
     import numpy as np
     for M, N, tails in [(768, 768, 36), (768, 768, 0), (768, 2048, 32), (768, 2048, 0), (4096, 768, None)]:
         K = 16384
-        a, b = ops(M, N, K, E5, E4, 1)
-        sa, sb = torch.tensor(0.5, device=DEV), torch.tensor(2.0, device=DEV)
-        c = torch.empty(M, N, dtype=torch.float32, device=DEV)
+        a, b, sa, sb, c = case(M, N, K, torch.float32, 1)
         cfg = (128, 128, 128, 6, "ptr", "pipe", "sk")
         for _ in range(3):
             W.launch(a, b, c, None, sa, sb, None, 1, nsm, cfg, sk_tails=tails)
         tr = W.launch(a, b, c, None, sa, sb, None, 1, nsm, cfg, sk_tails=tails, trace=True)
         torch.cuda.synchronize()
-        ref = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32, use_fast_accum=False)
+        ref = sm_precise(a, b, sa, sb, torch.float32)
         grid, dp_tiles, x, n_tail, _, _ = W._sk_params(triton.cdiv(M, 128) * triton.cdiv(N, 128), K // 128, nsm,
                                                        tails)
         t = tr.cpu().numpy().astype(np.int64)
@@ -280,13 +282,12 @@ def gaps_mode(nsm, rounds=5):
     (``torch._scaled_mm`` precise, our ``fp8_gemm``) queued alone, and queued with a small elementwise kernel after
     each call (as in a training step, where other kernels run between GEMMs), that kernel's own time subtracted.
     A gap between the two columns is time a GEMM gains from following a launch of itself."""
-    for M, N, K in [(768, 768, 16384), (2304, 768, 16384), (4096, 768, 16384), (768, 2048, 16384)]:
-        a, b = ops(M, N, K, E5, E4, 1)
-        sa, sb = torch.tensor(0.5, device=DEV), torch.tensor(2.0, device=DEV)
+    for M, N, K in WGRADS_124M:
+        a, b, sa, sb, _ = case(M, N, K, torch.float32, 1)
         small = torch.zeros(1 << 16, device=DEV)
 
         def sm():
-            torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32, use_fast_accum=False)
+            sm_precise(a, b, sa, sb, torch.float32)
 
         def ours():
             fp8_gemm(a, b, sa, sb, out_dtype=torch.float32, fast_accum=False)
@@ -351,18 +352,10 @@ def main():
     props = torch.cuda.get_device_properties(0)
     log(f"device {props.name}, torch {torch.__version__}, triton {triton.__version__}, configs {W.CONFIGS}")
     nsm = props.multi_processor_count
-    if mode == "acc":
-        acc_mode(nsm)
-    elif mode == "tails":
-        tails_mode(nsm)
-    elif mode == "gaps":
-        gaps_mode(nsm)
-    elif mode == "trace":
-        trace_mode(nsm)
-    elif mode == "waves":
-        waves_mode(nsm)
-    elif mode == "host":
-        host_mode(nsm)
+    by_sms = {"acc": acc_mode, "tails": tails_mode, "gaps": gaps_mode, "trace": trace_mode, "waves": waves_mode,
+              "host": host_mode}
+    if mode in by_sms:
+        by_sms[mode](nsm)
     elif mode == "warm":
         workers = int(sys.argv[sys.argv.index("--workers") + 1]) if "--workers" in sys.argv else len(W.CONFIGS)
         warm_mode(workers)
