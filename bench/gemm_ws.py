@@ -10,6 +10,7 @@
     python3 bench/gemm_ws.py tails     # stream-K tail counts on the 124M wgrads (device time; ratio:
                                        # _scaled_mm time / ours)
     python3 bench/gemm_ws.py narrow    # narrow tiles (BN 96 / 112) on the 124M wgrads (device time, checked)
+    python3 bench/gemm_ws.py ncu       # one launch per kernel on the 124M qkv / fc2 wgrads, to run under ncu
     python3 bench/gemm_ws.py waves     # data-parallel time per K block against the tile count (one wave)
     python3 bench/gemm_ws.py trace     # per-CTA GPU timer stamps of stream-K launches (where the time goes)
     python3 bench/gemm_ws.py gaps      # GEMMs back to back against interleaved with another kernel (device time)
@@ -242,6 +243,22 @@ def narrow_mode(nsm, rounds=7):
             + "; ".join(f"{k} {v * 1e3:.1f} us ({t['sm'] / v:.3f})" for k, v in t.items()))
 
 
+def ncu_mode(nsm):
+    """One launch each of _scaled_mm (precise) and our data-parallel, stream-K, BN = 256 and narrow configs on the
+    124M qkv and fc2 wgrads, for ncu (whether they are bound by L2-to-SM bandwidth):
+    ncu --clock-control none -k regex:"gemm|nvjet|xmma|cutlass" --section SpeedOfLight --section LaunchStats
+        --section MemoryWorkloadAnalysis --metrics lts__t_bytes.sum python3 bench/gemm_ws.py ncu"""
+    cfgs = [(128, 128, 128, 6, "ptr", "pipe"), (128, 128, 128, 6, "ptr", "pipe", "sk"), (128, 256, 128, 4)]
+    cfgs += [c_ for c_ in W.CONFIGS if W._narrow(c_)]
+    for M, N, K in (WGRADS_124M[1], WGRADS_124M[3]):
+        a, b, sa, sb, c = case(M, N, K, torch.float32, 1)
+        log(f"ncu {M}x{N}x{K}: _scaled_mm, then {', '.join(map(tag, cfgs))}")
+        sm_precise(a, b, sa, sb, torch.float32)
+        for cfg in cfgs:
+            W.launch(a, b, c, None, sa, sb, None, 1, nsm, cfg)
+        torch.cuda.synchronize()
+
+
 def waves_mode(nsm, rounds=5):
     """Data-parallel device time per K block against the number of output tiles (one wave, K = 16384): whether a
     CTA's K blocks get slower as more SMs run at once (the cost that stream-K's extra CTAs would pay), beside
@@ -375,8 +392,8 @@ def main():
     props = torch.cuda.get_device_properties(0)
     log(f"device {props.name}, torch {torch.__version__}, triton {triton.__version__}, configs {W.CONFIGS}")
     nsm = props.multi_processor_count
-    by_sms = {"acc": acc_mode, "tails": tails_mode, "narrow": narrow_mode, "gaps": gaps_mode, "trace": trace_mode,
-              "waves": waves_mode, "host": host_mode}
+    by_sms = {"acc": acc_mode, "tails": tails_mode, "narrow": narrow_mode, "ncu": ncu_mode, "gaps": gaps_mode,
+              "trace": trace_mode, "waves": waves_mode, "host": host_mode}
     if mode in by_sms:
         by_sms[mode](nsm)
     elif mode == "warm":

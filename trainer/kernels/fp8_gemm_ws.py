@@ -382,19 +382,23 @@ if AVAILABLE:
             for kb in range(nk):
                 s = c % STAGES
                 mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-                a = a_smem.index(s).slice(WG * HALF, HALF)
                 bs = b_smem.index(s)
+                # A in registers, loaded once for all chains (from shared memory, each chain would re-read it)
+                a = a_smem.index(s).slice(WG * HALF, HALF).load(gl.DotOperandLayout(0, l1, 4))
                 tok1 = warpgroup_mma(a, bs.slice(0, 64).permute((1, 0)), t1, use_acc=False, is_async=True)
                 if P2 > 0:
-                    tok2 = warpgroup_mma(a, bs.slice(64, P2).permute((1, 0)), t2, use_acc=False, is_async=True)
+                    tok2 = warpgroup_mma(gl.convert_layout(a, gl.DotOperandLayout(0, l2, 4)),
+                                         bs.slice(64, P2).permute((1, 0)), t2, use_acc=False, is_async=True)
                 if P3 > 0:
-                    tok3 = warpgroup_mma(a, bs.slice(P3_0, P3).permute((1, 0)), t3, use_acc=False, is_async=True)
+                    tok3 = warpgroup_mma(gl.convert_layout(a, gl.DotOperandLayout(0, l3, 4)),
+                                         bs.slice(P3_0, P3).permute((1, 0)), t3, use_acc=False, is_async=True)
+                # (not a: the wait cannot carry 8-bit registers; nothing writes them before it)
                 if P2 > 0 and P3 > 0:
-                    t1, t2, t3, a, bs = warpgroup_mma_wait(num_outstanding=0, deps=(tok1, tok2, tok3, a, bs))
+                    t1, t2, t3, bs = warpgroup_mma_wait(num_outstanding=0, deps=(tok1, tok2, tok3, bs))
                 elif P2 > 0:
-                    t1, t2, a, bs = warpgroup_mma_wait(num_outstanding=0, deps=(tok1, tok2, a, bs))
+                    t1, t2, bs = warpgroup_mma_wait(num_outstanding=0, deps=(tok1, tok2, bs))
                 else:
-                    t1, t3, a, bs = warpgroup_mma_wait(num_outstanding=0, deps=(tok1, tok3, a, bs))
+                    t1, t3, bs = warpgroup_mma_wait(num_outstanding=0, deps=(tok1, tok3, bs))
                 mbarrier.arrive(empty.index(s), count=1)
                 acc1 = acc1 + t1
                 if P2 > 0:
