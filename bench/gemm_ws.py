@@ -9,7 +9,6 @@
     python3 bench/gemm_ws.py host      # small shapes: eager vs CUDA-graph (device) time, host time per call
     python3 bench/gemm_ws.py tails     # stream-K tail counts on the 124M wgrads (device time; ratio:
                                        # _scaled_mm time / ours)
-    python3 bench/gemm_ws.py narrow    # narrow tiles (BN 96 / 112) on the 124M wgrads (device time, checked)
     python3 bench/gemm_ws.py ncu       # one launch per kernel on the 124M qkv / fc2 wgrads, to run under ncu
     python3 bench/gemm_ws.py waves     # data-parallel time per K block against the tile count (one wave)
     python3 bench/gemm_ws.py trace     # per-CTA GPU timer stamps of stream-K launches (where the time goes)
@@ -221,35 +220,12 @@ def tails_mode(nsm, rounds=5):
         log(f"tails {M}x{N}x{K} ({tiles} tiles, {stream} leftover): " + "; ".join(parts))
 
 
-def narrow_mode(nsm, rounds=7):
-    """Narrow tiles (BN 96 / 112, ``_consumer_narrow``) on the 124M wgrads: device time (``device_medians``) beside
-    the 128-wide data-parallel pipe config, the stream-K configs (their own tail choice) and ``torch._scaled_mm``
-    (precise), in the same rounds; each narrow output is first checked against _scaled_mm."""
-    dp_cfg = (128, 128, 128, 6, "ptr", "pipe")
-    for M, N, K in WGRADS_124M:
-        a, b, sa, sb, c = case(M, N, K, torch.float32, 1)
-        ref = sm_precise(a, b, sa, sb, torch.float32)
-        fns = {"sm": lambda: sm_precise(a, b, sa, sb, torch.float32)}
-        errs = []
-        for cfg in [dp_cfg] + [c_ for c_ in W.CONFIGS if W._sched(c_) or W._narrow(c_)]:
-            fns[tag(cfg)] = lambda cfg=cfg: W.launch(a, b, c, None, sa, sb, None, 1, nsm, cfg)
-            if W._narrow(cfg):
-                c.fill_(float("nan"))
-                fns[tag(cfg)]()
-                errs.append(f"{tag(cfg)} rel {rel(c, ref):.1e}")
-        t = device_medians(fns, rounds=rounds)
-        tiles = {bn: triton.cdiv(M, 128) * triton.cdiv(N, bn) for bn in (96, 112, 128)}
-        log(f"narrow {M}x{N}x{K} (tiles by BN {tiles}; {', '.join(errs)}): "
-            + "; ".join(f"{k} {v * 1e3:.1f} us ({t['sm'] / v:.3f})" for k, v in t.items()))
-
-
 def ncu_mode(nsm):
-    """One launch each of _scaled_mm (precise) and our data-parallel, stream-K, BN = 256 and narrow configs on the
+    """One launch each of _scaled_mm (precise) and our data-parallel, stream-K and BN = 256 configs on the
     124M qkv and fc2 wgrads, for ncu (whether they are bound by L2-to-SM bandwidth):
     ncu --clock-control none -k regex:"gemm|nvjet|xmma|cutlass" --section SpeedOfLight --section LaunchStats
         --section MemoryWorkloadAnalysis --metrics lts__t_bytes.sum python3 bench/gemm_ws.py ncu"""
     cfgs = [(128, 128, 128, 6, "ptr", "pipe"), (128, 128, 128, 6, "ptr", "pipe", "sk"), (128, 256, 128, 4)]
-    cfgs += [c_ for c_ in W.CONFIGS if W._narrow(c_)]
     for M, N, K in (WGRADS_124M[1], WGRADS_124M[3]):
         a, b, sa, sb, c = case(M, N, K, torch.float32, 1)
         log(f"ncu {M}x{N}x{K}: _scaled_mm, then {', '.join(map(tag, cfgs))}")
@@ -392,7 +368,7 @@ def main():
     props = torch.cuda.get_device_properties(0)
     log(f"device {props.name}, torch {torch.__version__}, triton {triton.__version__}, configs {W.CONFIGS}")
     nsm = props.multi_processor_count
-    by_sms = {"acc": acc_mode, "tails": tails_mode, "narrow": narrow_mode, "ncu": ncu_mode, "gaps": gaps_mode,
+    by_sms = {"acc": acc_mode, "tails": tails_mode, "ncu": ncu_mode, "gaps": gaps_mode,
               "trace": trace_mode, "waves": waves_mode, "host": host_mode}
     if mode in by_sms:
         by_sms[mode](nsm)

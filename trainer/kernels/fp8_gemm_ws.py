@@ -69,6 +69,8 @@ except Exception:  # pragma: no cover - Triton without Gluon's Hopper API
 
 # (BM, BN, BK, STAGES). Shared memory: STAGES * (BM + BN) * BK bytes. Register tensors need power-of-2 shapes, so
 # no BN = 192. BN = 256: per consumer thread 128 accumulator + 64 temporary fp32 registers (see _consumer).
+# Narrow tiles (BN 96 / 112 as 64 + 32 (+ 16) wgmma chains, to fill the SMs as cuBLAS' 96 / 112-wide tiles do) were
+# exact but slower than 128-wide ones on every 124M wgrad, A in registers or not (6f5e239, bench/RESULTS.md).
 #
 # An optional 5th entry picks the epilogue: "ptr" (default; masked stores from registers) or "tma" (scale / bias /
 # cast in registers, then shared memory and an asynchronous TMA store that drains while the next tile's main loop
@@ -94,11 +96,6 @@ CONFIGS = [
     # offline).
     (128, 128, 128, 6, "ptr", "plain", "sk"),  # 192 KB ring
     (128, 128, 128, 6, "ptr", "pipe", "sk"),
-    # narrow tiles (BN not a power of 2: ``_consumer_narrow``, "ptr" epilogue): BN = 96 gives a 768 x 2048 output
-    # 128 tiles and BN = 112 a 2304 x 768 one 126 (124M fc2 / qkv wgrads), where 128 x 128 tiles leave 36 / 24 of
-    # 132 SMs idle. The ring keeps 128 B rows per stage.
-    (128, 96, 128, 6),
-    (128, 112, 128, 6),
 ]
 GROUP_M = 8
 # setmaxnreg budgets (multiples of 8); 3 warpgroups (consumer, consumer, producer padded to 4 warps) under a
@@ -130,25 +127,18 @@ if AVAILABLE:
         return pid_m, pid_n
 
     @gluon.jit
-    def _load_block(a_desc, b_desc, a_smem, b_smem, ready, empty, c, pid_m, pid_n, kb, STAGES: gl.constexpr,
-                    BN: gl.constexpr):
-        """TMA loads of K block kb of tile (pid_m, pid_n) into ring slot c % STAGES, once that slot is free. B's
-        BN rows arrive as BN / BOX boxes of b_desc's BOX rows (one box, except for narrow tiles: ``_narrow``)."""
+    def _load_block(a_desc, b_desc, a_smem, b_smem, ready, empty, c, pid_m, pid_n, kb, STAGES: gl.constexpr):
+        """TMA loads of K block kb of tile (pid_m, pid_n) into ring slot c % STAGES, once that slot is free."""
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
-        BOX: gl.constexpr = b_desc.block_type.shape[0]
+        BN: gl.constexpr = b_desc.block_type.shape[0]
         s = c % STAGES
         # a fresh mbarrier completes the (virtual) phase before phase 0: the first lap does not wait
         mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
         bar = ready.index(s)
-        mbarrier.expect(bar, a_desc.block_type.nbytes + (BN // BOX) * b_desc.block_type.nbytes)
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(a_desc, [pid_m * BM, kb * BK], bar, a_smem.index(s))
-        if BN == BOX:
-            tma.async_copy_global_to_shared(b_desc, [pid_n * BN, kb * BK], bar, b_smem.index(s))
-        else:  # boxes past N are zero-filled by TMA (and still count their bytes)
-            for j in gl.static_range(BN // BOX):
-                tma.async_copy_global_to_shared(b_desc, [pid_n * BN + j * BOX, kb * BK], bar,
-                                                b_smem.index(s).slice(j * BOX, BOX))
+        tma.async_copy_global_to_shared(b_desc, [pid_n * BN, kb * BK], bar, b_smem.index(s))
 
     @gluon.jit
     def _work_item(item, num_pid_m, num_pid_n, num_tiles, per, k_tiles, GROUP: gl.constexpr):
@@ -160,12 +150,12 @@ if AVAILABLE:
 
     @gluon.jit
     def _producer(a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n, num_tiles,
-                  num_items, per, k_tiles, STAGES: gl.constexpr, GROUP: gl.constexpr, BN: gl.constexpr):
+                  num_items, per, k_tiles, STAGES: gl.constexpr, GROUP: gl.constexpr):
         c = 0
         for item in range(pid, num_items, nprog):
             pid_m, pid_n, ks, k0, nk = _work_item(item, num_pid_m, num_pid_n, num_tiles, per, k_tiles, GROUP)
             for kb in range(nk):
-                _load_block(a_desc, b_desc, a_smem, b_smem, ready, empty, c, pid_m, pid_n, k0 + kb, STAGES, BN)
+                _load_block(a_desc, b_desc, a_smem, b_smem, ready, empty, c, pid_m, pid_n, k0 + kb, STAGES)
                 c += 1
 
     @gluon.jit
@@ -346,74 +336,6 @@ if AVAILABLE:
         if EPI_BUFS > 0:
             tma.store_wait(0)  # the buffers must outlive the stores reading them
 
-    @gluon.jit
-    def _consumer_narrow(a_smem, b_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid, nprog,
-                         num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, WG: gl.constexpr,
-                         HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
-                         BN: gl.constexpr):
-        """Consumer warpgroup WG of a narrow tile (BN = 80, 96 or 112: ``_narrow``), rows [64 WG, 64 WG + 64). Triton
-        tensors need power-of-2 shapes, so the BN columns run as one wgmma chain per power-of-2 part (64, then 32
-        and / or 16), all issued before one wait, each into its own temporary and fp32
-        accumulator. Pointer stores, one per part."""
-        BM: gl.constexpr = a_smem.shape[1]
-        HALF: gl.constexpr = BM // 2
-        P2: gl.constexpr = 32 if BN - 64 >= 32 else 0
-        P3: gl.constexpr = BN - 64 - P2
-        gl.static_assert(P3 == 0 or P3 == 16, "narrow BN: 80, 96 or 112")
-        W2: gl.constexpr = P2 if P2 > 0 else 16  # absent parts keep a (dead) 16-wide shape
-        W3: gl.constexpr = P3 if P3 > 0 else 16
-        P3_0: gl.constexpr = 64 + P2  # first column of the third part
-        l1: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
-        l2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                     instr_shape=[16, W2, 32])
-        l3: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                     instr_shape=[16, W3, 32])
-        scale = gl.load(sa_ptr) * gl.load(sb_ptr)
-        # the wgmma temporaries: loop-carried so that they keep their registers (use_acc=False ignores the values)
-        t1 = gl.zeros((HALF, 64), gl.float32, l1)
-        t2 = gl.zeros((HALF, W2), gl.float32, l2)
-        t3 = gl.zeros((HALF, W3), gl.float32, l3)
-        c = 0
-        for item in range(pid, num_items, nprog):
-            pid_m, pid_n, ks, k0, nk = _work_item(item, num_pid_m, num_pid_n, num_tiles, per, k_tiles, GROUP)
-            acc1 = gl.zeros((HALF, 64), gl.float32, l1)
-            acc2 = gl.zeros((HALF, W2), gl.float32, l2)
-            acc3 = gl.zeros((HALF, W3), gl.float32, l3)
-            for kb in range(nk):
-                s = c % STAGES
-                mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-                bs = b_smem.index(s)
-                # A in registers, loaded once for all chains (from shared memory, each chain would re-read it)
-                a = a_smem.index(s).slice(WG * HALF, HALF).load(gl.DotOperandLayout(0, l1, 4))
-                tok1 = warpgroup_mma(a, bs.slice(0, 64).permute((1, 0)), t1, use_acc=False, is_async=True)
-                if P2 > 0:
-                    tok2 = warpgroup_mma(gl.convert_layout(a, gl.DotOperandLayout(0, l2, 4)),
-                                         bs.slice(64, P2).permute((1, 0)), t2, use_acc=False, is_async=True)
-                if P3 > 0:
-                    tok3 = warpgroup_mma(gl.convert_layout(a, gl.DotOperandLayout(0, l3, 4)),
-                                         bs.slice(P3_0, P3).permute((1, 0)), t3, use_acc=False, is_async=True)
-                # (not a: the wait cannot carry 8-bit registers; nothing writes them before it)
-                if P2 > 0 and P3 > 0:
-                    t1, t2, t3, bs = warpgroup_mma_wait(num_outstanding=0, deps=(tok1, tok2, tok3, bs))
-                elif P2 > 0:
-                    t1, t2, bs = warpgroup_mma_wait(num_outstanding=0, deps=(tok1, tok2, bs))
-                else:
-                    t1, t3, bs = warpgroup_mma_wait(num_outstanding=0, deps=(tok1, tok3, bs))
-                mbarrier.arrive(empty.index(s), count=1)
-                acc1 = acc1 + t1
-                if P2 > 0:
-                    acc2 = acc2 + t2
-                if P3 > 0:
-                    acc3 = acc3 + t3
-                c += 1
-            row0 = pid_m * BM + WG * HALF
-            col0 = pid_n * BN
-            _store_tile(acc1, c_ptr, ws_ptr, scale, bias_ptr, M, N, ks, row0, col0, HAS_BIAS, SPLIT, l1)
-            if P2 > 0:
-                _store_tile(acc2, c_ptr, ws_ptr, scale, bias_ptr, M, N, ks, row0, col0 + 64, HAS_BIAS, SPLIT, l2)
-            if P3 > 0:
-                _store_tile(acc3, c_ptr, ws_ptr, scale, bias_ptr, M, N, ks, row0, col0 + P3_0, HAS_BIAS, SPLIT, l3)
-
     # ---------------------------------------------------------------------------------------------------------
     # Stream-K, K-aligned ("sk" configs), for outputs whose tiles do not fill whole waves of G = SMs CTAs.
     # The first dp_tiles tiles (whole waves: tiles // G x G) run data-parallel: CTA pid takes tiles pid, pid + G, ...
@@ -492,8 +414,7 @@ if AVAILABLE:
             pid_m, pid_n, k0, k1, aux = _sk_item(i, pid, nprog, n_dp, num_tiles, k_tiles, dp_tiles, sk_x, sk_tails,
                                                  sk_base, sk_rem, num_pid_m, num_pid_n, GROUP)
             for kb in range(k0, k1):
-                _load_block(a_desc, b_desc, a_smem, b_smem, ready, empty, c, pid_m, pid_n, kb, STAGES,
-                            b_desc.block_type.shape[0])
+                _load_block(a_desc, b_desc, a_smem, b_smem, ready, empty, c, pid_m, pid_n, kb, STAGES)
                 c += 1
 
     @gluon.jit
@@ -608,7 +529,7 @@ if AVAILABLE:
                             HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
                             EPI_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                             num_warps: gl.constexpr, PIPE: gl.constexpr = False, SK: gl.constexpr = False,
-                            TRACE: gl.constexpr = False, BN_NARROW: gl.constexpr = 0):
+                            TRACE: gl.constexpr = False):
         """EPI_BUFS > 0: TMA epilogue with EPI_BUFS shared-memory buffers per consumer and ``c_ptr`` C's tensor
         descriptor (block BM // 2 x min(BN, 128)); EPI_BUFS == 0: masked pointer stores. PIPE: ``_consumer_pipe``
         (BN = 128), else ``_consumer`` (BN 64, 128 or 256). SK: stream-K (``_consumer_sk``; ws_ptr: nprog x BM x
@@ -616,11 +537,10 @@ if AVAILABLE:
         comment above ``_sk_lo``); else dp_tiles, sk_x, sk_tails, sk_base, sk_rem and flags_ptr are unused."""
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
-        BN: gl.constexpr = BN_NARROW if BN_NARROW > 0 else b_desc.block_type.shape[0]
-        B_ROWS: gl.constexpr = 128 if BN_NARROW > 0 else BN  # ring rows per stage: a power of 2
+        BN: gl.constexpr = b_desc.block_type.shape[0]
         gl.static_assert(BM == 128 and num_warps == 4, "two 64-row consumer warpgroups")
         a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
-        b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, B_ROWS, BK], b_desc.layout)
+        b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         if EPI_BUFS > 0:
@@ -652,17 +572,6 @@ if AVAILABLE:
                 (_producer_sk, (a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n,
                                 k_tiles, dp_tiles, sk_x, sk_tails, sk_base, sk_rem, STAGES, GROUP)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-        elif BN_NARROW > 0:
-            gl.warp_specialize([
-                (_consumer_narrow, (a_smem, b_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid,
-                                    nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, WG0, HAS_BIAS,
-                                    SPLIT, STAGES, GROUP, BN)),
-                (_consumer_narrow, (a_smem, b_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid,
-                                    nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, WG1, HAS_BIAS,
-                                    SPLIT, STAGES, GROUP, BN)),
-                (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n, num_tiles,
-                             num_items, per, k_tiles, STAGES, GROUP, BN)),
-            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         elif PIPE:
             gl.warp_specialize([
                 (_consumer_pipe, (a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr,
@@ -672,7 +581,7 @@ if AVAILABLE:
                                   bias_ptr, M, N, pid, nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles,
                                   WG1, HAS_BIAS, SPLIT, STAGES, GROUP, EPI_BUFS)),
                 (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n, num_tiles,
-                             num_items, per, k_tiles, STAGES, GROUP, BN)),
+                             num_items, per, k_tiles, STAGES, GROUP)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
@@ -683,7 +592,7 @@ if AVAILABLE:
                              nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, WG1, HAS_BIAS, SPLIT,
                              STAGES, GROUP, EPI_BUFS)),
                 (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n, num_tiles,
-                             num_items, per, k_tiles, STAGES, GROUP, BN)),
+                             num_items, per, k_tiles, STAGES, GROUP)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     _GL_DTYPE = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
@@ -732,7 +641,7 @@ def _sk_buffers(device, grid: int, slot_elems: int):
 def _epilogue(config, c, split_k: int) -> int:
     """Shared-memory output buffers per consumer for ``config``'s epilogue on C ``c``: 0 = pointer stores."""
     BM, BN, BK, stages = config[:4]
-    if len(config) < 5 or config[4] != "tma" or split_k > 1 or c.dtype not in _GL_OUT_DTYPE or _narrow(config):
+    if len(config) < 5 or config[4] != "tma" or split_k > 1 or c.dtype not in _GL_OUT_DTYPE:
         return 0
     M, N = c.shape
     if c.stride(1) != 1 or c.stride(0) != N or (N * c.element_size()) % 16 or c.data_ptr() % 16:
@@ -756,8 +665,7 @@ def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, conf
     M, K = a.shape
     N = b.shape[0]
     a_desc = _descriptor(a, (BM, BK))
-    narrow = _narrow(config)  # B arrives as boxes of BN's largest power-of-2 divisor (``_load_block``)
-    b_desc = _descriptor(b, (BN & -BN if narrow else BN, BK))
+    b_desc = _descriptor(b, (BN, BK))
     tiles = cdiv(M, BM) * cdiv(N, BN)
     sched = _sched(config)
     if sched:
@@ -784,7 +692,7 @@ def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, conf
         a_desc, b_desc, c_arg, ws if split else c, scale_a, scale_b, bias if bias is not None else scale_a, M, N, K,
         split_k, 0, 0, 0, 0, 0, _dummy_i32(c.device), HAS_BIAS=bias is not None and not split, SPLIT=split,
         STAGES=stages, GROUP=GROUP_M, EPI_BUFS=epi_bufs, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-        num_warps=4, maxnreg=MAXNREG, PIPE=_pipe(config), BN_NARROW=BN if narrow else 0)
+        num_warps=4, maxnreg=MAXNREG, PIPE=_pipe(config))
 
 
 # What ``launch(trace=True)`` stamps per CTA (consumer 0): slot 0 its start; per work item i (items past the third
@@ -899,11 +807,6 @@ def sk_plan(tiles: int, k_tiles: int, num_sms: int, tails: int | None = None):
             items.append((dp_tiles + h, 0, x, "finish" if L else "whole", waits))
         plan.append(items)
     return plan
-
-
-def _narrow(config) -> bool:
-    """Narrow tiles: BN is not a power of 2 (80, 96, 112; ``_consumer_narrow``)."""
-    return config[1] & (config[1] - 1) != 0
 
 
 def _pipe(config) -> bool:
