@@ -74,7 +74,9 @@ def _child() -> None:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    pytest.importorskip("triton")
+    from interpreter_child import skip_if_interpreter_broken  # tests/ is on the path under pytest
+
+    skip_if_interpreter_broken()
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
     out = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]

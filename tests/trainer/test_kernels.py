@@ -229,6 +229,9 @@ def _child_checks():
 
 @pytest.fixture(scope="module")
 def interpreter_results():
+    from interpreter_child import skip_if_interpreter_broken  # tests/ is on the path under pytest
+
+    skip_if_interpreter_broken()
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=280)
