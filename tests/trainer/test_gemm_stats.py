@@ -96,10 +96,12 @@ if __name__ == "__main__":
 # ---------------------------------------------------------------------------------------------------
 # autotuning of the statistics variants (host logic; the autotuner itself runs only on a GPU)
 
-def test_statistics_variant_is_tuned_among_the_plain_best_and_one_spare():
+def test_statistics_variant_is_tuned_among_the_plain_best_and_one_spare(monkeypatch):
     import importlib
 
     fg = importlib.import_module("trainer.kernels.fp8_gemm")  # the module (the package exports the function)
+    # a fresh table: GPU tests earlier in this process leave their real choices in it
+    monkeypatch.setattr(fg, "_PLAIN_BEST", {})
 
     configs = fg._tma_configs()
     prune = fg._stats_prune("tma")
@@ -114,19 +116,16 @@ def test_statistics_variant_is_tuned_among_the_plain_best_and_one_spare():
         def __getitem__(self, grid):
             return lambda *args, **kwargs: None
 
-    try:
-        fg._tuned_launch(Tuner(), "tma", None, (), dict(flags, STATS=True), *shape.values())
-        assert not fg._PLAIN_BEST  # a statistics variant's choice is not a plain one
-        Tuner.best_config = None  # a Triton that does not say: known as tuned (no second plain run), every config
-        fg._tuned_launch(Tuner(), "tma", None, (), dict(flags, STATS=False, WARP_SPEC=False), *shape.values())
-        assert list(fg._PLAIN_BEST.values()) == [None]
-        assert prune(configs, shape, STATS=True, **flags) == configs
-        fg._PLAIN_BEST.clear()
-        Tuner.best_config = configs[0]
-        fg._tuned_launch(Tuner(), "tma", None, (), dict(flags, STATS=False, WARP_SPEC=False), *shape.values())
-        kept = [fg._config_dict(c) for c in prune(configs, shape, STATS=True, **flags)]
-        assert kept == [fg._config_dict(configs[0]), fg._STATS_SPARE]
-        assert prune(configs, dict(shape, K=2048), STATS=True, **flags) == configs  # another shape
-        assert fg._stats_prune("ptr")(fg._ptr_configs(), shape, STATS=True, **flags) == fg._ptr_configs()
-    finally:
-        fg._PLAIN_BEST.clear()
+    fg._tuned_launch(Tuner(), "tma", None, (), dict(flags, STATS=True), *shape.values())
+    assert not fg._PLAIN_BEST  # a statistics variant's choice is not a plain one
+    Tuner.best_config = None  # a Triton that does not say: known as tuned (no second plain run), every config
+    fg._tuned_launch(Tuner(), "tma", None, (), dict(flags, STATS=False, WARP_SPEC=False), *shape.values())
+    assert list(fg._PLAIN_BEST.values()) == [None]
+    assert prune(configs, shape, STATS=True, **flags) == configs
+    fg._PLAIN_BEST.clear()
+    Tuner.best_config = configs[0]
+    fg._tuned_launch(Tuner(), "tma", None, (), dict(flags, STATS=False, WARP_SPEC=False), *shape.values())
+    kept = [fg._config_dict(c) for c in prune(configs, shape, STATS=True, **flags)]
+    assert kept == [fg._config_dict(configs[0]), fg._STATS_SPARE]
+    assert prune(configs, dict(shape, K=2048), STATS=True, **flags) == configs  # another shape
+    assert fg._stats_prune("ptr")(fg._ptr_configs(), shape, STATS=True, **flags) == fg._ptr_configs()
