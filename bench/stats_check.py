@@ -49,7 +49,9 @@ def row_problems(a: torch.Tensor, b: torch.Tensor, *, rtol=1e-6, under_slack=Non
         x, y = a[..., i], b[..., i]
         same = (x == y) | (x.isnan() & y.isnan())
         if not bool(same.all()):
-            bad.append(f"{ds.FIELDS[i] if i < ds.HIST else 'hist'}: {x.flatten()[:4].tolist()} vs {y.flatten()[:4].tolist()}")
+            where = (~same).flatten().nonzero().flatten()[:4].tolist()  # the differing rows, not the first ones
+            diff = ", ".join(f"[{j}] {x.flatten()[j].item()!r} vs {y.flatten()[j].item()!r}" for j in where)
+            bad.append(f"{ds.FIELDS[i] if i < ds.HIST else 'hist'}: {diff}")
     if under_slack is not None:
         d = (a[..., ds.UNDERFLOW] - b[..., ds.UNDERFLOW]).abs()
         if bool((d > under_slack).any()):
@@ -359,7 +361,7 @@ def check_fp8_linear_agent(device) -> None:
                 a2[:, ds.SCALE] = b2[:, ds.SCALE]
             ok, why = rows_close(a2, b2, rtol=1e-6, under_slack=slack if recipe.scaling == "current" else None)
             report(f"Fp8Linear+Agent {recipe.scaling} fused rows = hook rows, step {step} "
-                   f"({int(fused_sites.sum())} fused of {len(keys)})", ok, why)
+                   f"({int(fused_sites.sum())} fused of {len(keys)})", ok, why + ("" if ok else f"; rows {keys}"))
 
 
 def check_gemm(device) -> None:
