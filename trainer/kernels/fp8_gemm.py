@@ -119,14 +119,28 @@ def _to_out(acc, out_dtype: tl.constexpr, SOFT_ROUND: tl.constexpr):
     return acc.to(out_dtype)
 
 
+_ON_GPU = tl.constexpr(not INTERPRET)
+
+
+@triton.jit
+def _add_rn(a, b):
+    """a + b rounded once, never contracted with the multiply that made ``a`` (an explicit .rn add is left alone
+    by the compiler and ptxas; fma(acc, s, base) differs from base + fl(acc * s) by an ulp at times: seen on the
+    H200 in a grad_weight row)."""
+    if _ON_GPU:
+        return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    return a + b
+
+
 @triton.jit
 def _out_stats(y, offs, mask, base_ptr, lo, hi, HAS_BASE: tl.constexpr, HIST: tl.constexpr):
     """Statistics partial of a 2-D tile ``y`` of C (its values in the output dtype) at the flat offsets
     ``offs`` of C, lanes outside ``mask`` (edges) excluded; with ``HAS_BASE`` of base + y (base: a contiguous
-    fp32 tensor of C's shape, e.g. the gradient that y accumulates into)."""
+    fp32 tensor of C's shape, e.g. the gradient that y accumulates into), rounded as torch's ``base + y`` is."""
     v = y.to(tl.float32)
     if HAS_BASE:
-        v += tl.load(base_ptr + offs, mask=mask, other=0.0)
+        v = _add_rn(v, tl.load(base_ptr + offs, mask=mask, other=0.0))
     return tile_partial(v, mask, lo, hi, HIST)
 
 
