@@ -222,7 +222,7 @@ def tails_mode(nsm, rounds=5):
 
 def ncu_mode(nsm):
     """One launch each of _scaled_mm (precise) and our data-parallel, stream-K and BN = 256 configs on the
-    124M qkv and fc2 wgrads, for ncu (whether they are bound by L2-to-SM bandwidth):
+    124M qkv and fc2 wgrads, for ncu (cuBLAS's kernel, cluster shape, L2 traffic and throughput against ours):
     ncu --clock-control none -k regex:"gemm|nvjet|xmma|cutlass" --section SpeedOfLight --section LaunchStats
         --section MemoryWorkloadAnalysis --metrics lts__t_bytes.sum python3 bench/gemm_ws.py ncu"""
     cfgs = [(128, 128, 128, 6, "ptr", "pipe"), (128, 128, 128, 6, "ptr", "pipe", "sk"), (128, 256, 128, 4)]

@@ -100,7 +100,7 @@ def test_statistics_variant_is_tuned_among_the_plain_best_and_one_spare(monkeypa
     import importlib
 
     fg = importlib.import_module("trainer.kernels.fp8_gemm")  # the module (the package exports the function)
-    # a fresh table: GPU tests earlier in this process leave their real choices in it
+    # a fresh table: GPU tests earlier in the same process may have left their real choices in it
     monkeypatch.setattr(fg, "_PLAIN_BEST", {})
 
     configs = fg._tma_configs()
