@@ -34,8 +34,10 @@ Measured on one H200 (Triton 3.6, torch 2.11; bench/gemm.py, eager): the Triton 
 forward GEMM is at 0.87-1.04x torch._scaled_mm (1.02x at 8192^3), their precise backward GEMMs at 0.57-0.92x,
 because Triton's promotion (a wait on the wgmma chain and an fp32 add per BK block, both warp groups in
 lockstep) costs ~20% where cuBLAS' costs ~2%. With the Gluon "ws" kernel among the candidates, every GEMM of the
-124M and 1.5B models is at 0.97-1.22x in device time (bench/gemm.py --graph, bench/RESULTS.md); eager calls on
-the small 124M shapes are slower than that, bound by the launch's Python host time. Promoting every 256 instead
+124M and 1.5B models is at 0.955x or more as CUDA-graph replays (bench/gemm.py --graph); as eager launches queued
+back to back (--queued, the clock a training step sees) 24 of the 26 shapes are at 0.96-1.15x and the 124M qkv and
+fc2 wgrads at 0.90-0.94x (bench/RESULTS.md). Eager calls on the small 124M shapes are slower still, bound by the
+launch's Python host time. Promoting every 256 instead
 of 128 products (BK=256) gains ~10% at 1.7x the accumulation error, so it is not used.
 
 Reference beside it: ``fp8_gemm_ref`` (``torch._scaled_mm``, or dequantize + fp32 matmul where

@@ -39,10 +39,11 @@ Variants, all run on an H200 (Triton 3.6; every GPU test case of every config pa
     rest of each given to a tail CTA where twice their number fits the SMs; partials handed over through fp32
     workspace slots and release / acquire flags, in a fixed order (deterministic). See the comment above ``_sk_lo``.
     Tuned like the other configs (``TUNED_CONFIGS``).
-Speed (bench/RESULTS.md, H200): as fp8_gemm's auto pick, every backward GEMM of the 124M and 1.5B models ran at
-0.97-1.22x ``_scaled_mm(use_fast_accum=False)`` in device time (bench/gemm.py --graph). A launch costs 34-81 us of
-Python host time (``_scaled_mm``: ~20 us), more than the kernel on the small 124M shapes: eager calls there are
-host-bound.
+Speed (bench/RESULTS.md, H200): as fp8_gemm's auto pick, against ``_scaled_mm(use_fast_accum=False)``, every
+GEMM of the 124M and 1.5B models ran at 0.955x or more as CUDA-graph replays (bench/gemm.py --graph), and all but
+the 124M qkv and fc2 wgrads (0.90-0.94x) at 0.96x or more as eager launches queued back to back (--queued). A
+launch costs 34-81 us of Python host time (``_scaled_mm``: ~20 us), more than the kernel on the small 124M shapes:
+eager calls there are host-bound.
 Not expressible in Gluon 3.6: TMA multicast across a 2-CTA cluster (``async_copy_global_to_shared`` has no
 multicast / CTA mask).
 """
