@@ -956,52 +956,75 @@ if triton is not None:
 
     # ---- fused statistics of register tiles (the GEMM epilogues, trainer/kernels/fp8_gemm.py) ----------
     # A partial is the tuple (nelem, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist).
+    # A program accumulates its tiles row by row: the state is one bucket per tile row (row r of every tile the
+    # program sees) with (count, shift c_r, fp64 power sums of x - c_r, amax, counts), plus one histogram. Per tile
+    # nothing crosses warps (the row sums are a thread's adds and a shuffle within the rows' lanes); only
+    # ``rows_partial`` reduces over the rows, once per program. Every row of a tile is taken in two passes over the
+    # registers (its mean, then sums of (x - mean)^k in fp32, where nothing cancels), then shifted into the bucket's
+    # fp64 sums exactly; NaN / Inf are masked out and counted. (The earlier per-tile partial reduced every
+    # statistic across the CTA and merged Chan/Pebay per tile: with 128 x 256 tiles ptxas spilled up to 1592
+    # registers, and the forward GEMM took 3-9x its time without statistics; bench/gemm_stats.py.)
 
     @triton.jit
-    def tile_partial(x, mask, lo, hi, HIST: tl.constexpr):
-        """The partial of a 2-D fp32 register tile of a format-less tensor (lanes outside ``mask`` excluded):
-        the fast path, or, on NaN/Inf or a poor shift, the careful fp64 two passes over the same registers
-        (nothing is re-read: the tile is still in registers)."""
-        x = tl.where(mask, x, 0.0)
-        tu = tl.full([], -1, tl.int32)
-        to = tl.full([], 0x7FFFFFFF, tl.int32)
-        c, p, ok = _shift_of2(x, mask)
-        zf = tl.zeros([x.shape[0]], tl.float32)
-        zi = tl.zeros([x.shape[0]], tl.int32)
-        zh = tl.zeros([64], tl.int32)
-        s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
-            x, mask, p, -(c * p), tu, to, lo, hi, zf, zf, zf, zf, zf, zi, zi, zi, zi, zh, HIST, True, True)
-        n = tl.sum(tl.sum(mask.to(tl.int32), 1), 0)
-        ok2, mean, m2, m3, m4, amax, zeros, under, over, outl, hist = _fast_result(
-            n, c, p, tu, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST)
-        nfin = n
-        nonfin = tl.zeros([], tl.int32)
-        if not (ok & ok2):
-            acc, cnt = _tile_sum(x, mask, tl.zeros([x.shape[0]], tl.float64), zi, True)
-            nfin = tl.sum(cnt, 0)
-            mean0 = tl.sum(acc, 0) / tl.maximum(nfin, 1).to(tl.float64)
-            zd = tl.zeros([x.shape[0]], tl.float64)
-            t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h = _tile_careful(
-                x, mask, mean0, tu, to, lo, hi, zd, zd, zd, zd, zf, zi, zi, zi, zi, zi, zh, HIST, True)
-            mean, m2, m3, m4, amax, zeros, under, over, outl, nonfin = _careful_result(
-                nfin, mean0, t1, t2, t3, t4, am, cu, co, cout, cz, cnf)
-            hist = h
-        return n, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist
+    def rows_zero(BM: tl.constexpr):
+        """The empty row state of ``BM`` buckets: (n, c, A1, A2, A3, A4, amax, zeros, outl, nonfin, hist)."""
+        zi = tl.zeros([BM], tl.int32)
+        zd = tl.zeros([BM], tl.float64)
+        return zi, tl.zeros([BM], tl.float32), zd, zd, zd, zd, tl.zeros([BM], tl.float32), zi, zi, zi, \
+            tl.zeros([64], tl.int32)
 
     @triton.jit
-    def partial_zero():
-        """The empty partial (the identity of ``partial_merge``)."""
+    def rows_add(acc, x, mask, lo, hi, HIST: tl.constexpr):
+        """The row state ``acc`` with the [BM, BW] fp32 register tile ``x`` added (lanes outside ``mask`` excluded)."""
+        a = tl.abs(x)
+        fin = mask & (a < float("inf"))
+        xf = tl.where(fin, x, 0.0)
+        nr = tl.sum(fin.to(tl.int32), 1)
+        mr = tl.sum(xf, 1) / tl.maximum(nr, 1).to(tl.float32)
+        d = tl.where(fin, xf - mr[:, None], 0.0)
+        d2 = d * d
+        r1 = tl.sum(d, 1).to(tl.float64)
+        q2 = tl.sum(d2, 1).to(tl.float64)
+        q3 = tl.sum(d2 * d, 1).to(tl.float64)
+        q4 = tl.sum(d2 * d2, 1).to(tl.float64)
+        n, c, A1, A2, A3, A4, amax, zeros, outl, nonfin, hist = acc
+        c = tl.where(n == 0, mr, c)  # a bucket's shift: the mean of its first non-empty row
+        e = mr.to(tl.float64) - c.to(tl.float64)  # x - c = d + e, exactly in fp64
+        k = nr.to(tl.float64)
+        e2 = e * e
+        A4 += q4 + 4.0 * e * q3 + 6.0 * e2 * q2 + 4.0 * e2 * e * r1 + k * e2 * e2
+        A3 += q3 + 3.0 * e * q2 + 3.0 * e2 * r1 + k * e2 * e
+        A2 += q2 + 2.0 * e * r1 + k * e2
+        A1 += r1 + k * e
+        n += nr
+        amax = tl.maximum(amax, tl.max(tl.where(fin, a, 0.0), 1))
+        zeros += tl.sum((mask & (x == 0.0)).to(tl.int32), 1)
+        outl += tl.sum((fin & ((x > hi) | (x < lo))).to(tl.int32), 1)
+        nonfin += tl.sum((mask & ~fin).to(tl.int32), 1)
+        if HIST:
+            bins = tl.where(mask, _bins(a.to(tl.int32, bitcast=True)), _BIN_DUMP)
+            hist += tl.histogram(tl.reshape(bins, [x.numel], can_reorder=True), 64)
+        return n, c, A1, A2, A3, A4, amax, zeros, outl, nonfin, hist
+
+    @triton.jit
+    def rows_partial(acc):
+        """The program's partial of its row state: the buckets' power sums moved to the common mean in fp64."""
+        n, c, A1, A2, A3, A4, amax, zeros, outl, nonfin, hist = acc
+        k = n.to(tl.float64)
+        nf = tl.sum(k, 0)
+        mu = tl.sum(k * c.to(tl.float64) + A1, 0) / tl.maximum(nf, 1.0)
+        e = c.to(tl.float64) - mu  # x - mu = (x - c) + e
+        e2 = e * e
+        B1 = tl.sum(A1 + k * e, 0)
+        B2 = tl.sum(A2 + 2.0 * e * A1 + k * e2, 0)
+        B3 = tl.sum(A3 + 3.0 * e * A2 + 3.0 * e2 * A1 + k * e2 * e, 0)
+        B4 = tl.sum(A4 + 4.0 * e * A3 + 6.0 * e2 * A2 + 4.0 * e2 * e * A1 + k * e2 * e2, 0)
+        md, m2, m3, m4 = _central(nf, B1, B2, B3, B4)
+        nfin = tl.sum(n, 0)
+        nonf = tl.sum(nonfin, 0)
         zi = tl.zeros([], tl.int32)
-        zd = tl.zeros([], tl.float64)
-        return zi, zi, zi, zi, zi, zi, zi, tl.zeros([], tl.float32), zd, zd, zd, zd, tl.zeros([64], tl.int32)
-
-    @triton.jit
-    def partial_merge(a, b):
-        """Two partials as one (Chan/Pebay for the moments)."""
-        fin, mean, m2, m3, m4 = _chan(a[1].to(tl.float64), a[8], a[9], a[10], a[11],
-                                      b[1].to(tl.float64), b[8], b[9], b[10], b[11])
-        return (a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3], a[4] + b[4], a[5] + b[5], a[6] + b[6],
-                tl.maximum(a[7], b[7]), mean, m2, m3, m4, a[12] + b[12])
+        return (nfin + nonf, nfin, nonf, tl.sum(zeros, 0), tl.sum(outl, 0), zi, zi, tl.max(amax, 0), mu + md, m2,
+                m3, m4, hist)
 
     @triton.jit
     def nofmt_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, part, AHM_PTR: tl.constexpr,

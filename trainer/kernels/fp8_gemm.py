@@ -58,7 +58,7 @@ from agent import triton_stats as ts
 from . import fp8_gemm_ws as _ws
 from .quantize import _num_sms, cdiv, stats_ref
 from .timing import fastest
-from agent.triton_stats import fused_bounds, nofmt_epilogue, partial_merge, partial_zero, tile_partial
+from agent.triton_stats import fused_bounds, nofmt_epilogue, rows_add, rows_partial, rows_zero
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -136,21 +136,22 @@ def _add_rn(a, b):
 
 
 @triton.jit
-def _out_stats(y, offs, mask, base_ptr, lo, hi, HAS_BASE: tl.constexpr, HIST: tl.constexpr):
-    """Statistics partial of a 2-D tile ``y`` of C (its values in the output dtype) at the flat offsets
-    ``offs`` of C, lanes outside ``mask`` (edges) excluded; with ``HAS_BASE`` of base + y (base: a contiguous
-    fp32 tensor of C's shape, e.g. the gradient that y accumulates into), rounded as torch's ``base + y`` is."""
+def _out_rows(st, y, offs, mask, base_ptr, lo, hi, HAS_BASE: tl.constexpr, HIST: tl.constexpr):
+    """The statistics row state ``st`` (``rows_zero``) with a 2-D tile ``y`` of C added (its values in the output
+    dtype, at the flat offsets ``offs`` of C, lanes outside ``mask`` excluded); with ``HAS_BASE`` that of base + y
+    (base: a contiguous fp32 tensor of C's shape, e.g. the gradient that y accumulates into), rounded as torch's
+    ``base + y`` is."""
     v = y.to(tl.float32)
     if HAS_BASE:
         v = _add_rn(v, tl.load(base_ptr + offs, mask=mask, other=0.0))
-    return tile_partial(v, mask, lo, hi, HIST)
+    return rows_add(st, v, mask, lo, hi, HIST)
 
 
 @triton.jit
-def _rc_stats(y, rows, cols, M, N, base_ptr, lo, hi, HAS_BASE: tl.constexpr, HIST: tl.constexpr):
-    """``_out_stats`` of the tile at rows x cols of the (M, N) output."""
+def _rc_rows(st, y, rows, cols, M, N, base_ptr, lo, hi, HAS_BASE: tl.constexpr, HIST: tl.constexpr):
+    """``_out_rows`` of the tile at rows x cols of the (M, N) output."""
     offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-    return _out_stats(y, offs, (rows[:, None] < M) & (cols[None, :] < N), base_ptr, lo, hi, HAS_BASE, HIST)
+    return _out_rows(st, y, offs, (rows[:, None] < M) & (cols[None, :] < N), base_ptr, lo, hi, HAS_BASE, HIST)
 
 
 @triton.jit(do_not_specialize=["dst_index", "merge"])
@@ -202,7 +203,7 @@ def _fp8_gemm_ptr_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
         tl.store(c_ptrs, y, mask=c_mask)
         if STATS:  # one partial per program (= tile)
             lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
-            part = _rc_stats(y, offs_cm, offs_cn, M, N, base_ptr, lo, hi, HAS_BASE, HIST)
+            part = rows_partial(_rc_rows(rows_zero(BM), y, offs_cm, offs_cn, M, N, base_ptr, lo, hi, HAS_BASE, HIST))
             nofmt_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, part, AHM_PTR, HIST, FMAX,
                            UTHR, SMODE)
     else:  # c_ptr is the (SPLIT_K, M, N) fp32 workspace
@@ -238,15 +239,14 @@ def _splitk_reduce_kernel(ws_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, MN, N, base_p
     ``STATS`` the grid is persistent (blocks pid, pid + nprog, ...): one statistics partial per program."""
     if STATS:
         lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
-        part = partial_zero()
+        st = rows_zero(BLOCK // 16)
         for blk in range(tl.program_id(0), tl.cdiv(MN, BLOCK), tl.num_programs(0)):
             y, offs = _reduce_block(ws_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, MN, N, blk + tl.zeros([], tl.int32),
                                     SPLIT_K, HAS_BIAS, SOFT_ROUND, BLOCK)
             o2 = tl.reshape(offs, [BLOCK // 16, 16])  # the statistics helpers take 2-D tiles
-            part = partial_merge(part, _out_stats(tl.reshape(y, [BLOCK // 16, 16]), o2, o2 < MN, base_ptr, lo, hi,
-                                                  HAS_BASE, HIST))
-        nofmt_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, part, AHM_PTR, HIST, FMAX, UTHR,
-                       SMODE)
+            st = _out_rows(st, tl.reshape(y, [BLOCK // 16, 16]), o2, o2 < MN, base_ptr, lo, hi, HAS_BASE, HIST)
+        nofmt_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, rows_partial(st), AHM_PTR, HIST,
+                       FMAX, UTHR, SMODE)
     else:
         _reduce_block(ws_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, MN, N, tl.program_id(0), SPLIT_K, HAS_BIAS,
                       SOFT_ROUND, BLOCK)
@@ -272,9 +272,9 @@ def _fp8_gemm_tma_kernel(a_desc, b_desc, c_desc, ws_ptr, sa_ptr, sb_ptr, bias_pt
     scale = tl.load(sa_ptr) * tl.load(sb_ptr)
     out_dtype = c_desc.dtype
     item_c = start_pid - NUM_SMS  # separate epilogue counter (tutorial: keeps the flattened loop simple)
-    if STATS:  # the program's tiles accumulate into one partial
+    if STATS:  # the program's tiles accumulate into one row state
         lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
-        part = partial_zero()
+        st = rows_zero(BM)
     for item in tl.range(start_pid, num_items, NUM_SMS, flatten=FLATTEN, warp_specialize=WARP_SPEC):
         if SPLIT_K == 1:
             pid_m, pid_n = _tile_ids(item, num_pid_m, num_pid_n, GROUP_M)
@@ -304,15 +304,18 @@ def _fp8_gemm_tma_kernel(a_desc, b_desc, c_desc, ws_ptr, sa_ptr, sb_ptr, bias_pt
             if HAS_BIAS:
                 cols = offs_cn + tl.arange(0, BN)
                 acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-            if STATS:
-                part = partial_merge(part, _rc_stats(_to_out(acc, out_dtype, SOFT_ROUND), offs_cm + tl.arange(0, BM),
-                                                     offs_cn + tl.arange(0, BN), M, N, base_ptr, lo, hi, HAS_BASE,
-                                                     HIST))
             acc = tl.reshape(acc, (BM, 2, BN // 2))
             acc = tl.permute(acc, (0, 2, 1))
             acc0, acc1 = tl.split(acc)
-            c_desc.store([offs_cm, offs_cn], _to_out(acc0, out_dtype, SOFT_ROUND))
-            c_desc.store([offs_cm, offs_cn + BN // 2], _to_out(acc1, out_dtype, SOFT_ROUND))
+            y0 = _to_out(acc0, out_dtype, SOFT_ROUND)
+            y1 = _to_out(acc1, out_dtype, SOFT_ROUND)
+            c_desc.store([offs_cm, offs_cn], y0)
+            c_desc.store([offs_cm, offs_cn + BN // 2], y1)
+            if STATS:  # after the stores are issued, so that they drain meanwhile; a half tile at a time
+                rows = offs_cm + tl.arange(0, BM)
+                cols = offs_cn + tl.arange(0, BN // 2)
+                st = _rc_rows(st, y0, rows, cols, M, N, base_ptr, lo, hi, HAS_BASE, HIST)
+                st = _rc_rows(st, y1, rows, cols + BN // 2, M, N, base_ptr, lo, hi, HAS_BASE, HIST)
         else:  # unscaled fp32 partial sums into the (SPLIT_K, M, N) workspace
             pid_m, pid_n = _tile_ids(item_c % num_tiles, num_pid_m, num_pid_n, GROUP_M)
             rows = pid_m * BM + tl.arange(0, BM)
@@ -321,8 +324,8 @@ def _fp8_gemm_tma_kernel(a_desc, b_desc, c_desc, ws_ptr, sa_ptr, sb_ptr, bias_pt
                   + cols[None, :])
             tl.store(ws, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
     if STATS:
-        nofmt_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, part, AHM_PTR, HIST, FMAX, UTHR,
-                       SMODE)
+        nofmt_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, rows_partial(st), AHM_PTR, HIST,
+                       FMAX, UTHR, SMODE)
 
 
 def _tune_bench(fn, quantiles=None):

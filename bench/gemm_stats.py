@@ -1,0 +1,88 @@
+"""What the statistics epilogue costs an FP8 GEMM (issue 5): ``fp8_gemm(stats=)`` against the same GEMM without.
+
+    PYTHONPATH=$PWD python3 bench/gemm_stats.py                  # 124m and 1.5b fwd + wgrad, on a GPU
+    PYTHONPATH=$PWD python3 bench/gemm_stats.py --shapes 1.5b --kinds fwd
+
+Per shape (bench/gemm.py's fwd and wgrad GEMMs, the two that carry the agent's ``output`` and ``grad_weight``
+rows), device time of eager launches queued back to back (``trainer.kernels.timing.device_medians``), in one run:
+  plain       ``fp8_gemm(impl="auto")`` without statistics (what the step runs with the agent off)
+  tma         the TMA kernel without statistics (the kernel the statistics variant runs on)
+  stats+hist  ``fp8_gemm(stats=Target(hist=True))`` (the agent's default row, outlier center given)
+  stats       the same without the log2 histogram
+and each statistics time as a multiple of ``plain``. The compiled statistics kernel's registers and spills are
+printed where Triton reports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.gemm import KINDS, MODELS  # noqa: E402
+
+
+def shapes(which: str, kinds: list[str]):
+    for model in (["124m", "1.5b"] if which == "all" else [which]):
+        tokens, linears = MODELS[model]
+        for name, (fin, fout) in linears.items():
+            dims = {"fwd": (tokens, fout, fin), "wgrad": (fout, fin, tokens)}
+            for kind in kinds:
+                yield f"{model}.{name}", kind, dims[kind]
+
+
+def kernel_info(fn) -> str:
+    """Registers / spills of the variants of a Triton kernel compiled so far."""
+    out = []
+    while not hasattr(fn, "device_caches") and hasattr(fn, "fn"):  # autotuner / heuristics wrappers
+        fn = fn.fn
+    for per_dev in getattr(fn, "device_caches", {}).values():
+        cache = per_dev[0] if isinstance(per_dev, tuple) else per_dev
+        for k in cache.values():
+            if getattr(k, "n_regs", None) is not None:
+                out.append(f"{k.n_regs}r/{k.n_spills}s")
+    return " ".join(sorted(set(out))) or "n/a"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="all", choices=["all", "124m", "1.5b"])
+    p.add_argument("--kinds", default="fwd,wgrad")
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args(argv)
+    from agent import triton_stats as ts
+    from trainer.kernels import fp8_gemm
+    from trainer.kernels.fp8_gemm import _fp8_gemm_tma_kernel
+    from trainer.kernels.timing import device_medians
+
+    dev = torch.device("cuda")
+    print(f"# {torch.cuda.get_device_name(dev)}, torch {torch.__version__}", flush=True)
+    print(f"{'shape':12s} {'kind':5s} {'M x N x K':>20s} {'plain':>8s} {'tma':>8s} {'st+hist':>8s} {'stats':>8s}"
+          f"  (us; stats / plain)", flush=True)
+    for label, kind, (M, N, K) in shapes(args.shapes, args.kinds.split(",")):
+        da, db, od, fast = KINDS[kind]
+        a = torch.randn(M, K, device=dev).to(da)
+        b = torch.randn(N, K, device=dev).to(db)
+        sa, sb = torch.tensor(0.05, device=dev), torch.tensor(0.02, device=dev)
+        rows = torch.zeros(2, ts.ds.WIDTH, dtype=torch.float64, device=dev)
+        center = torch.tensor([0.0, 1.0], dtype=torch.float64, device=dev)
+
+        def run(impl="auto", hist=None):
+            stats = None if hist is None else ts.Target(rows, 0, False, center, hist=hist, fmt="e4m3")
+            return fp8_gemm(a, b, sa, sb, out_dtype=od, fast_accum=fast, impl=impl, stats=stats)
+
+        fns = {"plain": run, "tma": lambda: run("tma"), "st+hist": lambda: run(hist=True),
+               "stats": lambda: run(hist=False)}
+        t = device_medians(fns, rounds=args.rounds)
+        base = t["plain"]
+        print(f"{label:12s} {kind:5s} {M:6d}x{N:6d}x{K:6d} " + " ".join(f"{t[k] * 1e3:8.1f}" for k in fns)
+              + f"  {t['st+hist'] / base:.2f}x {t['stats'] / base:.2f}x", flush=True)
+    print(f"# statistics TMA kernel variants compiled: {kernel_info(_fp8_gemm_tma_kernel)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
