@@ -73,7 +73,10 @@ class Agent:
     ``sites`` (subset of input/weight/output/grad_output/grad_weight), ``formats`` (site -> "e4m3" |
     "e5m2" | None, merged over DEFAULT_FORMATS), ``scaling`` ("current": s = max/amax of the tensor;
     "delayed": s = max/max(amax history)/2**margin with a per-tensor device history of
-    ``amax_history_len`` steps), ``outlier_k``, ``hist`` (log2 histogram), ``reduce_ranks`` (merge all
+    ``amax_history_len`` steps), ``outlier_k``, ``hist`` (log2 histogram) and ``hist_every`` (it rides along on every
+    ``hist_every``-th reporting step only, as W&B logs histograms less often than scalars: the histogram is the
+    costliest statistic to compute; on the other steps a row's ``log2_hist`` is absent, and so is the underflow
+    that current scaling of a tensor the trainer does not cast derives from it), ``reduce_ranks`` (merge all
     ranks' statistics, rank 0 sends them as rank -1), ``group`` (process group), ``config``/``tags``
     (run metadata), ``spool_dir`` and further keyword arguments for the ``Transport``. ``stats_backend``
     ("auto" | "triton" | "torch", see the module docstring); ``fused=False`` hooks every site even of layers
@@ -84,11 +87,13 @@ class Agent:
                  every: int = 1, modules: str | None = None, sites: Iterable[str] = SITES,
                  formats: dict[str, str | None] | None = None, scaling: str = "current",
                  amax_history_len: int = 1024, margin: float = 0, outlier_k: float = 6.0, hist: bool = True,
-                 reduce_ranks: bool = False, group=None, config: dict | None = None,
+                 hist_every: int = 10, reduce_ranks: bool = False, group=None, config: dict | None = None,
                  tags: dict[str, str] | None = None, spool_dir: str | os.PathLike | None = None,
                  transport=None, stats_backend: str = "auto", fused: bool = True, **transport_options):
         if int(every) < 1:
             raise ValueError("every must be >= 1")
+        if int(hist_every) < 1:
+            raise ValueError("hist_every must be >= 1")
         self.sites = tuple(s for s in SITES if s in set(sites))
         unknown = set(sites) - set(SITES)
         if unknown:
@@ -102,6 +107,8 @@ class Agent:
         self.modules = re.compile(modules) if modules else None
         self.outlier_k = float(outlier_k)
         self.hist = bool(hist)
+        self.hist_every = int(hist_every)
+        self.hist_now = self.hist  # whether this step's rows carry the histogram (set at every step begin)
         self.group = group
         self.rank, self.world = distributed.rank_and_world(group)
         self.reduce = bool(reduce_ranks) and self.world > 1
@@ -293,6 +300,7 @@ class Agent:
         self._token += 1
         self._seen = set()
         self.reporting = step % self.every == 0 and not self._closed
+        self.hist_now = self.hist and step % (self.every * self.hist_every) == 0
         if self.reporting:
             self._pack.begin()
         self._arm()
@@ -405,7 +413,7 @@ class Agent:
         for slot, x, fmt, scale, ahm, emulated, replace, site in todo:
             try:
                 row = ds.partials(x, fmt=fmt, scale=scale, amax_history_max=ahm, outlier_k=self.outlier_k,
-                                  hist=self.hist)
+                                  hist=self.hist_now)
                 self._pack.add(slot, row, replace=replace)
                 if emulated:
                     self._history.observe(slot, row[ds.AMAX])
@@ -436,7 +444,7 @@ class Agent:
         rows, merge, centers = self._claim(slots, [t[6] for t in todo], device)
         ts.rows([t[1] for t in todo], fmt=[t[2] for t in todo], scale=[t[3] for t in todo],
                 center=[centers[s] for s in slots], outlier_k=self.outlier_k,
-                amax_history_max=[t[4] for t in todo], hist=self.hist, out=rows, index=slots, merge=merge)
+                amax_history_max=[t[4] for t in todo], hist=self.hist_now, out=rows, index=slots, merge=merge)
         for slot, x, fmt, scale, ahm, emulated, replace, site in todo:
             if emulated:
                 self._history.observe(slot, rows[slot, ds.AMAX])
@@ -462,7 +470,7 @@ class Agent:
             self._seen.add(slot)
         rows, merge, centers = self._claim([slot], [site in _REPLACED], device)
         fmt = self.formats.get(site)  # a GEMM epilogue's row takes this format's current scaling, as the hooks do
-        return ts.Target(rows, slot, merge[0], centers[slot], self.outlier_k, self.hist, None,
+        return ts.Target(rows, slot, merge[0], centers[slot], self.outlier_k, self.hist_now, None,
                          None if fmt is None else fmt.name)
 
     def grad_hook(self, layer: str) -> Callable[[torch.Tensor], None]:
@@ -576,7 +584,7 @@ class FusedLink:
 
     @property
     def hist(self) -> bool:
-        return self.agent.hist
+        return self.agent.hist_now
 
     def fmt(self, site: str):
         """The format the agent assumes for ``site`` (a tensor the layer does not cast itself), or None."""

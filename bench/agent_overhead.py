@@ -14,7 +14,10 @@ torch path (``stats_backend="torch"``) for comparison. Each phase: its own warm-
 timed steps (host clock around a synchronised step); the figure is the median step time of each phase,
 printed beside the median host time until the step's Python returned (a step whose host time is close to its
 step time is host-bound: its GPU waits for launches);
-overhead = median(on) / median(off) - 1 over all phases of a kind (off phases bracket the on phases).
+overhead = median(on) / median(off) - 1 over all phases of a kind (off phases bracket the on phases), and the same
+with means ("mean %"): the agent computes the log2 histogram on every ``--hist-every``-th step only (its default, 10;
+1 = every step), so the median step carries none and the mean over whole cycles (``--steps`` a multiple of it) is the
+amortized cost.
 
 The agent posts to --url (a real ``fp8mon serve``), or by default to bench/sink.py, a stdlib endpoint in a
 subprocess that acknowledges every batch: the agent's whole client side (statistics, device-to-host copy,
@@ -60,7 +63,7 @@ def measure(config: str, precision: str, args, device: torch.device, url: str) -
         if backend is not None:
             agent = Agent(url, run=f"overhead-{config}-{precision}-{int(time.time())}", every=1,
                           modules=r"^blocks\.", spool_dir=spool.name, stats_backend=backend,
-                          hist=args.hist).watch(model)
+                          hist=args.hist, hist_every=args.hist_every).watch(model)
             agent.step(step_no[0])
         for _ in range(args.warmup):
             step(agent)
@@ -96,6 +99,7 @@ def measure(config: str, precision: str, args, device: torch.device, url: str) -
             extra = "" if kind == "off" else (f"  {info['linears']} linears x 5 sites, delivered={info['delivered']}, "
                                               f"errors={info['errors']}")
             print(f"{config:>5} {precision:>4} round {r} {kind:>6}: median {med:8.2f} ms  "
+                  f"mean {statistics.mean(info['times']) * 1e3:8.2f} ms  "
                   f"(min {min(info['times']) * 1e3:.2f}; host {statistics.median(info['host']) * 1e3:.2f}){extra}",
                   flush=True)
             if kind != "off" and info["errors"]:
@@ -105,12 +109,16 @@ def measure(config: str, precision: str, args, device: torch.device, url: str) -
     if device.type == "cuda":
         torch.cuda.empty_cache()
     off = statistics.median([t for i in got["off"] for t in i["times"]])
+    off_mean = statistics.mean([t for i in got["off"] for t in i["times"]])
     out = {"off_ms": off * 1e3}
     for b in args.backends:
         on = statistics.median([t for i in got[b] for t in i["times"]])
         # per round too: each on phase against the mean of the off phases around it
         out[b] = (on / off - 1) * 100
         out[f"{b}_ms"] = on * 1e3
+        # with the histogram on every N-th step only, the median step has none: the mean over whole cycles
+        # (--steps a multiple of --hist-every) is the amortized cost
+        out[f"{b}_mean"] = (statistics.mean([t for i in got[b] for t in i["times"]]) / off_mean - 1) * 100
     return out
 
 
@@ -195,6 +203,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="torch.profiler tables of off vs on instead of the timing")
     p.add_argument("--no-hist", dest="hist", action="store_false",
                    help="the agent without the optional log2 histogram (SPEC section 4)")
+    p.add_argument("--hist-every", type=int, default=10,
+                   help="the histogram on every N-th step only (the agent's default, 10; 1: every step)")
     args = p.parse_args(argv)
     args.backends = [b for b in args.backends.split(",") if b]
     device = torch.device(args.device)
@@ -218,11 +228,13 @@ def main(argv=None) -> int:
             sink.terminate()
     if args.profile:
         return 0
-    print("\nconfig precision   off ms " + "".join(f"{b + ' ms':>12}{b + ' %':>10}" for b in args.backends))
+    print("\nconfig precision   off ms "
+          + "".join(f"{b + ' ms':>12}{b + ' %':>10}{'mean %':>9}" for b in args.backends))
     for config, precision, r in summary:
         print(f"{config:>6} {precision:>9} {r['off_ms']:8.2f} "
-              + "".join(f"{r[f'{b}_ms']:12.2f}{r[b]:+10.2f}" for b in args.backends))
-    print("(every=1, every block linear x input/weight/output/grad_output/grad_weight; medians of whole steps)")
+              + "".join(f"{r[f'{b}_ms']:12.2f}{r[b]:+10.2f}{r[f'{b}_mean']:+9.2f}" for b in args.backends))
+    print(f"(every=1, every block linear x input/weight/output/grad_output/grad_weight; log2 histogram "
+          f"{'every ' + str(args.hist_every) + ' steps' if args.hist else 'off'}; medians of whole steps)")
     return 0
 
 

@@ -316,7 +316,7 @@ def agent_rows(model, make_input, steps: int, device, **agent_kw) -> list[torch.
     """The packed rows the agent ships at each step (training two micro-batches per step)."""
     from agent import Agent
 
-    agent = Agent(transport=NullTransport(), every=1, **agent_kw).watch(model)
+    agent = Agent(transport=NullTransport(), every=1, **{"hist_every": 1, **agent_kw}).watch(model)
     shipped = []
     agent._ship = lambda step, rows, values: shipped.append(None if rows is None else rows.clone())
     for step in range(steps):  # step 0 has no outlier center yet; the later ones use the previous step's

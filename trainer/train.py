@@ -94,6 +94,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                                                                                 "(env FP8MON_URL)")
     a.add_argument("--run-name", default=os.environ.get("FP8MON_RUN"), help="default: arch-precision-config-time")
     a.add_argument("--monitor-every", type=int, default=10, help="statistics every N steps")
+    a.add_argument("--monitor-hist-every", type=int, default=10,
+                   help="the log2 histogram on every N-th reporting step only (the costliest statistic)")
     a.add_argument("--monitor-modules", default=r"^blocks\.", help="regex on module names to watch")
     a.add_argument("--monitor-token", default=os.environ.get("FP8MON_TOKEN"))
     a.add_argument("--monitor-spool", help="agent spool directory (default ~/.cache/fp8mon/spool/<run>)")
@@ -301,8 +303,9 @@ def make_agent(args, model: Transformer, run_name: str, rank: int, world: int, s
               "train": {k: _json_safe(v) for k, v in vars(args).items()
                         if k not in ("monitor_token", "tag")}}
     agent = Agent(args.monitor_url, run=run_name, token=args.monitor_token, every=args.monitor_every,
-                  modules=args.monitor_modules, scaling=args.fp8_scaling, amax_history_len=args.amax_history,
-                  margin=args.fp8_margin, config=config, tags=tags, spool_dir=args.monitor_spool)
+                  hist_every=args.monitor_hist_every, modules=args.monitor_modules, scaling=args.fp8_scaling,
+                  amax_history_len=args.amax_history, margin=args.fp8_margin, config=config, tags=tags,
+                  spool_dir=args.monitor_spool)
     agent.watch(model)
     if start_step:
         agent.step(start_step)

@@ -226,7 +226,7 @@ def test_end_to_end_training_every_record_arrives_once_and_equals_the_oracle(liv
     torch.manual_seed(0)
     model = TinyLM()
     ref = Reference(model, BLOCK_LINEARS)
-    agent = Agent(live_server.url, run="e2e-tiny-lm", every=2, modules=r"^blocks\.",
+    agent = Agent(live_server.url, hist_every=1, run="e2e-tiny-lm", every=2, modules=r"^blocks\.",
                   spool_dir=tmp_path / "spool", flush_interval=0.05)
     agent.watch(model)
     losses = train(model, agent, batches(20), ref=ref)
@@ -251,7 +251,7 @@ def test_gradient_accumulation_merges_micro_batches_and_reports_the_accumulated_
     model = TinyLM()
     ref = Reference(model, BLOCK_LINEARS)
     cap = CaptureTransport()
-    agent = Agent(transport=cap, every=3, modules=r"^blocks\.").watch(model)
+    agent = Agent(transport=cap, hist_every=1, every=3, modules=r"^blocks\.").watch(model)
     train(model, agent, batches(7, seed=2, batch=6), ref=ref, micro=3)
     agent.close()
     records = cap.records()
@@ -306,6 +306,35 @@ def test_hooks_exist_only_on_reporting_steps_and_eval_passes_are_ignored():
     assert {rec["numel"] for rec in cap.records().values()} == {12, 16, 8, 6}  # batch 3; no eval batch of 5
 
 
+def test_histogram_rides_on_every_hist_every_th_reporting_step_and_the_rest_is_unchanged():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    batches = [torch.randn(4, 6) for _ in range(9)]
+    caps = []
+    for hist_every in (3, 1):
+        cap = CaptureTransport()
+        agent = Agent(transport=cap, every=2, hist_every=hist_every).watch(model)
+        for step, x in enumerate(batches):  # the torch statistics path: underflow exact without the histogram
+            model(x).sum().backward()  # no optimizer: both agents see the same tensors
+            agent.log(step)
+            model.zero_grad()
+        agent.close()
+        caps.append(cap.records())
+    sparse, full = caps
+    assert sparse.keys() == full.keys() and {k[0] for k in sparse} == {0, 2, 4, 6, 8}
+    with_hist = {k[0] for k, rec in sparse.items() if rec["log2_hist"] is not None}
+    assert with_hist == {0, 6}  # every 3rd reporting step of every=2
+    for key, rec in sparse.items():
+        want = full[key]
+        assert want["log2_hist"] is not None
+        for name, value in rec.items():
+            if name == "log2_hist" and key[0] not in with_hist:
+                continue
+            assert value == want[name] or (value != value and want[name] != want[name]), (key, name)
+    with pytest.raises(ValueError, match="hist_every"):
+        Agent(transport=CaptureTransport(), hist_every=0)
+
+
 def test_step_api_late_gradients_and_scalars():
     model = nn.Sequential(nn.Linear(4, 4))
     cap = CaptureTransport()
@@ -331,7 +360,8 @@ def test_delayed_scaling_keeps_an_amax_history_and_reports_overflow():
     torch.manual_seed(3)
     lin = nn.Linear(8, 8)
     cap = CaptureTransport()
-    agent = Agent(transport=cap, every=2, sites=("input",), scaling="delayed", amax_history_len=3, margin=1).watch(lin)
+    agent = Agent(transport=cap, hist_every=1, every=2, sites=("input",), scaling="delayed", amax_history_len=3,
+                  margin=1).watch(lin)
     xs, amaxes = [], []
     for step in range(9):
         x = torch.randn(16, 8) * 4.0**step
@@ -377,7 +407,7 @@ def test_caller_given_scale_and_self_reporting_layer():
     model.add_module("fp8", FP8Linear())
     model.add_module("plain", nn.Linear(4, 4))
     cap = CaptureTransport()
-    agent = Agent(transport=cap, every=1, sites=("input", "weight", "grad_output")).watch(model)
+    agent = Agent(transport=cap, hist_every=1, every=1, sites=("input", "weight", "grad_output")).watch(model)
     model.fp8.agent = agent
     w_scale = torch.tensor(1024.0)
     history = torch.tensor([0.5, 2.0, 1.0])
@@ -407,7 +437,7 @@ def test_caller_given_scale_and_self_reporting_layer():
 def test_errors_in_hooks_never_reach_the_training_loop(monkeypatch, caplog):
     model = TinyLM()
     cap = CaptureTransport()
-    agent = Agent(transport=cap, every=1, modules=r"mlp").watch(model)
+    agent = Agent(transport=cap, hist_every=1, every=1, modules=r"mlp").watch(model)
 
     def broken(*args, **kwargs):
         raise RuntimeError("kernel exploded")
@@ -428,7 +458,7 @@ def _tiny_lm_watched_every_step(seed: int):
     model = TinyLM()
     ref = Reference(model, BLOCK_LINEARS)
     cap = CaptureTransport()
-    return model, ref, cap, Agent(transport=cap, every=1, modules=r"^blocks\.").watch(model)
+    return model, ref, cap, Agent(transport=cap, hist_every=1, every=1, modules=r"^blocks\.").watch(model)
 
 
 def test_auto_backend_falls_back_to_torch_when_the_triton_statistics_fail(monkeypatch):
@@ -507,7 +537,7 @@ def test_close_sends_a_grad_output_still_waiting_for_its_grad_weight():
     torch.manual_seed(6)
     model = nn.Sequential(nn.Linear(8, 4))
     cap = CaptureTransport()
-    agent = Agent(transport=cap, every=1, sites=("grad_output", "grad_weight")).watch(model)
+    agent = Agent(transport=cap, hist_every=1, every=1, sites=("grad_output", "grad_weight")).watch(model)
     model[0].weight.requires_grad_(False)
     model[0].bias.requires_grad_(False)
     model(torch.randn(5, 8, requires_grad=True)).square().sum().backward()
@@ -574,7 +604,7 @@ def test_training_step_with_the_agent_adds_no_host_sync_on_cpu():
         torch.manual_seed(6)
         model = TinyLM()
         cap = CaptureTransport()
-        agent = Agent(transport=cap, every=2, scaling="delayed").watch(model) if with_agent else None
+        agent = Agent(transport=cap, hist_every=1, every=2, scaling="delayed").watch(model) if with_agent else None
         rec = SyncRecorder()
         with rec:
             train(model, agent, batches(4, seed=7))
@@ -605,10 +635,11 @@ def test_training_step_with_the_agent_adds_no_host_sync_on_cuda():
     model = TinyLM().to(dev)
     ref = Reference(model, BLOCK_LINEARS)
     cap = CaptureTransport()
-    agent = Agent(transport=cap, every=2, modules=r"^blocks\.").watch(model)
+    agent = Agent(transport=cap, hist_every=1, every=2, modules=r"^blocks\.").watch(model)
     # a second agent on the same model: delayed scaling's device history, a caller-given device scale
     cap2 = CaptureTransport()
-    delayed = Agent(transport=cap2, every=3, modules=r"mlp", scaling="delayed", amax_history_len=4).watch(model)
+    delayed = Agent(transport=cap2, hist_every=1, every=3, modules=r"mlp", scaling="delayed",
+                    amax_history_len=4).watch(model)
     delayed.set_scale("blocks.0.mlp.fc1", "input", torch.tensor(8.0, device=dev))
     data = [t.to(dev) for t in batches(6, seed=9)]
     train(model, agent, data[:1], ref=ref)  # warm-up: allocations, pinned buffers, cuBLAS handles

@@ -81,9 +81,9 @@ def _worker(rank, port, outdir, backend="gloo"):
             mod.weight.register_post_accumulate_grad_hook(
                 lambda p, name=name: seen[(step_now[0], name, "grad_weight")].append(p.grad.detach().clone()))
         reduced_cap, local_cap = Capture(), Capture()
-        reduced = Agent(transport=reduced_cap, every=EVERY, reduce_ranks=True).watch(model)
+        reduced = Agent(transport=reduced_cap, hist_every=1, every=EVERY, reduce_ranks=True).watch(model)
         reduced.set_scale("0", "input", SHARED_SCALE)
-        local = Agent(transport=local_cap, every=EVERY).watch(model)
+        local = Agent(transport=local_cap, hist_every=1, every=EVERY).watch(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         g = torch.Generator().manual_seed(100 + rank)
         for step in range(STEPS):
