@@ -958,53 +958,76 @@ if triton is not None:
     # A partial is the tuple (nelem, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist).
     # A program accumulates its tiles row by row: the state is one bucket per tile row (row r of every tile the
     # program sees) with (count, shift c_r, fp64 power sums of x - c_r, amax, counts), plus one histogram. Per tile
-    # nothing crosses warps (the row sums are a thread's adds and a shuffle within the rows' lanes); only
-    # ``rows_partial`` reduces over the rows, once per program. Every row of a tile is taken in two passes over the
-    # registers (its mean, then sums of (x - mean)^k in fp32, where nothing cancels), then shifted into the bucket's
-    # fp64 sums exactly; NaN / Inf are masked out and counted. (The earlier per-tile partial reduced every
-    # statistic across the CTA and merged Chan/Pebay per tile: with 128 x 256 tiles ptxas spilled up to 1592
-    # registers, and the forward GEMM took 3-9x its time without statistics; bench/gemm_stats.py.)
+    # the row sums are a thread's adds and a shuffle within the row's lanes, and one flag (is the tile full and
+    # finite) crosses the CTA; ``rows_partial`` reduces over the rows once per program. Each row of a tile is taken
+    # in two passes over the registers (its mean, then sums of (x - mean)^k, where nothing cancels), then shifted
+    # into its bucket's fp64 sums. The earlier per-tile partial reduced every statistic across the CTA and merged
+    # Chan/Pebay per tile; with 128 x 256 tiles ptxas spilled up to 1592 registers, and the forward GEMM took 3-9x
+    # its time without statistics (bench/gemm_stats.py, H200).
 
     @triton.jit
     def rows_zero(BM: tl.constexpr):
         """The empty row state of ``BM`` buckets: (n, c, A1, A2, A3, A4, amax, zeros, outl, nonfin, hist)."""
         zi = tl.zeros([BM], tl.int32)
         zd = tl.zeros([BM], tl.float64)
-        return zi, tl.zeros([BM], tl.float32), zd, zd, zd, zd, tl.zeros([BM], tl.float32), zi, zi, zi, \
-            tl.zeros([64], tl.int32)
+        return zi, zd, zd, zd, zd, zd, tl.zeros([BM], tl.float32), zi, zi, zi, tl.zeros([64], tl.int32)
 
     @triton.jit
-    def rows_add(acc, x, mask, lo, hi, HIST: tl.constexpr):
-        """The row state ``acc`` with the [BM, BW] fp32 register tile ``x`` added (lanes outside ``mask`` excluded)."""
-        a = tl.abs(x)
-        fin = mask & (a < float("inf"))
-        xf = tl.where(fin, x, 0.0)
-        nr = tl.sum(fin.to(tl.int32), 1)
-        mr = tl.sum(xf, 1) / tl.maximum(nr, 1).to(tl.float32)
-        d = tl.where(fin, xf - mr[:, None], 0.0)
-        d2 = d * d
-        r1 = tl.sum(d, 1).to(tl.float64)
-        q2 = tl.sum(d2, 1).to(tl.float64)
-        q3 = tl.sum(d2 * d, 1).to(tl.float64)
-        q4 = tl.sum(d2 * d2, 1).to(tl.float64)
+    def _rows_shift(acc, nr, mr, r1, q2, q3, q4, am, zr, orr, nfr):
+        """``acc`` with a tile's rows added: their counts ``nr``, means ``mr`` and fp64 sums of (x - mr)^k."""
         n, c, A1, A2, A3, A4, amax, zeros, outl, nonfin, hist = acc
         c = tl.where(n == 0, mr, c)  # a bucket's shift: the mean of its first non-empty row
-        e = mr.to(tl.float64) - c.to(tl.float64)  # x - c = d + e, exactly in fp64
+        e = mr - c  # x - c = (x - mr) + e, in fp64
         k = nr.to(tl.float64)
         e2 = e * e
         A4 += q4 + 4.0 * e * q3 + 6.0 * e2 * q2 + 4.0 * e2 * e * r1 + k * e2 * e2
         A3 += q3 + 3.0 * e * q2 + 3.0 * e2 * r1 + k * e2 * e
         A2 += q2 + 2.0 * e * r1 + k * e2
         A1 += r1 + k * e
-        n += nr
-        amax = tl.maximum(amax, tl.max(tl.where(fin, a, 0.0), 1))
-        zeros += tl.sum((mask & (x == 0.0)).to(tl.int32), 1)
-        outl += tl.sum((fin & ((x > hi) | (x < lo))).to(tl.int32), 1)
-        nonfin += tl.sum((mask & ~fin).to(tl.int32), 1)
+        return n + nr, c, A1, A2, A3, A4, tl.maximum(amax, am), zeros + zr, outl + orr, nonfin + nfr, hist
+
+    @triton.jit
+    def rows_add(acc, x, mask, full, lo, hi, HIST: tl.constexpr):
+        """The row state ``acc`` with the [BM, BW] fp32 register tile ``x`` added (lanes outside ``mask`` excluded;
+        ``full``: a scalar, True when every lane is inside). Fast path (a full tile whose row sums are finite):
+        no masks; the row's deviations are scaled by a power of two from its amax, so that their 4th powers
+        neither overflow nor underflow fp32. Else (edges, NaN / Inf, sums past fp32): masked, in fp64."""
+        a = tl.abs(x)
+        rs = tl.sum(x, 1)
+        ra = tl.max(a, 1)
+        if full & (tl.max(tl.where(tl.abs(rs) < float("inf"), 0, 1), 0) == 0):
+            nr = tl.zeros_like(ra.to(tl.int32)) + x.shape[1]
+            mr = rs / x.shape[1]
+            er = (ra.to(tl.int32, bitcast=True) >> 23) - 127
+            er = tl.minimum(tl.maximum(er, -100), 100)
+            p = ((127 - er) << 23).to(tl.float32, bitcast=True)  # 2**-e, amax in [2**e, 2**e+1)
+            d = x * p[:, None] - (mr * p)[:, None]
+            d2 = d * d
+            pd = 1.0 / p.to(tl.float64)  # exact: a power of two
+            r1 = tl.sum(d, 1).to(tl.float64) * pd
+            q2 = tl.sum(d2, 1).to(tl.float64) * (pd * pd)
+            q3 = tl.sum(d2 * d, 1).to(tl.float64) * (pd * pd * pd)
+            q4 = tl.sum(d2 * d2, 1).to(tl.float64) * (pd * pd * pd * pd)
+            zr = tl.sum((x == 0.0).to(tl.int32), 1)
+            orr = tl.sum(((x > hi) | (x < lo)).to(tl.int32), 1)
+            acc = _rows_shift(acc, nr, mr.to(tl.float64), r1, q2, q3, q4, ra, zr, orr, tl.zeros_like(zr))
+        else:
+            fin = mask & (a < float("inf"))
+            xf = tl.where(fin, x, 0.0).to(tl.float64)
+            nr = tl.sum(fin.to(tl.int32), 1)
+            mr = tl.sum(xf, 1) / tl.maximum(nr, 1).to(tl.float64)
+            d = tl.where(fin, xf - mr[:, None], 0.0)
+            d2 = d * d
+            acc = _rows_shift(acc, nr, mr, tl.sum(d, 1), tl.sum(d2, 1), tl.sum(d2 * d, 1), tl.sum(d2 * d2, 1),
+                              tl.max(tl.where(fin, a, 0.0), 1), tl.sum((mask & (x == 0.0)).to(tl.int32), 1),
+                              tl.sum((fin & ((x > hi) | (x < lo))).to(tl.int32), 1),
+                              tl.sum((mask & ~fin).to(tl.int32), 1))
         if HIST:
+            n, c, A1, A2, A3, A4, amax, zeros, outl, nonfin, hist = acc
             bins = tl.where(mask, _bins(a.to(tl.int32, bitcast=True)), _BIN_DUMP)
             hist += tl.histogram(tl.reshape(bins, [x.numel], can_reorder=True), 64)
-        return n, c, A1, A2, A3, A4, amax, zeros, outl, nonfin, hist
+            acc = n, c, A1, A2, A3, A4, amax, zeros, outl, nonfin, hist
+        return acc
 
     @triton.jit
     def rows_partial(acc):
@@ -1012,8 +1035,8 @@ if triton is not None:
         n, c, A1, A2, A3, A4, amax, zeros, outl, nonfin, hist = acc
         k = n.to(tl.float64)
         nf = tl.sum(k, 0)
-        mu = tl.sum(k * c.to(tl.float64) + A1, 0) / tl.maximum(nf, 1.0)
-        e = c.to(tl.float64) - mu  # x - mu = (x - c) + e
+        mu = tl.sum(k * c + A1, 0) / tl.maximum(nf, 1.0)
+        e = c - mu  # x - mu = (x - c) + e
         e2 = e * e
         B1 = tl.sum(A1 + k * e, 0)
         B2 = tl.sum(A2 + 2.0 * e * A1 + k * e2, 0)

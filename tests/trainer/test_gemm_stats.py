@@ -43,6 +43,9 @@ def _child() -> None:
         ("fp32 base e5m2 merge", 64, 64, 64, torch.float32, True, 1, 1.0, "e5m2", True, True),
         ("nan scale", 20, 30, 32, torch.bfloat16, True, 1, nan, None, False, False),
         ("inf scale split-k", 20, 30, 64, torch.float32, False, 2, inf, "e4m3", False, False),
+        # full tiles only: 4th powers of deviations ~1e-11 underflow fp32 and of ~1e16 overflow it, unscaled
+        ("tiny values, full tiles", 64, 64, 64, torch.float32, False, 1, 1e-12, None, False, False),
+        ("huge values, full tiles", 64, 96, 64, torch.float32, True, 1, 1e15, None, False, False),
     ]
     for name, M, N, K, od, has_bias, split, sa, fmt, has_base, merge in cases:
         a = torch.randn(M, K, generator=g).to(torch.float8_e4m3fn)
@@ -80,7 +83,7 @@ def results() -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
     out = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert len(lines) == 14, out.stderr[-3000:]
+    assert len(lines) == 18, out.stderr[-3000:]
     return {d["check"]: d["problem"] for d in lines}
 
 

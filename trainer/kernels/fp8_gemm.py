@@ -136,22 +136,25 @@ def _add_rn(a, b):
 
 
 @triton.jit
-def _out_rows(st, y, offs, mask, base_ptr, lo, hi, HAS_BASE: tl.constexpr, HIST: tl.constexpr):
+def _out_rows(st, y, offs, mask, full, base_ptr, lo, hi, HAS_BASE: tl.constexpr, HIST: tl.constexpr):
     """The statistics row state ``st`` (``rows_zero``) with a 2-D tile ``y`` of C added (its values in the output
-    dtype, at the flat offsets ``offs`` of C, lanes outside ``mask`` excluded); with ``HAS_BASE`` that of base + y
+    dtype, at the flat offsets ``offs`` of C, lanes outside ``mask`` excluded, ``full`` when none is); with
+    ``HAS_BASE`` that of base + y
     (base: a contiguous fp32 tensor of C's shape, e.g. the gradient that y accumulates into), rounded as torch's
     ``base + y`` is."""
     v = y.to(tl.float32)
     if HAS_BASE:
         v = _add_rn(v, tl.load(base_ptr + offs, mask=mask, other=0.0))
-    return rows_add(st, v, mask, lo, hi, HIST)
+    return rows_add(st, v, mask, full, lo, hi, HIST)
 
 
 @triton.jit
 def _rc_rows(st, y, rows, cols, M, N, base_ptr, lo, hi, HAS_BASE: tl.constexpr, HIST: tl.constexpr):
     """``_out_rows`` of the tile at rows x cols of the (M, N) output."""
     offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-    return _out_rows(st, y, offs, (rows[:, None] < M) & (cols[None, :] < N), base_ptr, lo, hi, HAS_BASE, HIST)
+    full = (rows.shape[0] <= M - tl.min(rows, 0)) & (cols.shape[0] <= N - tl.min(cols, 0))
+    return _out_rows(st, y, offs, (rows[:, None] < M) & (cols[None, :] < N), full, base_ptr, lo, hi, HAS_BASE,
+                     HIST)
 
 
 @triton.jit(do_not_specialize=["dst_index", "merge"])
@@ -244,7 +247,8 @@ def _splitk_reduce_kernel(ws_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, MN, N, base_p
             y, offs = _reduce_block(ws_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, MN, N, blk + tl.zeros([], tl.int32),
                                     SPLIT_K, HAS_BIAS, SOFT_ROUND, BLOCK)
             o2 = tl.reshape(offs, [BLOCK // 16, 16])  # the statistics helpers take 2-D tiles
-            st = _out_rows(st, tl.reshape(y, [BLOCK // 16, 16]), o2, o2 < MN, base_ptr, lo, hi, HAS_BASE, HIST)
+            st = _out_rows(st, tl.reshape(y, [BLOCK // 16, 16]), o2, o2 < MN, (blk + 1 + tl.zeros([], tl.int64)) * BLOCK <= MN,
+                           base_ptr, lo, hi, HAS_BASE, HIST)
         nofmt_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, rows_partial(st), AHM_PTR, HIST,
                        FMAX, UTHR, SMODE)
     else:
