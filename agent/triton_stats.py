@@ -991,37 +991,50 @@ if triton is not None:
         """The row state ``acc`` with the [BM, BW] fp32 register tile ``x`` added (lanes outside ``mask`` excluded;
         ``full``: a scalar, True when every lane is inside). Fast path (a full tile whose row sums are finite):
         no masks; the row's deviations are scaled by a power of two from its amax, so that their 4th powers
-        neither overflow nor underflow fp32. Else (edges, NaN / Inf, sums past fp32): masked, in fp64."""
+        neither overflow nor underflow fp32. Else (edges, NaN / Inf, sums past fp32): masked, the values scaled
+        by a power of two from the row's finite amax before any sum."""
         a = tl.abs(x)
         rs = tl.sum(x, 1)
         ra = tl.max(a, 1)
         if full & (tl.max(tl.where(tl.abs(rs) < float("inf"), 0, 1), 0) == 0):
             nr = tl.zeros_like(ra.to(tl.int32)) + x.shape[1]
-            mr = rs / x.shape[1]
+            mr32 = rs / x.shape[1]
             er = (ra.to(tl.int32, bitcast=True) >> 23) - 127
             er = tl.minimum(tl.maximum(er, -100), 100)
             p = ((127 - er) << 23).to(tl.float32, bitcast=True)  # 2**-e, amax in [2**e, 2**e+1)
-            d = x * p[:, None] - (mr * p)[:, None]
+            d = x * p[:, None] - (mr32 * p)[:, None]
             d2 = d * d
             pd = 1.0 / p.to(tl.float64)  # exact: a power of two
+            mr = mr32.to(tl.float64)
             r1 = tl.sum(d, 1).to(tl.float64) * pd
             q2 = tl.sum(d2, 1).to(tl.float64) * (pd * pd)
             q3 = tl.sum(d2 * d, 1).to(tl.float64) * (pd * pd * pd)
             q4 = tl.sum(d2 * d2, 1).to(tl.float64) * (pd * pd * pd * pd)
+            am = ra
             zr = tl.sum((x == 0.0).to(tl.int32), 1)
             orr = tl.sum(((x > hi) | (x < lo)).to(tl.int32), 1)
-            acc = _rows_shift(acc, nr, mr.to(tl.float64), r1, q2, q3, q4, ra, zr, orr, tl.zeros_like(zr))
+            nfr = tl.zeros_like(zr)
         else:
             fin = mask & (a < float("inf"))
-            xf = tl.where(fin, x, 0.0).to(tl.float64)
+            am = tl.max(tl.where(fin, a, 0.0), 1)
+            ec = (am.to(tl.int32, bitcast=True) >> 23) - 127
+            ec = tl.minimum(tl.maximum(ec, -100), 100)
+            pc = ((127 - ec) << 23).to(tl.float32, bitcast=True)
+            xs = tl.where(fin, x * pc[:, None], 0.0)  # |xs| < 2: the sums cannot overflow
             nr = tl.sum(fin.to(tl.int32), 1)
-            mr = tl.sum(xf, 1) / tl.maximum(nr, 1).to(tl.float64)
-            d = tl.where(fin, xf - mr[:, None], 0.0)
-            d2 = d * d
-            acc = _rows_shift(acc, nr, mr, tl.sum(d, 1), tl.sum(d2, 1), tl.sum(d2 * d, 1), tl.sum(d2 * d2, 1),
-                              tl.max(tl.where(fin, a, 0.0), 1), tl.sum((mask & (x == 0.0)).to(tl.int32), 1),
-                              tl.sum((fin & ((x > hi) | (x < lo))).to(tl.int32), 1),
-                              tl.sum((mask & ~fin).to(tl.int32), 1))
+            ms = tl.sum(xs, 1) / tl.maximum(nr, 1).to(tl.float32)
+            dc = tl.where(fin, xs - ms[:, None], 0.0)  # (names apart from the fast path's)
+            dc2 = dc * dc
+            pdc = 1.0 / pc.to(tl.float64)
+            mr = ms.to(tl.float64) * pdc
+            r1 = tl.sum(dc, 1).to(tl.float64) * pdc
+            q2 = tl.sum(dc2, 1).to(tl.float64) * (pdc * pdc)
+            q3 = tl.sum(dc2 * dc, 1).to(tl.float64) * (pdc * pdc * pdc)
+            q4 = tl.sum(dc2 * dc2, 1).to(tl.float64) * (pdc * pdc * pdc * pdc)
+            zr = tl.sum((mask & (x == 0.0)).to(tl.int32), 1)
+            orr = tl.sum((fin & ((x > hi) | (x < lo))).to(tl.int32), 1)
+            nfr = tl.sum((mask & ~fin).to(tl.int32), 1)
+        acc = _rows_shift(acc, nr, mr, r1, q2, q3, q4, am, zr, orr, nfr)
         if HIST:
             n, c, A1, A2, A3, A4, amax, zeros, outl, nonfin, hist = acc
             bins = tl.where(mask, _bins(a.to(tl.int32, bitcast=True)), _BIN_DUMP)

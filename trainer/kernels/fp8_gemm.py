@@ -247,8 +247,8 @@ def _splitk_reduce_kernel(ws_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, MN, N, base_p
             y, offs = _reduce_block(ws_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, MN, N, blk + tl.zeros([], tl.int32),
                                     SPLIT_K, HAS_BIAS, SOFT_ROUND, BLOCK)
             o2 = tl.reshape(offs, [BLOCK // 16, 16])  # the statistics helpers take 2-D tiles
-            st = _out_rows(st, tl.reshape(y, [BLOCK // 16, 16]), o2, o2 < MN, (blk + 1 + tl.zeros([], tl.int64)) * BLOCK <= MN,
-                           base_ptr, lo, hi, HAS_BASE, HIST)
+            full = (blk + 1 + tl.zeros([], tl.int64)) * BLOCK <= MN
+            st = _out_rows(st, tl.reshape(y, [BLOCK // 16, 16]), o2, o2 < MN, full, base_ptr, lo, hi, HAS_BASE, HIST)
         nofmt_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, rows_partial(st), AHM_PTR, HIST,
                        FMAX, UTHR, SMODE)
     else:
@@ -340,9 +340,12 @@ def _tune_bench(fn, quantiles=None):
 # The config the autotuner chose for a GEMM without statistics, per (impl, shape, flags): a variant with a
 # statistics epilogue is tuned among that config and one 128x128 tile only. Tuning it among every config cost
 # the first reporting step minutes at 1.5B (each config of each statistics variant is a large kernel to
-# compile), for an epilogue that runs once per tile and leaves the main loop's best shape unchanged.
+# compile), for an epilogue that runs once per tile and leaves the main loop's best shape unchanged. Tiles over
+# 128 x 128 are left out: their 128 fp32 accumulator registers per thread plus the epilogue's spill (ptxas,
+# sm_90a: 900+ bytes of stack for 128 x 256 against 8 for 128 x 128).
 _PLAIN_BEST: dict = {}
 _STATS_SPARE = {"BM": 128, "BN": 128, "BK": 128, "GROUP_M": 8, "num_stages": 4, "num_warps": 8}
+_STATS_MAX_TILE = 128 * 128
 
 
 def _plain_key(impl: str, M: int, N: int, K: int, flags: dict) -> tuple:
@@ -355,16 +358,18 @@ def _config_dict(cfg) -> dict:
 
 def _stats_prune(impl: str):
     """The autotuner's ``early_config_prune`` of ``impl``: every config without statistics; with statistics,
-    the plain variant's best config (when known) and ``_STATS_SPARE``."""
+    the configs of at most 128 x 128 tiles, of those the plain variant's best config (when known) and
+    ``_STATS_SPARE``."""
 
     def prune(configs, nargs, **kwargs):
         if not kwargs.get("STATS"):
             return configs
+        small = [c for c in configs if c.kwargs["BM"] * c.kwargs["BN"] <= _STATS_MAX_TILE] or configs
         best = _PLAIN_BEST.get(_plain_key(impl, nargs["M"], nargs["N"], nargs["K"], kwargs))
         if best is None:
-            return configs
-        keep = [c for c in configs if _config_dict(c) in (best, _STATS_SPARE)]
-        return keep or configs
+            return small
+        keep = [c for c in small if _config_dict(c) in (best, _STATS_SPARE)]
+        return keep or small
 
     return prune
 
