@@ -973,6 +973,11 @@ if triton is not None:
         return zi, zd, zd, zd, zd, zd, tl.zeros([BM], tl.float32), zi, zi, zi, tl.zeros([64], tl.int32)
 
     @triton.jit
+    def _pow2_f64(e):
+        """2**e as fp64, from its bits (|e| <= 1022)."""
+        return ((e.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
+
+    @triton.jit
     def _rows_shift(acc, nr, mr, r1, q2, q3, q4, am, zr, orr, nfr):
         """``acc`` with a tile's rows added: their counts ``nr``, means ``mr`` and fp64 sums of (x - mr)^k."""
         n, c, A1, A2, A3, A4, amax, zeros, outl, nonfin, hist = acc
@@ -1004,7 +1009,7 @@ if triton is not None:
             p = ((127 - er) << 23).to(tl.float32, bitcast=True)  # 2**-e, amax in [2**e, 2**e+1)
             d = x * p[:, None] - (mr32 * p)[:, None]
             d2 = d * d
-            pd = 1.0 / p.to(tl.float64)  # exact: a power of two
+            pd = _pow2_f64(er)  # 1 / p, exactly (a division would be a call per row)
             mr = mr32.to(tl.float64)
             r1 = tl.sum(d, 1).to(tl.float64) * pd
             q2 = tl.sum(d2, 1).to(tl.float64) * (pd * pd)
@@ -1025,7 +1030,7 @@ if triton is not None:
             ms = tl.sum(xs, 1) / tl.maximum(nr, 1).to(tl.float32)
             dc = tl.where(fin, xs - ms[:, None], 0.0)  # (names apart from the fast path's)
             dc2 = dc * dc
-            pdc = 1.0 / pc.to(tl.float64)
+            pdc = _pow2_f64(ec)
             mr = ms.to(tl.float64) * pdc
             r1 = tl.sum(dc, 1).to(tl.float64) * pdc
             q2 = tl.sum(dc2, 1).to(tl.float64) * (pdc * pdc)

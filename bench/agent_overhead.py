@@ -65,7 +65,8 @@ def measure(config: str, precision: str, args, device: torch.device, url: str) -
                           modules=r"^blocks\.", spool_dir=spool.name, stats_backend=backend,
                           hist=args.hist, hist_every=args.hist_every).watch(model)
             agent.step(step_no[0])
-        for _ in range(args.warmup):
+        # with the agent on, the warm-up takes in a histogram step (its kernels compile then, not in the timing)
+        for _ in range(args.warmup + (args.hist_every if backend is not None and args.hist else 0)):
             step(agent)
         sync()
         times, host = [], []
