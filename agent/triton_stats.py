@@ -1025,7 +1025,7 @@ if triton is not None:
             ec = (am.to(tl.int32, bitcast=True) >> 23) - 127
             ec = tl.minimum(tl.maximum(ec, -100), 100)
             pc = ((127 - ec) << 23).to(tl.float32, bitcast=True)
-            xs = tl.where(fin, x * pc[:, None], 0.0)  # |xs| < 2: the sums cannot overflow
+            xs = tl.where(fin, x * pc[:, None], 0.0)  # |xs| < 2 (amax within 2**+-100): no sum overflows
             nr = tl.sum(fin.to(tl.int32), 1)
             ms = tl.sum(xs, 1) / tl.maximum(nr, 1).to(tl.float32)
             dc = tl.where(fin, xs - ms[:, None], 0.0)  # (names apart from the fast path's)
