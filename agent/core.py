@@ -108,7 +108,6 @@ class Agent:
         self.outlier_k = float(outlier_k)
         self.hist = bool(hist)
         self.hist_every = int(hist_every)
-        self.hist_now = self.hist  # whether this step's rows carry the histogram (set at every step begin)
         self.group = group
         self.rank, self.world = distributed.rank_and_world(group)
         self.reduce = bool(reduce_ranks) and self.world > 1
@@ -300,7 +299,7 @@ class Agent:
         self._token += 1
         self._seen = set()
         self.reporting = step % self.every == 0 and not self._closed
-        self.hist_now = self.hist and step % (self.every * self.hist_every) == 0
+        self.hist_now = self.hist and step % (self.every * self.hist_every) == 0  # this step's rows carry it
         if self.reporting:
             self._pack.begin()
         self._arm()

@@ -302,6 +302,14 @@ if triton is not None:
         return t1, t2, t3, t4, amax, cu, co, cout, cz, cnf, hist
 
     @triton.jit
+    def _inv_binade(am):
+        """(p, e): p = 2**-e (fp32) for ``am`` in [2**e, 2**e+1), e clamped to [-100, 100] (am = 0 gives 2**100):
+        x * p is exact and |x| <= am scales to below 2, so 4th powers neither under- nor overflow fp32."""
+        e = (am.to(tl.int32, bitcast=True) >> 23) - 127
+        e = tl.minimum(tl.maximum(e, -100), 100)
+        return ((127 - e) << 23).to(tl.float32, bitcast=True), e
+
+    @triton.jit
     def _shift_of(x, mask):
         """(c, p, ok) from a first tile: c its finite mean (fp32), p = 2**-e for its amax in [2**e, 2**e+1),
         ok False when it holds NaN/Inf (then the careful path runs)."""
@@ -311,9 +319,7 @@ if triton is not None:
         cnt = tl.sum(v.to(tl.int32), 0)
         c = tl.sum(tl.where(v, x, 0.0), 0) / tl.maximum(cnt, 1).to(tl.float32)
         am = tl.max(tl.where(v, a, 0.0), 0)
-        e = (am.to(tl.int32, bitcast=True) >> 23) - 127
-        e = tl.minimum(tl.maximum(e, -100), 100)
-        p = ((127 - e) << 23).to(tl.float32, bitcast=True)
+        p, e = _inv_binade(am)
         ok = (tl.sum((mask & ~fin).to(tl.int32), 0) == 0) & (c == c) & (tl.abs(c) < float("inf"))
         return c, p, ok
 
@@ -516,9 +522,7 @@ if triton is not None:
         cnt = tl.sum(tl.sum(v.to(tl.int32), 1), 0)
         c = tl.sum(tl.sum(tl.where(v, x, 0.0), 1), 0) / tl.maximum(cnt, 1).to(tl.float32)
         am = tl.max(tl.max(tl.where(v, a, 0.0), 1), 0)
-        e = (am.to(tl.int32, bitcast=True) >> 23) - 127
-        e = tl.minimum(tl.maximum(e, -100), 100)
-        p = ((127 - e) << 23).to(tl.float32, bitcast=True)
+        p, e = _inv_binade(am)
         ok = (tl.sum(tl.sum((mask & ~fin).to(tl.int32), 1), 0) == 0) & (c == c) & (tl.abs(c) < float("inf"))
         return c, p, ok
 
@@ -995,26 +999,16 @@ if triton is not None:
     def rows_add(acc, x, mask, full, lo, hi, HIST: tl.constexpr):
         """The row state ``acc`` with the [BM, BW] fp32 register tile ``x`` added (lanes outside ``mask`` excluded;
         ``full``: a scalar, True when every lane is inside). Fast path (a full tile whose row sums are finite):
-        no masks; the row's deviations are scaled by a power of two from its amax, so that their 4th powers
-        neither overflow nor underflow fp32. Else (edges, NaN / Inf, sums past fp32): masked, the values scaled
-        by a power of two from the row's finite amax before any sum."""
+        no masks. Else (edges, NaN / Inf, sums past fp32): masked. Either way the row's values are scaled by a
+        power of two from its (finite) amax before the deviations' sums (``_inv_binade``)."""
         a = tl.abs(x)
         rs = tl.sum(x, 1)
         ra = tl.max(a, 1)
         if full & (tl.max(tl.where(tl.abs(rs) < float("inf"), 0, 1), 0) == 0):
-            nr = tl.zeros_like(ra.to(tl.int32)) + x.shape[1]
-            mr32 = rs / x.shape[1]
-            er = (ra.to(tl.int32, bitcast=True) >> 23) - 127
-            er = tl.minimum(tl.maximum(er, -100), 100)
-            p = ((127 - er) << 23).to(tl.float32, bitcast=True)  # 2**-e, amax in [2**e, 2**e+1)
-            d = x * p[:, None] - (mr32 * p)[:, None]
-            d2 = d * d
-            pd = _pow2_f64(er)  # 1 / p, exactly (a division would be a call per row)
-            mr = mr32.to(tl.float64)
-            r1 = tl.sum(d, 1).to(tl.float64) * pd
-            q2 = tl.sum(d2, 1).to(tl.float64) * (pd * pd)
-            q3 = tl.sum(d2 * d, 1).to(tl.float64) * (pd * pd * pd)
-            q4 = tl.sum(d2 * d2, 1).to(tl.float64) * (pd * pd * pd * pd)
+            p, e = _inv_binade(ra)
+            nr = tl.zeros_like(e) + x.shape[1]
+            ms = (rs / x.shape[1]) * p  # the row mean, scaled (exactly) as the deviations are
+            d = x * p[:, None] - ms[:, None]
             am = ra
             zr = tl.sum((x == 0.0).to(tl.int32), 1)
             orr = tl.sum(((x > hi) | (x < lo)).to(tl.int32), 1)
@@ -1022,23 +1016,21 @@ if triton is not None:
         else:
             fin = mask & (a < float("inf"))
             am = tl.max(tl.where(fin, a, 0.0), 1)
-            ec = (am.to(tl.int32, bitcast=True) >> 23) - 127
-            ec = tl.minimum(tl.maximum(ec, -100), 100)
-            pc = ((127 - ec) << 23).to(tl.float32, bitcast=True)
-            xs = tl.where(fin, x * pc[:, None], 0.0)  # |xs| < 2 (amax within 2**+-100): no sum overflows
+            p, e = _inv_binade(am)
+            xs = tl.where(fin, x * p[:, None], 0.0)  # |xs| < 2 (amax within 2**+-100): no sum overflows
             nr = tl.sum(fin.to(tl.int32), 1)
             ms = tl.sum(xs, 1) / tl.maximum(nr, 1).to(tl.float32)
-            dc = tl.where(fin, xs - ms[:, None], 0.0)  # (names apart from the fast path's)
-            dc2 = dc * dc
-            pdc = _pow2_f64(ec)
-            mr = ms.to(tl.float64) * pdc
-            r1 = tl.sum(dc, 1).to(tl.float64) * pdc
-            q2 = tl.sum(dc2, 1).to(tl.float64) * (pdc * pdc)
-            q3 = tl.sum(dc2 * dc, 1).to(tl.float64) * (pdc * pdc * pdc)
-            q4 = tl.sum(dc2 * dc2, 1).to(tl.float64) * (pdc * pdc * pdc * pdc)
+            d = tl.where(fin, xs - ms[:, None], 0.0)
             zr = tl.sum((mask & (x == 0.0)).to(tl.int32), 1)
             orr = tl.sum((fin & ((x > hi) | (x < lo))).to(tl.int32), 1)
             nfr = tl.sum((mask & ~fin).to(tl.int32), 1)
+        d2 = d * d
+        pd = _pow2_f64(e)  # 1 / p, exactly (a division would be a call per row)
+        mr = ms.to(tl.float64) * pd
+        r1 = tl.sum(d, 1).to(tl.float64) * pd
+        q2 = tl.sum(d2, 1).to(tl.float64) * (pd * pd)
+        q3 = tl.sum(d2 * d, 1).to(tl.float64) * (pd * pd * pd)
+        q4 = tl.sum(d2 * d2, 1).to(tl.float64) * (pd * pd * pd * pd)
         acc = _rows_shift(acc, nr, mr, r1, q2, q3, q4, am, zr, orr, nfr)
         if HIST:
             n, c, A1, A2, A3, A4, amax, zeros, outl, nonfin, hist = acc

@@ -142,9 +142,8 @@ def _add_rn(a, b):
 def _out_rows(st, y, offs, mask, full, base_ptr, lo, hi, HAS_BASE: tl.constexpr, HIST: tl.constexpr):
     """The statistics row state ``st`` (``rows_zero``) with a 2-D tile ``y`` of C added (its values in the output
     dtype, at the flat offsets ``offs`` of C, lanes outside ``mask`` excluded, ``full`` when none is); with
-    ``HAS_BASE`` that of base + y
-    (base: a contiguous fp32 tensor of C's shape, e.g. the gradient that y accumulates into), rounded as torch's
-    ``base + y`` is."""
+    ``HAS_BASE`` that of base + y (base: a contiguous fp32 tensor of C's shape, e.g. the gradient that y
+    accumulates into), rounded as torch's ``base + y`` is."""
     v = y.to(tl.float32)
     if HAS_BASE:
         v = _add_rn(v, tl.load(base_ptr + offs, mask=mask, other=0.0))
