@@ -242,29 +242,31 @@ if triton is not None:
     def _tile_fast(x, mask, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, amax, cu, co, cout, cz, hist,
                    HIST: tl.constexpr, HAS_MASK: tl.constexpr, RED: tl.constexpr = False):
         """Fast path (no NaN/Inf expected): fp32 power sums of the scaled shifted values per lane, counts
-        as integer compares of |x|'s bits (zeros included in ``cu``: subtracted per program). Only a
-        partial tile (``HAS_MASK``) pays for masks; its masked lanes are loaded as 0."""
+        as integer compares of |x|'s bits. ``cu``, ``co`` and ``cz`` hold *minus* the counts of |x| above the
+        underflow threshold, above the overflow threshold and of zeros (``_fast_result`` turns them into
+        counts): ``(t - bits) >> 31`` is -1 exactly when bits > t (bits >= 0, t >= -1: no wrap-around), two
+        instructions where a compare-and-count took three (ptxas made it a conditional increment). Only a
+        partial tile (``HAS_MASK``) pays for masks; its masked lanes are loaded as 0, which never exceeds a
+        threshold, so only the zero and outlier counts mask them."""
         a = tl.abs(x)
         bits = a.to(tl.int32, bitcast=True)
         d = tl.fma(x, p, ncp)
         amax = tl.maximum(amax, _redmax(a, RED))
+        cu += _red((tu - bits) >> 31, RED)
+        co += _red((to - bits) >> 31, RED)
         if HAS_MASK:
             d = tl.where(mask, d, 0.0)
-            cu += _red(((bits <= tu) & mask).to(tl.int32), RED)
-            co += _red(((bits > to) & mask).to(tl.int32), RED)
             cout += _red((((x > hi) | (x < lo)) & mask).to(tl.int32), RED)
             if HIST:
                 hist += _hist(tl.where(mask, _bins(bits), _BIN_DUMP), RED)
             else:
-                cz += _red(((bits == 0) & mask).to(tl.int32), RED)
+                cz -= _red(((bits == 0) & mask).to(tl.int32), RED)
         else:
-            cu += _red((bits <= tu).to(tl.int32), RED)
-            co += _red((bits > to).to(tl.int32), RED)
             cout += _red(((x > hi) | (x < lo)).to(tl.int32), RED)
             if HIST:
                 hist += _hist(_bins(bits), RED)
             else:
-                cz += _red((bits == 0).to(tl.int32), RED)
+                cz += _red((bits - 1) >> 31, RED)
         d2 = d * d
         s1 += _red(d, RED)
         s2 += _red(d2, RED)
@@ -348,9 +350,9 @@ if triton is not None:
         if HIST:
             zeros = tl.sum(tl.where(tl.arange(0, 64) == _BIN_ZERO, hist, 0), 0)
         else:
-            zeros = tl.sum(cz, 0)
-        under = tl.where(tu >= 0, tl.sum(cu, 0) - zeros, 0)
-        over = tl.sum(co, 0)
+            zeros = -tl.sum(cz, 0)
+        under = tl.where(tu >= 0, n + tl.sum(cu, 0) - zeros, 0)  # |x| <= threshold: all but those above it
+        over = -tl.sum(co, 0)
         outl = tl.sum(cout, 0)
         return ok, mean, m2, m3, m4, am, zeros, under, over, outl, hist
 

@@ -69,6 +69,37 @@ def _child(names: list[str]) -> None:
                         problems.append(row_problems(tgt.rows[0], stats_ref(x, fmt, r.scale, ref)))
                         emit(name, "; ".join(p for p in problems if p))
 
+    def fused_fast_path():
+        """Finite inputs (the fast path, which ``fused_kernels``' NaN sends to the careful one), with and without
+        the histogram: zeros, underflows, overflows (a stale delayed scale) and outliers, on full and edge tiles."""
+        g = torch.Generator().manual_seed(1)
+        for dt, fmt in ((torch.bfloat16, "e4m3"), (torch.float32, "e5m2")):
+            x = torch.randn(130, 260, generator=g) * 3 + 0.5
+            x[::7, ::5] = 0.0
+            x[3, :40] = 1e-10  # below half the smallest subnormal at every scale used: underflows
+            x[5, 7] = 40.0  # an outlier
+            x = x.to(dt)
+            for delayed in (False, True):
+                scale = torch.tensor(20.0 if fmt == "e4m3" else 6000.0) if delayed else None  # stale: overflows
+                for hist in (True, False):
+                    for kernel in ("quantize", "quantize_transpose"):
+                        fn = quantize if kernel == "quantize" else quantize_transpose
+                        acc = torch.zeros(()) if delayed else None
+                        tgt = ts.Target.new("cpu", center=(0.5, 3.0), hist=hist)
+                        r = fn(x, fmt, scale=scale, accum=acc, stats=tgt)
+                        ref = stats_ref(x, fmt, r.scale, ts.Target.new("cpu", center=(0.5, 3.0), hist=hist))
+                        got = tgt.rows[0]
+                        problems = [row_problems(got, ref)]
+                        counts = {k: float(ref[i]) for k, i in (("zeros", ds.ZEROS), ("under", ds.UNDERFLOW),
+                                                                ("over", ds.OVERFLOW), ("outliers", ds.OUTLIERS))}
+                        if not all(counts[k] > 0 for k in ("zeros", "outliers")) or not counts["under"] > 0 or \
+                                (delayed and not counts["over"] > 0):
+                            problems.append(f"the input does not exercise every count: {counts}")
+                        if delayed and float(acc) != float(x.float().abs().max()):
+                            problems.append(f"amax accumulator {float(acc)} != {float(x.float().abs().max())}")
+                        emit(f"fused_fast_path:{kernel}:{fmt}:delayed={delayed}:hist={hist}",
+                             "; ".join(p for p in problems if p))
+
     def fused_merge():
         """A second call into the same row merges (micro-batches), as device_stats.merge does."""
         x1, x2 = torch.randn(40, 60), torch.randn(40, 60) * 5 + 1
@@ -161,7 +192,7 @@ def _child(names: list[str]) -> None:
             problem += f" sites reported: {sorted(sites)}"
         emit("gemm_stats_fallback", problem)
 
-    checks = dict(fused_kernels=fused_kernels, fused_merge=fused_merge, fp8_linear_agent=fp8_linear_agent,
+    checks = dict(fused_kernels=fused_kernels, fused_fast_path=fused_fast_path, fused_merge=fused_merge, fp8_linear_agent=fp8_linear_agent,
                   gemm_stats_fallback=gemm_stats_fallback)
     for name in names or checks:
         try:
@@ -173,7 +204,7 @@ def _child(names: list[str]) -> None:
             emit(f"{name}:raised", repr(exc))
 
 
-GROUPS = ["fused_kernels", "fused_merge", "fp8_linear_agent", "gemm_stats_fallback"]
+GROUPS = ["fused_kernels", "fused_fast_path", "fused_merge", "fp8_linear_agent", "gemm_stats_fallback"]
 
 
 @pytest.fixture(scope="module")
