@@ -151,10 +151,12 @@ def _out_rows(st, y, offs, mask, full, base_ptr, lo, hi, HAS_BASE: tl.constexpr,
 
 
 @triton.jit
-def _rc_rows(st, y, rows, cols, M, N, base_ptr, lo, hi, HAS_BASE: tl.constexpr, HIST: tl.constexpr):
-    """``_out_rows`` of the tile at rows x cols of the (M, N) output."""
+def _rc_rows(st, y, row0, col0, M, N, base_ptr, lo, hi, HAS_BASE: tl.constexpr, HIST: tl.constexpr):
+    """``_out_rows`` of the tile of the (M, N) output whose first row and column are ``row0``, ``col0``."""
+    rows = row0 + tl.arange(0, y.shape[0])
+    cols = col0 + tl.arange(0, y.shape[1])
     offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-    full = (rows.shape[0] <= M - tl.min(rows, 0)) & (cols.shape[0] <= N - tl.min(cols, 0))
+    full = (row0 + y.shape[0] <= M) & (col0 + y.shape[1] <= N)  # scalars: a tl.min over rows crossed the CTA
     return _out_rows(st, y, offs, (rows[:, None] < M) & (cols[None, :] < N), full, base_ptr, lo, hi, HAS_BASE,
                      HIST)
 
@@ -208,7 +210,8 @@ def _fp8_gemm_ptr_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
         tl.store(c_ptrs, y, mask=c_mask)
         if STATS:  # one partial per program (= tile)
             lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
-            part = rows_partial(_rc_rows(rows_zero(BM), y, offs_cm, offs_cn, M, N, base_ptr, lo, hi, HAS_BASE, HIST))
+            part = rows_partial(_rc_rows(rows_zero(BM), y, pid_m * BM, pid_n * BN, M, N, base_ptr, lo, hi, HAS_BASE,
+                                         HIST))
             nofmt_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, part, AHM_PTR, HIST, FMAX,
                            UTHR, SMODE)
     else:  # c_ptr is the (SPLIT_K, M, N) fp32 workspace
@@ -318,10 +321,8 @@ def _fp8_gemm_tma_kernel(a_desc, b_desc, c_desc, ws_ptr, sa_ptr, sb_ptr, bias_pt
             c_desc.store([offs_cm, offs_cn], y0)
             c_desc.store([offs_cm, offs_cn + BN // 2], y1)
             if STATS:  # after the stores are issued, so that they drain meanwhile; a half tile at a time
-                rows = offs_cm + tl.arange(0, BM)
-                cols = offs_cn + tl.arange(0, BN // 2)
-                st = _rc_rows(st, y0, rows, cols, M, N, base_ptr, lo, hi, HAS_BASE, HIST)
-                st = _rc_rows(st, y1, rows, cols + BN // 2, M, N, base_ptr, lo, hi, HAS_BASE, HIST)
+                st = _rc_rows(st, y0, offs_cm, offs_cn, M, N, base_ptr, lo, hi, HAS_BASE, HIST)
+                st = _rc_rows(st, y1, offs_cm, offs_cn + BN // 2, M, N, base_ptr, lo, hi, HAS_BASE, HIST)
         else:  # unscaled fp32 partial sums into the (SPLIT_K, M, N) workspace
             pid_m, pid_n = _tile_ids(item_c % num_tiles, num_pid_m, num_pid_n, GROUP_M)
             rows = pid_m * BM + tl.arange(0, BM)
