@@ -4,7 +4,8 @@ variant (``STATS_MAXNREG``) and pipelining depths of its tile loop (``STATS_STAG
 activation and weight shapes. CUDA-event medians
 (``triton.testing.do_bench``), all in one run.
 
-    python3 bench/qt_stats.py
+    python3 bench/qt_stats.py            # every variant below
+    python3 bench/qt_stats.py --defaults # the defaults only (histogram on and off): two compiles per input
 """
 import sys
 from pathlib import Path
@@ -28,7 +29,9 @@ VARIANTS = [(True, 128, None), (True, 128, 1), (True, 128, 2), (True, 128, 3), (
             (False, 128, None), (False, 128, 1), (False, 128, 2), (False, 128, 3)]
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    only_defaults = "--defaults" in (sys.argv[1:] if argv is None else argv)
+    variants = [(True, QT.STATS_MAXNREG, None), (False, QT.STATS_MAXNREG, None)] if only_defaults else VARIANTS
     defaults = (QT.STATS_MAXNREG, QT.STATS_STAGES)
     dev = torch.device("cuda")
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
@@ -39,8 +42,8 @@ def main() -> int:
         fmt = "e4m3"
         t = {"no stats": triton.testing.do_bench(lambda: QT.quantize_transpose(x, fmt, scale, accum),
                                                  return_mode="median")}
-        for hist, cap, stages in VARIANTS:
-            QT.STATS_MAXNREG, QT.STATS_STAGES = cap, stages
+        for hist, cap, stages in variants:
+            QT.STATS_MAXNREG, QT.STATS_STAGES = cap, defaults[1] if stages is None else stages
             tgt = ts.Target.new(dev, hist=hist)
             fn = lambda: QT.quantize_transpose(x, fmt, scale, accum, stats=tgt)  # noqa: E731
             name = f"stats{'' if hist else ' -hist'} cap {cap} stages {stages or 'default'}"

@@ -40,11 +40,16 @@ TRANS_MODE_DEFAULT = 0
 # as for the standalone statistics kernel, whose cold code inflates the count). bench/qt_stats.py times it.
 STATS_MAXNREG: int | None = 128
 # Software-pipeline depth of the statistics variant's persistent tile loop (``tl.range(num_stages=...)``): with
-# STAGES > 1 Triton prefetches the next tiles into shared memory while the current one is reduced. None: 2 for
-# bf16 / fp16 inputs without the histogram, else 1. On an H200 (bench/qt_stats.py, RESULTS.md) depth 2 took the
-# histogram-less variant from 2.12x / 2.05x the plain cast to 1.82x / 1.63x on bf16 inputs; with the histogram it
-# was 4-13% slower; on fp32 inputs (re-read transposed) without it, two runs disagreed (+33%, -22%): left at 1.
-STATS_STAGES: int | None = None
+# STAGES > 1 Triton prefetches the next tiles into shared memory while the current one is reduced. Depth 2 once
+# took the histogram-less bf16 variant from ~2.1x to ~1.7x the plain cast. Since the cast lost its clamps and the
+# statistics their masks on interior tiles, depth 1 is faster on every 1.5B input without the histogram (H200,
+# 2026-11-22, one sweep of depth and V: activation 1.68x against 1.77x the plain cast, grad_output 1.40x against
+# 1.45x, fp32 weight 1.29x against 1.93x); with the histogram depth 1 was the default already.
+STATS_STAGES = 1
+# Elements of x per row of the statistics' [BM * BN / V, V] view of a tile: 16 is what a thread of the load's
+# layout holds contiguously, so the view costs no data movement, and it halves the per-row accumulators of V = 8
+# (an offline sm_90a build: 40 bytes of spill against 128 at the register cap; on the H200 1.68x against 1.82x
+# the plain cast for the 1.5B activation, 1.40x against 1.54x for its grad_output).
 _STATS_V = 16
 
 
@@ -196,12 +201,6 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, sca
                    outl, under, over, samax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST)
 
 
-def _stats_stages(dtype: torch.dtype, hist: bool) -> int:
-    if STATS_STAGES is not None:
-        return STATS_STAGES
-    return 2 if not hist and dtype != torch.float32 and not INTERPRET else 1
-
-
 def _stats_opts() -> dict:
     return {"maxnreg": STATS_MAXNREG} if STATS_MAXNREG and not INTERPRET else {}
 
@@ -242,7 +241,7 @@ def quantize_transpose(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tenso
             P = 1
         _quantize_transpose_stats_kernel[(programs,)](*args, **ts.fused_args(stats, programs, dev),
                                                       CURRENT=scale is None, P_BLOCK=P, V=_STATS_V,
-                                                      STAGES=_stats_stages(x.dtype, bool(stats.hist)),
+                                                      STAGES=STATS_STAGES,
                                                       **common, **stats_consts(fmt), **_stats_opts())
         return Quantized(q, qt, meta)
     if scale is None:
