@@ -30,12 +30,12 @@ step the quantize kernels of input, weight (E4M3) and grad_output (E5M2) also wr
 section-4 rows, with the scale they cast with, straight into the agent's step buffer (``stats=`` of
 ``quantize_transpose``): no hook reads a GEMM input a second time. The torch path computes the same rows
 with ``device_stats.partials`` and reports them. Likewise the forward GEMM's epilogue writes the row of
-``output`` (y as returned, in its dtype) and the wgrad GEMM's that of ``grad_weight`` (``fp8_gemm(stats=)``):
-no hook reads y or dW. The hooks see grad_weight as ``weight.grad`` after each accumulation (replacing the
-step's row), so the wgrad epilogue takes the statistics of ``weight.grad + dW`` (the old gradient read on
-reporting steps only, from the second micro-batch on), the value autograd accumulates next (an fp32 add
-either way). A weight that is not fp32 (its gradient rounded and accumulated in its dtype) gets that row
-from one standalone statistics launch instead.
+``output`` (y as returned, in its dtype) (``fp8_gemm(stats=)``): no hook reads y. ``grad_weight`` is left to the
+agent's hook, which reads ``weight.grad`` after each accumulation with the standalone statistics kernel. The wgrad
+epilogue could take it (``fp8_gemm(stats=, stats_base=weight.grad)``), but on the H200 at 1.5B that cost the four
+wgrads 1.7-2.1x their plain time (the Gluon ws kernel has no statistics epilogue, so they also fell back to the
+slower TMA kernel), ~580 us per layer, where one read of the fp32 gradient (268 MB per layer) is ~130 us at the
+standalone kernel's ~0.5 of copy bandwidth (bench/RESULTS.md).
 
 For the statistics fusion, after a forward (and backward) ``module.fp8_amax`` and ``module.fp8_scale``
 map site -> fp32 0-d device tensor: "input", "weight" (forward), "grad_output" (backward). amax is
@@ -56,7 +56,7 @@ from torch import nn
 from agent.formats import E4M3, E5M2, Fp8Format
 
 SITES = ("input", "weight", "grad_output")  # the quantized tensors
-GEMM_SITES = ("output", "grad_weight")  # the GEMM results
+GEMM_SITES = ("output",)  # the GEMM results whose rows the GEMM epilogues write
 _FORMATS = {"input": E4M3, "weight": E4M3, "grad_output": E5M2}
 _GEMM_STATS = {"ok": True}  # False once a GEMM with fused statistics failed: the statistics are then taken apart
 log = logging.getLogger("fp8mon.fp8_linear")
@@ -200,9 +200,9 @@ class _State:
         self.weight_cache[1] += 1
         return out
 
-    def gemm(self, a, b, sa, sb, out_dtype, fast_accum, bias=None, site=None, base=None):
-        """(a @ bᵀ) * sa * sb, a (M, K), b (N, K) FP8; with ``site`` also the statistics row of the result (of
-        ``base`` + result in fp32 where a ``base`` is given) for the agent."""
+    def gemm(self, a, b, sa, sb, out_dtype, fast_accum, bias=None, site=None):
+        """(a @ bᵀ) * sa * sb, a (M, K), b (N, K) FP8; with ``site`` also the statistics row of the result for the
+        agent."""
         link = self.link if site is not None else None
         if self.backend == "triton":
             from .kernels import fp8_gemm
@@ -212,20 +212,20 @@ class _State:
             if target is not None:
                 try:
                     return fp8_gemm(a, b, sa, sb, out_dtype=out_dtype, bias=bias, fast_accum=fast_accum,
-                                    stats=target, stats_base=base)
+                                    stats=target)
                 except Exception as exc:  # a statistics variant that cannot compile or launch must not stop training
                     _GEMM_STATS["ok"] = False
                     log.error("FP8 GEMM with fused statistics failed (%r); computing %s statistics apart from now on",
                               exc, site)
             y = fp8_gemm(a, b, sa, sb, out_dtype=out_dtype, bias=bias, fast_accum=fast_accum)
             if wanted:
-                self.side_stats(site, y if base is None else base.to(torch.float32) + y.to(torch.float32))
+                self.side_stats(site, y)
             return y
         from .kernels import fp8_gemm_ref
 
         y = fp8_gemm_ref(a, b, sa, sb, out_dtype=out_dtype, bias=bias, fast_accum=fast_accum)
         if link is not None:
-            self.side_stats(site, y if base is None else base.to(torch.float32) + y.to(torch.float32))
+            self.side_stats(site, y)
         return y
 
     def side_stats(self, site: str, value: torch.Tensor) -> None:
@@ -294,13 +294,9 @@ def _unsaturated(x2d: torch.Tensor, r, fmt: Fp8Format, want_t: bool):
 
 
 def _wgrad(state: _State, qg_t, qx_t, sg, sx, w_dtype) -> torch.Tensor:
-    """dW in the weight's dtype, and its grad_weight row (of weight.grad + dW: see the module docstring)."""
-    base = state.weight.grad
-    if w_dtype == torch.float32:
-        return state.gemm(qg_t, qx_t, sg, sx, torch.float32, False, site="grad_weight", base=base)
-    dw = state.gemm(qg_t, qx_t, sg, sx, torch.float32, False).to(w_dtype)
-    state.side_stats("grad_weight", dw if base is None else base + dw)
-    return dw
+    """dW in the weight's dtype (its grad_weight row comes from the agent's hook: see the module docstring)."""
+    dw = state.gemm(qg_t, qx_t, sg, sx, torch.float32, False)
+    return dw if w_dtype == torch.float32 else dw.to(w_dtype)
 
 
 class Fp8Linear(nn.Module):

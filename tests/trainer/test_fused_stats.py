@@ -149,11 +149,13 @@ def _child(names: list[str]) -> None:
                 problem += f" scale differs by {float(rel.max())}"
             emit(f"fp8_linear_agent:step{step}", problem)
         hooked = [h.sites for h in agent_hooks(model)]
-        emit("fp8_linear_agent:sites", "" if len(keys) == 10 and not any(hooked) else f"slots {keys}, hooks {hooked}")
+        # grad_weight is the one site Fp8Linear leaves to the hooks (weight.grad after accumulation, see fp8_linear)
+        emit("fp8_linear_agent:sites",
+             "" if len(keys) == 10 and hooked == [("grad_weight",)] * 2 else f"slots {keys}, hooks {hooked}")
 
     def gemm_stats_fallback():
         # A GEMM with fused statistics that fails (a variant that cannot compile or launch on some GPU) must not
-        # stop training: Fp8Linear computes the output and grad_weight rows apart, and the agent gets the same rows.
+        # stop training: Fp8Linear computes the output row apart, and the agent gets the same rows.
         sys.path.insert(0, str(ROOT / "bench"))
         import trainer.kernels as kernels
         from stats_check import agent_rows
