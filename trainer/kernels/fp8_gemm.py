@@ -30,8 +30,8 @@ call autotunes and synchronizes), checks them against each other, keeps the fast
 dict lookup and never synchronize. A variant with a statistics epilogue (``stats=``) is tuned among two configs
 only, of tiles of at most 128x128: the one chosen for the same GEMM without statistics (tuned first if need be)
 when it qualifies, and a 128x128 tile. Its epilogue accumulates per tile row (``agent.triton_stats.rows_add``); on
-an H200 it costs the 1.5B GEMMs 1.3-2.2x their time without statistics, 1.7-3.3x with the histogram
-(bench/gemm_stats.py).
+an H200 it costs the 1.5B forward GEMMs 1.3-1.8x their time without statistics, 1.6-3.0x with the histogram,
+and the wgrads 1.7-2.1x (bench/gemm_stats.py), which is why Fp8Linear takes grad_weight's row from a separate read.
 
 Measured on one H200 (Triton 3.6, torch 2.11; bench/gemm.py, eager): the Triton kernels' fast-accumulation
 forward GEMM is at 0.87-1.04x torch._scaled_mm (1.02x at 8192^3), their precise backward GEMMs at 0.57-0.92x,
