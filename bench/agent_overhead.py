@@ -8,8 +8,9 @@ grad_output, grad_weight), measured in one process, phases alternating.
 Per config and precision one model is built and stepped by bench/train_step.py's ``build`` and
 ``optimizer_step`` (llama, current scaling, fused AdamW, gradient clipping, autocast) and the phases run in the order ``off, on, on-torch, off, on, ...`` (``--rounds``
 repetitions of ``off`` + each backend): the agent on the one-pass Triton path (``stats_backend="triton"``:
-in fp8 the rows of input/weight/grad_output come from the FP8 quantize kernels of Fp8Linear, output and
-grad_weight from its GEMM epilogues; in bf16 all five sites from the standalone kernel), and the naive
+in fp8 the rows of input/weight/grad_output come from the FP8 quantize kernels of Fp8Linear, output from its
+forward GEMM's epilogue, grad_weight from the standalone kernel on weight.grad; in bf16 all five sites from the
+standalone kernel), and the naive
 torch path (``stats_backend="torch"``) for comparison. Each phase: its own warm-up steps, then ``--steps``
 timed steps (host clock around a synchronised step); the figure is the median step time of each phase,
 printed beside the median host time until the step's Python returned (a step whose host time is close to its
@@ -126,18 +127,18 @@ def measure(config: str, precision: str, args, device: torch.device, url: str) -
 def lower_bound(model, tokens: int, precision: str, device: torch.device) -> None:
     """The time a separate read of every watched tensor takes at the device's copy bandwidth (measured
     here): what statistics that are not fused into a kernel already reading the tensor cost at least. In
-    bf16 all five sites need that read; in fp8 only those the kernels do not fuse (none when the GEMM
-    epilogues report output and grad_weight)."""
+    bf16 all five sites need that read; in fp8 only grad_weight does (Fp8Linear's kernels fuse the other four)."""
     import re
 
     rx = re.compile(r"^blocks\.")
     act = 2  # bf16 activations and gradients under autocast
-    total = 0
+    total = unfused = 0
     for name, m in model.named_modules():
         w = getattr(m, "weight", None)
         if rx.search(name) and isinstance(w, torch.Tensor) and w.dim() == 2 and hasattr(m, "in_features"):
             o, i = w.shape
             total += tokens * (i + o + o) * act + 2 * o * i * w.element_size()  # x, y, dy; W, dW
+            unfused += o * i * w.element_size()  # dW
     if device.type != "cuda":
         return
     src = torch.empty(256 << 20, dtype=torch.uint8, device=device)
@@ -151,8 +152,9 @@ def lower_bound(model, tokens: int, precision: str, device: torch.device) -> Non
     torch.cuda.synchronize()
     bw = 2 * src.numel() * 10 / (time.perf_counter() - t0)  # read + write
     del src, dst
-    print(f"# {precision}: watched tensors {total / 1e9:.2f} GB per step; one read at copy bandwidth "
-          f"({bw / 1e12:.2f} TB/s) >= {total / bw * 1e3:.2f} ms", flush=True)
+    read = total if precision != "fp8" else unfused
+    print(f"# {precision}: watched tensors {total / 1e9:.2f} GB per step, {read / 1e9:.2f} GB of them read apart; "
+          f"one read at copy bandwidth ({bw / 1e12:.2f} TB/s) >= {read / bw * 1e3:.2f} ms", flush=True)
 
 
 def profile(phase, device, args) -> dict:
