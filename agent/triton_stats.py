@@ -246,8 +246,9 @@ if triton is not None:
         underflow threshold, above the overflow threshold and of zeros (``_fast_result`` turns them into
         counts): ``(t - bits) >> 31`` is -1 exactly when bits > t (bits >= 0, t >= -1: no wrap-around), two
         instructions where a compare-and-count took three (ptxas made it a conditional increment). Only a
-        partial tile (``HAS_MASK``) pays for masks; its masked lanes are loaded as 0, which never exceeds a
-        threshold, so only the zero and outlier counts mask them."""
+        partial tile (``HAS_MASK``) pays for masks; its masked lanes are loaded as 0, which exceeds a threshold
+        only when that is -1 (no scale, or an infinite one: ``_fast_result`` handles both), so only the zero and
+        outlier counts mask them."""
         a = tl.abs(x)
         bits = a.to(tl.int32, bitcast=True)
         d = tl.fma(x, p, ncp)
@@ -328,7 +329,7 @@ if triton is not None:
     # ---- per-program results ----------------------------------------------------------------------
 
     @triton.jit
-    def _fast_result(n, c, p, tu, s1, s2, s3, s4, amax, cu, co, cout, cz, hist, HIST: tl.constexpr):
+    def _fast_result(n, c, p, tu, to, s1, s2, s3, s4, amax, cu, co, cout, cz, hist, HIST: tl.constexpr):
         """Per-program partial of the fast path, and whether it is valid (else: careful path)."""
         S1 = tl.sum(s1.to(tl.float64), 0)
         S2 = tl.sum(s2.to(tl.float64), 0)
@@ -352,7 +353,7 @@ if triton is not None:
         else:
             zeros = -tl.sum(cz, 0)
         under = tl.where(tu >= 0, n + tl.sum(cu, 0) - zeros, 0)  # |x| <= threshold: all but those above it
-        over = -tl.sum(co, 0)
+        over = tl.where(to >= 0, -tl.sum(co, 0), n)  # to = -1: even 0 overflows (0 * inf), as every lane counted
         outl = tl.sum(cout, 0)
         return ok, mean, m2, m3, m4, am, zeros, under, over, outl, hist
 
@@ -573,7 +574,7 @@ if triton is not None:
                 s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
                     x, mt, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, True, True)
             ok, mean, m2, m3, m4, amax, zeros, under, over, outl, hist = _fast_result(
-                n, c, p, tu, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST)
+                n, c, p, tu, to, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST)
         if not ok:  # NaN/Inf, fp32 overflow of the power sums or a poor shift: two exact fp64 passes
             acc = tl.zeros([R], tl.float64)
             cnt = zi

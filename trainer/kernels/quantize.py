@@ -235,7 +235,7 @@ def _quantize_stats_kernel(x_ptr, q_ptr, part_ptr, n_part, scale_ptr, accum_ptr,
         tl.store(meta_ptr + 2, tl.math.div_rn(1.0, s))
     nelem = tl.sum(ce, 0)
     ok2, mean, m2, m3, m4, samax, zeros, under, over, outl, hist = _fast_result(
-        nelem, c, p, tu, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST)
+        nelem, c, p, tu, to, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST)
     nfin = nelem
     nonfin = tl.zeros([], tl.int32)
     if not (ok & ok2):  # NaN/Inf or a poor shift: re-read this program's tiles, carefully
