@@ -30,7 +30,7 @@ step the quantize kernels of input, weight (E4M3) and grad_output (E5M2) also wr
 section-4 rows, with the scale they cast with, straight into the agent's step buffer (``stats=`` of
 ``quantize_transpose``): no hook reads a GEMM input a second time. The torch path computes the same rows
 with ``device_stats.partials`` and reports them. Likewise the forward GEMM's epilogue writes the row of
-``output`` (y as returned, in its dtype) (``fp8_gemm(stats=)``): no hook reads y. ``grad_weight`` is left to the
+``output`` (y as returned, in its dtype; ``fp8_gemm(stats=)``): no hook reads y. ``grad_weight`` is left to the
 agent's hook, which reads ``weight.grad`` after each accumulation with the standalone statistics kernel. The wgrad
 epilogue could take it (``fp8_gemm(stats=, stats_base=weight.grad)``), but on the H200 at 1.5B that cost the four
 wgrads 1.7-2.1x their plain time (the Gluon ws kernel has no statistics epilogue, so they also fell back to the
