@@ -213,7 +213,6 @@ def _quantize_stats_kernel(x_ptr, q_ptr, part_ptr, n_part, scale_ptr, accum_ptr,
     zi = tl.zeros([BLOCK], tl.int32)
     s1, s2, s3, s4, am, cu, co, cout, cz, h = zf, zf, zf, zf, zf, zi, zi, zi, zi, tl.zeros([64], tl.int32)
     ce = zi
-    fin_amax = zf
     ntiles = tl.cdiv(n, BLOCK)
     for t in range(pid, ntiles, nprog):
         offs = t * BLOCK + r
@@ -224,10 +223,6 @@ def _quantize_stats_kernel(x_ptr, q_ptr, part_ptr, n_part, scale_ptr, accum_ptr,
         s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
             x, mask, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, True)
         ce += mask.to(tl.int32)
-        if not CURRENT:
-            fin_amax = tl.maximum(fin_amax, _finite_abs(x))
-    if not CURRENT:
-        tl.atomic_max(accum_ptr, tl.max(fin_amax, 0))
     if pid == 0:
         if CURRENT:
             tl.store(meta_ptr, amax)
@@ -259,6 +254,8 @@ def _quantize_stats_kernel(x_ptr, q_ptr, part_ptr, n_part, scale_ptr, accum_ptr,
         mean, m2, m3, m4, samax, zeros, under, over, outl, nonfin = _careful_result(
             nfin, mean0, t1, t2, t3, t4, am, cu, co, cout, cz, cnf)
         hist = h
+    if not CURRENT:  # the finite amax, from either path (as in quantize_transpose's statistics variant)
+        tl.atomic_max(accum_ptr, samax)
     fused_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, s, nelem, nfin, nonfin, zeros,
                    outl, under, over, samax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST)
 
