@@ -1,11 +1,12 @@
 """Cost of the statistics fused into quantize_transpose (trainer/kernels/quantize_transpose.py), on a GPU:
 kernel time with and without ``stats=``, with and without the histogram, at register caps of the statistics
-variant (``STATS_MAXNREG``) and pipelining depths of its tile loop (``STATS_STAGES``), on the 1.5B model's
-activation and weight shapes. CUDA-event medians
+variant (``STATS_MAXNREG``), pipelining depths of its tile loop (``STATS_STAGES``) and row lengths of its view
+of a tile (``_STATS_V``), on the 1.5B model's activation and weight shapes. CUDA-event medians
 (``triton.testing.do_bench``), all in one run.
 
-    python3 bench/qt_stats.py            # every variant below
+    python3 bench/qt_stats.py            # every variant of VARIANTS
     python3 bench/qt_stats.py --defaults # the defaults only (histogram on and off): two compiles per input
+    python3 bench/qt_stats.py --sweep-v  # V 8 / 16 x depth 1 / 2 (depth 1 only with the histogram)
 """
 import sys
 from pathlib import Path
@@ -24,15 +25,19 @@ CASES = [("activation 16384x2048 bf16, current", (16384, 2048), torch.bfloat16, 
          ("weight 6144x2048 fp32, delayed", (6144, 2048), torch.float32, True)]
 
 
-# (histogram, register cap, pipelining depth of the persistent tile loop)
-VARIANTS = [(True, 128, None), (True, 128, 1), (True, 128, 2), (True, 128, 3), (True, None, 2), (True, None, 3),
-            (False, 128, None), (False, 128, 1), (False, 128, 2), (False, 128, 3)]
+# (histogram, register cap, pipelining depth of the persistent tile loop, V); None: the module's default
+VARIANTS = [(True, 128, None, None), (True, 128, 1, None), (True, 128, 2, None), (True, 128, 3, None),
+            (True, None, 2, None), (True, None, 3, None),
+            (False, 128, None, None), (False, 128, 1, None), (False, 128, 2, None), (False, 128, 3, None)]
+SWEEP_V = [(False, 128, 1, 8), (False, 128, 2, 8), (False, 128, 1, 16), (False, 128, 2, 16), (True, 128, 1, 8),
+           (True, 128, 1, 16)]
 
 
 def main(argv=None) -> int:
-    only_defaults = "--defaults" in (sys.argv[1:] if argv is None else argv)
-    variants = [(True, QT.STATS_MAXNREG, None), (False, QT.STATS_MAXNREG, None)] if only_defaults else VARIANTS
-    defaults = (QT.STATS_MAXNREG, QT.STATS_STAGES)
+    argv = sys.argv[1:] if argv is None else argv
+    defaults = (QT.STATS_MAXNREG, QT.STATS_STAGES, QT._STATS_V)
+    variants = [(True, defaults[0], None, None), (False, defaults[0], None, None)] if "--defaults" in argv else \
+        SWEEP_V if "--sweep-v" in argv else VARIANTS
     dev = torch.device("cuda")
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     for label, shape, dtype, delayed in CASES:
@@ -42,16 +47,17 @@ def main(argv=None) -> int:
         fmt = "e4m3"
         t = {"no stats": triton.testing.do_bench(lambda: QT.quantize_transpose(x, fmt, scale, accum),
                                                  return_mode="median")}
-        for hist, cap, stages in variants:
+        for hist, cap, stages, v in variants:
             QT.STATS_MAXNREG, QT.STATS_STAGES = cap, defaults[1] if stages is None else stages
+            QT._STATS_V = defaults[2] if v is None else v
             tgt = ts.Target.new(dev, hist=hist)
             fn = lambda: QT.quantize_transpose(x, fmt, scale, accum, stats=tgt)  # noqa: E731
-            name = f"stats{'' if hist else ' -hist'} cap {cap} stages {stages or 'default'}"
+            name = f"stats{'' if hist else ' -hist'} cap {cap} stages {stages or 'default'} V {v or 'default'}"
             try:
                 t[name] = triton.testing.do_bench(fn, return_mode="median")
             except Exception as exc:  # e.g. a pipelining depth that does not compile: report, go on
                 print(f"  {name}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-        QT.STATS_MAXNREG, QT.STATS_STAGES = defaults
+        QT.STATS_MAXNREG, QT.STATS_STAGES, QT._STATS_V = defaults
         base = t["no stats"]
         gbytes = x.numel() * x.element_size() / 1e9
         print(f"{label}: " + ", ".join(f"{k} {v * 1e3:.0f} us ({v / base:.2f}x)" for k, v in t.items())

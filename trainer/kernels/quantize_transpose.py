@@ -49,7 +49,7 @@ STATS_STAGES = 1
 # Elements of x per row of the statistics' [BM * BN / V, V] view of a tile: 16 is what a thread holds contiguously
 # in the layout Triton picks for the tile (an offline sm_90a build shows no layout conversion for the view, bf16 or
 # fp32), and it halves the per-row accumulators of V = 8
-# (an offline sm_90a build: 40 bytes of spill against 128 at the register cap; on the H200 1.68x against 1.82x
+# (bench/offline_sass.py: 40 bytes of spill at the register cap, 120 with V = 8; on the H200 1.68x against 1.82x
 # the plain cast for the 1.5B activation, 1.40x against 1.54x for its grad_output).
 _STATS_V = 16
 

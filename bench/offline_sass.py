@@ -1,0 +1,117 @@
+"""Offline sm_90a build of the quantize-transpose kernels (plain and with statistics), no GPU needed: registers,
+spill stack, and the SASS instruction count of the longest loop (the statistics variant's tile loop) per kernel.
+
+Needs a Triton whose backend can compile for sm_90a on this machine (its bundled ptxas and cuobjdump), e.g. the
+Triton 3.6 wheel the GPU machines run, unpacked apart from the project's own::
+
+    pip download --no-deps --only-binary=:all: --python-version 3.11 --platform manylinux_2_28_x86_64 triton==3.6.0 -d W
+    pip install --no-deps --target T W/triton*.whl
+    PYTHONPATH=T:$PWD python bench/offline_sass.py [bfloat16|float32] [--hist] [--fmt e5m2] [--v 8]
+
+The driver is replaced by a stand-in that reports an sm_90 device and a CPU torch device, and each launch becomes
+``JITFunction.warmup`` (compile only). Counts are static: instructions in the loop body, not executed ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Sm90:
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 128)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, *args):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+class _CompileOnly:
+    """Stands in for a kernel: ``kernel[grid](...)`` compiles it and keeps the compiled kernel in ``built``."""
+
+    def __init__(self, fn, name: str, built: dict):
+        self.fn, self.name, self.built = fn, name, built
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.built[self.name] = self.fn.warmup(*args, grid=grid, **kwargs)
+        return launch
+
+
+def longest_loop(sass: str) -> tuple[int, collections.Counter]:
+    """Instruction count and opcode mix of the longest backward branch's body in ``cuobjdump -sass`` output."""
+    ins, at = [], {}
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*?);", line)
+        if m:
+            at[int(m.group(1), 16)] = len(ins)
+            ins.append(m.group(2).strip())
+    best = (0, 0)
+    for i, text in enumerate(ins):
+        m = re.search(r"BRA\s+(?:!?U?P\d,\s*)?0x([0-9a-f]+)", text)
+        start = at.get(int(m.group(1), 16)) if m else None
+        if start is not None and start <= i and i - start > best[1] - best[0]:
+            best = (start, i)
+    body = ins[best[0]:best[1] + 1] if best[1] else []
+    return len(body), collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("dtype", nargs="?", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--hist", action="store_true", help="the statistics variant with the log2 histogram")
+    p.add_argument("--fmt", default="e4m3", choices=["e4m3", "e5m2"])
+    p.add_argument("--v", type=int, help="the statistics' row length (quantize_transpose._STATS_V)")
+    args = p.parse_args(argv)
+    driver.set_active(_Sm90())
+    sys.path.insert(0, str(ROOT))
+    qt = importlib.import_module("trainer.kernels.quantize_transpose")
+    ts = importlib.import_module("agent.triton_stats")
+    built: dict = {}
+    qt._quantize_transpose_kernel = _CompileOnly(qt._quantize_transpose_kernel, "plain", built)
+    qt._quantize_transpose_stats_kernel = _CompileOnly(qt._quantize_transpose_stats_kernel, "stats", built)
+    qt.stats_programs = lambda tiles, device: min(tiles, 2 * 132)
+    if args.v:
+        qt._STATS_V = args.v
+    x = torch.zeros(16384, 2048, dtype=getattr(torch, args.dtype))
+    scale, accum = torch.tensor(4.0), torch.zeros(())
+    qt.quantize_transpose(x, args.fmt, scale, accum)
+    qt.quantize_transpose(x, args.fmt, scale, accum, stats=ts.Target.new(torch.device("cpu"), hist=args.hist))
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    print(f"# triton {triton.__version__}, sm_90a, {args.dtype} {args.fmt}, delayed scaling, hist={args.hist}, "
+          f"V={qt._STATS_V}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, kernel in built.items():
+            cubin = Path(tmp) / f"{name}.cubin"
+            cubin.write_bytes(kernel.asm["cubin"])
+            usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin], capture_output=True, text=True).stdout
+            sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True).stdout
+            n, mix = longest_loop(sass)
+            total = len(re.findall(r"^\s*/\*[0-9a-f]+\*/\s+\S", sass, re.M))
+            regs = " ".join(re.findall(r"REG:\d+|STACK:\d+", usage))
+            top = ", ".join(f"{k} {v}" for k, v in mix.most_common(8))
+            print(f"{name}: {regs}, {total} instructions; longest loop {n} (LDL {mix['LDL']}, STL {mix['STL']}): {top}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
