@@ -15,7 +15,8 @@ crosses threads inside the loop. The kernel is launched with a register cap (``M
 (finalize, careful path) otherwise drives ptxas to 153-255 registers, one program per SM.
 
 Scheme (one kernel):
-  * Work: every tensor is cut into chunks of ``CHUNK`` elements; a program per chunk. A table row per
+  * Work: every tensor is cut into chunks (one size per launch, sized to whole waves of programs on a GPU:
+    ``_chunk_elems``); a program per chunk. A table row per
     tensor holds its address, dtype, size, its first chunk's program, the scale/center/history pointers or
     values and where its row goes, so tensors of different dtypes and sizes share a launch; a program finds
     its tensor by bisection over the rows' first chunks (the host's work is per tensor, not per chunk).
@@ -73,7 +74,13 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
     tl = None
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-CHUNK = 1 << 16  # elements per program of the standalone kernel (a multiple of 8)
+CHUNK = 1 << 20  # the most elements per program of the standalone kernel (a multiple of 8); on the CPU, the chunk
+# Programs per slot (a slot: a program's place on an SM, at the register cap) that the launcher sizes chunks for on
+# a GPU; None: chunks of CHUNK. The program count is then a whole number of waves (a partial last wave left most
+# SMs idle: 64 MiB of bf16 in 64k-element chunks made 512 programs for 396 slots) and the per-program set-up
+# (table, thresholds, the shift) and merge are paid once per slot-wave, not once per 64k elements.
+WAVES: float | None = 2
+PF = 2  # tiles whose loads the standalone kernel's loop keeps in flight ahead of the one it works on (1 or 2)
 NUM_WARPS = 8
 ROWS = 512  # rows of a [ROWS, 16 bytes] tile: ROWS / (32 * NUM_WARPS) 16-byte loads per thread per iteration
 # Register cap (ptxas): uncapped, the cold code (finalize, careful path, threshold bisection) took 153-255
@@ -93,7 +100,7 @@ _P_HIST = 16
 # table row layout (int64; float fields bit-cast): the scale/center/history are a device pointer when
 # the *_ADDR field is non-zero, else the inline value
 (_T_ADDR, _T_NUMEL, _T_CODE, _T_FIRST, _T_NWORK, _T_DST, _T_MERGE, _T_SMODE, _T_SCALE_ADDR, _T_SCALE,
- _T_CENTER_ADDR, _T_MEAN, _T_STD, _T_AHM_ADDR, _T_AHM, _T_FMT, _T_K) = range(17)
+ _T_CENTER_ADDR, _T_MEAN, _T_STD, _T_AHM_ADDR, _T_AHM, _T_FMT, _T_K, _T_CHUNK) = range(18)
 SCALE_NONE, SCALE_GIVEN, SCALE_CURRENT = 0, 1, 2  # no format; scale known; s = max/amax of this tensor
 
 
@@ -137,7 +144,7 @@ if triton is not None:
      _P_HIST) = (tl.constexpr(v) for v in (_P_N, _P_NUMEL, _P_NONFIN, _P_ZEROS, _P_OUTL, _P_UNDER, _P_OVER,
                                            _P_AMAX, _P_MEAN, _P_M2, _P_M3, _P_M4, _P_HIST))
     (_T_ADDR, _T_NUMEL, _T_CODE, _T_FIRST, _T_NWORK, _T_DST, _T_MERGE, _T_SMODE, _T_SCALE_ADDR, _T_SCALE,
-     _T_CENTER_ADDR, _T_MEAN, _T_STD, _T_AHM_ADDR, _T_AHM, _T_FMT, _T_K) = (tl.constexpr(v) for v in range(17))
+     _T_CENTER_ADDR, _T_MEAN, _T_STD, _T_AHM_ADDR, _T_AHM, _T_FMT, _T_K, _T_CHUNK) = (tl.constexpr(v) for v in range(18))
 
     # ---- scalar helpers ---------------------------------------------------------------------------
 
@@ -530,15 +537,44 @@ if triton is not None:
         return c, p, ok
 
     @triton.jit
-    def _chunk(base, n, tu, to, lo, hi, HIST: tl.constexpr, R: tl.constexpr, V: tl.constexpr):
-        """Statistics of the ``n`` (<= CHUNK) elements at ``base`` (16-byte aligned). Tiles are [R, V]: a
-        thread holds whole rows of V contiguous elements (one 16-byte load), so the per-row sums inside the
-        loop are a thread's own adds and the accumulators are [R] (no cross-thread work in the hot loop)."""
+    def _stamp(tr, slot, TRACE: tl.constexpr):
+        """TRACE only (benches): the low 32 bits of the GPU's nanosecond timer into ``tr[slot]``."""
+        if TRACE:
+            t = tl.inline_asm_elementwise("mov.u32 $0, %globaltimer_lo;", "=r", [], dtype=tl.int32, is_pure=False,
+                                          pack=1)
+            tl.store(tr + slot, t)
+
+    @triton.jit
+    def _thresholds(s, smode, uthr, othr):
+        """(tu, to): the largest |x| bits that do not underflow / overflow under scale ``s`` (see the docstring)."""
+        if smode == SCALE_GIVEN_C:
+            tu = _threshold_bits(s, uthr)
+            to = _threshold_bits(s, othr)
+            to = tl.where(s == s, to, 0x7FFFFFFF)
+        else:
+            tu = tl.full([], -1, tl.int32)
+            to = tl.full([], 0x7FFFFFFF, tl.int32)
+        return tu, to
+
+    @triton.jit
+    def _chunk(base, n, s, smode, uthr, othr, lo, hi, tr, HIST: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
+               PF: tl.constexpr, TRACE: tl.constexpr):
+        """Statistics of the ``n`` elements at ``base`` (16-byte aligned). Tiles are [R, V]: a thread holds whole
+        rows of V contiguous elements (one 16-byte load), so the per-row sums inside the loop are a thread's own
+        adds and the accumulators are [R] (no cross-thread work in the hot loop). The first tiles' loads are
+        issued before the scalar set-up (threshold bisections, the shift's reductions), which runs while they
+        are in flight; the loop keeps ``PF`` (1 or 2) tiles' loads in flight ahead of the tile it works on."""
         TILE: tl.constexpr = R * V
         offs = tl.arange(0, R)[:, None] * V + tl.arange(0, V)[None, :]
         m0 = offs < n
-        x0 = tl.load(base + offs, mask=m0, other=0.0).to(tl.float32)
+        x0 = tl.load(base + offs, mask=m0, other=0.0)
+        xa = x0
+        if PF == 2:
+            xa = tl.load(base + TILE + offs, mask=TILE + offs < n, other=0.0)
+        tu, to = _thresholds(s, smode, uthr, othr)
+        x0 = x0.to(tl.float32)
         c, p, ok = _shift_of2(x0, m0)
+        _stamp(tr, 1, TRACE)
         ncp = -(c * p)
         zf = tl.zeros([R], tl.float32)
         zi = tl.zeros([R], tl.int32)
@@ -558,16 +594,21 @@ if triton is not None:
         if ok:
             s1, s2, s3, s4, am, cu, co, cout, cz, h = zf, zf, zf, zf, zf, zi, zi, zi, zi, tl.zeros([64], tl.int32)
             nfull = n // TILE
-            # Software prefetch: tile k+1 is loaded before tile k is processed, so a tile's loads are in flight
-            # during the previous tile's arithmetic (without it each warp waits out the full memory latency
-            # once per tile). The first tile is x0, already loaded; the last iteration re-loads the last full
-            # tile (an unmasked, uniform load instead of a per-element mask; read from L2).
+            # Software prefetch: tile k+PF is loaded before tile k is processed, so loads are in flight during
+            # the arithmetic (without it each warp waits out the full memory latency once per tile). The first
+            # tile is x0, already loaded; the last iterations re-load the last full tile (an unmasked, uniform
+            # load instead of a per-element mask; read from L2).
             x = x0
             for k in range(0, nfull):
-                xn = tl.load(base + tl.minimum(k + 1, nfull - 1) * TILE + offs).to(tl.float32)
+                xn = tl.load(base + tl.minimum(k + PF, nfull - 1) * TILE + offs)
                 s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
                     x, m0, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, False, True)
-                x = xn
+                if PF == 2:
+                    x = xa.to(tl.float32)
+                    xa = xn
+                else:
+                    x = xn.to(tl.float32)
+            _stamp(tr, 2, TRACE)
             if nfull < ntiles:
                 mt = nfull * TILE + offs < n
                 x = tl.load(base + nfull * TILE + offs, mask=mt, other=0.0).to(tl.float32)
@@ -602,9 +643,11 @@ if triton is not None:
         return bits.to(tl.float64, bitcast=True)
 
     @triton.jit
-    def _stats_kernel(tab_ptr, ntab, part_ptr, ctr_ptr, dst_ptr, HIST: tl.constexpr, CHUNK: tl.constexpr,
-                      R: tl.constexpr):
+    def _stats_kernel(tab_ptr, ntab, part_ptr, ctr_ptr, dst_ptr, trace_ptr, HIST: tl.constexpr, R: tl.constexpr,
+                      PF: tl.constexpr, TRACE: tl.constexpr):
         w = tl.program_id(0)
+        tr = trace_ptr + w * 8
+        _stamp(tr, 0, TRACE)
         # this program's tensor: the last table row whose first chunk is <= w (bisection over the rows)
         lo = tl.zeros([], tl.int32)
         hi = ntab + tl.zeros([], tl.int32)  # a tensor even where Triton specialises ntab == 1 to a constant
@@ -615,11 +658,12 @@ if triton is not None:
             hi = tl.where(go_up, hi, mid)
         t = lo.to(tl.int64)
         row = tab_ptr + t * _TABW
-        start = (w - tl.load(row + _T_FIRST)) * CHUNK
+        chunk = tl.load(row + _T_CHUNK)
+        start = (w - tl.load(row + _T_FIRST)) * chunk
         addr = tl.load(row + _T_ADDR)
         numel = tl.load(row + _T_NUMEL)
         code = tl.load(row + _T_CODE)
-        end = tl.minimum(start + CHUNK, numel)
+        end = tl.minimum(start + chunk, numel)
         smode = tl.load(row + _T_SMODE)
         fmt = tl.load(row + _T_FMT)
         uthr = tl.where(fmt == 1, 2.0 ** -10, 2.0 ** -17).to(tl.float32)
@@ -637,26 +681,20 @@ if triton is not None:
             cmean = tl.load(cp)
             cstd = tl.load(cp + 1)
         lo, hi = _outlier_bounds(cmean, cstd, _f64(tl.load(row + _T_K)))
-        if smode == SCALE_GIVEN_C:
-            tu = _threshold_bits(s, uthr)
-            to = _threshold_bits(s, othr)
-            to = tl.where(s == s, to, 0x7FFFFFFF)
-        else:
-            tu = tl.full([], -1, tl.int32)
-            to = tl.full([], 0x7FFFFFFF, tl.int32)
-        n = (end - start).to(tl.int32)  # <= CHUNK; the launcher makes every address 16-byte aligned
+        n = (end - start).to(tl.int32)  # <= the chunk; the launcher makes every address 16-byte aligned
         if code == 0:
-            res = _chunk(tl.multiple_of(addr.to(tl.pointer_type(tl.bfloat16)) + start, 16), n, tu, to, lo, hi,
-                         HIST, R, 8)
+            res = _chunk(tl.multiple_of(addr.to(tl.pointer_type(tl.bfloat16)) + start, 16), n, s, smode, uthr, othr,
+                         lo, hi, tr, HIST, R, 8, PF, TRACE)
         elif code == 1:
-            res = _chunk(tl.multiple_of(addr.to(tl.pointer_type(tl.float32)) + start, 16), n, tu, to, lo, hi,
-                         HIST, R, 4)
+            res = _chunk(tl.multiple_of(addr.to(tl.pointer_type(tl.float32)) + start, 16), n, s, smode, uthr, othr,
+                         lo, hi, tr, HIST, R, 4, PF, TRACE)
         else:
-            res = _chunk(tl.multiple_of(addr.to(tl.pointer_type(tl.float16)) + start, 16), n, tu, to, lo, hi,
-                         HIST, R, 8)
+            res = _chunk(tl.multiple_of(addr.to(tl.pointer_type(tl.float16)) + start, 16), n, s, smode, uthr, othr,
+                         lo, hi, tr, HIST, R, 8, PF, TRACE)
         nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = res
         _store_partial(part_ptr + w.to(tl.int64) * _PW, end - start, nfin, nonfin, zeros, outl, under, over,
                        amax, mean, m2, m3, m4, hist)
+        _stamp(tr, 3, TRACE)
         ahm_addr = tl.load(row + _T_AHM_ADDR)
         ahm = _f64(tl.load(row + _T_AHM))
         if ahm_addr != 0:
@@ -666,6 +704,7 @@ if triton is not None:
         dst = dst_ptr + tl.load(row + _T_DST) * _WIDTH
         _done(part_ptr + first * _PW, ctr_ptr + t, nwork, dst, tl.load(row + _T_MERGE), smode, s, fmax, uthr,
               ahm, HIST)
+        _stamp(tr, 4, TRACE)
 
 
 # ---- launcher ---------------------------------------------------------------------------------------
@@ -738,7 +777,7 @@ def rows(tensors: Sequence[torch.Tensor], *, fmt=None, scale=None, center=None, 
 
 
 # A table row as bytes: int64 fields, the float ones (scale, center mean/std, history max, k) as fp64 bits, in
-# the order of the _T_* indices (TABW fields; the last three unused).
+# the order of the _T_* indices (TABW fields; the last two unused).
 _ROW = struct.Struct("<9qdq2dqdqd3q")
 assert _ROW.size == TABW * 8
 
@@ -751,10 +790,40 @@ def _addressed(v: torch.Tensor, device, dtype, shape) -> torch.Tensor:
     return v.detach().to(device=device, dtype=dtype).reshape(shape).contiguous()
 
 
+_slot_count: dict = {}
+
+
+def _slots(device: torch.device) -> int:
+    """Programs of the standalone kernel the GPU runs at once (SMs x programs per SM at the register cap)."""
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _slot_count:
+        props = torch.cuda.get_device_properties(key)
+        threads = 32 * NUM_WARPS
+        per_sm = props.max_threads_per_multi_processor // threads
+        if MAXNREG:
+            per_sm = min(per_sm, props.regs_per_multiprocessor // (MAXNREG * threads))
+        _slot_count[key] = props.multi_processor_count * max(1, per_sm)
+    return _slot_count[key]
+
+
+def _chunk_elems(total: int, device: torch.device) -> int:
+    """Elements per program: CHUNK, or on a GPU (WAVES set) the chunk that makes ``total`` elements about WAVES
+    programs per slot, a whole number of [ROWS, 8] tiles (so every start stays 16-byte aligned)."""
+    if device.type != "cuda" or WAVES is None:
+        return CHUNK
+    tile = ROWS * 8
+    per = -(-total // max(1, int(_slots(device) * WAVES)))
+    return max(tile, min(CHUNK, -(-per // tile) * tile))
+
+
+_trace: list | None = None  # benches: a list to receive each launch's [programs, 8] int32 timer stamps
+
+
 def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, device) -> None:
     keep = []  # what the device reads by address: alive until the launch is queued
     table = bytearray(_ROW.size * len(tensors))
     nwork_total = 0
+    chunk = _chunk_elems(sum(x.numel() for x in tensors), device)
     for i, x in enumerate(tensors):
         if x.device != device:
             raise ValueError("rows(): all tensors must be on one device")
@@ -764,7 +833,7 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
             x = x.detach().contiguous() if not x.is_contiguous() else x.detach().clone()
         keep.append(x)
         numel = x.numel()
-        nwork = max(1, -(-numel // CHUNK))
+        nwork = max(1, -(-numel // chunk))
         first, nwork_total = nwork_total, nwork_total + nwork
         fmt = None if fmts[i] is None else by_name(fmts[i])
         smode, s_addr, s_val = SCALE_NONE, 0, float("nan")
@@ -800,12 +869,15 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
             c_mean, c_std = float(c[0]), float(c[1])
         _ROW.pack_into(table, i * _ROW.size, x.data_ptr(), numel, _DTYPE_CODE[x.dtype], first, nwork, int(index[i]),
                        int(bool(merges[i])), smode, s_addr, s_val, c_addr, c_mean, c_std, ahm_addr, ahm_val,
-                       _FMT_CODES.get(fmt.name, 0) if fmt is not None else 0, k, 0, 0, 0)
+                       _FMT_CODES.get(fmt.name, 0) if fmt is not None else 0, k, chunk, 0, 0)
     tab = to_device(table, device)
     part = torch.empty(nwork_total, PW, dtype=torch.float64, device=device)
     opts = {} if INTERPRET or not MAXNREG else {"maxnreg": MAXNREG}
-    _stats_kernel[(nwork_total,)](tab, len(tensors), part, counters(device), out, HIST=bool(hist), CHUNK=CHUNK,
-                                  R=ROWS, num_warps=NUM_WARPS, **opts)
+    trace = None if _trace is None else torch.zeros(nwork_total, 8, dtype=torch.int32, device=device)
+    _stats_kernel[(nwork_total,)](tab, len(tensors), part, counters(device), out, part if trace is None else trace,
+                                  HIST=bool(hist), R=ROWS, PF=PF, TRACE=trace is not None, num_warps=NUM_WARPS, **opts)
+    if trace is not None:
+        _trace.append(trace)
     del keep
 
 

@@ -1,12 +1,13 @@
-"""Offline sm_90a build of the quantize-transpose kernels (plain and with statistics), no GPU needed: registers,
-spill stack, and the SASS instruction count of the longest loop (the statistics variant's tile loop) per kernel.
+"""Offline sm_90a build of the quantize-transpose kernels (plain and with statistics) or, with ``--standalone``, of
+the standalone statistics kernel (``agent/triton_stats.py``), no GPU needed: registers, spill stack, and the SASS
+instruction count of the longest loop (the statistics' tile loop) per kernel.
 
 Needs a Triton whose backend can compile for sm_90a on this machine (its bundled ptxas and cuobjdump), e.g. the
 Triton 3.6 wheel the GPU machines run, unpacked apart from the project's own::
 
     pip download --no-deps --only-binary=:all: --python-version 3.11 --platform manylinux_2_28_x86_64 triton==3.6.0 -d W
     pip install --no-deps --target T W/triton*.whl
-    PYTHONPATH=T:$PWD python bench/offline_sass.py [bfloat16|float32] [--hist] [--fmt e5m2] [--v 8]
+    PYTHONPATH=T:$PWD python bench/offline_sass.py [bfloat16|float32] [--hist] [--fmt e5m2] [--v 8] [--standalone]
 
 The driver is replaced by a stand-in that reports an sm_90 device and a CPU torch device, and each launch becomes
 ``JITFunction.warmup`` (compile only). Counts are static: instructions in the loop body, not executed ones.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import importlib
 import re
 import subprocess
@@ -57,8 +59,9 @@ class _CompileOnly:
         return launch
 
 
-def longest_loop(sass: str) -> tuple[int, collections.Counter]:
-    """Instruction count and opcode mix of the longest backward branch's body in ``cuobjdump -sass`` output."""
+def longest_loop(sass: str, need: str = "") -> tuple[int, collections.Counter]:
+    """Instruction count and opcode mix of the longest backward branch's body in ``cuobjdump -sass`` output
+    (among the bodies holding an instruction that starts with ``need``, e.g. "LDG.E.128": the hot loop)."""
     ins, at = [], {}
     for line in sass.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*?);", line)
@@ -69,7 +72,8 @@ def longest_loop(sass: str) -> tuple[int, collections.Counter]:
     for i, text in enumerate(ins):
         m = re.search(r"BRA\s+(?:!?U?P\d,\s*)?0x([0-9a-f]+)", text)
         start = at.get(int(m.group(1), 16)) if m else None
-        if start is not None and start <= i and i - start > best[1] - best[0]:
+        if start is not None and start <= i and i - start > best[1] - best[0] and \
+                any(t.split()[-1].startswith(need) or need in t for t in ins[start:i + 1]):
             best = (start, i)
     body = ins[best[0]:best[1] + 1] if best[1] else []
     return len(body), collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
@@ -81,12 +85,18 @@ def main(argv=None) -> int:
     p.add_argument("--hist", action="store_true", help="the statistics variant with the log2 histogram")
     p.add_argument("--fmt", default="e4m3", choices=["e4m3", "e5m2"])
     p.add_argument("--v", type=int, help="the statistics' row length (quantize_transpose._STATS_V)")
+    p.add_argument("--standalone", action="store_true", help="the standalone statistics kernel (a given scale)")
     args = p.parse_args(argv)
     driver.set_active(_Sm90())
     sys.path.insert(0, str(ROOT))
     qt = importlib.import_module("trainer.kernels.quantize_transpose")
     ts = importlib.import_module("agent.triton_stats")
     built: dict = {}
+    if args.standalone:
+        ts._stats_kernel = _CompileOnly(ts._stats_kernel, "standalone", built)
+        x = torch.zeros(1 << 22, dtype=getattr(torch, args.dtype))
+        ts.partials(x, fmt=args.fmt, scale=4.0, center=(0.0, 1.0), hist=args.hist)
+        return _report(built, f"standalone {args.dtype} {args.fmt}, scale given, hist={args.hist}", "LDG.E.128")
     qt._quantize_transpose_kernel = _CompileOnly(qt._quantize_transpose_kernel, "plain", built)
     qt._quantize_transpose_stats_kernel = _CompileOnly(qt._quantize_transpose_stats_kernel, "stats", built)
     qt.stats_programs = lambda tiles, device: min(tiles, 2 * 132)
@@ -96,16 +106,21 @@ def main(argv=None) -> int:
     scale, accum = torch.tensor(4.0), torch.zeros(())
     qt.quantize_transpose(x, args.fmt, scale, accum)
     qt.quantize_transpose(x, args.fmt, scale, accum, stats=ts.Target.new(torch.device("cpu"), hist=args.hist))
+    return _report(built, f"{args.dtype} {args.fmt}, delayed scaling, hist={args.hist}, V={qt._STATS_V}")
+
+
+def _report(built: dict, what: str, need: str = "") -> int:
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    print(f"# triton {triton.__version__}, sm_90a, {args.dtype} {args.fmt}, delayed scaling, hist={args.hist}, "
-          f"V={qt._STATS_V}")
+    print(f"# triton {triton.__version__}, sm_90a, {what}")
     with tempfile.TemporaryDirectory() as tmp:
         for name, kernel in built.items():
             cubin = Path(tmp) / f"{name}.cubin"
             cubin.write_bytes(kernel.asm["cubin"])
             usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin], capture_output=True, text=True).stdout
             sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True).stdout
-            n, mix = longest_loop(sass)
+            if os.environ.get("SASS_OUT"):
+                Path(os.environ["SASS_OUT"]).write_text(sass)
+            n, mix = longest_loop(sass, need)
             total = len(re.findall(r"^\s*/\*[0-9a-f]+\*/\s+\S", sass, re.M))
             regs = " ".join(re.findall(r"REG:\d+|STACK:\d+", usage))
             top = ", ".join(f"{k} {v}" for k, v in mix.most_common(8))

@@ -9,6 +9,9 @@ work whenever that is longer than the kernel; this one separates the two.
 With ncu (hardware counters) on the kernel: ``ncu --clock-control none -k regex:_stats_kernel --launch-count 8
 --section SpeedOfLight --section Occupancy --section LaunchStats python3 bench/stats_kernel_time.py --ncu``
 (``--ncu``: only 8 launches, 64 and 256 MiB bf16 with and without the histogram, nothing timed).
+
+``--trace``: kernel time and a per-program timeline (GPU timer stamps: start, set-up done, loop done, partial
+stored, end) for chunk sizings (``WAVES``) and prefetch depths (``PF``), 64 MiB bf16 and 256 MiB fp32/bf16.
 """
 
 import argparse
@@ -52,12 +55,52 @@ def copy_tbs(x: torch.Tensor) -> float:
     return 2 * x.numel() * x.element_size() / (ms * 1e-3) / 1e12
 
 
+def timeline(stamps: torch.Tensor) -> str:
+    """Summary of one launch's [programs, 8] stamps (ns, low 32 bits of the GPU timer)."""
+    t = stamps[:, :5].to(torch.int64).cpu()
+    t = (t - t[:, :1].min()) % (1 << 32)
+    span = int(t[:, 4].max())
+    med = [float((t[:, i + 1] - t[:, i]).float().median()) / 1e3 for i in range(4)]
+    last = int(t[:, 4].argmax())
+    busy = float((t[:, 4] - t[:, 0]).sum()) / (span * min(len(t), ts._slots(torch.device("cuda"))))
+    return (f"{len(t)} programs, span {span / 1e3:.1f} us; starts p50 {float(t[:, 0].float().median()) / 1e3:.1f} "
+            f"max {float(t[:, 0].max()) / 1e3:.1f} us; medians: set-up {med[0]:.2f}, loop {med[1]:.2f}, result "
+            f"{med[2]:.2f}, done {med[3]:.2f} us; last program's done {float(t[last, 4] - t[last, 3]) / 1e3:.2f} us; "
+            f"slot occupancy {busy:.2f}")
+
+
+def trace_mode(scale, center) -> None:
+    for dtype, mib in ((torch.bfloat16, 64), (torch.float32, 256), (torch.bfloat16, 256), (torch.bfloat16, 16)):
+        nbytes = mib * MiB
+        x = torch.randn(nbytes // torch.empty((), dtype=dtype).element_size(), device="cuda").to(dtype)
+        bw = copy_tbs(x)
+        for waves, chunk, pf in ((None, 1 << 16, 1), (None, 1 << 16, 2), (1, 1 << 20, 2), (2, 1 << 20, 2),
+                                 (3, 1 << 20, 2), (4, 1 << 20, 2), (2, 1 << 20, 1), (8, 1 << 20, 2)):
+            ts.WAVES, ts.CHUNK, ts.PF = waves, chunk, pf
+            for hist in (False, True):
+                _, _, kernel = timed(lambda: ts.partials(x, fmt="e4m3", scale=scale, center=center, hist=hist))
+                ts._trace = []
+                ts.partials(x, fmt="e4m3", scale=scale, center=center, hist=hist)
+                torch.cuda.synchronize()
+                tl_ = timeline(ts._trace[0])
+                ts._trace = None
+                print(f"{str(dtype)[6:]:8} {mib:3} MiB WAVES={waves} CHUNK={chunk} PF={pf} hist={hist!s:5}: kernel "
+                      f"{kernel:7.1f} us = {nbytes / (kernel * 1e-6) / 1e12 / bw:.3f} of copy ({bw:.2f} TB/s) | {tl_}",
+                      flush=True)
+        del x
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--ncu", action="store_true", help="only the 8 launches for ncu, no timing")
+    p.add_argument("--trace", action="store_true", help="chunk sizings and prefetch depths, with timelines")
     args = p.parse_args()
     scale = torch.tensor(2.0, device="cuda")
     center = torch.tensor([0.0, 1.0], dtype=torch.float64, device="cuda")
+    if args.trace:
+        print(torch.cuda.get_device_name())
+        trace_mode(scale, center)
+        return
     if args.ncu:
         for mib in (64, 256):
             x = torch.randn(mib * MiB // 2, device="cuda").to(torch.bfloat16)
@@ -96,7 +139,7 @@ def main() -> None:
     for chunk, rows, warps, nreg in ((65536, 512, 8, 80), (65536, 512, 8, 128), (32768, 512, 8, 80),
                                      (131072, 512, 8, 80), (65536, 1024, 8, 96), (65536, 256, 4, 80),
                                      (32768, 256, 4, 64)):
-        ts.CHUNK, ts.ROWS, ts.NUM_WARPS, ts.MAXNREG = chunk, rows, warps, nreg
+        ts.CHUNK, ts.ROWS, ts.NUM_WARPS, ts.MAXNREG, ts.WAVES = chunk, rows, warps, nreg, None
         for hist in (True, False):
             _, _, kernel = timed(lambda: ts.partials(x, fmt="e4m3", scale=scale, center=center, hist=hist))
             print(f"sweep CHUNK={chunk} ROWS={rows} warps={warps} maxnreg={nreg} hist={hist}: {kernel:.1f} us = "
