@@ -87,16 +87,15 @@ ROWS = 512  # rows of a [ROWS, 16 bytes] tile: ROWS / (32 * NUM_WARPS) 16-byte l
 # registers, one program (8 warps) per SM, too few loads in flight. At 80 the hot loops do not spill
 # (checked in the SASS: no LDL/STL between the 16-byte loads and the back branch) and 3 programs fit.
 MAXNREG = 80
-P_BLOCK = 256  # partials per block of the finalize step's scalar loop (a lane each with 8 warps)
-H_BLOCK = 32  # partials per block of its histogram loop ([H_BLOCK, 64] fp64: 8 per thread with 8 warps)
+P_BLOCK = 256  # partials per block of the finalize step's loops (a lane each with 8 warps)
 MAX_TENSORS = 4096  # per launch (the size of the per-device counter buffer)
-PW = 16 + 64  # fp64 fields of a per-program partial: head + 64 histogram bins
+PW = 16  # fp64 fields of a per-program partial (the histogram goes to the counter buffer's row)
+CTRW = 1 + 64  # int64 fields of a tensor's counter row: programs done, then its histogram's 64 bins
 TABW = 20  # int64 fields of a tensor's table row
 _DTYPE_CODE = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}
 
 # per-program partial layout
 _P_N, _P_NUMEL, _P_NONFIN, _P_ZEROS, _P_OUTL, _P_UNDER, _P_OVER, _P_AMAX, _P_MEAN, _P_M2, _P_M3, _P_M4 = range(12)
-_P_HIST = 16
 # table row layout (int64; float fields bit-cast): the scale/center/history are a device pointer when
 # the *_ADDR field is non-zero, else the inline value
 (_T_ADDR, _T_NUMEL, _T_CODE, _T_FIRST, _T_NWORK, _T_DST, _T_MERGE, _T_SMODE, _T_SCALE_ADDR, _T_SCALE,
@@ -133,16 +132,15 @@ if triton is not None:
     _PW = tl.constexpr(PW)
     # partials per block in the finalize step (smaller in the interpreter, which runs a reduction per element)
     _PB = tl.constexpr(8 if INTERPRET else P_BLOCK)
-    _PH = tl.constexpr(8 if INTERPRET else H_BLOCK)
+    _CTRW = tl.constexpr(CTRW)
     _TABW = tl.constexpr(TABW)
     _WIDTH = tl.constexpr(ds.WIDTH)
     SCALE_NONE_C = tl.constexpr(SCALE_NONE)
     SCALE_GIVEN_C = tl.constexpr(SCALE_GIVEN)
     SCALE_CURRENT_C = tl.constexpr(SCALE_CURRENT)
     # the layouts, as constexprs for the kernels (they index Python lists as well)
-    (_P_N, _P_NUMEL, _P_NONFIN, _P_ZEROS, _P_OUTL, _P_UNDER, _P_OVER, _P_AMAX, _P_MEAN, _P_M2, _P_M3, _P_M4,
-     _P_HIST) = (tl.constexpr(v) for v in (_P_N, _P_NUMEL, _P_NONFIN, _P_ZEROS, _P_OUTL, _P_UNDER, _P_OVER,
-                                           _P_AMAX, _P_MEAN, _P_M2, _P_M3, _P_M4, _P_HIST))
+    (_P_N, _P_NUMEL, _P_NONFIN, _P_ZEROS, _P_OUTL, _P_UNDER, _P_OVER, _P_AMAX, _P_MEAN, _P_M2, _P_M3,
+     _P_M4) = (tl.constexpr(v) for v in range(12))
     (_T_ADDR, _T_NUMEL, _T_CODE, _T_FIRST, _T_NWORK, _T_DST, _T_MERGE, _T_SMODE, _T_SCALE_ADDR, _T_SCALE,
      _T_CENTER_ADDR, _T_MEAN, _T_STD, _T_AHM_ADDR, _T_AHM, _T_FMT, _T_K, _T_CHUNK) = (tl.constexpr(v) for v in range(18))
 
@@ -151,10 +149,19 @@ if triton is not None:
     @triton.jit
     def _threshold_bits(s, thr):
         """Largest fp32 a >= 0 (its bits, int32) with fl32(a * s) <= thr; -1 when none. fl32(a * s) is
-        monotone in a, so bisection over the bit patterns [0, inf) finds it exactly."""
-        lo = tl.full([], -1, tl.int32)  # f(lo) holds (virtual)
-        hi = tl.full([], 0x7F800000, tl.int32)  # f(inf) fails for any s > 0
-        for _ in range(31):
+        monotone in a, so bisection over the bit patterns finds it exactly. The answer lies within a few units
+        in the last place of thr / s (every a <= thr / s qualifies, and none above (thr / s)(1 + 2**-24)): the
+        bisection starts from that bracket of 8 when both its ends check out (3 steps), else from [0, inf)
+        (31 steps: s zero, infinite, NaN or so extreme that thr / s leaves the normal range)."""
+        qb = (thr / s).to(tl.int32, bitcast=True)
+        lo0 = qb - 4
+        hi0 = qb + 4
+        good = (s > 0) & (lo0 >= 0) & (hi0 <= 0x7F800000)
+        good = good & ((lo0.to(tl.float32, bitcast=True) * s) <= thr) & \
+            ((hi0.to(tl.float32, bitcast=True) * s) > thr)
+        lo = tl.where(good, lo0, -1)  # f(lo) holds (-1: virtually)
+        hi = tl.where(good, hi0, 0x7F800000)  # f(hi) fails (f(inf) fails for any s > 0)
+        while hi - lo > 1:
             mid = lo + (hi - lo) // 2
             ok = (mid.to(tl.float32, bitcast=True) * s) <= thr
             lo = tl.where(ok, mid, lo)
@@ -336,14 +343,17 @@ if triton is not None:
     # ---- per-program results ----------------------------------------------------------------------
 
     @triton.jit
+    def _sums_max(a1, a2, a3, a4, am, i1, i2, i3, i4, b1, b2, b3, b4, bm, j1, j2, j3, j4):
+        return a1 + b1, a2 + b2, a3 + b3, a4 + b4, tl.maximum(am, bm), i1 + j1, i2 + j2, i3 + j3, i4 + j4
+
+    @triton.jit
     def _fast_result(n, c, p, tu, to, s1, s2, s3, s4, amax, cu, co, cout, cz, hist, HIST: tl.constexpr):
-        """Per-program partial of the fast path, and whether it is valid (else: careful path)."""
-        S1 = tl.sum(s1.to(tl.float64), 0)
-        S2 = tl.sum(s2.to(tl.float64), 0)
-        S3 = tl.sum(s3.to(tl.float64), 0)
-        S4 = tl.sum(s4.to(tl.float64), 0)
+        """Per-program partial of the fast path, and whether it is valid (else: careful path). One reduction of
+        all nine accumulators (one round through shared memory, not nine)."""
+        S1, S2, S3, S4, am, cu, co, cout, cz = tl.reduce(
+            (s1.to(tl.float64), s2.to(tl.float64), s3.to(tl.float64), s4.to(tl.float64), amax, cu, co, cout, cz), 0,
+            _sums_max)
         nf = n.to(tl.float64)
-        am = tl.max(amax, 0)
         finite = (tl.abs(S1) < float("inf")) & (S2 < float("inf")) & (tl.abs(S3) < float("inf")) & \
             (S4 < float("inf")) & (am < float("inf"))
         ok = finite & (17.0 * S1 * S1 <= nf * S2)  # |mean - c| <= std / 4: no cancellation to speak of
@@ -358,10 +368,10 @@ if triton is not None:
         if HIST:
             zeros = tl.sum(tl.where(tl.arange(0, 64) == _BIN_ZERO, hist, 0), 0)
         else:
-            zeros = -tl.sum(cz, 0)
-        under = tl.where(tu >= 0, n + tl.sum(cu, 0) - zeros, 0)  # |x| <= threshold: all but those above it
-        over = tl.where(to >= 0, -tl.sum(co, 0), n)  # to = -1: even 0 overflows (0 * inf), as every lane counted
-        outl = tl.sum(cout, 0)
+            zeros = -cz
+        under = tl.where(tu >= 0, n + cu - zeros, 0)  # |x| <= threshold: all but those above it
+        over = tl.where(to >= 0, -co, n)  # to = -1: even 0 overflows (0 * inf), as every lane counted
+        outl = cout
         return ok, mean, m2, m3, m4, am, zeros, under, over, outl, hist
 
     @triton.jit
@@ -372,7 +382,7 @@ if triton is not None:
                 tl.sum(cout, 0), tl.sum(cnf, 0))
 
     @triton.jit
-    def _store_partial(pp, numel, n, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist):
+    def _store_partial(pp, numel, n, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4):
         tl.store(pp + _P_N, n.to(tl.float64))
         tl.store(pp + _P_NUMEL, numel.to(tl.float64))
         tl.store(pp + _P_NONFIN, nonfin.to(tl.float64))
@@ -385,29 +395,26 @@ if triton is not None:
         tl.store(pp + _P_M2, m2)
         tl.store(pp + _P_M3, m3)
         tl.store(pp + _P_M4, m4)
-        tl.store(pp + _P_HIST + tl.arange(0, 64), hist.to(tl.float64))
 
     # ---- the finalize step: last program of a tensor merges its partials into the row ---------------
 
     @triton.jit
-    def _finalize(part, nwork, dst, merge, smode, s_given, fmax, uthr, ahm, HIST: tl.constexpr,
-                  PB: tl.constexpr, PH: tl.constexpr):
-        # Lane j merges partials j, j + PB, ... elementwise (no cross-thread work in the loops); the lanes
-        # are reduced once at the end. A tree reduction per block instead (one barrier each) made this
-        # serial tail, run by one program while the rest of the GPU idles, half of a 64 MiB kernel's time.
+    def _finalize(part, nwork, ctr, dst, merge, smode, s_given, fmax, uthr, ahm, HIST: tl.constexpr, PB: tl.constexpr):
+        # Lane j takes partials j, j + PB, ... (no cross-thread work in the loops; one reduction per field at the
+        # end). The moments merge as Pebay's formulas do, all at once about the grand mean c: each partial's
+        # central moments become power sums of (x - c), which add. Two passes (c first), no division per partial:
+        # a tree of pairwise Chan/Pebay merges (fp64 divisions at every level) made this serial tail, run by one
+        # program while the GPU idles, 25-45 us of a 60-150 us kernel. The histogram is not in the partials:
+        # each program added it to the tensor's accumulator (``_done``); this reads and clears it.
         zb = tl.zeros([PB], tl.float64)
-        vn, vm, v2, v3, v4 = zb, zb, zb, zb, zb
-        vnumel, vnonfin, vzeros, voutl, vunder, vover, vamax = zb, zb, zb, zb, zb, zb, zb
+        vn, vnm, vnumel, vnonfin, vzeros, voutl, vunder, vover, vamax = zb, zb, zb, zb, zb, zb, zb, zb, zb
         for b0 in range(0, nwork, PB):
             i = b0 + tl.arange(0, PB)
             m = i < nwork
             rp = part + i.to(tl.int64) * _PW
-            vn, vm, v2, v3, v4 = _chan(vn, vm, v2, v3, v4,
-                                       tl.load(rp + _P_N, mask=m, other=0.0, cache_modifier=".cg"),
-                                       tl.load(rp + _P_MEAN, mask=m, other=0.0, cache_modifier=".cg"),
-                                       tl.load(rp + _P_M2, mask=m, other=0.0, cache_modifier=".cg"),
-                                       tl.load(rp + _P_M3, mask=m, other=0.0, cache_modifier=".cg"),
-                                       tl.load(rp + _P_M4, mask=m, other=0.0, cache_modifier=".cg"))
+            n = tl.load(rp + _P_N, mask=m, other=0.0, cache_modifier=".cg")
+            vn += n
+            vnm += tl.where(n > 0, n * tl.load(rp + _P_MEAN, mask=m, other=0.0, cache_modifier=".cg"), 0.0)
             vnumel += tl.load(rp + _P_NUMEL, mask=m, other=0.0, cache_modifier=".cg")
             vnonfin += tl.load(rp + _P_NONFIN, mask=m, other=0.0, cache_modifier=".cg")
             vzeros += tl.load(rp + _P_ZEROS, mask=m, other=0.0, cache_modifier=".cg")
@@ -415,7 +422,27 @@ if triton is not None:
             vunder += tl.load(rp + _P_UNDER, mask=m, other=0.0, cache_modifier=".cg")
             vover += tl.load(rp + _P_OVER, mask=m, other=0.0, cache_modifier=".cg")
             vamax = tl.maximum(vamax, tl.load(rp + _P_AMAX, mask=m, other=0.0, cache_modifier=".cg"))
-        an, am, a2, a3, a4 = tl.reduce((vn, vm, v2, v3, v4), 0, _chan)
+        an = tl.sum(vn, 0)
+        c = tl.sum(vnm, 0) / tl.maximum(an, 1.0)
+        v1, v2, v3, v4 = zb, zb, zb, zb
+        for b0 in range(0, nwork, PB):
+            i = b0 + tl.arange(0, PB)
+            m = i < nwork
+            rp = part + i.to(tl.int64) * _PW
+            n = tl.load(rp + _P_N, mask=m, other=0.0, cache_modifier=".cg")
+            has = n > 0
+            d = tl.where(has, tl.load(rp + _P_MEAN, mask=m, other=0.0, cache_modifier=".cg") - c, 0.0)
+            q2 = tl.where(has, tl.load(rp + _P_M2, mask=m, other=0.0, cache_modifier=".cg"), 0.0)
+            q3 = tl.where(has, tl.load(rp + _P_M3, mask=m, other=0.0, cache_modifier=".cg"), 0.0)
+            q4 = tl.where(has, tl.load(rp + _P_M4, mask=m, other=0.0, cache_modifier=".cg"), 0.0)
+            nd = n * d
+            d2 = d * d
+            v1 += nd
+            v2 += q2 + nd * d
+            v3 += q3 + 3.0 * d * q2 + nd * d2
+            v4 += q4 + 4.0 * d * q3 + 6.0 * d2 * q2 + nd * d2 * d
+        md, a2, a3, a4 = _central(an, tl.sum(v1, 0), tl.sum(v2, 0), tl.sum(v3, 0), tl.sum(v4, 0))
+        am = c + md
         numel = tl.sum(vnumel, 0)
         nonfin = tl.sum(vnonfin, 0)
         zeros = tl.sum(vzeros, 0)
@@ -425,13 +452,8 @@ if triton is not None:
         amax = tl.max(vamax, 0)
         hist = tl.zeros([64], tl.float64)
         if HIST:
-            hacc = tl.zeros([PH, 64], tl.float64)
-            for b0 in range(0, nwork, PH):
-                i = b0 + tl.arange(0, PH)
-                rp = part + i.to(tl.int64) * _PW
-                hacc += tl.load(rp[:, None] + _P_HIST + tl.arange(0, 64)[None, :], mask=(i < nwork)[:, None],
-                                other=0.0, cache_modifier=".cg")
-            hist = tl.sum(hacc, 0)
+            hist = tl.atomic_xchg(ctr + 1 + tl.arange(0, 64), tl.zeros([64], tl.int64), sem="relaxed",
+                                  scope="gpu").to(tl.float64)
         bins = tl.arange(0, 64)
         if HIST:
             nonzero = tl.sum(tl.where(bins < _NB, hist, 0.0), 0)
@@ -513,27 +535,35 @@ if triton is not None:
             tl.store(dst + 16 + bins, hist, mask=bins < _NB)
 
     @triton.jit
-    def _done(part_base, ctr, nwork, dst, merge, smode, s, fmax, uthr, ahm, HIST: tl.constexpr):
-        """Count this program in; the last one of its tensor writes the row and resets the counter."""
+    def _done(part_base, ctr, nwork, dst, merge, smode, s, fmax, uthr, ahm, hist, HIST: tl.constexpr):
+        """Add this program's histogram to the tensor's (``ctr[1:65]``) and count the program in (``ctr[0]``);
+        the last one of its tensor writes the row and resets both."""
+        if HIST:
+            tl.atomic_add(ctr + 1 + tl.arange(0, 64), hist.to(tl.int64), sem="relaxed", scope="gpu")
         tl.debug_barrier()
         prev = tl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu")
         if prev == nwork - 1:
-            _finalize(part_base, nwork, dst, merge, smode, s, fmax, uthr, ahm, HIST, _PB, _PH)
+            _finalize(part_base, nwork, ctr, dst, merge, smode, s, fmax, uthr, ahm, HIST, _PB)
             tl.atomic_xchg(ctr, 0, sem="relaxed", scope="gpu")
 
     # ---- one chunk: fast path, careful path ----------------------------------------------------------
 
     @triton.jit
+    def _count_sum_max_count(n1, s1, m1, k1, n2, s2, m2, k2):
+        return n1 + n2, s1 + s2, tl.maximum(m1, m2), k1 + k2
+
+    @triton.jit
     def _shift_of2(x, mask):
-        """``_shift_of`` of a 2-D first tile."""
+        """``_shift_of`` of a 2-D first tile (its four reductions as one, per axis)."""
         a = tl.abs(x)
         fin = a < float("inf")
         v = mask & fin
-        cnt = tl.sum(tl.sum(v.to(tl.int32), 1), 0)
-        c = tl.sum(tl.sum(tl.where(v, x, 0.0), 1), 0) / tl.maximum(cnt, 1).to(tl.float32)
-        am = tl.max(tl.max(tl.where(v, a, 0.0), 1), 0)
+        cnt, sm, am, bad = tl.reduce((v.to(tl.int32), tl.where(v, x, 0.0), tl.where(v, a, 0.0),
+                                      (mask & ~fin).to(tl.int32)), 1, _count_sum_max_count)
+        cnt, sm, am, bad = tl.reduce((cnt, sm, am, bad), 0, _count_sum_max_count)
+        c = sm / tl.maximum(cnt, 1).to(tl.float32)
         p, e = _inv_binade(am)
-        ok = (tl.sum(tl.sum((mask & ~fin).to(tl.int32), 1), 0) == 0) & (c == c) & (tl.abs(c) < float("inf"))
+        ok = (bad == 0) & (c == c) & (tl.abs(c) < float("inf"))
         return c, p, ok
 
     @triton.jit
@@ -693,7 +723,7 @@ if triton is not None:
                          lo, hi, tr, HIST, R, 8, PF, TRACE)
         nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = res
         _store_partial(part_ptr + w.to(tl.int64) * _PW, end - start, nfin, nonfin, zeros, outl, under, over,
-                       amax, mean, m2, m3, m4, hist)
+                       amax, mean, m2, m3, m4)
         _stamp(tr, 3, TRACE)
         ahm_addr = tl.load(row + _T_AHM_ADDR)
         ahm = _f64(tl.load(row + _T_AHM))
@@ -702,8 +732,8 @@ if triton is not None:
         first = tl.load(row + _T_FIRST)
         nwork = tl.load(row + _T_NWORK)
         dst = dst_ptr + tl.load(row + _T_DST) * _WIDTH
-        _done(part_ptr + first * _PW, ctr_ptr + t, nwork, dst, tl.load(row + _T_MERGE), smode, s, fmax, uthr,
-              ahm, HIST)
+        _done(part_ptr + first * _PW, ctr_ptr + t * _CTRW, nwork, dst, tl.load(row + _T_MERGE), smode, s, fmax, uthr,
+              ahm, hist, HIST)
         _stamp(tr, 4, TRACE)
 
 
@@ -714,13 +744,14 @@ _counters_lock = threading.Lock()
 
 
 def counters(device: torch.device) -> torch.Tensor:
-    """The per-device int32 counters of the last-program-done merge. Each launch leaves them at 0 again;
-    launches on one stream are ordered, so they can share them."""
+    """The per-device int64 counter rows of the last-program-done merge (``[MAX_TENSORS, CTRW]``: programs
+    done, histogram). Each launch leaves them at 0 again; launches on one stream are ordered, so they can
+    share them."""
     key = (device.type, device.index)
     with _counters_lock:
         c = _counters.get(key)
         if c is None:
-            c = _counters[key] = torch.zeros(MAX_TENSORS, dtype=torch.int32, device=device)
+            c = _counters[key] = torch.zeros(MAX_TENSORS, CTRW, dtype=torch.int64, device=device)
         return c
 
 
@@ -1027,11 +1058,11 @@ if triton is not None:
         pid = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
         nprog = tl.num_programs(0) * tl.num_programs(1)
         _store_partial(sp_ptr + pid.to(tl.int64) * _PW, nelem, nfin, nonfin, zeros, outl, under, over, amax, mean,
-                       m2, m3, m4, hist)
+                       m2, m3, m4)
         ahm = ahm_val + tl.zeros([], tl.float64)  # (float arguments may arrive as Python floats)
         if AHM_PTR:
             ahm = tl.load(ahm_ptr).to(tl.float64)
-        _done(sp_ptr, ctr_ptr, nprog, dst_ptr + dst_index * _WIDTH, merge, SMODE, s, FMAX, UTHR, ahm, HIST)
+        _done(sp_ptr, ctr_ptr, nprog, dst_ptr + dst_index * _WIDTH, merge, SMODE, s, FMAX, UTHR, ahm, hist, HIST)
 
     # ---- fused statistics of register tiles (the GEMM epilogues, trainer/kernels/fp8_gemm.py) ----------
     # A partial is the tuple (nelem, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist).
