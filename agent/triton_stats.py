@@ -132,6 +132,9 @@ if triton is not None:
     _PW = tl.constexpr(PW)
     # partials per block in the finalize step (smaller in the interpreter, which runs a reduction per element)
     _PB = tl.constexpr(8 if INTERPRET else P_BLOCK)
+    # multi-operand reductions (one round through shared memory for many fields) on hardware only: the
+    # interpreter runs a reduction with a combine function as a Python call per element
+    _JOINT = tl.constexpr(not INTERPRET)
     _CTRW = tl.constexpr(CTRW)
     _TABW = tl.constexpr(TABW)
     _WIDTH = tl.constexpr(ds.WIDTH)
@@ -350,9 +353,14 @@ if triton is not None:
     def _fast_result(n, c, p, tu, to, s1, s2, s3, s4, amax, cu, co, cout, cz, hist, HIST: tl.constexpr):
         """Per-program partial of the fast path, and whether it is valid (else: careful path). One reduction of
         all nine accumulators (one round through shared memory, not nine)."""
-        S1, S2, S3, S4, am, cu, co, cout, cz = tl.reduce(
-            (s1.to(tl.float64), s2.to(tl.float64), s3.to(tl.float64), s4.to(tl.float64), amax, cu, co, cout, cz), 0,
-            _sums_max)
+        if _JOINT:
+            S1, S2, S3, S4, am, cu, co, cout, cz = tl.reduce(
+                (s1.to(tl.float64), s2.to(tl.float64), s3.to(tl.float64), s4.to(tl.float64), amax, cu, co, cout, cz),
+                0, _sums_max)
+        else:
+            S1, S2 = tl.sum(s1.to(tl.float64), 0), tl.sum(s2.to(tl.float64), 0)
+            S3, S4 = tl.sum(s3.to(tl.float64), 0), tl.sum(s4.to(tl.float64), 0)
+            am, cu, co, cout, cz = tl.max(amax, 0), tl.sum(cu, 0), tl.sum(co, 0), tl.sum(cout, 0), tl.sum(cz, 0)
         nf = n.to(tl.float64)
         finite = (tl.abs(S1) < float("inf")) & (S2 < float("inf")) & (tl.abs(S3) < float("inf")) & \
             (S4 < float("inf")) & (am < float("inf"))
@@ -558,9 +566,15 @@ if triton is not None:
         a = tl.abs(x)
         fin = a < float("inf")
         v = mask & fin
-        cnt, sm, am, bad = tl.reduce((v.to(tl.int32), tl.where(v, x, 0.0), tl.where(v, a, 0.0),
-                                      (mask & ~fin).to(tl.int32)), 1, _count_sum_max_count)
-        cnt, sm, am, bad = tl.reduce((cnt, sm, am, bad), 0, _count_sum_max_count)
+        if _JOINT:
+            cnt, sm, am, bad = tl.reduce((v.to(tl.int32), tl.where(v, x, 0.0), tl.where(v, a, 0.0),
+                                          (mask & ~fin).to(tl.int32)), 1, _count_sum_max_count)
+            cnt, sm, am, bad = tl.reduce((cnt, sm, am, bad), 0, _count_sum_max_count)
+        else:
+            cnt = tl.sum(tl.sum(v.to(tl.int32), 1), 0)
+            sm = tl.sum(tl.sum(tl.where(v, x, 0.0), 1), 0)
+            am = tl.max(tl.max(tl.where(v, a, 0.0), 1), 0)
+            bad = tl.sum(tl.sum((mask & ~fin).to(tl.int32), 1), 0)
         c = sm / tl.maximum(cnt, 1).to(tl.float32)
         p, e = _inv_binade(am)
         ok = (bad == 0) & (c == c) & (tl.abs(c) < float("inf"))
