@@ -79,8 +79,8 @@ CHUNK = 1 << 20  # the most elements per program of the standalone kernel (a mul
 # a GPU; None: chunks of CHUNK. The program count is then a whole number of waves (a partial last wave left most
 # SMs idle: 64 MiB of bf16 in 64k-element chunks made 512 programs for 396 slots) and the per-program set-up
 # (table, thresholds, the shift) and merge are paid once per slot-wave, not once per 64k elements.
-WAVES: float | None = 2
-PF = 2  # tiles whose loads the standalone kernel's loop keeps in flight ahead of the one it works on (1 or 2)
+WAVES: float | None = 1
+PF = 1  # tiles whose loads the standalone kernel's loop keeps in flight ahead of the one it works on (1 or 2)
 NUM_WARPS = 8
 ROWS = 512  # rows of a [ROWS, 16 bytes] tile: ROWS / (32 * NUM_WARPS) 16-byte loads per thread per iteration
 # Register cap (ptxas): uncapped, the cold code (finalize, careful path, threshold bisection) took 153-255
@@ -407,6 +407,14 @@ if triton is not None:
     # ---- the finalize step: last program of a tensor merges its partials into the row ---------------
 
     @triton.jit
+    def _sums8_max(a0, a1, a2, a3, a4, a5, a6, a7, am, b0, b1, b2, b3, b4, b5, b6, b7, bm):
+        return a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4, a5 + b5, a6 + b6, a7 + b7, tl.maximum(am, bm)
+
+    @triton.jit
+    def _sums4(a0, a1, a2, a3, b0, b1, b2, b3):
+        return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+    @triton.jit
     def _finalize(part, nwork, ctr, dst, merge, smode, s_given, fmax, uthr, ahm, HIST: tl.constexpr, PB: tl.constexpr):
         # Lane j takes partials j, j + PB, ... (no cross-thread work in the loops; one reduction per field at the
         # end). The moments merge as Pebay's formulas do, all at once about the grand mean c: each partial's
@@ -430,8 +438,14 @@ if triton is not None:
             vunder += tl.load(rp + _P_UNDER, mask=m, other=0.0, cache_modifier=".cg")
             vover += tl.load(rp + _P_OVER, mask=m, other=0.0, cache_modifier=".cg")
             vamax = tl.maximum(vamax, tl.load(rp + _P_AMAX, mask=m, other=0.0, cache_modifier=".cg"))
-        an = tl.sum(vn, 0)
-        c = tl.sum(vnm, 0) / tl.maximum(an, 1.0)
+        if _JOINT:
+            an, snm, numel, nonfin, zeros, outl, under, over, amax = tl.reduce(
+                (vn, vnm, vnumel, vnonfin, vzeros, voutl, vunder, vover, vamax), 0, _sums8_max)
+        else:
+            an, snm, numel, nonfin = tl.sum(vn, 0), tl.sum(vnm, 0), tl.sum(vnumel, 0), tl.sum(vnonfin, 0)
+            zeros, outl, under, over = tl.sum(vzeros, 0), tl.sum(voutl, 0), tl.sum(vunder, 0), tl.sum(vover, 0)
+            amax = tl.max(vamax, 0)
+        c = snm / tl.maximum(an, 1.0)
         v1, v2, v3, v4 = zb, zb, zb, zb
         for b0 in range(0, nwork, PB):
             i = b0 + tl.arange(0, PB)
@@ -449,15 +463,12 @@ if triton is not None:
             v2 += q2 + nd * d
             v3 += q3 + 3.0 * d * q2 + nd * d2
             v4 += q4 + 4.0 * d * q3 + 6.0 * d2 * q2 + nd * d2 * d
-        md, a2, a3, a4 = _central(an, tl.sum(v1, 0), tl.sum(v2, 0), tl.sum(v3, 0), tl.sum(v4, 0))
+        if _JOINT:
+            v1, v2, v3, v4 = tl.reduce((v1, v2, v3, v4), 0, _sums4)
+        else:
+            v1, v2, v3, v4 = tl.sum(v1, 0), tl.sum(v2, 0), tl.sum(v3, 0), tl.sum(v4, 0)
+        md, a2, a3, a4 = _central(an, v1, v2, v3, v4)
         am = c + md
-        numel = tl.sum(vnumel, 0)
-        nonfin = tl.sum(vnonfin, 0)
-        zeros = tl.sum(vzeros, 0)
-        outl = tl.sum(voutl, 0)
-        under = tl.sum(vunder, 0)
-        over = tl.sum(vover, 0)
-        amax = tl.max(vamax, 0)
         hist = tl.zeros([64], tl.float64)
         if HIST:
             hist = tl.atomic_xchg(ctr + 1 + tl.arange(0, 64), tl.zeros([64], tl.int64), sem="relaxed",
