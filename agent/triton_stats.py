@@ -591,6 +591,91 @@ if triton is not None:
         ok = (bad == 0) & (c == c) & (tl.abs(c) < float("inf"))
         return c, p, ok
 
+    # ---- bf16 two at a time (the standalone kernel's fast path without the histogram) -------------------
+    # A 32-bit word holds two bf16: the high half is the fp32 of the odd element with its low 16 bits zero, the low
+    # half shifted up is the even one. Counts of |x| above a threshold t take both halves at once: in a half,
+    # |x| + (0x7FFF - t) reaches bit 15 exactly when |x| > t, and no carry crosses into the other half. Outliers
+    # use the sign of a bf16 difference, hi - x or x - lo, which is negative exactly when x is beyond the bound
+    # (a difference rounds to zero only when it is zero, and keeps its sign when flushed). The amax is a bf16x2
+    # max. Every count and the amax come out of the words without unpacking them; only the moments unpack.
+
+    @triton.jit
+    def _bf16_down(v):
+        """The bits (0..0xFFFF) of the largest bf16 <= v (fp32); +0 for a zero of either sign."""
+        b = v.to(tl.int32, bitcast=True)
+        t = b & -65536
+        t = tl.where(((b & 0xFFFF) != 0) & (b < 0), t + 0x10000, t)  # negative: truncation went up
+        t = tl.where(v == 0, 0, t)
+        return (t >> 16) & 0xFFFF
+
+    @triton.jit
+    def _bf16_up(v):
+        """The bits of the smallest bf16 >= v (fp32); -0 for a zero of either sign."""
+        b = v.to(tl.int32, bitcast=True)
+        t = b & -65536
+        t = tl.where(((b & 0xFFFF) != 0) & (b >= 0), t + 0x10000, t)
+        t = tl.where(v == 0, -2147483648, t)
+        return (t >> 16) & 0xFFFF
+
+    @triton.jit
+    def _pair(h):
+        """A bf16's 16 bits in both halves of a word."""
+        return h | (h << 16)
+
+    @triton.jit
+    def _bf16x2_max(a, b):
+        if _JOINT:
+            return tl.inline_asm_elementwise("max.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+        else:  # both non-negative here (|x| bits): the integer order of the halves
+            hi = tl.maximum(a & -65536, b & -65536)
+            lo = tl.maximum(a & 0xFFFF, b & 0xFFFF)
+            return hi | lo
+
+    @triton.jit
+    def _bf16x2_sign_sub(a, b):
+        """Sign bits (0x80008000 mask) of a - b per bf16 half."""
+        if _JOINT:
+            d = tl.inline_asm_elementwise("sub.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
+                                          is_pure=True, pack=1)
+            return d & -2147450880  # 0x80008000
+        else:
+            ah = (a & -65536).to(tl.float32, bitcast=True)
+            al = (a << 16).to(tl.float32, bitcast=True)
+            bh = (b & -65536).to(tl.float32, bitcast=True)
+            bl = (b << 16).to(tl.float32, bitcast=True)
+            return tl.where(ah < bh, -2147483648, 0) | tl.where(al < bl, 0x8000, 0)
+
+    @triton.jit
+    def _halves(m):
+        """Per half, bit 15 of m as 0/1 at bits 0 and 16 (a logical shift: a lane's sum stays per half)."""
+        return (m.to(tl.uint32, bitcast=True) >> 15).to(tl.int32, bitcast=True)
+
+    @triton.jit
+    def _tile_bf16x2(w, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw, pu, pnz, pout):
+        """One [R, 4] tile of words. ``pu``/``pnz``/``pout``: per-half counts of |x| above the underflow
+        threshold, of nonzeros and of outliers; ``amw`` the per-half amax bits (words)."""
+        xl = (w << 16).to(tl.float32, bitcast=True)
+        xh = (w & -65536).to(tl.float32, bitcast=True)
+        v = w & 0x7FFF7FFF
+        amw = _bf16x2_max(amw, v)
+        pu += tl.sum(_halves((v + ku) & -2147450880), 1)
+        pnz += tl.sum(_halves((v + 0x7FFF7FFF) & -2147450880), 1)
+        pout += tl.sum(_halves(_bf16x2_sign_sub(hi2, w) | _bf16x2_sign_sub(w, lo2)), 1)
+        dl = tl.fma(xl, p, ncp)
+        dh = tl.fma(xh, p, ncp)
+        dl2 = dl * dl
+        dh2 = dh * dh
+        s1 += tl.sum(dl + dh, 1)
+        s2 += tl.sum(dl2 + dh2, 1)
+        s3 += tl.sum(dl2 * dl + dh2 * dh, 1)
+        s4 += tl.sum(dl2 * dl2 + dh2 * dh2, 1)
+        return s1, s2, s3, s4, amw, pu, pnz, pout
+
+    @triton.jit
+    def _halves_sum(c):
+        return (c & 0xFFFF) + ((c.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True))
+
     @triton.jit
     def _stamp(tr, slot, TRACE: tl.constexpr):
         """TRACE only (benches): the low 32 bits of the GPU's nanosecond timer into ``tr[slot]``."""
@@ -613,7 +698,7 @@ if triton is not None:
 
     @triton.jit
     def _chunk(base, n, s, smode, uthr, othr, lo, hi, tr, HIST: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
-               PF: tl.constexpr, TRACE: tl.constexpr):
+               PF: tl.constexpr, TRACE: tl.constexpr, PACKED: tl.constexpr = False):
         """Statistics of the ``n`` elements at ``base`` (16-byte aligned). Tiles are [R, V]: a thread holds whole
         rows of V contiguous elements (one 16-byte load), so the per-row sums inside the loop are a thread's own
         adds and the accumulators are [R] (no cross-thread work in the hot loop). The first tiles' loads are
@@ -653,16 +738,37 @@ if triton is not None:
             # the arithmetic (without it each warp waits out the full memory latency once per tile). The first
             # tile is x0, already loaded; the last iterations re-load the last full tile (an unmasked, uniform
             # load instead of a per-element mask; read from L2).
-            x = x0
-            for k in range(0, nfull):
-                xn = tl.load(base + tl.minimum(k + PF, nfull - 1) * TILE + offs)
-                s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
-                    x, m0, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, False, True)
-                if PF == 2:
-                    x = xa.to(tl.float32)
-                    xa = xn
-                else:
-                    x = xn.to(tl.float32)
+            if PACKED:  # bf16 words, two elements each; overflow counted lazily (below)
+                W: tl.constexpr = V // 2
+                wb = base.to(tl.pointer_type(tl.int32), bitcast=True)
+                woffs = tl.arange(0, R)[:, None] * W + tl.arange(0, W)[None, :]
+                ku = _pair(0x7FFF - tl.minimum(tl.maximum(tu >> 16, -1), 0x7FFF))  # tu < 0: every |x| counts
+                hi2 = _pair(tl.where(hi == hi, _bf16_down(hi), 0x7F80))
+                lo2 = _pair(tl.where(lo == lo, _bf16_up(lo), 0xFF80))
+                amw = tl.zeros([R, W], tl.int32)
+                pu, pnz, pout = zi, zi, zi
+                w = tl.load(wb + woffs)
+                for k in range(0, nfull):
+                    wn = tl.load(wb + tl.minimum(k + 1, nfull - 1) * (TILE // 2) + woffs)
+                    s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(w, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw,
+                                                                      pu, pnz, pout)
+                    w = wn
+                # back to _tile_fast's conventions (minus counts of |x| above tu and of zeros)
+                cu -= _halves_sum(pu)
+                cz -= nfull * V - _halves_sum(pnz)
+                cout += _halves_sum(pout)
+                am = tl.max(tl.maximum(amw & 0xFFFF, (amw >> 16) & 0x7FFF) << 16, 1).to(tl.float32, bitcast=True)
+            else:
+                x = x0
+                for k in range(0, nfull):
+                    xn = tl.load(base + tl.minimum(k + PF, nfull - 1) * TILE + offs)
+                    s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
+                        x, m0, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, False, True)
+                    if PF == 2:
+                        x = xa.to(tl.float32)
+                        xa = xn
+                    else:
+                        x = xn.to(tl.float32)
             _stamp(tr, 2, TRACE)
             if nfull < ntiles:
                 mt = nfull * TILE + offs < n
@@ -671,6 +777,8 @@ if triton is not None:
                     x, mt, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, True, True)
             ok, mean, m2, m3, m4, amax, zeros, under, over, outl, hist = _fast_result(
                 n, c, p, tu, to, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST)
+            if PACKED:  # an element above the overflow threshold: the careful path counts them
+                ok = ok & ((to < 0) | (amax.to(tl.int32, bitcast=True) <= to))
         if not ok:  # NaN/Inf, fp32 overflow of the power sums or a poor shift: two exact fp64 passes
             acc = tl.zeros([R], tl.float64)
             cnt = zi
@@ -739,7 +847,7 @@ if triton is not None:
         n = (end - start).to(tl.int32)  # <= the chunk; the launcher makes every address 16-byte aligned
         if code == 0:
             res = _chunk(tl.multiple_of(addr.to(tl.pointer_type(tl.bfloat16)) + start, 16), n, s, smode, uthr, othr,
-                         lo, hi, tr, HIST, R, 8, PF, TRACE)
+                         lo, hi, tr, HIST, R, 8, PF, TRACE, not HIST)
         elif code == 1:
             res = _chunk(tl.multiple_of(addr.to(tl.pointer_type(tl.float32)) + start, 16), n, s, smode, uthr, othr,
                          lo, hi, tr, HIST, R, 4, PF, TRACE)

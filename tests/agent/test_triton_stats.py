@@ -103,6 +103,26 @@ def _child(names: list[str]) -> None:
                 want = ds.partials(x, outlier_center=center, outlier_k=2.0)
                 emit(f"outliers_with_center:{case}:{center[0]:.3g}", row_problems(got, want))
 
+    def bf16_pairs():
+        """bf16 without the histogram: the fast path takes two elements per 32-bit word (counts, outliers and
+        amax straight from the words). Zeros of both signs, underflows, values on and just past bf16 outlier
+        bounds, a zero-width center, and a scale under which some overflow (counted on the careful path)."""
+        g = torch.Generator().manual_seed(3)
+        x = (torch.randn(9001, generator=g) * 0.5).to(torch.bfloat16)
+        x[::17] = 0.0
+        x[5::29] = -0.0
+        x[7::31] = 1e-6
+        x[11::37] = 1.0
+        x[13::41] = -1.0
+        x[15::43] = 1.0078125  # the next bf16 above 1
+        x[19::47] = -1.0078125
+        for center, k in (((0.0, 0.5), 2.0), ((0.1, 0.37), 2.0), ((0.0, 0.0), 6.0), ((0.25, 0.125), 6.0)):
+            for kw in (dict(fmt="e4m3", scale=torch.tensor(3.0)), dict(fmt="e5m2", scale=1e4),
+                       dict(fmt="e4m3", amax_history_max=0.75), dict()):
+                got = ts.partials(x, center=center, outlier_k=k, hist=False, **kw)
+                want = ds.partials(x, outlier_center=center, outlier_k=k, hist=False, **kw)
+                emit(f"bf16_pairs:{center}:{sorted(kw)}:{kw.get('scale', '')}", row_problems(got, want))
+
     def multi_tensor():
         g = torch.Generator().manual_seed(1)
         xs = [(torch.randn(int(torch.randint(1, 6000, (1,), generator=g)), generator=g) * (i + 1) + i)
@@ -205,7 +225,7 @@ def _child(names: list[str]) -> None:
         emit("agent_outlier_centers", "" if float(got) == float(want) and float(want) > 0 else f"{got} vs {want}")
 
     checks = dict(rows_vs_torch=rows_vs_torch, current_scaling=current_scaling,
-                  outliers_with_center=outliers_with_center, multi_tensor=multi_tensor,
+                  outliers_with_center=outliers_with_center, bf16_pairs=bf16_pairs, multi_tensor=multi_tensor,
                   many_partials=many_partials, agent_backends=agent_backends, agent_outlier_centers=agent_outlier_centers)
     for name in names or checks:
         try:
@@ -217,8 +237,8 @@ def _child(names: list[str]) -> None:
 # ---------------------------------------------------------------------------------------------------
 # tests
 
-GROUPS = ["rows_vs_torch", "current_scaling", "outliers_with_center", "multi_tensor", "many_partials", "agent_backends",
-          "agent_outlier_centers"]
+GROUPS = ["rows_vs_torch", "current_scaling", "outliers_with_center", "bf16_pairs", "multi_tensor", "many_partials",
+          "agent_backends", "agent_outlier_centers"]
 
 
 @pytest.fixture(scope="module")
