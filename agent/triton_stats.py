@@ -368,11 +368,12 @@ if triton is not None:
         if HIST:
             ok = ok & (tl.sum(tl.where(tl.arange(0, 64) == _BIN_NONFIN, hist, 0), 0) == 0)
         md, m2, m3, m4 = _central(nf, S1, S2, S3, S4)
-        pd = p.to(tl.float64)
-        mean = c.to(tl.float64) + md / pd
-        m2 = m2 / (pd * pd)
-        m3 = m3 / (pd * pd * pd)
-        m4 = m4 / (pd * pd * pd * pd)
+        ip = 1.0 / p.to(tl.float64)  # exact (p is a power of two): one division, not four
+        ip2 = ip * ip
+        mean = c.to(tl.float64) + md * ip
+        m2 = m2 * ip2
+        m3 = m3 * (ip2 * ip)
+        m4 = m4 * (ip2 * ip2)
         if HIST:
             zeros = tl.sum(tl.where(tl.arange(0, 64) == _BIN_ZERO, hist, 0), 0)
         else:
@@ -415,7 +416,8 @@ if triton is not None:
         return a0 + b0, a1 + b1, a2 + b2, a3 + b3
 
     @triton.jit
-    def _finalize(part, nwork, ctr, dst, merge, smode, s_given, fmax, uthr, ahm, HIST: tl.constexpr, PB: tl.constexpr):
+    def _finalize(part, nwork, ctr, dst, merge, smode, s_given, fmax, uthr, ahm, HIST: tl.constexpr, PB: tl.constexpr,
+                  tr, TRACE: tl.constexpr):
         # Lane j takes partials j, j + PB, ... (no cross-thread work in the loops; one reduction per field at the
         # end). The moments merge as Pebay's formulas do, all at once about the grand mean c: each partial's
         # central moments become power sums of (x - c), which add. Two passes (c first), no division per partial:
@@ -446,6 +448,7 @@ if triton is not None:
             zeros, outl, under, over = tl.sum(vzeros, 0), tl.sum(voutl, 0), tl.sum(vunder, 0), tl.sum(vover, 0)
             amax = tl.max(vamax, 0)
         c = snm / tl.maximum(an, 1.0)
+        _stamp(tr, 5, TRACE)
         v1, v2, v3, v4 = zb, zb, zb, zb
         for b0 in range(0, nwork, PB):
             i = b0 + tl.arange(0, PB)
@@ -468,6 +471,7 @@ if triton is not None:
         else:
             v1, v2, v3, v4 = tl.sum(v1, 0), tl.sum(v2, 0), tl.sum(v3, 0), tl.sum(v4, 0)
         md, a2, a3, a4 = _central(an, v1, v2, v3, v4)
+        _stamp(tr, 6, TRACE)
         am = c + md
         hist = tl.zeros([64], tl.float64)
         if HIST:
@@ -554,7 +558,8 @@ if triton is not None:
             tl.store(dst + 16 + bins, hist, mask=bins < _NB)
 
     @triton.jit
-    def _done(part_base, ctr, nwork, dst, merge, smode, s, fmax, uthr, ahm, hist, HIST: tl.constexpr):
+    def _done(part_base, ctr, nwork, dst, merge, smode, s, fmax, uthr, ahm, hist, HIST: tl.constexpr, tr=None,
+              TRACE: tl.constexpr = False):
         """Add this program's histogram to the tensor's (``ctr[1:65]``) and count the program in (``ctr[0]``);
         the last one of its tensor writes the row and resets both."""
         if HIST:
@@ -562,7 +567,8 @@ if triton is not None:
         tl.debug_barrier()
         prev = tl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu")
         if prev == nwork - 1:
-            _finalize(part_base, nwork, ctr, dst, merge, smode, s, fmax, uthr, ahm, HIST, _PB)
+            _stamp(tr, 7, TRACE)
+            _finalize(part_base, nwork, ctr, dst, merge, smode, s, fmax, uthr, ahm, HIST, _PB, tr, TRACE)
             tl.atomic_xchg(ctr, 0, sem="relaxed", scope="gpu")
 
     # ---- one chunk: fast path, careful path ----------------------------------------------------------
@@ -708,6 +714,11 @@ if triton is not None:
         offs = tl.arange(0, R)[:, None] * V + tl.arange(0, V)[None, :]
         m0 = offs < n
         x0 = tl.load(base + offs, mask=m0, other=0.0)
+        if PACKED:  # the first tile again as words, in flight with x0 (the shift below comes from x0)
+            W: tl.constexpr = V // 2
+            wb = base.to(tl.pointer_type(tl.int32), bitcast=True)
+            woffs = tl.arange(0, R)[:, None] * W + tl.arange(0, W)[None, :]
+            w = tl.load(wb + woffs, mask=woffs < n // 2, other=0)
         xa = x0
         if PF == 2:
             xa = tl.load(base + TILE + offs, mask=TILE + offs < n, other=0.0)
@@ -739,15 +750,11 @@ if triton is not None:
             # tile is x0, already loaded; the last iterations re-load the last full tile (an unmasked, uniform
             # load instead of a per-element mask; read from L2).
             if PACKED:  # bf16 words, two elements each; overflow counted lazily (below)
-                W: tl.constexpr = V // 2
-                wb = base.to(tl.pointer_type(tl.int32), bitcast=True)
-                woffs = tl.arange(0, R)[:, None] * W + tl.arange(0, W)[None, :]
                 ku = _pair(0x7FFF - tl.minimum(tl.maximum(tu >> 16, -1), 0x7FFF))  # tu < 0: every |x| counts
                 hi2 = _pair(tl.where(hi == hi, _bf16_down(hi), 0x7F80))
                 lo2 = _pair(tl.where(lo == lo, _bf16_up(lo), 0xFF80))
                 amw = tl.zeros([R, W], tl.int32)
                 pu, pnz, pout = zi, zi, zi
-                w = tl.load(wb + woffs)
                 for k in range(0, nfull):
                     wn = tl.load(wb + tl.minimum(k + 1, nfull - 1) * (TILE // 2) + woffs)
                     s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(w, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw,
@@ -866,7 +873,7 @@ if triton is not None:
         nwork = tl.load(row + _T_NWORK)
         dst = dst_ptr + tl.load(row + _T_DST) * _WIDTH
         _done(part_ptr + first * _PW, ctr_ptr + t * _CTRW, nwork, dst, tl.load(row + _T_MERGE), smode, s, fmax, uthr,
-              ahm, hist, HIST)
+              ahm, hist, HIST, tr, TRACE)
         _stamp(tr, 4, TRACE)
 
 

@@ -57,15 +57,19 @@ def copy_tbs(x: torch.Tensor) -> float:
 
 def timeline(stamps: torch.Tensor) -> str:
     """Summary of one launch's [programs, 8] stamps (ns, low 32 bits of the GPU timer)."""
-    t = stamps[:, :5].to(torch.int64).cpu()
+    t = stamps[:, :5].to(torch.int64).cpu()  # start, set-up done, loop done, partial stored, end
     t = (t - t[:, :1].min()) % (1 << 32)
     span = int(t[:, 4].max())
     med = [float((t[:, i + 1] - t[:, i]).float().median()) / 1e3 for i in range(4)]
     last = int(t[:, 4].argmax())
+    f = (stamps[last].to(torch.int64).cpu() - int(stamps[last, 3])) % (1 << 32)  # 3 stored, 7 counted, 5, 6, 4 end
+    fin = [int(f[7]), int(f[5] - f[7]), int(f[6] - f[5]), int(f[4] - f[6])]
     busy = float((t[:, 4] - t[:, 0]).sum()) / (span * min(len(t), ts._slots(torch.device("cuda"))))
     return (f"{len(t)} programs, span {span / 1e3:.1f} us; starts p50 {float(t[:, 0].float().median()) / 1e3:.1f} "
             f"max {float(t[:, 0].max()) / 1e3:.1f} us; medians: set-up {med[0]:.2f}, loop {med[1]:.2f}, result "
-            f"{med[2]:.2f}, done {med[3]:.2f} us; last program's done {float(t[last, 4] - t[last, 3]) / 1e3:.2f} us; "
+            f"{med[2]:.2f}, done {med[3]:.2f} us; last program's done {float(t[last, 4] - t[last, 3]) / 1e3:.2f} us "
+            f"(its counter {fin[0] / 1e3:.2f}, merge pass 1 {fin[1] / 1e3:.2f}, pass 2 {fin[2] / 1e3:.2f}, row "
+            f"{fin[3] / 1e3:.2f}); "
             f"slot occupancy {busy:.2f}")
 
 
