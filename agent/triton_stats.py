@@ -87,7 +87,7 @@ ROWS = 512  # rows of a [ROWS, 16 bytes] tile: ROWS / (32 * NUM_WARPS) 16-byte l
 # registers, one program (8 warps) per SM, too few loads in flight. At 80 the hot loops do not spill
 # (checked in the SASS: no LDL/STL between the 16-byte loads and the back branch) and 3 programs fit.
 MAXNREG = 80
-P_BLOCK = 256  # partials per block of the finalize step's loops (a lane each with 8 warps)
+P_BLOCK = 512  # partials the finalize step reads at once (2 per lane with 8 warps); more: blocks of this size
 MAX_TENSORS = 4096  # per launch (the size of the per-device counter buffer)
 PW = 16  # fp64 fields of a per-program partial (the histogram goes to the counter buffer's row)
 CTRW = 1 + 64  # int64 fields of a tensor's counter row: programs done, then its histogram's 64 bins
@@ -416,60 +416,101 @@ if triton is not None:
         return a0 + b0, a1 + b1, a2 + b2, a3 + b3
 
     @triton.jit
+    def _load_moments(part, i, nwork):
+        """Partials i's (n, mean, M2, M3, M4); an empty one (n = 0) as zeros."""
+        m = i < nwork
+        rp = part + i.to(tl.int64) * _PW
+        n = tl.load(rp + _P_N, mask=m, other=0.0, cache_modifier=".cg")
+        has = n > 0
+        mean = tl.where(has, tl.load(rp + _P_MEAN, mask=m, other=0.0, cache_modifier=".cg"), 0.0)
+        q2 = tl.where(has, tl.load(rp + _P_M2, mask=m, other=0.0, cache_modifier=".cg"), 0.0)
+        q3 = tl.where(has, tl.load(rp + _P_M3, mask=m, other=0.0, cache_modifier=".cg"), 0.0)
+        q4 = tl.where(has, tl.load(rp + _P_M4, mask=m, other=0.0, cache_modifier=".cg"), 0.0)
+        return n, mean, q2, q3, q4
+
+    @triton.jit
+    def _load_counts(part, i, nwork):
+        """Partials i's (numel, nonfinite, zeros, outliers, underflow, overflow, amax)."""
+        m = i < nwork
+        rp = part + i.to(tl.int64) * _PW
+        return (tl.load(rp + _P_NUMEL, mask=m, other=0.0, cache_modifier=".cg"),
+                tl.load(rp + _P_NONFIN, mask=m, other=0.0, cache_modifier=".cg"),
+                tl.load(rp + _P_ZEROS, mask=m, other=0.0, cache_modifier=".cg"),
+                tl.load(rp + _P_OUTL, mask=m, other=0.0, cache_modifier=".cg"),
+                tl.load(rp + _P_UNDER, mask=m, other=0.0, cache_modifier=".cg"),
+                tl.load(rp + _P_OVER, mask=m, other=0.0, cache_modifier=".cg"),
+                tl.load(rp + _P_AMAX, mask=m, other=0.0, cache_modifier=".cg"))
+
+    @triton.jit
+    def _about(n, mean, q2, q3, q4, c):
+        """A partial's power sums of (x - c), from its n, mean and central moments (Pebay's shift)."""
+        d = mean - c
+        nd = n * d
+        d2 = d * d
+        return nd, q2 + nd * d, q3 + 3.0 * d * q2 + nd * d2, q4 + 4.0 * d * q3 + 6.0 * d2 * q2 + nd * d2 * d
+
+    @triton.jit
+    def _reduce9(a0, a1, a2, a3, a4, a5, a6, a7, am):
+        if _JOINT:
+            return tl.reduce((a0, a1, a2, a3, a4, a5, a6, a7, am), 0, _sums8_max)
+        else:
+            return (tl.sum(a0, 0), tl.sum(a1, 0), tl.sum(a2, 0), tl.sum(a3, 0), tl.sum(a4, 0), tl.sum(a5, 0),
+                    tl.sum(a6, 0), tl.sum(a7, 0), tl.max(am, 0))
+
+    @triton.jit
+    def _reduce4(a0, a1, a2, a3):
+        if _JOINT:
+            return tl.reduce((a0, a1, a2, a3), 0, _sums4)
+        else:
+            return tl.sum(a0, 0), tl.sum(a1, 0), tl.sum(a2, 0), tl.sum(a3, 0)
+
+    @triton.jit
     def _finalize(part, nwork, ctr, dst, merge, smode, s_given, fmax, uthr, ahm, HIST: tl.constexpr, PB: tl.constexpr,
                   tr, TRACE: tl.constexpr):
-        # Lane j takes partials j, j + PB, ... (no cross-thread work in the loops; one reduction per field at the
-        # end). The moments merge as Pebay's formulas do, all at once about the grand mean c: each partial's
-        # central moments become power sums of (x - c), which add. Two passes (c first), no division per partial:
-        # a tree of pairwise Chan/Pebay merges (fp64 divisions at every level) made this serial tail, run by one
-        # program while the GPU idles, 25-45 us of a 60-150 us kernel. The histogram is not in the partials:
-        # each program added it to the tensor's accumulator (``_done``); this reads and clears it.
-        zb = tl.zeros([PB], tl.float64)
-        vn, vnm, vnumel, vnonfin, vzeros, voutl, vunder, vover, vamax = zb, zb, zb, zb, zb, zb, zb, zb, zb
-        for b0 in range(0, nwork, PB):
-            i = b0 + tl.arange(0, PB)
-            m = i < nwork
-            rp = part + i.to(tl.int64) * _PW
-            n = tl.load(rp + _P_N, mask=m, other=0.0, cache_modifier=".cg")
-            vn += n
-            vnm += tl.where(n > 0, n * tl.load(rp + _P_MEAN, mask=m, other=0.0, cache_modifier=".cg"), 0.0)
-            vnumel += tl.load(rp + _P_NUMEL, mask=m, other=0.0, cache_modifier=".cg")
-            vnonfin += tl.load(rp + _P_NONFIN, mask=m, other=0.0, cache_modifier=".cg")
-            vzeros += tl.load(rp + _P_ZEROS, mask=m, other=0.0, cache_modifier=".cg")
-            voutl += tl.load(rp + _P_OUTL, mask=m, other=0.0, cache_modifier=".cg")
-            vunder += tl.load(rp + _P_UNDER, mask=m, other=0.0, cache_modifier=".cg")
-            vover += tl.load(rp + _P_OVER, mask=m, other=0.0, cache_modifier=".cg")
-            vamax = tl.maximum(vamax, tl.load(rp + _P_AMAX, mask=m, other=0.0, cache_modifier=".cg"))
-        if _JOINT:
-            an, snm, numel, nonfin, zeros, outl, under, over, amax = tl.reduce(
-                (vn, vnm, vnumel, vnonfin, vzeros, voutl, vunder, vover, vamax), 0, _sums8_max)
+        # The moments merge as Pebay's formulas do, all at once about the grand mean c: each partial's central
+        # moments become power sums of (x - c), which add; no division per partial. A tree of pairwise Chan/Pebay
+        # merges (fp64 divisions at every level) made this serial tail, run by one program while the GPU idles,
+        # 25-45 us of a 60-150 us kernel. Up to PB partials (the usual case: a launch is about a wave of programs)
+        # are read once into registers; more take two passes of blocks (lane j: partials j, j + PB, ...), c first.
+        # The histogram is not in the partials: each program added it to the tensor's accumulator (``_done``);
+        # this reads and clears it.
+        i0 = tl.arange(0, PB)
+        if nwork <= PB:
+            n, mean, q2, q3, q4 = _load_moments(part, i0, nwork)
+            vnumel, vnonfin, vzeros, voutl, vunder, vover, vamax = _load_counts(part, i0, nwork)
+            an, snm, numel, nonfin, zeros, outl, under, over, amax = _reduce9(
+                n, n * mean, vnumel, vnonfin, vzeros, voutl, vunder, vover, vamax)
+            c = snm / tl.maximum(an, 1.0)
+            _stamp(tr, 5, TRACE)
+            v1, v2, v3, v4 = _reduce4(*_about(n, mean, q2, q3, q4, c))
         else:
-            an, snm, numel, nonfin = tl.sum(vn, 0), tl.sum(vnm, 0), tl.sum(vnumel, 0), tl.sum(vnonfin, 0)
-            zeros, outl, under, over = tl.sum(vzeros, 0), tl.sum(voutl, 0), tl.sum(vunder, 0), tl.sum(vover, 0)
-            amax = tl.max(vamax, 0)
-        c = snm / tl.maximum(an, 1.0)
-        _stamp(tr, 5, TRACE)
-        v1, v2, v3, v4 = zb, zb, zb, zb
-        for b0 in range(0, nwork, PB):
-            i = b0 + tl.arange(0, PB)
-            m = i < nwork
-            rp = part + i.to(tl.int64) * _PW
-            n = tl.load(rp + _P_N, mask=m, other=0.0, cache_modifier=".cg")
-            has = n > 0
-            d = tl.where(has, tl.load(rp + _P_MEAN, mask=m, other=0.0, cache_modifier=".cg") - c, 0.0)
-            q2 = tl.where(has, tl.load(rp + _P_M2, mask=m, other=0.0, cache_modifier=".cg"), 0.0)
-            q3 = tl.where(has, tl.load(rp + _P_M3, mask=m, other=0.0, cache_modifier=".cg"), 0.0)
-            q4 = tl.where(has, tl.load(rp + _P_M4, mask=m, other=0.0, cache_modifier=".cg"), 0.0)
-            nd = n * d
-            d2 = d * d
-            v1 += nd
-            v2 += q2 + nd * d
-            v3 += q3 + 3.0 * d * q2 + nd * d2
-            v4 += q4 + 4.0 * d * q3 + 6.0 * d2 * q2 + nd * d2 * d
-        if _JOINT:
-            v1, v2, v3, v4 = tl.reduce((v1, v2, v3, v4), 0, _sums4)
-        else:
-            v1, v2, v3, v4 = tl.sum(v1, 0), tl.sum(v2, 0), tl.sum(v3, 0), tl.sum(v4, 0)
+            zb = tl.zeros([PB], tl.float64)
+            vn, vnm, vnumel, vnonfin, vzeros, voutl, vunder, vover, vamax = zb, zb, zb, zb, zb, zb, zb, zb, zb
+            for b0 in range(0, nwork, PB):
+                n, mean, q2, q3, q4 = _load_moments(part, b0 + i0, nwork)
+                cnumel, cnonfin, czeros, coutl, cunder, cover, camax = _load_counts(part, b0 + i0, nwork)
+                vn += n
+                vnm += n * mean
+                vnumel += cnumel
+                vnonfin += cnonfin
+                vzeros += czeros
+                voutl += coutl
+                vunder += cunder
+                vover += cover
+                vamax = tl.maximum(vamax, camax)
+            an, snm, numel, nonfin, zeros, outl, under, over, amax = _reduce9(
+                vn, vnm, vnumel, vnonfin, vzeros, voutl, vunder, vover, vamax)
+            c = snm / tl.maximum(an, 1.0)
+            _stamp(tr, 5, TRACE)
+            v1, v2, v3, v4 = zb, zb, zb, zb
+            for b0 in range(0, nwork, PB):
+                n, mean, q2, q3, q4 = _load_moments(part, b0 + i0, nwork)
+                t1, t2, t3, t4 = _about(n, mean, q2, q3, q4, c)
+                v1 += t1
+                v2 += t2
+                v3 += t3
+                v4 += t4
+            v1, v2, v3, v4 = _reduce4(v1, v2, v3, v4)
         md, a2, a3, a4 = _central(an, v1, v2, v3, v4)
         _stamp(tr, 6, TRACE)
         am = c + md
