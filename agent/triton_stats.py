@@ -129,7 +129,6 @@ if triton is not None:
     _BIN_DUMP = tl.constexpr(63)
     _NAN_BITS = tl.constexpr(0x7FC00000)
     _INF_BITS = tl.constexpr(0x7F800000)
-    _PW = tl.constexpr(PW)
     # partials per block in the finalize step (smaller in the interpreter, which runs a reduction per element)
     _PB = tl.constexpr(8 if INTERPRET else P_BLOCK)
     # multi-operand reductions (one round through shared memory for many fields) on hardware only: the
@@ -391,19 +390,21 @@ if triton is not None:
                 tl.sum(cout, 0), tl.sum(cnf, 0))
 
     @triton.jit
-    def _store_partial(pp, numel, n, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4):
-        tl.store(pp + _P_N, n.to(tl.float64))
-        tl.store(pp + _P_NUMEL, numel.to(tl.float64))
-        tl.store(pp + _P_NONFIN, nonfin.to(tl.float64))
-        tl.store(pp + _P_ZEROS, zeros.to(tl.float64))
-        tl.store(pp + _P_OUTL, outl.to(tl.float64))
-        tl.store(pp + _P_UNDER, under.to(tl.float64))
-        tl.store(pp + _P_OVER, over.to(tl.float64))
-        tl.store(pp + _P_AMAX, amax.to(tl.float64))
-        tl.store(pp + _P_MEAN, mean)
-        tl.store(pp + _P_M2, m2)
-        tl.store(pp + _P_M3, m3)
-        tl.store(pp + _P_M4, m4)
+    def _store_partial(pp, stride, numel, n, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4):
+        """Field f of the partial at ``pp + f * stride``: partials are stored field-major (a field of many
+        programs is contiguous), so the merge reads each field of its partials in coalesced loads."""
+        tl.store(pp + _P_N * stride, n.to(tl.float64))
+        tl.store(pp + _P_NUMEL * stride, numel.to(tl.float64))
+        tl.store(pp + _P_NONFIN * stride, nonfin.to(tl.float64))
+        tl.store(pp + _P_ZEROS * stride, zeros.to(tl.float64))
+        tl.store(pp + _P_OUTL * stride, outl.to(tl.float64))
+        tl.store(pp + _P_UNDER * stride, under.to(tl.float64))
+        tl.store(pp + _P_OVER * stride, over.to(tl.float64))
+        tl.store(pp + _P_AMAX * stride, amax.to(tl.float64))
+        tl.store(pp + _P_MEAN * stride, mean)
+        tl.store(pp + _P_M2 * stride, m2)
+        tl.store(pp + _P_M3 * stride, m3)
+        tl.store(pp + _P_M4 * stride, m4)
 
     # ---- the finalize step: last program of a tensor merges its partials into the row ---------------
 
@@ -416,30 +417,30 @@ if triton is not None:
         return a0 + b0, a1 + b1, a2 + b2, a3 + b3
 
     @triton.jit
-    def _load_moments(part, i, nwork):
+    def _load_moments(part, stride, i, nwork):
         """Partials i's (n, mean, M2, M3, M4); an empty one (n = 0) as zeros."""
         m = i < nwork
-        rp = part + i.to(tl.int64) * _PW
-        n = tl.load(rp + _P_N, mask=m, other=0.0, cache_modifier=".cg")
+        rp = part + i.to(tl.int64)
+        n = tl.load(rp + _P_N * stride, mask=m, other=0.0, cache_modifier=".cg")
         has = n > 0
-        mean = tl.where(has, tl.load(rp + _P_MEAN, mask=m, other=0.0, cache_modifier=".cg"), 0.0)
-        q2 = tl.where(has, tl.load(rp + _P_M2, mask=m, other=0.0, cache_modifier=".cg"), 0.0)
-        q3 = tl.where(has, tl.load(rp + _P_M3, mask=m, other=0.0, cache_modifier=".cg"), 0.0)
-        q4 = tl.where(has, tl.load(rp + _P_M4, mask=m, other=0.0, cache_modifier=".cg"), 0.0)
+        mean = tl.where(has, tl.load(rp + _P_MEAN * stride, mask=m, other=0.0, cache_modifier=".cg"), 0.0)
+        q2 = tl.where(has, tl.load(rp + _P_M2 * stride, mask=m, other=0.0, cache_modifier=".cg"), 0.0)
+        q3 = tl.where(has, tl.load(rp + _P_M3 * stride, mask=m, other=0.0, cache_modifier=".cg"), 0.0)
+        q4 = tl.where(has, tl.load(rp + _P_M4 * stride, mask=m, other=0.0, cache_modifier=".cg"), 0.0)
         return n, mean, q2, q3, q4
 
     @triton.jit
-    def _load_counts(part, i, nwork):
+    def _load_counts(part, stride, i, nwork):
         """Partials i's (numel, nonfinite, zeros, outliers, underflow, overflow, amax)."""
         m = i < nwork
-        rp = part + i.to(tl.int64) * _PW
-        return (tl.load(rp + _P_NUMEL, mask=m, other=0.0, cache_modifier=".cg"),
-                tl.load(rp + _P_NONFIN, mask=m, other=0.0, cache_modifier=".cg"),
-                tl.load(rp + _P_ZEROS, mask=m, other=0.0, cache_modifier=".cg"),
-                tl.load(rp + _P_OUTL, mask=m, other=0.0, cache_modifier=".cg"),
-                tl.load(rp + _P_UNDER, mask=m, other=0.0, cache_modifier=".cg"),
-                tl.load(rp + _P_OVER, mask=m, other=0.0, cache_modifier=".cg"),
-                tl.load(rp + _P_AMAX, mask=m, other=0.0, cache_modifier=".cg"))
+        rp = part + i.to(tl.int64)
+        return (tl.load(rp + _P_NUMEL * stride, mask=m, other=0.0, cache_modifier=".cg"),
+                tl.load(rp + _P_NONFIN * stride, mask=m, other=0.0, cache_modifier=".cg"),
+                tl.load(rp + _P_ZEROS * stride, mask=m, other=0.0, cache_modifier=".cg"),
+                tl.load(rp + _P_OUTL * stride, mask=m, other=0.0, cache_modifier=".cg"),
+                tl.load(rp + _P_UNDER * stride, mask=m, other=0.0, cache_modifier=".cg"),
+                tl.load(rp + _P_OVER * stride, mask=m, other=0.0, cache_modifier=".cg"),
+                tl.load(rp + _P_AMAX * stride, mask=m, other=0.0, cache_modifier=".cg"))
 
     @triton.jit
     def _about(n, mean, q2, q3, q4, c):
@@ -465,8 +466,8 @@ if triton is not None:
             return tl.sum(a0, 0), tl.sum(a1, 0), tl.sum(a2, 0), tl.sum(a3, 0)
 
     @triton.jit
-    def _finalize(part, nwork, ctr, dst, merge, smode, s_given, fmax, uthr, ahm, HIST: tl.constexpr, PB: tl.constexpr,
-                  tr, TRACE: tl.constexpr):
+    def _finalize(part, stride, nwork, ctr, dst, merge, smode, s_given, fmax, uthr, ahm, HIST: tl.constexpr,
+                  PB: tl.constexpr, tr, TRACE: tl.constexpr):
         # The moments merge as Pebay's formulas do, all at once about the grand mean c: each partial's central
         # moments become power sums of (x - c), which add; no division per partial. A tree of pairwise Chan/Pebay
         # merges (fp64 divisions at every level) made this serial tail, run by one program while the GPU idles,
@@ -476,8 +477,8 @@ if triton is not None:
         # this reads and clears it.
         i0 = tl.arange(0, PB)
         if nwork <= PB:
-            n, mean, q2, q3, q4 = _load_moments(part, i0, nwork)
-            vnumel, vnonfin, vzeros, voutl, vunder, vover, vamax = _load_counts(part, i0, nwork)
+            n, mean, q2, q3, q4 = _load_moments(part, stride, i0, nwork)
+            vnumel, vnonfin, vzeros, voutl, vunder, vover, vamax = _load_counts(part, stride, i0, nwork)
             an, snm, numel, nonfin, zeros, outl, under, over, amax = _reduce9(
                 n, n * mean, vnumel, vnonfin, vzeros, voutl, vunder, vover, vamax)
             c = snm / tl.maximum(an, 1.0)
@@ -487,8 +488,8 @@ if triton is not None:
             zb = tl.zeros([PB], tl.float64)
             vn, vnm, vnumel, vnonfin, vzeros, voutl, vunder, vover, vamax = zb, zb, zb, zb, zb, zb, zb, zb, zb
             for b0 in range(0, nwork, PB):
-                n, mean, q2, q3, q4 = _load_moments(part, b0 + i0, nwork)
-                cnumel, cnonfin, czeros, coutl, cunder, cover, camax = _load_counts(part, b0 + i0, nwork)
+                n, mean, q2, q3, q4 = _load_moments(part, stride, b0 + i0, nwork)
+                cnumel, cnonfin, czeros, coutl, cunder, cover, camax = _load_counts(part, stride, b0 + i0, nwork)
                 vn += n
                 vnm += n * mean
                 vnumel += cnumel
@@ -504,7 +505,7 @@ if triton is not None:
             _stamp(tr, 5, TRACE)
             v1, v2, v3, v4 = zb, zb, zb, zb
             for b0 in range(0, nwork, PB):
-                n, mean, q2, q3, q4 = _load_moments(part, b0 + i0, nwork)
+                n, mean, q2, q3, q4 = _load_moments(part, stride, b0 + i0, nwork)
                 t1, t2, t3, t4 = _about(n, mean, q2, q3, q4, c)
                 v1 += t1
                 v2 += t2
@@ -599,7 +600,7 @@ if triton is not None:
             tl.store(dst + 16 + bins, hist, mask=bins < _NB)
 
     @triton.jit
-    def _done(part_base, ctr, nwork, dst, merge, smode, s, fmax, uthr, ahm, hist, HIST: tl.constexpr, tr=None,
+    def _done(part_base, stride, ctr, nwork, dst, merge, smode, s, fmax, uthr, ahm, hist, HIST: tl.constexpr, tr=None,
               TRACE: tl.constexpr = False):
         """Add this program's histogram to the tensor's (``ctr[1:65]``) and count the program in (``ctr[0]``);
         the last one of its tensor writes the row and resets both."""
@@ -609,7 +610,7 @@ if triton is not None:
         prev = tl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu")
         if prev == nwork - 1:
             _stamp(tr, 7, TRACE)
-            _finalize(part_base, nwork, ctr, dst, merge, smode, s, fmax, uthr, ahm, HIST, _PB, tr, TRACE)
+            _finalize(part_base, stride, nwork, ctr, dst, merge, smode, s, fmax, uthr, ahm, HIST, _PB, tr, TRACE)
             tl.atomic_xchg(ctr, 0, sem="relaxed", scope="gpu")
 
     # ---- one chunk: fast path, careful path ----------------------------------------------------------
@@ -903,7 +904,7 @@ if triton is not None:
             res = _chunk(tl.multiple_of(addr.to(tl.pointer_type(tl.float16)) + start, 16), n, s, smode, uthr, othr,
                          lo, hi, tr, HIST, R, 8, PF, TRACE)
         nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = res
-        _store_partial(part_ptr + w.to(tl.int64) * _PW, end - start, nfin, nonfin, zeros, outl, under, over,
+        _store_partial(part_ptr + w, tl.num_programs(0), end - start, nfin, nonfin, zeros, outl, under, over,
                        amax, mean, m2, m3, m4)
         _stamp(tr, 3, TRACE)
         ahm_addr = tl.load(row + _T_AHM_ADDR)
@@ -913,7 +914,7 @@ if triton is not None:
         first = tl.load(row + _T_FIRST)
         nwork = tl.load(row + _T_NWORK)
         dst = dst_ptr + tl.load(row + _T_DST) * _WIDTH
-        _done(part_ptr + first * _PW, ctr_ptr + t * _CTRW, nwork, dst, tl.load(row + _T_MERGE), smode, s, fmax, uthr,
+        _done(part_ptr + first, tl.num_programs(0), ctr_ptr + t * _CTRW, nwork, dst, tl.load(row + _T_MERGE), smode, s, fmax, uthr,
               ahm, hist, HIST, tr, TRACE)
         _stamp(tr, 4, TRACE)
 
@@ -1083,7 +1084,7 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
                        int(bool(merges[i])), smode, s_addr, s_val, c_addr, c_mean, c_std, ahm_addr, ahm_val,
                        _FMT_CODES.get(fmt.name, 0) if fmt is not None else 0, k, chunk, 0, 0)
     tab = to_device(table, device)
-    part = torch.empty(nwork_total, PW, dtype=torch.float64, device=device)
+    part = torch.empty(PW, nwork_total, dtype=torch.float64, device=device)  # field-major (_store_partial)
     opts = {} if INTERPRET or not MAXNREG else {"maxnreg": MAXNREG}
     trace = None if _trace is None else torch.zeros(nwork_total, 8, dtype=torch.int32, device=device)
     _stats_kernel[(nwork_total,)](tab, len(tensors), part, counters(device), out, part if trace is None else trace,
@@ -1190,7 +1191,7 @@ def nofmt_consts(target: Target) -> dict:
 
 def fused_args(target: Target, programs: int, device) -> dict:
     """The statistics arguments of a fused kernel launched on ``programs`` programs (see quantize.py)."""
-    part = torch.empty(max(1, programs), PW, dtype=torch.float64, device=device)
+    part = torch.empty(PW, max(1, programs), dtype=torch.float64, device=device)  # field-major (_store_partial)
     c = target.center
     if c is not None and not isinstance(c, torch.Tensor):  # kernel float arguments are fp32: pass fp64 by pointer
         c = to_device(struct.pack("<2d", float(c[0]), float(c[1])), torch.device(device)).view(torch.float64)
@@ -1238,12 +1239,12 @@ if triton is not None:
         merged amax, see the module docstring)."""
         pid = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
         nprog = tl.num_programs(0) * tl.num_programs(1)
-        _store_partial(sp_ptr + pid.to(tl.int64) * _PW, nelem, nfin, nonfin, zeros, outl, under, over, amax, mean,
+        _store_partial(sp_ptr + pid, nprog, nelem, nfin, nonfin, zeros, outl, under, over, amax, mean,
                        m2, m3, m4)
         ahm = ahm_val + tl.zeros([], tl.float64)  # (float arguments may arrive as Python floats)
         if AHM_PTR:
             ahm = tl.load(ahm_ptr).to(tl.float64)
-        _done(sp_ptr, ctr_ptr, nprog, dst_ptr + dst_index * _WIDTH, merge, SMODE, s, FMAX, UTHR, ahm, hist, HIST)
+        _done(sp_ptr, nprog, ctr_ptr, nprog, dst_ptr + dst_index * _WIDTH, merge, SMODE, s, FMAX, UTHR, ahm, hist, HIST)
 
     # ---- fused statistics of register tiles (the GEMM epilogues, trainer/kernels/fp8_gemm.py) ----------
     # A partial is the tuple (nelem, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist).
