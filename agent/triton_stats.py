@@ -144,7 +144,8 @@ if triton is not None:
     (_P_N, _P_NUMEL, _P_NONFIN, _P_ZEROS, _P_OUTL, _P_UNDER, _P_OVER, _P_AMAX, _P_MEAN, _P_M2, _P_M3,
      _P_M4) = (tl.constexpr(v) for v in range(12))
     (_T_ADDR, _T_NUMEL, _T_CODE, _T_FIRST, _T_NWORK, _T_DST, _T_MERGE, _T_SMODE, _T_SCALE_ADDR, _T_SCALE,
-     _T_CENTER_ADDR, _T_MEAN, _T_STD, _T_AHM_ADDR, _T_AHM, _T_FMT, _T_K, _T_CHUNK) = (tl.constexpr(v) for v in range(18))
+     _T_CENTER_ADDR, _T_MEAN, _T_STD, _T_AHM_ADDR, _T_AHM, _T_FMT, _T_K,
+     _T_CHUNK) = (tl.constexpr(v) for v in range(18))
 
     # ---- scalar helpers ---------------------------------------------------------------------------
 
@@ -914,8 +915,8 @@ if triton is not None:
         first = tl.load(row + _T_FIRST)
         nwork = tl.load(row + _T_NWORK)
         dst = dst_ptr + tl.load(row + _T_DST) * _WIDTH
-        _done(part_ptr + first, tl.num_programs(0), ctr_ptr + t * _CTRW, nwork, dst, tl.load(row + _T_MERGE), smode, s, fmax, uthr,
-              ahm, hist, HIST, tr, TRACE)
+        _done(part_ptr + first, tl.num_programs(0), ctr_ptr + t * _CTRW, nwork, dst, tl.load(row + _T_MERGE), smode,
+              s, fmax, uthr, ahm, hist, HIST, tr, TRACE)
         _stamp(tr, 4, TRACE)
 
 

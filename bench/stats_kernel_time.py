@@ -55,6 +55,10 @@ def copy_tbs(x: torch.Tensor) -> float:
     return 2 * x.numel() * x.element_size() / (ms * 1e-3) / 1e12
 
 
+def _partials(x, scale, center, hist):
+    return lambda: ts.partials(x, fmt="e4m3", scale=scale, center=center, hist=hist)
+
+
 def timeline(stamps: torch.Tensor) -> str:
     """Summary of one launch's [programs, 8] stamps (ns, low 32 bits of the GPU timer)."""
     t = stamps[:, :5].to(torch.int64).cpu()  # start, set-up done, loop done, partial stored, end
@@ -81,7 +85,7 @@ def trace_mode(scale, center) -> None:
         for waves, chunk, pf in ((None, 1 << 16, 1), (1, 1 << 20, 1), (2, 1 << 20, 1), (1, 1 << 20, 2)):
             ts.WAVES, ts.CHUNK, ts.PF = waves, chunk, pf
             for hist in (False, True):
-                _, _, kernel = timed(lambda: ts.partials(x, fmt="e4m3", scale=scale, center=center, hist=hist))
+                _, _, kernel = timed(_partials(x, scale, center, hist))
                 ts._trace = []
                 ts.partials(x, fmt="e4m3", scale=scale, center=center, hist=hist)
                 torch.cuda.synchronize()
@@ -119,7 +123,7 @@ def main() -> None:
             x = torch.randn(nbytes // torch.empty((), dtype=dtype).element_size(), device="cuda").to(dtype)
             bw = copy_tbs(x)
             for hist in (True, False):
-                host, wall, kernel = timed(lambda: ts.partials(x, fmt="e4m3", scale=scale, center=center, hist=hist))
+                host, wall, kernel = timed(_partials(x, scale, center, hist))
                 print(f"{str(dtype)[6:]:9} {mib:4} MiB hist={hist!s:5} copy {bw:5.2f} TB/s | kernel {kernel:8.1f} us = "
                       f"{nbytes / (kernel * 1e-6) / 1e12 / bw:.3f} of copy | host/call {host:7.1f} us, wall/call "
                       f"{wall:7.1f} us = {nbytes / (wall * 1e-6) / 1e12 / bw:.3f}", flush=True)
@@ -132,22 +136,23 @@ def main() -> None:
                    (tok * o, torch.bfloat16), (o * i, torch.float32)]
     xs = [torch.randn(n, device="cuda").to(dt) for n, dt in shapes]
     nbytes = sum(x.numel() * x.element_size() for x in xs)
-    host, wall, kernel = timed(lambda: ts.rows(xs, fmt="e4m3", scale=scale, center=center))
+    host, wall, kernel = timed(lambda xs=xs: ts.rows(xs, fmt="e4m3", scale=scale, center=center))
     print(f"20 tensors {nbytes / MiB:.0f} MiB: kernel {kernel:.1f} us = {nbytes / (kernel * 1e-6) / 1e12 / bw:.3f} "
           f"of copy; host/call {host:.1f} us, wall {wall:.1f} us")
     del xs
-    # launch shapes, 64 MiB bf16
-    x = torch.randn(32 * MiB, device="cuda").to(torch.bfloat16)
-    bw = copy_tbs(x)
-    for chunk, rows, warps, nreg in ((65536, 512, 8, 80), (65536, 512, 8, 128), (32768, 512, 8, 80),
-                                     (131072, 512, 8, 80), (65536, 1024, 8, 96), (65536, 256, 4, 80),
-                                     (32768, 256, 4, 64)):
-        ts.CHUNK, ts.ROWS, ts.NUM_WARPS, ts.MAXNREG, ts.WAVES = chunk, rows, warps, nreg, None
-        for hist in (True, False):
-            _, _, kernel = timed(lambda: ts.partials(x, fmt="e4m3", scale=scale, center=center, hist=hist))
-            print(f"sweep CHUNK={chunk} ROWS={rows} warps={warps} maxnreg={nreg} hist={hist}: {kernel:.1f} us = "
-                  f"{64 * MiB / (kernel * 1e-6) / 1e12 / bw:.3f} of copy ({bw:.2f} TB/s)", flush=True)
-
+    # launch shapes (chunks sized by WAVES, the default), 64 and 256 MiB bf16
+    for mib in (64, 256):
+        x = torch.randn(mib * MiB // 2, device="cuda").to(torch.bfloat16)
+        bw = copy_tbs(x)
+        for rows, warps, nreg in ((512, 8, 80), (512, 8, 96), (512, 8, 128), (1024, 8, 96), (1024, 8, 128),
+                                  (256, 4, 80), (512, 4, 128)):
+            ts.ROWS, ts.NUM_WARPS, ts.MAXNREG = rows, warps, nreg
+            ts._slot_count.clear()  # programs per SM follow the register cap
+            for hist in (True, False):
+                _, _, kernel = timed(_partials(x, scale, center, hist))
+                print(f"sweep {mib} MiB ROWS={rows} warps={warps} maxnreg={nreg} hist={hist}: {kernel:.1f} us = "
+                      f"{mib * MiB / (kernel * 1e-6) / 1e12 / bw:.3f} of copy ({bw:.2f} TB/s)", flush=True)
+        del x
 
 if __name__ == "__main__":
     main()
