@@ -84,9 +84,11 @@ PF = 1  # tiles whose loads the standalone kernel's loop keeps in flight ahead o
 NUM_WARPS = 8
 ROWS = 512  # rows of a [ROWS, 16 bytes] tile: ROWS / (32 * NUM_WARPS) 16-byte loads per thread per iteration
 # Register cap (ptxas): uncapped, the cold code (finalize, careful path, threshold bisection) took 153-255
-# registers, one program (8 warps) per SM, too few loads in flight. At 80 the hot loops do not spill
-# (checked in the SASS: no LDL/STL between the 16-byte loads and the back branch) and 3 programs fit.
-MAXNREG = 80
+# registers, one program (8 warps) per SM. At 128 (2 programs per SM) the bf16 words path ran at 0.71 of copy
+# bandwidth on 256 MiB against 0.58 at 80 (3 programs per SM, cold code spilling); fp32 alone ran best at 80
+# (0.83 against 0.76): a launch of fp32 tensors only takes MAXNREG_FP32 (H200, bench/stats_kernel_time.py).
+MAXNREG = 128
+MAXNREG_FP32 = 80
 P_BLOCK = 512  # partials the finalize step reads at once (2 per lane with 8 warps); more: blocks of this size
 MAX_TENSORS = 4096  # per launch (the size of the per-device counter buffer)
 PW = 16  # fp64 fields of a per-program partial (the histogram goes to the counter buffer's row)
@@ -1007,26 +1009,26 @@ def _addressed(v: torch.Tensor, device, dtype, shape) -> torch.Tensor:
 _slot_count: dict = {}
 
 
-def _slots(device: torch.device) -> int:
-    """Programs of the standalone kernel the GPU runs at once (SMs x programs per SM at the register cap)."""
-    key = device.index if device.index is not None else torch.cuda.current_device()
+def _slots(device: torch.device, cap: int) -> int:
+    """Programs of the standalone kernel the GPU runs at once (SMs x programs per SM at register cap ``cap``)."""
+    key = (device.index if device.index is not None else torch.cuda.current_device(), cap, NUM_WARPS)
     if key not in _slot_count:
-        props = torch.cuda.get_device_properties(key)
+        props = torch.cuda.get_device_properties(key[0])
         threads = 32 * NUM_WARPS
         per_sm = props.max_threads_per_multi_processor // threads
-        if MAXNREG:
-            per_sm = min(per_sm, props.regs_per_multiprocessor // (MAXNREG * threads))
+        if cap:
+            per_sm = min(per_sm, props.regs_per_multiprocessor // (cap * threads))
         _slot_count[key] = props.multi_processor_count * max(1, per_sm)
     return _slot_count[key]
 
 
-def _chunk_elems(total: int, device: torch.device) -> int:
+def _chunk_elems(total: int, device: torch.device, cap: int) -> int:
     """Elements per program: CHUNK, or on a GPU (WAVES set) the chunk that makes ``total`` elements about WAVES
     programs per slot, a whole number of [ROWS, 8] tiles (so every start stays 16-byte aligned)."""
     if device.type != "cuda" or WAVES is None:
         return CHUNK
     tile = ROWS * 8
-    per = -(-total // max(1, int(_slots(device) * WAVES)))
+    per = -(-total // max(1, int(_slots(device, cap) * WAVES)))
     return max(tile, min(CHUNK, -(-per // tile) * tile))
 
 
@@ -1037,7 +1039,8 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
     keep = []  # what the device reads by address: alive until the launch is queued
     table = bytearray(_ROW.size * len(tensors))
     nwork_total = 0
-    chunk = _chunk_elems(sum(x.numel() for x in tensors), device)
+    cap = MAXNREG_FP32 if all(x.dtype == torch.float32 for x in tensors) else MAXNREG
+    chunk = _chunk_elems(sum(x.numel() for x in tensors), device, cap)
     for i, x in enumerate(tensors):
         if x.device != device:
             raise ValueError("rows(): all tensors must be on one device")
@@ -1086,7 +1089,7 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
                        _FMT_CODES.get(fmt.name, 0) if fmt is not None else 0, k, chunk, 0, 0)
     tab = to_device(table, device)
     part = torch.empty(PW, nwork_total, dtype=torch.float64, device=device)  # field-major (_store_partial)
-    opts = {} if INTERPRET or not MAXNREG else {"maxnreg": MAXNREG}
+    opts = {} if INTERPRET or not cap else {"maxnreg": cap}
     trace = None if _trace is None else torch.zeros(nwork_total, 8, dtype=torch.int32, device=device)
     _stats_kernel[(nwork_total,)](tab, len(tensors), part, counters(device), out, part if trace is None else trace,
                                   HIST=bool(hist), R=ROWS, PF=PF, TRACE=trace is not None, num_warps=NUM_WARPS, **opts)

@@ -59,7 +59,7 @@ def _partials(x, scale, center, hist):
     return lambda: ts.partials(x, fmt="e4m3", scale=scale, center=center, hist=hist)
 
 
-def timeline(stamps: torch.Tensor) -> str:
+def timeline(stamps: torch.Tensor, cap: int) -> str:
     """Summary of one launch's [programs, 8] stamps (ns, low 32 bits of the GPU timer)."""
     t = stamps[:, :5].to(torch.int64).cpu()  # start, set-up done, loop done, partial stored, end
     t = (t - t[:, :1].min()) % (1 << 32)
@@ -68,7 +68,7 @@ def timeline(stamps: torch.Tensor) -> str:
     last = int(t[:, 4].argmax())
     f = (stamps[last].to(torch.int64).cpu() - int(stamps[last, 3])) % (1 << 32)  # 3 stored, 7 counted, 5, 6, 4 end
     fin = [int(f[7]), int(f[5] - f[7]), int(f[6] - f[5]), int(f[4] - f[6])]
-    busy = float((t[:, 4] - t[:, 0]).sum()) / (span * min(len(t), ts._slots(torch.device("cuda"))))
+    busy = float((t[:, 4] - t[:, 0]).sum()) / (span * min(len(t), ts._slots(torch.device("cuda"), cap)))
     return (f"{len(t)} programs, span {span / 1e3:.1f} us; starts p50 {float(t[:, 0].float().median()) / 1e3:.1f} "
             f"max {float(t[:, 0].max()) / 1e3:.1f} us; medians: set-up {med[0]:.2f}, loop {med[1]:.2f}, result "
             f"{med[2]:.2f}, done {med[3]:.2f} us; last program's done {float(t[last, 4] - t[last, 3]) / 1e3:.2f} us "
@@ -89,7 +89,7 @@ def trace_mode(scale, center) -> None:
                 ts._trace = []
                 ts.partials(x, fmt="e4m3", scale=scale, center=center, hist=hist)
                 torch.cuda.synchronize()
-                tl_ = timeline(ts._trace[0])
+                tl_ = timeline(ts._trace[0], ts.MAXNREG_FP32 if dtype == torch.float32 else ts.MAXNREG)
                 ts._trace = None
                 print(f"{str(dtype)[6:]:8} {mib:3} MiB WAVES={waves} CHUNK={chunk} PF={pf} hist={hist!s:5}: kernel "
                       f"{kernel:7.1f} us = {nbytes / (kernel * 1e-6) / 1e12 / bw:.3f} of copy ({bw:.2f} TB/s) | {tl_}",
@@ -146,8 +146,7 @@ def main() -> None:
         bw = copy_tbs(x)
         for rows, warps, nreg in ((512, 8, 80), (512, 8, 96), (512, 8, 128), (1024, 8, 96), (1024, 8, 128),
                                   (256, 4, 80), (512, 4, 128)):
-            ts.ROWS, ts.NUM_WARPS, ts.MAXNREG = rows, warps, nreg
-            ts._slot_count.clear()  # programs per SM follow the register cap
+            ts.ROWS, ts.NUM_WARPS, ts.MAXNREG = rows, warps, nreg  # the cap of launches holding bf16
             for hist in (True, False):
                 _, _, kernel = timed(_partials(x, scale, center, hist))
                 print(f"sweep {mib} MiB ROWS={rows} warps={warps} maxnreg={nreg} hist={hist}: {kernel:.1f} us = "
