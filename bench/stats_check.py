@@ -167,7 +167,9 @@ def check_multi(device) -> None:
     scales = [None if f is None else torch.tensor(1.0 + i, device=device) for i, f in enumerate(fmts)]
     got = ts.rows(xs, fmt=fmts, scale=scales)
     want = torch.stack([ts.partials(x, fmt=f, scale=s) for x, f, s in zip(xs, fmts, scales)])
-    report("multi-tensor launch = per-tensor launches", *rows_close(got, want, rtol=1e-9))
+    # chunks are sized to the launch's total (whole waves of programs), so a tensor's programs, and the rounding
+    # of their fp32 sums, differ between the two: the fp32 tolerance of the other checks, not equality
+    report("multi-tensor launch = per-tensor launches", *rows_close(got, want))
     want_t = torch.stack([ds.partials(x, fmt=f, scale=s, outlier_center=NO_CENTER) for x, f, s in zip(xs, fmts, scales)])
     report("multi-tensor launch = torch path", *rows_close(got, want_t))
     # merged into existing rows, at scattered indices: = device_stats.merge
