@@ -1022,13 +1022,18 @@ def _slots(device: torch.device, cap: int) -> int:
     return _slot_count[key]
 
 
-def _chunk_elems(total: int, device: torch.device, cap: int) -> int:
-    """Elements per program: CHUNK, or on a GPU (WAVES set) the chunk that makes ``total`` elements about WAVES
-    programs per slot, a whole number of [ROWS, 8] tiles (so every start stays 16-byte aligned)."""
+def _chunk_elems(numels: list[int], device: torch.device, cap: int) -> int:
+    """Elements per program: CHUNK, or on a GPU (WAVES set) the chunk that cuts tensors of ``numels`` elements into
+    at most WAVES programs per slot, a whole number of [ROWS, 8] tiles (so every start stays 16-byte aligned).
+    Each tensor's last chunk may be partial, so k tensors need up to k programs more than total / chunk: the
+    chunk is sized for target - k programs (a few programs over a wave made a second wave: 20 mixed tensors took
+    1346 us against 1160 us with 64k-element chunks)."""
     if device.type != "cuda" or WAVES is None:
         return CHUNK
     tile = ROWS * 8
-    per = -(-total // max(1, int(_slots(device, cap) * WAVES)))
+    target = max(1, int(_slots(device, cap) * WAVES))
+    k = len(numels)
+    per = -(-sum(numels) // (target - k if 2 * k <= target else target))
     return max(tile, min(CHUNK, -(-per // tile) * tile))
 
 
@@ -1040,7 +1045,7 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
     table = bytearray(_ROW.size * len(tensors))
     nwork_total = 0
     cap = MAXNREG_FP32 if all(x.dtype == torch.float32 for x in tensors) else MAXNREG
-    chunk = _chunk_elems(sum(x.numel() for x in tensors), device, cap)
+    chunk = _chunk_elems([x.numel() for x in tensors], device, cap)
     for i, x in enumerate(tensors):
         if x.device != device:
             raise ValueError("rows(): all tensors must be on one device")
