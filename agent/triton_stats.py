@@ -1026,8 +1026,9 @@ def _chunk_elems(numels: list[int], device: torch.device, cap: int) -> int:
     """Elements per program: CHUNK, or on a GPU (WAVES set) the chunk that cuts tensors of ``numels`` elements into
     at most WAVES programs per slot, a whole number of [ROWS, 8] tiles (so every start stays 16-byte aligned).
     Each tensor's last chunk may be partial, so k tensors need up to k programs more than total / chunk: the
-    chunk is sized for target - k programs (a few programs over a wave made a second wave: 20 mixed tensors took
-    1346 us against 1160 us with 64k-element chunks)."""
+    chunk is sized for target - k programs. (Sized for target, 20 mixed tensors with the histogram took 1346 us
+    against 1160 us with fixed 64k-element chunks on an H200; a second wave of a few programs is the inferred
+    cause. This sizing was not measured on a GPU.)"""
     if device.type != "cuda" or WAVES is None:
         return CHUNK
     tile = ROWS * 8
