@@ -11,13 +11,14 @@ bench/stats_check.py checks this under torch's sync debug mode (rows, fused kern
 Hot loop (standalone kernel): tiles are [ROWS, 16 bytes] (8 bf16/fp16 or 4 fp32 per row); a thread owns
 whole rows, so the loads are 16 bytes wide (the launcher makes every address 16-byte aligned, cloning a
 misaligned view) and the per-row sums are a thread's own adds: the accumulators are [ROWS], nothing
-crosses threads inside the loop. The kernel is launched with a register cap (``MAXNREG``): its cold code
-(finalize, careful path) otherwise drives ptxas to 153-255 registers, one program per SM.
+crosses threads inside the loop. bf16 without the histogram goes through its words instead, two elements
+each (``_tile_bf16x2``: counts, outliers and amax without unpacking). The kernel is launched with a register
+cap (``MAXNREG``, ``MAXNREG_FP32``): its cold code (merge, careful path) otherwise drives ptxas to 153-255
+registers, one program per SM.
 
 Scheme (one kernel):
-  * Work: every tensor is cut into chunks (one size per launch, sized to whole waves of programs on a GPU:
-    ``_chunk_elems``); a program per chunk. A table row per
-    tensor holds its address, dtype, size, its first chunk's program, the scale/center/history pointers or
+  * Work: every tensor is cut into chunks (one size per launch, sized to one wave of programs on a GPU:
+    ``_chunk_elems``); a program per chunk. A table row per tensor holds its address, dtype, size, its first chunk's program, the scale/center/history pointers or
     values and where its row goes, so tensors of different dtypes and sizes share a launch; a program finds
     its tensor by bisection over the rows' first chunks (the host's work is per tensor, not per chunk).
   * Per program, one read of its chunk: amax, a 64-bin histogram of the fp32 exponent (the 56 log2 binades
@@ -28,8 +29,9 @@ Scheme (one kernel):
     moments in fp64. If the shift was poor (|mean - c| > std/4, where fp32 power sums would cancel), or the
     chunk holds a NaN/Inf or values whose 4th power overflows fp32, the program re-reads its chunk on a
     careful path: two passes in fp64 with masks, as the oracle does. Rare by construction; exact always.
-  * The last program of a tensor (an atomic counter per tensor) merges the tensor's per-program partials
-    with the Chan/Pebay formulas in fp64 (a tree ``tl.reduce``) and writes the row. No second launch.
+  * The last program of a tensor (an atomic counter per tensor) merges the tensor's per-program partials in
+    fp64 (Pebay's formulas applied at once about the grand mean, ``_finalize``) and writes the row. No second
+    launch. Histograms skip the partials: each program adds its bins to the tensor's counter row atomically.
 
 Underflow/overflow are exact counts of ``fl32(|x| * s) <= fmt.underflow_threshold`` and
 ``> fmt.overflow_threshold`` when the scale ``s`` is known before the read (a scale tensor or number: delayed
