@@ -18,9 +18,10 @@ registers, one program per SM.
 
 Scheme (one kernel):
   * Work: every tensor is cut into chunks (one size per launch, sized to one wave of programs on a GPU:
-    ``_chunk_elems``); a program per chunk. A table row per tensor holds its address, dtype, size, its first chunk's program, the scale/center/history pointers or
-    values and where its row goes, so tensors of different dtypes and sizes share a launch; a program finds
-    its tensor by bisection over the rows' first chunks (the host's work is per tensor, not per chunk).
+    ``_chunk_elems``); a program per chunk. A table row per tensor holds its address, dtype, size, chunk,
+    its first chunk's program, the scale/center/history pointers or values and where its row goes, so tensors
+    of different dtypes and sizes share a launch; a program finds its tensor by bisection over the rows' first
+    chunks (the host's work is per tensor, not per chunk).
   * Per program, one read of its chunk: amax, a 64-bin histogram of the fp32 exponent (the 56 log2 binades
     of ``wire``, plus zeros and non-finite: zero/nonzero/non-finite counts come from it), underflow and
     overflow counts, outlier count, and the power sums of ``d = (x - c) * p`` in fp32 per lane, where the
