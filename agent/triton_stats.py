@@ -77,11 +77,13 @@ except ImportError:  # pragma: no cover - exercised on machines without triton
     tl = None
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-CHUNK = 1 << 20  # the most elements per program of the standalone kernel (a multiple of 8); on the CPU, the chunk
+# The most elements per program of the standalone kernel (a multiple of 8; at most 16383 tiles: the bf16 words
+# path counts in 16-bit halves); on the CPU, the chunk.
+CHUNK = 1 << 20
 # Programs per slot (a slot: a program's place on an SM, at the register cap) that the launcher sizes chunks for on
-# a GPU; None: chunks of CHUNK. The program count is then a whole number of waves (a partial last wave left most
-# SMs idle: 64 MiB of bf16 in 64k-element chunks made 512 programs for 396 slots) and the per-program set-up
-# (table, thresholds, the shift) and merge are paid once per slot-wave, not once per 64k elements.
+# a GPU; None: chunks of CHUNK. A partial last wave left most SMs idle (64 MiB of bf16 in 64k-element chunks made
+# 512 programs for 396 slots), and per-program set-up (table, thresholds, shift) and merge are paid per program.
+# One wave ran best of 1, 2, 3, 4 and 8 on the H200 (bench/stats_kernel_time.py --trace).
 WAVES: float | None = 1
 PF = 1  # tiles whose loads the standalone kernel's loop keeps in flight ahead of the one it works on (1 or 2)
 NUM_WARPS = 8
