@@ -134,25 +134,32 @@ def check_standalone(device) -> None:
                f"{got[ds.OUTLIERS].item()} vs {want_self[ds.OUTLIERS].item()}")
 
 
-def check_bf16_pairs(device) -> None:
-    """bf16 without the histogram (the fast path's two elements per word, bf16x2 instructions): zeros of both
-    signs, underflows, values on and just past bf16 outlier bounds, a zero-width center, lazily counted overflows."""
+def bf16_pairs(n: int, device) -> tuple[torch.Tensor, list]:
+    """For the bf16 words path (bf16 without the histogram: two elements per word, bf16x2 instructions): a tensor of
+    ``n`` elements with zeros of both signs, underflows, values on and just past bf16 outlier bounds, and the
+    (center, k, keyword arguments) to try on it: a zero-width center, a scale under which some overflow (counted
+    lazily on the careful path), delayed scaling, no format."""
     g = torch.Generator(device="cpu").manual_seed(3)
-    x = (torch.randn(300_001, generator=g) * 0.5).to(torch.bfloat16)
+    x = (torch.randn(n, generator=g) * 0.5).to(torch.bfloat16)
     x[::17] = 0.0
     x[5::29] = -0.0
     x[7::31] = 1e-6
     x[11::37] = 1.0
     x[13::41] = -1.0
-    x[15::43] = 1.0078125
+    x[15::43] = 1.0078125  # the next bf16 above 1
     x[19::47] = -1.0078125
-    x = x.to(device)
-    for center, k in (((0.0, 0.5), 2.0), ((0.1, 0.37), 2.0), ((0.0, 0.0), 6.0), ((0.25, 0.125), 6.0)):
-        for kw in (dict(fmt="e4m3", scale=torch.tensor(3.0, device=device)), dict(fmt="e5m2", scale=1e4),
-                   dict(fmt="e4m3", amax_history_max=0.75), dict()):
-            got = ts.partials(x, center=center, outlier_k=k, hist=False, **kw)
-            want = ds.partials(x, outlier_center=center, outlier_k=k, hist=False, **kw)
-            report(f"standalone bf16 pairs center {center} k {k} {sorted(kw)}", *rows_close(got, want))
+    kws = (dict(fmt="e4m3", scale=torch.tensor(3.0, device=device)), dict(fmt="e5m2", scale=1e4),
+           dict(fmt="e4m3", amax_history_max=0.75), dict())
+    centers = (((0.0, 0.5), 2.0), ((0.1, 0.37), 2.0), ((0.0, 0.0), 6.0), ((0.25, 0.125), 6.0))
+    return x.to(device), [(c, k, kw) for c, k in centers for kw in kws]
+
+
+def check_bf16_pairs(device) -> None:
+    x, cases = bf16_pairs(300_001, device)
+    for center, k, kw in cases:
+        got = ts.partials(x, center=center, outlier_k=k, hist=False, **kw)
+        want = ds.partials(x, outlier_center=center, outlier_k=k, hist=False, **kw)
+        report(f"standalone bf16 pairs center {center} k {k} {sorted(kw)}", *rows_close(got, want))
 
 
 def check_multi(device) -> None:

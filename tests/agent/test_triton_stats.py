@@ -61,6 +61,7 @@ def _child(names: list[str]) -> None:
     from agent import Agent
     from agent import device_stats as ds
     from agent import triton_stats as ts
+    from stats_check import bf16_pairs as bf16_pairs_cases
     from stats_check import row_problems
 
     torch.set_num_threads(1)
@@ -105,23 +106,12 @@ def _child(names: list[str]) -> None:
 
     def bf16_pairs():
         """bf16 without the histogram: the fast path takes two elements per 32-bit word (counts, outliers and
-        amax straight from the words). Zeros of both signs, underflows, values on and just past bf16 outlier
-        bounds, a zero-width center, and a scale under which some overflow (counted on the careful path)."""
-        g = torch.Generator().manual_seed(3)
-        x = (torch.randn(9001, generator=g) * 0.5).to(torch.bfloat16)
-        x[::17] = 0.0
-        x[5::29] = -0.0
-        x[7::31] = 1e-6
-        x[11::37] = 1.0
-        x[13::41] = -1.0
-        x[15::43] = 1.0078125  # the next bf16 above 1
-        x[19::47] = -1.0078125
-        for center, k in (((0.0, 0.5), 2.0), ((0.1, 0.37), 2.0), ((0.0, 0.0), 6.0), ((0.25, 0.125), 6.0)):
-            for kw in (dict(fmt="e4m3", scale=torch.tensor(3.0)), dict(fmt="e5m2", scale=1e4),
-                       dict(fmt="e4m3", amax_history_max=0.75), dict()):
-                got = ts.partials(x, center=center, outlier_k=k, hist=False, **kw)
-                want = ds.partials(x, outlier_center=center, outlier_k=k, hist=False, **kw)
-                emit(f"bf16_pairs:{center}:{sorted(kw)}:{kw.get('scale', '')}", row_problems(got, want))
+        amax straight from the words), on stats_check's adversarial tensor and cases."""
+        x, cases = bf16_pairs_cases(9001, "cpu")
+        for center, k, kw in cases:
+            got = ts.partials(x, center=center, outlier_k=k, hist=False, **kw)
+            want = ds.partials(x, outlier_center=center, outlier_k=k, hist=False, **kw)
+            emit(f"bf16_pairs:{center}:{sorted(kw)}:{kw.get('scale', '')}", row_problems(got, want))
 
     def multi_tensor():
         g = torch.Generator().manual_seed(1)
