@@ -34,8 +34,9 @@ with ``device_stats.partials`` and reports them. Likewise the forward GEMM's epi
 agent's hook, which reads ``weight.grad`` after each accumulation with the standalone statistics kernel. The wgrad
 epilogue could take it (``fp8_gemm(stats=, stats_base=weight.grad)``), but on the H200 at 1.5B that cost the four
 wgrads 1.7-2.1x their plain time (the Gluon ws kernel has no statistics epilogue, so they also fell back to the
-slower TMA kernel), ~580 us per layer, where one read of the fp32 gradient (268 MB per layer) is ~130 us at the
-standalone kernel's ~0.5 of copy bandwidth (bench/RESULTS.md).
+slower TMA kernel), ~580 us per layer, where one read of the fp32 gradient (268 MB per layer) was ~130 us at the
+standalone kernel's ~0.5 of copy bandwidth then, and ~80 us at the 0.84-0.86 it reached on 256 MiB of fp32 since
+(arithmetic from bench/RESULTS.md, not timed per layer).
 
 For the statistics fusion, after a forward (and backward) ``module.fp8_amax`` and ``module.fp8_scale``
 map site -> fp32 0-d device tensor: "input", "weight" (forward), "grad_output" (backward). amax is
