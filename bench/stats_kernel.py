@@ -74,7 +74,8 @@ def main() -> None:
         sweep()
     if args.config:
         ts.CHUNK, ts.ROWS, ts.NUM_WARPS = (int(v) for v in args.config.split(","))
-    print(f"kernel CHUNK={ts.CHUNK} ROWS={ts.ROWS} num_warps={ts.NUM_WARPS} maxnreg={ts.MAXNREG}")
+    print(f"kernel CHUNK={ts.CHUNK} (the most per program) WAVES={ts.WAVES} ROWS={ts.ROWS} num_warps={ts.NUM_WARPS} "
+          f"maxnreg={ts.MAXNREG} (fp32-only launches {ts.MAXNREG_FP32})")
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     scale = torch.tensor(2.0, device="cuda")
     center = torch.tensor([0.0, 1.0], dtype=torch.float64, device="cuda")
