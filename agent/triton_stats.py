@@ -742,7 +742,8 @@ if triton is not None:
 
     @triton.jit
     def _thresholds(s, smode, uthr, othr):
-        """(tu, to): the largest |x| bits that do not underflow / overflow under scale ``s`` (see the docstring)."""
+        """(tu, to) under scale ``s``: the largest |x| bits that underflow, and the largest that do not overflow
+        (see the module docstring); with no scale given, -1 (every |x| is above it) and 0x7FFFFFFF (none is)."""
         if smode == SCALE_GIVEN_C:
             tu = _threshold_bits(s, uthr)
             to = _threshold_bits(s, othr)
@@ -1241,8 +1242,7 @@ if triton is not None:
     def fused_prologue(s, c_ptr, c_mean, c_std, k, UTHR: tl.constexpr, OTHR: tl.constexpr, C_PTR: tl.constexpr):
         """(tu, to, lo, hi) of a fused kernel: threshold bits of its scale, outlier bounds of its center."""
         lo, hi = fused_bounds(c_ptr, c_mean, c_std, k, C_PTR)
-        tu = _threshold_bits(s, UTHR)
-        to = tl.where(s == s, _threshold_bits(s, OTHR), 0x7FFFFFFF)
+        tu, to = _thresholds(s, SCALE_GIVEN_C, UTHR, OTHR)
         return tu, to, lo, hi
 
     @triton.jit
