@@ -1051,7 +1051,8 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
     keep = []  # what the device reads by address: alive until the launch is queued
     table = bytearray(_ROW.size * len(tensors))
     nwork_total = 0
-    cap = MAXNREG_FP32 if all(x.dtype == torch.float32 for x in tensors) else MAXNREG
+    # other dtypes are read as fp32 (below): a launch without 16-bit tensors is an fp32 launch
+    cap = MAXNREG if any(x.dtype in (torch.bfloat16, torch.float16) for x in tensors) else MAXNREG_FP32
     chunk = _chunk_elems([x.numel() for x in tensors], device, cap)
     for i, x in enumerate(tensors):
         if x.device != device:
