@@ -9,6 +9,8 @@ Triton 3.6 wheel the GPU machines run, unpacked apart from the project's own::
     pip install --no-deps --target T W/triton*.whl
     PYTHONPATH=T:$PWD python bench/offline_sass.py [bfloat16|float32] [--hist] [--fmt e5m2] [--v 8] [--standalone]
 
+With ``SASS_OUT=file`` the last kernel's SASS is written to that file.
+
 The driver is replaced by a stand-in that reports an sm_90 device and a CPU torch device, and each launch becomes
 ``JITFunction.warmup`` (compile only). Counts are static: instructions in the loop body, not executed ones.
 """
@@ -59,24 +61,29 @@ class _CompileOnly:
         return launch
 
 
-def longest_loop(sass: str, need: str = "") -> tuple[int, collections.Counter]:
-    """Instruction count and opcode mix of the longest backward branch's body in ``cuobjdump -sass`` output
-    (among the bodies holding an instruction that starts with ``need``, e.g. "LDG.E.128": the hot loop)."""
+def loops(sass: str, need: str = "") -> list[tuple[int, collections.Counter]]:
+    """Instruction count and opcode mix of every backward branch's body in ``cuobjdump -sass`` output that holds an
+    instruction containing ``need`` (e.g. "LDG.E.128": the tile loops), in program order."""
     ins, at = [], {}
     for line in sass.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*?);", line)
         if m:
             at[int(m.group(1), 16)] = len(ins)
             ins.append(m.group(2).strip())
-    best = (0, 0)
+    found = []
     for i, text in enumerate(ins):
         m = re.search(r"BRA\s+(?:!?U?P\d,\s*)?0x([0-9a-f]+)", text)
         start = at.get(int(m.group(1), 16)) if m else None
-        if start is not None and start <= i and i - start > best[1] - best[0] and \
-                any(t.split()[-1].startswith(need) or need in t for t in ins[start:i + 1]):
-            best = (start, i)
-    body = ins[best[0]:best[1] + 1] if best[1] else []
-    return len(body), collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+        if start is not None and start <= i and any(need in t for t in ins[start:i + 1]):
+            body = ins[start:i + 1]
+            found.append((len(body), collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+                                                         for t in body)))
+    return found
+
+
+def longest_loop(sass: str, need: str = "") -> tuple[int, collections.Counter]:
+    """The longest of ``loops``: (0, empty) when there is none."""
+    return max(loops(sass, need), key=lambda f: f[0], default=(0, collections.Counter()))
 
 
 def main(argv=None) -> int:
@@ -125,6 +132,8 @@ def _report(built: dict, what: str, need: str = "") -> int:
             regs = " ".join(re.findall(r"REG:\d+|STACK:\d+", usage))
             top = ", ".join(f"{k} {v}" for k, v in mix.most_common(8))
             print(f"{name}: {regs}, {total} instructions; longest loop {n} (LDL {mix['LDL']}, STL {mix['STL']}): {top}")
+            if need:  # the standalone kernel holds one tile loop per dtype path (bf16 words, fp16, fp32, ...)
+                print(f"  loops holding {need}, in program order: " + ", ".join(str(f[0]) for f in loops(sass, need)))
     return 0
 
 
