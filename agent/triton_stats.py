@@ -417,12 +417,9 @@ if triton is not None:
     # ---- the finalize step: last program of a tensor merges its partials into the row ---------------
 
     @triton.jit
-    def _sums8_max(a0, a1, a2, a3, a4, a5, a6, a7, am, b0, b1, b2, b3, b4, b5, b6, b7, bm):
-        return a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4, a5 + b5, a6 + b6, a7 + b7, tl.maximum(am, bm)
-
-    @triton.jit
-    def _sums4(a0, a1, a2, a3, b0, b1, b2, b3):
-        return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+    def _sums11_max(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, am, b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, bm):
+        return (a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4, a5 + b5, a6 + b6, a7 + b7, a8 + b8, a9 + b9, a10 + b10,
+                tl.maximum(am, bm))
 
     @triton.jit
     def _load_moments(part, stride, i, nwork):
@@ -459,70 +456,68 @@ if triton is not None:
         return nd, q2 + nd * d, q3 + 3.0 * d * q2 + nd * d2, q4 + 4.0 * d * q3 + 6.0 * d2 * q2 + nd * d2 * d
 
     @triton.jit
-    def _reduce9(a0, a1, a2, a3, a4, a5, a6, a7, am):
-        if _JOINT:
-            return tl.reduce((a0, a1, a2, a3, a4, a5, a6, a7, am), 0, _sums8_max)
-        else:
-            return (tl.sum(a0, 0), tl.sum(a1, 0), tl.sum(a2, 0), tl.sum(a3, 0), tl.sum(a4, 0), tl.sum(a5, 0),
-                    tl.sum(a6, 0), tl.sum(a7, 0), tl.max(am, 0))
+    def _merged(part, stride, i, nwork, c):
+        """Partials i's (n, numel, nonfinite, zeros, outliers, underflow, overflow, power sums of x - c 1-4, amax)."""
+        n, mean, q2, q3, q4 = _load_moments(part, stride, i, nwork)
+        numel, nonfin, zeros, outl, under, over, amax = _load_counts(part, stride, i, nwork)
+        v1, v2, v3, v4 = _about(n, mean, q2, q3, q4, c)
+        return n, numel, nonfin, zeros, outl, under, over, v1, v2, v3, v4, amax
 
     @triton.jit
-    def _reduce4(a0, a1, a2, a3):
+    def _reduce12(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, am):
         if _JOINT:
-            return tl.reduce((a0, a1, a2, a3), 0, _sums4)
+            return tl.reduce((a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, am), 0, _sums11_max)
         else:
-            return tl.sum(a0, 0), tl.sum(a1, 0), tl.sum(a2, 0), tl.sum(a3, 0)
+            return (tl.sum(a0, 0), tl.sum(a1, 0), tl.sum(a2, 0), tl.sum(a3, 0), tl.sum(a4, 0), tl.sum(a5, 0),
+                    tl.sum(a6, 0), tl.sum(a7, 0), tl.sum(a8, 0), tl.sum(a9, 0), tl.sum(a10, 0), tl.max(am, 0))
 
     @triton.jit
     def _finalize(part, stride, nwork, ctr, dst, merge, smode, s_given, fmax, uthr, ahm, HIST: tl.constexpr,
                   PB: tl.constexpr, tr, TRACE: tl.constexpr):
-        # The moments merge as Pebay's formulas do, all at once about the grand mean c: each partial's central
-        # moments become power sums of (x - c), which add; no division per partial. A tree of pairwise Chan/Pebay
-        # merges (fp64 divisions at every level) made this serial tail, run by one program while the GPU idles,
-        # 25-45 us of a 60-150 us kernel. Up to PB partials (the usual case: a launch is about a wave of programs)
-        # are read once into registers; more take two passes of blocks (lane j: partials j, j + PB, ...), c first.
+        # The moments merge as Pebay's formulas do, all at once about one center c0: each partial's central
+        # moments become power sums of (x - c0), which add, and the sums give the central moments about the grand
+        # mean (``_central``); no division per partial. c0 is the first partial's mean, loaded with the rest, so
+        # the merge is one round of loads and one reduction. (A tree of pairwise Chan/Pebay merges, fp64
+        # divisions at every level, made this serial tail, run by one program while the GPU idles, 25-45 us of a
+        # 60-150 us kernel; about the grand mean, which needs a reduction first, it was two rounds, ~8.5 us.)
+        # c0 is near the grand mean c: a chunk of n_i of N elements has n_i (mean_i - c)^2 <= N var, so
+        # |c0 - c| <= std sqrt(N / n_0), and the shift back to c costs at most a few of fp64's 16 digits, the
+        # partials holding fp32 sums. Up to PB partials (the usual case: a launch is about a wave of programs)
+        # are read once into registers; more go in blocks (lane j: partials j, j + PB, ...).
         # The histogram is not in the partials: each program added it to the tensor's accumulator (``_done``);
         # this reads and clears it.
+        n0 = tl.load(part + _P_N * stride, cache_modifier=".cg")
+        c0 = tl.where(n0 > 0, tl.load(part + _P_MEAN * stride, cache_modifier=".cg"), 0.0)
         i0 = tl.arange(0, PB)
         if nwork <= PB:
-            n, mean, q2, q3, q4 = _load_moments(part, stride, i0, nwork)
-            vnumel, vnonfin, vzeros, voutl, vunder, vover, vamax = _load_counts(part, stride, i0, nwork)
-            an, snm, numel, nonfin, zeros, outl, under, over, amax = _reduce9(
-                n, n * mean, vnumel, vnonfin, vzeros, voutl, vunder, vover, vamax)
-            c = snm / tl.maximum(an, 1.0)
-            _stamp(tr, 5, TRACE)
-            v1, v2, v3, v4 = _reduce4(*_about(n, mean, q2, q3, q4, c))
+            vn, vnumel, vnonfin, vzeros, voutl, vunder, vover, t1, t2, t3, t4, vamax = _merged(part, stride, i0,
+                                                                                               nwork, c0)
+            _stamp_after(tr, 8, t4 + vamax, TRACE)
         else:
             zb = tl.zeros([PB], tl.float64)
-            vn, vnm, vnumel, vnonfin, vzeros, voutl, vunder, vover, vamax = zb, zb, zb, zb, zb, zb, zb, zb, zb
+            vn, vnumel, vnonfin, vzeros, voutl, vunder, vover, t1, t2, t3, t4, vamax = \
+                zb, zb, zb, zb, zb, zb, zb, zb, zb, zb, zb, zb
             for b0 in range(0, nwork, PB):
-                n, mean, q2, q3, q4 = _load_moments(part, stride, b0 + i0, nwork)
-                cnumel, cnonfin, czeros, coutl, cunder, cover, camax = _load_counts(part, stride, b0 + i0, nwork)
-                vn += n
-                vnm += n * mean
+                cn, cnumel, cnonfin, czeros, coutl, cunder, cover, u1, u2, u3, u4, camax = _merged(
+                    part, stride, b0 + i0, nwork, c0)
+                vn += cn
                 vnumel += cnumel
                 vnonfin += cnonfin
                 vzeros += czeros
                 voutl += coutl
                 vunder += cunder
                 vover += cover
+                t1 += u1
+                t2 += u2
+                t3 += u3
+                t4 += u4
                 vamax = tl.maximum(vamax, camax)
-            an, snm, numel, nonfin, zeros, outl, under, over, amax = _reduce9(
-                vn, vnm, vnumel, vnonfin, vzeros, voutl, vunder, vover, vamax)
-            c = snm / tl.maximum(an, 1.0)
-            _stamp(tr, 5, TRACE)
-            v1, v2, v3, v4 = zb, zb, zb, zb
-            for b0 in range(0, nwork, PB):
-                n, mean, q2, q3, q4 = _load_moments(part, stride, b0 + i0, nwork)
-                t1, t2, t3, t4 = _about(n, mean, q2, q3, q4, c)
-                v1 += t1
-                v2 += t2
-                v3 += t3
-                v4 += t4
-            v1, v2, v3, v4 = _reduce4(v1, v2, v3, v4)
+        an, numel, nonfin, zeros, outl, under, over, v1, v2, v3, v4, amax = _reduce12(
+            vn, vnumel, vnonfin, vzeros, voutl, vunder, vover, t1, t2, t3, t4, vamax)
+        _stamp(tr, 5, TRACE)
         md, a2, a3, a4 = _central(an, v1, v2, v3, v4)
         _stamp(tr, 6, TRACE)
-        am = c + md
+        am = c0 + md
         hist = tl.zeros([64], tl.float64)
         if HIST:
             hist = tl.atomic_xchg(ctr + 1 + tl.arange(0, 64), tl.zeros([64], tl.int64), sem="relaxed",
@@ -689,18 +684,28 @@ if triton is not None:
             return hi | lo
 
     @triton.jit
-    def _bf16x2_sign_sub(a, b):
-        """Sign bits (0x80008000 mask) of a - b per bf16 half."""
+    def _bf16x2_sub(a, b):
+        """a - b per bf16 half, rounded to nearest; in the interpreter only each half's sign bit (what the counts
+        read) is computed, from an fp32 compare."""
         if _JOINT:
-            d = tl.inline_asm_elementwise("sub.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
-                                          is_pure=True, pack=1)
-            return d & -2147450880  # 0x80008000
+            return tl.inline_asm_elementwise("sub.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
+                                             is_pure=True, pack=1)
         else:
             ah = (a & -65536).to(tl.float32, bitcast=True)
             al = (a << 16).to(tl.float32, bitcast=True)
             bh = (b & -65536).to(tl.float32, bitcast=True)
             bl = (b << 16).to(tl.float32, bitcast=True)
             return tl.where(ah < bh, -2147483648, 0) | tl.where(al < bl, 0x8000, 0)
+
+    @triton.jit
+    def _count_bit15(acc, a, b):
+        """acc plus bit 15 of (a | b) per half, at bits 0 and 16 (one logic op, a shift and an add on hardware)."""
+        if _JOINT:
+            return tl.inline_asm_elementwise(
+                "{.reg .b32 t; lop3.b32 t, $2, $3, 0x80008000, 0xA8; shr.u32 t, t, 15; add.u32 $0, $1, t;}",
+                "=r,r,r,r", [acc, a, b], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            return acc + _halves((a | b) & -2147450880)
 
     @triton.jit
     def _halves(m):
@@ -711,22 +716,32 @@ if triton is not None:
     def _tile_bf16x2(w, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw, pu, pnz, pout):
         """One [R, 4] tile of words. ``pu``/``pnz``/``pout``: per-half counts of |x| above the underflow
         threshold, of nonzeros and of outliers; ``amw`` the per-half amax bits (words)."""
-        xl = (w << 16).to(tl.float32, bitcast=True)
-        xh = (w & -65536).to(tl.float32, bitcast=True)
+        amw = _bf16x2_max(amw, w & 0x7FFF7FFF)
+        # a column of words at a time, each sum a chain of adds and FMAs: a tree sum over the row (tl.sum) cost a
+        # multiply and an add more per element for M3 and M4
+        R: tl.constexpr = w.shape[0]
+        we, wo = tl.split(tl.reshape(w, [R, 2, 2]))  # words 0, 2 and 1, 3 of each row
+        w0, w2 = tl.split(we)
+        w1, w3 = tl.split(wo)
+        s1, s2, s3, s4, pu, pnz, pout = _word(w0, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, pu, pnz, pout)
+        s1, s2, s3, s4, pu, pnz, pout = _word(w1, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, pu, pnz, pout)
+        s1, s2, s3, s4, pu, pnz, pout = _word(w2, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, pu, pnz, pout)
+        s1, s2, s3, s4, pu, pnz, pout = _word(w3, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, pu, pnz, pout)
+        return s1, s2, s3, s4, amw, pu, pnz, pout
+
+    @triton.jit
+    def _word(w, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, pu, pnz, pout):
+        """Power sums of the shifted, scaled pair of bf16 in each word of ``w`` and its counts, added in order."""
         v = w & 0x7FFF7FFF
-        amw = _bf16x2_max(amw, v)
-        pu += tl.sum(_halves((v + ku) & -2147450880), 1)
-        pnz += tl.sum(_halves((v + 0x7FFF7FFF) & -2147450880), 1)
-        pout += tl.sum(_halves(_bf16x2_sign_sub(hi2, w) | _bf16x2_sign_sub(w, lo2)), 1)
-        dl = tl.fma(xl, p, ncp)
-        dh = tl.fma(xh, p, ncp)
+        pu = _count_bit15(pu, v + ku, 0)
+        pnz = _count_bit15(pnz, v + 0x7FFF7FFF, 0)
+        pout = _count_bit15(pout, _bf16x2_sub(hi2, w), _bf16x2_sub(w, lo2))
+        dl = tl.fma((w << 16).to(tl.float32, bitcast=True), p, ncp)
+        dh = tl.fma((w & -65536).to(tl.float32, bitcast=True), p, ncp)
         dl2 = dl * dl
         dh2 = dh * dh
-        s1 += tl.sum(dl + dh, 1)
-        s2 += tl.sum(dl2 + dh2, 1)
-        s3 += tl.sum(dl2 * dl + dh2 * dh, 1)
-        s4 += tl.sum(dl2 * dl2 + dh2 * dh2, 1)
-        return s1, s2, s3, s4, amw, pu, pnz, pout
+        return (s1 + dl + dh, s2 + dl2 + dh2, tl.fma(dh2, dh, tl.fma(dl2, dl, s3)),
+                tl.fma(dh2, dh2, tl.fma(dl2, dl2, s4)), pu, pnz, pout)
 
     @triton.jit
     def _halves_sum(c):
@@ -739,6 +754,15 @@ if triton is not None:
             t = tl.inline_asm_elementwise("mov.u32 $0, %globaltimer_lo;", "=r", [], dtype=tl.int32, is_pure=False,
                                           pack=1)
             tl.store(tr + slot, t)
+
+    @triton.jit
+    def _stamp_after(tr, slot, v, TRACE: tl.constexpr):
+        """``_stamp`` once the values of ``v`` (a loaded vector) have arrived: the timer read takes them as an
+        operand, so it cannot issue before their loads complete."""
+        if TRACE:
+            t = tl.inline_asm_elementwise("{.reg .b32 d; mov.u32 d, $1; mov.u32 $0, %globaltimer_lo;}", "=r,r",
+                                          [(v != 0).to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+            tl.store(tr + slot, tl.max(t, 0))
 
     @triton.jit
     def _thresholds(s, smode, uthr, othr):
@@ -806,11 +830,18 @@ if triton is not None:
                 lo2 = _pair(tl.where(lo == lo, _bf16_up(lo), 0xFF80))
                 amw = tl.zeros([R, W], tl.int32)
                 pu, pnz, pout = zi, zi, zi
-                for k in range(0, nfull):
-                    wn = tl.load(wb + tl.minimum(k + 1, nfull - 1) * (TILE // 2) + woffs)
+                # two tiles per iteration, each loaded into the registers the other is not using: carrying one
+                # tile from an iteration to the next cost a register move per word
+                for k in range(0, nfull // 2):
+                    wn = tl.load(wb + (2 * k + 1) * (TILE // 2) + woffs)
                     s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(w, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw,
                                                                       pu, pnz, pout)
-                    w = wn
+                    w = tl.load(wb + tl.minimum(2 * k + 2, nfull - 1) * (TILE // 2) + woffs)
+                    s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(wn, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw,
+                                                                      pu, pnz, pout)
+                if nfull % 2 == 1:  # w: the last full tile
+                    s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(w, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw,
+                                                                      pu, pnz, pout)
                 # back to _tile_fast's conventions (minus counts of |x| above tu and of zeros)
                 cu -= _halves_sum(pu)
                 cz -= nfull * V - _halves_sum(pnz)
@@ -867,7 +898,7 @@ if triton is not None:
     def _stats_kernel(tab_ptr, ntab, part_ptr, ctr_ptr, dst_ptr, trace_ptr, HIST: tl.constexpr, R: tl.constexpr,
                       PF: tl.constexpr, TRACE: tl.constexpr):
         w = tl.program_id(0)
-        tr = trace_ptr + w * 8
+        tr = trace_ptr + w * 16
         _stamp(tr, 0, TRACE)
         # this program's tensor: the last table row whose first chunk is <= w (bisection over the rows)
         lo = tl.zeros([], tl.int32)
@@ -1044,7 +1075,7 @@ def _chunk_elems(numels: list[int], device: torch.device, cap: int) -> int:
     return max(tile, min(CHUNK, -(-per // tile) * tile))
 
 
-_trace: list | None = None  # benches: a list to receive each launch's [programs, 8] int32 timer stamps
+_trace: list | None = None  # benches: a list to receive each launch's [programs, 16] int32 timer stamps
 
 
 def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, device) -> None:
@@ -1103,7 +1134,7 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
     tab = to_device(table, device)
     part = torch.empty(PW, nwork_total, dtype=torch.float64, device=device)  # field-major (_store_partial)
     opts = {} if INTERPRET or not cap else {"maxnreg": cap}
-    trace = None if _trace is None else torch.zeros(nwork_total, 8, dtype=torch.int32, device=device)
+    trace = None if _trace is None else torch.zeros(nwork_total, 16, dtype=torch.int32, device=device)
     _stats_kernel[(nwork_total,)](tab, len(tensors), part, counters(device), out, part if trace is None else trace,
                                   HIST=bool(hist), R=ROWS, PF=PF, TRACE=trace is not None, num_warps=NUM_WARPS, **opts)
     if trace is not None:

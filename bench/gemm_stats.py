@@ -9,6 +9,9 @@ rows), device time of eager launches queued back to back (``trainer.kernels.timi
   tma         the TMA kernel without statistics (the kernel the statistics variant runs on)
   stats+hist  ``fp8_gemm(stats=Target(hist=True))`` (the agent's default row, outlier center given)
   stats       the same without the log2 histogram
+  read+hist   ``plain``, then the standalone kernel reads the result (``triton_stats.rows``): what
+              ``Fp8Linear`` does with ``OUTPUT_STATS = "read"``
+  read        the same without the histogram
 and each statistics time as a multiple of ``plain``. The compiled statistics kernel's registers and spills are
 printed where Triton reports them.
 """
@@ -61,7 +64,7 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     print(f"# {torch.cuda.get_device_name(dev)}, torch {torch.__version__}", flush=True)
     print(f"{'shape':12s} {'kind':5s} {'M x N x K':>20s} {'plain':>8s} {'tma':>8s} {'st+hist':>8s} {'stats':>8s}"
-          f"  (us; stats / plain)", flush=True)
+          f" {'rd+hist':>8s} {'read':>8s}  (us; each / plain)", flush=True)
     for label, kind, (M, N, K) in shapes(args.shapes, args.kinds.split(",")):
         da, db, od, fast = KINDS[kind]
         a = torch.randn(M, K, device=dev).to(da)
@@ -74,12 +77,17 @@ def main(argv=None) -> int:
             stats = None if hist is None else ts.Target(rows, 0, False, center, hist=hist, fmt="e4m3")
             return fp8_gemm(a, b, sa, sb, out_dtype=od, fast_accum=fast, impl=impl, stats=stats)
 
+        def read(hist):
+            y = run()
+            ts.rows([y], fmt="e4m3", center=[center], hist=hist, out=rows, index=[0], merge=[False])
+            return y
+
         fns = {"plain": run, "tma": lambda: run("tma"), "st+hist": lambda: run(hist=True),
-               "stats": lambda: run(hist=False)}
+               "stats": lambda: run(hist=False), "read+hist": lambda: read(True), "read": lambda: read(False)}
         t = device_medians(fns, rounds=args.rounds)
         base = t["plain"]
         print(f"{label:12s} {kind:5s} {M:6d}x{N:6d}x{K:6d} " + " ".join(f"{t[k] * 1e3:8.1f}" for k in fns)
-              + f"  {t['st+hist'] / base:.2f}x {t['stats'] / base:.2f}x", flush=True)
+              + "  " + " ".join(f"{t[k] / base:.2f}x" for k in ("st+hist", "stats", "read+hist", "read")), flush=True)
     print(f"# statistics TMA kernel variants compiled: {kernel_info(_fp8_gemm_tma_kernel)}", flush=True)
     return 0
 

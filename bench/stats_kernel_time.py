@@ -5,13 +5,15 @@ work whenever that is longer than the kernel; this one separates the two.
 
     python3 bench/stats_kernel_time.py            # on a GPU: sizes 16, 64, 256 MiB, bf16 and fp32,
                                                   # the 20 tensors of a GPT-124M layer, a launch-shape sweep
+    python3 bench/stats_kernel_time.py --no-sweep # the same without the sweep
 
 With ncu (hardware counters) on the kernel: ``ncu --clock-control none -k regex:_stats_kernel --launch-count 8
 --section SpeedOfLight --section Occupancy --section LaunchStats python3 bench/stats_kernel_time.py --ncu``
 (``--ncu``: only 8 launches, 64 and 256 MiB bf16 with and without the histogram, nothing timed).
 
 ``--trace``: kernel time and a per-program timeline (GPU timer stamps: start, set-up done, loop done, partial
-stored, end) for chunk sizings (``WAVES``) and prefetch depths (``PF``), 64 MiB bf16 and 256 MiB fp32/bf16.
+stored, end, and the last program's merge) for fixed 64k-element chunks and for one wave of programs (``WAVES``),
+16, 64 and 256 MiB of bf16, 256 MiB of fp32.
 """
 
 import argparse
@@ -60,21 +62,22 @@ def _partials(x, scale, center, hist):
 
 
 def timeline(stamps: torch.Tensor, cap: int) -> str:
-    """Summary of one launch's [programs, 8] stamps (ns, low 32 bits of the GPU timer)."""
+    """Summary of one launch's [programs, 16] stamps (ns, low 32 bits of the GPU timer)."""
     t = stamps[:, :5].to(torch.int64).cpu()  # start, set-up done, loop done, partial stored, end
     t = (t - t[:, :1].min()) % (1 << 32)
     span = int(t[:, 4].max())
     med = [float((t[:, i + 1] - t[:, i]).float().median()) / 1e3 for i in range(4)]
     last = int(t[:, 4].argmax())
-    f = (stamps[last].to(torch.int64).cpu() - int(stamps[last, 3])) % (1 << 32)  # 3 stored, 7 counted, 5, 6, 4 end
-    fin = [int(f[7]), int(f[5] - f[7]), int(f[6] - f[5]), int(f[4] - f[6])]
+    # last program, from its partial stored (3): 7 counted in, 8 partials loaded, 5 reduced, 6 moments, 4 end
+    f = (stamps[last].to(torch.int64).cpu() - int(stamps[last, 3])) % (1 << 32)
+    fin = [int(f[7]), int(f[5] - f[7]), int(f[6] - f[5]), int(f[4] - f[6]), int(f[8] - f[7])]
     busy = float((t[:, 4] - t[:, 0]).sum()) / (span * min(len(t), ts._slots(torch.device("cuda"), cap)))
     return (f"{len(t)} programs, span {span / 1e3:.1f} us; starts p50 {float(t[:, 0].float().median()) / 1e3:.1f} "
             f"max {float(t[:, 0].max()) / 1e3:.1f} us; medians: set-up {med[0]:.2f}, loop {med[1]:.2f}, result "
             f"{med[2]:.2f}, done {med[3]:.2f} us; last program's done {float(t[last, 4] - t[last, 3]) / 1e3:.2f} us "
-            f"(its counter {fin[0] / 1e3:.2f}, merge pass 1 {fin[1] / 1e3:.2f}, pass 2 {fin[2] / 1e3:.2f}, row "
-            f"{fin[3] / 1e3:.2f}); "
-            f"slot occupancy {busy:.2f}")
+            f"(its counter {fin[0] / 1e3:.2f}; merge, from there: loads {fin[4] / 1e3:.2f}, reduced "
+            f"{fin[1] / 1e3:.2f}; "
+            f"then moments {fin[2] / 1e3:.2f}, row {fin[3] / 1e3:.2f}); slot occupancy {busy:.2f}")
 
 
 def trace_mode(scale, center) -> None:
@@ -82,7 +85,7 @@ def trace_mode(scale, center) -> None:
         nbytes = mib * MiB
         x = torch.randn(nbytes // torch.empty((), dtype=dtype).element_size(), device="cuda").to(dtype)
         bw = copy_tbs(x)
-        for waves, chunk, pf in ((None, 1 << 16, 1), (1, 1 << 20, 1), (2, 1 << 20, 1), (1, 1 << 20, 2)):
+        for waves, chunk, pf in ((None, 1 << 16, 1), (1, 1 << 20, 1)):
             ts.WAVES, ts.CHUNK, ts.PF = waves, chunk, pf
             for hist in (False, True):
                 _, _, kernel = timed(_partials(x, scale, center, hist))
@@ -100,7 +103,8 @@ def trace_mode(scale, center) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--ncu", action="store_true", help="only the 8 launches for ncu, no timing")
-    p.add_argument("--trace", action="store_true", help="chunk sizings and prefetch depths, with timelines")
+    p.add_argument("--trace", action="store_true", help="fixed and one-wave chunks, with timelines")
+    p.add_argument("--no-sweep", action="store_true", help="without the launch-shape sweep")
     args = p.parse_args()
     scale = torch.tensor(2.0, device="cuda")
     center = torch.tensor([0.0, 1.0], dtype=torch.float64, device="cuda")
@@ -140,6 +144,8 @@ def main() -> None:
     print(f"20 tensors {nbytes / MiB:.0f} MiB: kernel {kernel:.1f} us = {nbytes / (kernel * 1e-6) / 1e12 / bw:.3f} "
           f"of copy; host/call {host:.1f} us, wall {wall:.1f} us")
     del xs
+    if args.no_sweep:
+        return
     # launch shapes (chunks sized by WAVES, the default), 64 and 256 MiB bf16
     for mib in (64, 256):
         x = torch.randn(mib * MiB // 2, device="cuda").to(torch.bfloat16)

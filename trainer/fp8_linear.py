@@ -29,8 +29,12 @@ Statistics: with an agent watching (it sets ``module.fp8mon_stats`` to its ``Fus
 step the quantize kernels of input, weight (E4M3) and grad_output (E5M2) also write those tensors' SPEC
 section-4 rows, with the scale they cast with, straight into the agent's step buffer (``stats=`` of
 ``quantize_transpose``): no hook reads a GEMM input a second time. The torch path computes the same rows
-with ``device_stats.partials`` and reports them. Likewise the forward GEMM's epilogue writes the row of
-``output`` (y as returned, in its dtype; ``fp8_gemm(stats=)``): no hook reads y. ``grad_weight`` is left to the
+with ``device_stats.partials`` and reports them. The row of ``output`` (y as returned, in its dtype) is Fp8Linear's
+too, taken as ``OUTPUT_STATS`` says: by default the standalone statistics kernel reads y right after the GEMM
+("read"); "epilogue" has the forward GEMM's statistics epilogue write it (``fp8_gemm(stats=)``). On the H200 at the
+1.5B forward shapes the read made the GEMM 1.13-1.48x its plain time without the histogram and 1.39-2.38x with it,
+the epilogue 1.22-1.61x and 1.55-2.64x: the epilogue runs on the TMA kernel, the read after the faster ws kernel
+(bench/gemm_stats.py, bench/RESULTS.md). No hook reads y either way. ``grad_weight`` is left to the
 agent's hook, which reads ``weight.grad`` after each accumulation with the standalone statistics kernel. The wgrad
 epilogue could take it (``fp8_gemm(stats=, stats_base=weight.grad)``), but on the H200 at 1.5B that cost the four
 wgrads 1.7-2.1x their plain time (the Gluon ws kernel has no statistics epilogue, so they also fell back to the
@@ -57,7 +61,8 @@ from torch import nn
 from agent.formats import E4M3, E5M2, Fp8Format
 
 SITES = ("input", "weight", "grad_output")  # the quantized tensors
-GEMM_SITES = ("output",)  # the GEMM results whose rows the GEMM epilogues write
+GEMM_SITES = ("output",)  # the GEMM results whose rows Fp8Linear takes (OUTPUT_STATS)
+OUTPUT_STATS = "read"  # how the output row is taken on the Triton path: "read" | "epilogue" (module docstring)
 _FORMATS = {"input": E4M3, "weight": E4M3, "grad_output": E5M2}
 _GEMM_STATS = {"ok": True}  # False once a GEMM with fused statistics failed: the statistics are then taken apart
 log = logging.getLogger("fp8mon.fp8_linear")
@@ -209,7 +214,8 @@ class _State:
             from .kernels import fp8_gemm
 
             wanted = link is not None and link.wants(site)
-            target = link.target(site, a.device) if wanted and _GEMM_STATS["ok"] else None
+            fused = wanted and OUTPUT_STATS == "epilogue" and _GEMM_STATS["ok"]
+            target = link.target(site, a.device) if fused else None
             if target is not None:
                 try:
                     return fp8_gemm(a, b, sa, sb, out_dtype=out_dtype, bias=bias, fast_accum=fast_accum,
@@ -309,7 +315,7 @@ class Fp8Linear(nn.Module):
     """
 
     fp8mon_linear = True
-    fp8mon_reported_sites = SITES + GEMM_SITES  # from the quantize kernels and the GEMM epilogues (see the docstring)
+    fp8mon_reported_sites = SITES + GEMM_SITES  # by the quantize kernels and the layer's own output row (docstring)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, recipe: Fp8Recipe = Fp8Recipe(),
                  device=None, dtype=None):

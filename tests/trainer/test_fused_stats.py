@@ -176,10 +176,11 @@ def _child(names: list[str]) -> None:
         state = {k: v.clone() for k, v in model.state_dict().items()}
         make = lambda step, micro: torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(step))  # noqa: E731
         kernels.fp8_gemm = failing
+        policy, fp8_linear.OUTPUT_STATS = fp8_linear.OUTPUT_STATS, "epilogue"
         try:
             got, keys = agent_rows(model, make, 1, "cpu", fused=True, stats_backend="triton")
         finally:
-            kernels.fp8_gemm = real
+            kernels.fp8_gemm, fp8_linear.OUTPUT_STATS = real, policy
         broken, fp8_linear._GEMM_STATS["ok"] = not fp8_linear._GEMM_STATS["ok"], True
         model.load_state_dict(state)
         want, keys2 = agent_rows(model, make, 1, "cpu", fused=False, stats_backend="triton")
