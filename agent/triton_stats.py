@@ -456,12 +456,22 @@ if triton is not None:
         return nd, q2 + nd * d, q3 + 3.0 * d * q2 + nd * d2, q4 + 4.0 * d * q3 + 6.0 * d2 * q2 + nd * d2 * d
 
     @triton.jit
-    def _merged(part, stride, i, nwork, c):
-        """Partials i's (n, numel, nonfinite, zeros, outliers, underflow, overflow, power sums of x - c 1-4, amax)."""
+    def _merged(part, stride, i, nwork, n0, m0):
+        """Partials i's (n, numel, nonfinite, zeros, outliers, underflow, overflow, power sums of x - c0 1-4, amax)
+        and c0: partial 0's mean (n0, m0 loaded beforehand), or 0 if it is empty. c0 is taken after the loads
+        are issued: a compare on n0 before them made the merge two rounds of loads."""
         n, mean, q2, q3, q4 = _load_moments(part, stride, i, nwork)
         numel, nonfin, zeros, outl, under, over, amax = _load_counts(part, stride, i, nwork)
-        v1, v2, v3, v4 = _about(n, mean, q2, q3, q4, c)
-        return n, numel, nonfin, zeros, outl, under, over, v1, v2, v3, v4, amax
+        c0 = tl.where(n0 > 0, m0, 0.0)
+        v1, v2, v3, v4 = _about(n, mean, q2, q3, q4, c0)
+        return n, numel, nonfin, zeros, outl, under, over, v1, v2, v3, v4, amax, c0
+
+    @triton.jit
+    def _narrow(n, numel, nonfin, zeros, outl, under, over, amax):
+        """The counts as int32 and the amax as fp32 (exact: a partial holds at most CHUNK elements, and up to
+        P_BLOCK partials sum below 2**31), so the reduction moves half the bits for them."""
+        return (n.to(tl.int32), numel.to(tl.int32), nonfin.to(tl.int32), zeros.to(tl.int32), outl.to(tl.int32),
+                under.to(tl.int32), over.to(tl.int32), amax.to(tl.float32))
 
     @triton.jit
     def _reduce12(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, am):
@@ -487,19 +497,28 @@ if triton is not None:
         # The histogram is not in the partials: each program added it to the tensor's accumulator (``_done``);
         # this reads and clears it.
         n0 = tl.load(part + _P_N * stride, cache_modifier=".cg")
-        c0 = tl.where(n0 > 0, tl.load(part + _P_MEAN * stride, cache_modifier=".cg"), 0.0)
+        m0 = tl.load(part + _P_MEAN * stride, cache_modifier=".cg")
         i0 = tl.arange(0, PB)
         if nwork <= PB:
-            vn, vnumel, vnonfin, vzeros, voutl, vunder, vover, t1, t2, t3, t4, vamax = _merged(part, stride, i0,
-                                                                                               nwork, c0)
+            vn, vnumel, vnonfin, vzeros, voutl, vunder, vover, t1, t2, t3, t4, vamax, c0 = _merged(
+                part, stride, i0, nwork, n0, m0)
             _stamp_after(tr, 8, t4 + vamax, TRACE)
+            kn, knumel, knonfin, kzeros, koutl, kunder, kover, kamax = _narrow(vn, vnumel, vnonfin, vzeros, voutl,
+                                                                               vunder, vover, vamax)
+            an, numel, nonfin, zeros, outl, under, over, v1, v2, v3, v4, amax = _reduce12(
+                kn, knumel, knonfin, kzeros, koutl, kunder, kover, t1, t2, t3, t4, kamax)
+            an, numel, nonfin, zeros = (an.to(tl.float64), numel.to(tl.float64), nonfin.to(tl.float64),
+                                        zeros.to(tl.float64))
+            outl, under, over, amax = outl.to(tl.float64), under.to(tl.float64), over.to(tl.float64), \
+                amax.to(tl.float64)
         else:
             zb = tl.zeros([PB], tl.float64)
             vn, vnumel, vnonfin, vzeros, voutl, vunder, vover, t1, t2, t3, t4, vamax = \
                 zb, zb, zb, zb, zb, zb, zb, zb, zb, zb, zb, zb
+            c0 = tl.zeros([], tl.float64)
             for b0 in range(0, nwork, PB):
-                cn, cnumel, cnonfin, czeros, coutl, cunder, cover, u1, u2, u3, u4, camax = _merged(
-                    part, stride, b0 + i0, nwork, c0)
+                cn, cnumel, cnonfin, czeros, coutl, cunder, cover, u1, u2, u3, u4, camax, c0 = _merged(
+                    part, stride, b0 + i0, nwork, n0, m0)
                 vn += cn
                 vnumel += cnumel
                 vnonfin += cnonfin
@@ -512,8 +531,8 @@ if triton is not None:
                 t3 += u3
                 t4 += u4
                 vamax = tl.maximum(vamax, camax)
-        an, numel, nonfin, zeros, outl, under, over, v1, v2, v3, v4, amax = _reduce12(
-            vn, vnumel, vnonfin, vzeros, voutl, vunder, vover, t1, t2, t3, t4, vamax)
+            an, numel, nonfin, zeros, outl, under, over, v1, v2, v3, v4, amax = _reduce12(
+                vn, vnumel, vnonfin, vzeros, voutl, vunder, vover, t1, t2, t3, t4, vamax)
         _stamp(tr, 5, TRACE)
         md, a2, a3, a4 = _central(an, v1, v2, v3, v4)
         _stamp(tr, 6, TRACE)

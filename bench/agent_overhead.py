@@ -8,9 +8,10 @@ grad_output, grad_weight), measured in one process, phases alternating.
 Per config and precision one model is built and stepped by bench/train_step.py's ``build`` and
 ``optimizer_step`` (llama, current scaling, fused AdamW, gradient clipping, autocast) and the phases run in the order ``off, on, on-torch, off, on, ...`` (``--rounds``
 repetitions of ``off`` + each backend): the agent on the one-pass Triton path (``stats_backend="triton"``:
-in fp8 the rows of input/weight/grad_output come from the FP8 quantize kernels of Fp8Linear, output from its
-forward GEMM's epilogue, grad_weight from the standalone kernel on weight.grad; in bf16 all five sites from the
-standalone kernel), and the naive
+in fp8 the rows of input/weight/grad_output come from the FP8 quantize kernels of Fp8Linear, output as
+``--output-stats`` says (Fp8Linear's ``OUTPUT_STATS``: by default the standalone kernel reading the GEMM's result,
+or the GEMM's statistics epilogue), grad_weight from the standalone kernel on weight.grad; in bf16 all five sites
+from the standalone kernel), and the naive
 torch path (``stats_backend="torch"``) for comparison. Each phase: its own warm-up steps, then ``--steps``
 timed steps (host clock around a synchronised step); the figure is the median step time of each phase,
 printed beside the median host time until the step's Python returned (a step whose host time is close to its
@@ -208,8 +209,14 @@ def main(argv=None) -> int:
                    help="the agent without the optional log2 histogram (SPEC section 4)")
     p.add_argument("--hist-every", type=int, default=10,
                    help="the histogram on every N-th step only (the agent's default, 10; 1: every step)")
+    p.add_argument("--output-stats", choices=["read", "epilogue"], default=None,
+                   help="how Fp8Linear takes the output row (trainer.fp8_linear.OUTPUT_STATS; default: its own)")
     args = p.parse_args(argv)
     args.backends = [b for b in args.backends.split(",") if b]
+    if args.output_stats is not None:
+        from trainer import fp8_linear
+
+        fp8_linear.OUTPUT_STATS = args.output_stats
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
