@@ -129,30 +129,38 @@ _FMT_CONST = {1: by_name("e4m3"), 2: by_name("e5m2")}
 
 
 if triton is not None:
-    _LO = tl.constexpr(LOG2_HIST_LO)
-    _NB = tl.constexpr(LOG2_HIST_BINS)
-    _BIN_ZERO = tl.constexpr(LOG2_HIST_BINS)  # 56
-    _BIN_NONFIN = tl.constexpr(LOG2_HIST_BINS + 1)  # 57
-    _BIN_DUMP = tl.constexpr(63)
-    _NAN_BITS = tl.constexpr(0x7FC00000)
-    _INF_BITS = tl.constexpr(0x7F800000)
+    class Const(tl.constexpr):
+        """A module-level constant the kernels read. On every launch Triton checks each global a kernel read
+        against the value it compiled with, by ``!=``; ``tl.constexpr`` answers that with a new constexpr object
+        (with the ~27 of the standalone kernel, ~10 us of host time per launch). This answers a plain bool."""
+
+        def __ne__(self, other):
+            return self.value != (other.value if isinstance(other, tl.constexpr) else other)
+
+    _LO = Const(LOG2_HIST_LO)
+    _NB = Const(LOG2_HIST_BINS)
+    _BIN_ZERO = Const(LOG2_HIST_BINS)  # 56
+    _BIN_NONFIN = Const(LOG2_HIST_BINS + 1)  # 57
+    _BIN_DUMP = Const(63)
+    _NAN_BITS = Const(0x7FC00000)
+    _INF_BITS = Const(0x7F800000)
     # partials per block in the finalize step (smaller in the interpreter, which runs a reduction per element)
-    _PB = tl.constexpr(8 if INTERPRET else P_BLOCK)
+    _PB = Const(8 if INTERPRET else P_BLOCK)
     # multi-operand reductions (one round through shared memory for many fields) on hardware only: the
     # interpreter runs a reduction with a combine function as a Python call per element
-    _JOINT = tl.constexpr(not INTERPRET)
-    _CTRW = tl.constexpr(CTRW)
-    _TABW = tl.constexpr(TABW)
-    _WIDTH = tl.constexpr(ds.WIDTH)
-    SCALE_NONE_C = tl.constexpr(SCALE_NONE)
-    SCALE_GIVEN_C = tl.constexpr(SCALE_GIVEN)
-    SCALE_CURRENT_C = tl.constexpr(SCALE_CURRENT)
+    _JOINT = Const(not INTERPRET)
+    _CTRW = Const(CTRW)
+    _TABW = Const(TABW)
+    _WIDTH = Const(ds.WIDTH)
+    SCALE_NONE_C = Const(SCALE_NONE)
+    SCALE_GIVEN_C = Const(SCALE_GIVEN)
+    SCALE_CURRENT_C = Const(SCALE_CURRENT)
     # the layouts, as constexprs for the kernels (they index Python lists as well)
     (_P_N, _P_NUMEL, _P_NONFIN, _P_ZEROS, _P_OUTL, _P_UNDER, _P_OVER, _P_AMAX, _P_MEAN, _P_M2, _P_M3,
-     _P_M4) = (tl.constexpr(v) for v in range(12))
+     _P_M4) = (Const(v) for v in range(12))
     (_T_ADDR, _T_NUMEL, _T_CODE, _T_FIRST, _T_NWORK, _T_DST, _T_MERGE, _T_SMODE, _T_SCALE_ADDR, _T_SCALE,
      _T_CENTER_ADDR, _T_MEAN, _T_STD, _T_AHM_ADDR, _T_AHM, _T_FMT, _T_K,
-     _T_CHUNK) = (tl.constexpr(v) for v in range(18))
+     _T_CHUNK) = (Const(v) for v in range(18))
 
     # ---- scalar helpers ---------------------------------------------------------------------------
 

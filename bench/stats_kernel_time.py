@@ -100,14 +100,48 @@ def trace_mode(scale, center) -> None:
         del x
 
 
+def host_mode(scale, center) -> None:
+    """Where a ``triton_stats.rows`` call spends its host time: the agent's form of the call (one tensor, its row
+    into a step buffer, a device center), 300 calls under cProfile, top functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    x = torch.randn(8 << 20, device="cuda").to(torch.bfloat16)
+    out = torch.zeros(4, ts.ds.WIDTH, dtype=torch.float64, device="cuda")
+    call = lambda: ts.rows([x], fmt="e4m3", center=[center], hist=False, out=out, index=[1], merge=[False])  # noqa: E731
+    for _ in range(20):
+        call()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(300):
+        call()
+    host = (time.perf_counter() - t0) / 300
+    torch.cuda.synchronize()
+    print(f"{torch.cuda.get_device_name()}: host time per rows() call {host * 1e6:.1f} us (300 calls queued)")
+    cp = cProfile.Profile()
+    cp.enable()
+    for _ in range(300):
+        call()
+    cp.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(cp, stream=buf).sort_stats("tottime").print_stats(25)
+    print("\n".join(buf.getvalue().splitlines()[:40]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--ncu", action="store_true", help="only the 8 launches for ncu, no timing")
     p.add_argument("--trace", action="store_true", help="fixed and one-wave chunks, with timelines")
     p.add_argument("--no-sweep", action="store_true", help="without the launch-shape sweep")
+    p.add_argument("--host", action="store_true", help="cProfile of the host side of 300 calls on 16 MiB of bf16")
     args = p.parse_args()
     scale = torch.tensor(2.0, device="cuda")
     center = torch.tensor([0.0, 1.0], dtype=torch.float64, device="cuda")
+    if args.host:
+        host_mode(scale, center)
+        return
     if args.trace:
         print(torch.cuda.get_device_name())
         trace_mode(scale, center)

@@ -124,7 +124,7 @@ def _to_out(acc, out_dtype: tl.constexpr, SOFT_ROUND: tl.constexpr):
     return acc.to(out_dtype)
 
 
-_ON_GPU = tl.constexpr(not INTERPRET)
+_ON_GPU = ts.Const(not INTERPRET)
 
 
 @triton.jit
