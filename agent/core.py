@@ -24,8 +24,8 @@ the same (layer, site) (none before the first one), the kernel's single read can
 own; the torch path counts them against the tensor's own mean and std. Layers that compute their
 statistics in their own kernels (``fp8mon_reported_sites`` plus an ``fp8mon_stats`` attribute: the
 trainer's ``Fp8Linear``, whose quantize kernels emit the rows of input, weight and grad_output from the
-read they do for the FP8 cast, and which takes that of output itself, reading it right after its GEMM) get a
-``FusedLink`` in ``fp8mon_stats``; no hook reads those sites. A reported grad_weight row replaces the step's row (it is the
+read they do for the FP8 cast, and its forward GEMM's epilogue that of output) get a ``FusedLink`` in
+``fp8mon_stats``; no hook reads those sites. A reported grad_weight row replaces the step's row (it is the
 accumulated gradient, as the hook sees it), the other sites merge.
 """
 

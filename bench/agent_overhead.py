@@ -9,8 +9,8 @@ Per config and precision one model is built and stepped by bench/train_step.py's
 ``optimizer_step`` (llama, current scaling, fused AdamW, gradient clipping, autocast) and the phases run in the order ``off, on, on-torch, off, on, ...`` (``--rounds``
 repetitions of ``off`` + each backend): the agent on the one-pass Triton path (``stats_backend="triton"``:
 in fp8 the rows of input/weight/grad_output come from the FP8 quantize kernels of Fp8Linear, output as
-``--output-stats`` says (Fp8Linear's ``OUTPUT_STATS``: by default the standalone kernel reading the GEMM's result,
-or the GEMM's statistics epilogue), grad_weight from the standalone kernel on weight.grad; in bf16 all five sites
+``--output-stats`` says (Fp8Linear's ``OUTPUT_STATS``: by default the GEMM's statistics epilogue, or the standalone
+kernel reading the GEMM's result), grad_weight from the standalone kernel on weight.grad; in bf16 all five sites
 from the standalone kernel), and the naive
 torch path (``stats_backend="torch"``) for comparison. Each phase: its own warm-up steps, then ``--steps``
 timed steps (host clock around a synchronised step); the figure is the median step time of each phase,

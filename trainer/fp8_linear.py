@@ -30,11 +30,13 @@ step the quantize kernels of input, weight (E4M3) and grad_output (E5M2) also wr
 section-4 rows, with the scale they cast with, straight into the agent's step buffer (``stats=`` of
 ``quantize_transpose``): no hook reads a GEMM input a second time. The torch path computes the same rows
 with ``device_stats.partials`` and reports them. The row of ``output`` (y as returned, in its dtype) is Fp8Linear's
-too, taken as ``OUTPUT_STATS`` says: by default the standalone statistics kernel reads y right after the GEMM
-("read"); "epilogue" has the forward GEMM's statistics epilogue write it (``fp8_gemm(stats=)``). On the H200 at the
-1.5B forward shapes the read made the GEMM 1.13-1.48x its plain time without the histogram and 1.39-2.38x with it,
-the epilogue 1.22-1.61x and 1.55-2.64x: the epilogue runs on the TMA kernel, the read after the faster ws kernel
-(bench/gemm_stats.py, bench/RESULTS.md). No hook reads y either way. ``grad_weight`` is left to the
+too, taken as ``OUTPUT_STATS`` says: by default the forward GEMM's statistics epilogue writes it
+(``fp8_gemm(stats=)``, "epilogue"); with "read" the standalone statistics kernel reads y right after the GEMM. On
+the H200 at the 1.5B forward shapes the read costs less device time (the GEMM and read took 1.13-1.48x the plain
+GEMM without the histogram, the epilogue 1.22-1.61x: it runs on the TMA kernel, the read follows the faster ws
+kernel), but it is one more launch, ~90 us of host time, and with the agent on the step was host-bound there
+(bench/gemm_stats.py, bench/agent_overhead.py --output-stats; bench/RESULTS.md). No hook reads y either way.
+``grad_weight`` is left to the
 agent's hook, which reads ``weight.grad`` after each accumulation with the standalone statistics kernel. The wgrad
 epilogue could take it (``fp8_gemm(stats=, stats_base=weight.grad)``), but on the H200 at 1.5B that cost the four
 wgrads 1.7-2.1x their plain time (the Gluon ws kernel has no statistics epilogue, so they also fell back to the
@@ -62,7 +64,7 @@ from agent.formats import E4M3, E5M2, Fp8Format
 
 SITES = ("input", "weight", "grad_output")  # the quantized tensors
 GEMM_SITES = ("output",)  # the GEMM results whose rows Fp8Linear takes (OUTPUT_STATS)
-OUTPUT_STATS = "read"  # how the output row is taken on the Triton path: "read" | "epilogue" (module docstring)
+OUTPUT_STATS = "epilogue"  # how the output row is taken on the Triton path: "epilogue" | "read" (module docstring)
 _FORMATS = {"input": E4M3, "weight": E4M3, "grad_output": E5M2}
 _GEMM_STATS = {"ok": True}  # False once a GEMM with fused statistics failed: the statistics are then taken apart
 log = logging.getLogger("fp8mon.fp8_linear")
