@@ -31,8 +31,9 @@ Scheme (one kernel):
     chunk holds a NaN/Inf or values whose 4th power overflows fp32, the program re-reads its chunk on a
     careful path: two passes in fp64 with masks, as the oracle does. Rare by construction; exact always.
   * The last program of a tensor (an atomic counter per tensor) merges the tensor's per-program partials in
-    fp64 (Pebay's formulas applied at once about the grand mean, ``_finalize``) and writes the row. No second
-    launch. Histograms skip the partials: each program adds its bins to the tensor's counter row atomically.
+    fp64 (Pebay's formulas applied at once about the first partial's mean, then shifted to the grand mean:
+    ``_finalize``) and writes the row. No second launch. Histograms skip the partials: each program adds its
+    bins to the tensor's counter row atomically.
 
 Underflow/overflow are exact counts of ``fl32(|x| * s) <= fmt.underflow_threshold`` and
 ``> fmt.overflow_threshold`` when the scale ``s`` is known before the read (a scale tensor or number: delayed
@@ -476,8 +477,9 @@ if triton is not None:
 
     @triton.jit
     def _narrow(n, numel, nonfin, zeros, outl, under, over, amax):
-        """The counts as int32 and the amax as fp32 (exact: a partial holds at most CHUNK elements, and up to
-        P_BLOCK partials sum below 2**31), so the reduction moves half the bits for them."""
+        """The counts as int32 and the amax as fp32, so the reduction moves half the bits for them. Exact when
+        the partials hold fewer than 2**31 elements together (the standalone kernel's launcher checks that its chunk
+        times P_BLOCK is); the amax is an fp32 value."""
         return (n.to(tl.int32), numel.to(tl.int32), nonfin.to(tl.int32), zeros.to(tl.int32), outl.to(tl.int32),
                 under.to(tl.int32), over.to(tl.int32), amax.to(tl.float32))
 
@@ -491,7 +493,7 @@ if triton is not None:
 
     @triton.jit
     def _finalize(part, stride, nwork, ctr, dst, merge, smode, s_given, fmax, uthr, ahm, HIST: tl.constexpr,
-                  PB: tl.constexpr, tr, TRACE: tl.constexpr):
+                  PB: tl.constexpr, tr, TRACE: tl.constexpr, NARROW: tl.constexpr):
         # The moments merge as Pebay's formulas do, all at once about one center c0: each partial's central
         # moments become power sums of (x - c0), which add, and the sums give the central moments about the grand
         # mean (``_central``); no division per partial. c0 is the first partial's mean, loaded with the rest, so
@@ -511,14 +513,18 @@ if triton is not None:
             vn, vnumel, vnonfin, vzeros, voutl, vunder, vover, t1, t2, t3, t4, vamax, c0 = _merged(
                 part, stride, i0, nwork, n0, m0)
             _stamp_after(tr, 8, t4 + vamax, TRACE)
-            kn, knumel, knonfin, kzeros, koutl, kunder, kover, kamax = _narrow(vn, vnumel, vnonfin, vzeros, voutl,
-                                                                               vunder, vover, vamax)
-            an, numel, nonfin, zeros, outl, under, over, v1, v2, v3, v4, amax = _reduce12(
-                kn, knumel, knonfin, kzeros, koutl, kunder, kover, t1, t2, t3, t4, kamax)
-            an, numel, nonfin, zeros = (an.to(tl.float64), numel.to(tl.float64), nonfin.to(tl.float64),
-                                        zeros.to(tl.float64))
-            outl, under, over, amax = outl.to(tl.float64), under.to(tl.float64), over.to(tl.float64), \
-                amax.to(tl.float64)
+            if NARROW:
+                kn, knumel, knonfin, kzeros, koutl, kunder, kover, kamax = _narrow(vn, vnumel, vnonfin, vzeros,
+                                                                                   voutl, vunder, vover, vamax)
+                an, numel, nonfin, zeros, outl, under, over, v1, v2, v3, v4, amax = _reduce12(
+                    kn, knumel, knonfin, kzeros, koutl, kunder, kover, t1, t2, t3, t4, kamax)
+                an, numel, nonfin, zeros = (an.to(tl.float64), numel.to(tl.float64), nonfin.to(tl.float64),
+                                            zeros.to(tl.float64))
+                outl, under, over, amax = outl.to(tl.float64), under.to(tl.float64), over.to(tl.float64), \
+                    amax.to(tl.float64)
+            else:
+                an, numel, nonfin, zeros, outl, under, over, v1, v2, v3, v4, amax = _reduce12(
+                    vn, vnumel, vnonfin, vzeros, voutl, vunder, vover, t1, t2, t3, t4, vamax)
         else:
             zb = tl.zeros([PB], tl.float64)
             vn, vnumel, vnonfin, vzeros, voutl, vunder, vover, t1, t2, t3, t4, vamax = \
@@ -631,16 +637,18 @@ if triton is not None:
 
     @triton.jit
     def _done(part_base, stride, ctr, nwork, dst, merge, smode, s, fmax, uthr, ahm, hist, HIST: tl.constexpr, tr=None,
-              TRACE: tl.constexpr = False):
+              TRACE: tl.constexpr = False, NARROW: tl.constexpr = False):
         """Add this program's histogram to the tensor's (``ctr[1:65]``) and count the program in (``ctr[0]``);
-        the last one of its tensor writes the row and resets both."""
+        the last one of its tensor writes the row and resets both. ``NARROW``: the caller knows that up to
+        P_BLOCK partials hold fewer than 2**31 elements (``_narrow``)."""
         if HIST:
             tl.atomic_add(ctr + 1 + tl.arange(0, 64), hist.to(tl.int64), sem="relaxed", scope="gpu")
         tl.debug_barrier()
         prev = tl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu")
         if prev == nwork - 1:
             _stamp(tr, 7, TRACE)
-            _finalize(part_base, stride, nwork, ctr, dst, merge, smode, s, fmax, uthr, ahm, HIST, _PB, tr, TRACE)
+            _finalize(part_base, stride, nwork, ctr, dst, merge, smode, s, fmax, uthr, ahm, HIST, _PB, tr, TRACE,
+                      NARROW)
             tl.atomic_xchg(ctr, 0, sem="relaxed", scope="gpu")
 
     # ---- one chunk: fast path, careful path ----------------------------------------------------------
@@ -923,7 +931,7 @@ if triton is not None:
 
     @triton.jit
     def _stats_kernel(tab_ptr, ntab, part_ptr, ctr_ptr, dst_ptr, trace_ptr, HIST: tl.constexpr, R: tl.constexpr,
-                      PF: tl.constexpr, TRACE: tl.constexpr):
+                      PF: tl.constexpr, TRACE: tl.constexpr, NARROW: tl.constexpr):
         w = tl.program_id(0)
         tr = trace_ptr + w * 16
         _stamp(tr, 0, TRACE)
@@ -982,7 +990,7 @@ if triton is not None:
         nwork = tl.load(row + _T_NWORK)
         dst = dst_ptr + tl.load(row + _T_DST) * _WIDTH
         _done(part_ptr + first, tl.num_programs(0), ctr_ptr + t * _CTRW, nwork, dst, tl.load(row + _T_MERGE), smode,
-              s, fmax, uthr, ahm, hist, HIST, tr, TRACE)
+              s, fmax, uthr, ahm, hist, HIST, tr, TRACE, NARROW)
         _stamp(tr, 4, TRACE)
 
 
@@ -1163,7 +1171,8 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
     opts = {} if INTERPRET or not cap else {"maxnreg": cap}
     trace = None if _trace is None else torch.zeros(nwork_total, 16, dtype=torch.int32, device=device)
     _stats_kernel[(nwork_total,)](tab, len(tensors), part, counters(device), out, part if trace is None else trace,
-                                  HIST=bool(hist), R=ROWS, PF=PF, TRACE=trace is not None, num_warps=NUM_WARPS, **opts)
+                                  HIST=bool(hist), R=ROWS, PF=PF, TRACE=trace is not None,
+                                  NARROW=chunk * P_BLOCK < 2**31, num_warps=NUM_WARPS, **opts)
     if trace is not None:
         _trace.append(trace)
     del keep

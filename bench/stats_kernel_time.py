@@ -102,14 +102,18 @@ def trace_mode(scale, center) -> None:
 
 def host_mode(scale, center) -> None:
     """Where a ``triton_stats.rows`` call spends its host time: the agent's form of the call (one tensor, its row
-    into a step buffer, a device center), 300 calls under cProfile, top functions by own time."""
+    into a step buffer, a device center): 300 queued calls timed, then 300 more under cProfile, top functions by
+    own time."""
     import cProfile
     import io
     import pstats
 
     x = torch.randn(8 << 20, device="cuda").to(torch.bfloat16)
     out = torch.zeros(4, ts.ds.WIDTH, dtype=torch.float64, device="cuda")
-    call = lambda: ts.rows([x], fmt="e4m3", center=[center], hist=False, out=out, index=[1], merge=[False])  # noqa: E731
+
+    def call():
+        ts.rows([x], fmt="e4m3", center=[center], hist=False, out=out, index=[1], merge=[False])
+
     for _ in range(20):
         call()
     torch.cuda.synchronize()
@@ -135,7 +139,7 @@ def main() -> None:
     p.add_argument("--ncu", action="store_true", help="only the 8 launches for ncu, no timing")
     p.add_argument("--trace", action="store_true", help="fixed and one-wave chunks, with timelines")
     p.add_argument("--no-sweep", action="store_true", help="without the launch-shape sweep")
-    p.add_argument("--host", action="store_true", help="cProfile of the host side of 300 calls on 16 MiB of bf16")
+    p.add_argument("--host", action="store_true", help="host time of rows() calls on 16 MiB of bf16, and their cProfile")
     args = p.parse_args()
     scale = torch.tensor(2.0, device="cuda")
     center = torch.tensor([0.0, 1.0], dtype=torch.float64, device="cuda")
