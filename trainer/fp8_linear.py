@@ -36,13 +36,12 @@ the H200 at the 1.5B forward shapes the read costs less device time (the GEMM an
 GEMM without the histogram, the epilogue 1.22-1.61x: it runs on the TMA kernel, the read follows the faster ws
 kernel), but it is one more launch, ~90 us of host time, and with the agent on the step was host-bound there
 (bench/gemm_stats.py, bench/agent_overhead.py --output-stats; bench/RESULTS.md). No hook reads y either way.
-``grad_weight`` is left to the
-agent's hook, which reads ``weight.grad`` after each accumulation with the standalone statistics kernel. The wgrad
-epilogue could take it (``fp8_gemm(stats=, stats_base=weight.grad)``), but on the H200 at 1.5B that cost the four
-wgrads 1.7-2.1x their plain time (the Gluon ws kernel has no statistics epilogue, so they also fell back to the
-slower TMA kernel), ~580 us per layer, where one read of the fp32 gradient (268 MB per layer) was ~130 us at the
-standalone kernel's ~0.5 of copy bandwidth then, and ~80 us at the 0.84-0.86 it reached on 256 MiB of fp32 since
-(arithmetic from bench/RESULTS.md, not timed per layer).
+``grad_weight`` is left to the agent's hook, which reads ``weight.grad`` after each accumulation with the
+standalone statistics kernel. The wgrad epilogue could take it (``fp8_gemm(stats=, stats_base=weight.grad)``), but
+on the H200 at 1.5B that cost the four wgrads 1.7-2.1x their plain time (the Gluon ws kernel has no statistics
+epilogue, so they also fell back to the slower TMA kernel), ~580 us per layer, where one read of the fp32 gradient
+(268 MB per layer) was ~130 us at the standalone kernel's ~0.5 of copy bandwidth then, and ~80 us at the 0.84-0.86
+it reached on 256 MiB of fp32 since (arithmetic from bench/RESULTS.md, not timed per layer).
 
 For the statistics fusion, after a forward (and backward) ``module.fp8_amax`` and ``module.fp8_scale``
 map site -> fp32 0-d device tensor: "input", "weight" (forward), "grad_output" (backward). amax is
@@ -216,6 +215,8 @@ class _State:
             from .kernels import fp8_gemm
 
             wanted = link is not None and link.wants(site)
+            if OUTPUT_STATS not in ("epilogue", "read"):
+                raise ValueError(f"fp8_linear.OUTPUT_STATS must be 'epilogue' or 'read', not {OUTPUT_STATS!r}")
             fused = wanted and OUTPUT_STATS == "epilogue" and _GEMM_STATS["ok"]
             target = link.target(site, a.device) if fused else None
             if target is not None:

@@ -119,10 +119,15 @@ def _child(names: list[str]) -> None:
         agent.close()
         return layers
 
-    def fp8_linear_agent():
+    def fp8_linear_agent(output_stats: str = "epilogue"):
+        # output_stats: how Fp8Linear takes the output row (its GEMM's epilogue, or a read of the result); the
+        # agent's rows must be the hooks' rows either way
         sys.path.insert(0, str(ROOT / "bench"))
         from stats_check import agent_rows
+        from trainer import fp8_linear
         from trainer.fp8_linear import Fp8Linear
+
+        name = "fp8_linear_agent" + ("" if output_stats == "epilogue" else f"_{output_stats}")
 
         torch.manual_seed(4)
         model = torch.nn.Sequential(Fp8Linear(32, 64), torch.nn.GELU(), Fp8Linear(64, 32))
@@ -134,7 +139,21 @@ def _child(names: list[str]) -> None:
         # merge into one row per slot
         xs = [torch.randn(2, 16, 32) * (1 + i) for i in range(4)]
         make = lambda step, micro: xs[2 * step + micro]  # noqa: E731
-        got, keys = agent_rows(model, make, 2, "cpu", fused=True, stats_backend="triton")
+        import trainer.kernels as kernels
+
+        real, fused_calls = kernels.fp8_gemm, []
+
+        def spy(*args, stats=None, **kw):  # which GEMMs carried the statistics epilogue
+            fused_calls.append(stats is not None)
+            return real(*args, stats=stats, **kw)
+
+        policy, fp8_linear.OUTPUT_STATS, kernels.fp8_gemm = fp8_linear.OUTPUT_STATS, output_stats, spy
+        try:
+            got, keys = agent_rows(model, make, 2, "cpu", fused=True, stats_backend="triton")
+        finally:
+            fp8_linear.OUTPUT_STATS, kernels.fp8_gemm = policy, real
+        emit(f"{name}:path", "" if any(fused_calls) == (output_stats == "epilogue") else
+             f"statistics epilogues in {sum(fused_calls)} of {len(fused_calls)} GEMMs with OUTPUT_STATS={output_stats}")
         model.load_state_dict(state)
         want, keys2 = agent_rows(model, make, 2, "cpu", fused=False, stats_backend="triton")
         order = [keys2.index(k) for k in keys]
@@ -147,10 +166,10 @@ def _child(names: list[str]) -> None:
             problem = row_problems(a, b, under_slack=float(b[:, ds.HIST:].max()))
             if float(rel.max()) > 2.5e-7:
                 problem += f" scale differs by {float(rel.max())}"
-            emit(f"fp8_linear_agent:step{step}", problem)
+            emit(f"{name}:step{step}", problem)
         hooked = [h.sites for h in agent_hooks(model)]
         # grad_weight is the one site Fp8Linear leaves to the hooks (weight.grad after accumulation, see fp8_linear)
-        emit("fp8_linear_agent:sites",
+        emit(f"{name}:sites",
              "" if len(keys) == 10 and hooked == [("grad_weight",)] * 2 else f"slots {keys}, hooks {hooked}")
 
     def gemm_stats_fallback():
@@ -196,7 +215,7 @@ def _child(names: list[str]) -> None:
         emit("gemm_stats_fallback", problem)
 
     checks = dict(fused_kernels=fused_kernels, fused_fast_path=fused_fast_path, fused_merge=fused_merge, fp8_linear_agent=fp8_linear_agent,
-                  gemm_stats_fallback=gemm_stats_fallback)
+                  fp8_linear_agent_read=lambda: fp8_linear_agent("read"), gemm_stats_fallback=gemm_stats_fallback)
     for name in names or checks:
         try:
             checks[name]()
@@ -207,7 +226,8 @@ def _child(names: list[str]) -> None:
             emit(f"{name}:raised", repr(exc))
 
 
-GROUPS = ["fused_kernels", "fused_fast_path", "fused_merge", "fp8_linear_agent", "gemm_stats_fallback"]
+GROUPS = ["fused_kernels", "fused_fast_path", "fused_merge", "fp8_linear_agent", "fp8_linear_agent_read",
+          "gemm_stats_fallback"]
 
 
 @pytest.fixture(scope="module")
