@@ -70,14 +70,15 @@ def timeline(stamps: torch.Tensor, cap: int) -> str:
     last = int(t[:, 4].argmax())
     # last program, from its partial stored (3): 7 counted in, 8 partials loaded, 5 reduced, 6 moments, 4 end
     f = (stamps[last].to(torch.int64).cpu() - int(stamps[last, 3])) % (1 << 32)
-    fin = [int(f[7]), int(f[5] - f[7]), int(f[6] - f[5]), int(f[4] - f[6]), int(f[8] - f[7])]
+    fin = [int(f[7]), int(f[5] - f[7]), int(f[6] - f[5]), int(f[4] - f[6])]
+    # stamped only where the merge reads its partials at once (up to P_BLOCK of them)
+    loads = f"{int(f[8] - f[7]) / 1e3:.2f}" if int(stamps[last, 8]) else "n/a"
     busy = float((t[:, 4] - t[:, 0]).sum()) / (span * min(len(t), ts._slots(torch.device("cuda"), cap)))
     return (f"{len(t)} programs, span {span / 1e3:.1f} us; starts p50 {float(t[:, 0].float().median()) / 1e3:.1f} "
             f"max {float(t[:, 0].max()) / 1e3:.1f} us; medians: set-up {med[0]:.2f}, loop {med[1]:.2f}, result "
             f"{med[2]:.2f}, done {med[3]:.2f} us; last program's done {float(t[last, 4] - t[last, 3]) / 1e3:.2f} us "
-            f"(its counter {fin[0] / 1e3:.2f}; merge, from there: loads {fin[4] / 1e3:.2f}, reduced "
-            f"{fin[1] / 1e3:.2f}; "
-            f"then moments {fin[2] / 1e3:.2f}, row {fin[3] / 1e3:.2f}); slot occupancy {busy:.2f}")
+            f"(its counter {fin[0] / 1e3:.2f}; merge, from there: loads {loads}, reduced {fin[1] / 1e3:.2f}; then "
+            f"moments {fin[2] / 1e3:.2f}, row {fin[3] / 1e3:.2f}); slot occupancy {busy:.2f}")
 
 
 def trace_mode(scale, center) -> None:
@@ -100,7 +101,7 @@ def trace_mode(scale, center) -> None:
         del x
 
 
-def host_mode(scale, center) -> None:
+def host_mode(center) -> None:
     """Where a ``triton_stats.rows`` call spends its host time: the agent's form of the call (one tensor, its row
     into a step buffer, a device center): 300 queued calls timed, then 300 more under cProfile, top functions by
     own time."""
@@ -139,12 +140,13 @@ def main() -> None:
     p.add_argument("--ncu", action="store_true", help="only the 8 launches for ncu, no timing")
     p.add_argument("--trace", action="store_true", help="fixed and one-wave chunks, with timelines")
     p.add_argument("--no-sweep", action="store_true", help="without the launch-shape sweep")
-    p.add_argument("--host", action="store_true", help="host time of rows() calls on 16 MiB of bf16, and their cProfile")
+    p.add_argument("--host", action="store_true",
+                   help="host time of rows() calls on 16 MiB of bf16, and their cProfile")
     args = p.parse_args()
     scale = torch.tensor(2.0, device="cuda")
     center = torch.tensor([0.0, 1.0], dtype=torch.float64, device="cuda")
     if args.host:
-        host_mode(scale, center)
+        host_mode(center)
         return
     if args.trace:
         print(torch.cuda.get_device_name())
