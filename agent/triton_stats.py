@@ -492,6 +492,21 @@ if triton is not None:
                     tl.sum(a6, 0), tl.sum(a7, 0), tl.sum(a8, 0), tl.sum(a9, 0), tl.sum(a10, 0), tl.max(am, 0))
 
     @triton.jit
+    def _sums_about(part, stride, nwork, c, PB: tl.constexpr):
+        """Power sums 1-4 of (x - c) over all partials (blocks of PB)."""
+        i0 = tl.arange(0, PB)
+        zb = tl.zeros([PB], tl.float64)
+        t1, t2, t3, t4 = zb, zb, zb, zb
+        for b0 in range(0, nwork, PB):
+            n, mean, q2, q3, q4 = _load_moments(part, stride, b0 + i0, nwork)
+            u1, u2, u3, u4 = _about(n, mean, q2, q3, q4, c)
+            t1 += u1
+            t2 += u2
+            t3 += u3
+            t4 += u4
+        return tl.sum(t1, 0), tl.sum(t2, 0), tl.sum(t3, 0), tl.sum(t4, 0)
+
+    @triton.jit
     def _finalize(part, stride, nwork, ctr, dst, merge, smode, s_given, fmax, uthr, ahm, HIST: tl.constexpr,
                   PB: tl.constexpr, tr, TRACE: tl.constexpr, NARROW: tl.constexpr):
         # The moments merge as Pebay's formulas do, all at once about one center c0: each partial's central
@@ -549,6 +564,12 @@ if triton is not None:
                 vn, vnumel, vnonfin, vzeros, voutl, vunder, vover, t1, t2, t3, t4, vamax)
         _stamp(tr, 5, TRACE)
         md, a2, a3, a4 = _central(an, v1, v2, v3, v4)
+        if md * md > 256.0 * a2 / tl.maximum(an, 1.0):
+            # c0 more than 16 std from the grand mean (partial 0 empty or all NaN/Inf, or a step between chunks):
+            # the shift would cost more digits than the bound above allows; again, about the grand mean
+            c0 += md
+            v1, v2, v3, v4 = _sums_about(part, stride, nwork, c0, PB)
+            md, a2, a3, a4 = _central(an, v1, v2, v3, v4)
         _stamp(tr, 6, TRACE)
         am = c0 + md
         hist = tl.zeros([64], tl.float64)

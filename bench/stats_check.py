@@ -104,6 +104,7 @@ def adversarial(device) -> dict:
 
 def check_standalone(device) -> None:
     check_bf16_pairs(device)
+    check_far_first_partial(device)
     cases = adversarial(device)
     for name, x in cases.items():
         for hist in (True, False):
@@ -152,6 +153,17 @@ def bf16_pairs(n: int, device) -> tuple[torch.Tensor, list]:
            dict(fmt="e4m3", amax_history_max=0.75), dict())
     centers = (((0.0, 0.5), 2.0), ((0.1, 0.37), 2.0), ((0.0, 0.0), 6.0), ((0.25, 0.125), 6.0))
     return x.to(device), [(c, k, kw) for c, k in centers for kw in kws]
+
+
+def check_far_first_partial(device) -> None:
+    """The merge shifts the partials to partial 0's mean; an fp32 tensor (mean 1e4, std 1) whose first chunk is all
+    NaN leaves it empty, far from the grand mean: the merge must take the moments about the grand mean again."""
+    n = 3 << 20
+    x = torch.randn(n, device=device, dtype=torch.float64) + 1e4
+    x[: ts._chunk_elems([n], torch.device(device), ts.MAXNREG_FP32)] = float("nan")  # the launch's first chunk
+    x = x.float()
+    report("standalone far first partial (first chunk all NaN)",
+           *rows_close(ts.partials(x, hist=False), ds.partials(x, hist=False, outlier_center=NO_CENTER)))
 
 
 def check_bf16_pairs(device) -> None:

@@ -153,6 +153,18 @@ def _child(names: list[str]) -> None:
         finally:
             ts.CHUNK = chunk
 
+    def far_first_partial():
+        """The merge shifts every partial's moments to partial 0's mean; where that mean is far from the grand
+        mean in units of the std (a first chunk all NaN, or a step between chunks), it merges again about the
+        grand mean."""
+        g = torch.Generator().manual_seed(3)
+        body = torch.randn(2 * ts.CHUNK, generator=g, dtype=torch.float64) + 1e4
+        for name, head in (("nan_first_chunk", torch.full((ts.CHUNK,), float("nan"), dtype=torch.float64)),
+                           ("step_between_chunks", torch.randn(ts.CHUNK, generator=g, dtype=torch.float64) * 1e-3)):
+            x = torch.cat([head, body]).float()
+            emit(f"far_first_partial:{name}", row_problems(ts.partials(x, hist=False),
+                                                           ds.partials(x, hist=False, outlier_center=NO_CENTER)))
+
     def agent_backends():
         """The agent on the Triton path vs the torch path: same rows, except outliers, which the Triton
         path counts against the previous reporting step's mean/std of the slot."""
@@ -216,7 +228,8 @@ def _child(names: list[str]) -> None:
 
     checks = dict(rows_vs_torch=rows_vs_torch, current_scaling=current_scaling,
                   outliers_with_center=outliers_with_center, bf16_pairs=bf16_pairs, multi_tensor=multi_tensor,
-                  many_partials=many_partials, agent_backends=agent_backends, agent_outlier_centers=agent_outlier_centers)
+                  many_partials=many_partials, far_first_partial=far_first_partial, agent_backends=agent_backends,
+                  agent_outlier_centers=agent_outlier_centers)
     for name in names or checks:
         try:
             checks[name]()
@@ -228,7 +241,7 @@ def _child(names: list[str]) -> None:
 # tests
 
 GROUPS = ["rows_vs_torch", "current_scaling", "outliers_with_center", "bf16_pairs", "multi_tensor", "many_partials",
-          "agent_backends", "agent_outlier_centers"]
+          "far_first_partial", "agent_backends", "agent_outlier_centers"]
 
 
 @pytest.fixture(scope="module")
