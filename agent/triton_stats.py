@@ -565,8 +565,9 @@ if triton is not None:
         _stamp(tr, 5, TRACE)
         md, a2, a3, a4 = _central(an, v1, v2, v3, v4)
         if md * md > 256.0 * a2 / tl.maximum(an, 1.0):
-            # c0 more than 16 std from the grand mean (partial 0 empty or all NaN/Inf, or a step between chunks):
-            # the shift would cost more digits than the bound above allows; again, about the grand mean
+            # c0 more than 16 std from the grand mean (partial 0 empty or mostly NaN/Inf, or, among more than 256
+            # partials, unlike all the others): the shift would cost more digits than the bound above allows;
+            # again, about the grand mean
             c0 += md
             v1, v2, v3, v4 = _sums_about(part, stride, nwork, c0, PB)
             md, a2, a3, a4 = _central(an, v1, v2, v3, v4)
