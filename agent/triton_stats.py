@@ -86,7 +86,6 @@ CHUNK = 1 << 20
 # 512 programs for 396 slots), and per-program set-up (table, thresholds, shift) and merge are paid per program.
 # One wave ran best of 1, 2, 3, 4 and 8 on the H200 (bench/stats_kernel_time.py --trace).
 WAVES: float | None = 1
-PF = 1  # tiles whose loads the standalone kernel's loop keeps in flight ahead of the one it works on (1 or 2)
 NUM_WARPS = 8
 ROWS = 512  # rows of a [ROWS, 16 bytes] tile: ROWS / (32 * NUM_WARPS) 16-byte loads per thread per iteration
 # Register cap (ptxas): uncapped, the cold code (finalize, careful path, threshold bisection) took 153-255
@@ -836,12 +835,13 @@ if triton is not None:
 
     @triton.jit
     def _chunk(base, n, s, smode, uthr, othr, lo, hi, tr, HIST: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
-               PF: tl.constexpr, TRACE: tl.constexpr, PACKED: tl.constexpr = False):
+               TRACE: tl.constexpr, PACKED: tl.constexpr = False):
         """Statistics of the ``n`` elements at ``base`` (16-byte aligned). Tiles are [R, V]: a thread holds whole
         rows of V contiguous elements (one 16-byte load), so the per-row sums inside the loop are a thread's own
         adds and the accumulators are [R] (no cross-thread work in the hot loop). The first tiles' loads are
         issued before the scalar set-up (threshold bisections, the shift's reductions), which runs while they
-        are in flight; the loop keeps ``PF`` (1 or 2) tiles' loads in flight ahead of the tile it works on."""
+        are in flight; the loop keeps the next tile's loads in flight while it works on one (a depth of 2 did not
+        run faster on the H200)."""
         TILE: tl.constexpr = R * V
         offs = tl.arange(0, R)[:, None] * V + tl.arange(0, V)[None, :]
         m0 = offs < n
@@ -851,9 +851,6 @@ if triton is not None:
             wb = base.to(tl.pointer_type(tl.int32), bitcast=True)
             woffs = tl.arange(0, R)[:, None] * W + tl.arange(0, W)[None, :]
             w = tl.load(wb + woffs, mask=woffs < n // 2, other=0)
-        xa = x0
-        if PF == 2:
-            xa = tl.load(base + TILE + offs, mask=TILE + offs < n, other=0.0)
         tu, to = _thresholds(s, smode, uthr, othr)
         x0 = x0.to(tl.float32)
         c, p, ok = _shift_of2(x0, m0)
@@ -877,7 +874,7 @@ if triton is not None:
         if ok:
             s1, s2, s3, s4, am, cu, co, cout, cz, h = zf, zf, zf, zf, zf, zi, zi, zi, zi, tl.zeros([64], tl.int32)
             nfull = n // TILE
-            # Software prefetch: tile k+PF is loaded before tile k is processed, so loads are in flight during
+            # Software prefetch: tile k+1 is loaded before tile k is processed, so loads are in flight during
             # the arithmetic (without it each warp waits out the full memory latency once per tile). The first
             # tile is x0, already loaded; the last iterations re-load the last full tile (an unmasked, uniform
             # load instead of a per-element mask; read from L2).
@@ -907,14 +904,10 @@ if triton is not None:
             else:
                 x = x0
                 for k in range(0, nfull):
-                    xn = tl.load(base + tl.minimum(k + PF, nfull - 1) * TILE + offs)
+                    xn = tl.load(base + tl.minimum(k + 1, nfull - 1) * TILE + offs)
                     s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
                         x, m0, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, False, True)
-                    if PF == 2:
-                        x = xa.to(tl.float32)
-                        xa = xn
-                    else:
-                        x = xn.to(tl.float32)
+                    x = xn.to(tl.float32)
             _stamp(tr, 2, TRACE)
             if nfull < ntiles:
                 mt = nfull * TILE + offs < n
@@ -953,7 +946,7 @@ if triton is not None:
 
     @triton.jit
     def _stats_kernel(tab_ptr, ntab, part_ptr, ctr_ptr, dst_ptr, trace_ptr, HIST: tl.constexpr, R: tl.constexpr,
-                      PF: tl.constexpr, TRACE: tl.constexpr, NARROW: tl.constexpr):
+                      TRACE: tl.constexpr, NARROW: tl.constexpr):
         w = tl.program_id(0)
         tr = trace_ptr + w * 16
         _stamp(tr, 0, TRACE)
@@ -993,13 +986,13 @@ if triton is not None:
         n = (end - start).to(tl.int32)  # <= the chunk; the launcher makes every address 16-byte aligned
         if code == 0:
             res = _chunk(tl.multiple_of(addr.to(tl.pointer_type(tl.bfloat16)) + start, 16), n, s, smode, uthr, othr,
-                         lo, hi, tr, HIST, R, 8, PF, TRACE, not HIST)
+                         lo, hi, tr, HIST, R, 8, TRACE, not HIST)
         elif code == 1:
             res = _chunk(tl.multiple_of(addr.to(tl.pointer_type(tl.float32)) + start, 16), n, s, smode, uthr, othr,
-                         lo, hi, tr, HIST, R, 4, PF, TRACE)
+                         lo, hi, tr, HIST, R, 4, TRACE)
         else:
             res = _chunk(tl.multiple_of(addr.to(tl.pointer_type(tl.float16)) + start, 16), n, s, smode, uthr, othr,
-                         lo, hi, tr, HIST, R, 8, PF, TRACE)
+                         lo, hi, tr, HIST, R, 8, TRACE)
         nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = res
         _store_partial(part_ptr + w, tl.num_programs(0), end - start, nfin, nonfin, zeros, outl, under, over,
                        amax, mean, m2, m3, m4)
@@ -1193,7 +1186,7 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
     opts = {} if INTERPRET or not cap else {"maxnreg": cap}
     trace = None if _trace is None else torch.zeros(nwork_total, 16, dtype=torch.int32, device=device)
     _stats_kernel[(nwork_total,)](tab, len(tensors), part, counters(device), out, part if trace is None else trace,
-                                  HIST=bool(hist), R=ROWS, PF=PF, TRACE=trace is not None,
+                                  HIST=bool(hist), R=ROWS, TRACE=trace is not None,
                                   NARROW=chunk * P_BLOCK < 2**31, num_warps=NUM_WARPS, **opts)
     if trace is not None:
         _trace.append(trace)

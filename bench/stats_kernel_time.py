@@ -86,8 +86,8 @@ def trace_mode(scale, center) -> None:
         nbytes = mib * MiB
         x = torch.randn(nbytes // torch.empty((), dtype=dtype).element_size(), device="cuda").to(dtype)
         bw = copy_tbs(x)
-        for waves, chunk, pf in ((None, 1 << 16, 1), (1, 1 << 20, 1)):
-            ts.WAVES, ts.CHUNK, ts.PF = waves, chunk, pf
+        for waves, chunk in ((None, 1 << 16), (1, 1 << 20)):
+            ts.WAVES, ts.CHUNK = waves, chunk
             for hist in (False, True):
                 _, _, kernel = timed(_partials(x, scale, center, hist))
                 ts._trace = []
@@ -95,7 +95,7 @@ def trace_mode(scale, center) -> None:
                 torch.cuda.synchronize()
                 tl_ = timeline(ts._trace[0], ts.MAXNREG_FP32 if dtype == torch.float32 else ts.MAXNREG)
                 ts._trace = None
-                print(f"{str(dtype)[6:]:8} {mib:3} MiB WAVES={waves} CHUNK={chunk} PF={pf} hist={hist!s:5}: kernel "
+                print(f"{str(dtype)[6:]:8} {mib:3} MiB WAVES={waves} CHUNK={chunk} hist={hist!s:5}: kernel "
                       f"{kernel:7.1f} us = {nbytes / (kernel * 1e-6) / 1e12 / bw:.3f} of copy ({bw:.2f} TB/s) | {tl_}",
                       flush=True)
         del x
