@@ -160,7 +160,8 @@ def lower_bound(model, tokens: int, precision: str, device: torch.device) -> Non
 
 def profile(phase, device, args) -> dict:
     """Where the agent's time goes: torch.profiler over a few steps with the agent off and on (Triton
-    path), the top operators by self CPU time and by device time of each, then cProfile's top host functions."""
+    path), the top operators by self CPU time and by device time of each (``--profile torch``), then cProfile's
+    top host functions: by own time, and with ``--profile host`` by cumulative time too."""
     import cProfile
     import io
     import pstats
@@ -173,22 +174,28 @@ def profile(phase, device, args) -> dict:
         args.steps, args.warmup = 0, max(1, warmup)
         phase(backend)  # warm-up of this backend (compiles)
         args.steps, args.warmup = steps, warmup
-        with tprofile(activities=acts) as prof:
-            t0 = time.perf_counter()
-            info = phase(backend)
-            wall = time.perf_counter() - t0
-        med = statistics.median(info["times"]) * 1e3
-        print(f"\n=== profile {backend or 'off'}: median step {med:.2f} ms, phase wall {wall:.2f} s", flush=True)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
-        if device.type == "cuda":
-            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
+        if args.profile == "torch":
+            with tprofile(activities=acts) as prof:
+                t0 = time.perf_counter()
+                info = phase(backend)
+                wall = time.perf_counter() - t0
+            med = statistics.median(info["times"]) * 1e3
+            print(f"\n=== profile {backend or 'off'}: median step {med:.2f} ms, phase wall {wall:.2f} s", flush=True)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+            if device.type == "cuda":
+                print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20,
+                                                max_name_column_width=60))
         cp = cProfile.Profile()
         cp.enable()
-        phase(backend)
+        info = phase(backend)
         cp.disable()
-        out = io.StringIO()
-        pstats.Stats(cp, stream=out).sort_stats("tottime").print_stats(25)
-        print("\n".join(out.getvalue().splitlines()[:45]))
+        print(f"\n=== cProfile {backend or 'off'}: {args.steps} steps, median step "
+              f"{statistics.median(info['times']) * 1e3:.2f} ms, host {statistics.median(info['host']) * 1e3:.2f} ms "
+              f"(both inflated by the profiler)", flush=True)
+        for order in ("tottime",) + (("cumulative",) if args.profile == "host" else ()):
+            out = io.StringIO()
+            pstats.Stats(cp, stream=out).sort_stats(order).print_stats(30 if order == "tottime" else 45)
+            print("\n".join(out.getvalue().splitlines()[:60]), flush=True)
     return {}
 
 
@@ -204,7 +211,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="off/on alternations")
     p.add_argument("--url", default=None, help="monitor URL; default: a local acknowledging sink (bench/sink.py)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--profile", action="store_true", help="torch.profiler tables of off vs on instead of the timing")
+    p.add_argument("--profile", nargs="?", const="torch", choices=["torch", "host"],
+                   help="instead of the timing, off vs on: torch.profiler tables then cProfile's (torch, the "
+                        "default), or cProfile's alone, by own and by cumulative time (host)")
     p.add_argument("--no-hist", dest="hist", action="store_false",
                    help="the agent without the optional log2 histogram (SPEC section 4)")
     p.add_argument("--hist-every", type=int, default=10,
