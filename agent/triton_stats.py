@@ -68,7 +68,6 @@ import torch
 
 from . import device_stats as ds
 from .formats import by_name
-from .triton_launch import launch
 from .wire import LOG2_HIST_BINS, LOG2_HIST_LO
 
 try:  # the agent must stay importable without Triton
@@ -1186,9 +1185,9 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
     part = torch.empty(PW, nwork_total, dtype=torch.float64, device=device)  # field-major (_store_partial)
     opts = {} if INTERPRET or not cap else {"maxnreg": cap}
     trace = None if _trace is None else torch.zeros(nwork_total, 16, dtype=torch.int32, device=device)
-    launch(_stats_kernel, (nwork_total,), tab, len(tensors), part, counters(device), out,
-           part if trace is None else trace, HIST=bool(hist), R=ROWS, TRACE=trace is not None,
-           NARROW=chunk * P_BLOCK < 2**31, num_warps=NUM_WARPS, **opts)
+    _stats_kernel[(nwork_total,)](tab, len(tensors), part, counters(device), out, part if trace is None else trace,
+                                  HIST=bool(hist), R=ROWS, TRACE=trace is not None,
+                                  NARROW=chunk * P_BLOCK < 2**31, num_warps=NUM_WARPS, **opts)
     if trace is not None:
         _trace.append(trace)
     del keep

@@ -61,7 +61,6 @@ from agent import triton_stats as ts
 from . import fp8_gemm_ws as _ws
 from .quantize import _num_sms, cdiv, stats_ref
 from .timing import fastest
-from agent.triton_launch import launch
 from agent.triton_stats import fused_bounds, nofmt_epilogue, rows_add, rows_partial, rows_zero
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
@@ -545,7 +544,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
         else:
             cfg = dict(config)
             grid = (cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]), split_k)
-            launch(_fp8_gemm_ptr_kernel, grid, *args, **flags, **cfg)
+            _fp8_gemm_ptr_kernel[grid](*args, **flags, **cfg)
     else:
         wspec = impl == "tma_ws"
         flags.update(NUM_SMS=num_sms, WARP_SPEC=wspec, FLATTEN=not wspec)
@@ -569,9 +568,9 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
         grid = cdiv(M * N, block)
         if stats is not None:  # persistent: a statistics partial per program
             grid = min(grid, 4 * num_sms)
-        launch(_splitk_reduce_kernel, (grid,), ws, c, scale_a, scale_b, bias_arg, M * N, N,
-               **_stats_args(stats, stats_base, grid, scale_a), SPLIT_K=split_k, HAS_BIAS=has_bias,
-               SOFT_ROUND=INTERPRET, BLOCK=block, num_warps=4)
+        _splitk_reduce_kernel[(grid,)](ws, c, scale_a, scale_b, bias_arg, M * N, N,
+                                       **_stats_args(stats, stats_base, grid, scale_a), SPLIT_K=split_k,
+                                       HAS_BIAS=has_bias, SOFT_ROUND=INTERPRET, BLOCK=block, num_warps=4)
     return c
 
 

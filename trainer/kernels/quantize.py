@@ -53,7 +53,6 @@ from agent import device_stats as ds
 from agent import triton_stats as ts
 from agent.formats import Fp8Format, by_name, current_scale, delayed_scale
 from agent.formats import quantize as _quantize_cast
-from agent.triton_launch import launch
 from agent.triton_stats import (_careful_result, _fast_result, _shift_of, _tile_careful, _tile_fast, _tile_sum,
                                 fused_epilogue, fused_prologue)
 
@@ -314,7 +313,7 @@ def amax_partials(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
     n = x.numel()
     grid = max(1, min(cdiv(n, block), 4 * _num_sms(x.device), MAX_PARTIALS))
     part = torch.empty(grid, dtype=torch.float32, device=x.device)
-    launch(_amax_partials_kernel, (grid,), x, part, n, BLOCK=block, num_warps=8)
+    _amax_partials_kernel[(grid,)](x, part, n, BLOCK=block, num_warps=8)
     return part
 
 
@@ -323,8 +322,8 @@ def delayed_update(accum: torch.Tensor, history: torch.Tensor, scale: torch.Tens
     """Roll ``history`` (in place) with the amax collected in ``accum``, write the next ``scale``."""
     fmt = by_name(fmt)
     H = history.numel()
-    launch(_delayed_update_kernel, (1,), accum, history, scale, meta, H, 2.0 ** -margin, FMAX=float(fmt.max),
-           H_BLOCK=next_power_of_2(max(H, 1)), num_warps=4)
+    _delayed_update_kernel[(1,)](accum, history, scale, meta, H, 2.0 ** -margin, FMAX=float(fmt.max),
+                                 H_BLOCK=next_power_of_2(max(H, 1)), num_warps=4)
 
 
 def stats_consts(fmt: Fp8Format) -> dict:
@@ -360,18 +359,19 @@ def quantize(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tensor | None =
             assert accum is not None, "delayed scaling needs an amax accumulator"
             args = (x, q, meta, 0, scale, accum, meta, n)
             P = 1
-        launch(_quantize_stats_kernel, grid, *args, **ts.fused_args(stats, grid[0], x.device), CURRENT=scale is None,
-               P_BLOCK=P, BLOCK=block, num_warps=8, **_consts(fmt), **stats_consts(fmt))
+        _quantize_stats_kernel[grid](*args, **ts.fused_args(stats, grid[0], x.device), CURRENT=scale is None,
+                                     P_BLOCK=P, BLOCK=block, num_warps=8, **_consts(fmt), **stats_consts(fmt))
         return Quantized(q, None, meta)
     grid = (max(1, cdiv(n, block)),)
     if scale is None:
         part = amax_partials(x)
-        launch(_quantize_kernel, grid, x, q, part, part.numel(), meta, meta, meta, n, CURRENT=True,
-               P_BLOCK=next_power_of_2(part.numel()), BLOCK=block, num_warps=8, **_consts(fmt))
+        _quantize_kernel[grid](x, q, part, part.numel(), meta, meta, meta, n, CURRENT=True,
+                               P_BLOCK=next_power_of_2(part.numel()), BLOCK=block, num_warps=8,
+                               **_consts(fmt))
     else:
         assert accum is not None, "delayed scaling needs an amax accumulator"
-        launch(_quantize_kernel, grid, x, q, meta, 0, scale, accum, meta, n, CURRENT=False, P_BLOCK=1,
-               BLOCK=block, num_warps=8, **_consts(fmt))
+        _quantize_kernel[grid](x, q, meta, 0, scale, accum, meta, n, CURRENT=False, P_BLOCK=1, BLOCK=block,
+                               num_warps=8, **_consts(fmt))
     return Quantized(q, None, meta)
 
 

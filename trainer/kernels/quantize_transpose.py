@@ -21,7 +21,6 @@ import triton
 import triton.language as tl
 
 from agent.formats import Fp8Format, by_name
-from agent.triton_launch import launch
 
 from agent import triton_stats as ts
 from agent.triton_stats import (_careful_result, _fast_result, _shift_of, _tile_careful, _tile_fast, _tile_sum,
@@ -241,18 +240,20 @@ def quantize_transpose(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tenso
             assert accum is not None, "delayed scaling needs an amax accumulator"
             args = (x, q_arg, qt_arg, meta, 0, scale, accum, meta, M, N, x.stride(0))
             P = 1
-        launch(_quantize_transpose_stats_kernel, (programs,), *args, **ts.fused_args(stats, programs, dev),
-               CURRENT=scale is None, P_BLOCK=P, V=_STATS_V, STAGES=STATS_STAGES, **common, **stats_consts(fmt),
-               **_stats_opts())
+        _quantize_transpose_stats_kernel[(programs,)](*args, **ts.fused_args(stats, programs, dev),
+                                                      CURRENT=scale is None, P_BLOCK=P, V=_STATS_V,
+                                                      STAGES=STATS_STAGES,
+                                                      **common, **stats_consts(fmt), **_stats_opts())
         return Quantized(q, qt, meta)
     if scale is None:
         part = amax_partials(x if x.is_contiguous() else x.contiguous())
-        launch(_quantize_transpose_kernel, grid, x, q_arg, qt_arg, part, part.numel(), meta, meta, meta, M, N,
-               x.stride(0), CURRENT=True, P_BLOCK=next_power_of_2(part.numel()), **common)
+        _quantize_transpose_kernel[grid](x, q_arg, qt_arg, part, part.numel(), meta, meta, meta, M, N,
+                                         x.stride(0), CURRENT=True,
+                                         P_BLOCK=next_power_of_2(part.numel()), **common)
     else:
         assert accum is not None, "delayed scaling needs an amax accumulator"
-        launch(_quantize_transpose_kernel, grid, x, q_arg, qt_arg, meta, 0, scale, accum, meta, M, N, x.stride(0),
-               CURRENT=False, P_BLOCK=1, **common)
+        _quantize_transpose_kernel[grid](x, q_arg, qt_arg, meta, 0, scale, accum, meta, M, N, x.stride(0),
+                                         CURRENT=False, P_BLOCK=1, **common)
     return Quantized(q, qt, meta)
 
 
