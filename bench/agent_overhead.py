@@ -41,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agent import Agent  # noqa: E402
+from agent.wire import SITES  # noqa: E402
 from bench.train_step import BATCH, build, optimizer_step  # noqa: E402
 
 def measure(config: str, precision: str, args, device: torch.device, url: str) -> dict:
@@ -63,8 +64,10 @@ def measure(config: str, precision: str, args, device: torch.device, url: str) -
         agent = None
         spool = tempfile.TemporaryDirectory()
         if backend is not None:
+            backend, _, sites = backend.partition(":")  # "triton:input+grad_weight": those sites only
             agent = Agent(url, run=f"overhead-{config}-{precision}-{int(time.time())}", every=1,
                           modules=r"^blocks\.", spool_dir=spool.name, stats_backend=backend,
+                          sites=sites.split("+") if sites else SITES,
                           hist=args.hist, hist_every=args.hist_every).watch(model)
             agent.step(step_no[0])
         # with the agent on, the warm-up takes in a histogram step (its kernels compile then, not in the timing)
@@ -203,7 +206,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default="124m,1.5b")
     p.add_argument("--precisions", default="fp8,bf16")
-    p.add_argument("--backends", default="triton,torch", help="agent statistics paths to measure (triton, torch)")
+    p.add_argument("--backends", default="triton,torch",
+                   help="agent statistics paths to measure (triton, torch), each optionally with some sites only: "
+                        "triton:input+grad_weight")
     p.add_argument("--batch-size", type=int)
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--steps", type=int, default=15, help="timed steps per phase")
