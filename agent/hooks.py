@@ -12,7 +12,9 @@ Sites and when they are read:
   grad_output     tensor hook on the output, registered in the forward; every backward through it
   grad_weight     post-accumulate-grad hook on the weight: the accumulated ``.grad`` after each
                   backward, last one wins, i.e. with gradient accumulation the summed gradient the
-                  optimizer sees. (Not a leaf: a tensor hook, the gradient of one backward.)
+                  optimizer sees. The agent reads it with its next launch of that backward pass, or
+                  at the pass's end (one launch for the layers left). (Not a leaf: a tensor hook, the
+                  gradient of one backward.)
 
 Hooks are installed only while needed (a reporting step, or every step under delayed scaling) and
 removed otherwise, so steps that report nothing run the model without any hook.
@@ -57,6 +59,8 @@ class Sink:
     def active(self) -> bool: ...
     def observe(self, layer: str, site: str, x: torch.Tensor, once: bool = False, replace: bool = False) -> None: ...
     # optional: observe_many(layer, [(site, tensor, once, replace), ...]), several tensors at once
+    # optional: observe_after_backward(layer, site, param): param.grad (replacing), read later in the same
+    # backward pass, when its value is final
     def grad_hook(self, layer: str) -> Callable[[torch.Tensor], None] | None: ...
 
 
@@ -118,7 +122,11 @@ class LayerHooks:
 
     def _grad_weight(self, param: torch.Tensor) -> None:
         if param.grad is not None and self.sink.active():
-            self.sink.observe(self.name, "grad_weight", param.grad, replace=True)
+            later = getattr(self.sink, "observe_after_backward", None)
+            if later is not None:
+                later(self.name, "grad_weight", param)
+            else:
+                self.sink.observe(self.name, "grad_weight", param.grad, replace=True)
 
     def _grad_weight_tensor(self, grad: torch.Tensor) -> None:
         if self.sink.active():

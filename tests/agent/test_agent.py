@@ -484,25 +484,29 @@ def test_auto_backend_falls_back_to_torch_when_the_triton_statistics_fail(monkey
         assert_record(rec, ref.expected(step, layer, site))
 
 
-def test_a_layers_backward_sites_share_one_launch_and_a_frozen_weight_loses_no_grad_output(monkeypatch):
-    """On the Triton path a watched layer's grad_output waits for its grad_weight (the same backward node
-    produces it next): the five sites cost two statistics launches per layer and step, not three. A weight
-    frozen after watch() sends no grad_weight; its layer's waiting grad_output is then observed alone, in
-    its own step."""
+def _rows_counting(launches: list):
+    """A torch stand-in for ``triton_stats.rows`` that records each launch's tensor count."""
     from agent import device_stats as ds
-    from agent import triton_stats as ts
 
-    model, ref, cap, agent = _tiny_lm_watched_every_step(seed=5)
-    launches = []
-
-    def rows(tensors, *, fmt, scale, center, outlier_k, amax_history_max, hist, out, index, merge):  # torch rows
+    def rows(tensors, *, fmt, scale, center, outlier_k, amax_history_max, hist, out, index, merge):
         launches.append(len(tensors))
         for i, x in enumerate(tensors):
             row = ds.partials(x, fmt=fmt[i], scale=scale[i], amax_history_max=amax_history_max[i],
                               outlier_k=outlier_k, hist=hist)
             out[index[i]] = ds.merge(out[index[i]], row) if merge[i] else row
 
-    monkeypatch.setattr(ts, "rows", rows)
+    return rows
+
+
+def test_grad_weights_wait_for_the_next_launch_of_their_backward_and_a_frozen_weight_loses_nothing(monkeypatch):
+    """On the Triton path a layer's grad_weight waits for the next statistics launch of its backward pass (the
+    next layer's grad_output) or for the pass's end: the five sites cost two launches per layer and step, not
+    three. A weight frozen after watch() sends no grad_weight and loses no grad_output."""
+    from agent import triton_stats as ts
+
+    model, ref, cap, agent = _tiny_lm_watched_every_step(seed=5)
+    launches = []
+    monkeypatch.setattr(ts, "rows", _rows_counting(launches))
     monkeypatch.setattr(agent, "_triton_for", lambda x: True)  # as on a GPU
     frozen = "blocks.1.mlp.fc2"
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -515,7 +519,9 @@ def test_a_layers_backward_sites_share_one_launch_and_a_frozen_weight_loses_no_g
         opt.zero_grad(set_to_none=True)
         agent.log(step)
         if step == 0:
-            assert launches == [3] * 8 + [2] * 8  # 8 forward, 8 backward launches
+            # 8 forward launches; backward: the last layer's grad_output alone, each other with the grad_weight
+            # before it, the first layer's grad_weight at the pass's end
+            assert launches == [3] * 8 + [1] + [2] * 7 + [1]
     ref.step = 4
     lm_loss(model, batches(1, seed=8)[0]).backward()
     agent.close()  # no log(): what the hooks saw is sent as step 4, the last grad_output that waited too
@@ -531,9 +537,35 @@ def test_a_layers_backward_sites_share_one_launch_and_a_frozen_weight_loses_no_g
     assert sum(site == "grad_output" for (_, _, site, _) in records) == 5 * 8
 
 
-def test_close_sends_a_grad_output_still_waiting_for_its_grad_weight():
-    """Only grad_output and grad_weight watched, the weight frozen after watch(): at close() the grad_output
-    still waits for a grad_weight that never comes, and nothing else was observed; it is sent, not lost."""
+def test_grad_weights_of_a_backward_pass_are_one_launch_and_the_last_pass_wins(monkeypatch):
+    """Only grad_weight watched (an FP8 model's other sites come from its fused kernels): each backward pass
+    observes every layer's .grad in one launch at its end, and with two micro-batches the step's row is the
+    summed gradient the optimizer sees."""
+    from agent import triton_stats as ts
+
+    torch.manual_seed(7)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    cap = CaptureTransport()
+    agent = Agent(transport=cap, every=1, sites=("grad_weight",)).watch(model)
+    launches = []
+    monkeypatch.setattr(ts, "rows", _rows_counting(launches))
+    monkeypatch.setattr(agent, "_triton_for", lambda x: True)  # as on a GPU
+    for _ in range(2):
+        model(torch.randn(8, 16)).square().sum().backward()
+    assert launches == [4, 4]
+    grads = {str(i): m.weight.grad.double() for i, m in enumerate(model)}
+    agent.log(0)
+    agent.close()
+    records = cap.records()
+    assert agent.errors == 0 and {k[1] for k in records} == set(grads)
+    for layer, g in grads.items():
+        assert math.isclose(records[(0, layer, "grad_weight", 0)]["rms"], float(g.square().mean().sqrt()),
+                            rel_tol=1e-12)
+
+
+def test_a_frozen_weights_grad_output_is_sent():
+    """Only grad_output and grad_weight watched, the weight frozen after watch(): no grad_weight comes, and the
+    grad_output is sent, not lost."""
     torch.manual_seed(6)
     model = nn.Sequential(nn.Linear(8, 4))
     cap = CaptureTransport()
