@@ -13,7 +13,8 @@ rows), device time of eager launches queued back to back (``trainer.kernels.timi
               ``Fp8Linear`` does with ``OUTPUT_STATS = "read"``
   read        the same without the histogram
 and each statistics time as a multiple of ``plain``. The compiled statistics kernel's registers and spills are
-printed where Triton reports them.
+printed where Triton reports them. ``--host``: instead, the host time per call of plain, stats and read (200 calls
+queued back to back, median of ``--rounds`` rounds, interleaved): what each costs a host-bound step.
 """
 
 from __future__ import annotations
@@ -50,11 +51,32 @@ def kernel_info(fn) -> str:
     return " ".join(sorted(set(out))) or "n/a"
 
 
+def host_medians(fns: dict, rounds: int, calls: int = 200) -> dict:
+    """Host microseconds per call of each function, ``calls`` queued back to back, median over interleaved
+    rounds (after a warm-up call of each)."""
+    import statistics
+    import time
+
+    got = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            got[k].append((time.perf_counter() - t0) / calls * 1e6)
+            torch.cuda.synchronize()
+    return {k: statistics.median(v) for k, v in got.items()}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="all", choices=["all", "124m", "1.5b"])
     p.add_argument("--kinds", default="fwd,wgrad")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--host", action="store_true", help="host time per call instead of device time")
     args = p.parse_args(argv)
     from agent import triton_stats as ts
     from trainer.kernels import fp8_gemm
@@ -84,6 +106,11 @@ def main(argv=None) -> int:
 
         fns = {"plain": run, "tma": lambda: run("tma"), "st+hist": lambda: run(hist=True),
                "stats": lambda: run(hist=False), "read+hist": lambda: read(True), "read": lambda: read(False)}
+        if args.host:
+            t = host_medians({k: fns[k] for k in ("plain", "stats", "read")}, args.rounds)
+            print(f"{label:12s} {kind:5s} {M:6d}x{N:6d}x{K:6d} host us per call: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in t.items()), flush=True)
+            continue
         t = device_medians(fns, rounds=args.rounds)
         base = t["plain"]
         print(f"{label:12s} {kind:5s} {M:6d}x{N:6d}x{K:6d} " + " ".join(f"{t[k] * 1e3:8.1f}" for k in fns)
