@@ -130,13 +130,18 @@ class Agent:
         self._step = 0
         self._token = 0  # changes at every step begin: a gradient hook from an older step is late
         self._seen: set[int] = set()
-        # grad_weight rows wait, as (layer, site) -> parameter, for the next statistics launch of the same backward
-        # pass (a grad_output's) or for its end: a launch costs ~0.1 ms of host time, and a layer's .grad is final
+        # A layer's grad_output waits for its grad_weight (computed right after it in the same backward node)
+        # to share one statistics launch: one launch fewer per watched layer and step. At most one waits.
+        self._pairs: set[str] = set()  # layers whose hooks observe both
+        self._waiting: tuple[str, torch.Tensor] | None = None
+        self._waiting_lock = threading.Lock()  # backward hooks may run on several device threads
+        # The other layers' grad_weight rows wait, as (layer, site) -> parameter, for the next statistics launch of
+        # the same backward pass or for its end: a launch costs ~0.1 ms of host time, and a layer's .grad is final
         # for the pass once its accumulate hook has run. On an FP8 model, whose other sites come from its fused
-        # kernels, a step's grad_weights are one launch instead of one per layer.
+        # kernels, a step's grad_weights are then one launch instead of one per layer.
         self._after: dict[tuple[str, str], torch.Tensor] = {}
         self._after_queued = False  # the end-of-pass callback is queued
-        self._after_lock = threading.Lock()  # backward hooks may run on several device threads
+        self._after_lock = threading.Lock()
         self._closed = False
         self.reporting = False
 
@@ -182,6 +187,10 @@ class Agent:
             hooks = LayerHooks(name, module, self.sites, self, skip=() if reference else None)
             for site in hooks.sites:
                 self._slots.get(name, site)
+            weight = getattr(module, "weight", None)
+            if {"grad_output", "grad_weight"} <= set(hooks.sites) and isinstance(weight, torch.Tensor) and \
+                    weight.is_leaf and weight.requires_grad:
+                self._pairs.add(name)
             if fused:
                 module.fp8mon_stats = FusedLink(self, name, tuple(s for s in self.sites if s not in hooks.sites))
             elif hasattr(module, "fp8mon_stats"):
@@ -268,11 +277,13 @@ class Agent:
                 hooks.module.fp8mon_stats = None
         try:
             if not self.reduce:
+                self._release_waiting()  # into the pack: a grad_output whose grad_weight never came
                 self._observe_after()  # grad_weights whose backward pass did not end
             if not self.reduce and self._pack.written:
                 self._end(self._step, {})
         except Exception as exc:
             self._error("close", exc)
+        self._waiting = None
         if self._collector is None:
             return True
         if status is not None:
@@ -308,6 +319,7 @@ class Agent:
             hooks.install() if want else hooks.remove()
 
     def _end(self, step: int, values: dict) -> None:
+        self._release_waiting()
         self._observe_after()
         rows = None
         if self._pack.open:
@@ -372,11 +384,19 @@ class Agent:
         """Tensors of one layer, ``(site, tensor, once, replace)`` each, with the grad_weights waiting for a launch:
         on the Triton path one launch. A failure is counted (and logged once) per site, as if each had been
         observed alone."""
+        if self._waiting is not None and any(it[0] == "grad_weight" for it in items):
+            grad = self._take_waiting(layer)
+            if grad is not None:
+                items = [("grad_output", grad, False, False), *items]
         self._observe([(layer, *it) for it in items] + self._take_after(items[0][1].device if items else None))
 
     def observe_after_backward(self, layer: str, site: str, param: torch.Tensor) -> None:
         """``param.grad`` as ``site`` of ``layer`` (replacing), observed with the next launch of this backward pass
-        or at its end, whichever comes first."""
+        or at its end, whichever comes first. A layer whose grad_output the hooks observe (a pair) is observed now,
+        in one launch with its waiting grad_output (the same backward node produced both)."""
+        if layer in self._pairs:
+            self.observe_many(layer, [(site, param.grad, False, True)])
+            return
         with self._after_lock:
             self._after[(layer, site)] = param
             if self._after_queued:
@@ -512,9 +532,30 @@ class Agent:
                 self._error("grad_output", RuntimeError(
                     f"a gradient of step {self._step - 1} arrived after log() closed it; call log() after backward"))
                 return
-            self.observe(layer, "grad_output", grad)
+            if layer in self._pairs and self.reporting:
+                with self._waiting_lock:
+                    before, self._waiting = self._waiting, (layer, grad)  # observed with the layer's grad_weight
+                if before is not None:  # its grad_weight did not follow
+                    self.observe(before[0], "grad_output", before[1])
+            else:
+                self.observe(layer, "grad_output", grad)
 
         return hook
+
+    def _take_waiting(self, layer: str) -> torch.Tensor | None:
+        """``layer``'s waiting grad_output, no longer waiting (None: none waits)."""
+        with self._waiting_lock:
+            if self._waiting is None or self._waiting[0] != layer:
+                return None
+            grad, self._waiting = self._waiting[1], None
+            return grad
+
+    def _release_waiting(self) -> None:
+        """Observe a waiting grad_output alone (its grad_weight did not follow)."""
+        with self._waiting_lock:
+            waiting, self._waiting = self._waiting, None
+        if waiting is not None:
+            self.observe(waiting[0], "grad_output", waiting[1])
 
     def _scale_for(self, layer, site, slot, fmt, device):
         """(scale, amax_history_max, emulated-delayed?) for a tensor of the slot."""

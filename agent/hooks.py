@@ -12,8 +12,9 @@ Sites and when they are read:
   grad_output     tensor hook on the output, registered in the forward; every backward through it
   grad_weight     post-accumulate-grad hook on the weight: the accumulated ``.grad`` after each
                   backward, last one wins, i.e. with gradient accumulation the summed gradient the
-                  optimizer sees. The agent reads it with its next launch of that backward pass, or
-                  at the pass's end (one launch for the layers left). (Not a leaf: a tensor hook, the
+                  optimizer sees. The agent reads it right away with the layer's grad_output where it
+                  watches both through hooks, else with its next launch of that backward pass or at
+                  the pass's end (an FP8 layer's: one launch for all). (Not a leaf: a tensor hook, the
                   gradient of one backward.)
 
 Hooks are installed only while needed (a reporting step, or every step under delayed scaling) and

@@ -498,10 +498,11 @@ def _rows_counting(launches: list):
     return rows
 
 
-def test_grad_weights_wait_for_the_next_launch_of_their_backward_and_a_frozen_weight_loses_nothing(monkeypatch):
-    """On the Triton path a layer's grad_weight waits for the next statistics launch of its backward pass (the
-    next layer's grad_output) or for the pass's end: the five sites cost two launches per layer and step, not
-    three. A weight frozen after watch() sends no grad_weight and loses no grad_output."""
+def test_a_layers_backward_sites_share_one_launch_and_a_frozen_weight_loses_no_grad_output(monkeypatch):
+    """On the Triton path a watched layer's grad_output waits for its grad_weight (the same backward node
+    produces it next): the five sites cost two statistics launches per layer and step, not three. A weight
+    frozen after watch() sends no grad_weight; its layer's waiting grad_output is then observed alone, in
+    its own step."""
     from agent import triton_stats as ts
 
     model, ref, cap, agent = _tiny_lm_watched_every_step(seed=5)
@@ -519,9 +520,7 @@ def test_grad_weights_wait_for_the_next_launch_of_their_backward_and_a_frozen_we
         opt.zero_grad(set_to_none=True)
         agent.log(step)
         if step == 0:
-            # 8 forward launches; backward: the last layer's grad_output alone, each other with the grad_weight
-            # before it, the first layer's grad_weight at the pass's end
-            assert launches == [3] * 8 + [1] + [2] * 7 + [1]
+            assert launches == [3] * 8 + [2] * 8  # 8 forward, 8 backward launches
     ref.step = 4
     lm_loss(model, batches(1, seed=8)[0]).backward()
     agent.close()  # no log(): what the hooks saw is sent as step 4, the last grad_output that waited too
@@ -563,9 +562,9 @@ def test_grad_weights_of_a_backward_pass_are_one_launch_and_the_last_pass_wins(m
                             rel_tol=1e-12)
 
 
-def test_a_frozen_weights_grad_output_is_sent():
-    """Only grad_output and grad_weight watched, the weight frozen after watch(): no grad_weight comes, and the
-    grad_output is sent, not lost."""
+def test_close_sends_a_grad_output_still_waiting_for_its_grad_weight():
+    """Only grad_output and grad_weight watched, the weight frozen after watch(): at close() the grad_output
+    still waits for a grad_weight that never comes, and nothing else was observed; it is sent, not lost."""
     torch.manual_seed(6)
     model = nn.Sequential(nn.Linear(8, 4))
     cap = CaptureTransport()
