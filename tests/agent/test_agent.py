@@ -538,8 +538,8 @@ def test_a_layers_backward_sites_share_one_launch_and_a_frozen_weight_loses_no_g
 
 def test_grad_weights_of_a_backward_pass_are_one_launch_and_the_last_pass_wins(monkeypatch):
     """Only grad_weight watched (an FP8 model's other sites come from its fused kernels): each backward pass
-    observes every layer's .grad in one launch at its end, and with two micro-batches the step's row is the
-    summed gradient the optimizer sees."""
+    observes every layer's .grad in one launch at its end (outside a pass, at once), and with two micro-batches the
+    step's row is the summed gradient the optimizer sees."""
     from agent import triton_stats as ts
 
     torch.manual_seed(7)
@@ -552,6 +552,8 @@ def test_grad_weights_of_a_backward_pass_are_one_launch_and_the_last_pass_wins(m
     for _ in range(2):
         model(torch.randn(8, 16)).square().sum().backward()
     assert launches == [4, 4]
+    agent.observe_after_backward("0", "grad_weight", model[0].weight)  # outside a backward pass: observed now
+    assert launches == [4, 4, 1]
     grads = {str(i): m.weight.grad.double() for i, m in enumerate(model)}
     agent.log(0)
     agent.close()
