@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.gemm import KINDS, MODELS  # noqa: E402
+from bench.gemm import KINDS, MODELS, host_us  # noqa: E402
 
 
 def shapes(which: str, kinds: list[str]):
@@ -51,23 +51,15 @@ def kernel_info(fn) -> str:
     return " ".join(sorted(set(out))) or "n/a"
 
 
-def host_medians(fns: dict, rounds: int, calls: int = 200) -> dict:
-    """Host microseconds per call of each function, ``calls`` queued back to back, median over interleaved
-    rounds (after a warm-up call of each)."""
+def host_medians(fns: dict, rounds: int) -> dict:
+    """Host microseconds per call of each function (``bench.gemm.host_us``: 200 calls queued back to back), median
+    over interleaved rounds."""
     import statistics
-    import time
 
     got = {k: [] for k in fns}
-    for fn in fns.values():
-        fn()
     for _ in range(rounds):
         for k, fn in fns.items():
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            got[k].append((time.perf_counter() - t0) / calls * 1e6)
-            torch.cuda.synchronize()
+            got[k].append(host_us(fn))
     return {k: statistics.median(v) for k, v in got.items()}
 
 
