@@ -104,10 +104,8 @@ def trace_mode(scale, center) -> None:
 def host_mode(center) -> None:
     """Where a ``triton_stats.rows`` call spends its host time: the agent's form of the call (one tensor, its row
     into a step buffer, a device center): 300 queued calls timed, then 300 more under cProfile, top functions by
-    own time."""
-    import cProfile
-    import io
-    import pstats
+    own time (``bench.gemm.host_us`` and ``profile_calls``)."""
+    from bench.gemm import host_us, profile_calls
 
     x = torch.randn(8 << 20, device="cuda").to(torch.bfloat16)
     out = torch.zeros(4, ts.ds.WIDTH, dtype=torch.float64, device="cuda")
@@ -115,24 +113,11 @@ def host_mode(center) -> None:
     def call():
         ts.rows([x], fmt="e4m3", center=[center], hist=False, out=out, index=[1], merge=[False])
 
-    for _ in range(20):
+    for _ in range(20):  # compiles, and grows the staging ring to what queued calls need
         call()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(300):
-        call()
-    host = (time.perf_counter() - t0) / 300
-    torch.cuda.synchronize()
-    print(f"{torch.cuda.get_device_name()}: host time per rows() call {host * 1e6:.1f} us (300 calls queued)")
-    cp = cProfile.Profile()
-    cp.enable()
-    for _ in range(300):
-        call()
-    cp.disable()
-    torch.cuda.synchronize()
-    buf = io.StringIO()
-    pstats.Stats(cp, stream=buf).sort_stats("tottime").print_stats(25)
-    print("\n".join(buf.getvalue().splitlines()[:40]))
+    host = host_us(call, 300)
+    print(f"{torch.cuda.get_device_name()}: host time per rows() call {host:.1f} us (300 calls queued)")
+    print("\n".join(profile_calls(call, 300).splitlines()[:40]))
 
 
 def main() -> None:
