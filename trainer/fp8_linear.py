@@ -36,8 +36,8 @@ the H200 at the 1.5B forward shapes the read costs less device time (the GEMM an
 GEMM without the histogram, the epilogue 1.22-1.61x: it runs on the TMA kernel, the read follows the faster ws
 kernel), but it is one more launch, ~90 us of host time, and with the agent on the step was host-bound there
 (bench/gemm_stats.py, bench/agent_overhead.py --output-stats; bench/RESULTS.md). No hook reads y either way.
-``grad_weight`` is left to the agent's hook, which reads ``weight.grad`` after each accumulation with the
-standalone statistics kernel. The wgrad epilogue could take it (``fp8_gemm(stats=, stats_base=weight.grad)``), but
+``grad_weight`` is left to the agent's hook, whose row is read from ``weight.grad`` by the standalone statistics
+kernel, once per backward pass for all layers together (``Agent.observe_after_backward``). A wgrad epilogue could take it (the row of weight.grad + dW, given weight.grad), but
 on the H200 at 1.5B that cost the four wgrads 1.7-2.1x their plain time (the Gluon ws kernel has no statistics
 epilogue, so they also fell back to the slower TMA kernel), ~580 us per layer, where one read of the fp32 gradient
 (268 MB per layer) was ~130 us at the standalone kernel's ~0.5 of copy bandwidth then, and ~80 us at the 0.84-0.86

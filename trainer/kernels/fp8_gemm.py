@@ -124,49 +124,22 @@ def _to_out(acc, out_dtype: tl.constexpr, SOFT_ROUND: tl.constexpr):
     return acc.to(out_dtype)
 
 
-_ON_GPU = ts.Const(not INTERPRET)
-
-
 @triton.jit
-def _add_rn(a, b):
-    """a + b rounded once, never contracted with the multiply that made ``a`` (an explicit .rn add is left alone
-    by the compiler and ptxas; fma(acc, s, base) differs from base + fl(acc * s) by an ulp at times: seen on the
-    H200 in a grad_weight row)."""
-    if _ON_GPU:
-        return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
-                                         pack=1)
-    return a + b
-
-
-@triton.jit
-def _out_rows(st, y, offs, mask, full, base_ptr, lo, hi, HAS_BASE: tl.constexpr, HIST: tl.constexpr):
-    """The statistics row state ``st`` (``rows_zero``) with a 2-D tile ``y`` of C added (its values in the output
-    dtype, at the flat offsets ``offs`` of C, lanes outside ``mask`` excluded, ``full`` when none is); with
-    ``HAS_BASE`` that of base + y (base: a contiguous fp32 tensor of C's shape, e.g. the gradient that y
-    accumulates into), rounded as torch's ``base + y`` is."""
-    v = y.to(tl.float32)
-    if HAS_BASE:
-        v = _add_rn(v, tl.load(base_ptr + offs, mask=mask, other=0.0))
-    return rows_add(st, v, mask, full, lo, hi, HIST)
-
-
-@triton.jit
-def _rc_rows(st, y, row0, col0, M, N, base_ptr, lo, hi, HAS_BASE: tl.constexpr, HIST: tl.constexpr):
-    """``_out_rows`` of the tile of the (M, N) output whose first row and column are ``row0``, ``col0``."""
+def _rc_rows(st, y, row0, col0, M, N, lo, hi, HIST: tl.constexpr):
+    """The statistics row state ``st`` (``rows_zero``) with the tile ``y`` of the (M, N) output C added (its values
+    in the output dtype) whose first row and column are ``row0``, ``col0``."""
     rows = row0 + tl.arange(0, y.shape[0])
     cols = col0 + tl.arange(0, y.shape[1])
-    offs = rows[:, None].to(tl.int64) * N + cols[None, :]
     full = (row0 + y.shape[0] <= M) & (col0 + y.shape[1] <= N)  # scalars: a tl.min over rows crossed the CTA
-    return _out_rows(st, y, offs, (rows[:, None] < M) & (cols[None, :] < N), full, base_ptr, lo, hi, HAS_BASE,
-                     HIST)
+    return rows_add(st, y.to(tl.float32), (rows[:, None] < M) & (cols[None, :] < N), full, lo, hi, HIST)
 
 
 @triton.jit(do_not_specialize=["dst_index", "merge"])
 def _fp8_gemm_ptr_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, stride_am, stride_bn,
-                         stride_cm, base_ptr, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, cen_ptr, c_mean, c_std, k,
+                         stride_cm, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, cen_ptr, c_mean, c_std, k,
                          ahm_ptr, ahm_val, KEY: tl.constexpr, HAS_BIAS: tl.constexpr, FAST_ACC: tl.constexpr,
                          SOFT_ROUND: tl.constexpr, SPLIT_K: tl.constexpr, STATS: tl.constexpr,
-                         HAS_BASE: tl.constexpr, C_PTR: tl.constexpr, AHM_PTR: tl.constexpr, HIST: tl.constexpr,
+                         C_PTR: tl.constexpr, AHM_PTR: tl.constexpr, HIST: tl.constexpr,
                          FMAX: tl.constexpr, UTHR: tl.constexpr, SMODE: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
@@ -210,8 +183,7 @@ def _fp8_gemm_ptr_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
         tl.store(c_ptrs, y, mask=c_mask)
         if STATS:  # one partial per program (= tile)
             lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
-            part = rows_partial(_rc_rows(rows_zero(BM), y, pid_m * BM, pid_n * BN, M, N, base_ptr, lo, hi, HAS_BASE,
-                                         HIST))
+            part = rows_partial(_rc_rows(rows_zero(BM), y, pid_m * BM, pid_n * BN, M, N, lo, hi, HIST))
             nofmt_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, part, AHM_PTR, HIST, FMAX,
                            UTHR, SMODE)
     else:  # c_ptr is the (SPLIT_K, M, N) fp32 workspace
@@ -238,10 +210,10 @@ def _reduce_block(ws_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, MN, N, blk, SPLIT_K: 
 
 
 @triton.jit(do_not_specialize=["dst_index", "merge"])
-def _splitk_reduce_kernel(ws_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, MN, N, base_ptr, sp_ptr, ctr_ptr, dst_ptr,
+def _splitk_reduce_kernel(ws_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, MN, N, sp_ptr, ctr_ptr, dst_ptr,
                           dst_index, merge, cen_ptr, c_mean, c_std, k, ahm_ptr, ahm_val, SPLIT_K: tl.constexpr,
                           HAS_BIAS: tl.constexpr, SOFT_ROUND: tl.constexpr, STATS: tl.constexpr,
-                          HAS_BASE: tl.constexpr, C_PTR: tl.constexpr, AHM_PTR: tl.constexpr, HIST: tl.constexpr,
+                          C_PTR: tl.constexpr, AHM_PTR: tl.constexpr, HIST: tl.constexpr,
                           FMAX: tl.constexpr, UTHR: tl.constexpr, SMODE: tl.constexpr, BLOCK: tl.constexpr):
     """C = sum over splits of the workspace, * sa * sb (+ bias), in a fixed order (deterministic). With
     ``STATS`` the grid is persistent (blocks pid, pid + nprog, ...): one statistics partial per program."""
@@ -253,7 +225,7 @@ def _splitk_reduce_kernel(ws_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, MN, N, base_p
                                     SPLIT_K, HAS_BIAS, SOFT_ROUND, BLOCK)
             o2 = tl.reshape(offs, [BLOCK // 16, 16])  # the statistics helpers take 2-D tiles
             full = (blk + 1 + tl.zeros([], tl.int64)) * BLOCK <= MN
-            st = _out_rows(st, tl.reshape(y, [BLOCK // 16, 16]), o2, o2 < MN, full, base_ptr, lo, hi, HAS_BASE, HIST)
+            st = rows_add(st, tl.reshape(y, [BLOCK // 16, 16]).to(tl.float32), o2 < MN, full, lo, hi, HIST)
         nofmt_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, rows_partial(st), AHM_PTR, HIST,
                        FMAX, UTHR, SMODE)
     else:
@@ -263,11 +235,11 @@ def _splitk_reduce_kernel(ws_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, MN, N, base_p
 
 @triton.jit(do_not_specialize=["dst_index", "merge"])
 def _fp8_gemm_tma_kernel(a_desc, b_desc, c_desc, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
-                         base_ptr, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, cen_ptr, c_mean, c_std, k,
+                         sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, cen_ptr, c_mean, c_std, k,
                          ahm_ptr, ahm_val,
                          KEY: tl.constexpr, HAS_BIAS: tl.constexpr, FAST_ACC: tl.constexpr, NUM_SMS: tl.constexpr,
                          SOFT_ROUND: tl.constexpr, SPLIT_K: tl.constexpr, FLATTEN: tl.constexpr,
-                         WARP_SPEC: tl.constexpr, STATS: tl.constexpr, HAS_BASE: tl.constexpr, C_PTR: tl.constexpr,
+                         WARP_SPEC: tl.constexpr, STATS: tl.constexpr, C_PTR: tl.constexpr,
                          AHM_PTR: tl.constexpr, HIST: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr,
                          SMODE: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
@@ -321,8 +293,8 @@ def _fp8_gemm_tma_kernel(a_desc, b_desc, c_desc, ws_ptr, sa_ptr, sb_ptr, bias_pt
             c_desc.store([offs_cm, offs_cn], y0)
             c_desc.store([offs_cm, offs_cn + BN // 2], y1)
             if STATS:  # after the stores are issued, so that they drain meanwhile; a half tile at a time
-                st = _rc_rows(st, y0, offs_cm, offs_cn, M, N, base_ptr, lo, hi, HAS_BASE, HIST)
-                st = _rc_rows(st, y1, offs_cm, offs_cn + BN // 2, M, N, base_ptr, lo, hi, HAS_BASE, HIST)
+                st = _rc_rows(st, y0, offs_cm, offs_cn, M, N, lo, hi, HIST)
+                st = _rc_rows(st, y1, offs_cm, offs_cn + BN // 2, M, N, lo, hi, HIST)
         else:  # unscaled fp32 partial sums into the (SPLIT_K, M, N) workspace
             pid_m, pid_n = _tile_ids(item_c % num_tiles, num_pid_m, num_pid_n, GROUP_M)
             rows = pid_m * BM + tl.arange(0, BM)
@@ -378,7 +350,7 @@ def _stats_prune(impl: str):
 
 
 def _autotune(impl: str, configs, extra=()):
-    key = ["M", "N", "K", "KEY", "HAS_BIAS", "FAST_ACC", "STATS", "HAS_BASE", *extra]
+    key = ["M", "N", "K", "KEY", "HAS_BIAS", "FAST_ACC", "STATS", *extra]
     # the statistics row is restored after every timed run (a merge into it must happen once)
     kw = dict(configs=configs, key=key, restore_value=["dst_ptr"],
               prune_configs_by={"early_config_prune": _stats_prune(impl)})
@@ -453,22 +425,21 @@ def _max_programs(M: int, N: int, impl: str, config: dict | None, num_sms: int) 
     return tiles if impl == "ptr" else min(num_sms, tiles)
 
 
-def _stats_args(stats, base, programs: int, dummy: torch.Tensor) -> dict:
+def _stats_args(stats, programs: int, dummy: torch.Tensor) -> dict:
     """The statistics arguments of the GEMM and reduce kernels (``dummy`` pointers when ``stats`` is None)."""
     if stats is None:
-        return dict(base_ptr=dummy, sp_ptr=dummy, ctr_ptr=dummy, dst_ptr=dummy, dst_index=0, merge=0, cen_ptr=dummy,
-                    c_mean=0.0, c_std=0.0, k=0.0, ahm_ptr=dummy, ahm_val=0.0, STATS=False, HAS_BASE=False,
+        return dict(sp_ptr=dummy, ctr_ptr=dummy, dst_ptr=dummy, dst_index=0, merge=0, cen_ptr=dummy,
+                    c_mean=0.0, c_std=0.0, k=0.0, ahm_ptr=dummy, ahm_val=0.0, STATS=False,
                     C_PTR=False, AHM_PTR=False, HIST=False, SMODE=0, FMAX=448.0, UTHR=0.0)
     args = ts.fused_args(stats, programs, dummy.device)
     args["cen_ptr"] = args.pop("c_ptr")  # c_ptr is C here
-    return dict(args, **ts.nofmt_consts(stats), base_ptr=dummy if base is None else base, STATS=True,
-                HAS_BASE=base is not None)
+    return dict(args, **ts.nofmt_consts(stats), STATS=True)
 
 
 def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
              out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None, fast_accum: bool = True,
              impl: str | None = None, config: dict | None = None, split_k: int | None = None,
-             stats: "ts.Target | None" = None, stats_base: torch.Tensor | None = None) -> torch.Tensor:
+             stats: "ts.Target | None" = None) -> torch.Tensor:
     """(M, N) = (a @ b.T) * scale_a * scale_b (+ bias), a: (M, K) fp8, b: (N, K) fp8, both K-major.
 
     ``config`` = {"BM", "BN", "BK", "GROUP_M", "num_warps", "num_stages"} bypasses the autotuner (tests,
@@ -479,8 +450,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
 
     ``stats`` (an ``agent.triton_stats.Target``): also write the statistics row of the returned C (format-less:
     scale, underflow, overflow NaN) from the epilogue's registers (after the split-K reduce with split-K), no
-    second read of C. ``stats_base`` (an (M, N) tensor): the row is that of ``stats_base + C`` in fp32, the value
-    C takes once accumulated into it (a gradient accumulated over micro-batches); read on the statistics path only."""
+    second read of C."""
     assert a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[1], (a.shape, b.shape)
     assert a.element_size() == 1 and b.element_size() == 1, "fp8 operands expected"
     if a.stride(1) != 1:
@@ -494,11 +464,8 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
         if K == 0:
             c = c.zero_() if bias is None else c.copy_(bias.expand(M, N))
         if stats is not None:
-            stats_ref(c if stats_base is None else stats_base.float() + c.float(), stats.fmt, None, stats)
+            stats_ref(c, stats.fmt, None, stats)
         return c
-    if stats_base is not None:
-        assert stats_base.shape == (M, N), (stats_base.shape, (M, N))
-        stats_base = stats_base.detach().to(torch.float32).contiguous()
     has_bias = bias is not None
     bias_arg = bias if has_bias else scale_a
     key = f"{a.dtype}x{b.dtype}->{out_dtype}"
@@ -532,7 +499,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
     flags = dict(KEY=key, HAS_BIAS=has_bias, FAST_ACC=fast_accum, SOFT_ROUND=INTERPRET, SPLIT_K=split_k)
     num_sms = _num_sms(a.device)
     programs = _max_programs(M, N, impl, config, num_sms) if stats is not None and ws is None else 0
-    flags.update(_stats_args(stats if ws is None else None, stats_base, programs, scale_a))
+    flags.update(_stats_args(stats if ws is None else None, programs, scale_a))
     if impl == "ws":
         _ws.run(a, b, c, ws, scale_a, scale_b, bias, split_k, num_sms)
     elif impl == "ptr":
@@ -569,7 +536,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
         if stats is not None:  # persistent: a statistics partial per program
             grid = min(grid, 4 * num_sms)
         _splitk_reduce_kernel[(grid,)](ws, c, scale_a, scale_b, bias_arg, M * N, N,
-                                       **_stats_args(stats, stats_base, grid, scale_a), SPLIT_K=split_k,
+                                       **_stats_args(stats, grid, scale_a), SPLIT_K=split_k,
                                        HAS_BIAS=has_bias, SOFT_ROUND=INTERPRET, BLOCK=block, num_warps=4)
     return c
 
@@ -589,14 +556,12 @@ def _dequant_mm(a, b, scale_a, scale_b, out_dtype, bias):
 
 def fp8_gemm_ref(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                  out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None,
-                 fast_accum: bool = True, stats: "ts.Target | None" = None,
-                 stats_base: torch.Tensor | None = None) -> torch.Tensor:
+                 fast_accum: bool = True, stats: "ts.Target | None" = None) -> torch.Tensor:
     """``_scaled_mm_ref`` (below), and with ``stats`` the row ``fp8_gemm`` writes (``device_stats.partials`` of
-    the result, or of ``stats_base + result`` in fp32)."""
+    the result)."""
     c = _scaled_mm_ref(a, b, scale_a, scale_b, out_dtype, bias, fast_accum)
     if stats is not None:
-        stats_ref(c if stats_base is None else stats_base.to(torch.float32) + c.to(torch.float32), stats.fmt, None,
-                  stats)
+        stats_ref(c, stats.fmt, None, stats)
     return c
 
 
