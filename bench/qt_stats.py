@@ -7,6 +7,11 @@ of a tile (``_STATS_V``), on the 1.5B model's activation and weight shapes. CUDA
     python3 bench/qt_stats.py            # every variant of VARIANTS
     python3 bench/qt_stats.py --defaults # the defaults only (histogram on and off): two compiles per input
     python3 bench/qt_stats.py --sweep-v  # V 8 / 16 x depth 1 / 2 (depth 1 only with the histogram)
+    python3 bench/qt_stats.py --defaults --step 1.5b  # instead of CASES, the casts of one bench/agent_overhead.py step
+
+``--step C``: the tensors an FP8 step of config C casts (bench/train_step.py's batch; llama: every block's four
+inputs and grad_outputs in bf16, its four fp32 weights), each with a given scale (delayed scaling), so that neither
+variant runs the amax pass of current scaling and the ratio is that of the two cast kernels alone.
 """
 import sys
 from pathlib import Path
@@ -33,14 +38,29 @@ SWEEP_V = [(False, 128, 1, 8), (False, 128, 2, 8), (False, 128, 1, 16), (False, 
            (True, 128, 1, 16)]
 
 
+def step_cases(config: str) -> list:
+    """(label, shape, dtype, delayed) of the casts of one layer of an FP8 step of ``config`` (see the docstring)."""
+    from bench.train_step import BATCH
+    from trainer.config import get_config
+
+    cfg = get_config(config)
+    t, d, f = BATCH[config] * cfg.seq_len, cfg.d_model, cfg.d_ff
+    ins = {"qkv/fc1 input": (t, d), "fc2 input": (t, f)}  # proj's input has qkv's shape
+    grads = {"qkv grad_output": (t, 3 * d), "proj/fc2 grad_output": (t, d), "fc1 grad_output": (t, 2 * f)}
+    weights = {"qkv weight": (3 * d, d), "proj weight": (d, d), "fc1 weight": (2 * f, d), "fc2 weight": (d, f)}
+    return ([(f"{k} {a}x{b} bf16", (a, b), torch.bfloat16, True) for k, (a, b) in {**ins, **grads}.items()]
+            + [(f"{k} {a}x{b} fp32", (a, b), torch.float32, True) for k, (a, b) in weights.items()])
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    cases = step_cases(argv[argv.index("--step") + 1]) if "--step" in argv else CASES
     defaults = (QT.STATS_MAXNREG, QT.STATS_STAGES, QT._STATS_V)
     variants = [(True, defaults[0], None, None), (False, defaults[0], None, None)] if "--defaults" in argv else \
         SWEEP_V if "--sweep-v" in argv else VARIANTS
     dev = torch.device("cuda")
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
-    for label, shape, dtype, delayed in CASES:
+    for label, shape, dtype, delayed in cases:
         x = torch.randn(shape, device=dev).to(dtype)
         scale = torch.tensor(4.0, device=dev) if delayed else None
         accum = torch.zeros((), device=dev) if delayed else None
