@@ -804,6 +804,28 @@ if triton is not None:
         return (c & 0xFFFF) + ((c.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True))
 
     @triton.jit
+    def packed_setup(tu, lo, hi, R: tl.constexpr):
+        """The word loop's constants (``ku``, ``lo2``, ``hi2``: the underflow threshold bits ``tu`` and the outlier
+        bounds as bf16x2 words) and its zero accumulators of R rows (``amw``, ``pu``, ``pnz``, ``pout``)."""
+        ku = _pair(0x7FFF - tl.minimum(tl.maximum(tu >> 16, -1), 0x7FFF))  # tu < 0: every |x| counts
+        hi2 = _pair(tl.where(hi == hi, _bf16_down(hi), 0x7F80))
+        lo2 = _pair(tl.where(lo == lo, _bf16_up(lo), 0xFF80))
+        zi = tl.zeros([R], tl.int32)
+        return ku, lo2, hi2, tl.zeros([R, 4], tl.int32), zi, zi, zi
+
+    @triton.jit
+    def packed_fold(n, amw, pu, pnz, pout, am, cu, cz, cout):
+        """``_tile_fast``'s accumulators (am, cu, cz, cout: [R]) with the word loop's added, ``n`` elements per row
+        (per lane of R). The word loop counted |x| above the underflow threshold and nonzeros; the fast path keeps minus
+        those counts and minus the zeros. It counts no overflow: the caller checks the amax against that
+        threshold."""
+        cu -= _halves_sum(pu)
+        cz -= n - _halves_sum(pnz)
+        cout += _halves_sum(pout)
+        amp = tl.max(tl.maximum(amw & 0xFFFF, (amw >> 16) & 0x7FFF) << 16, 1).to(tl.float32, bitcast=True)
+        return tl.maximum(am, amp), cu, cz, cout
+
+    @triton.jit
     def _stamp(tr, slot, TRACE: tl.constexpr):
         """TRACE only (benches): the low 32 bits of the GPU's nanosecond timer into ``tr[slot]``."""
         if TRACE:
@@ -879,11 +901,7 @@ if triton is not None:
             # tile is x0, already loaded; the last iterations re-load the last full tile (an unmasked, uniform
             # load instead of a per-element mask; read from L2).
             if PACKED:  # bf16 words, two elements each; overflow counted lazily (below)
-                ku = _pair(0x7FFF - tl.minimum(tl.maximum(tu >> 16, -1), 0x7FFF))  # tu < 0: every |x| counts
-                hi2 = _pair(tl.where(hi == hi, _bf16_down(hi), 0x7F80))
-                lo2 = _pair(tl.where(lo == lo, _bf16_up(lo), 0xFF80))
-                amw = tl.zeros([R, W], tl.int32)
-                pu, pnz, pout = zi, zi, zi
+                ku, lo2, hi2, amw, pu, pnz, pout = packed_setup(tu, lo, hi, R)
                 # two tiles per iteration, each loaded into the registers the other is not using: carrying one
                 # tile from an iteration to the next cost a register move per word
                 for k in range(0, nfull // 2):
@@ -896,11 +914,7 @@ if triton is not None:
                 if nfull % 2 == 1:  # w: the last full tile
                     s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(w, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw,
                                                                       pu, pnz, pout)
-                # back to _tile_fast's conventions (minus counts of |x| above tu and of zeros)
-                cu -= _halves_sum(pu)
-                cz -= nfull * V - _halves_sum(pnz)
-                cout += _halves_sum(pout)
-                am = tl.max(tl.maximum(amw & 0xFFFF, (amw >> 16) & 0x7FFF) << 16, 1).to(tl.float32, bitcast=True)
+                am, cu, cz, cout = packed_fold(nfull * V, amw, pu, pnz, pout, am, cu, cz, cout)
             else:
                 x = x0
                 for k in range(0, nfull):

@@ -23,8 +23,8 @@ import triton.language as tl
 from agent.formats import Fp8Format, by_name
 
 from agent import triton_stats as ts
-from agent.triton_stats import (_careful_result, _fast_result, _shift_of, _tile_careful, _tile_fast, _tile_sum,
-                                fused_epilogue, fused_prologue)
+from agent.triton_stats import (_careful_result, _fast_result, _shift_of, _tile_bf16x2, _tile_careful, _tile_fast,
+                                _tile_sum, fused_epilogue, fused_prologue, packed_fold, packed_setup)
 
 from .quantize import (INTERPRET, Quantized, _cast_fp8, cdiv, next_power_of_2, _consts, _current_scale_from_partials,
                        _finite_abs, amax_partials, quantize_ref, stats_consts, stats_programs)
@@ -52,6 +52,8 @@ STATS_STAGES = 1
 # (bench/offline_sass.py: 40 bytes of spill at the register cap, 120 with V = 8; on the H200 1.68x against 1.82x
 # the plain cast for the 1.5B activation, 1.40x against 1.54x for its grad_output).
 _STATS_V = 16
+# The statistics variant's bf16 word loop on full tiles without the histogram (``PACKED``; the kernel's docstring).
+PACKED_STATS = True
 
 
 @triton.jit
@@ -97,12 +99,30 @@ def _quantize_transpose_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, scale_ptr
 
 
 @triton.jit
-def _load_tile(x_ptr, t, n_tn, M, N, stride_xm, BM: tl.constexpr, BN: tl.constexpr):
+def _load_raw(x_ptr, t, n_tn, M, N, stride_xm, BM: tl.constexpr, BN: tl.constexpr):
+    """Tile t of x (tiles of a row of tiles are consecutive), in x's dtype, with its mask, rows and columns."""
     rows = (t // n_tn) * BM + tl.arange(0, BM)
     cols = (t % n_tn) * BN + tl.arange(0, BN)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask, other=0.0)
+    return x, mask, rows, cols
+
+
+@triton.jit
+def _load_tile(x_ptr, t, n_tn, M, N, stride_xm, BM: tl.constexpr, BN: tl.constexpr):
+    x, mask, rows, cols = _load_raw(x_ptr, t, n_tn, M, N, stride_xm, BM, BN)
     return x.to(tl.float32), mask, rows, cols
+
+
+@triton.jit
+def _bf16_words(xr, R: tl.constexpr, V: tl.constexpr):
+    """A [BM, BN] bf16 tile as two [R, 4] tiles of 32-bit words (the standalone kernel's layout: element 2k in the
+    low half, 2k + 1 in the high half), R = BM * BN / V: each row of the statistics' [R, V] view of the tile, in
+    even and odd words (the order does not matter to sums and counts)."""
+    b = tl.reshape(xr.to(tl.int16, bitcast=True), [R, V // 2, 2])
+    lo, hi = tl.split(b)
+    w = (hi.to(tl.int32) << 16) | (lo.to(tl.int32) & 0xFFFF)
+    return tl.split(tl.reshape(w, [R, V // 4, 2]))
 
 
 @triton.jit(do_not_specialize=["dst_index", "merge"])
@@ -116,13 +136,18 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, sca
                                      SOFT_ROUND: tl.constexpr, P_BLOCK: tl.constexpr, TRANS_MODE: tl.constexpr,
                                      UTHR: tl.constexpr, OTHR: tl.constexpr, C_PTR: tl.constexpr,
                                      AHM_PTR: tl.constexpr, HIST: tl.constexpr, V: tl.constexpr,
-                                     BM: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr = 1):
+                                     BM: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr = 1,
+                                     PACKED: tl.constexpr = False):
     """``_quantize_transpose_kernel``, persistent, with the statistics of x from the loaded tiles.
 
     The statistics see each tile as [BM * BN / V, V], V the elements one thread holds contiguously, so that the
     per-tile sums along the last axis are a thread's own adds: no cross-thread reduction in the loop (reducing
     the [BM, BN] tile along its rows cost shuffles for every statistic). On an H200 at the 1.5B shapes the kernel
-    takes 1.3-1.7x the time of the cast without statistics, 2.1-3.1x with the histogram (bench/qt_stats.py)."""
+    takes 1.3-1.7x the time of the cast without statistics, 2.1-3.1x with the histogram (bench/qt_stats.py).
+
+    ``PACKED`` (bf16 x, no histogram): full tiles take the standalone kernel's word loop (``_tile_bf16x2``: two
+    elements per 32-bit word, counts and amax without unpacking them); the overflow count is then checked lazily,
+    as there: an amax past the overflow threshold sends the program to the careful path."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if CURRENT:
@@ -140,8 +165,12 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, sca
     zi = tl.zeros([R], tl.int32)
     s1, s2, s3, s4, am, cu, co, cout, cz, h = zf, zf, zf, zf, zf, zi, zi, zi, zi, tl.zeros([64], tl.int32)
     ce = tl.zeros([], tl.int32)
+    if PACKED:
+        ku, lo2, hi2, amw, pu, pnz, pout = packed_setup(tu, lo, hi, R)
+        cw = tl.zeros([], tl.int32)  # full tiles the word loop took
     for t in tl.range(pid, ntiles, nprog, num_stages=STAGES):
-        x, mask, rows, cols = _load_tile(x_ptr, t, n_tn, M, N, stride_xm, BM, BN)
+        xr, mask, rows, cols = _load_raw(x_ptr, t, n_tn, M, N, stride_xm, BM, BN)
+        x = xr.to(tl.float32)
         y = x * s
         if WRITE_Q:
             q = _cast_fp8(y, OUT_DTYPE, FMAX, MBITS, EMIN, SOFT_ROUND)
@@ -161,8 +190,16 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, sca
         tm = tl.minimum(M - (t // n_tn) * BM, BM)
         tn = tl.minimum(N - (t % n_tn) * BN, BN)
         if (tm == BM) & (tn == BN):  # interior tiles (nearly all) pay for no masks
-            s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
-                xv, mv, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, False, True)
+            if PACKED:
+                we, wo = _bf16_words(xr, R, V)
+                s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(we, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw, pu,
+                                                                  pnz, pout)
+                s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(wo, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw, pu,
+                                                                  pnz, pout)
+                cw += 1
+            else:
+                s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
+                    xv, mv, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, False, True)
         else:
             s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
                 xv, mv, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, True, True)
@@ -173,8 +210,12 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, sca
         tl.store(meta_ptr + 1, s)
         tl.store(meta_ptr + 2, tl.math.div_rn(1.0, s))
     nelem = ce
+    if PACKED:
+        am, cu, cz, cout = packed_fold(cw * V, amw, pu, pnz, pout, am, cu, cz, cout)
     ok2, mean, m2, m3, m4, samax, zeros, under, over, outl, hist = _fast_result(
         nelem, c, p, tu, to, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST)
+    if PACKED:  # the word loop counted no overflow: any element past the threshold takes the careful path
+        ok2 = ok2 & ((to < 0) | (samax.to(tl.int32, bitcast=True) <= to))
     nfin = nelem
     nonfin = tl.zeros([], tl.int32)
     if not (ok & ok2):  # NaN/Inf or a poor shift: re-read this program's tiles, carefully
@@ -200,6 +241,11 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, sca
         tl.atomic_max(accum_ptr, samax)
     fused_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, s, nelem, nfin, nonfin, zeros,
                    outl, under, over, samax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST)
+
+
+def _packed(x: torch.Tensor, stats: "ts.Target") -> bool:
+    """Whether the statistics variant takes x's full tiles with the bf16 word loop (``PACKED``)."""
+    return PACKED_STATS and x.dtype == torch.bfloat16 and not stats.hist
 
 
 def _stats_opts() -> dict:
@@ -242,7 +288,7 @@ def quantize_transpose(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tenso
             P = 1
         _quantize_transpose_stats_kernel[(programs,)](*args, **ts.fused_args(stats, programs, dev),
                                                       CURRENT=scale is None, P_BLOCK=P, V=_STATS_V,
-                                                      STAGES=STATS_STAGES,
+                                                      STAGES=STATS_STAGES, PACKED=_packed(x, stats),
                                                       **common, **stats_consts(fmt), **_stats_opts())
         return Quantized(q, qt, meta)
     if scale is None:
