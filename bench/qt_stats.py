@@ -8,10 +8,14 @@ of a tile (``_STATS_V``), on the 1.5B model's activation and weight shapes. CUDA
     python3 bench/qt_stats.py --defaults # the defaults only (histogram on and off): two compiles per input
     python3 bench/qt_stats.py --sweep-v  # V 8 / 16 x depth 1 / 2 (depth 1 only with the histogram)
     python3 bench/qt_stats.py --defaults --step 1.5b  # instead of CASES, the casts of one bench/agent_overhead.py step
+    python3 bench/qt_stats.py --step 1.5b --packed-ab  # the bf16 casts: plain / statistics without and with PACKED
 
 ``--step C``: the tensors an FP8 step of config C casts (bench/train_step.py's batch; llama: every block's four
 inputs and grad_outputs in bf16, its four fp32 weights), each with a given scale (delayed scaling), so that neither
 variant runs the amax pass of current scaling and the ratio is that of the two cast kernels alone.
+``--packed-ab``: the step's bf16 casts with current scaling (the amax pass in every variant), no histogram: the plain
+cast, the statistics variant without and with the word loop (``PACKED_STATS``), queued device time
+(``trainer.kernels.timing.device_medians``, 7 interleaved rounds of 20 calls).
 """
 import sys
 from pathlib import Path
@@ -52,9 +56,39 @@ def step_cases(config: str) -> list:
             + [(f"{k} {a}x{b} fp32", (a, b), torch.float32, True) for k, (a, b) in weights.items()])
 
 
+def packed_ab(cases: list) -> None:
+    """``--packed-ab`` (the module docstring)."""
+    from trainer.kernels.timing import device_medians
+
+    dev = torch.device("cuda")
+    for label, shape, dtype, _ in cases:
+        if dtype != torch.bfloat16:
+            continue
+        x = torch.randn(shape, device=dev).to(dtype)
+        tgt = ts.Target.new(dev, hist=False)
+
+        def variant(packed, stats):
+            def fn():
+                QT.PACKED_STATS = packed
+                return QT.quantize_transpose(x, "e4m3", stats=tgt if stats else None)
+            return fn
+
+        fns = {"plain": variant(True, False), "fast": variant(False, True), "packed": variant(True, True)}
+        for fn in fns.values():
+            fn()  # compiles outside the timing
+        t = device_medians(fns, rounds=7, calls=20)
+        QT.PACKED_STATS = True
+        print(f"{label}: " + ", ".join(f"{k} {v * 1e3:.1f} us ({v / t['plain']:.2f}x)" for k, v in t.items())
+              + f" | packed / fast {t['packed'] / t['fast']:.3f}", flush=True)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cases = step_cases(argv[argv.index("--step") + 1]) if "--step" in argv else CASES
+    if "--packed-ab" in argv:
+        print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+        packed_ab(cases)
+        return 0
     defaults = (QT.STATS_MAXNREG, QT.STATS_STAGES, QT._STATS_V)
     variants = [(True, defaults[0], None, None), (False, defaults[0], None, None)] if "--defaults" in argv else \
         SWEEP_V if "--sweep-v" in argv else VARIANTS
