@@ -37,11 +37,12 @@ GEMM without the histogram, the epilogue 1.22-1.61x: it runs on the TMA kernel, 
 kernel), but it is one more launch, ~90 us of host time, and with the agent on the step was host-bound there
 (bench/gemm_stats.py, bench/agent_overhead.py --output-stats; bench/RESULTS.md). No hook reads y either way.
 ``grad_weight`` is left to the agent's hook, whose row is read from ``weight.grad`` by the standalone statistics
-kernel, once per backward pass for all layers together (``Agent.observe_after_backward``). A wgrad epilogue could take it (the row of weight.grad + dW, given weight.grad), but
-on the H200 at 1.5B that cost the four wgrads 1.7-2.1x their plain time (the Gluon ws kernel has no statistics
-epilogue, so they also fell back to the slower TMA kernel), ~580 us per layer, where one read of the fp32 gradient
-(268 MB per layer) was ~130 us at the standalone kernel's ~0.5 of copy bandwidth then, and ~80 us at the 0.84-0.86
-it reached on 256 MiB of fp32 since (arithmetic from bench/RESULTS.md, not timed per layer).
+kernel, once per backward pass for all layers together (``Agent.observe_after_backward``). A wgrad epilogue could
+take it (the row of weight.grad + dW, given weight.grad), but on the H200 at 1.5B that cost the four wgrads
+1.7-2.1x their plain time (the Gluon ws kernel has no statistics epilogue, so they also fell back to the slower TMA
+kernel), ~580 us per layer, where one read of the fp32 gradient (268 MB per layer) was ~130 us at the standalone
+kernel's ~0.5 of copy bandwidth then, and ~80 us at the 0.84-0.86 it reached on 256 MiB of fp32 since (arithmetic
+from bench/RESULTS.md, not timed per layer).
 
 For the statistics fusion, after a forward (and backward) ``module.fp8_amax`` and ``module.fp8_scale``
 map site -> fp32 0-d device tensor: "input", "weight" (forward), "grad_output" (backward). amax is
