@@ -120,6 +120,7 @@ def _bf16_words(xr, R: tl.constexpr, V: tl.constexpr):
     """A [BM, BN] bf16 tile as two [R, 4] tiles of 32-bit words (the standalone kernel's layout: element 2k in the
     low half, 2k + 1 in the high half), R = BM * BN / V: each row of the statistics' [R, V] view of the tile, in
     even and odd words (the order does not matter to sums and counts)."""
+    tl.static_assert(V == 16, "the word loop takes rows of 4 words: V = 16")
     b = tl.reshape(xr.to(tl.int16, bitcast=True), [R, V // 2, 2])
     lo, hi = tl.split(b)
     w = (hi.to(tl.int32) << 16) | (lo.to(tl.int32) & 0xFFFF)
@@ -246,7 +247,7 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, sca
 
 def _packed(x: torch.Tensor, stats: "ts.Target") -> bool:
     """Whether the statistics variant takes x's full tiles with the bf16 word loop (``PACKED``)."""
-    return PACKED_STATS and x.dtype == torch.bfloat16 and not stats.hist
+    return PACKED_STATS and x.dtype == torch.bfloat16 and not stats.hist and _STATS_V == 16
 
 
 def _stats_opts() -> dict:
