@@ -10,7 +10,7 @@ non-contiguous), with a scale, with current scaling, with delayed scaling and wi
 (2) one multi-tensor launch against per-tensor launches, merged into existing rows; (3) no host sync;
 (4) the quantize kernels' fused statistics against the standalone kernel; (5) Fp8Linear + Agent: the rows
 the layer reports from its quantize kernels and GEMM epilogues against the rows of the hooks' path; (6) the
-FP8 GEMM epilogue statistics (``fp8_gemm(stats=)``, ptr and TMA, split-K, edges, bias, a base) against
+FP8 GEMM epilogue statistics (``fp8_gemm(stats=)``, ptr and TMA, split-K, edges, bias) against
 ``device_stats.partials`` of the returned output; the sync check covers them too.
 """
 

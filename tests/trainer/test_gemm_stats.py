@@ -1,7 +1,7 @@
 """Statistics fused into the FP8 GEMM epilogues (``fp8_gemm(stats=)``), on the CPU in Triton's interpreter:
 the row equals ``device_stats.partials`` of the returned C (and ``fp8_gemm_ref``'s row), for the ptr and TMA
 kernels, bf16 and fp32 outputs, bias, edge tiles, split-K (taken after the reduce), NaN/Inf scales, a format's
-current scaling, a base that C accumulates into, a merge into an existing row; C is bit-identical with and
+current scaling, a merge into an existing row; C is bit-identical with and
 without statistics. The agent end-to-end check is in test_fused_stats.py (``fp8_linear_agent``).
 
 One child process sets TRITON_INTERPRET=1 before importing Triton; each check prints a JSON line.
