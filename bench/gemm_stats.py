@@ -51,18 +51,6 @@ def kernel_info(fn) -> str:
     return " ".join(sorted(set(out))) or "n/a"
 
 
-def host_medians(fns: dict, rounds: int) -> dict:
-    """Host microseconds per call of each function (``bench.gemm.host_us``: 200 calls queued back to back), median
-    over interleaved rounds."""
-    import statistics
-
-    got = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            got[k].append(host_us(fn))
-    return {k: statistics.median(v) for k, v in got.items()}
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="all", choices=["all", "124m", "1.5b"])
@@ -73,7 +61,7 @@ def main(argv=None) -> int:
     from agent import triton_stats as ts
     from trainer.kernels import fp8_gemm
     from trainer.kernels.fp8_gemm import _fp8_gemm_tma_kernel
-    from trainer.kernels.timing import device_medians
+    from trainer.kernels.timing import _medians, device_medians
 
     dev = torch.device("cuda")
     print(f"# {torch.cuda.get_device_name(dev)}, torch {torch.__version__}", flush=True)
@@ -99,7 +87,8 @@ def main(argv=None) -> int:
         fns = {"plain": run, "tma": lambda: run("tma"), "st+hist": lambda: run(hist=True),
                "stats": lambda: run(hist=False), "read+hist": lambda: read(True), "read": lambda: read(False)}
         if args.host:
-            t = host_medians({k: fns[k] for k in ("plain", "stats", "read")}, args.rounds)
+            # host microseconds per call (200 calls queued back to back), median over interleaved rounds
+            t = _medians({k: fns[k] for k in ("plain", "stats", "read")}, args.rounds, host_us)
             print(f"{label:12s} {kind:5s} {M:6d}x{N:6d}x{K:6d} host us per call: "
                   + ", ".join(f"{k} {v:.1f}" for k, v in t.items()), flush=True)
             continue
