@@ -135,6 +135,8 @@ CPU_RUNS = (
     *_cpu_pass_runs("tune", 6),
     # held out in pass H (written down before they ran, with the pass-H thresholds fixed)
     *_cpu_pass_runs("test", 7),
+    # held out in pass I (written down before they ran; no threshold changed after pass H)
+    *_cpu_pass_runs("test", 8),
 )
 
 # GPU: 4 layers x d 512 (head_dim 128), 32 x 256 tokens per step, statistics every 5 steps, 700 steps.
@@ -222,8 +224,32 @@ GPU_TEST2_RUNS = (
     RunSpec("gpu-llama-fp8-nosat-s2-stable", ("--arch", "llama", *FROZEN, "--fp8-margin", "2", "--lr", "1e-3",
                                               "--steps", "1500", "--seed", "2"), "tune", "stable"),
 )
+
+
+def _gpu_long(arch: str, precision: str, split: str, seed: int, *recipe: str, name: str | None = None) -> RunSpec:
+    """A 1500-step healthy run (lr 1e-3, cosine)."""
+    return RunSpec(name or f"gpu-{arch}-{precision}-long-s{seed}-stable",
+                   ("--arch", arch, "--precision", precision, *recipe, "--lr", "1e-3", "--steps", "1500", "--seed",
+                    str(seed)), split, "stable")
+
+
+# Held-out runs of pass I (profile gpu-test3), written down before any was made, with the pass-H thresholds
+# fixed (none changed after pass H): the kinds of gpu-test2 with seed 8, which no earlier GPU run used, plus a
+# ramp without QK-norm and two more long healthy runs (bf16 Llama, delayed-scaling FOG).
+GPU_TEST3_RUNS = (
+    _gpu_div("gpu-fog-fp8-ramp-s8-div", "fog", "fp8", "0.05", "test", "--seed", "8"),
+    _gpu_div("gpu-fog-bf16-ramp-s8-div", "fog", "bf16", "0.055", "test", "--seed", "8"),
+    _gpu_div("gpu-fog-fp8-noqk-s8-div", "fog", "fp8", "0.03", "test", "--no-qk-norm", "--seed", "8"),
+    _gpu_frozen("gpu-fog-fp8-frozen-s8-div", "fog", "test", 300, 2, "1e-3", *CONSTANT, "--seed", "8"),
+    _gpu_frozen("gpu-llama-fp8-frozen-s8-div", "llama", "test", 300, 2, "1e-3", "--seed", "8"),
+    _gpu_frozen("gpu-fog-fp8-frozen-h64-s8-div", "fog", "test", 250, 2, "1e-3", "--amax-history", "64", "--seed", "8"),
+    _gpu_long("llama", "fp8", "test", 8),
+    _gpu_long("fog", "fp8", "test", 8),
+    _gpu_long("llama", "bf16", "test", 8),
+    _gpu_long("fog", "fp8", "test", 8, *DELAYED, "16", name="gpu-fog-fp8-delayed16-long-s8-stable"),
+)
 PROFILES = {"cpu": (CPU_BASE, CPU_RUNS), "gpu": (GPU_BASE, GPU_RUNS), "gpu-frozen": (GPU_BASE, GPU_FROZEN_RUNS),
-            "gpu-test2": (GPU_BASE, GPU_TEST2_RUNS)}
+            "gpu-test2": (GPU_BASE, GPU_TEST2_RUNS), "gpu-test3": (GPU_BASE, GPU_TEST3_RUNS)}
 
 
 def train(spec: RunSpec, base: tuple[str, ...], url: str, tmp: Path,
