@@ -248,8 +248,24 @@ GPU_TEST3_RUNS = (
     _gpu_long("llama", "bf16", "test", 8),
     _gpu_long("fog", "fp8", "test", 8, *DELAYED, "16", name="gpu-fog-fp8-delayed16-long-s8-stable"),
 )
+
+# Held-out runs of pass I on the product's own FP8 path (profile gpu-triton, run without FP8MON_FP8_BACKEND, so
+# that Fp8Linear takes the Triton kernels and the agent reads the statistics fused into their casts and GEMM
+# epilogues; every earlier GPU run took the torch path), written down before any was made, pass-H thresholds
+# fixed: learning-rate ramps (current and delayed scaling, and without QK-norm) and long healthy runs, seed 9.
+# The Triton kernels always saturate and refresh delayed scales, so no stale-scale run is among them.
+GPU_TRITON_RUNS = (
+    _gpu_div("gpu-fog-fp8-ramp-s9-triton-div", "fog", "fp8", "0.05", "test", "--seed", "9"),
+    _gpu_div("gpu-fog-fp8-delayed-ramp-s9-triton-div", "fog", "fp8", "0.055", "test", *DELAYED, "2", "--seed", "9"),
+    _gpu_div("gpu-fog-fp8-noqk-s9-triton-div", "fog", "fp8", "0.03", "test", "--no-qk-norm", "--seed", "9"),
+    _gpu_long("fog", "fp8", "test", 9, name="gpu-fog-fp8-long-s9-triton-stable"),
+    _gpu_long("llama", "fp8", "test", 9, name="gpu-llama-fp8-long-s9-triton-stable"),
+    _gpu_long("fog", "fp8", "test", 9, *DELAYED, "16", name="gpu-fog-fp8-delayed16-long-s9-triton-stable"),
+    _gpu_long("llama", "fp8", "test", 9, *DELAYED, "4", name="gpu-llama-fp8-delayed4-long-s9-triton-stable"),
+)
 PROFILES = {"cpu": (CPU_BASE, CPU_RUNS), "gpu": (GPU_BASE, GPU_RUNS), "gpu-frozen": (GPU_BASE, GPU_FROZEN_RUNS),
-            "gpu-test2": (GPU_BASE, GPU_TEST2_RUNS), "gpu-test3": (GPU_BASE, GPU_TEST3_RUNS)}
+            "gpu-test2": (GPU_BASE, GPU_TEST2_RUNS), "gpu-test3": (GPU_BASE, GPU_TEST3_RUNS),
+            "gpu-triton": (GPU_BASE, GPU_TRITON_RUNS)}
 
 
 def train(spec: RunSpec, base: tuple[str, ...], url: str, tmp: Path,
