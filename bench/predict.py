@@ -15,9 +15,14 @@ labelled diverged, stable or censored (monitor.fixtures: chosen to diverge, not 
 censored runs count neither as stable (false alerts) nor as diverging (leads), they are reported apart; so
 are early failures (diverged before monitor.fixtures.EARLY_BEFORE: no lead of 100 steps is possible).
 
-Beside the literal baseline (the target's definition, whose figure is the one the summary judges), two
+Beside the literal baseline (the target's definition, whose figure is the one the summary judges), three
 lines are printed as context: the baseline at a matched false-alarm threshold (the smallest z with no
-alert on the stable tune runs) and the ceiling of the ratio (an alert at step 0 of every diverging run).
+alert on the stable tune runs); the ceiling of the ratio (an alert at step 0 of every diverging run); and
+the *standing* lead of both detectors, where an alert that resolved before the divergence step is not lead
+but a false alarm: both go through the server's alert lifecycle (an alert resolves once its condition has
+been absent for RESOLVE_AFTER_STEPS steps; the baseline's condition is z > 3), and the standing lead is the
+divergence step minus the start of the unbroken stretch of paging alerts that is still open at it (0 when
+none is open: a late alert).
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from monitor.alerting.lifecycle import ESCALATED, FIRED, AlertTracker
+from monitor.alerting.lifecycle import ESCALATED, FIRED, RESOLVED, AlertTracker
+from monitor.assessment import Finding
 from monitor.fixtures import EARLY_BEFORE, TARGET_LEAD, Fixture, fixture_paths, load_fixture
 from monitor.predictors import PredictorParams, RunPredictor
 from monitor.schemas import IngestBatch
@@ -39,7 +45,8 @@ BASELINE_Z = 3.0
 # Said here (and in docs/prediction.md) when thresholds were changed after seeing the held-out results.
 NOTE = ("pass H: the thresholds were chosen again on every run of passes A-G, all 'tune' now (pass G's held-out "
         "runs had been seen: kurtosis_baseline_steps 500 -> 200 after two false alerts on them); the 'test' runs were "
-        "made after that choice and not used for it (docs/prediction.md)")
+        "made after that choice and not used for it: pass H's (seed 7, CPU) and pass I's (seed 8 CPU and GPU, seed 9 "
+        "GPU on the Triton kernels), with no threshold changed since (docs/prediction.md)")
 
 
 @dataclass
@@ -48,29 +55,39 @@ class Outcome:
     first_rule: str | None = None
     alerts: int = 0  # warning/critical alerts that fired over the whole run
     alert_steps: list[int] = field(default_factory=list)
+    # [start, end) of every alert while it paged (warning/critical): end = its resolution step, None if open
+    spans: list[list] = field(default_factory=list)
     seconds: float = 0.0
     steps: int = 0
+
+
+def _track_spans(out: Outcome, event, counted: dict) -> None:
+    """Count a paging alert once (when it first fires at warning/critical or escalates to it) and keep its span."""
+    alert = event.alert
+    identity = (alert.rule, alert.layer, alert.site, alert.first_step)
+    if event.kind in (FIRED, ESCALATED) and alert.severity in ("warning", "critical") and identity not in counted:
+        span = [event.step, None]
+        counted[identity] = span
+        out.spans.append(span)
+        out.alerts += 1
+        out.alert_steps.append(event.step)
+        if out.first_alert is None:
+            out.first_alert, out.first_rule = event.step, alert.rule
+    elif event.kind == RESOLVED and identity in counted:
+        counted[identity][1] = event.step
 
 
 def replay(fixture: Fixture, params: PredictorParams | None = None) -> Outcome:
     """Our predictors + the alert lifecycle over the fixture's batches, in order."""
     batches = [IngestBatch.model_validate(b) for b in fixture.batches]
     predictor, tracker, out = RunPredictor(fixture.name, params=params), AlertTracker(), Outcome()
-    counted = set()  # an alert counts once, when it first fires at warning/critical (or escalates to it)
+    counted = {}  # an alert counts once, when it first fires at warning/critical (or escalates to it)
     t0 = time.perf_counter()
     for batch in batches:
         for assessment in predictor.observe(batch):
             out.steps += 1
             for event in tracker.update(fixture.name, assessment.step, assessment.findings):
-                alert = event.alert
-                identity = (alert.rule, alert.layer, alert.site, alert.first_step)
-                if event.kind in (FIRED, ESCALATED) and alert.severity in ("warning", "critical") \
-                        and identity not in counted:
-                    counted.add(identity)
-                    out.alerts += 1
-                    out.alert_steps.append(event.step)
-                    if out.first_alert is None:
-                        out.first_alert, out.first_rule = event.step, event.alert.rule
+                _track_spans(out, event, counted)
     out.seconds = time.perf_counter() - t0
     return out
 
@@ -95,8 +112,11 @@ def baseline_z(losses: list[tuple[int, float]], window: int = BASELINE_WINDOW) -
 
 
 def baseline(losses: list[tuple[int, float]], threshold: float = BASELINE_Z) -> Outcome:
-    """Loss z-score vs the previous BASELINE_WINDOW logged losses; an alert per run of steps with z > threshold."""
+    """Loss z-score vs the previous BASELINE_WINDOW logged losses; an alert per run of steps with z > threshold.
+    Its spans come from the same condition through the server's alert lifecycle (a warning while z > threshold,
+    resolved once absent for RESOLVE_AFTER_STEPS steps)."""
     out, firing = Outcome(), False
+    tracker, counted = AlertTracker(), {}
     for step, z in baseline_z(losses):
         if z > threshold and not firing:
             out.alerts += 1
@@ -104,7 +124,29 @@ def baseline(losses: list[tuple[int, float]], threshold: float = BASELINE_Z) -> 
             if out.first_alert is None:
                 out.first_alert = step
         firing = z > threshold
+        findings = [Finding("loss_zscore", "warning", step, f"loss z {z:.1f}")] if firing else []
+        for event in tracker.update("baseline", step, findings):
+            if event.kind == RESOLVED:
+                counted[event.alert.first_step][1] = event.step
+            elif event.kind == FIRED:
+                counted[event.alert.first_step] = [event.step, None]
+                out.spans.append(counted[event.alert.first_step])
     return out
+
+
+def standing_lead(fixture: Fixture, outcome: Outcome) -> int | None:
+    """Divergence step minus the start of the unbroken stretch of paging alerts still open at it (spans that
+    overlap or touch are one stretch); 0 when no alert is open then; None for a run that did not diverge."""
+    if not fixture.diverged:
+        return None
+    d = fixture.divergence_step
+    spans = sorted((a, math.inf if b is None else b) for a, b in outcome.spans if a <= d)
+    start, end = None, -math.inf
+    for a, b in spans:
+        if a > end:  # a gap: a new stretch
+            start = a
+        end = max(end, b)
+    return d - start if start is not None and end > d else 0
 
 
 def matched_threshold(stable: list[Fixture]) -> float:
@@ -170,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     header = (f"{'run':34} {'split':5} {'label':>8} {'div':>5} {'last':>5} | {'alert':>5} {'rule':18} {'lead':>5} "
               f"{'alerts':>6} | {'base':>5} {'lead':>5} {'alerts':>6} | {'ratio':>6} | {'m.base':>6} {'lead':>5} "
-              f"| {'us/step':>7}")
+              f"| {'st.us':>5} {'st.bs':>5} | {'us/step':>7}")
     print(header)
     print("-" * len(header))
     for fx in fixtures:
@@ -179,19 +221,22 @@ def main(argv: list[str] | None = None) -> int:
         ratio = None
         if our_lead is not None and base_lead is not None and base_lead > 0:
             ratio = our_lead / base_lead
-        rows.append((fx, ours, base, our_lead, base_lead, ratio, matched, matched_lead))
+        standing = (standing_lead(fx, ours), standing_lead(fx, base))
+        rows.append((fx, ours, base, our_lead, base_lead, ratio, matched, matched_lead, standing))
         print(f"{fx.name:34} {fx.split:5} {fx.outcome:>8} {fmt(fx.divergence_step):>5} {fx.last_step():>5} | "
               f"{fmt(ours.first_alert):>5} {fmt(ours.first_rule):18} {fmt(our_lead):>5} {ours.alerts:>6} | "
               f"{fmt(base.first_alert):>5} {fmt(base_lead):>5} {base.alerts:>6} | "
               f"{'-' if ratio is None else f'{ratio:.1f}x':>6} | {fmt(matched.first_alert):>6} {fmt(matched_lead):>5} "
-              f"| {1e6 * ours.seconds / max(1, ours.steps):7.0f}")
+              f"| {fmt(standing[0]):>5} {fmt(standing[1]):>5} | {1e6 * ours.seconds / max(1, ours.steps):7.0f}")
 
     print()
     print("columns: div = divergence step (label); alert/rule/lead/alerts = ours (first warning/critical alert, its "
           "rule, lead = div - alert, alerts that fired over the run); base = the literal baseline (loss z-score, "
           f"window {BASELINE_WINDOW}, z > {BASELINE_Z:g}); m.base = the same baseline at the matched threshold "
-          f"z > {matched_z:.2f} (the smallest with no alert on the stable tune runs). label 'censored': chosen to "
-          "diverge, not diverged by its last step; neither stable nor diverging, reported apart.")
+          f"z > {matched_z:.2f} (the smallest with no alert on the stable tune runs); st.us / st.bs = the standing "
+          "lead of ours / of the literal baseline (divergence step - start of the paging stretch still open at it, "
+          "0 if none: see the docstring). label 'censored': chosen to diverge, not diverged by its last step; "
+          "neither stable nor diverging, reported apart.")
     print(f"predictor cost, synthetic 100 layers x 5 sites, statistics every step: {step_cost_ms():.2f} ms/step "
           "(median of 3 replays of 200 steps; this machine, whatever else it was running)")
     if NOTE:
@@ -241,6 +286,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  [not the target's definition] vs the baseline at matched false alarms (z > {matched_z:.2f}; alerts "
               f"on stable runs {sum(r[6].alerts for r in stable)}): leads {matched_leads}, total {ours_total} / "
               f"{matched_total} = {'inf' if math.isinf(matched_ratio) else f'{matched_ratio:.1f}x'}")
+        ours_standing = sum(r[8][0] for r in diverging)
+        base_standing = sum(r[8][1] for r in diverging)
+        standing_ratio = ours_standing / base_standing if base_standing > 0 else math.inf
+        print(f"  [not the target's definition] standing leads (an alert resolved before the divergence step is no "
+              f"lead): ours {[r[8][0] for r in diverging]}, baseline {[r[8][1] for r in diverging]}, total "
+              f"{ours_standing} / {base_standing} = "
+              f"{'inf' if math.isinf(standing_ratio) else f'{standing_ratio:.1f}x'}; runs with a standing lead >= "
+              f"{TARGET_LEAD}: ours {sum(1 for r in diverging if r[8][0] >= TARGET_LEAD)}/{len(diverging)}, baseline "
+              f"{sum(1 for r in diverging if r[8][1] >= TARGET_LEAD)}/{len(diverging)}")
         met = {"lead >= 100 on every diverging run": bool(diverging) and ahead == len(diverging),
                "zero alerts on stable runs": false_alerts == 0,
                f">= {TARGET_RATIO:.0f}x the literal baseline's lead": ratio >= TARGET_RATIO}
