@@ -97,17 +97,23 @@ class StepFrame:
 
 def _nonfinite_records(raw: dict[str, list], columns: dict[str, np.ndarray], idx: np.ndarray | None) -> np.ndarray:
     """1.0 where a record counts non-finite elements or reports a NaN/Inf statistic (null = not reported
-    is not a NaN), else 0.0."""
+    is not a NaN), else 0.0. The NaN kurtosis of a tensor of zeros only (amax 0, no non-finite element) is
+    0/0, not a non-finite value: a gradient that underflows entirely (delayed scaling's first step, before
+    any amax is in the history) reports it."""
     n = len(next(iter(columns.values()))) if columns else 0
     bad = np.zeros(n, dtype=bool)
     counts = columns.get("nonfinite")
     if counts is not None:
         bad |= counts > 0  # NaN (null) compares False
+    amax = columns.get("amax")
+    all_zeros = (amax == 0) & (counts == 0) if amax is not None and counts is not None else np.zeros(n, dtype=bool)
     for name in NAN_CHECKED:
         values = columns.get(name)
         if values is None:
             continue
         odd = ~np.isfinite(values)
+        if name == "kurtosis":
+            odd &= ~all_zeros
         if odd.any():  # rare: only then tell a reported NaN from a null
             positions = range(len(raw[name])) if idx is None else idx.tolist()
             reported = np.array([raw[name][i] is not None for i in positions])

@@ -121,6 +121,21 @@ def test_a_nan_fires_a_critical_nonfinite_finding_at_once_naming_the_first_layer
     assert [f.for_steps for f in at.findings if f.rule == "nonfinite"] == [0]
 
 
+def test_the_nan_kurtosis_of_a_tensor_of_zeros_is_not_a_nonfinite_value_but_one_with_an_amax_is():
+    # delayed scaling's first step: with no amax in the history yet, a small gradient underflows to zeros only
+    def zeros_then_nan(step, layer, site, rng):
+        stats = healthy(step, layer, site, rng)
+        if layer == "blocks.3.mlp.fc1" and site == "grad_weight":
+            if step == 0:
+                stats.update(amax=0.0, rms=0.0, kurtosis=float("nan"), underflow_frac=0.0)
+            elif step == 150:
+                stats.update(kurtosis=float("nan"))  # NaN moments of a tensor that has values: a real signal
+        return stats
+
+    step, alert = first_fired(replay(stream(200, zeros_then_nan)))
+    assert step == 150 and alert.rule == "nonfinite" and (alert.layer, alert.site) == ("blocks.3.mlp.fc1", "grad_weight")
+
+
 def test_a_nan_loss_alone_is_nonfinite_too():
     scalars = lambda step, rng: {"loss": float("nan") if step == 120 else 3.0, "grad_norm": 1.0}  # noqa: E731
     step, alert = first_fired(replay(stream(130, scalar_fn=scalars)), rule="nonfinite")
