@@ -133,10 +133,12 @@ CPU_RUNS = (
     _cpu_long("llama", "bf16", "tune", 5),
     # held out in pass G (written down before they ran; no threshold changed after pass F), tune runs from pass H on
     *_cpu_pass_runs("tune", 6),
-    # held out in pass H (written down before they ran, with the pass-H thresholds fixed)
-    *_cpu_pass_runs("test", 7),
-    # held out in pass I (written down before they ran; no threshold changed after pass H)
-    *_cpu_pass_runs("test", 8),
+    # held out in passes H and I (written down before they ran, with the pass-H thresholds fixed), tune runs from
+    # pass K on
+    *_cpu_pass_runs("tune", 7),
+    *_cpu_pass_runs("tune", 8),
+    # held out in pass K (written down before they ran, with the pass-K thresholds fixed)
+    *_cpu_pass_runs("test", 9),
 )
 
 # GPU: 4 layers x d 512 (head_dim 128), 32 x 256 tokens per step, statistics every 5 steps, 700 steps.
@@ -233,56 +235,70 @@ def _gpu_long(arch: str, precision: str, split: str, seed: int, *recipe: str, na
                     str(seed)), split, "stable")
 
 
-# Held-out runs of pass I (profile gpu-test3), written down before any was made, with the pass-H thresholds
-# fixed (none changed after pass H): the kinds of gpu-test2 with seed 8, which no earlier GPU run used, plus a
+# Held-out runs of pass I (profile gpu-test3; tune runs from pass K on), written down before any was made, with the
+# pass-H thresholds fixed (none changed after pass H): the kinds of gpu-test2 with seed 8, which no earlier GPU run used, plus a
 # ramp without QK-norm and two more long healthy runs (bf16 Llama, delayed-scaling FOG).
 GPU_TEST3_RUNS = (
-    _gpu_div("gpu-fog-fp8-ramp-s8-div", "fog", "fp8", "0.05", "test", "--seed", "8"),
-    _gpu_div("gpu-fog-bf16-ramp-s8-div", "fog", "bf16", "0.055", "test", "--seed", "8"),
-    _gpu_div("gpu-fog-fp8-noqk-s8-div", "fog", "fp8", "0.03", "test", "--no-qk-norm", "--seed", "8"),
-    _gpu_frozen("gpu-fog-fp8-frozen-s8-div", "fog", "test", 300, 2, "1e-3", *CONSTANT, "--seed", "8"),
-    _gpu_frozen("gpu-llama-fp8-frozen-s8-div", "llama", "test", 300, 2, "1e-3", "--seed", "8"),
-    _gpu_frozen("gpu-fog-fp8-frozen-h64-s8-div", "fog", "test", 250, 2, "1e-3", "--amax-history", "64", "--seed", "8"),
-    _gpu_long("llama", "fp8", "test", 8),
-    _gpu_long("fog", "fp8", "test", 8),
-    _gpu_long("llama", "bf16", "test", 8),
-    _gpu_long("fog", "fp8", "test", 8, *DELAYED, "16", name="gpu-fog-fp8-delayed16-long-s8-stable"),
+    _gpu_div("gpu-fog-fp8-ramp-s8-div", "fog", "fp8", "0.05", "tune", "--seed", "8"),
+    _gpu_div("gpu-fog-bf16-ramp-s8-div", "fog", "bf16", "0.055", "tune", "--seed", "8"),
+    _gpu_div("gpu-fog-fp8-noqk-s8-div", "fog", "fp8", "0.03", "tune", "--no-qk-norm", "--seed", "8"),
+    _gpu_frozen("gpu-fog-fp8-frozen-s8-div", "fog", "tune", 300, 2, "1e-3", *CONSTANT, "--seed", "8"),
+    _gpu_frozen("gpu-llama-fp8-frozen-s8-div", "llama", "tune", 300, 2, "1e-3", "--seed", "8"),
+    _gpu_frozen("gpu-fog-fp8-frozen-h64-s8-div", "fog", "tune", 250, 2, "1e-3", "--amax-history", "64", "--seed", "8"),
+    _gpu_long("llama", "fp8", "tune", 8),
+    _gpu_long("fog", "fp8", "tune", 8),
+    _gpu_long("llama", "bf16", "tune", 8),
+    _gpu_long("fog", "fp8", "tune", 8, *DELAYED, "16", name="gpu-fog-fp8-delayed16-long-s8-stable"),
 )
 
-# Held-out runs of pass I on the product's own FP8 path (profile gpu-triton, run without FP8MON_FP8_BACKEND, so
+# Held-out runs of pass I on the product's own FP8 path (profile gpu-triton; tune runs from pass K on), run without FP8MON_FP8_BACKEND, so
 # that Fp8Linear takes the Triton kernels and the agent reads the statistics fused into their casts and GEMM
 # epilogues; every earlier GPU run took the torch path), written down before any was made, pass-H thresholds
 # fixed: learning-rate ramps (current and delayed scaling, and without QK-norm) and long healthy runs, seed 9.
 # The Triton kernels always saturate and refresh delayed scales, so no stale-scale run is among them.
 GPU_TRITON_RUNS = (
-    _gpu_div("gpu-fog-fp8-ramp-s9-triton-div", "fog", "fp8", "0.05", "test", "--seed", "9"),
-    _gpu_div("gpu-fog-fp8-delayed-ramp-s9-triton-div", "fog", "fp8", "0.055", "test", *DELAYED, "2", "--seed", "9"),
-    _gpu_div("gpu-fog-fp8-noqk-s9-triton-div", "fog", "fp8", "0.03", "test", "--no-qk-norm", "--seed", "9"),
-    _gpu_long("fog", "fp8", "test", 9, name="gpu-fog-fp8-long-s9-triton-stable"),
-    _gpu_long("llama", "fp8", "test", 9, name="gpu-llama-fp8-long-s9-triton-stable"),
-    _gpu_long("fog", "fp8", "test", 9, *DELAYED, "16", name="gpu-fog-fp8-delayed16-long-s9-triton-stable"),
-    _gpu_long("llama", "fp8", "test", 9, *DELAYED, "4", name="gpu-llama-fp8-delayed4-long-s9-triton-stable"),
+    _gpu_div("gpu-fog-fp8-ramp-s9-triton-div", "fog", "fp8", "0.05", "tune", "--seed", "9"),
+    _gpu_div("gpu-fog-fp8-delayed-ramp-s9-triton-div", "fog", "fp8", "0.055", "tune", *DELAYED, "2", "--seed", "9"),
+    _gpu_div("gpu-fog-fp8-noqk-s9-triton-div", "fog", "fp8", "0.03", "tune", "--no-qk-norm", "--seed", "9"),
+    _gpu_long("fog", "fp8", "tune", 9, name="gpu-fog-fp8-long-s9-triton-stable"),
+    _gpu_long("llama", "fp8", "tune", 9, name="gpu-llama-fp8-long-s9-triton-stable"),
+    _gpu_long("fog", "fp8", "tune", 9, *DELAYED, "16", name="gpu-fog-fp8-delayed16-long-s9-triton-stable"),
+    _gpu_long("llama", "fp8", "tune", 9, *DELAYED, "4", name="gpu-llama-fp8-delayed4-long-s9-triton-stable"),
 )
 
-# Held-out runs of pass J (profile gpu-wide), written down before any was made, pass-H thresholds fixed: does a
+# Held-out runs of pass J (profile gpu-wide; tune runs from pass K on), written down before any was made, pass-H thresholds fixed: does a
 # model twice as deep and twice as wide as every earlier GPU run (8 layers x d 1024, 4x the parameters per layer)
 # keep the leads and the silence on healthy runs? Seed 10; the backend is left to Fp8Linear (the Triton kernels,
 # and the torch path for the stale-scale recipes they refuse). The FOG ramps peak at 0.04, below the 0.05-0.07 of
 # the 4 x 512 model (its stable edge was ~0.04; a wider model's is expected lower).
 GPU_WIDE = ("--n-layer", "8", "--d-model", "1024", "--n-head", "8", "--d-ff", "2048")
 GPU_WIDE_RUNS = tuple(RunSpec(r.name, (*GPU_WIDE, *r.args), r.split, r.expect) for r in (
-    _gpu_div("gpu-wide-fog-fp8-ramp-s10-div", "fog", "fp8", "0.04", "test", "--seed", "10"),
-    _gpu_div("gpu-wide-fog-bf16-ramp-s10-div", "fog", "bf16", "0.04", "test", "--seed", "10"),
-    _gpu_frozen("gpu-wide-fog-fp8-frozen-s10-div", "fog", "test", 300, 2, "1e-3", *CONSTANT, "--seed", "10"),
-    _gpu_frozen("gpu-wide-llama-fp8-frozen-s10-div", "llama", "test", 300, 2, "1e-3", "--seed", "10"),
-    _gpu_long("fog", "fp8", "test", 10, name="gpu-wide-fog-fp8-long-s10-stable"),
-    _gpu_long("llama", "fp8", "test", 10, name="gpu-wide-llama-fp8-long-s10-stable"),
-    _gpu_long("llama", "bf16", "test", 10, name="gpu-wide-llama-bf16-long-s10-stable"),
-    _gpu_long("fog", "fp8", "test", 10, *DELAYED, "16", name="gpu-wide-fog-fp8-delayed16-long-s10-stable"),
+    _gpu_div("gpu-wide-fog-fp8-ramp-s10-div", "fog", "fp8", "0.04", "tune", "--seed", "10"),
+    _gpu_div("gpu-wide-fog-bf16-ramp-s10-div", "fog", "bf16", "0.04", "tune", "--seed", "10"),
+    _gpu_frozen("gpu-wide-fog-fp8-frozen-s10-div", "fog", "tune", 300, 2, "1e-3", *CONSTANT, "--seed", "10"),
+    _gpu_frozen("gpu-wide-llama-fp8-frozen-s10-div", "llama", "tune", 300, 2, "1e-3", "--seed", "10"),
+    _gpu_long("fog", "fp8", "tune", 10, name="gpu-wide-fog-fp8-long-s10-stable"),
+    _gpu_long("llama", "fp8", "tune", 10, name="gpu-wide-llama-fp8-long-s10-stable"),
+    _gpu_long("llama", "bf16", "tune", 10, name="gpu-wide-llama-bf16-long-s10-stable"),
+    _gpu_long("fog", "fp8", "tune", 10, *DELAYED, "16", name="gpu-wide-fog-fp8-delayed16-long-s10-stable"),
+))
+
+# Held-out runs of pass K (profile gpu-wide2), written down before any was made, with the pass-K thresholds fixed
+# (underflow_rise info only, after pass J's wide healthy Llama runs): the wide model of pass J, seed 11, with the
+# kinds that pass K's change touches (two wide healthy Llama runs, a ramp without QK-norm, whose underflow rise was
+# its first warning at 4 x 512) and two more healthy runs, one in delayed scaling (pass J's zeros at step 0).
+# Cut by a short per-run timeout (the device time left): healthy runs are healthy as far as they got.
+GPU_WIDE2_RUNS = tuple(RunSpec(r.name, (*GPU_WIDE, *r.args), r.split, r.expect) for r in (
+    _gpu_long("llama", "fp8", "test", 11, name="gpu-wide-llama-fp8-long-s11-stable"),
+    _gpu_long("llama", "bf16", "test", 11, name="gpu-wide-llama-bf16-long-s11-stable"),
+    _gpu_div("gpu-wide-fog-fp8-noqk-s11-div", "fog", "fp8", "0.02", "test", "--no-qk-norm", "--seed", "11"),
+    _gpu_long("fog", "fp8", "test", 11, name="gpu-wide-fog-fp8-long-s11-stable"),
+    _gpu_long("llama", "fp8", "test", 11, *DELAYED, "4", name="gpu-wide-llama-fp8-delayed4-long-s11-stable"),
 ))
 PROFILES = {"cpu": (CPU_BASE, CPU_RUNS), "gpu": (GPU_BASE, GPU_RUNS), "gpu-frozen": (GPU_BASE, GPU_FROZEN_RUNS),
             "gpu-test2": (GPU_BASE, GPU_TEST2_RUNS), "gpu-test3": (GPU_BASE, GPU_TEST3_RUNS),
-            "gpu-triton": (GPU_BASE, GPU_TRITON_RUNS), "gpu-wide": (GPU_BASE, GPU_WIDE_RUNS)}
+            "gpu-triton": (GPU_BASE, GPU_TRITON_RUNS), "gpu-wide": (GPU_BASE, GPU_WIDE_RUNS),
+            "gpu-wide2": (GPU_BASE, GPU_WIDE2_RUNS)}
 
 
 def train(spec: RunSpec, base: tuple[str, ...], url: str, tmp: Path,

@@ -19,7 +19,8 @@ sustained overflow is a warning.
 
 Underflow: the EWMA of `underflow_frac` against its running minimum since warm-up; a rise of
 `underflow_rise_info` (absolute fraction of the nonzero elements flushed to zero) is info,
-`underflow_rise` a warning.
+`underflow_rise` a warning where `underflow_pages` is set (by default, since pass K, it stays info: healthy
+wider runs flush a growing share of their attention gradients).
 """
 
 from __future__ import annotations
@@ -143,6 +144,8 @@ class UnderflowRise:
         self.level.grow(table.width)
         rise = self.level.rise()
         ratio = rise / self.p.underflow_rise
+        if not self.p.underflow_pages:  # its findings stay info and its score below a warning's
+            ratio = np.minimum(ratio, INFO_RATIO_CAP)
         findings = []
         for i in np.flatnonzero(rise >= self.p.underflow_rise_info).tolist():
             layer, site = table.name(i)
