@@ -33,7 +33,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from monitor.alerting.lifecycle import ESCALATED, FIRED, RESOLVED, AlertTracker
+from monitor.alerting.lifecycle import ESCALATED, FIRED, RESOLVED, AlertEvent, AlertTracker
 from monitor.assessment import Finding
 from monitor.fixtures import EARLY_BEFORE, TARGET_LEAD, Fixture, fixture_paths, load_fixture
 from monitor.predictors import PredictorParams, RunPredictor
@@ -56,12 +56,12 @@ class Outcome:
     alerts: int = 0  # warning/critical alerts that fired over the whole run
     alert_steps: list[int] = field(default_factory=list)
     # [start, end) of every alert while it paged (warning/critical): end = its resolution step, None if open
-    spans: list[list] = field(default_factory=list)
+    spans: list[list[int | None]] = field(default_factory=list)
     seconds: float = 0.0
     steps: int = 0
 
 
-def _track_spans(out: Outcome, event, counted: dict) -> None:
+def _track_spans(out: Outcome, event: AlertEvent, counted: dict) -> None:
     """Count a paging alert once (when it first fires at warning/critical or escalates to it) and keep its span."""
     alert = event.alert
     identity = (alert.rule, alert.layer, alert.site, alert.first_step)
@@ -295,10 +295,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{'inf' if math.isinf(standing_ratio) else f'{standing_ratio:.1f}x'}; runs with a standing lead >= "
               f"{TARGET_LEAD}: ours {sum(1 for r in diverging if r[8][0] >= TARGET_LEAD)}/{len(diverging)}, baseline "
               f"{sum(1 for r in diverging if r[8][1] >= TARGET_LEAD)}/{len(diverging)}")
-        met = {"lead >= 100 on every diverging run": bool(diverging) and ahead == len(diverging),
-               "zero alerts on stable runs": false_alerts == 0,
-               f">= {TARGET_RATIO:.0f}x the literal baseline's lead": ratio >= TARGET_RATIO}
-        verdicts = "; ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in met.items())
+        # None: no run of the kind the target is about (no diverging or no stable run in this split)
+        met = {"lead >= 100 on every diverging run": ahead == len(diverging) if diverging else None,
+               "zero alerts on stable runs": false_alerts == 0 if stable else None,
+               f">= {TARGET_RATIO:.0f}x the literal baseline's lead": ratio >= TARGET_RATIO if diverging else None}
+        verdicts = "; ".join(f"{k}: {'n/a' if v is None else 'yes' if v else 'NO'}" for k, v in met.items())
         print(f"  targets met (literal definitions): {verdicts}")
     return 0
 
