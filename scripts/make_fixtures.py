@@ -236,8 +236,8 @@ def _gpu_long(arch: str, precision: str, split: str, seed: int, *recipe: str, na
 
 
 # Held-out runs of pass I (profile gpu-test3; tune runs from pass K on), written down before any was made, with the
-# pass-H thresholds fixed (none changed after pass H): the kinds of gpu-test2 with seed 8, which no earlier GPU run used, plus a
-# ramp without QK-norm and two more long healthy runs (bf16 Llama, delayed-scaling FOG).
+# pass-H thresholds fixed (none changed after pass H): the kinds of gpu-test2 with seed 8, which no earlier GPU run
+# used, plus a ramp without QK-norm and two more long healthy runs (bf16 Llama, delayed-scaling FOG).
 GPU_TEST3_RUNS = (
     _gpu_div("gpu-fog-fp8-ramp-s8-div", "fog", "fp8", "0.05", "tune", "--seed", "8"),
     _gpu_div("gpu-fog-bf16-ramp-s8-div", "fog", "bf16", "0.055", "tune", "--seed", "8"),
@@ -251,11 +251,12 @@ GPU_TEST3_RUNS = (
     _gpu_long("fog", "fp8", "tune", 8, *DELAYED, "16", name="gpu-fog-fp8-delayed16-long-s8-stable"),
 )
 
-# Held-out runs of pass I on the product's own FP8 path (profile gpu-triton; tune runs from pass K on), run without FP8MON_FP8_BACKEND, so
-# that Fp8Linear takes the Triton kernels and the agent reads the statistics fused into their casts and GEMM
-# epilogues; every earlier GPU run took the torch path), written down before any was made, pass-H thresholds
-# fixed: learning-rate ramps (current and delayed scaling, and without QK-norm) and long healthy runs, seed 9.
-# The Triton kernels always saturate and refresh delayed scales, so no stale-scale run is among them.
+# Held-out runs of pass I on the product's own FP8 path (profile gpu-triton; tune runs from pass K on), written
+# down before any was made, pass-H thresholds fixed. Run without FP8MON_FP8_BACKEND, so that Fp8Linear takes the
+# Triton kernels and the agent reads the statistics fused into their casts and GEMM epilogues (every earlier GPU
+# run took the torch path): learning-rate ramps (current and delayed scaling, and without QK-norm) and long
+# healthy runs, seed 9. The Triton kernels always saturate and refresh delayed scales, so no stale-scale run is
+# among them.
 GPU_TRITON_RUNS = (
     _gpu_div("gpu-fog-fp8-ramp-s9-triton-div", "fog", "fp8", "0.05", "tune", "--seed", "9"),
     _gpu_div("gpu-fog-fp8-delayed-ramp-s9-triton-div", "fog", "fp8", "0.055", "tune", *DELAYED, "2", "--seed", "9"),
@@ -266,11 +267,11 @@ GPU_TRITON_RUNS = (
     _gpu_long("llama", "fp8", "tune", 9, *DELAYED, "4", name="gpu-llama-fp8-delayed4-long-s9-triton-stable"),
 )
 
-# Held-out runs of pass J (profile gpu-wide; tune runs from pass K on), written down before any was made, pass-H thresholds fixed: does a
-# model twice as deep and twice as wide as every earlier GPU run (8 layers x d 1024, 4x the parameters per layer)
-# keep the leads and the silence on healthy runs? Seed 10; the backend is left to Fp8Linear (the Triton kernels,
-# and the torch path for the stale-scale recipes they refuse). The FOG ramps peak at 0.04, below the 0.05-0.07 of
-# the 4 x 512 model (its stable edge was ~0.04; a wider model's is expected lower).
+# Held-out runs of pass J (profile gpu-wide; tune runs from pass K on), written down before any was made, pass-H
+# thresholds fixed: does a model twice as deep and twice as wide as every earlier GPU run (8 layers x d 1024, 4x
+# the parameters per layer) keep the leads and the silence on healthy runs? Seed 10; the backend is left to
+# Fp8Linear (the Triton kernels, and the torch path for the stale-scale recipes they refuse). The FOG ramps peak
+# at 0.04, below the 0.05-0.07 of the 4 x 512 model (its stable edge was ~0.04; a wider model's is expected lower).
 GPU_WIDE = ("--n-layer", "8", "--d-model", "1024", "--n-head", "8", "--d-ff", "2048")
 GPU_WIDE_RUNS = tuple(RunSpec(r.name, (*GPU_WIDE, *r.args), r.split, r.expect) for r in (
     _gpu_div("gpu-wide-fog-fp8-ramp-s10-div", "fog", "fp8", "0.04", "tune", "--seed", "10"),

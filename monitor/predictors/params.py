@@ -64,9 +64,9 @@ class PredictorParams:
     underflow_rise_info: float = 0.05
     underflow_rise: float = 0.2
     underflow_for_steps: int = 20
-    # pass K: info only. The held-out 8-layer x d 1024 Llama runs of pass J, healthy for 1500 steps, flushed up to 35%
-    # more of an attention grad_output as the run went on (8 warnings); the three FOG ramps without QK-norm it had
-    # warned first (rise 0.28-0.31) are warned 139-196 steps ahead by attention max-logit growth without it
+    # pass K: info only. The two held-out 8-layer x d 1024 Llama runs of pass J, healthy for 1500 steps, flushed up
+    # to 35% more of an attention grad_output as they went on (9 warnings); the three FOG ramps without QK-norm it
+    # had warned first (rise 0.28-0.31) are warned 139-196 steps ahead by attention max-logit growth without it
     underflow_pages: bool = False
 
     # -- robust spikes of loss and ln(grad_norm): median/MAD over the last `spike_window` logged values

@@ -133,7 +133,8 @@ def test_the_nan_kurtosis_of_a_tensor_of_zeros_is_not_a_nonfinite_value_but_one_
         return stats
 
     step, alert = first_fired(replay(stream(200, zeros_then_nan)))
-    assert step == 150 and alert.rule == "nonfinite" and (alert.layer, alert.site) == ("blocks.3.mlp.fc1", "grad_weight")
+    assert step == 150 and alert.rule == "nonfinite"
+    assert (alert.layer, alert.site) == ("blocks.3.mlp.fc1", "grad_weight")
 
 
 def test_a_nan_loss_alone_is_nonfinite_too():
