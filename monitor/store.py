@@ -98,7 +98,9 @@ class Store:
         with self._lock:
             self._queue.append(job)
         with self._write_lock:
-            if not job.done:
+            # the writer takes the oldest queued batches, not always its own: a group that fails before it
+            # reaches this thread's batch leaves that batch queued, so write groups until it is done
+            while not job.done:
                 self._write_queue()
         if job.error is not None:
             raise job.error
@@ -106,7 +108,7 @@ class Store:
 
     def _write_queue(self) -> None:
         with self._lock:
-            group = [self._queue.pop(0)]  # never empty: the calling thread's batch is queued
+            group = [self._queue.pop(0)]  # never empty: the calling thread's batch is queued until done
         try:
             batches = itertools.chain([group[0].batch], self._take_queued(group))
             for job, result in zip(group, self._write(batches)):

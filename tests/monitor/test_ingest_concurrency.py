@@ -213,6 +213,32 @@ def test_a_failing_batch_fails_alone_when_batches_share_a_commit(store, database
     assert query(url, "select count(*) from tensor_stats")[0][0] == 3 * 2 * 2 * len(SITES)
 
 
+def test_a_thread_whose_group_failed_without_its_batch_writes_its_batch_before_it_returns(store, database_url,
+                                                                                          monkeypatch):
+    """SQLite: the thread that gets the writer writes the oldest queued batches, which may not include its own.
+    When that group fails before it reaches the thread's batch, the thread must go on writing, not return with
+    its batch still queued (ingest returned None, with nothing committed)."""
+    if store.dialect != "sqlite":
+        pytest.skip("the group commit is SQLite's")
+    from monitor.store import _Job
+
+    original = store._write_batch
+
+    def write_batch(conn, batch, *args):
+        if batch.batch_id == "bad":
+            raise RuntimeError("boom")
+        return original(conn, batch, *args)
+
+    monkeypatch.setattr(store, "_write_batch", write_batch)
+    # another thread's batch, queued first, whose thread has not got the writer yet
+    waiting = _Job(IngestBatch.model_validate(tensor_batch("bad", "run-q", 0, [1], layers=LAYERS[:1])))
+    store._queue.append(waiting)
+    result = store.ingest(IngestBatch.model_validate(tensor_batch("mine", "run-q", 1, [1], layers=LAYERS[:1])))
+    assert result is not None and result.batch_id == "mine" and not result.duplicate
+    assert waiting.done and isinstance(waiting.error, RuntimeError)
+    assert [b for (b,) in query(database_url, "select batch_id from ingest_batches")] == ["mine"]
+
+
 def test_a_storage_error_reaches_the_caller_and_the_batch_can_be_retried(store, database_url, monkeypatch):
     """A database that fails before anything is written (the server answers 503): the batch is not stored,
     the error is raised (never a silent None), and a retry goes through."""
