@@ -173,17 +173,22 @@ def test_gaps_nan_inf_and_histograms_round_trip_exactly(store, database_url):
     assert all(same(a, b) for a, b in zip(scalars, values))
 
 
-def test_a_failing_batch_fails_alone_when_batches_share_a_commit(store, database_url, monkeypatch):
-    """On SQLite, batches that wait for the writer are committed together; one that fails must not take
-    the others down (they are written again one by one)."""
+def fail_batch(store, monkeypatch, batch_id):
+    """Make the store's write of the batch `batch_id` raise, inside whatever transaction it is part of."""
     original = store._write_batch
 
     def write_batch(conn, batch, *args):
-        if batch.batch_id == "bad":
+        if batch.batch_id == batch_id:
             raise RuntimeError("boom")
         return original(conn, batch, *args)
 
     monkeypatch.setattr(store, "_write_batch", write_batch)
+
+
+def test_a_failing_batch_fails_alone_when_batches_share_a_commit(store, database_url, monkeypatch):
+    """On SQLite, batches that wait for the writer are committed together; one that fails must not take
+    the others down (they are written again one by one)."""
+    fail_batch(store, monkeypatch, "bad")
     ids = ["a", "bad", "c", "d"]
     outcomes: dict[str, object] = {}
 
@@ -222,14 +227,7 @@ def test_a_thread_whose_group_failed_without_its_batch_writes_its_batch_before_i
         pytest.skip("the group commit is SQLite's")
     from monitor.store import _Job
 
-    original = store._write_batch
-
-    def write_batch(conn, batch, *args):
-        if batch.batch_id == "bad":
-            raise RuntimeError("boom")
-        return original(conn, batch, *args)
-
-    monkeypatch.setattr(store, "_write_batch", write_batch)
+    fail_batch(store, monkeypatch, "bad")
     # another thread's batch, queued first, whose thread has not got the writer yet
     waiting = _Job(IngestBatch.model_validate(tensor_batch("bad", "run-q", 0, [1], layers=LAYERS[:1])))
     store._queue.append(waiting)
