@@ -15,7 +15,7 @@ from sqlalchemy.exc import OperationalError
 
 from agent.wire import LOG2_HIST_BINS
 from monitor.schemas import IngestBatch
-from monitor.store import Store
+from monitor.store import Store, _Job
 
 SITES = ("input", "weight", "output", "grad_output", "grad_weight")
 LAYERS = tuple(f"blocks.{i}.mlp.fc1" for i in range(8))
@@ -225,8 +225,6 @@ def test_a_thread_whose_group_failed_without_its_batch_writes_its_batch_before_i
     its batch still queued (ingest returned None, with nothing committed)."""
     if store.dialect != "sqlite":
         pytest.skip("the group commit is SQLite's")
-    from monitor.store import _Job
-
     fail_batch(store, monkeypatch, "bad")
     # another thread's batch, queued first, whose thread has not got the writer yet
     waiting = _Job(IngestBatch.model_validate(tensor_batch("bad", "run-q", 0, [1], layers=LAYERS[:1])))
