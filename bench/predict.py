@@ -61,33 +61,35 @@ class Outcome:
     steps: int = 0
 
 
-def _track_spans(out: Outcome, event: AlertEvent, counted: dict) -> None:
-    """Count a paging alert once (when it first fires at warning/critical or escalates to it) and keep its span."""
+def _track_span(out: Outcome, event: AlertEvent, spans: dict) -> bool:
+    """Keep the span of a paging alert: opened when it first fires at warning/critical (or escalates to it),
+    closed when it resolves. True for the event that opens one (a new paging alert)."""
     alert = event.alert
     identity = (alert.rule, alert.layer, alert.site, alert.first_step)
-    if event.kind in (FIRED, ESCALATED) and alert.severity in ("warning", "critical") and identity not in counted:
-        span = [event.step, None]
-        counted[identity] = span
-        out.spans.append(span)
-        out.alerts += 1
-        out.alert_steps.append(event.step)
-        if out.first_alert is None:
-            out.first_alert, out.first_rule = event.step, alert.rule
-    elif event.kind == RESOLVED and identity in counted:
-        counted[identity][1] = event.step
+    if event.kind in (FIRED, ESCALATED) and alert.severity in ("warning", "critical") and identity not in spans:
+        spans[identity] = [event.step, None]
+        out.spans.append(spans[identity])
+        return True
+    if event.kind == RESOLVED and identity in spans:
+        spans[identity][1] = event.step
+    return False
 
 
 def replay(fixture: Fixture, params: PredictorParams | None = None) -> Outcome:
     """Our predictors + the alert lifecycle over the fixture's batches, in order."""
     batches = [IngestBatch.model_validate(b) for b in fixture.batches]
     predictor, tracker, out = RunPredictor(fixture.name, params=params), AlertTracker(), Outcome()
-    counted = {}  # an alert counts once, when it first fires at warning/critical (or escalates to it)
+    spans = {}  # an alert counts once, when it first fires at warning/critical (or escalates to it)
     t0 = time.perf_counter()
     for batch in batches:
         for assessment in predictor.observe(batch):
             out.steps += 1
             for event in tracker.update(fixture.name, assessment.step, assessment.findings):
-                _track_spans(out, event, counted)
+                if _track_span(out, event, spans):
+                    out.alerts += 1
+                    out.alert_steps.append(event.step)
+                    if out.first_alert is None:
+                        out.first_alert, out.first_rule = event.step, event.alert.rule
     out.seconds = time.perf_counter() - t0
     return out
 
@@ -116,7 +118,7 @@ def baseline(losses: list[tuple[int, float]], threshold: float = BASELINE_Z) -> 
     Its spans come from the same condition through the server's alert lifecycle (a warning while z > threshold,
     resolved once absent for RESOLVE_AFTER_STEPS steps)."""
     out, firing = Outcome(), False
-    tracker, counted = AlertTracker(), {}
+    tracker, spans = AlertTracker(), {}
     for step, z in baseline_z(losses):
         if z > threshold and not firing:
             out.alerts += 1
@@ -126,11 +128,7 @@ def baseline(losses: list[tuple[int, float]], threshold: float = BASELINE_Z) -> 
         firing = z > threshold
         findings = [Finding("loss_zscore", "warning", step, f"loss z {z:.1f}")] if firing else []
         for event in tracker.update("baseline", step, findings):
-            if event.kind == RESOLVED:
-                counted[event.alert.first_step][1] = event.step
-            elif event.kind == FIRED:
-                counted[event.alert.first_step] = [event.step, None]
-                out.spans.append(counted[event.alert.first_step])
+            _track_span(out, event, spans)
     return out
 
 
