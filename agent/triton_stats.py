@@ -106,8 +106,9 @@ _P_N, _P_NUMEL, _P_NONFIN, _P_ZEROS, _P_OUTL, _P_UNDER, _P_OVER, _P_AMAX, _P_MEA
 # table row layout (int64; float fields bit-cast): the scale/center/history are a device pointer when
 # the *_ADDR field is non-zero, else the inline value
 (_T_ADDR, _T_NUMEL, _T_CODE, _T_FIRST, _T_NWORK, _T_DST, _T_MERGE, _T_SMODE, _T_SCALE_ADDR, _T_SCALE,
- _T_CENTER_ADDR, _T_MEAN, _T_STD, _T_AHM_ADDR, _T_AHM, _T_FMT, _T_K, _T_CHUNK) = range(18)
-SCALE_NONE, SCALE_GIVEN, SCALE_CURRENT = 0, 1, 2  # no format; scale known; s = max/amax of this tensor
+ _T_CENTER_ADDR, _T_MEAN, _T_STD, _T_AHM_ADDR, _T_AHM, _T_FMT, _T_K, _T_CHUNK, _T_AMAX_OUT) = range(19)
+# no format; scale known; s = max/amax of this tensor; the same, for a tensor whose cast follows (``cast_row``)
+SCALE_NONE, SCALE_GIVEN, SCALE_CURRENT, SCALE_CAST = 0, 1, 2, 3
 
 
 def available(device: torch.device | str | None = None) -> bool:
@@ -155,12 +156,13 @@ if triton is not None:
     SCALE_NONE_C = Const(SCALE_NONE)
     SCALE_GIVEN_C = Const(SCALE_GIVEN)
     SCALE_CURRENT_C = Const(SCALE_CURRENT)
+    SCALE_CAST_C = Const(SCALE_CAST)
     # the layouts, as constexprs for the kernels (they index Python lists as well)
     (_P_N, _P_NUMEL, _P_NONFIN, _P_ZEROS, _P_OUTL, _P_UNDER, _P_OVER, _P_AMAX, _P_MEAN, _P_M2, _P_M3,
      _P_M4) = (Const(v) for v in range(12))
     (_T_ADDR, _T_NUMEL, _T_CODE, _T_FIRST, _T_NWORK, _T_DST, _T_MERGE, _T_SMODE, _T_SCALE_ADDR, _T_SCALE,
      _T_CENTER_ADDR, _T_MEAN, _T_STD, _T_AHM_ADDR, _T_AHM, _T_FMT, _T_K,
-     _T_CHUNK) = (Const(v) for v in range(18))
+     _T_CHUNK, _T_AMAX_OUT) = (Const(v) for v in range(19))
 
     # ---- scalar helpers ---------------------------------------------------------------------------
 
@@ -507,7 +509,7 @@ if triton is not None:
 
     @triton.jit
     def _finalize(part, stride, nwork, ctr, dst, merge, smode, s_given, fmax, uthr, ahm, HIST: tl.constexpr,
-                  PB: tl.constexpr, tr, TRACE: tl.constexpr, NARROW: tl.constexpr):
+                  PB: tl.constexpr, tr, TRACE: tl.constexpr, NARROW: tl.constexpr, aout=None):
         # The moments merge as Pebay's formulas do, all at once about one center c0: each partial's central
         # moments become power sums of (x - c0), which add, and the sums give the central moments about the grand
         # mean (``_central``); no division per partial. c0 is the first partial's mean, loaded with the rest, so
@@ -603,6 +605,17 @@ if triton is not None:
                 under = tl.where(tb < 0, 0.0, under)
             else:
                 under = tl.full([], nan, tl.float64)
+        if smode == SCALE_CAST_C:
+            # the cast that follows reads this amax (``aout``), scales exactly as quantize's _scale_from_amax does
+            # (so nothing overflows) and adds the underflow it counts at that scale to this row
+            amax32 = amax.to(tl.float32)
+            if aout is not None:
+                if aout != 0:
+                    tl.store(aout.to(tl.pointer_type(tl.float32)), amax32)
+            sc = tl.math.div_rn(1.0, tl.where(amax32 > 0, amax32, 1.0)) * fmax.to(tl.float32)
+            scale = tl.where((amax32 > 0) & (sc < float("inf")), sc, 1.0)
+            under = tl.zeros([], tl.float64)
+            over = tl.zeros([], tl.float64)
         if smode == SCALE_NONE_C:
             scale = tl.full([], nan, tl.float32)
             under = tl.full([], nan, tl.float64)
@@ -658,7 +671,7 @@ if triton is not None:
 
     @triton.jit
     def _done(part_base, stride, ctr, nwork, dst, merge, smode, s, fmax, uthr, ahm, hist, HIST: tl.constexpr, tr=None,
-              TRACE: tl.constexpr = False, NARROW: tl.constexpr = False):
+              TRACE: tl.constexpr = False, NARROW: tl.constexpr = False, aout=None):
         """Add this program's histogram to the tensor's (``ctr[1:65]``) and count the program in (``ctr[0]``);
         the last one of its tensor writes the row and resets both. ``NARROW``: the caller knows that up to
         P_BLOCK partials hold fewer than 2**31 elements (``_narrow``)."""
@@ -669,7 +682,7 @@ if triton is not None:
         if prev == nwork - 1:
             _stamp(tr, 7, TRACE)
             _finalize(part_base, stride, nwork, ctr, dst, merge, smode, s, fmax, uthr, ahm, HIST, _PB, tr, TRACE,
-                      NARROW)
+                      NARROW, aout)
             tl.atomic_xchg(ctr, 0, sem="relaxed", scope="gpu")
 
     # ---- one chunk: fast path, careful path ----------------------------------------------------------
@@ -1019,7 +1032,7 @@ if triton is not None:
         nwork = tl.load(row + _T_NWORK)
         dst = dst_ptr + tl.load(row + _T_DST) * _WIDTH
         _done(part_ptr + first, tl.num_programs(0), ctr_ptr + t * _CTRW, nwork, dst, tl.load(row + _T_MERGE), smode,
-              s, fmax, uthr, ahm, hist, HIST, tr, TRACE, NARROW)
+              s, fmax, uthr, ahm, hist, HIST, tr, TRACE, NARROW, tl.load(row + _T_AMAX_OUT))
         _stamp(tr, 4, TRACE)
 
 
@@ -1094,7 +1107,7 @@ def rows(tensors: Sequence[torch.Tensor], *, fmt=None, scale=None, center=None, 
 
 
 # A table row as bytes: int64 fields, the float ones (scale, center mean/std, history max, k) as fp64 bits, in
-# the order of the _T_* indices (TABW fields; the last two unused).
+# the order of the _T_* indices (TABW fields; the last one unused).
 _ROW = struct.Struct("<9qdq2dqdqd3q")
 assert _ROW.size == TABW * 8
 
@@ -1142,7 +1155,9 @@ def _chunk_elems(numels: list[int], device: torch.device, cap: int) -> int:
 _trace: list | None = None  # benches: a list to receive each launch's [programs, 16] int32 timer stamps
 
 
-def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, device) -> None:
+def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, device, aouts=None) -> None:
+    """One launch of ``_stats_kernel`` (``rows``). ``aouts``: per tensor None, or the fp32 device tensor that
+    receives its finite amax; such a tensor's scale is that of its current-scaling cast (``cast_row``)."""
     keep = []  # what the device reads by address: alive until the launch is queued
     table = bytearray(_ROW.size * len(tensors))
     nwork_total = 0
@@ -1174,7 +1189,9 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
         if fmt is not None:
             if s is None and ahms[i] is not None:  # delayed scale from the history max, margin 0
                 s = ds.scale_from_amax(ahm, fmt) if isinstance(ahm, torch.Tensor) else _scale_of_history(ahm_val, fmt)
-            if s is None:
+            if aouts is not None and aouts[i] is not None:
+                smode = SCALE_CAST
+            elif s is None:
                 smode = SCALE_CURRENT
             elif isinstance(s, torch.Tensor):
                 s = _addressed(s, device, torch.float32, ())
@@ -1194,7 +1211,8 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
             c_mean, c_std = float(c[0]), float(c[1])
         _ROW.pack_into(table, i * _ROW.size, x.data_ptr(), numel, _DTYPE_CODE[x.dtype], first, nwork, int(index[i]),
                        int(bool(merges[i])), smode, s_addr, s_val, c_addr, c_mean, c_std, ahm_addr, ahm_val,
-                       _FMT_CODES.get(fmt.name, 0) if fmt is not None else 0, k, chunk, 0, 0)
+                       _FMT_CODES.get(fmt.name, 0) if fmt is not None else 0, k, chunk,
+                       aouts[i].data_ptr() if smode == SCALE_CAST else 0, 0)
     tab = to_device(table, device)
     part = torch.empty(PW, nwork_total, dtype=torch.float64, device=device)  # field-major (_store_partial)
     opts = {} if INTERPRET or not cap else {"maxnreg": cap}
@@ -1269,6 +1287,17 @@ def partials(x: torch.Tensor, *, fmt=None, scale=None, amax_history_max=None, ou
 
 
 # ---- fused kernels (trainer/kernels/quantize*.py): where their row goes ----------------------------
+
+def cast_row(x: torch.Tensor, fmt, target: "Target", amax_out: torch.Tensor) -> None:
+    """The statistics of x, about to be cast with current scaling, into ``target``'s row, by the standalone
+    kernel in place of the cast's amax pass (it reads x once, as that pass does): x's finite amax goes into
+    ``amax_out`` (fp32 on x's device, at least one element) for the cast, the row's scale is the one that cast
+    computes from it (quantize's ``_scale_from_amax``), overflow is 0 (exact under that scale), and underflow is left
+    at 0 for the cast, which counts it at that scale and adds it to the row (``quantize_transpose``'s ``COUNT``)."""
+    dev = x.device
+    _launch([x], [by_name(fmt).name], [None], [target.center], float(target.outlier_k), [target.amax_history_max],
+            target.hist, target.rows, [int(target.index)], [bool(target.merge)], dev, aouts=[amax_out])
+
 
 @dataclass
 class Target:

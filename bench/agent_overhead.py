@@ -225,12 +225,20 @@ def main(argv=None) -> int:
                    help="the histogram on every N-th step only (the agent's default, 10; 1: every step)")
     p.add_argument("--output-stats", choices=["read", "epilogue"], default=None,
                    help="how Fp8Linear takes the output row (trainer.fp8_linear.OUTPUT_STATS; default: its own)")
+    p.add_argument("--current-stats", choices=["row", "cast"], default=None,
+                   help="where a current-scaled cast's row is made (trainer.kernels.quantize_transpose.CURRENT_STATS: "
+                        "the standalone kernel in place of the amax pass, or the cast's statistics variant; default: "
+                        "its own)")
     args = p.parse_args(argv)
     args.backends = [b for b in args.backends.split(",") if b]
     if args.output_stats is not None:
         from trainer import fp8_linear
 
         fp8_linear.OUTPUT_STATS = args.output_stats
+    if args.current_stats is not None:
+        import importlib
+
+        importlib.import_module("trainer.kernels.quantize_transpose").CURRENT_STATS = args.current_stats
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True

@@ -9,6 +9,7 @@ of a tile (``_STATS_V``), on the 1.5B model's activation and weight shapes. CUDA
     python3 bench/qt_stats.py --sweep-v  # V 8 / 16 x depth 1 / 2 (depth 1 only with the histogram)
     python3 bench/qt_stats.py --defaults --step 1.5b  # instead of CASES, the casts of one bench/agent_overhead.py step
     python3 bench/qt_stats.py --step 1.5b --packed-ab  # the bf16 casts: plain / statistics without and with PACKED
+    python3 bench/qt_stats.py --step 1.5b --current-ab  # current scaling: the row from the amax pass or the cast
 
 ``--step C``: the tensors an FP8 step of config C casts (bench/train_step.py's batch; llama: every block's four
 inputs and grad_outputs in bf16, its four fp32 weights), each with a given scale (delayed scaling), so that neither
@@ -16,6 +17,11 @@ variant runs the amax pass of current scaling and the ratio is that of the two c
 ``--packed-ab``: the step's bf16 casts with current scaling (the amax pass in every variant), no histogram: the plain
 cast, the statistics variant without and with the word loop (``PACKED_STATS``), queued device time
 (``trainer.kernels.timing.device_medians``, 7 interleaved rounds of 20 calls).
+``--current-ab``: every cast of the step with current scaling (the trainer's default), without and with the
+histogram: the plain cast (amax pass + cast), the statistics row made by the standalone kernel in place of the amax
+pass (``CURRENT_STATS = "row"``), and by the cast's statistics variant after the amax pass (``"cast"``); queued
+device time as for ``--packed-ab``, and host time per call (``calls`` eager calls of each in turn, the GPU idle at
+the start, median of 7 rounds), with each case's total over one layer.
 """
 import sys
 from pathlib import Path
@@ -82,12 +88,63 @@ def packed_ab(cases: list) -> None:
               + f" | packed / fast {t['packed'] / t['fast']:.3f}", flush=True)
 
 
+def _host_ms(fn, calls: int = 20) -> float:
+    import time
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) * 1e3 / calls
+
+
+def current_ab(cases: list) -> None:
+    """``--current-ab`` (the module docstring)."""
+    from trainer.kernels.timing import _medians, device_medians
+
+    dev = torch.device("cuda")
+    totals: dict = {}
+    for label, shape, dtype, _ in cases:
+        x = torch.randn(shape, device=dev).to(dtype)
+        fmt = "e4m3"
+        for hist in (False, True):
+            tgt = ts.Target.new(dev, hist=hist, center=(0.0, 1.0))
+
+            def variant(mode):
+                def fn():
+                    QT.CURRENT_STATS = mode
+                    return QT.quantize_transpose(x, fmt, stats=tgt if mode else None)
+                return fn
+
+            fns = {"plain": variant(None), "row": variant("row"), "cast": variant("cast")}
+            for fn in fns.values():
+                fn()  # compiles outside the timing
+            d = device_medians(fns, rounds=7, calls=20)
+            h = _medians(fns, 7, _host_ms)
+            QT.CURRENT_STATS = "row"
+            for k in fns:
+                tot = totals.setdefault((hist, k), [0.0, 0.0])
+                tot[0] += d[k]
+                tot[1] += h[k]
+            print(f"{label}{' +hist' if hist else ''}: device " + ", ".join(
+                f"{k} {v * 1e3:.1f} us ({v / d['plain']:.2f}x)" for k, v in d.items()) + " | host " + ", ".join(
+                f"{k} {v * 1e3:.1f} us" for k, v in h.items()), flush=True)
+    for hist in (False, True):
+        dp, hp = totals[(hist, "plain")]
+        print(f"one layer's casts{' +hist' if hist else ''}: " + ", ".join(
+            f"{k} device {totals[(hist, k)][0] * 1e3:.1f} us (+{(totals[(hist, k)][0] - dp) * 1e3:.1f}), host "
+            f"{totals[(hist, k)][1] * 1e3:.1f} us (+{(totals[(hist, k)][1] - hp) * 1e3:.1f})"
+            for k in ("plain", "row", "cast")), flush=True)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cases = step_cases(argv[argv.index("--step") + 1]) if "--step" in argv else CASES
-    if "--packed-ab" in argv:
+    if "--packed-ab" in argv or "--current-ab" in argv:
         print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
-        packed_ab(cases)
+        (packed_ab if "--packed-ab" in argv else current_ab)(cases)
         return 0
     defaults = (QT.STATS_MAXNREG, QT.STATS_STAGES, QT._STATS_V)
     variants = [(True, defaults[0], None, None), (False, defaults[0], None, None)] if "--defaults" in argv else \

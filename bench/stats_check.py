@@ -305,7 +305,11 @@ def check_no_sync(device) -> None:
 
 
 def check_fused(device) -> None:
+    import importlib
+
     from trainer.kernels import quantize, quantize_transpose
+
+    QT = importlib.import_module("trainer.kernels.quantize_transpose")
 
     g = torch.Generator(device="cpu").manual_seed(3)
     shapes = [(256, 384), (1000, 777), (4096, 768), (1, 5)]
@@ -320,16 +324,22 @@ def check_fused(device) -> None:
                     scale = torch.tensor(7.0, device=device) if delayed else None
                     center = torch.tensor([0.1, 2.0], dtype=torch.float64, device=device)
                     ref_q = quantize_transpose(x, fmt, scale=scale, accum=torch.zeros((), device=device) if delayed else None)
-                    for hist in (True, False):  # without the histogram bf16 inputs take the pipelined tile loop
-                        tgt = ts.Target(ts.Target.new(device).rows, 0, False, center, 6.0, hist, None)
-                        acc = torch.zeros((), device=device) if delayed else None
-                        r = quantize_transpose(x, fmt, scale=scale, accum=acc, stats=tgt)
-                        want = ts.partials(x, fmt=fmt, scale=r.scale, center=center, hist=hist)
-                        ok, why = rows_close(tgt.rows[0], want)
-                        same_q = torch.equal(r.data.view(torch.uint8), ref_q.data.view(torch.uint8)) and \
-                            torch.equal(r.data_t.view(torch.uint8), ref_q.data_t.view(torch.uint8))
-                        report(f"fused quantize_transpose {m}x{n} {dt} {fmt} delayed={delayed} hist={hist}",
-                               ok and same_q, why + ("" if same_q else " fp8 data differs"))
+                    # current scaling: the row from the standalone kernel in place of the amax pass, or from the cast
+                    for mode in ("row",) if delayed else ("row", "cast"):
+                        QT.CURRENT_STATS = mode
+                        for hist in (True, False):  # without the histogram bf16 inputs take the word loop
+                            tgt = ts.Target(ts.Target.new(device).rows, 0, False, center, 6.0, hist, None)
+                            acc = torch.zeros((), device=device) if delayed else None
+                            r = quantize_transpose(x, fmt, scale=scale, accum=acc, stats=tgt)
+                            want = ts.partials(x, fmt=fmt, scale=r.scale, center=center, hist=hist)
+                            ok, why = rows_close(tgt.rows[0], want)
+                            same_q = torch.equal(r.data.view(torch.uint8), ref_q.data.view(torch.uint8)) and \
+                                torch.equal(r.data_t.view(torch.uint8), ref_q.data_t.view(torch.uint8)) and \
+                                torch.equal(r.meta[int(delayed):], ref_q.meta[int(delayed):])
+                            report(f"fused quantize_transpose {m}x{n} {dt} {fmt} delayed={delayed} hist={hist}"
+                                   + ("" if delayed else f" current_stats={mode}"),
+                                   ok and same_q, why + ("" if same_q else " fp8 data or meta differs"))
+                    QT.CURRENT_STATS = "row"
                     tgt1 = ts.Target(ts.Target.new(device).rows, 0, False, center, 6.0, True, None)
                     quantize(x, fmt, scale=scale, accum=torch.zeros((), device=device) if delayed else None,
                              stats=tgt1)

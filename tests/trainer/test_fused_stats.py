@@ -32,6 +32,25 @@ def _child(names: list[str]) -> None:
     from trainer.kernels import quantize, quantize_transpose
     from trainer.kernels.quantize import stats_ref
 
+    qt_module = sys.modules[quantize_transpose.__module__]
+
+    def kernels(delayed):
+        """(name, function) of the fused kernels; quantize_transpose under current scaling once per way its row is
+        made (``CURRENT_STATS``: the standalone kernel in place of the amax pass, or the cast's statistics variant)."""
+        def with_mode(mode):
+            def fn(*args, **kw):
+                old, qt_module.CURRENT_STATS = qt_module.CURRENT_STATS, mode
+                try:
+                    return quantize_transpose(*args, **kw)
+                finally:
+                    qt_module.CURRENT_STATS = old
+            return fn
+
+        yield "quantize", quantize
+        yield "quantize_transpose", with_mode("row")
+        if not delayed:
+            yield "quantize_transpose_cast", with_mode("cast")
+
     torch.set_num_threads(1)
 
     def emit(name, problem):
@@ -51,8 +70,7 @@ def _child(names: list[str]) -> None:
                 for delayed in (False, True):
                     scale = torch.tensor(7.0) if delayed else None
                     center = torch.tensor([0.1, 2.0], dtype=torch.float64)
-                    for kernel in ("quantize", "quantize_transpose"):
-                        fn = quantize if kernel == "quantize" else quantize_transpose
+                    for kernel, fn in kernels(delayed):
                         acc = lambda: torch.zeros(()) if delayed else None  # noqa: E731
                         tgt = ts.Target.new("cpu", center=center, amax_history_max=torch.tensor(1.5) if delayed else None)
                         r = fn(x, fmt, scale=scale, accum=acc(), stats=tgt)
@@ -60,7 +78,7 @@ def _child(names: list[str]) -> None:
                         name = f"fused_kernels:{kernel}:{m}x{n}:{fmt}:delayed={delayed}"
                         problems = []
                         if not (same_bits(r.data, plain.data) and same_bits(r.data_t, plain.data_t)
-                                and torch.equal(r.meta[1:], plain.meta[1:])):
+                                and torch.equal(r.meta[int(delayed):], plain.meta[int(delayed):])):
                             problems.append("FP8 data or scale differ with stats on")
                         standalone = ts.partials(x, fmt=fmt, scale=r.scale, center=center,
                                                  amax_history_max=tgt.amax_history_max)
@@ -82,8 +100,7 @@ def _child(names: list[str]) -> None:
             for delayed in (False, True):
                 scale = torch.tensor(20.0 if fmt == "e4m3" else 6000.0) if delayed else None  # stale: overflows
                 for hist in (True, False):
-                    for kernel in ("quantize", "quantize_transpose"):
-                        fn = quantize if kernel == "quantize" else quantize_transpose
+                    for kernel, fn in kernels(delayed):
                         acc = torch.zeros(()) if delayed else None
                         tgt = ts.Target.new("cpu", center=(0.5, 3.0), hist=hist)
                         r = fn(x, fmt, scale=scale, accum=acc, stats=tgt)
@@ -103,12 +120,19 @@ def _child(names: list[str]) -> None:
     def fused_merge():
         """A second call into the same row merges (micro-batches), as device_stats.merge does."""
         x1, x2 = torch.randn(40, 60), torch.randn(40, 60) * 5 + 1
-        tgt = ts.Target.new("cpu")
-        r1 = quantize_transpose(x1, "e4m3", stats=tgt)
-        tgt.merge = True
-        r2 = quantize_transpose(x2, "e4m3", stats=tgt)
-        want = ds.merge(ts.partials(x1, fmt="e4m3", scale=r1.scale), ts.partials(x2, fmt="e4m3", scale=r2.scale))
-        emit("fused_merge", row_problems(tgt.rows[0], want))
+        x2[0, :5] = 1e-9  # underflows at x2's scale: the cast's count adds to the merged row
+        for kernel, fn in kernels(False):
+            if kernel == "quantize":
+                continue
+            tgt = ts.Target.new("cpu")
+            r1 = fn(x1, "e4m3", stats=tgt)
+            tgt.merge = True
+            r2 = fn(x2, "e4m3", stats=tgt)
+            want = ds.merge(ts.partials(x1, fmt="e4m3", scale=r1.scale), ts.partials(x2, fmt="e4m3", scale=r2.scale))
+            problem = row_problems(tgt.rows[0], want)
+            if not float(want[ds.UNDERFLOW]) >= 5:
+                problem += f" underflow {float(want[ds.UNDERFLOW])}: the input does not exercise the merged count"
+            emit(f"fused_merge:{kernel}", problem)
 
     def agent_hooks(model):
         from agent import Agent
