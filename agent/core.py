@@ -319,6 +319,7 @@ class Agent:
             hooks.install() if want else hooks.remove()
 
     def _end(self, step: int, values: dict) -> None:
+        ts.flush_deferred()  # rows a layer's kernels left for a later launch (triton_stats.defer)
         self._release_waiting()
         self._observe_after()
         rows = None

@@ -1288,15 +1288,73 @@ def partials(x: torch.Tensor, *, fmt=None, scale=None, amax_history_max=None, ou
 
 # ---- fused kernels (trainer/kernels/quantize*.py): where their row goes ----------------------------
 
+# Rows to be written by the next launch on their device (``defer``): per device, a list of (tensor, Target).
+_deferred: dict = {}
+_deferred_lock = threading.Lock()
+MAX_DEFERRED = 8  # tensors waiting at most (they are kept alive until their launch): then a launch of their own
+
+
+def _launch_items(items: list, device, aouts=None) -> None:
+    """(tensor, Target) items, each row as its target says (scale: current scaling of ``fmt``, or the cast's
+    where ``aouts`` gives an amax output): one launch per histogram setting, outlier k and row buffer."""
+    groups: dict = {}
+    for i, (_, t) in enumerate(items):
+        groups.setdefault((bool(t.hist), float(t.outlier_k), t.rows.data_ptr()), []).append(i)
+    for (hist, k, _), idx in groups.items():
+        ts_ = [items[i][1] for i in idx]
+        _launch([items[i][0] for i in idx], [t.fmt for t in ts_], [None] * len(idx), [t.center for t in ts_], k,
+                [t.amax_history_max for t in ts_], hist, ts_[0].rows, [int(t.index) for t in ts_],
+                [bool(t.merge) for t in ts_], device, aouts=None if aouts is None else [aouts[i] for i in idx])
+
+
+def defer(x: torch.Tensor, target: "Target") -> None:
+    """x's row into ``target`` (the current-scaling emulation of ``target.fmt``, as ``rows``), written by the next
+    statistics launch on x's device: ``cast_row``'s (a current-scaled cast that follows), or ``flush_deferred``'s,
+    which the agent calls before it takes a step's rows; once MAX_DEFERRED tensors wait, at once, in one launch.
+    Saves the launch (host time) of a tensor that no kernel reads for statistics anyway (Fp8Linear's output with
+    ``OUTPUT_STATS = "deferred"``). x is kept alive until then and must not be written in place."""
+    key = (x.device.type, x.device.index)
+    with _deferred_lock:
+        pending = _deferred.setdefault(key, [])
+        pending.append((x.detach(), target))
+        items = None
+        if len(pending) >= MAX_DEFERRED:
+            items, _deferred[key] = pending, []
+    if items:
+        _launch_items(items, x.device)
+
+
+def _take_deferred(device: torch.device) -> list:
+    key = (device.type, device.index)
+    if not _deferred.get(key):
+        return []
+    with _deferred_lock:
+        items, _deferred[key] = _deferred.get(key, []), []
+    return items
+
+
+def flush_deferred() -> None:
+    """Write every deferred row now (``defer``)."""
+    if not any(_deferred.values()):
+        return
+    with _deferred_lock:
+        pending = [items for items in _deferred.values() if items]
+        _deferred.clear()
+    for items in pending:
+        _launch_items(items, items[0][0].device)
+
+
 def cast_row(x: torch.Tensor, fmt, target: "Target", amax_out: torch.Tensor) -> None:
     """The statistics of x, about to be cast with current scaling, into ``target``'s row, by the standalone
     kernel in place of the cast's amax pass (it reads x once, as that pass does): x's finite amax goes into
     ``amax_out`` (fp32 on x's device, at least one element) for the cast, the row's scale is the one that cast
     computes from it (quantize's ``_scale_from_amax``), overflow is 0 (exact under that scale), and underflow is left
-    at 0 for the cast, which counts it at that scale and adds it to the row (``quantize_transpose``'s ``COUNT``)."""
-    dev = x.device
-    _launch([x], [by_name(fmt).name], [None], [target.center], float(target.outlier_k), [target.amax_history_max],
-            target.hist, target.rows, [int(target.index)], [bool(target.merge)], dev, aouts=[amax_out])
+    at 0 for the cast, which counts it at that scale and adds it to the row (``quantize_transpose``'s ``COUNT``).
+    The rows deferred on x's device (``defer``) are written by the same launch."""
+    cast = Target(target.rows, target.index, target.merge, target.center, target.outlier_k, target.hist,
+                  target.amax_history_max, by_name(fmt).name)
+    items = [(x, cast)] + _take_deferred(x.device)
+    _launch_items(items, x.device, aouts=[amax_out] + [None] * (len(items) - 1))
 
 
 @dataclass

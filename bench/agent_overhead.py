@@ -161,6 +161,41 @@ def lower_bound(model, tokens: int, precision: str, device: torch.device) -> Non
           f"one read at copy bandwidth ({bw / 1e12:.2f} TB/s) >= {read / bw * 1e3:.2f} ms", flush=True)
 
 
+def device_profile(phase, device, args) -> dict:
+    """``--profile device``: per phase (off, on), the kernels' device time per step (torch.profiler, CUDA
+    activity only, over the phase's warm-up and ``--steps`` steps), in all and for the 12 costliest kernels. (On a
+    CPU, the operators' own CPU time: only to try the bench.)"""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    cuda = device.type == "cuda"
+
+    per = {}
+    for backend in (None, "triton"):
+        steps, warmup = args.steps, args.warmup
+        args.steps, args.warmup = 0, max(1, warmup)
+        phase(backend)  # warm-up of this backend (compiles)
+        args.steps, args.warmup = steps, warmup
+        with tprofile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            info = phase(backend)
+        # the phase's warm-up steps run inside the profile too (with the agent, through a histogram step)
+        n = len(info["times"]) + args.warmup + (args.hist_every if backend is not None and args.hist else 0)
+        rows = [(e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total) / n / 1e3, e.count / n)
+                for e in prof.key_averages()]
+        rows = [r for r in rows if r[1] > 0]
+        rows.sort(key=lambda r: -r[1])
+        per[backend] = dict((k, t) for k, t, _ in rows)
+        print(f"\n=== device time per step, agent {backend or 'off'} ({n} steps profiled): "
+              f"{sum(t for _, t, _ in rows):.2f} ms in all", flush=True)
+        for k, t, c in rows[:12]:
+            print(f"  {t:8.2f} ms  {c:6.1f} calls  {k[:90]}", flush=True)
+    off, on = per[None], per["triton"]
+    print("agent on - off, per kernel (ms per step): " + ", ".join(
+        f"{k[:40]} {on.get(k, 0) - off.get(k, 0):+.2f}" for k in sorted(set(on) | set(off),
+                                                                         key=lambda k: -abs(on.get(k, 0) - off.get(k, 0)))[:8]),
+        flush=True)
+    return {}
+
+
 def profile(phase, device, args) -> dict:
     """Where the agent's time goes: torch.profiler over a few steps with the agent off and on (Triton
     path), the top operators by self CPU time and by device time of each (``--profile torch``), then cProfile's
@@ -172,6 +207,8 @@ def profile(phase, device, args) -> dict:
     from torch.profiler import ProfilerActivity, profile as tprofile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if args.profile == "device":
+        return device_profile(phase, device, args)
     for backend in (None, "triton"):
         steps, warmup = args.steps, args.warmup
         args.steps, args.warmup = 0, max(1, warmup)
@@ -216,14 +253,15 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="off/on alternations")
     p.add_argument("--url", default=None, help="monitor URL; default: a local acknowledging sink (bench/sink.py)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--profile", nargs="?", const="torch", choices=["torch", "host"],
+    p.add_argument("--profile", nargs="?", const="torch", choices=["torch", "host", "device"],
                    help="instead of the timing, off vs on: torch.profiler tables then cProfile's (torch, the "
-                        "default), or cProfile's alone, by own and by cumulative time (host)")
+                        "default), or cProfile's alone, by own and by cumulative time (host), or the kernels' device "
+                        "time per step alone (device)")
     p.add_argument("--no-hist", dest="hist", action="store_false",
                    help="the agent without the optional log2 histogram (SPEC section 4)")
     p.add_argument("--hist-every", type=int, default=10,
                    help="the histogram on every N-th step only (the agent's default, 10; 1: every step)")
-    p.add_argument("--output-stats", choices=["read", "epilogue"], default=None,
+    p.add_argument("--output-stats", choices=["read", "epilogue", "deferred"], default=None,
                    help="how Fp8Linear takes the output row (trainer.fp8_linear.OUTPUT_STATS; default: its own)")
     p.add_argument("--current-stats", choices=["row", "cast"], default=None,
                    help="where a current-scaled cast's row is made (trainer.kernels.quantize_transpose.CURRENT_STATS: "

@@ -35,7 +35,10 @@ too, taken as ``OUTPUT_STATS`` says: by default the forward GEMM's statistics ep
 the H200 at the 1.5B forward shapes the read costs less device time (the GEMM and read took 1.13-1.48x the plain
 GEMM without the histogram, the epilogue 1.22-1.61x: it runs on the TMA kernel, the read follows the faster ws
 kernel), but it is one more launch, ~90 us of host time, and with the agent on the step was host-bound there
-(bench/gemm_stats.py, bench/agent_overhead.py --output-stats; bench/RESULTS.md). No hook reads y either way.
+(bench/gemm_stats.py, bench/agent_overhead.py --output-stats; bench/RESULTS.md). With "deferred" the same read
+joins the next statistics launch on the device (``triton_stats.defer``): the next current-scaled cast's, which
+reads its input for its row in place of the amax pass (``quantize_transpose.CURRENT_STATS``), so it costs no
+launch of its own. No hook reads y in any of the three.
 ``grad_weight`` is left to the agent's hook, whose row is read from ``weight.grad`` by the standalone statistics
 kernel, once per backward pass for all layers together (``Agent.observe_after_backward``). A wgrad epilogue could
 take it (the row of weight.grad + dW, given weight.grad), but on the H200 at 1.5B that cost the four wgrads
@@ -64,7 +67,8 @@ from agent.formats import E4M3, E5M2, Fp8Format
 
 SITES = ("input", "weight", "grad_output")  # the quantized tensors
 GEMM_SITES = ("output",)  # the GEMM results whose rows Fp8Linear takes (OUTPUT_STATS)
-OUTPUT_STATS = "epilogue"  # how the output row is taken on the Triton path: "epilogue" | "read" (module docstring)
+# how the output row is taken on the Triton path: "epilogue" | "read" | "deferred" (module docstring)
+OUTPUT_STATS = "epilogue"
 _FORMATS = {"input": E4M3, "weight": E4M3, "grad_output": E5M2}
 _GEMM_STATS = {"ok": True}  # False once a GEMM with fused statistics failed: the statistics are then taken apart
 log = logging.getLogger("fp8mon.fp8_linear")
@@ -216,8 +220,9 @@ class _State:
             from .kernels import fp8_gemm
 
             wanted = link is not None and link.wants(site)
-            if OUTPUT_STATS not in ("epilogue", "read"):
-                raise ValueError(f"fp8_linear.OUTPUT_STATS must be 'epilogue' or 'read', not {OUTPUT_STATS!r}")
+            if OUTPUT_STATS not in ("epilogue", "read", "deferred"):
+                raise ValueError("fp8_linear.OUTPUT_STATS must be 'epilogue', 'read' or 'deferred', not "
+                                 f"{OUTPUT_STATS!r}")
             fused = wanted and OUTPUT_STATS == "epilogue" and _GEMM_STATS["ok"]
             target = link.target(site, a.device) if fused else None
             if target is not None:
@@ -248,7 +253,9 @@ class _State:
             from agent import triton_stats as ts
 
             t = link.target(site, value.device)
-            if t is not None:
+            if t is not None and OUTPUT_STATS == "deferred":
+                ts.defer(value, t)
+            elif t is not None:
                 ts.rows([value], fmt=[t.fmt], center=[t.center], outlier_k=t.outlier_k, hist=t.hist, out=t.rows,
                         index=[t.index], merge=[t.merge])
         elif link.wants(site):

@@ -166,18 +166,34 @@ def _child(names: list[str]) -> None:
         import trainer.kernels as kernels
 
         real, fused_calls = kernels.fp8_gemm, []
+        real_defer, deferred, real_launch, launches = ts.defer, [], ts._launch, []
 
         def spy(*args, stats=None, **kw):  # which GEMMs carried the statistics epilogue
             fused_calls.append(stats is not None)
             return real(*args, stats=stats, **kw)
 
+        def defer_spy(x, target):
+            deferred.append(x.shape)
+            return real_defer(x, target)
+
+        def launch_spy(tensors, *args, **kw):  # tensors per statistics launch
+            launches.append(len(tensors))
+            return real_launch(tensors, *args, **kw)
+
         policy, fp8_linear.OUTPUT_STATS, kernels.fp8_gemm = fp8_linear.OUTPUT_STATS, output_stats, spy
+        ts.defer, ts._launch = defer_spy, launch_spy
         try:
             got, keys = agent_rows(model, make, 2, "cpu", fused=True, stats_backend="triton")
         finally:
             fp8_linear.OUTPUT_STATS, kernels.fp8_gemm = policy, real
-        emit(f"{name}:path", "" if any(fused_calls) == (output_stats == "epilogue") else
-             f"statistics epilogues in {sum(fused_calls)} of {len(fused_calls)} GEMMs with OUTPUT_STATS={output_stats}")
+            ts.defer, ts._launch = real_defer, real_launch
+        problem = "" if any(fused_calls) == (output_stats == "epilogue") else \
+            f"statistics epilogues in {sum(fused_calls)} of {len(fused_calls)} GEMMs with OUTPUT_STATS={output_stats}"
+        if output_stats == "deferred":
+            # 2 steps x 2 micro-batches x 2 layers: each output joins a cast's launch (no launch of one tensor for it)
+            if len(deferred) != 8 or sum(n > 1 for n in launches) < 8 or any(ts._deferred.values()):
+                problem += f" deferred {len(deferred)} outputs, launches of {launches}, left {ts._deferred}"
+        emit(f"{name}:path", problem)
         model.load_state_dict(state)
         want, keys2 = agent_rows(model, make, 2, "cpu", fused=False, stats_backend="triton")
         order = [keys2.index(k) for k in keys]
@@ -239,7 +255,8 @@ def _child(names: list[str]) -> None:
         emit("gemm_stats_fallback", problem)
 
     checks = dict(fused_kernels=fused_kernels, fused_fast_path=fused_fast_path, fused_merge=fused_merge, fp8_linear_agent=fp8_linear_agent,
-                  fp8_linear_agent_read=lambda: fp8_linear_agent("read"), gemm_stats_fallback=gemm_stats_fallback)
+                  fp8_linear_agent_read=lambda: fp8_linear_agent("read"),
+                  fp8_linear_agent_deferred=lambda: fp8_linear_agent("deferred"), gemm_stats_fallback=gemm_stats_fallback)
     for name in names or checks:
         try:
             checks[name]()
@@ -251,6 +268,7 @@ def _child(names: list[str]) -> None:
 
 
 GROUPS = ["fused_kernels", "fused_fast_path", "fused_merge", "fp8_linear_agent", "fp8_linear_agent_read",
+          "fp8_linear_agent_deferred",
           "gemm_stats_fallback"]
 
 
