@@ -44,7 +44,8 @@ Current scaling (s = max / amax of this very tensor) is only known after the rea
 is derived from the log2 histogram: exact for the binades below the threshold's binade, plus that binade's
 count times the fraction of it below the threshold (values taken as uniform within it). The error is at
 most that one binade's count; without a histogram (``hist=False``) underflow is absent (NaN). The fused
-quantize kernels know the scale before the cast and are always exact.
+quantize kernels know the scale before the cast and are always exact. So is ``cast_row``, this kernel in place of a
+current-scaled cast's amax pass: it hands the merged amax to the cast, which counts the underflow at its scale.
 
 Outliers (|x - mean| > k * std) need the mean and std before the read. They come from the caller as a
 ``center`` = (mean, std) pair (numbers, or a device fp64 tensor of 2): the agent passes the previous
