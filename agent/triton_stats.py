@@ -1352,10 +1352,15 @@ def cast_row(x: torch.Tensor, fmt, target: "Target", amax_out: torch.Tensor) -> 
     computes from it (quantize's ``_scale_from_amax``), overflow is 0 (exact under that scale), and underflow is left
     at 0 for the cast, which counts it at that scale and adds it to the row (``quantize_transpose``'s ``COUNT``).
     The rows deferred on x's device (``defer``) are written by the same launch."""
+    name = by_name(fmt).name
+    deferred = _take_deferred(x.device)
+    if not deferred:  # the usual case: no grouping (host time on every cast of a reporting step)
+        _launch([x], [name], [None], [target.center], float(target.outlier_k), [target.amax_history_max], target.hist,
+                target.rows, [int(target.index)], [bool(target.merge)], x.device, aouts=[amax_out])
+        return
     cast = Target(target.rows, target.index, target.merge, target.center, target.outlier_k, target.hist,
-                  target.amax_history_max, by_name(fmt).name)
-    items = [(x, cast)] + _take_deferred(x.device)
-    _launch_items(items, x.device, aouts=[amax_out] + [None] * (len(items) - 1))
+                  target.amax_history_max, name)
+    _launch_items([(x, cast)] + deferred, x.device, aouts=[amax_out] + [None] * len(deferred))
 
 
 @dataclass
