@@ -139,6 +139,8 @@ CPU_RUNS = (
     *_cpu_pass_runs("tune", 8),
     # held out in pass K (written down before they ran, with the pass-K thresholds fixed)
     *_cpu_pass_runs("test", 9),
+    # held out in pass L (2026-11-25, written down before they ran; no threshold changed after pass K): seed 10
+    *_cpu_pass_runs("test", 10),
 )
 
 # GPU: 4 layers x d 512 (head_dim 128), 32 x 256 tokens per step, statistics every 5 steps, 700 steps.
