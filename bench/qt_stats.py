@@ -114,7 +114,7 @@ def current_ab(cases: list) -> None:
 
             def variant(mode):
                 def fn():
-                    QT.CURRENT_STATS = mode
+                    QT.CURRENT_STATS = mode or "row"
                     return QT.quantize_transpose(x, fmt, stats=tgt if mode else None)
                 return fn
 
