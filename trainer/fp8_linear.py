@@ -38,7 +38,10 @@ kernel), but it is one more launch, ~90 us of host time, and with the agent on t
 (bench/gemm_stats.py, bench/agent_overhead.py --output-stats; bench/RESULTS.md). With "deferred" the same read
 joins the next statistics launch on the device (``triton_stats.defer``): the next current-scaled cast's, which
 reads its input for its row in place of the amax pass (``quantize_transpose.CURRENT_STATS``), so it costs no
-launch of its own. No hook reads y in any of the three.
+launch of its own; y must then not be modified in place before that launch (an in-place activation after the
+layer would be). On the H200 (2026-11-25) it ran 2.8 ms less kernel time per 1.5B step than the epilogue, the same
+whole steps there (+14.7% both) and slower ones at 124M, whose step is host-bound (+38.6% against +24.1%): not the
+default. No hook reads y in any of the three.
 ``grad_weight`` is left to the agent's hook, whose row is read from ``weight.grad`` by the standalone statistics
 kernel, once per backward pass for all layers together (``Agent.observe_after_backward``). A wgrad epilogue could
 take it (the row of weight.grad + dW, given weight.grad), but on the H200 at 1.5B that cost the four wgrads
