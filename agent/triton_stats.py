@@ -1289,23 +1289,26 @@ def partials(x: torch.Tensor, *, fmt=None, scale=None, amax_history_max=None, ou
 
 # ---- fused kernels (trainer/kernels/quantize*.py): where their row goes ----------------------------
 
-# Rows to be written by the next launch on their device (``defer``): per device, a list of (tensor, Target).
+# Rows to be written by the next launch on their device (``defer``): per device, a list of ``_launch_items`` items.
 _deferred: dict = {}
 _deferred_lock = threading.Lock()
 MAX_DEFERRED = 8  # tensors waiting at most (they are kept alive until their launch): then a launch of their own
 
 
-def _launch_items(items: list, device, aouts=None) -> None:
-    """(tensor, Target) items, each row as its target says (scale: current scaling of ``fmt``, or the cast's
-    where ``aouts`` gives an amax output): one launch per histogram setting, outlier k and row buffer."""
+def _launch_items(items: list, device) -> None:
+    """(tensor, Target, fmt, amax_out) items, each row into its target with the current scaling of ``fmt``
+    (the cast's, with x's amax into ``amax_out``, where that is not None: ``cast_row``): one launch per
+    histogram setting, outlier k and row buffer (launch-wide), in one launch the usual case."""
     groups: dict = {}
-    for i, (_, t) in enumerate(items):
-        groups.setdefault((bool(t.hist), float(t.outlier_k), t.rows.data_ptr()), []).append(i)
-    for (hist, k, _), idx in groups.items():
-        ts_ = [items[i][1] for i in idx]
-        _launch([items[i][0] for i in idx], [t.fmt for t in ts_], [None] * len(idx), [t.center for t in ts_], k,
-                [t.amax_history_max for t in ts_], hist, ts_[0].rows, [int(t.index) for t in ts_],
-                [bool(t.merge) for t in ts_], device, aouts=None if aouts is None else [aouts[i] for i in idx])
+    for item in items:
+        t = item[1]
+        groups.setdefault((bool(t.hist), float(t.outlier_k), t.rows.data_ptr()), []).append(item)
+    for (hist, k, _), group in groups.items():
+        ts_ = [t for _, t, _, _ in group]
+        _launch([x for x, _, _, _ in group], [f for _, _, f, _ in group], [None] * len(group),
+                [t.center for t in ts_], k, [t.amax_history_max for t in ts_], hist, ts_[0].rows,
+                [int(t.index) for t in ts_], [bool(t.merge) for t in ts_], device,
+                aouts=[a for _, _, _, a in group])
 
 
 def defer(x: torch.Tensor, target: "Target") -> None:
@@ -1317,7 +1320,7 @@ def defer(x: torch.Tensor, target: "Target") -> None:
     key = (x.device.type, x.device.index)
     with _deferred_lock:
         pending = _deferred.setdefault(key, [])
-        pending.append((x.detach(), target))
+        pending.append((x.detach(), target, target.fmt, None))
         items = None
         if len(pending) >= MAX_DEFERRED:
             items, _deferred[key] = pending, []
@@ -1352,15 +1355,7 @@ def cast_row(x: torch.Tensor, fmt, target: "Target", amax_out: torch.Tensor) -> 
     computes from it (quantize's ``_scale_from_amax``), overflow is 0 (exact under that scale), and underflow is left
     at 0 for the cast, which counts it at that scale and adds it to the row (``quantize_transpose``'s ``COUNT``).
     The rows deferred on x's device (``defer``) are written by the same launch."""
-    name = by_name(fmt).name
-    deferred = _take_deferred(x.device)
-    if not deferred:  # the usual case: no grouping (host time on every cast of a reporting step)
-        _launch([x], [name], [None], [target.center], float(target.outlier_k), [target.amax_history_max], target.hist,
-                target.rows, [int(target.index)], [bool(target.merge)], x.device, aouts=[amax_out])
-        return
-    cast = Target(target.rows, target.index, target.merge, target.center, target.outlier_k, target.hist,
-                  target.amax_history_max, name)
-    _launch_items([(x, cast)] + deferred, x.device, aouts=[amax_out] + [None] * len(deferred))
+    _launch_items([(x, target, by_name(fmt).name, amax_out)] + _take_deferred(x.device), x.device)
 
 
 @dataclass

@@ -161,6 +161,14 @@ def lower_bound(model, tokens: int, precision: str, device: torch.device) -> Non
           f"one read at copy bandwidth ({bw / 1e12:.2f} TB/s) >= {read / bw * 1e3:.2f} ms", flush=True)
 
 
+def _warm(phase, backend, args) -> None:
+    """One untimed phase of ``backend`` (its warm-up steps only: compiles and first-call tuning)."""
+    steps, warmup = args.steps, args.warmup
+    args.steps, args.warmup = 0, max(1, warmup)
+    phase(backend)
+    args.steps, args.warmup = steps, warmup
+
+
 def device_profile(phase, device, args) -> dict:
     """``--profile device``: per phase (off, on), the kernels' device time per step (torch.profiler, CUDA
     activity only, over the phase's warm-up and ``--steps`` steps), in all and for the 12 costliest kernels. (On a
@@ -171,10 +179,7 @@ def device_profile(phase, device, args) -> dict:
 
     per = {}
     for backend in (None, "triton"):
-        steps, warmup = args.steps, args.warmup
-        args.steps, args.warmup = 0, max(1, warmup)
-        phase(backend)  # warm-up of this backend (compiles)
-        args.steps, args.warmup = steps, warmup
+        _warm(phase, backend, args)
         with tprofile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
             info = phase(backend)
         # the phase's warm-up steps run inside the profile too (with the agent, through a histogram step)
@@ -206,14 +211,11 @@ def profile(phase, device, args) -> dict:
 
     from torch.profiler import ProfilerActivity, profile as tprofile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     if args.profile == "device":
         return device_profile(phase, device, args)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     for backend in (None, "triton"):
-        steps, warmup = args.steps, args.warmup
-        args.steps, args.warmup = 0, max(1, warmup)
-        phase(backend)  # warm-up of this backend (compiles)
-        args.steps, args.warmup = steps, warmup
+        _warm(phase, backend, args)
         if args.profile == "torch":
             with tprofile(activities=acts) as prof:
                 t0 = time.perf_counter()
