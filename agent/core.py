@@ -31,6 +31,7 @@ accumulated gradient, as the hook sees it), the other sites merge.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -293,6 +294,59 @@ class Agent:
         if self._owns_transport:
             return self._transport.close(timeout) and ok
         return self._transport.flush(timeout) and ok
+
+    @contextlib.contextmanager
+    def capture(self):
+        """Wrap the CUDA-graph capture of one whole training step, inside ``torch.cuda.graph``; yields a
+        ``StepRecord``, complete on exit, to hand to ``replayed`` after each replay of that graph::
+
+            with torch.cuda.graph(g), agent.capture() as record:
+                train_step()               # reads static inputs only
+            g.replay(); agent.replayed(record); agent.log(step, loss=static_loss)
+
+        The hooks and the layers' fused kernels run at capture, so the graph holds the statistics launches of a
+        step of this kind (reporting or not, with or without the histogram); whatever the step left waiting for a
+        later launch is launched before the capture ends. Nothing is computed until a replay."""
+        if self._pack.written:
+            raise RuntimeError("agent.capture(): this step already has rows; capture a whole step from its start")
+        record = StepRecord(self.reporting, self.hist_now)
+        before = self._buffers()
+        yield record
+        ts.flush_deferred()
+        self._release_waiting()
+        self._observe_after()
+        record.written = frozenset(self._pack.written)
+        record.seen = frozenset(self._seen)
+        record.history_seen = self._history is not None and self._history.seen
+        record.buffers = self._buffers()
+        if record.buffers != before:  # launches captured before the move wrote the old buffer
+            raise RuntimeError("the agent's device buffers grew during the capture: run a step of this kind eagerly "
+                               "before capturing it")
+
+    def replayed(self, record: "StepRecord") -> None:
+        """A replay of the graph ``capture`` recorded has run in this step: its rows are the step's, as if the
+        hooks had seen its tensors. Raises when this step is not of the captured kind or the agent's buffers
+        moved since (a layer or site watched after the capture): then capture again."""
+        if (self.reporting, self.hist_now) != (record.reporting, record.hist):
+            raise ValueError(f"step {self._step} (reporting={self.reporting}, histogram={self.hist_now}) is not "
+                             f"the kind of step the graph captured (reporting={record.reporting}, "
+                             f"histogram={record.hist})")
+        if self._buffers() != record.buffers:
+            raise RuntimeError("the agent's device buffers moved since the graph was captured: capture it again")
+        with self._pack._lock:
+            if self._pack.written & record.written:
+                raise RuntimeError("rows of this step were written before the replay; the graph would overwrite "
+                                   "them")
+            self._pack.written |= record.written
+        self._seen |= record.seen
+        if record.history_seen:
+            self._history.seen = True
+
+    def _buffers(self) -> tuple:
+        """Addresses of the device buffers a captured step writes or reads by address."""
+        h = self._history
+        return tuple(0 if t is None else t.data_ptr() for t in (
+            self._pack.rows, self._centers, None if h is None else h.history, None if h is None else h.current))
 
     def __enter__(self) -> "Agent":
         return self
@@ -590,6 +644,18 @@ _REPLACED = ("grad_weight",)
 
 def _no_centers(k: int, device) -> torch.Tensor:
     return torch.full((k, 2), float("nan"), dtype=torch.float64, device=device)
+
+
+class StepRecord:
+    """What ``Agent.capture`` saw a captured step do on the host: the rows its launches write, per the kind of
+    step it was."""
+
+    def __init__(self, reporting: bool, hist: bool):
+        self.reporting, self.hist = reporting, hist
+        self.written: frozenset[int] = frozenset()
+        self.seen: frozenset[int] = frozenset()
+        self.history_seen = False
+        self.buffers: tuple = ()
 
 
 class FusedLink:

@@ -1237,11 +1237,21 @@ class _Staging:
         self.bufs: list[list] = []  # [pinned tensor, event or None]
         self.next = 0
         self.lock = threading.Lock()
+        # Under CUDA-graph capture a copy is a graph node that re-reads its host source at every replay, so the
+        # source must keep its bytes for the process's life: a pinned arena whose words are handed out once,
+        # never reused. It is allocated with the first (eager) copy, since a pinned allocation is not allowed while
+        # a stream captures; eager warm-up steps always precede a capture.
+        self.arena: torch.Tensor | None = None
+        self.arena_used = 0
 
     def put(self, data: bytes | bytearray) -> torch.Tensor:
         """The int64 values whose little-endian bytes are ``data``, in a new device tensor."""
         n = len(data) // 8
+        if torch.cuda.is_current_stream_capturing():
+            return self._put_captured(data, n)
         with self.lock:
+            if self.arena is None:
+                self.arena = torch.empty(CAPTURE_STAGING_WORDS, dtype=torch.int64, pin_memory=True)
             slot = None
             for j in range(len(self.bufs)):
                 i = (self.next + j) % len(self.bufs)
@@ -1262,6 +1272,25 @@ class _Staging:
             return dev
 
 
+    def _put_captured(self, data, n: int) -> torch.Tensor:
+        with self.lock:
+            if self.arena is None or self.arena_used + n > self.arena.numel():
+                raise RuntimeError(
+                    f"triton_stats: the capture staging arena ({CAPTURE_STAGING_WORDS} words) is "
+                    + ("exhausted by the graphs captured so far" if self.arena is not None else
+                       "not allocated: run the step eagerly once before capturing it")
+                    + "; raise triton_stats.CAPTURE_STAGING_WORDS before the first launch")
+            host = self.arena[self.arena_used: self.arena_used + n]
+            self.arena_used += n
+        host.numpy()[:] = np.frombuffer(data, dtype="<i8")
+        dev = torch.empty(n, dtype=torch.int64, device=self.device)
+        dev.copy_(host, non_blocking=True)
+        return dev
+
+
+# Pinned int64 words per device for the tables of launches captured into CUDA graphs (``_Staging``): a launch of
+# T tensors takes 20*T words (``_ROW``); 4 MiB holds ~26k tensors' launches, far more than a few graphs of a whole step.
+CAPTURE_STAGING_WORDS = 1 << 19
 _staging: dict = {}
 
 

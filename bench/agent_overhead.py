@@ -21,6 +21,10 @@ with means ("mean %"): the agent computes the log2 histogram on every ``--hist-e
 1 = every step), so the median step carries none and the mean over whole cycles (``--steps`` a multiple of it) is the
 amortized cost.
 
+``--cuda-graph`` replays every phase's steps as CUDA graphs (``trainer.graphs.StepGraphs``, as ``fp8mon train
+--cuda-graph``), each kind of step captured in the phase's warm-up: the launches' host cost leaves the step, so
+the overhead is the agent's device time.
+
 The agent posts to --url (a real ``fp8mon serve``), or by default to bench/sink.py, a stdlib endpoint in a
 subprocess that acknowledges every batch: the agent's whole client side (statistics, device-to-host copy,
 encoding, gzip, HTTP) is in the measurement.
@@ -35,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -43,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agent import Agent  # noqa: E402
 from agent.wire import SITES  # noqa: E402
 from bench.train_step import BATCH, build, optimizer_step  # noqa: E402
+from trainer.graphs import StepGraphs, tensor_lr  # noqa: E402
 
 def measure(config: str, precision: str, args, device: torch.device, url: str) -> dict:
     model, optimizer, cfg = build(config, "llama", precision, args.vocab, "current", device)
@@ -53,9 +59,11 @@ def measure(config: str, precision: str, args, device: torch.device, url: str) -
     params = [p for p in model.parameters() if p.requires_grad]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     step_no = [0]
+    if args.cuda_graph:
+        tensor_lr(optimizer, device)  # capturable
 
-    def step(agent):
-        loss = optimizer_step(model, optimizer, params, precision, x, y)
+    def step(agent, graphs=None):
+        loss = graphs() if graphs is not None else optimizer_step(model, optimizer, params, precision, x, y)
         if agent is not None:
             agent.log(step_no[0], loss=loss.detach())
         step_no[0] += 1
@@ -70,18 +78,24 @@ def measure(config: str, precision: str, args, device: torch.device, url: str) -
                           sites=sites.split("+") if sites else SITES,
                           hist=args.hist, hist_every=args.hist_every).watch(model)
             agent.step(step_no[0])
+        graphs = None
+        if args.cuda_graph:  # a step of each kind eagerly, then captured: both within the warm-up
+            graphs = StepGraphs(lambda: optimizer_step(model, optimizer, params, precision, x, y), agent=agent,
+                                warmup=1)
         # with the agent on, the warm-up takes in a histogram step (its kernels compile then, not in the timing)
-        for _ in range(args.warmup + (args.hist_every if backend is not None and args.hist else 0)):
-            step(agent)
+        hist_steps = (2 if args.cuda_graph else 1) * args.hist_every if backend is not None and args.hist else 0
+        for _ in range(args.warmup + hist_steps):
+            step(agent, graphs)
         sync()
         times, host = [], []
         for _ in range(args.steps):
             t0 = time.perf_counter()
-            step(agent)
+            step(agent, graphs)
             host.append(time.perf_counter() - t0)  # until the step's Python returns: its launches are queued
             sync()
             times.append(time.perf_counter() - t0)
-        info = {"times": times, "host": host}
+        info = {"times": times, "host": host, "graphs": graphs.captured if graphs is not None else 0}
+        del graphs
         if agent is not None:
             info["linears"] = len(agent._layers)
             info["delivered"] = agent.close(timeout=120)
@@ -104,6 +118,7 @@ def measure(config: str, precision: str, args, device: torch.device, url: str) -
             med = statistics.median(info["times"]) * 1e3
             extra = "" if kind == "off" else (f"  {info['linears']} linears x 5 sites, delivered={info['delivered']}, "
                                               f"errors={info['errors']}")
+            extra += f"  graphs={info['graphs']}" if args.cuda_graph else ""
             print(f"{config:>5} {precision:>4} round {r} {kind:>6}: median {med:8.2f} ms  "
                   f"mean {statistics.mean(info['times']) * 1e3:8.2f} ms  "
                   f"(min {min(info['times']) * 1e3:.2f}; host {statistics.median(info['host']) * 1e3:.2f}){extra}",
@@ -263,6 +278,9 @@ def main(argv=None) -> int:
                    help="the agent without the optional log2 histogram (SPEC section 4)")
     p.add_argument("--hist-every", type=int, default=10,
                    help="the histogram on every N-th step only (the agent's default, 10; 1: every step)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="every phase replays its steps as CUDA graphs (trainer.graphs.StepGraphs, as fp8mon train "
+                        "--cuda-graph), captured in its warm-up: the host's launch costs leave the step")
     p.add_argument("--output-stats", choices=["read", "epilogue", "deferred"], default=None,
                    help="how Fp8Linear takes the output row (trainer.fp8_linear.OUTPUT_STATS; default: its own)")
     p.add_argument("--current-stats", choices=["row", "cast"], default=None,
@@ -271,6 +289,10 @@ def main(argv=None) -> int:
                         "its own)")
     args = p.parse_args(argv)
     args.backends = [b for b in args.backends.split(",") if b]
+    if args.cuda_graph:
+        if not args.device.startswith("cuda"):
+            p.error("--cuda-graph needs a CUDA device")
+        warnings.filterwarnings("ignore", message="This instance was constructed with capturable=True")
     if args.output_stats is not None:
         from trainer import fp8_linear
 

@@ -113,6 +113,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     s.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (torchrun: cuda:LOCAL_RANK)")
     s.add_argument("--threads", type=int, help="torch intra-op CPU threads")
     s.add_argument("--compile", action="store_true", help="torch.compile the model")
+    s.add_argument("--cuda-graph", action="store_true",
+                   help="capture each kind of optimizer step (the agent reporting or not, with or without the "
+                        "histogram) as a CUDA graph after its first eager step, and replay it: the host's per-launch "
+                        "cost is paid once (one GPU, no --compile)")
     return p
 
 
@@ -312,6 +316,29 @@ def make_agent(args, model: Transformer, run_name: str, rank: int, world: int, s
     return agent
 
 
+def train_step(model, raw: Transformer, optimizer, params, batches, args, world: int):
+    """One optimizer step over the micro-batches ``batches`` ((x, y) pairs):
+    (mean loss over micro-batches and ranks, gradient norm before clipping, the model's diagnostics), all device
+    tensors, nothing read on the host (``StepGraphs`` captures this function)."""
+    loss_sum = torch.zeros((), device=params[0].device)
+    for micro in range(args.grad_accum):
+        x, y = batches[micro]
+        last = micro == args.grad_accum - 1
+        with (model.no_sync() if world > 1 and not last else contextlib.nullcontext()):
+            with autocast(args.precision, x.device):
+                loss = model(x, y)
+            (loss / args.grad_accum).backward()
+        loss_sum += loss.detach()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.clip if args.clip > 0 else float("inf"))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    step_loss = loss_sum / args.grad_accum
+    if world > 1:  # the same loss on every rank: all stop together on divergence
+        dist.all_reduce(step_loss)
+        step_loss /= world
+    return step_loss, grad_norm, raw.diagnostics()
+
+
 # ---- the loop -------------------------------------------------------------------------------------
 
 def run(args) -> TrainResult:
@@ -352,6 +379,8 @@ def run(args) -> TrainResult:
     result.start_step = result.step = start
     result.model = raw
 
+    if args.cuda_graph and (device.type != "cuda" or world > 1 or args.compile):
+        raise SystemExit("--cuda-graph needs one CUDA device and no --compile")
     model = raw
     if world > 1:
         # buffers (RoPE tables, frozen QK gains) never change: no per-forward broadcast
@@ -370,6 +399,16 @@ def run(args) -> TrainResult:
                        f"{world} rank(s) on {device}, {tokens_per_step:,} tokens/step, steps {start}..{stop}"
                        + (f", monitor {args.monitor_url} run {run_name}" if agent else ""))
     params = [p for p in raw.parameters() if p.requires_grad]
+    shape = (args.batch_size, args.seq_len)
+    graphs = lr_tensor = None
+    if args.cuda_graph:
+        from .graphs import StepGraphs, tensor_lr
+
+        lr_tensor = tensor_lr(optimizer, device)
+        static = [(torch.zeros(shape, dtype=torch.long, device=device),
+                   torch.zeros(shape, dtype=torch.long, device=device)) for _ in range(args.grad_accum)]
+        graphs = StepGraphs(lambda: train_step(model, raw, optimizer, params, static, args, world), agent=agent,
+                            warmup=1)
     pending: list[tuple[int, float, torch.Tensor]] = []  # (step, lr, [loss, grad_norm]) not yet read
     t_last, steps_since = time.perf_counter(), 0
     status = "failed"
@@ -378,31 +417,25 @@ def run(args) -> TrainResult:
         for step in range(start, stop):
             lr = lr_at(step, lr=args.lr, min_lr=args.min_lr, warmup=args.warmup, steps=args.steps,
                        schedule=args.schedule, decay_frac=args.decay_frac)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            raw.set_diagnostics(agent is not None and step % args.monitor_every == 0)
-
-            loss_sum = torch.zeros((), device=device)
-            for micro in range(args.grad_accum):
-                x, y = data.batch("train", args.batch_size, args.seq_len, seed=args.seed, step=step,
-                                  index=rank * args.grad_accum + micro, device=device)
-                last = micro == args.grad_accum - 1
-                with (model.no_sync() if world > 1 and not last else contextlib.nullcontext()):
-                    with autocast(args.precision, device):
-                        loss = model(x, y)
-                    (loss / args.grad_accum).backward()
-                loss_sum += loss.detach()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.clip if args.clip > 0 else float("inf"))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-            step_loss = loss_sum / args.grad_accum
-            if world > 1:  # the same loss on every rank: all stop together on divergence
-                dist.all_reduce(step_loss)
-                step_loss /= world
+            if lr_tensor is not None:
+                lr_tensor.fill_(lr)
+            else:
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+            diagnose = agent is not None and step % args.monitor_every == 0
+            raw.set_diagnostics(diagnose)
+            batches = [data.batch("train", args.batch_size, args.seq_len, seed=args.seed, step=step,
+                                  index=rank * args.grad_accum + micro, device=device) for micro in range(args.grad_accum)]
+            if graphs is None:
+                step_loss, grad_norm, diagnostics = train_step(model, raw, optimizer, params, batches, args, world)
+            else:
+                for (x, y), (sx, sy) in zip(batches, static):
+                    sx.copy_(x)
+                    sy.copy_(y)
+                step_loss, grad_norm, diagnostics = graphs(diagnose)
             if agent is not None:
                 agent.log(step, loss=step_loss, grad_norm=grad_norm, lr=lr, tokens_per_s=result.tokens_per_s,
-                          **raw.diagnostics())
+                          **diagnostics)
             pending.append((step, lr, torch.stack((step_loss, grad_norm.to(step_loss.device).float()))))
             steps_since += 1
             result.step = step + 1

@@ -1,0 +1,208 @@
+"""Whole steps as CUDA graphs (trainer/graphs.py with Agent.capture / Agent.replayed): on a GPU a graphed run
+equals the eager one, the agent's rows and histograms included; everywhere, the agent refuses replays it
+cannot account for, and `fp8mon train --cuda-graph` refuses a CPU."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from agent import Agent
+from agent.wire import SITES, TENSOR_STATS
+from trainer.train import build_parser, run
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+class Sink:
+    """A transport that keeps the tensor blocks: (step, layer, site) -> record."""
+
+    def __init__(self):
+        self.blocks = []
+
+    def send_tensors(self, block):
+        self.blocks.append(block)
+
+    def send_scalars(self, block):
+        pass
+
+    def set_run_meta(self, **meta):
+        pass
+
+    def flush(self, timeout=None):
+        return True
+
+    def close(self, timeout=None):
+        return True
+
+    def records(self) -> dict:
+        out = {}
+        for b in self.blocks:
+            for i, (layer, site) in enumerate(zip(b["layer"], b["site"])):
+                rec = {name: col[i] for name, col in b["stats"].items()}
+                rec["log2_hist"] = b["log2_hist"][i] if "log2_hist" in b else None
+                out[(b["step"], layer, site)] = rec
+        return out
+
+
+def mlp(width=16, depth=2) -> nn.Module:
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+
+
+def sgd_step(model, opt, x):
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+# ---- the agent's side, on any device -----------------------------------------------------------------
+
+def test_a_capture_records_every_row_of_the_step_and_a_replay_must_be_of_its_kind():
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 16)
+    agent = Agent(transport=Sink(), every=2, hist_every=2, stats_backend="torch").watch(model)
+    sgd_step(model, opt, x)  # eagerly first: the agent's buffers are allocated by a step's first rows
+    agent.log(0)
+    agent.log(1)
+    with agent.capture() as record:  # on the CPU nothing is captured: the step runs, the record is what counts
+        sgd_step(model, opt, x)
+    assert (record.reporting, record.hist) == (True, False)
+    assert len(record.written) == 2 * len(SITES)  # both linears, every site
+    agent.log(2)
+    with pytest.raises(ValueError, match="not the kind of step the graph captured"):
+        agent.replayed(record)  # step 3 does not report
+    agent.log(3)
+    with pytest.raises(ValueError, match=r"histogram=True\) is not the kind"):
+        agent.replayed(record)  # step 4 reports with the histogram (every 2nd reporting step has it)
+    agent.log(4)
+    agent.log(5)
+    agent.replayed(record)  # step 6: a reporting step without the histogram, as captured
+    with pytest.raises(RuntimeError, match="already has rows"):
+        with agent.capture():
+            pass
+    agent.close()
+
+
+def test_a_replay_is_refused_once_the_agents_buffers_moved():
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 16)
+    agent = Agent(transport=Sink(), every=1, hist_every=1, stats_backend="torch").watch(model)
+    sgd_step(model, opt, x)
+    agent.log(0)
+    with agent.capture() as record:
+        sgd_step(model, opt, x)
+    agent.log(1)
+    agent.replayed(record)  # the same buffers: fine
+    agent.log(2)
+    more = mlp(depth=2)  # 10 more slots: the step buffer (16 rows) grows at its next write, to a new address
+    agent.watch(more, prefix="more.")
+    sgd_step(more, torch.optim.SGD(more.parameters(), lr=0.1), x)
+    with pytest.raises(RuntimeError, match="moved since the graph was captured"):
+        agent.replayed(record)
+    agent.close()
+
+
+def test_fp8mon_train_refuses_cuda_graphs_without_a_cuda_device():
+    args = build_parser().parse_args(["--config", "tiny", "--device", "cpu", "--steps", "1", "--cuda-graph",
+                                      "--no-progress"])
+    with pytest.raises(SystemExit, match="--cuda-graph needs one CUDA device"):
+        run(args)
+
+
+# ---- graphs on the GPU ------------------------------------------------------------------------------
+
+def _tiny_transformer_run(precision: str, graphed: bool, steps: int = 6):
+    """Six AdamW steps of the trainer's tiny Llama with the agent at every step (histogram every 2nd): losses
+    and records."""
+    from trainer.config import get_config
+    from trainer.fp8_linear import Fp8Recipe, cache_fp8_weights
+    from trainer.graphs import StepGraphs, tensor_lr
+    from trainer.model import Transformer, autocast
+
+    dev = torch.device("cuda")
+    cfg = get_config("tiny", vocab_size=256)
+    torch.manual_seed(0)
+    model = Transformer(cfg, "llama", precision, Fp8Recipe() if precision == "fp8" else None).to(dev)
+    opt = torch.optim.AdamW(model.param_groups(0.1), lr=3e-3, fused=True)
+    if precision == "fp8":
+        cache_fp8_weights(model, opt)
+    lr = tensor_lr(opt, dev)
+    params = [p for p in model.parameters() if p.requires_grad]
+    gen = torch.Generator(device=dev).manual_seed(1)
+    data = torch.randint(0, 256, (steps, 2, 8, cfg.seq_len), device=dev, generator=gen)
+    x, y = torch.empty_like(data[0, 0]), torch.empty_like(data[0, 1])
+
+    def step():
+        with autocast(precision, dev):
+            loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    sink = Sink()
+    agent = Agent(transport=sink, every=1, hist_every=2, modules=r"^blocks\.").watch(model)
+    graphs = StepGraphs(step, agent=agent, warmup=1) if graphed else None
+    losses = []
+    for s in range(steps):
+        x.copy_(data[s, 0])
+        y.copy_(data[s, 1])
+        lr.fill_(3e-3 * (s + 1) / steps)  # a schedule: the graph must read the rate of its step
+        loss = graphs() if graphed else step()
+        losses.append(loss.clone())
+        agent.log(s, loss=loss)
+    assert agent.close(timeout=60) and agent.errors == 0, agent.last_error
+    return torch.stack(losses).tolist(), sink.records(), (graphs.captured if graphed else 0)
+
+
+def _assert_close_records(got: dict, want: dict, rtol: float):
+    assert got.keys() == want.keys()
+    for key, w in want.items():
+        g = got[key]
+        for stat in TENSOR_STATS:
+            a, b = g[stat], w[stat]
+            if b is None or (isinstance(b, float) and math.isnan(b)):
+                assert a is None or math.isnan(a), (key, stat, a, b)
+            else:
+                assert math.isclose(a, b, rel_tol=rtol, abs_tol=rtol * (w["rms"] or 1.0)), (key, stat, a, b)
+        if w["log2_hist"] is None:
+            assert g["log2_hist"] is None, key
+        else:  # counts per binade: values on a binade's edge may land apart under reordered float sums
+            assert sum(abs(p - q) for p, q in zip(g["log2_hist"], w["log2_hist"])) <= 1e-3 * w["numel"], key
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("precision", ["fp8", "bf16"])
+def test_a_graphed_run_equals_the_eager_run_rows_and_histograms_included(precision):
+    eager_losses, eager, _ = _tiny_transformer_run(precision, graphed=False)
+    graph_losses, graphed, captured = _tiny_transformer_run(precision, graphed=True)
+    assert captured == 2  # the histogram steps and the others
+    assert graph_losses == pytest.approx(eager_losses, rel=1e-4)
+    _assert_close_records(graphed, eager, rtol=1e-4)
+    steps = {k[0] for k in eager}
+    assert steps == set(range(6))
+    # the check can tell replays apart: a replay that wrote nothing or left the captured step's rows would fail it
+    moved = [k for k in eager if k[0] == 4 and not math.isclose(eager[k]["rms"], eager[(2, *k[1:])]["rms"],
+                                                                  rel_tol=1e-3)]
+    assert len(moved) > len(eager) // 12, "steps 2 and 4 too alike for the comparison to mean anything"
+    assert all((graphed[k]["log2_hist"] is None) == (k[0] % 2 == 1) for k in graphed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8mon_train_with_cuda_graphs_follows_the_eager_run():
+    common = ["--config", "tiny", "--precision", "fp8", "--steps", "12", "--batch-size", "8", "--grad-accum", "2",
+              "--device", "cuda", "--no-progress", "--log-every", "1", "--seed", "3"]
+    eager = run(build_parser().parse_args(common))
+    graphed = run(build_parser().parse_args([*common, "--cuda-graph"]))
+    assert graphed.status == eager.status == "finished"
+    want = [eager.losses[s] for s in range(12)]
+    assert [graphed.losses[s] for s in range(12)] == pytest.approx(want, rel=1e-3)
+    assert want[-1] < want[0] - 0.5  # the schedule reached the graphs: they learned as the eager run did
