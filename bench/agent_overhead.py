@@ -281,7 +281,7 @@ def main(argv=None) -> int:
     p.add_argument("--cuda-graph", action="store_true",
                    help="every phase replays its steps as CUDA graphs (trainer.graphs.StepGraphs, as fp8mon train "
                         "--cuda-graph), captured in its warm-up: the host's launch costs leave the step")
-    p.add_argument("--output-stats", choices=["read", "epilogue", "deferred"], default=None,
+    p.add_argument("--output-stats", choices=["auto", "read", "epilogue", "deferred"], default=None,
                    help="how Fp8Linear takes the output row (trainer.fp8_linear.OUTPUT_STATS; default: its own)")
     p.add_argument("--current-stats", choices=["row", "cast"], default=None,
                    help="where a current-scaled cast's row is made (trainer.kernels.quantize_transpose.CURRENT_STATS: "

@@ -70,8 +70,9 @@ from agent.formats import E4M3, E5M2, Fp8Format
 
 SITES = ("input", "weight", "grad_output")  # the quantized tensors
 GEMM_SITES = ("output",)  # the GEMM results whose rows Fp8Linear takes (OUTPUT_STATS)
-# how the output row is taken on the Triton path: "epilogue" | "read" | "deferred" (module docstring)
-OUTPUT_STATS = "epilogue"
+# how the output row is taken on the Triton path: "auto" | "epilogue" | "read" | "deferred" (module docstring)
+OUTPUT_STATS = "auto"
+_OUTPUT_MODES = ("auto", "epilogue", "read", "deferred")
 _FORMATS = {"input": E4M3, "weight": E4M3, "grad_output": E5M2}
 _GEMM_STATS = {"ok": True}  # False once a GEMM with fused statistics failed: the statistics are then taken apart
 log = logging.getLogger("fp8mon.fp8_linear")
@@ -223,10 +224,8 @@ class _State:
             from .kernels import fp8_gemm
 
             wanted = link is not None and link.wants(site)
-            if OUTPUT_STATS not in ("epilogue", "read", "deferred"):
-                raise ValueError("fp8_linear.OUTPUT_STATS must be 'epilogue', 'read' or 'deferred', not "
-                                 f"{OUTPUT_STATS!r}")
-            fused = wanted and OUTPUT_STATS == "epilogue" and _GEMM_STATS["ok"]
+            mode = output_stats_mode()
+            fused = wanted and mode == "epilogue" and _GEMM_STATS["ok"]
             target = link.target(site, a.device) if fused else None
             if target is not None:
                 try:
@@ -238,7 +237,7 @@ class _State:
                               exc, site)
             y = fp8_gemm(a, b, sa, sb, out_dtype=out_dtype, bias=bias, fast_accum=fast_accum)
             if wanted:
-                self.side_stats(site, y)
+                self.side_stats(site, y, defer=mode == "deferred")
             return y
         from .kernels import fp8_gemm_ref
 
@@ -247,8 +246,9 @@ class _State:
             self.side_stats(site, y)
         return y
 
-    def side_stats(self, site: str, value: torch.Tensor) -> None:
-        """The row of ``value`` for the agent, computed apart from any kernel of the layer."""
+    def side_stats(self, site: str, value: torch.Tensor, defer: bool = False) -> None:
+        """The row of ``value`` for the agent, computed apart from any kernel of the layer (``defer``: by the next
+        statistics launch, ``triton_stats.defer``)."""
         link = self.link
         if link is None:
             return
@@ -256,7 +256,7 @@ class _State:
             from agent import triton_stats as ts
 
             t = link.target(site, value.device)
-            if t is not None and OUTPUT_STATS == "deferred":
+            if t is not None and defer:
                 ts.defer(value, t)
             elif t is not None:
                 ts.rows([value], fmt=[t.fmt], center=[t.center], outlier_k=t.outlier_k, hist=t.hist, out=t.rows,
@@ -265,6 +265,17 @@ class _State:
             from agent import device_stats as ds
 
             link.report(site, ds.partials(value, fmt=link.fmt(site), outlier_k=link.outlier_k, hist=link.hist))
+
+
+def output_stats_mode() -> str:
+    """``OUTPUT_STATS``, with "auto" resolved for this call: "deferred" while the stream captures a CUDA graph (a
+    replay pays no launch's host time, so the path of least device time wins), else "epilogue" (eager steps are
+    host-bound with the agent on, and the epilogue adds no launch)."""
+    if OUTPUT_STATS not in _OUTPUT_MODES:
+        raise ValueError(f"fp8_linear.OUTPUT_STATS must be one of {_OUTPUT_MODES}, not {OUTPUT_STATS!r}")
+    if OUTPUT_STATS != "auto":
+        return OUTPUT_STATS
+    return "deferred" if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing() else "epilogue"
 
 
 class _Fp8LinearFn(torch.autograd.Function):

@@ -46,21 +46,24 @@ class StepGraphs:
         if self.agent is not None:
             kind = (kind, self.agent.reporting, self.agent.hist_now)
         got = self._graphs.get(kind)
-        if got is None:
+        captured_now = got is None
+        if captured_now:
             if self._eager.get(kind, 0) < self.warmup:
                 self._eager[kind] = self._eager.get(kind, 0) + 1
                 return self.step_fn()
             got = self._graphs[kind] = self._capture()
         graph, outputs, record = got
-        graph.replay()
-        if record is not None:
+        graph.replay()  # the capture ran nothing: its own step is this replay
+        if record is not None and not captured_now:  # the capture declared its step's rows to the agent already
             self.agent.replayed(record)
         return outputs
 
     def _capture(self) -> tuple:
         graph = torch.cuda.CUDAGraph()
         record = None
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the agent's collector thread polls its copies' events while this thread captures (global
+        # mode would count that as an unsafe call and invalidate the capture)
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             with (self.agent.capture() if self.agent is not None else contextlib.nullcontext()) as record:
                 outputs = self.step_fn()
         self._pool = graph.pool()

@@ -180,10 +180,19 @@ def _assert_close_records(got: dict, want: dict, rtol: float):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("precision", ["fp8", "bf16"])
-def test_a_graphed_run_equals_the_eager_run_rows_and_histograms_included(precision):
+def test_a_graphed_run_equals_the_eager_run_rows_and_histograms_included(precision, monkeypatch):
+    from agent import triton_stats as ts
+
+    deferred = []
+    real_defer = ts.defer
+    monkeypatch.setattr(ts, "defer", lambda x, t: (deferred.append(torch.cuda.is_current_stream_capturing()),
+                                                   real_defer(x, t)))
     eager_losses, eager, _ = _tiny_transformer_run(precision, graphed=False)
+    assert not deferred  # eagerly the output rows come from the GEMM's epilogue (fp8) or the hooks (bf16)
     graph_losses, graphed, captured = _tiny_transformer_run(precision, graphed=True)
     assert captured == 2  # the histogram steps and the others
+    if precision == "fp8":  # captured, Fp8Linear's output rows join the next statistics launch instead
+        assert deferred and all(deferred)
     assert graph_losses == pytest.approx(eager_losses, rel=1e-4)
     _assert_close_records(graphed, eager, rtol=1e-4)
     steps = {k[0] for k in eager}
@@ -206,3 +215,18 @@ def test_fp8mon_train_with_cuda_graphs_follows_the_eager_run():
     want = [eager.losses[s] for s in range(12)]
     assert [graphed.losses[s] for s in range(12)] == pytest.approx(want, rel=1e-3)
     assert want[-1] < want[0] - 0.5  # the schedule reached the graphs: they learned as the eager run did
+
+
+def test_the_output_row_is_taken_by_the_epilogue_unless_a_graph_captures(monkeypatch):
+    from trainer import fp8_linear
+
+    assert fp8_linear.OUTPUT_STATS == "auto"
+    assert fp8_linear.output_stats_mode() == "epilogue"  # no capture here (the GPU test above runs "deferred")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert fp8_linear.output_stats_mode() == "deferred"
+    monkeypatch.setattr(fp8_linear, "OUTPUT_STATS", "read")
+    assert fp8_linear.output_stats_mode() == "read"
+    monkeypatch.setattr(fp8_linear, "OUTPUT_STATS", "epilog")
+    with pytest.raises(ValueError, match="OUTPUT_STATS must be one of"):
+        fp8_linear.output_stats_mode()
