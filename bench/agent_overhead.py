@@ -33,6 +33,7 @@ encoding, gzip, HTTP) is in the measurement.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import subprocess
@@ -68,7 +69,8 @@ def measure(config: str, precision: str, args, device: torch.device, url: str) -
             agent.log(step_no[0], loss=loss.detach())
         step_no[0] += 1
 
-    def phase(backend: str | None) -> dict:
+    def phase(backend: str | None, timed=contextlib.nullcontext) -> dict:
+        """Warm-up steps, then ``--steps`` timed ones inside the context ``timed()`` (a profiler)."""
         agent = None
         spool = tempfile.TemporaryDirectory()
         if backend is not None:
@@ -88,12 +90,13 @@ def measure(config: str, precision: str, args, device: torch.device, url: str) -
             step(agent, graphs)
         sync()
         times, host = [], []
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            step(agent, graphs)
-            host.append(time.perf_counter() - t0)  # until the step's Python returns: its launches are queued
-            sync()
-            times.append(time.perf_counter() - t0)
+        with timed():
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                step(agent, graphs)
+                host.append(time.perf_counter() - t0)  # until the step's Python returns: its launches are queued
+                sync()
+                times.append(time.perf_counter() - t0)
         info = {"times": times, "host": host, "graphs": graphs.captured if graphs is not None else 0}
         del graphs
         if agent is not None:
@@ -186,8 +189,9 @@ def _warm(phase, backend, args) -> None:
 
 def device_profile(phase, device, args) -> dict:
     """``--profile device``: per phase (off, on), the kernels' device time per step (torch.profiler, CUDA
-    activity only, over the phase's warm-up and ``--steps`` steps), in all and for the 12 costliest kernels. (On a
-    CPU, the operators' own CPU time: only to try the bench.)"""
+    activity only, over the phase's ``--steps`` timed steps: with the histogram on every 10th step, ``--steps 10``
+    holds one, the amortized share), in all and for the 12 costliest kernels. (On a CPU, the operators' own CPU
+    time: only to try the bench.)"""
     from torch.profiler import ProfilerActivity, profile as tprofile
 
     cuda = device.type == "cuda"
@@ -195,10 +199,15 @@ def device_profile(phase, device, args) -> dict:
     per = {}
     for backend in (None, "triton"):
         _warm(phase, backend, args)
-        with tprofile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-            info = phase(backend)
-        # the phase's warm-up steps run inside the profile too (with the agent, through a histogram step)
-        n = len(info["times"]) + args.warmup + (args.hist_every if backend is not None and args.hist else 0)
+        profiles = []
+
+        def timed():
+            profiles.append(tprofile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]))
+            return profiles[-1]
+
+        info = phase(backend, timed)
+        prof = profiles[0]
+        n = len(info["times"])
         rows = [(e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total) / n / 1e3, e.count / n)
                 for e in prof.key_averages()]
         rows = [r for r in rows if r[1] > 0]
