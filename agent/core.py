@@ -27,6 +27,11 @@ trainer's ``Fp8Linear``, whose quantize kernels emit the rows of input, weight a
 read they do for the FP8 cast, and its forward GEMM's epilogue that of output) get a ``FusedLink`` in
 ``fp8mon_stats``; no hook reads those sites. A reported grad_weight row replaces the step's row (it is the
 accumulated gradient, as the hook sees it), the other sites merge.
+
+CUDA graphs. A step captured into a graph runs the hooks and the layers' launches once, at capture: ``capture()``
+wraps the capture and returns a ``StepRecord`` of the rows that step writes, and ``replayed(record)`` after each
+replay declares them for the step in progress (``trainer.graphs.StepGraphs`` does both). A graph belongs to one kind
+of step (reporting or not, with or without the histogram) and to the agent's buffers as they were at capture.
 """
 
 from __future__ import annotations

@@ -30,8 +30,12 @@ step the quantize kernels of input, weight (E4M3) and grad_output (E5M2) also wr
 section-4 rows, with the scale they cast with, straight into the agent's step buffer (``stats=`` of
 ``quantize_transpose``): no hook reads a GEMM input a second time. The torch path computes the same rows
 with ``device_stats.partials`` and reports them. The row of ``output`` (y as returned, in its dtype) is Fp8Linear's
-too, taken as ``OUTPUT_STATS`` says: by default the forward GEMM's statistics epilogue writes it
-(``fp8_gemm(stats=)``, "epilogue"); with "read" the standalone statistics kernel reads y right after the GEMM. On
+too, taken as ``OUTPUT_STATS`` says. The default, "auto", is "epilogue" eagerly and "deferred" while a CUDA graph
+captures the step (``output_stats_mode``): a replay pays no launch's host time, so the way of least device time wins
+there (H200, 2026-11-26, ``bench/agent_overhead.py --cuda-graph``, median steps with the agent against without: 124M
++5.5% deferred, +6.4% read, +8.2% epilogue on one machine; 1.5B +4.5% read, +6.9% epilogue, and +4.2% deferred on
+another). With "epilogue" the forward GEMM's statistics epilogue writes it
+(``fp8_gemm(stats=)``); with "read" the standalone statistics kernel reads y right after the GEMM. On
 the H200 at the 1.5B forward shapes the read costs less device time (the GEMM and read took 1.13-1.48x the plain
 GEMM without the histogram, the epilogue 1.22-1.61x: it runs on the TMA kernel, the read follows the faster ws
 kernel), but it is one more launch, ~90 us of host time, and with the agent on the step was host-bound there
@@ -39,9 +43,9 @@ kernel), but it is one more launch, ~90 us of host time, and with the agent on t
 joins the next statistics launch on the device (``triton_stats.defer``): the next current-scaled cast's, which
 reads its input for its row in place of the amax pass (``quantize_transpose.CURRENT_STATS``), so it costs no
 launch of its own; y must then not be modified in place before that launch (an in-place activation after the
-layer would be). On the H200 (2026-11-25) it ran 2.8 ms less kernel time per 1.5B step than the epilogue, the same
-whole steps there (+14.7% both) and slower ones at 124M, whose step is host-bound (+38.6% against +24.1%): not the
-default. No hook reads y in any of the three.
+layer would be). On the H200 (2026-11-25), eagerly, it ran 2.8 ms less kernel time per 1.5B step than the
+epilogue, the same whole steps there (+14.7% both) and slower ones at 124M, whose step is host-bound (+38.6% against
++24.1%): not the eager default. No hook reads y in any of these.
 ``grad_weight`` is left to the agent's hook, whose row is read from ``weight.grad`` by the standalone statistics
 kernel, once per backward pass for all layers together (``Agent.observe_after_backward``). A wgrad epilogue could
 take it (the row of weight.grad + dW, given weight.grad), but on the H200 at 1.5B that cost the four wgrads

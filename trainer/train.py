@@ -10,6 +10,10 @@ over micro-batches and ranks), grad_norm, lr and tokens_per_s. Losses are read o
 ``--log-every`` steps and before each checkpoint (one sync); a non-finite loss or gradient norm stops the
 run as "diverged" (exit code 3), without a checkpoint.
 
+``--cuda-graph`` (one GPU) runs ``train_step`` through ``trainer.graphs.StepGraphs``: each kind of step (the agent
+reporting or not, with or without the histogram) runs eagerly once, is then captured as a CUDA graph and replayed
+from static batch buffers, with the learning rate as a device tensor, so the host's per-launch cost is paid once.
+
 Checkpoints (``--out DIR``: DIR/ckpt.pt every ``--save-every`` steps and at the end) hold the model, the
 optimizer, the step, the RNG states and the data position (= the step: batches are a function of
 (seed, step, micro-batch index), see trainer/data.py), so ``--resume`` continues bit-identically on the CPU.

@@ -19,13 +19,13 @@ class Sink:
     """A transport that keeps the tensor blocks: (step, layer, site) -> record."""
 
     def __init__(self):
-        self.blocks = []
+        self.blocks, self.scalar_blocks = [], []
 
     def send_tensors(self, block):
         self.blocks.append(block)
 
     def send_scalars(self, block):
-        pass
+        self.scalar_blocks.append(block)
 
     def set_run_meta(self, **meta):
         pass
@@ -206,15 +206,30 @@ def test_a_graphed_run_equals_the_eager_run_rows_and_histograms_included(precisi
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fp8mon_train_with_cuda_graphs_follows_the_eager_run():
+def test_fp8mon_train_with_cuda_graphs_sends_what_the_eager_run_sends(monkeypatch):
+    """Three kinds of step (reporting with and without the histogram, not reporting), two micro-batches, a
+    schedule, the model's diagnostics: the graphed run's losses, statistics and scalars are the eager run's."""
+    from agent.core import Agent
+
+    sinks = []
+    monkeypatch.setattr(Agent, "_make_transport", lambda self, *a: sinks.append(Sink()) or sinks[-1])
     common = ["--config", "tiny", "--precision", "fp8", "--steps", "12", "--batch-size", "8", "--grad-accum", "2",
-              "--device", "cuda", "--no-progress", "--log-every", "1", "--seed", "3"]
+              "--device", "cuda", "--no-progress", "--log-every", "1", "--seed", "3", "--monitor-url",
+              "http://127.0.0.1:9", "--monitor-every", "2", "--monitor-hist-every", "2", "--run-name", "graphs"]
     eager = run(build_parser().parse_args(common))
     graphed = run(build_parser().parse_args([*common, "--cuda-graph"]))
     assert graphed.status == eager.status == "finished"
     want = [eager.losses[s] for s in range(12)]
-    assert [graphed.losses[s] for s in range(12)] == pytest.approx(want, rel=1e-3)
+    assert [graphed.losses[s] for s in range(12)] == pytest.approx(want, rel=1e-4)
     assert want[-1] < want[0] - 0.5  # the schedule reached the graphs: they learned as the eager run did
+    eager_rows, graph_rows = sinks[0].records(), sinks[1].records()
+    assert {k[0] for k in eager_rows} == {0, 2, 4, 6, 8, 10}
+    _assert_close_records(graph_rows, eager_rows, rtol=1e-3)
+    assert all((rec["log2_hist"] is not None) == (k[0] % 4 == 0) for k, rec in graph_rows.items())
+    scalars = [{(b["step"], n): v for b in sink.scalar_blocks for n, v in zip(b["name"], b["value"])
+                if n != "tokens_per_s"} for sink in sinks]
+    assert {k for k in scalars[1] if k[1] == "attn_max_logit"} == {(s, "attn_max_logit") for s in range(0, 12, 2)}
+    assert scalars[1] == pytest.approx(scalars[0], rel=1e-3)
 
 
 def test_the_output_row_is_taken_by_the_epilogue_unless_a_graph_captures(monkeypatch):
