@@ -312,7 +312,7 @@ class Agent:
         The hooks and the layers' fused kernels run at capture, so the graph holds the statistics launches of a
         step of this kind (reporting or not, with or without the histogram); whatever the step left waiting for a
         later launch is launched before the capture ends. Nothing is computed until a replay."""
-        if self._pack.written:
+        if self.reporting and self._pack.written:  # (a step that does not report keeps the last report's set)
             raise RuntimeError("agent.capture(): this step already has rows; capture a whole step from its start")
         record = StepRecord(self.reporting, self.hist_now)
         before = self._buffers()
@@ -320,7 +320,7 @@ class Agent:
         ts.flush_deferred()
         self._release_waiting()
         self._observe_after()
-        record.written = frozenset(self._pack.written)
+        record.written = frozenset(self._pack.written) if self.reporting else frozenset()
         record.seen = frozenset(self._seen)
         record.history_seen = self._history is not None and self._history.seen
         record.buffers = self._buffers()

@@ -74,6 +74,9 @@ def test_a_capture_records_every_row_of_the_step_and_a_replay_must_be_of_its_kin
     agent.log(2)
     with pytest.raises(ValueError, match="not the kind of step the graph captured"):
         agent.replayed(record)  # step 3 does not report
+    with agent.capture() as idle:  # a step without statistics is captured too, and writes no row
+        sgd_step(model, opt, x)
+    assert not idle.reporting and not idle.written
     agent.log(3)
     with pytest.raises(ValueError, match=r"histogram=True\) is not the kind"):
         agent.replayed(record)  # step 4 reports with the histogram (every 2nd reporting step has it)
