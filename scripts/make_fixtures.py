@@ -298,10 +298,20 @@ GPU_WIDE2_RUNS = tuple(RunSpec(r.name, (*GPU_WIDE, *r.args), r.split, r.expect) 
     _gpu_long("fog", "fp8", "test", 11, name="gpu-wide-fog-fp8-long-s11-stable"),
     _gpu_long("llama", "fp8", "test", 11, *DELAYED, "4", name="gpu-wide-llama-fp8-delayed4-long-s11-stable"),
 ))
+# Held-out runs of pass M (profile gpu-wide3, 2026-11-26), written down before any was made, no threshold changed
+# after pass K: the wide model's learning-rate ramps, the kind pass J missed (78 and 87 steps ahead) and no pass has
+# retested since, seed 12. The two FOG ramps of pass J at 0.04, one in delayed scaling (history 2, as the 4 x 512
+# delayed ramps), and a healthy FOG run for the silence, cut by the timeout.
+GPU_WIDE3_RUNS = tuple(RunSpec(r.name, (*GPU_WIDE, *r.args), r.split, r.expect) for r in (
+    _gpu_div("gpu-wide-fog-fp8-ramp-s12-div", "fog", "fp8", "0.04", "test", "--seed", "12"),
+    _gpu_div("gpu-wide-fog-bf16-ramp-s12-div", "fog", "bf16", "0.04", "test", "--seed", "12"),
+    _gpu_div("gpu-wide-fog-fp8-delayed-ramp-s12-div", "fog", "fp8", "0.04", "test", *DELAYED, "2", "--seed", "12"),
+    _gpu_long("fog", "fp8", "test", 12, name="gpu-wide-fog-fp8-long-s12-stable"),
+))
 PROFILES = {"cpu": (CPU_BASE, CPU_RUNS), "gpu": (GPU_BASE, GPU_RUNS), "gpu-frozen": (GPU_BASE, GPU_FROZEN_RUNS),
             "gpu-test2": (GPU_BASE, GPU_TEST2_RUNS), "gpu-test3": (GPU_BASE, GPU_TEST3_RUNS),
             "gpu-triton": (GPU_BASE, GPU_TRITON_RUNS), "gpu-wide": (GPU_BASE, GPU_WIDE_RUNS),
-            "gpu-wide2": (GPU_BASE, GPU_WIDE2_RUNS)}
+            "gpu-wide2": (GPU_BASE, GPU_WIDE2_RUNS), "gpu-wide3": (GPU_BASE, GPU_WIDE3_RUNS)}
 
 
 def train(spec: RunSpec, base: tuple[str, ...], url: str, tmp: Path,
