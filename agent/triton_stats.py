@@ -1271,7 +1271,6 @@ class _Staging:
             slot[1].record()
             return dev
 
-
     def _put_captured(self, data, n: int) -> torch.Tensor:
         with self.lock:
             if self.arena is None or self.arena_used + n > self.arena.numel():
@@ -1289,7 +1288,8 @@ class _Staging:
 
 
 # Pinned int64 words per device for the tables of launches captured into CUDA graphs (``_Staging``): a launch of
-# T tensors takes 20*T words (``_ROW``); 4 MiB holds ~26k tensors' launches, far more than a few graphs of a whole step.
+# T tensors takes 20*T words (``_ROW``); 4 MiB holds ~26k tensors' launches, far more than a few graphs of a whole
+# step.
 CAPTURE_STAGING_WORDS = 1 << 19
 _staging: dict = {}
 

@@ -403,12 +403,12 @@ def run(args) -> TrainResult:
                        f"{world} rank(s) on {device}, {tokens_per_step:,} tokens/step, steps {start}..{stop}"
                        + (f", monitor {args.monitor_url} run {run_name}" if agent else ""))
     params = [p for p in raw.parameters() if p.requires_grad]
-    shape = (args.batch_size, args.seq_len)
     graphs = lr_tensor = None
-    if args.cuda_graph:
+    if args.cuda_graph:  # the graphs read each step's micro-batches from these buffers
         from .graphs import StepGraphs, tensor_lr
 
         lr_tensor = tensor_lr(optimizer, device)
+        shape = (args.batch_size, args.seq_len)
         static = [(torch.zeros(shape, dtype=torch.long, device=device),
                    torch.zeros(shape, dtype=torch.long, device=device)) for _ in range(args.grad_accum)]
         graphs = StepGraphs(lambda: train_step(model, raw, optimizer, params, static, args, world), agent=agent,
@@ -429,7 +429,8 @@ def run(args) -> TrainResult:
             diagnose = agent is not None and step % args.monitor_every == 0
             raw.set_diagnostics(diagnose)
             batches = [data.batch("train", args.batch_size, args.seq_len, seed=args.seed, step=step,
-                                  index=rank * args.grad_accum + micro, device=device) for micro in range(args.grad_accum)]
+                                  index=rank * args.grad_accum + micro, device=device)
+                       for micro in range(args.grad_accum)]
             if graphs is None:
                 step_loss, grad_norm, diagnostics = train_step(model, raw, optimizer, params, batches, args, world)
             else:

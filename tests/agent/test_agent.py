@@ -17,6 +17,7 @@ from agent import device_stats as ds
 from agent.formats import by_name, delayed_scale
 from agent.stats import Moments, merge_moments
 from agent.wire import LOG2_HIST_LO, SITES, TENSOR_STATS
+from tests.agent.capture import CaptureTransport
 
 FORMATS = {"input": "e4m3", "weight": "e4m3", "output": None, "grad_output": "e5m2", "grad_weight": "e5m2"}
 EXACT = ("numel", "nonfinite", "amax", "zero_frac", "outlier_frac", "underflow_frac", "overflow_frac", "scale",
@@ -91,38 +92,6 @@ def lm_loss(model, tokens):
 
 
 # ---- helpers ------------------------------------------------------------------------------------
-
-class CaptureTransport:
-    def __init__(self):
-        self.tensors, self.scalars, self.meta = [], [], []
-
-    def send_tensors(self, block):
-        self.tensors.append(block)
-
-    def send_scalars(self, block):
-        self.scalars.append(block)
-
-    def set_run_meta(self, **meta):
-        self.meta.append(meta)
-
-    def flush(self, timeout=None):
-        return True
-
-    def close(self, timeout=None):
-        return True
-
-    def records(self) -> dict:
-        """(step, layer, site, rank) -> stats dict (with log2_hist); a duplicate fails."""
-        out = {}
-        for b in self.tensors:
-            for i, (layer, site) in enumerate(zip(b["layer"], b["site"])):
-                key = (b["step"], layer, site, b["rank"])
-                assert key not in out, f"record {key} sent twice"
-                rec = {name: col[i] for name, col in b["stats"].items()}
-                rec["log2_hist"] = b["log2_hist"][i] if "log2_hist" in b else None
-                out[key] = rec
-        return out
-
 
 class Reference:
     """Clones of what each watched layer saw, per step and site, to compute the oracle's statistics."""

@@ -10,40 +10,10 @@ from torch import nn
 
 from agent import Agent
 from agent.wire import SITES, TENSOR_STATS
+from tests.agent.capture import CaptureTransport
 from trainer.train import build_parser, run
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-class Sink:
-    """A transport that keeps the tensor blocks: (step, layer, site) -> record."""
-
-    def __init__(self):
-        self.blocks, self.scalar_blocks = [], []
-
-    def send_tensors(self, block):
-        self.blocks.append(block)
-
-    def send_scalars(self, block):
-        self.scalar_blocks.append(block)
-
-    def set_run_meta(self, **meta):
-        pass
-
-    def flush(self, timeout=None):
-        return True
-
-    def close(self, timeout=None):
-        return True
-
-    def records(self) -> dict:
-        out = {}
-        for b in self.blocks:
-            for i, (layer, site) in enumerate(zip(b["layer"], b["site"])):
-                rec = {name: col[i] for name, col in b["stats"].items()}
-                rec["log2_hist"] = b["log2_hist"][i] if "log2_hist" in b else None
-                out[(b["step"], layer, site)] = rec
-        return out
 
 
 def mlp(width=16, depth=2) -> nn.Module:
@@ -58,12 +28,17 @@ def sgd_step(model, opt, x):
 
 # ---- the agent's side, on any device -----------------------------------------------------------------
 
-def test_a_capture_records_every_row_of_the_step_and_a_replay_must_be_of_its_kind():
+def watched_mlp(every: int, hist_every: int):
+    """A two-linear MLP, its optimizer, a batch and an agent (torch statistics) watching it."""
     torch.manual_seed(0)
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(8, 16)
-    agent = Agent(transport=Sink(), every=2, hist_every=2, stats_backend="torch").watch(model)
+    agent = Agent(transport=CaptureTransport(), every=every, hist_every=hist_every, stats_backend="torch")
+    return model, opt, torch.randn(8, 16), agent.watch(model)
+
+
+def test_a_capture_records_every_row_of_the_step_and_a_replay_must_be_of_its_kind():
+    model, opt, x, agent = watched_mlp(every=2, hist_every=2)
     sgd_step(model, opt, x)  # eagerly first: the agent's buffers are allocated by a step's first rows
     agent.log(0)
     agent.log(1)
@@ -90,11 +65,7 @@ def test_a_capture_records_every_row_of_the_step_and_a_replay_must_be_of_its_kin
 
 
 def test_a_replay_is_refused_once_the_agents_buffers_moved():
-    torch.manual_seed(0)
-    model = mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(8, 16)
-    agent = Agent(transport=Sink(), every=1, hist_every=1, stats_backend="torch").watch(model)
+    model, opt, x, agent = watched_mlp(every=1, hist_every=1)
     sgd_step(model, opt, x)
     agent.log(0)
     with agent.capture() as record:
@@ -149,7 +120,7 @@ def _tiny_transformer_run(precision: str, graphed: bool, steps: int = 6):
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    sink = Sink()
+    sink = CaptureTransport()
     agent = Agent(transport=sink, every=1, hist_every=2, modules=r"^blocks\.").watch(model)
     graphs = StepGraphs(step, agent=agent, warmup=1) if graphed else None
     losses = []
@@ -215,7 +186,7 @@ def test_fp8mon_train_with_cuda_graphs_sends_what_the_eager_run_sends(monkeypatc
     from agent.core import Agent
 
     sinks = []
-    monkeypatch.setattr(Agent, "_make_transport", lambda self, *a: sinks.append(Sink()) or sinks[-1])
+    monkeypatch.setattr(Agent, "_make_transport", lambda self, *a: sinks.append(CaptureTransport()) or sinks[-1])
     common = ["--config", "tiny", "--precision", "fp8", "--steps", "12", "--batch-size", "8", "--grad-accum", "2",
               "--device", "cuda", "--no-progress", "--log-every", "1", "--seed", "3", "--monitor-url",
               "http://127.0.0.1:9", "--monitor-every", "2", "--monitor-hist-every", "2", "--run-name", "graphs"]
@@ -229,7 +200,7 @@ def test_fp8mon_train_with_cuda_graphs_sends_what_the_eager_run_sends(monkeypatc
     assert {k[0] for k in eager_rows} == {0, 2, 4, 6, 8, 10}
     _assert_close_records(graph_rows, eager_rows, rtol=1e-3)
     assert all((rec["log2_hist"] is not None) == (k[0] % 4 == 0) for k, rec in graph_rows.items())
-    scalars = [{(b["step"], n): v for b in sink.scalar_blocks for n, v in zip(b["name"], b["value"])
+    scalars = [{(b["step"], n): v for b in sink.scalars for n, v in zip(b["name"], b["value"])
                 if n != "tokens_per_s"} for sink in sinks]
     assert {k for k in scalars[1] if k[1] == "attn_max_logit"} == {(s, "attn_max_logit") for s in range(0, 12, 2)}
     assert scalars[1] == pytest.approx(scalars[0], rel=1e-3)

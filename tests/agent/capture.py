@@ -1,0 +1,33 @@
+"""A transport for tests: keeps what the agent's collector sends instead of posting it."""
+
+
+class CaptureTransport:
+    def __init__(self):
+        self.tensors, self.scalars, self.meta = [], [], []
+
+    def send_tensors(self, block):
+        self.tensors.append(block)
+
+    def send_scalars(self, block):
+        self.scalars.append(block)
+
+    def set_run_meta(self, **meta):
+        self.meta.append(meta)
+
+    def flush(self, timeout=None):
+        return True
+
+    def close(self, timeout=None):
+        return True
+
+    def records(self) -> dict:
+        """(step, layer, site, rank) -> stats dict (with log2_hist); a duplicate fails."""
+        out = {}
+        for b in self.tensors:
+            for i, (layer, site) in enumerate(zip(b["layer"], b["site"])):
+                key = (b["step"], layer, site, b["rank"])
+                assert key not in out, f"record {key} sent twice"
+                rec = {name: col[i] for name, col in b["stats"].items()}
+                rec["log2_hist"] = b["log2_hist"][i] if "log2_hist" in b else None
+                out[key] = rec
+        return out
