@@ -61,8 +61,8 @@ class StepGraphs:
     def _capture(self) -> tuple:
         graph = torch.cuda.CUDAGraph()
         record = None
-        # thread_local: the agent's collector thread polls its copies' events while this thread captures (global
-        # mode would count that as an unsafe call and invalidate the capture)
+        # thread_local: the agent's collector thread polls its copies' events while this thread captures; in the
+        # default global mode captures with the agent were invalidated, which that polling explains (not traced)
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             with (self.agent.capture() if self.agent is not None else contextlib.nullcontext()) as record:
                 outputs = self.step_fn()
@@ -73,7 +73,10 @@ class StepGraphs:
 def tensor_lr(optimizer: torch.optim.Optimizer, device: torch.device) -> torch.Tensor:
     """Make ``optimizer`` capturable with its learning rate a device tensor (one for all groups): a captured
     step reads the rate the caller ``fill_``s before each replay instead of the number it was captured with."""
-    lr = torch.tensor(float(optimizer.param_groups[0]["lr"]), dtype=torch.float32, device=device)
+    rates = {float(group["lr"]) for group in optimizer.param_groups}
+    if len(rates) > 1:
+        raise ValueError(f"tensor_lr: the parameter groups have different learning rates {sorted(rates)}")
+    lr = torch.tensor(rates.pop(), dtype=torch.float32, device=device)
     for group in optimizer.param_groups:
         group["lr"] = lr
         group["capturable"] = True

@@ -219,3 +219,15 @@ def test_the_output_row_is_taken_by_the_epilogue_unless_a_graph_captures(monkeyp
     monkeypatch.setattr(fp8_linear, "OUTPUT_STATS", "epilog")
     with pytest.raises(ValueError, match="OUTPUT_STATS must be one of"):
         fp8_linear.output_stats_mode()
+
+
+def test_tensor_lr_makes_one_rate_tensor_and_refuses_groups_with_different_rates():
+    from trainer.graphs import tensor_lr
+
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    opt = torch.optim.AdamW([{"params": a.parameters()}, {"params": b.parameters(), "weight_decay": 0.0}], lr=0.5)
+    lr = tensor_lr(opt, torch.device("cpu"))
+    assert all(g["lr"] is lr and g["capturable"] for g in opt.param_groups) and float(lr) == 0.5
+    mixed = torch.optim.AdamW([{"params": a.parameters()}, {"params": b.parameters(), "lr": 0.1}], lr=0.5)
+    with pytest.raises(ValueError, match="different learning rates"):
+        tensor_lr(mixed, torch.device("cpu"))
