@@ -104,11 +104,10 @@ _DTYPE_CODE = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}
 
 # per-program partial layout
 _P_N, _P_NUMEL, _P_NONFIN, _P_ZEROS, _P_OUTL, _P_UNDER, _P_OVER, _P_AMAX, _P_MEAN, _P_M2, _P_M3, _P_M4 = range(12)
-_P_AMAX_ROW = _P_AMAX  # (the kernels' constexpr copies shadow these names)
 # table row layout (int64; float fields bit-cast): the scale/center/history are a device pointer when
 # the *_ADDR field is non-zero, else the inline value
 (_T_ADDR, _T_NUMEL, _T_CODE, _T_FIRST, _T_NWORK, _T_DST, _T_MERGE, _T_SMODE, _T_SCALE_ADDR, _T_SCALE,
- _T_CENTER_ADDR, _T_MEAN, _T_STD, _T_AHM_ADDR, _T_AHM, _T_FMT, _T_K, _T_CHUNK, _T_AMAX_OUT, _T_CTR) = range(20)
+ _T_CENTER_ADDR, _T_MEAN, _T_STD, _T_AHM_ADDR, _T_AHM, _T_FMT, _T_K, _T_CHUNK, _T_AMAX_OUT) = range(19)
 # no format; scale known; s = max/amax of this tensor; the same, for a tensor whose cast follows (``cast_row``)
 SCALE_NONE, SCALE_GIVEN, SCALE_CURRENT, SCALE_CAST = 0, 1, 2, 3
 
@@ -164,7 +163,7 @@ if triton is not None:
      _P_M4) = (Const(v) for v in range(12))
     (_T_ADDR, _T_NUMEL, _T_CODE, _T_FIRST, _T_NWORK, _T_DST, _T_MERGE, _T_SMODE, _T_SCALE_ADDR, _T_SCALE,
      _T_CENTER_ADDR, _T_MEAN, _T_STD, _T_AHM_ADDR, _T_AHM, _T_FMT, _T_K,
-     _T_CHUNK, _T_AMAX_OUT, _T_CTR) = (Const(v) for v in range(20))
+     _T_CHUNK, _T_AMAX_OUT) = (Const(v) for v in range(19))
 
     # ---- scalar helpers ---------------------------------------------------------------------------
 
@@ -511,10 +510,7 @@ if triton is not None:
 
     @triton.jit
     def _finalize(part, stride, nwork, ctr, dst, merge, smode, s_given, fmax, uthr, ahm, HIST: tl.constexpr,
-                  PB: tl.constexpr, tr, TRACE: tl.constexpr, NARROW: tl.constexpr, aout=None,
-                  KEEP_UNDER: tl.constexpr = False):
-        # KEEP_UNDER (a detached merge, ``_merge_kernel``): the row's underflow field is not written; the cast adds
-        # its count there atomically, possibly while this runs.
+                  PB: tl.constexpr, tr, TRACE: tl.constexpr, NARROW: tl.constexpr, aout=None):
         # The moments merge as Pebay's formulas do, all at once about one center c0: each partial's central
         # moments become power sums of (x - c0), which add, and the sums give the central moments about the grand
         # mean (``_central``); no division per partial. c0 is the first partial's mean, loaded with the rest, so
@@ -663,8 +659,7 @@ if triton is not None:
             tl.store(dst + 4, zeros)
             tl.store(dst + 5, nonzero)
             tl.store(dst + 6, outl)
-            if not KEEP_UNDER:
-                tl.store(dst + 7, under)
+            tl.store(dst + 7, under)
             tl.store(dst + 8, over)
             tl.store(dst + 9, amax)
             tl.store(dst + 10, am)
@@ -1037,39 +1032,9 @@ if triton is not None:
         first = tl.load(row + _T_FIRST)
         nwork = tl.load(row + _T_NWORK)
         dst = dst_ptr + tl.load(row + _T_DST) * _WIDTH
-        merge = tl.load(row + _T_MERGE)
-        ctr_own = tl.load(row + _T_CTR)
-        if ctr_own != 0:  # detached: ``_merge_kernel`` merges the partials later, off the cast's critical path
-            if HIST:
-                tl.atomic_add(ctr_own.to(tl.pointer_type(tl.int64)) + 1 + tl.arange(0, 64), hist.to(tl.int64),
-                              sem="relaxed", scope="gpu")
-            if (merge == 0) & (w == first):  # the row's first write this step: the cast's underflow adds to 0
-                tl.store(dst + 7, tl.zeros([], tl.float64))
-        else:
-            _done(part_ptr + first, tl.num_programs(0), ctr_ptr + t * _CTRW, nwork, dst, merge, smode, s, fmax,
-                  uthr, ahm, hist, HIST, tr, TRACE, NARROW, tl.load(row + _T_AMAX_OUT))
+        _done(part_ptr + first, tl.num_programs(0), ctr_ptr + t * _CTRW, nwork, dst, tl.load(row + _T_MERGE), smode,
+              s, fmax, uthr, ahm, hist, HIST, tr, TRACE, NARROW, tl.load(row + _T_AMAX_OUT))
         _stamp(tr, 4, TRACE)
-
-    @triton.jit
-    def _merge_kernel(tab_ptr, part_ptr, stride, dst_ptr, HIST: tl.constexpr, NARROW: tl.constexpr):
-        """The detached rows' merges (``DETACH_MERGE``): program t merges table row t's partials into its row, as the
-        last program of ``_stats_kernel`` does, except the underflow, which the cast adds (``KEEP_UNDER``); rows
-        that are not detached are left alone."""
-        row = tab_ptr + tl.program_id(0).to(tl.int64) * _TABW
-        ctr_own = tl.load(row + _T_CTR)
-        if ctr_own != 0:
-            fmt = tl.load(row + _T_FMT)
-            uthr = tl.where(fmt == 1, 2.0 ** -10, 2.0 ** -17).to(tl.float32)
-            fmax = tl.where(fmt == 1, 448.0, 57344.0)
-            s = _f64(tl.load(row + _T_SCALE)).to(tl.float32)
-            ahm = _f64(tl.load(row + _T_AHM))
-            ahm_addr = tl.load(row + _T_AHM_ADDR)
-            if ahm_addr != 0:
-                ahm = tl.load(ahm_addr.to(tl.pointer_type(tl.float32))).to(tl.float64)
-            _finalize(part_ptr + tl.load(row + _T_FIRST), stride, tl.load(row + _T_NWORK),
-                      ctr_own.to(tl.pointer_type(tl.int64)), dst_ptr + tl.load(row + _T_DST) * _WIDTH,
-                      tl.load(row + _T_MERGE), tl.load(row + _T_SMODE), s, fmax, uthr, ahm, HIST, _PB, None, False,
-                      NARROW, None, True)
 
 
 # ---- launcher ---------------------------------------------------------------------------------------
@@ -1191,18 +1156,12 @@ def _chunk_elems(numels: list[int], device: torch.device, cap: int) -> int:
 _trace: list | None = None  # benches: a list to receive each launch's [programs, 16] int32 timer stamps
 
 
-def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, device, aouts=None,
-            detach=None) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, device, aouts=None) -> None:
     """One launch of ``_stats_kernel`` (``rows``). ``aouts``: per tensor None, or the fp32 device tensor that
-    receives its finite amax; such a tensor's scale is that of its current-scaling cast (``cast_row``). ``detach``:
-    per tensor, whether its row is merged by ``_merge_kernel`` apart (``DETACH_MERGE``; then nothing is written to
-    its ``aouts`` entry: its cast reads the amax from the partials). Returns the partials ([PW, programs] fp64) and
-    each tensor's (first program, programs)."""
-    join_merges(device)  # a detached merge still running writes rows this launch may merge into
-    keep = []  # what the device reads by address: alive until the launch is queued (a detached merge: longer)
+    receives its finite amax; such a tensor's scale is that of its current-scaling cast (``cast_row``)."""
+    keep = []  # what the device reads by address: alive until the launch is queued
     table = bytearray(_ROW.size * len(tensors))
     nwork_total = 0
-    spans, ctrs = [], []
     # other dtypes are read as fp32 (below): a launch without 16-bit tensors is an fp32 launch
     cap = MAXNREG if any(x.dtype in (torch.bfloat16, torch.float16) for x in tensors) else MAXNREG_FP32
     chunk = _chunk_elems([x.numel() for x in tensors], device, cap)
@@ -1251,75 +1210,20 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
             c_addr = c.data_ptr()
         elif c is not None:
             c_mean, c_std = float(c[0]), float(c[1])
-        ctr = 0
-        if detach is not None and detach[i]:
-            ctrs.append(torch.zeros(CTRW, dtype=torch.int64, device=device))  # its own: read after later launches
-            ctr = ctrs[-1].data_ptr()
-        spans.append((first, nwork))
         _ROW.pack_into(table, i * _ROW.size, x.data_ptr(), numel, _DTYPE_CODE[x.dtype], first, nwork, int(index[i]),
                        int(bool(merges[i])), smode, s_addr, s_val, c_addr, c_mean, c_std, ahm_addr, ahm_val,
                        _FMT_CODES.get(fmt.name, 0) if fmt is not None else 0, k, chunk,
-                       aouts[i].data_ptr() if smode == SCALE_CAST and not ctr else 0, ctr)
+                       aouts[i].data_ptr() if smode == SCALE_CAST else 0, 0)
     tab = to_device(table, device)
     part = torch.empty(PW, nwork_total, dtype=torch.float64, device=device)  # field-major (_store_partial)
     opts = {} if INTERPRET or not cap else {"maxnreg": cap}
     trace = None if _trace is None else torch.zeros(nwork_total, 16, dtype=torch.int32, device=device)
-    narrow = chunk * P_BLOCK < 2**31
     _stats_kernel[(nwork_total,)](tab, len(tensors), part, counters(device), out, part if trace is None else trace,
-                                  HIST=bool(hist), R=ROWS, TRACE=trace is not None, NARROW=narrow,
-                                  num_warps=NUM_WARPS, **opts)
+                                  HIST=bool(hist), R=ROWS, TRACE=trace is not None,
+                                  NARROW=chunk * P_BLOCK < 2**31, num_warps=NUM_WARPS, **opts)
     if trace is not None:
         _trace.append(trace)
-    if ctrs:
-        _merge_apart(device, (tab, part, ctrs, keep),
-                     lambda: _merge_kernel[(len(tensors),)](tab, part, nwork_total, out, HIST=bool(hist), NARROW=narrow,
-                                                            num_warps=NUM_WARPS, **opts))
-    return part, spans
-
-
-# Detached merges (``DETACH_MERGE``): the last program of a current-scaled cast's statistics launch merges its
-# partials (~6 us on an H200 at 64 MiB, bench/RESULTS.md) while the rest of the GPU waits, and the cast after it
-# needs only the amax. Detached, the launch stores partials only, the cast reduces their amax itself, and
-# ``_merge_kernel`` merges on a side stream beside the cast. Under a CUDA-graph capture the fork and join become
-# parallel branches of the graph. Joined before the next statistics launch and by ``flush_deferred`` (the agent
-# calls it before it takes a step's rows). Not yet measured on a GPU: off by default ($FP8MON_DETACH_MERGE=1: on).
-DETACH_MERGE = os.environ.get("FP8MON_DETACH_MERGE", "0") == "1"
-_side: dict = {}  # device index -> side stream
-_apart: dict = {}  # device index -> what the merges in flight read (kept alive until the join); "cpu": the merges
-
-
-def _merge_apart(device: torch.device, alive: tuple, launch) -> None:
-    if device.type != "cuda":  # no streams (the interpreter): the merge runs at the join, after the cast, as late
-        _apart.setdefault("cpu", []).append((launch, alive))  # as a side stream may run it
-        return
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    side = _side.get(key)
-    if side is None:
-        side = _side[key] = torch.cuda.Stream(device=key)
-    side.wait_stream(torch.cuda.current_stream(key))
-    with torch.cuda.stream(side):
-        launch()
-    _apart.setdefault(key, []).append(alive)
-
-
-def join_merges(device: torch.device | None = None) -> None:
-    """Order the detached merges in flight (on ``device``, or every device) before what the current stream does
-    next: their rows are final for it."""
-    if device is None:
-        keys = list(_apart)
-    elif device.type != "cuda":
-        keys = ["cpu"]
-    else:
-        keys = [device.index if device.index is not None else torch.cuda.current_device()]
-    for key in keys:
-        pending, _apart[key] = _apart.get(key), []
-        if not pending:
-            continue
-        if key == "cpu":
-            for launch, _alive in pending:
-                launch()
-        else:
-            torch.cuda.current_stream(key).wait_stream(_side[key])
+    del keep
 
 
 class _Staging:
@@ -1420,28 +1324,20 @@ _deferred_lock = threading.Lock()
 MAX_DEFERRED = 8  # tensors waiting at most (they are kept alive until their launch): then a launch of their own
 
 
-def _launch_items(items: list, device, detach_first: bool = False) -> torch.Tensor | None:
+def _launch_items(items: list, device) -> None:
     """(tensor, Target, fmt, amax_out) items, each row into its target with the current scaling of ``fmt``
     (the cast's, with x's amax into ``amax_out``, where that is not None: ``cast_row``): one launch per
-    histogram setting, outlier k and row buffer (launch-wide), in one launch the usual case. ``detach_first``: the
-    first item's row is merged apart (``DETACH_MERGE``); then its programs' amaxes are returned (fp64, a view of
-    the partials) instead of written to its ``amax_out``."""
+    histogram setting, outlier k and row buffer (launch-wide), in one launch the usual case."""
     groups: dict = {}
     for item in items:
         t = item[1]
         groups.setdefault((bool(t.hist), float(t.outlier_k), t.rows.data_ptr()), []).append(item)
-    amaxes = None
     for (hist, k, _), group in groups.items():
         ts_ = [t for _, t, _, _ in group]
-        detach = [detach_first and item is items[0] for item in group]
-        part, spans = _launch([x for x, _, _, _ in group], [f for _, _, f, _ in group], [None] * len(group),
-                              [t.center for t in ts_], k, [t.amax_history_max for t in ts_], hist, ts_[0].rows,
-                              [int(t.index) for t in ts_], [bool(t.merge) for t in ts_], device,
-                              aouts=[a for _, _, _, a in group], detach=detach)
-        if any(detach):
-            first, nwork = spans[detach.index(True)]
-            amaxes = part[_P_AMAX_ROW, first: first + nwork]
-    return amaxes
+        _launch([x for x, _, _, _ in group], [f for _, _, f, _ in group], [None] * len(group),
+                [t.center for t in ts_], k, [t.amax_history_max for t in ts_], hist, ts_[0].rows,
+                [int(t.index) for t in ts_], [bool(t.merge) for t in ts_], device,
+                aouts=[a for _, _, _, a in group])
 
 
 def defer(x: torch.Tensor, target: "Target") -> None:
@@ -1471,30 +1367,24 @@ def _take_deferred(device: torch.device) -> list:
 
 
 def flush_deferred() -> None:
-    """Write every deferred row now (``defer``), and order the detached merges before what follows (``join_merges``):
-    every row is then final for the current stream."""
+    """Write every deferred row now (``defer``)."""
     if not any(_deferred.values()):
-        join_merges()
         return
     with _deferred_lock:
         pending = [items for items in _deferred.values() if items]
         _deferred.clear()
     for items in pending:
         _launch_items(items, items[0][0].device)
-    join_merges()
 
 
-def cast_row(x: torch.Tensor, fmt, target: "Target", amax_out: torch.Tensor) -> torch.Tensor | None:
+def cast_row(x: torch.Tensor, fmt, target: "Target", amax_out: torch.Tensor) -> None:
     """The statistics of x, about to be cast with current scaling, into ``target``'s row, by the standalone
     kernel in place of the cast's amax pass (it reads x once, as that pass does): x's finite amax goes into
     ``amax_out`` (fp32 on x's device, at least one element) for the cast, the row's scale is the one that cast
     computes from it (quantize's ``_scale_from_amax``), overflow is 0 (exact under that scale), and underflow is left
     at 0 for the cast, which counts it at that scale and adds it to the row (``quantize_transpose``'s ``COUNT``).
-    The rows deferred on x's device (``defer``) are written by the same launch. With ``DETACH_MERGE`` the row is
-    merged apart, nothing is written to ``amax_out``, and the per-program amaxes (fp64 on x's device) are returned:
-    the cast reduces them itself."""
-    return _launch_items([(x, target, by_name(fmt).name, amax_out)] + _take_deferred(x.device), x.device,
-                         detach_first=DETACH_MERGE)
+    The rows deferred on x's device (``defer``) are written by the same launch."""
+    _launch_items([(x, target, by_name(fmt).name, amax_out)] + _take_deferred(x.device), x.device)
 
 
 @dataclass

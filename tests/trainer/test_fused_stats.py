@@ -37,23 +37,19 @@ def _child(names: list[str]) -> None:
     def kernels(delayed):
         """(name, function) of the fused kernels; quantize_transpose under current scaling once per way its row is
         made (``CURRENT_STATS``: the standalone kernel in place of the amax pass, or the cast's statistics variant)."""
-        def with_mode(mode, detach=False):
+        def with_mode(mode):
             def fn(*args, **kw):
                 old, qt_module.CURRENT_STATS = qt_module.CURRENT_STATS, mode
-                old_detach, ts.DETACH_MERGE = ts.DETACH_MERGE, detach
                 try:
-                    r = quantize_transpose(*args, **kw)
-                    ts.join_merges()  # a detached row is final once joined (the merge runs after the cast here)
-                    return r
+                    return quantize_transpose(*args, **kw)
                 finally:
-                    qt_module.CURRENT_STATS, ts.DETACH_MERGE = old, old_detach
+                    qt_module.CURRENT_STATS = old
             return fn
 
         yield "quantize", quantize
         yield "quantize_transpose", with_mode("row")
         if not delayed:
             yield "quantize_transpose_cast", with_mode("cast")
-            yield "quantize_transpose_detached", with_mode("row", detach=True)
 
     torch.set_num_threads(1)
 
@@ -77,7 +73,6 @@ def _child(names: list[str]) -> None:
                     for kernel, fn in kernels(delayed):
                         acc = lambda: torch.zeros(()) if delayed else None  # noqa: E731
                         tgt = ts.Target.new("cpu", center=center, amax_history_max=torch.tensor(1.5) if delayed else None)
-                        tgt.rows.fill_(float("nan"))  # a row not merged into is overwritten, whatever it held
                         r = fn(x, fmt, scale=scale, accum=acc(), stats=tgt)
                         plain = fn(x, fmt, scale=scale, accum=acc())
                         name = f"fused_kernels:{kernel}:{m}x{n}:{fmt}:delayed={delayed}"
@@ -148,16 +143,15 @@ def _child(names: list[str]) -> None:
         agent.close()
         return layers
 
-    def fp8_linear_agent(output_stats: str = "epilogue", detach: bool = False):
-        # output_stats: how Fp8Linear takes the output row (its GEMM's epilogue, or a read of the result); detach:
-        # the casts' rows merged apart (ts.DETACH_MERGE); the agent's rows must be the hooks' rows either way
+    def fp8_linear_agent(output_stats: str = "epilogue"):
+        # output_stats: how Fp8Linear takes the output row (its GEMM's epilogue, or a read of the result); the
+        # agent's rows must be the hooks' rows either way
         sys.path.insert(0, str(ROOT / "bench"))
         from stats_check import agent_rows
         from trainer import fp8_linear
         from trainer.fp8_linear import Fp8Linear
 
-        name = "fp8_linear_agent" + ("" if output_stats == "epilogue" else f"_{output_stats}") + \
-            ("_detached" if detach else "")
+        name = "fp8_linear_agent" + ("" if output_stats == "epilogue" else f"_{output_stats}")
 
         torch.manual_seed(4)
         model = torch.nn.Sequential(Fp8Linear(32, 64), torch.nn.GELU(), Fp8Linear(64, 32))
@@ -173,7 +167,6 @@ def _child(names: list[str]) -> None:
 
         real, fused_calls = kernels.fp8_gemm, []
         real_defer, deferred, real_launch, launches = ts.defer, [], ts._launch, []
-        real_merge, merges = ts._merge_kernel, []
 
         def spy(*args, stats=None, **kw):  # which GEMMs carried the statistics epilogue
             fused_calls.append(stats is not None)
@@ -187,23 +180,15 @@ def _child(names: list[str]) -> None:
             launches.append(len(tensors))
             return real_launch(tensors, *args, **kw)
 
-        class MergeSpy:  # the detached merges (``ts._merge_kernel[grid](...)``)
-            def __getitem__(self, grid):
-                merges.append(grid)
-                return real_merge[grid]
-
         policy, fp8_linear.OUTPUT_STATS, kernels.fp8_gemm = fp8_linear.OUTPUT_STATS, output_stats, spy
-        ts.defer, ts._launch, ts._merge_kernel, ts.DETACH_MERGE = defer_spy, launch_spy, MergeSpy(), detach
+        ts.defer, ts._launch = defer_spy, launch_spy
         try:
             got, keys = agent_rows(model, make, 2, "cpu", fused=True, stats_backend="triton")
         finally:
             fp8_linear.OUTPUT_STATS, kernels.fp8_gemm = policy, real
-            ts.defer, ts._launch, ts._merge_kernel, ts.DETACH_MERGE = real_defer, real_launch, real_merge, False
+            ts.defer, ts._launch = real_defer, real_launch
         problem = "" if any(fused_calls) == (output_stats == "epilogue") else \
             f"statistics epilogues in {sum(fused_calls)} of {len(fused_calls)} GEMMs with OUTPUT_STATS={output_stats}"
-        # 2 steps x 2 micro-batches x 2 layers x (input, grad_output), and each layer's weight once per step
-        if detach and len(merges) != 20:
-            problem += f" {len(merges)} detached merges, not 20"
         if output_stats == "deferred":
             # 2 steps x 2 micro-batches x 2 layers: each output joins a cast's launch (no launch of one tensor for it)
             if len(deferred) != 8 or sum(n > 1 for n in launches) < 8 or any(ts._deferred.values()):
@@ -271,9 +256,7 @@ def _child(names: list[str]) -> None:
 
     checks = dict(fused_kernels=fused_kernels, fused_fast_path=fused_fast_path, fused_merge=fused_merge, fp8_linear_agent=fp8_linear_agent,
                   fp8_linear_agent_read=lambda: fp8_linear_agent("read"),
-                  fp8_linear_agent_deferred=lambda: fp8_linear_agent("deferred"),
-                  fp8_linear_agent_deferred_detached=lambda: fp8_linear_agent("deferred", detach=True),
-                  gemm_stats_fallback=gemm_stats_fallback)
+                  fp8_linear_agent_deferred=lambda: fp8_linear_agent("deferred"), gemm_stats_fallback=gemm_stats_fallback)
     for name in names or checks:
         try:
             checks[name]()
@@ -285,7 +268,8 @@ def _child(names: list[str]) -> None:
 
 
 GROUPS = ["fused_kernels", "fused_fast_path", "fused_merge", "fp8_linear_agent", "fp8_linear_agent_read",
-          "fp8_linear_agent_deferred", "fp8_linear_agent_deferred_detached", "gemm_stats_fallback"]
+          "fp8_linear_agent_deferred",
+          "gemm_stats_fallback"]
 
 
 @pytest.fixture(scope="module")

@@ -305,13 +305,11 @@ def quantize_transpose(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tenso
     if CURRENT_STATS not in ("row", "cast"):
         raise ValueError(f"quantize_transpose.CURRENT_STATS must be 'row' or 'cast', not {CURRENT_STATS!r}")
     if stats is not None and scale is None and CURRENT_STATS == "row":
-        # x's amax into meta[0], read back as the cast's one partial (program (0, 0) stores meta[0] = amax again
-        # while the others read it: the same bits); or, with the row merged apart, the statistics programs' amaxes
-        amaxes = ts.cast_row(x, fmt, stats, meta)
-        part, n_part = (meta, 1) if amaxes is None else (amaxes, amaxes.numel())
-        _quantize_transpose_kernel[grid](x, q_arg, qt_arg, part, n_part, meta, meta, meta, M, N, x.stride(0),
-                                         stats.rows, int(stats.index), CURRENT=True, P_BLOCK=next_power_of_2(n_part),
-                                         COUNT=True, UTHR=float(fmt.underflow_threshold), **common)
+        ts.cast_row(x, fmt, stats, meta)  # x's amax into meta[0], read back as the cast's one partial
+        # (program (0, 0) stores meta[0] = amax again while the others read it: the same bits)
+        _quantize_transpose_kernel[grid](x, q_arg, qt_arg, meta, 1, meta, meta, meta, M, N, x.stride(0),
+                                         stats.rows, int(stats.index), CURRENT=True, P_BLOCK=1, COUNT=True,
+                                         UTHR=float(fmt.underflow_threshold), **common)
         return Quantized(q, qt, meta)
     if stats is not None:
         programs = stats_programs(grid[0] * grid[1], dev)
