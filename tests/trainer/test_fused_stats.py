@@ -73,6 +73,7 @@ def _child(names: list[str]) -> None:
                     for kernel, fn in kernels(delayed):
                         acc = lambda: torch.zeros(()) if delayed else None  # noqa: E731
                         tgt = ts.Target.new("cpu", center=center, amax_history_max=torch.tensor(1.5) if delayed else None)
+                        tgt.rows.fill_(float("nan"))  # a row not merged into is overwritten, whatever it held
                         r = fn(x, fmt, scale=scale, accum=acc(), stats=tgt)
                         plain = fn(x, fmt, scale=scale, accum=acc())
                         name = f"fused_kernels:{kernel}:{m}x{n}:{fmt}:delayed={delayed}"
