@@ -1239,8 +1239,8 @@ class _Staging:
         self.lock = threading.Lock()
         # Under CUDA-graph capture a copy is a graph node that re-reads its host source at every replay, so the
         # source must keep its bytes for the process's life: a pinned arena whose words are handed out once,
-        # never reused. It is allocated with the first (eager) copy, since a pinned allocation is not allowed while
-        # a stream captures; eager warm-up steps always precede a capture.
+        # never reused (graphs freed later do not return their words). It is allocated with the first (eager) copy,
+        # so that no pinned allocation happens while a stream captures; eager warm-up steps precede a capture.
         self.arena: torch.Tensor | None = None
         self.arena_used = 0
 
