@@ -317,9 +317,7 @@ class Agent:
         record = StepRecord(self.reporting, self.hist_now)
         before = self._buffers()
         yield record
-        ts.flush_deferred()
-        self._release_waiting()
-        self._observe_after()
+        self._launch_pending()
         record.written = frozenset(self._pack.written) if self.reporting else frozenset()
         record.seen = frozenset(self._seen)
         record.history_seen = self._history is not None and self._history.seen
@@ -377,10 +375,15 @@ class Agent:
         for hooks in self._layers:
             hooks.install() if want else hooks.remove()
 
-    def _end(self, step: int, values: dict) -> None:
-        ts.flush_deferred()  # rows a layer's kernels left for a later launch (triton_stats.defer)
+    def _launch_pending(self) -> None:
+        """Launch what the step left waiting for a later statistics launch: rows a layer's kernels deferred
+        (``triton_stats.defer``), a grad_output waiting for its grad_weight, grad_weights waiting for their pass's end."""
+        ts.flush_deferred()
         self._release_waiting()
         self._observe_after()
+
+    def _end(self, step: int, values: dict) -> None:
+        self._launch_pending()
         rows = None
         if self._pack.open:
             if self.reduce:

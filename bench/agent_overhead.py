@@ -63,8 +63,11 @@ def measure(config: str, precision: str, args, device: torch.device, url: str) -
     if args.cuda_graph:
         tensor_lr(optimizer, device)  # capturable
 
-    def step(agent, graphs=None):
-        loss = graphs() if graphs is not None else optimizer_step(model, optimizer, params, precision, x, y)
+    def plain():
+        return optimizer_step(model, optimizer, params, precision, x, y)
+
+    def step(agent, run=plain):  # run: plain, or its StepGraphs (--cuda-graph)
+        loss = run()
         if agent is not None:
             agent.log(step_no[0], loss=loss.detach())
         step_no[0] += 1
@@ -80,25 +83,23 @@ def measure(config: str, precision: str, args, device: torch.device, url: str) -
                           sites=sites.split("+") if sites else SITES,
                           hist=args.hist, hist_every=args.hist_every).watch(model)
             agent.step(step_no[0])
-        graphs = None
-        if args.cuda_graph:  # a step of each kind eagerly, then captured: both within the warm-up
-            graphs = StepGraphs(lambda: optimizer_step(model, optimizer, params, precision, x, y), agent=agent,
-                                warmup=1)
+        # --cuda-graph: a step of each kind eagerly, then captured, both within the warm-up
+        run = StepGraphs(plain, agent=agent, warmup=1) if args.cuda_graph else plain
         # with the agent on, the warm-up takes in a histogram step (its kernels compile then, not in the timing)
         hist_steps = (2 if args.cuda_graph else 1) * args.hist_every if backend is not None and args.hist else 0
         for _ in range(args.warmup + hist_steps):
-            step(agent, graphs)
+            step(agent, run)
         sync()
         times, host = [], []
         with timed():
             for _ in range(args.steps):
                 t0 = time.perf_counter()
-                step(agent, graphs)
+                step(agent, run)
                 host.append(time.perf_counter() - t0)  # until the step's Python returns: its launches are queued
                 sync()
                 times.append(time.perf_counter() - t0)
-        info = {"times": times, "host": host, "graphs": graphs.captured if graphs is not None else 0}
-        del graphs
+        info = {"times": times, "host": host, "graphs": run.captured if run is not plain else 0}
+        del run  # a phase's graphs and their memory pool go with it
         if agent is not None:
             info["linears"] = len(agent._layers)
             info["delivered"] = agent.close(timeout=120)
