@@ -139,6 +139,10 @@ if triton is not None:
         def __ne__(self, other):
             return self.value != (other.value if isinstance(other, tl.constexpr) else other)
 
+    # the sum of a row of the shared histogram table (32 lanes' uint32 cells from address $1) into $0
+    _HTAB_ROW_SUM = Const("{.reg .b32 a, b, c, d; mov.u32 $0, 0;" + "".join(
+        f" ld.shared.v4.u32 {{a, b, c, d}}, [$1+{16 * i}]; add.u32 $0, $0, a; add.u32 $0, $0, b;"
+        f" add.u32 $0, $0, c; add.u32 $0, $0, d;" for i in range(8)) + "}")
     _LO = Const(LOG2_HIST_LO)
     _NB = Const(LOG2_HIST_BINS)
     _BIN_ZERO = Const(LOG2_HIST_BINS)  # 56
@@ -151,6 +155,9 @@ if triton is not None:
     # multi-operand reductions (one round through shared memory for many fields) on hardware only: the
     # interpreter runs a reduction with a combine function as a Python call per element
     _JOINT = Const(not INTERPRET)
+    # the histogram in a shared-memory table (``_htab``) on hardware; FP8MON_STATS_HIST=ballot keeps tl.histogram
+    # (benches compare the two)
+    _SMEM_HIST = Const(not INTERPRET and os.environ.get("FP8MON_STATS_HIST", "smem") != "ballot")
     _CTRW = Const(CTRW)
     _TABW = Const(TABW)
     _WIDTH = Const(ds.WIDTH)
@@ -273,9 +280,53 @@ if triton is not None:
         else:
             return tl.histogram(bins, 64)
 
+    # ---- the log2 histogram in shared memory (hardware only) ---------------------------------------
+    # ``tl.histogram`` lowers to a warp ballot per bit of the bin index (6 for 64 bins) and two popcounts per
+    # lane, ~22 instructions per element, and a round through shared memory with barriers per call. Here each
+    # lane adds 1 to its own cell (exponent, lane) of a [256, 32] uint32 table (32 KiB of static shared memory, and
+    # a row 256 where a partial tile's masked lanes count):
+    # the cell's offset is the fp32 exponent field itself, masked in place (e * 128 = bits >> 16 & 0x7F80), so an
+    # element costs a shift, a logic op and a shared-memory atomic (``red.shared.add``), and the lanes of a warp
+    # always hit 32 different banks. The table folds into the 64 bins once per program (``_htab_bins``).
+    # The interpreter has no inline PTX: there, ``ht`` is None and ``tl.histogram`` counts.
+
+    @triton.jit
+    def _htab():
+        """This program's table, zeroed, as its lane's cell address (shared window) for exponent 0. Declared once
+        per kernel: a second call site is a ptxas error (a duplicate definition), not a second table."""
+        base = tl.inline_asm_elementwise(".shared .align 16 .b32 fp8mon_htab[8224]; mov.u32 $0, fp8mon_htab;",
+                                         "=r", [], dtype=tl.int32, is_pure=True, pack=1)
+        q = tl.arange(0, 2048)
+        tl.inline_asm_elementwise("{.reg .b32 z; mov.b32 z, 0; st.shared.v4.b32 [$1], {z, z, z, z};} mov.u32 $0, 0;",
+                                  "=r,r", [base + q * 16], dtype=tl.int32, is_pure=False, pack=1)
+        tl.debug_barrier()
+        lane = tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
+        return base + lane * 4
+
+    @triton.jit
+    def _htab_add(ht, e128):
+        """One count in the lane's cell of exponent ``e128 / 128`` (``e128``: the exponent field at bits 7-14)."""
+        tl.inline_asm_elementwise("red.shared.add.u32 [$1], 1; mov.u32 $0, 0;", "=r,r", [ht + e128], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+    @triton.jit
+    def _htab_bins(ht, zeros):
+        """The table as the 64 bins of ``_bins`` (int32), after every lane's adds: per exponent the 32 lanes'
+        cells summed, then exponents folded into binades LO..HI-1 (clamped), non-finite (255) into bin 57. Zeros
+        share exponent 0 with the subnormals: ``zeros`` moves from bin 0 to bin 56."""
+        tl.debug_barrier()
+        e = tl.arange(0, 256)
+        lane0 = ht - (ht & 127)  # the cell of lane 0 (the table is 16-byte aligned and rows are 128 bytes)
+        per_e = tl.inline_asm_elementwise(_HTAB_ROW_SUM, "=r,r", [lane0 + e * 128], dtype=tl.int32, is_pure=False,
+                                          pack=1)
+        b = tl.where(e == 255, _BIN_NONFIN, tl.minimum(tl.maximum(e - (127 + _LO), 0), _NB - 1))
+        j = tl.arange(0, 64)
+        hist = tl.sum(tl.where(b[None, :] == j[:, None], per_e[None, :], 0), 1)
+        return hist + tl.where(j == _BIN_ZERO, zeros, 0) - tl.where(j == 0, zeros, 0)
+
     @triton.jit
     def _tile_fast(x, mask, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, amax, cu, co, cout, cz, hist,
-                   HIST: tl.constexpr, HAS_MASK: tl.constexpr, RED: tl.constexpr = False):
+                   HIST: tl.constexpr, HAS_MASK: tl.constexpr, RED: tl.constexpr = False, ht=None):
         """Fast path (no NaN/Inf expected): fp32 power sums of the scaled shifted values per lane, counts
         as integer compares of |x|'s bits. ``cu``, ``co`` and ``cz`` hold *minus* the counts of |x| above the
         underflow threshold, above the overflow threshold and of zeros (``_fast_result`` turns them into
@@ -293,16 +344,20 @@ if triton is not None:
         if HAS_MASK:
             d = tl.where(mask, d, 0.0)
             cout += _red((((x > hi) | (x < lo)) & mask).to(tl.int32), RED)
-            if HIST:
+            if HIST and ht is None:
                 hist += _hist(tl.where(mask, _bins(bits), _BIN_DUMP), RED)
             else:
                 cz -= _red(((bits == 0) & mask).to(tl.int32), RED)
+                if HIST:  # a masked lane counts in the dump row (exponent 256 is past the table: 255 * 128)
+                    _htab_add(ht, tl.where(mask, (bits >> 16) & 0x7F80, 0x7F80 + 128))
         else:
             cout += _red(((x > hi) | (x < lo)).to(tl.int32), RED)
-            if HIST:
+            if HIST and ht is None:
                 hist += _hist(_bins(bits), RED)
             else:
                 cz += _red((bits - 1) >> 31, RED)
+                if HIST:
+                    _htab_add(ht, (bits >> 16) & 0x7F80)
         d2 = d * d
         s1 += _red(d, RED)
         s2 += _red(d2, RED)
@@ -368,7 +423,7 @@ if triton is not None:
         return a1 + b1, a2 + b2, a3 + b3, a4 + b4, tl.maximum(am, bm), i1 + j1, i2 + j2, i3 + j3, i4 + j4
 
     @triton.jit
-    def _fast_result(n, c, p, tu, to, s1, s2, s3, s4, amax, cu, co, cout, cz, hist, HIST: tl.constexpr):
+    def _fast_result(n, c, p, tu, to, s1, s2, s3, s4, amax, cu, co, cout, cz, hist, HIST: tl.constexpr, ht=None):
         """Per-program partial of the fast path, and whether it is valid (else: careful path). One reduction of
         all nine accumulators (one round through shared memory, not nine)."""
         if _JOINT:
@@ -379,6 +434,8 @@ if triton is not None:
             S1, S2 = tl.sum(s1.to(tl.float64), 0), tl.sum(s2.to(tl.float64), 0)
             S3, S4 = tl.sum(s3.to(tl.float64), 0), tl.sum(s4.to(tl.float64), 0)
             am, cu, co, cout, cz = tl.max(amax, 0), tl.sum(cu, 0), tl.sum(co, 0), tl.sum(cout, 0), tl.sum(cz, 0)
+        if HIST and ht is not None:
+            hist = _htab_bins(ht, -cz)
         nf = n.to(tl.float64)
         finite = (tl.abs(S1) < float("inf")) & (S2 < float("inf")) & (tl.abs(S3) < float("inf")) & \
             (S4 < float("inf")) & (am < float("inf"))
@@ -392,7 +449,7 @@ if triton is not None:
         m2 = m2 * ip2
         m3 = m3 * (ip2 * ip)
         m4 = m4 * (ip2 * ip2)
-        if HIST:
+        if HIST and ht is None:
             zeros = tl.sum(tl.where(tl.arange(0, 64) == _BIN_ZERO, hist, 0), 0)
         else:
             zeros = -cz
@@ -783,9 +840,13 @@ if triton is not None:
         return (m.to(tl.uint32, bitcast=True) >> 15).to(tl.int32, bitcast=True)
 
     @triton.jit
-    def _tile_bf16x2(w, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw, pu, pnz, pout):
+    def _tile_bf16x2(w, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw, pu, pnz, pout, ht=None):
         """One [R, 4] tile of words. ``pu``/``pnz``/``pout``: per-half counts of |x| above the underflow
-        threshold, of nonzeros and of outliers; ``amw`` the per-half amax bits (words)."""
+        threshold, of nonzeros and of outliers; ``amw`` the per-half amax bits (words); with a histogram table
+        ``ht``, both halves' exponents counted in it."""
+        if ht is not None:
+            _htab_add(ht, w & 0x7F80)
+            _htab_add(ht, (w >> 16) & 0x7F80)
         amw = _bf16x2_max(amw, w & 0x7FFF7FFF)
         # a column of words at a time, each sum a chain of adds and FMAs: a tree sum over the row (tl.sum) cost a
         # multiply and an add more per element for M3 and M4
@@ -871,7 +932,7 @@ if triton is not None:
 
     @triton.jit
     def _chunk(base, n, s, smode, uthr, othr, lo, hi, tr, HIST: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
-               TRACE: tl.constexpr, PACKED: tl.constexpr = False):
+               TRACE: tl.constexpr, PACKED: tl.constexpr = False, ht=None):
         """Statistics of the ``n`` elements at ``base`` (16-byte aligned). Tiles are [R, V]: a thread holds whole
         rows of V contiguous elements (one 16-byte load), so the per-row sums inside the loop are a thread's own
         adds and the accumulators are [R] (no cross-thread work in the hot loop). The first tiles' loads are
@@ -921,29 +982,29 @@ if triton is not None:
                 for k in range(0, nfull // 2):
                     wn = tl.load(wb + (2 * k + 1) * (TILE // 2) + woffs)
                     s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(w, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw,
-                                                                      pu, pnz, pout)
+                                                                      pu, pnz, pout, ht)
                     w = tl.load(wb + tl.minimum(2 * k + 2, nfull - 1) * (TILE // 2) + woffs)
                     s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(wn, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw,
-                                                                      pu, pnz, pout)
+                                                                      pu, pnz, pout, ht)
                 if nfull % 2 == 1:  # w: the last full tile
                     s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(w, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw,
-                                                                      pu, pnz, pout)
+                                                                      pu, pnz, pout, ht)
                 am, cu, cz, cout = packed_fold(nfull * V, amw, pu, pnz, pout, am, cu, cz, cout)
             else:
                 x = x0
                 for k in range(0, nfull):
                     xn = tl.load(base + tl.minimum(k + 1, nfull - 1) * TILE + offs)
                     s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
-                        x, m0, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, False, True)
+                        x, m0, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, False, True, ht)
                     x = xn.to(tl.float32)
             _stamp(tr, 2, TRACE)
             if nfull < ntiles:
                 mt = nfull * TILE + offs < n
                 x = tl.load(base + nfull * TILE + offs, mask=mt, other=0.0).to(tl.float32)
                 s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
-                    x, mt, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, True, True)
+                    x, mt, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, True, True, ht)
             ok, mean, m2, m3, m4, amax, zeros, under, over, outl, hist = _fast_result(
-                n, c, p, tu, to, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST)
+                n, c, p, tu, to, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, ht)
             if PACKED:  # an element above the overflow threshold: the careful path counts them
                 ok = ok & ((to < 0) | (amax.to(tl.int32, bitcast=True) <= to))
         if not ok:  # NaN/Inf, fp32 overflow of the power sums or a poor shift: two exact fp64 passes
@@ -971,6 +1032,22 @@ if triton is not None:
     @triton.jit
     def _f64(bits):
         return bits.to(tl.float64, bitcast=True)
+
+    @triton.jit
+    def _chunks(addr, start, code, n, s, smode, uthr, othr, lo, hi, tr, HIST: tl.constexpr, R: tl.constexpr,
+                TRACE: tl.constexpr, ht=None):
+        """``_chunk`` of the tensor's dtype (``code``). bf16 goes through its words unless the histogram needs
+        ``tl.histogram`` (no table ``ht``)."""
+        if code == 0:
+            res = _chunk(tl.multiple_of(addr.to(tl.pointer_type(tl.bfloat16)) + start, 16), n, s, smode, uthr, othr,
+                         lo, hi, tr, HIST, R, 8, TRACE, not HIST or ht is not None, ht)
+        elif code == 1:
+            res = _chunk(tl.multiple_of(addr.to(tl.pointer_type(tl.float32)) + start, 16), n, s, smode, uthr, othr,
+                         lo, hi, tr, HIST, R, 4, TRACE, False, ht)
+        else:
+            res = _chunk(tl.multiple_of(addr.to(tl.pointer_type(tl.float16)) + start, 16), n, s, smode, uthr, othr,
+                         lo, hi, tr, HIST, R, 8, TRACE, False, ht)
+        return res
 
     @triton.jit
     def _stats_kernel(tab_ptr, ntab, part_ptr, ctr_ptr, dst_ptr, trace_ptr, HIST: tl.constexpr, R: tl.constexpr,
@@ -1012,15 +1089,10 @@ if triton is not None:
             cstd = tl.load(cp + 1)
         lo, hi = _outlier_bounds(cmean, cstd, _f64(tl.load(row + _T_K)))
         n = (end - start).to(tl.int32)  # <= the chunk; the launcher makes every address 16-byte aligned
-        if code == 0:
-            res = _chunk(tl.multiple_of(addr.to(tl.pointer_type(tl.bfloat16)) + start, 16), n, s, smode, uthr, othr,
-                         lo, hi, tr, HIST, R, 8, TRACE, not HIST)
-        elif code == 1:
-            res = _chunk(tl.multiple_of(addr.to(tl.pointer_type(tl.float32)) + start, 16), n, s, smode, uthr, othr,
-                         lo, hi, tr, HIST, R, 4, TRACE)
+        if HIST and _SMEM_HIST:
+            res = _chunks(addr, start, code, n, s, smode, uthr, othr, lo, hi, tr, HIST, R, TRACE, _htab())
         else:
-            res = _chunk(tl.multiple_of(addr.to(tl.pointer_type(tl.float16)) + start, 16), n, s, smode, uthr, othr,
-                         lo, hi, tr, HIST, R, 8, TRACE)
+            res = _chunks(addr, start, code, n, s, smode, uthr, othr, lo, hi, tr, HIST, R, TRACE)
         nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = res
         _store_partial(part_ptr + w, tl.num_programs(0), end - start, nfin, nonfin, zeros, outl, under, over,
                        amax, mean, m2, m3, m4)

@@ -98,6 +98,11 @@ def adversarial(device) -> dict:
         "first tile zeros then 1000": torch.cat([torch.zeros(8192), r(200_000) + 1000.0]),
         "non-contiguous": r(512, 768).t(),
         "tiny gradients": r(300_000) * 1e-12,
+        # bf16 with the histogram takes the word loop and the shared-memory table: every binade, zeros and
+        # subnormals in one tensor, and a non-finite one (the careful path's histogram)
+        "bf16 every binade": (r(700_001) * torch.exp2(torch.randint(-140, 60, (700_001,), generator=g).float()))
+        .to(torch.bfloat16),
+        "bf16 nan/inf": big.to(torch.bfloat16),
     }
     return {k: v.to(device) for k, v in cases.items()}
 
@@ -136,7 +141,7 @@ def check_standalone(device) -> None:
 
 
 def bf16_pairs(n: int, device) -> tuple[torch.Tensor, list]:
-    """For the bf16 words path (bf16 without the histogram: two elements per word, bf16x2 instructions): a tensor of
+    """For the bf16 words path (two elements per word, bf16x2 instructions; with the histogram on hardware too): a tensor of
     ``n`` elements with zeros of both signs, underflows, values on and just past bf16 outlier bounds, and the
     (center, k, keyword arguments) to try on it: a zero-width center, a scale under which some overflow (counted
     lazily on the careful path), delayed scaling, no format."""
@@ -169,9 +174,10 @@ def check_far_first_partial(device) -> None:
 def check_bf16_pairs(device) -> None:
     x, cases = bf16_pairs(300_001, device)
     for center, k, kw in cases:
-        got = ts.partials(x, center=center, outlier_k=k, hist=False, **kw)
-        want = ds.partials(x, outlier_center=center, outlier_k=k, hist=False, **kw)
-        report(f"standalone bf16 pairs center {center} k {k} {sorted(kw)}", *rows_close(got, want))
+        for hist in (False, True):
+            got = ts.partials(x, center=center, outlier_k=k, hist=hist, **kw)
+            want = ds.partials(x, outlier_center=center, outlier_k=k, hist=hist, **kw)
+            report(f"standalone bf16 pairs center {center} k {k} {sorted(kw)} hist={hist}", *rows_close(got, want))
 
 
 def check_multi(device) -> None:
