@@ -11,8 +11,9 @@ bench/stats_check.py checks this under torch's sync debug mode (rows, fused kern
 Hot loop (standalone kernel): tiles are [ROWS, 16 bytes] (8 bf16/fp16 or 4 fp32 per row); a thread owns
 whole rows, so the loads are 16 bytes wide (the launcher makes every address 16-byte aligned, cloning a
 misaligned view) and the per-row sums are a thread's own adds: the accumulators are [ROWS], nothing
-crosses threads inside the loop. bf16 without the histogram goes through its words instead, two elements
-each (``_tile_bf16x2``: counts, outliers and amax without unpacking). The kernel is launched with a register
+crosses threads inside the loop. bf16 goes through its words instead, two elements each (``_tile_bf16x2``:
+counts, outliers and amax without unpacking; with the histogram, only on hardware, where it is a shared-memory
+table: ``_htab``). The kernel is launched with a register
 cap (``MAXNREG``, ``MAXNREG_FP32``): its cold code (merge, careful path) otherwise drives ptxas to 153-255
 registers, one program per SM.
 
@@ -93,6 +94,9 @@ ROWS = 512  # rows of a [ROWS, 16 bytes] tile: ROWS / (32 * NUM_WARPS) 16-byte l
 # registers, one program (8 warps) per SM. At 128 (2 programs per SM) the bf16 words path ran at 0.71 of copy
 # bandwidth on 256 MiB against 0.58 at 80 (3 programs per SM, cold code spilling); fp32 alone ran best at 80
 # (0.83 against 0.76): a launch of fp32 tensors only takes MAXNREG_FP32 (H200, bench/stats_kernel_time.py).
+# The log2 histogram in a shared-memory table (``_htab``) on hardware; FP8MON_STATS_HIST=ballot keeps tl.histogram
+# (benches compare the two; the interpreter always counts with tl.histogram).
+SMEM_HIST = not INTERPRET and os.environ.get("FP8MON_STATS_HIST", "table") != "ballot"
 MAXNREG = 128
 MAXNREG_FP32 = 80
 P_BLOCK = 512  # partials the finalize step reads at once (2 per lane with 8 warps); more: blocks of this size
@@ -155,9 +159,7 @@ if triton is not None:
     # multi-operand reductions (one round through shared memory for many fields) on hardware only: the
     # interpreter runs a reduction with a combine function as a Python call per element
     _JOINT = Const(not INTERPRET)
-    # the histogram in a shared-memory table (``_htab``) on hardware; FP8MON_STATS_HIST=ballot keeps tl.histogram
-    # (benches compare the two)
-    _SMEM_HIST = Const(not INTERPRET and os.environ.get("FP8MON_STATS_HIST", "smem") != "ballot")
+    _SMEM_HIST = Const(SMEM_HIST)
     _CTRW = Const(CTRW)
     _TABW = Const(TABW)
     _WIDTH = Const(ds.WIDTH)
@@ -769,7 +771,7 @@ if triton is not None:
         ok = (bad == 0) & (c == c) & (tl.abs(c) < float("inf"))
         return c, p, ok
 
-    # ---- bf16 two at a time (the standalone kernel's fast path without the histogram) -------------------
+    # ---- bf16 two at a time (the standalone kernel's fast path; with the histogram only through ``_htab``) ----
     # A 32-bit word holds two bf16: the high half is the fp32 of the odd element with its low 16 bits zero, the low
     # half shifted up is the even one. Counts of |x| above a threshold t take both halves at once: in a half,
     # |x| + (0x7FFF - t) reaches bit 15 exactly when |x| > t, and no carry crosses into the other half. Outliers

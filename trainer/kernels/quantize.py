@@ -53,7 +53,8 @@ from agent import device_stats as ds
 from agent import triton_stats as ts
 from agent.formats import Fp8Format, by_name, current_scale, delayed_scale
 from agent.formats import quantize as _quantize_cast
-from agent.triton_stats import (_careful_result, _fast_result, _shift_of, _tile_careful, _tile_fast, _tile_sum,
+from agent.triton_stats import (_SMEM_HIST, _careful_result, _fast_result, _htab, _shift_of, _tile_careful, _tile_fast,
+                                    _tile_sum,
                                 fused_epilogue, fused_prologue)
 
 MAX_PARTIALS = 1024
@@ -214,6 +215,9 @@ def _quantize_stats_kernel(x_ptr, q_ptr, part_ptr, n_part, scale_ptr, accum_ptr,
     s1, s2, s3, s4, am, cu, co, cout, cz, h = zf, zf, zf, zf, zf, zi, zi, zi, zi, tl.zeros([64], tl.int32)
     ce = zi
     ntiles = tl.cdiv(n, BLOCK)
+    ht = None
+    if HIST and _SMEM_HIST:
+        ht = _htab()
     for t in range(pid, ntiles, nprog):
         offs = t * BLOCK + r
         mask = offs < n
@@ -221,7 +225,7 @@ def _quantize_stats_kernel(x_ptr, q_ptr, part_ptr, n_part, scale_ptr, accum_ptr,
         q = _cast_fp8(x * s, OUT_DTYPE, FMAX, MBITS, EMIN, SOFT_ROUND)
         tl.store(q_ptr + offs, q, mask=mask)
         s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
-            x, mask, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, True)
+            x, mask, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, True, False, ht)
         ce += mask.to(tl.int32)
     if pid == 0:
         if CURRENT:
@@ -230,7 +234,7 @@ def _quantize_stats_kernel(x_ptr, q_ptr, part_ptr, n_part, scale_ptr, accum_ptr,
         tl.store(meta_ptr + 2, tl.math.div_rn(1.0, s))
     nelem = tl.sum(ce, 0)
     ok2, mean, m2, m3, m4, samax, zeros, under, over, outl, hist = _fast_result(
-        nelem, c, p, tu, to, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST)
+        nelem, c, p, tu, to, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, ht)
     nfin = nelem
     nonfin = tl.zeros([], tl.int32)
     if not (ok & ok2):  # NaN/Inf or a poor shift: re-read this program's tiles, carefully

@@ -28,8 +28,8 @@ from agent import device_stats as ds
 from agent.formats import Fp8Format, by_name
 
 from agent import triton_stats as ts
-from agent.triton_stats import (_careful_result, _fast_result, _shift_of, _tile_bf16x2, _tile_careful, _tile_fast,
-                                _tile_sum, fused_epilogue, fused_prologue, packed_fold, packed_setup)
+from agent.triton_stats import (_SMEM_HIST, _careful_result, _fast_result, _htab, _shift_of, _tile_bf16x2, _tile_careful,
+                                _tile_fast, _tile_sum, fused_epilogue, fused_prologue, packed_fold, packed_setup)
 
 from .quantize import (INTERPRET, Quantized, _cast_fp8, cdiv, next_power_of_2, _consts, _current_scale_from_partials,
                        _finite_abs, amax_partials, quantize_ref, stats_consts, stats_programs)
@@ -57,7 +57,8 @@ STATS_STAGES = 1
 # (bench/offline_sass.py: 40 bytes of spill at the register cap, 120 with V = 8; on the H200 1.68x against 1.82x
 # the plain cast for the 1.5B activation, 1.40x against 1.54x for its grad_output).
 _STATS_V = 16
-# The statistics variant's bf16 word loop on full tiles without the histogram (``PACKED``; the kernel's docstring):
+# The statistics variant's bf16 word loop on full tiles (``PACKED``; the kernel's docstring), with the histogram only
+# where it is a shared-memory table (``triton_stats.SMEM_HIST``):
 # 7-9% off every bf16 cast with statistics of the 124M and 1.5B steps on an H200 (bench/qt_stats.py --packed-ab).
 PACKED_STATS = True
 # Where the statistics of a current-scaled cast come from: "row", the standalone statistics kernel in place of the
@@ -171,7 +172,7 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, sca
     the [BM, BN] tile along its rows cost shuffles for every statistic). On an H200 at the shapes of a 1.5B step it
     took 1.1-2.2x the time of the cast without statistics, 1.8-3.6x with the histogram (bench/qt_stats.py --step).
 
-    ``PACKED`` (bf16 x, no histogram): full tiles take the standalone kernel's word loop (``_tile_bf16x2``: two
+    ``PACKED`` (bf16 x; with the histogram, only in its shared-memory table): full tiles take the standalone kernel's word loop (``_tile_bf16x2``: two
     elements per 32-bit word, counts and amax without unpacking them); the overflow count is then checked lazily,
     as there: an amax past the overflow threshold sends the program to the careful path."""
     pid = tl.program_id(0)
@@ -191,6 +192,9 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, sca
     zi = tl.zeros([R], tl.int32)
     s1, s2, s3, s4, am, cu, co, cout, cz, h = zf, zf, zf, zf, zf, zi, zi, zi, zi, tl.zeros([64], tl.int32)
     ce = tl.zeros([], tl.int32)
+    ht = None
+    if HIST and _SMEM_HIST:
+        ht = _htab()
     if PACKED:
         ku, lo2, hi2, amw, pu, pnz, pout = packed_setup(tu, lo, hi, R)
         cw = tl.zeros([], tl.int32)  # full tiles the word loop took
@@ -219,16 +223,16 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, sca
             if PACKED:
                 we, wo = _bf16_words(xr, R, V)
                 s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(we, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw, pu,
-                                                                  pnz, pout)
+                                                                  pnz, pout, ht)
                 s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(wo, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw, pu,
-                                                                  pnz, pout)
+                                                                  pnz, pout, ht)
                 cw += 1
             else:
                 s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
-                    xv, mv, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, False, True)
+                    xv, mv, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, False, True, ht)
         else:
             s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
-                xv, mv, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, True, True)
+                xv, mv, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, True, True, ht)
         ce += tm * tn  # elements in the tile
     if pid == 0:
         if CURRENT:
@@ -239,7 +243,7 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, sca
     if PACKED:
         am, cu, cz, cout = packed_fold(cw * V, amw, pu, pnz, pout, am, cu, cz, cout)
     ok2, mean, m2, m3, m4, samax, zeros, under, over, outl, hist = _fast_result(
-        nelem, c, p, tu, to, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST)
+        nelem, c, p, tu, to, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, ht)
     if PACKED:  # the word loop counted no overflow: any element past the threshold takes the careful path
         ok2 = ok2 & ((to < 0) | (samax.to(tl.int32, bitcast=True) <= to))
     nfin = nelem
@@ -271,7 +275,7 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, sca
 
 def _packed(x: torch.Tensor, stats: "ts.Target") -> bool:
     """Whether the statistics variant takes x's full tiles with the bf16 word loop (``PACKED``)."""
-    return PACKED_STATS and x.dtype == torch.bfloat16 and not stats.hist and _STATS_V == 16
+    return PACKED_STATS and x.dtype == torch.bfloat16 and (not stats.hist or ts.SMEM_HIST) and _STATS_V == 16
 
 
 def _stats_opts() -> dict:
