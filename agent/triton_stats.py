@@ -285,45 +285,55 @@ if triton is not None:
     # ---- the log2 histogram in shared memory (hardware only) ---------------------------------------
     # ``tl.histogram`` lowers to a warp ballot per bit of the bin index (6 for 64 bins) and two popcounts per
     # lane, ~22 instructions per element, and a round through shared memory with barriers per call. Here each
-    # lane adds 1 to its own cell (exponent, lane) of a [256, 32] uint32 table (32 KiB of static shared memory, and
-    # a row 256 where a partial tile's masked lanes count):
-    # the cell's offset is the fp32 exponent field itself, masked in place (e * 128 = bits >> 16 & 0x7F80), so an
-    # element costs a shift, a logic op and a shared-memory atomic (``red.shared.add``), and the lanes of a warp
-    # always hit 32 different banks. The table folds into the 64 bins once per program (``_htab_bins``).
+    # lane adds 1 to its own cell (bin, lane) of a [57, 32] uint32 table in static shared memory (``red.shared.add``;
+    # row 56 is where a partial tile's masked lanes count): the cell's byte offset is the fp32 exponent field masked
+    # in place (e * 128 = bits >> 16 & 0x7F80) and clamped to the binades' rows, so an element costs a shift, a
+    # logic op, two min/max and the atomic, and the lanes of a warp always hit 32 different banks. Zeros land in bin
+    # 0 with the subnormals; ``_htab_bins`` moves their count (taken from the bits anyway) to bin 56. A non-finite
+    # value lands in bin 55, but no fast path keeps one: it sends the program to the careful path, whose histogram
+    # is ``tl.histogram``'s. The table is 8 KiB: a kernel's own shared memory plus it must stay within the 48 KiB
+    # a launch gets without opting in (32 KiB, a row per exponent, did not in quantize_transpose's cast).
     # The interpreter has no inline PTX: there, ``ht`` is None and ``tl.histogram`` counts.
 
     @triton.jit
     def _htab():
-        """This program's table, zeroed, as its lane's cell address (shared window) for exponent 0. Declared once
-        per kernel: a second call site is a ptxas error (a duplicate definition), not a second table."""
-        base = tl.inline_asm_elementwise(".shared .align 16 .b32 fp8mon_htab[8224]; mov.u32 $0, fp8mon_htab;",
+        """This program's table, zeroed, as the address (shared window) of its lane's cell for exponent 0 (bin
+        -87: only clamped offsets are added to it). Declared once per kernel: a second call site is a ptxas error
+        (a duplicate definition), not a second table."""
+        base = tl.inline_asm_elementwise(".shared .align 128 .b32 fp8mon_htab[2048]; mov.u32 $0, fp8mon_htab;",
                                          "=r", [], dtype=tl.int32, is_pure=True, pack=1)
-        q = tl.arange(0, 2048)
+        q = tl.arange(0, 512)
         tl.inline_asm_elementwise("{.reg .b32 z; mov.b32 z, 0; st.shared.v4.b32 [$1], {z, z, z, z};} mov.u32 $0, 0;",
                                   "=r,r", [base + q * 16], dtype=tl.int32, is_pure=False, pack=1)
         tl.debug_barrier()
         lane = tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
-        return base + lane * 4
+        return base + lane * 4 - (127 + _LO) * 128
 
     @triton.jit
     def _htab_add(ht, e128):
-        """One count in the lane's cell of exponent ``e128 / 128`` (``e128``: the exponent field at bits 7-14)."""
-        tl.inline_asm_elementwise("red.shared.add.u32 [$1], 1; mov.u32 $0, 0;", "=r,r", [ht + e128], dtype=tl.int32,
+        """One count in the lane's cell of the binade of exponent field ``e128`` (the exponent at bits 7-14)."""
+        cell = tl.minimum(tl.maximum(e128, (127 + _LO) * 128), (126 + _LO + _NB) * 128)
+        tl.inline_asm_elementwise("red.shared.add.u32 [$1], 1; mov.u32 $0, 0;", "=r,r", [ht + cell], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+    @triton.jit
+    def _htab_dump(ht, mask, e128):
+        """``_htab_add`` where ``mask``, else one count in the dump row."""
+        cell = tl.minimum(tl.maximum(e128, (127 + _LO) * 128), (126 + _LO + _NB) * 128)
+        cell = tl.where(mask, cell, (127 + _LO + _NB) * 128)
+        tl.inline_asm_elementwise("red.shared.add.u32 [$1], 1; mov.u32 $0, 0;", "=r,r", [ht + cell], dtype=tl.int32,
                                   is_pure=False, pack=1)
 
     @triton.jit
     def _htab_bins(ht, zeros):
-        """The table as the 64 bins of ``_bins`` (int32), after every lane's adds: per exponent the 32 lanes'
-        cells summed, then exponents folded into binades LO..HI-1 (clamped), non-finite (255) into bin 57. Zeros
-        share exponent 0 with the subnormals: ``zeros`` moves from bin 0 to bin 56."""
+        """The table as the 64 bins of ``_bins`` (int32), after every lane's adds: each bin's 32 cells summed, and
+        ``zeros`` moved from bin 0 to bin 56."""
         tl.debug_barrier()
-        e = tl.arange(0, 256)
-        lane0 = ht - (ht & 127)  # the cell of lane 0 (the table is 16-byte aligned and rows are 128 bytes)
-        per_e = tl.inline_asm_elementwise(_HTAB_ROW_SUM, "=r,r", [lane0 + e * 128], dtype=tl.int32, is_pure=False,
-                                          pack=1)
-        b = tl.where(e == 255, _BIN_NONFIN, tl.minimum(tl.maximum(e - (127 + _LO), 0), _NB - 1))
         j = tl.arange(0, 64)
-        hist = tl.sum(tl.where(b[None, :] == j[:, None], per_e[None, :], 0), 1)
+        row0 = ht - (ht & 127) + (127 + _LO) * 128  # lane 0's cell of bin 0 (128-byte rows, 128-byte aligned)
+        per_bin = tl.inline_asm_elementwise(_HTAB_ROW_SUM, "=r,r", [row0 + tl.minimum(j, _NB - 1) * 128],
+                                            dtype=tl.int32, is_pure=False, pack=1)
+        hist = tl.where(j < _NB, per_bin, 0)
         return hist + tl.where(j == _BIN_ZERO, zeros, 0) - tl.where(j == 0, zeros, 0)
 
     @triton.jit
@@ -350,8 +360,8 @@ if triton is not None:
                 hist += _hist(tl.where(mask, _bins(bits), _BIN_DUMP), RED)
             else:
                 cz -= _red(((bits == 0) & mask).to(tl.int32), RED)
-                if HIST:  # a masked lane counts in the dump row (exponent 256 is past the table: 255 * 128)
-                    _htab_add(ht, tl.where(mask, (bits >> 16) & 0x7F80, 0x7F80 + 128))
+                if HIST:
+                    _htab_dump(ht, mask, (bits >> 16) & 0x7F80)
         else:
             cout += _red(((x > hi) | (x < lo)).to(tl.int32), RED)
             if HIST and ht is None:
