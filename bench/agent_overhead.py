@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import os
 import statistics
 import subprocess
 import sys
@@ -191,7 +192,8 @@ def _warm(phase, backend, args) -> None:
 def device_profile(phase, device, args) -> dict:
     """``--profile device``: per phase (off, on), the kernels' device time per step (torch.profiler, CUDA
     activity only, over the phase's ``--steps`` timed steps: with the histogram on every 10th step, ``--steps 10``
-    holds one, the amortized share), in all and for the 12 costliest kernels. (On a CPU, the operators' own CPU
+    holds one, the amortized share), in all and for the 12 costliest kernels. With FP8MON_PROFILE_TRACE=DIR, each
+    phase's Chrome trace goes to DIR/off.json and DIR/triton.json. (On a CPU, the operators' own CPU
     time: only to try the bench.)"""
     from torch.profiler import ProfilerActivity, profile as tprofile
 
@@ -208,6 +210,8 @@ def device_profile(phase, device, args) -> dict:
 
         info = phase(backend, timed)
         prof = profiles[0]
+        if os.environ.get("FP8MON_PROFILE_TRACE"):  # a directory: the profiled steps' Chrome trace per phase
+            prof.export_chrome_trace(str(Path(os.environ["FP8MON_PROFILE_TRACE"]) / f"{backend or 'off'}.json"))
         n = len(info["times"])
         rows = [(e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total) / n / 1e3, e.count / n)
                 for e in prof.key_averages()]
