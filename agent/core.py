@@ -307,6 +307,7 @@ class Agent:
 
             with torch.cuda.graph(g), agent.capture() as record:
                 train_step()               # reads static inputs only
+            triton_stats.captured_copies_done()  # the captured launches' tables: on the device before a replay
             g.replay(); agent.replayed(record); agent.log(step, loss=static_loss)
 
         The hooks and the layers' fused kernels run at capture, so the graph holds the statistics launches of a

@@ -1321,11 +1321,18 @@ class _Staging:
         self.bufs: list[list] = []  # [pinned tensor, event or None]
         self.next = 0
         self.lock = threading.Lock()
-        # Under CUDA-graph capture a copy is a graph node that re-reads its host source at every replay, so the
-        # source must keep its bytes for the process's life: a pinned arena whose words are handed out once,
-        # never reused (graphs freed later do not return their words). It is allocated with the first (eager) copy,
-        # so that no pinned allocation happens while a stream captures; eager warm-up steps precede a capture.
+        # Under CUDA-graph capture a table is the same at every replay, so it goes to the device once, outside the
+        # graph: into a device arena whose words are handed out once and never reused (graphs freed later do not
+        # return their words), by a copy on a side stream that the capture does not follow. A copy captured into
+        # the graph was a node per launch, re-reading its pinned source at every replay: at 1.5B 193 nodes, 0.23
+        # ms of copies and idle gaps between them and the kernels (H200). The arenas (pinned source, device
+        # words) and the stream are made with the first (eager) copy: nothing is allocated while a stream
+        # captures, and eager warm-up steps precede a capture. ``captured_copies_done`` waits for the side copies;
+        # a captured launch's graph must not replay before it (``StepGraphs`` calls it after each capture).
         self.arena: torch.Tensor | None = None
+        self.dev_arena: torch.Tensor | None = None
+        self.side: torch.cuda.Stream | None = None
+        self.side_event: torch.cuda.Event | None = None
         self.arena_used = 0
 
     def put(self, data: bytes | bytearray) -> torch.Tensor:
@@ -1336,6 +1343,10 @@ class _Staging:
         with self.lock:
             if self.arena is None:
                 self.arena = torch.empty(CAPTURE_STAGING_WORDS, dtype=torch.int64, pin_memory=True)
+                if CAPTURED_TABLES == "side":
+                    self.dev_arena = torch.empty(CAPTURE_STAGING_WORDS, dtype=torch.int64, device=self.device)
+                    self.side = torch.cuda.Stream(self.device)
+                    self.side_event = torch.cuda.Event()
             slot = None
             for j in range(len(self.bufs)):
                 i = (self.next + j) % len(self.bufs)
@@ -1364,18 +1375,39 @@ class _Staging:
                        "not allocated: run the step eagerly once before capturing it")
                     + "; raise triton_stats.CAPTURE_STAGING_WORDS before the first launch")
             host = self.arena[self.arena_used: self.arena_used + n]
+            words = slice(self.arena_used, self.arena_used + n)
             self.arena_used += n
-        host.numpy()[:] = np.frombuffer(data, dtype="<i8")
-        dev = torch.empty(n, dtype=torch.int64, device=self.device)
-        dev.copy_(host, non_blocking=True)
-        return dev
+            host.numpy()[:] = np.frombuffer(data, dtype="<i8")
+            if self.dev_arena is None:  # CAPTURED_TABLES = "graph": the copy is a node of the graph
+                dev = torch.empty(n, dtype=torch.int64, device=self.device)
+                dev.copy_(host, non_blocking=True)
+                return dev
+            dev = self.dev_arena[words]
+            with torch.cuda.stream(self.side):
+                dev.copy_(host, non_blocking=True)
+                self.side_event.record()
+            return dev
+
+    def copies_done(self) -> None:
+        if self.side_event is not None:
+            self.side_event.synchronize()
 
 
-# Pinned int64 words per device for the tables of launches captured into CUDA graphs (``_Staging``): a launch of
-# T tensors takes 20*T words (``_ROW``); 4 MiB holds ~26k tensors' launches, far more than a few graphs of a whole
-# step.
+# Pinned and device int64 words per device for the tables of launches captured into CUDA graphs (``_Staging``): a
+# launch of T tensors takes 20*T words (``_ROW``); 4 MiB holds ~26k tensors' launches, far more than a few graphs
+# of a whole step.
 CAPTURE_STAGING_WORDS = 1 << 19
+# How a captured launch's table reaches the device: "side", once, by a copy outside the graph (``_Staging``);
+# "graph", by a copy node in the graph at every replay (as before; FP8MON_CAPTURED_TABLES=graph, for benches).
+CAPTURED_TABLES = os.environ.get("FP8MON_CAPTURED_TABLES", "side")
 _staging: dict = {}
+
+
+def captured_copies_done() -> None:
+    """Wait for the copies of the tables of launches captured so far (``_Staging``): call it after a capture,
+    before its graph first replays. Not while a stream captures."""
+    for st in list(_staging.values()):
+        st.copies_done()
 
 
 def to_device(values: list[int] | bytes | bytearray, device: torch.device) -> torch.Tensor:

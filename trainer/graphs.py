@@ -24,6 +24,8 @@ from typing import Any, Callable, Hashable
 
 import torch
 
+from agent import triton_stats
+
 
 class StepGraphs:
     """``graphs(kind)`` runs one step of ``kind``: eagerly for its first ``warmup`` steps, then captured once and
@@ -67,6 +69,7 @@ class StepGraphs:
             with (self.agent.capture() if self.agent is not None else contextlib.nullcontext()) as record:
                 outputs = self.step_fn()
         self._pool = graph.pool()
+        triton_stats.captured_copies_done()  # the captured statistics launches' tables, copied outside the graph
         return graph, outputs, record
 
 
