@@ -13,7 +13,8 @@ With ncu (hardware counters) on the kernel: ``ncu --clock-control none -k regex:
 
 ``--trace``: kernel time and a per-program timeline (GPU timer stamps: start, set-up done, loop done, partial
 stored, end, and the last program's merge) for fixed 64k-element chunks and for one wave of programs (``WAVES``),
-16, 64 and 256 MiB of bf16, 256 MiB of fp32.
+16, 64 and 256 MiB of bf16, 256 MiB of fp32. ``--trace-small``: the same for small tensors of a 124M step, beside
+the amax pass a cast's statistics launch replaces.
 """
 
 import argparse
@@ -31,8 +32,8 @@ from agent import triton_stats as ts  # noqa: E402
 MiB = 1 << 20
 
 
-def timed(fn, reps: int = 20) -> tuple[float, float, float]:
-    """(host µs per call, wall µs per call, device µs per call of the statistics kernel)."""
+def timed(fn, reps: int = 20, kernel: str = "stats") -> tuple[float, float, float]:
+    """(host µs per call, wall µs per call, device µs per call of the kernels whose names hold ``kernel``)."""
     fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -46,7 +47,7 @@ def timed(fn, reps: int = 20) -> tuple[float, float, float]:
             fn()
         torch.cuda.synchronize()
     kernel = sum(e.time_range.elapsed_us() for e in prof.events()
-                 if e.device_type.name == "CUDA" and "stats" in e.name)
+                 if e.device_type.name == "CUDA" and kernel in e.name)
     return host * 1e6, wall * 1e6, kernel / reps
 
 
@@ -101,6 +102,29 @@ def trace_mode(scale, center) -> None:
         del x
 
 
+def trace_small(scale, center) -> None:
+    """``--trace-small``: tensors of a 124M step's casts (a weight, an activation, fc1's weight, fc2's input), the
+    amax pass that a cast's statistics launch replaces, and the statistics kernel's timeline at one wave of
+    programs (the default) and at fixed chunks (fewer, longer programs)."""
+    from trainer.kernels.quantize import amax_partials
+
+    for dtype, shape in ((torch.float32, (768, 768)), (torch.bfloat16, (8192, 768)), (torch.float32, (3072, 768)),
+                         (torch.bfloat16, (8192, 3072))):
+        x = torch.randn(*shape, device="cuda").to(dtype)
+        _, _, amax_us = timed(lambda: amax_partials(x), kernel="amax")
+        print(f"{str(dtype)[6:]:8} {tuple(shape)}: amax pass {amax_us:.1f} us", flush=True)
+        for waves, chunk in ((1, 1 << 20), (None, 1 << 16), (None, 1 << 18)):
+            ts.WAVES, ts.CHUNK = waves, chunk
+            _, _, kernel = timed(_partials(x, scale, center, False))
+            ts._trace = []
+            ts.partials(x, fmt="e4m3", scale=scale, center=center, hist=False)
+            torch.cuda.synchronize()
+            tl_ = timeline(ts._trace[0], ts.MAXNREG_FP32 if dtype == torch.float32 else ts.MAXNREG)
+            ts._trace = None
+            print(f"  WAVES={waves} CHUNK={chunk}: kernel {kernel:6.1f} us | {tl_}", flush=True)
+        ts.WAVES, ts.CHUNK = 1, 1 << 20
+
+
 def host_mode(center) -> None:
     """Where a ``triton_stats.rows`` call spends its host time: the agent's form of the call (one tensor, its row
     into a step buffer, a device center): 300 queued calls timed, then 300 more under cProfile, top functions by
@@ -125,6 +149,8 @@ def main() -> None:
     p.add_argument("--ncu", action="store_true", help="only the 8 launches for ncu, no timing")
     p.add_argument("--trace", action="store_true", help="fixed and one-wave chunks, with timelines")
     p.add_argument("--no-sweep", action="store_true", help="without the launch-shape sweep")
+    p.add_argument("--trace-small", action="store_true",
+                   help="a 124M step's small cast tensors: amax pass, and timelines at two chunkings")
     p.add_argument("--host", action="store_true",
                    help="host time of rows() calls on 16 MiB of bf16, and their cProfile")
     args = p.parse_args()
@@ -133,9 +159,9 @@ def main() -> None:
     if args.host:
         host_mode(center)
         return
-    if args.trace:
+    if args.trace or args.trace_small:
         print(torch.cuda.get_device_name())
-        trace_mode(scale, center)
+        (trace_small if args.trace_small else trace_mode)(scale, center)
         return
     if args.ncu:
         for mib in (64, 256):
