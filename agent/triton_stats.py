@@ -312,15 +312,16 @@ if triton is not None:
     @triton.jit
     def _htab_add(ht, e128):
         """One count in the lane's cell of the binade of exponent field ``e128`` (the exponent at bits 7-14)."""
-        cell = tl.minimum(tl.maximum(e128, (127 + _LO) * 128), (126 + _LO + _NB) * 128)
-        tl.inline_asm_elementwise("red.shared.add.u32 [$1], 1; mov.u32 $0, 0;", "=r,r", [ht + cell], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+        _htab_red(ht, tl.minimum(tl.maximum(e128, (127 + _LO) * 128), (126 + _LO + _NB) * 128))
 
     @triton.jit
     def _htab_dump(ht, mask, e128):
         """``_htab_add`` where ``mask``, else one count in the dump row."""
         cell = tl.minimum(tl.maximum(e128, (127 + _LO) * 128), (126 + _LO + _NB) * 128)
-        cell = tl.where(mask, cell, (127 + _LO + _NB) * 128)
+        _htab_red(ht, tl.where(mask, cell, (127 + _LO + _NB) * 128))
+
+    @triton.jit
+    def _htab_red(ht, cell):
         tl.inline_asm_elementwise("red.shared.add.u32 [$1], 1; mov.u32 $0, 0;", "=r,r", [ht + cell], dtype=tl.int32,
                                   is_pure=False, pack=1)
 
