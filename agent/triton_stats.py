@@ -1504,6 +1504,15 @@ def cast_row(x: torch.Tensor, fmt, target: "Target", amax_out: torch.Tensor) -> 
     _launch_items([(x, target, by_name(fmt).name, amax_out)] + _take_deferred(x.device), x.device)
 
 
+def cast_rows(items: list, device: torch.device) -> None:
+    """``cast_row`` of many tensors in one launch: ``(x, fmt, target, amax_out)`` items, e.g. every weight of a model
+    before its forward casts them one by one, each cast then reading its ``amax_out``. With the rows deferred on
+    ``device``."""
+    todo = [(x, t, by_name(f).name, a) for x, f, t, a in items] + _take_deferred(device)
+    for lo in range(0, len(todo), MAX_TENSORS):
+        _launch_items(todo[lo: lo + MAX_TENSORS], device)
+
+
 @dataclass
 class Target:
     """Where a fused kernel writes a tensor's row: ``rows[index]`` (``[R, WIDTH]`` fp64 on the tensor's

@@ -72,6 +72,8 @@ from torch import nn
 
 from agent.formats import E4M3, E5M2, Fp8Format
 
+from . import weight_rows
+
 SITES = ("input", "weight", "grad_output")  # the quantized tensors
 GEMM_SITES = ("output",)  # the GEMM results whose rows Fp8Linear takes (OUTPUT_STATS)
 # how the output row is taken on the Triton path: "auto" | "epilogue" | "read" | "deferred" (module docstring)
@@ -146,6 +148,7 @@ class _State:
         self.link = module.fp8mon_stats  # the agent's FusedLink, or None
         self.weight = module.weight  # its .grad: what the wgrad result accumulates into
         self.weight_cache = module.fp8_weight_cache
+        self.weight_ready = module.fp8_weight_ready
         self.cache_weight = module.fp8_cache_weight
         self.delayed = module.recipe.scaling == "delayed"
         if self.delayed:
@@ -162,8 +165,13 @@ class _State:
         if self.backend == "triton":
             from .kernels import delayed_update, quantize_transpose
 
-            target = link.target(site, x2d.device) if link is not None else None
-            if self.delayed:
+            # a weight's row and amax may come from this step's batch of weight rows (``weight_rows``)
+            ready = weight_rows.take(link, self.weight_ready, x2d) \
+                if site == "weight" and link is not None and not self.delayed else None
+            target = link.target(site, x2d.device) if link is not None and ready is None else None
+            if ready is not None:
+                r = quantize_transpose(x2d, fmt, write_q=want_q, write_qt=want_t, stats=ready[0], amax_ready=ready[1])
+            elif self.delayed:
                 if target is not None:  # the history the scale of this call came from
                     target.amax_history_max = self.history[site].amax()
                 r = quantize_transpose(x2d, fmt, scale=self.next_scale[site], accum=self.accum[site],
@@ -358,6 +366,7 @@ class Fp8Linear(nn.Module):
         self.fp8_cache_weight = False  # set by cache_fp8_weights
         # [((data_ptr, version), (q, q_t, scale_inv)) or None, casts so far]: see _State.quantize_weight
         self.fp8_weight_cache: list = [None, 0]
+        self.fp8_weight_ready: list = [None]  # the weight's row and amax from this step's batch (weight_rows)
         self.fp8_amax: dict[str, torch.Tensor] = {}
         self.fp8_scale: dict[str, torch.Tensor] = {}
         if recipe.scaling == "delayed":
@@ -370,6 +379,18 @@ class Fp8Linear(nn.Module):
                 if recipe.freeze_scale_after:  # scale refreshes so far (saved: a resumed run stays frozen)
                     self.register_buffer(f"scale_updates_{site}", torch.zeros((), dtype=torch.int64, device=device))
         self.reset_parameters()
+
+    @property
+    def fp8mon_stats(self):
+        """The agent's ``FusedLink`` (set by ``agent.Agent.watch``), or None. Setting one counts the layer in that
+        agent's batches of weight rows (``weight_rows``)."""
+        return self._fp8mon_stats
+
+    @fp8mon_stats.setter
+    def fp8mon_stats(self, link) -> None:
+        self._fp8mon_stats = link
+        if link is not None:
+            weight_rows.register(self)
 
     def reset_parameters(self) -> None:
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # as nn.Linear

@@ -285,12 +285,15 @@ def _stats_opts() -> dict:
 def quantize_transpose(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tensor | None = None,
                        accum: torch.Tensor | None = None, write_q: bool = True, write_qt: bool = True,
                        bm: int = 64, bn: int = 128, num_warps: int = 8, trans_mode: int | None = None,
-                       stats: "ts.Target | None" = None) -> Quantized:
+                       stats: "ts.Target | None" = None, amax_ready: torch.Tensor | None = None) -> Quantized:
     """Quantize 2-D x (M, N) to ``fmt``: ``data`` (M, N) and ``data_t`` (N, M), both contiguous.
 
     ``scale``/``accum`` as in ``quantize.quantize`` (None: current scaling). ``write_q``/``write_qt``
     drop an output that is not needed (then that field is None). ``trans_mode`` overrides ``TRANS_MODE``.
-    ``stats``: also write x's statistics row (with the scale used) into the target, from the same read."""
+    ``stats``: also write x's statistics row (with the scale used) into the target, from the same read.
+    ``amax_ready`` (current scaling with ``stats``, ``CURRENT_STATS = "row"``): a float32 tensor of 3 whose first
+    element already holds x's amax, written with the row by an earlier ``triton_stats.cast_rows`` launch; the cast
+    reads it, adds its underflow count to the row and returns it as its ``meta``."""
     assert x.dim() == 2, "quantize_transpose takes a 2-D tensor"
     fmt = by_name(fmt)
     if x.stride(1) != 1:
@@ -308,8 +311,13 @@ def quantize_transpose(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tenso
     qt_arg = qt if write_qt else meta
     if CURRENT_STATS not in ("row", "cast"):
         raise ValueError(f"quantize_transpose.CURRENT_STATS must be 'row' or 'cast', not {CURRENT_STATS!r}")
+    if amax_ready is not None and (stats is None or scale is not None or CURRENT_STATS != "row"):
+        raise ValueError("amax_ready needs current scaling, a statistics target and CURRENT_STATS = 'row'")
     if stats is not None and scale is None and CURRENT_STATS == "row":
-        ts.cast_row(x, fmt, stats, meta)  # x's amax into meta[0], read back as the cast's one partial
+        if amax_ready is None:
+            ts.cast_row(x, fmt, stats, meta)  # x's amax into meta[0], read back as the cast's one partial
+        else:
+            meta = amax_ready
         # (program (0, 0) stores meta[0] = amax again while the others read it: the same bits)
         _quantize_transpose_kernel[grid](x, q_arg, qt_arg, meta, 1, meta, meta, meta, M, N, x.stride(0),
                                          stats.rows, int(stats.index), CURRENT=True, P_BLOCK=1, COUNT=True,

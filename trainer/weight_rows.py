@@ -1,0 +1,86 @@
+"""The weights' statistics rows of a reporting step, in one launch.
+
+With current scaling on the Triton path, the row of a tensor about to be cast comes from the standalone statistics
+kernel, in place of the cast's amax pass (``quantize_transpose.CURRENT_STATS = "row"``): one launch per cast. Each
+launch costs a chain of latencies over the amax pass it replaces (set-up, per-program result, the last program's
+merge: ~6 us on an H200 whatever the tensor's size; bench/RESULTS.md). Small weights pay it the most. A model's
+weights are known before its forward, so the first weight cast of a reporting step takes the rows and amaxes of
+every due weight of the agent's ``Fp8Linear`` layers in one launch (``triton_stats.cast_rows``). Each layer's cast
+then reads its amax (``quantize_transpose(amax_ready=)``) and adds its underflow count to its row, as after its own
+launch.
+
+A layer registers itself when an agent attaches to it (``register``, from ``Fp8Linear.fp8mon_stats``). A layer that
+the batch covered but whose forward did not run that step keeps a row without its underflow count, and drops the
+prepared amax at its next cast (the step or the weight no longer match).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import weakref
+
+import torch
+
+from agent import triton_stats
+
+BATCH = os.environ.get("FP8MON_BATCH_WEIGHT_ROWS", "1") != "0"  # "0": each weight cast takes its own row (benches)
+
+_layers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # agent -> WeakSet of its Fp8Linear layers
+
+
+def register(module) -> None:
+    """Count ``module`` (an ``Fp8Linear`` whose ``fp8mon_stats`` is an agent's link) in its agent's batches."""
+    agent = getattr(module.fp8mon_stats, "agent", None)
+    if agent is not None:
+        _layers.setdefault(agent, weakref.WeakSet()).add(module)
+
+
+def take(link, ready: list, weight: torch.Tensor):
+    """``(target, amax)`` for this cast of ``weight``: its row target and the float32 tensor of 3 whose first element
+    holds its amax, both prepared by this step's batch; None when the cast takes its row itself (or none).
+    ``ready``: the layer's holder of what the batch prepared for it (``Fp8Linear.fp8_weight_ready``). The first
+    call of a reporting step that finds its weight due launches the batch."""
+    agent = getattr(link, "agent", None)
+    if not BATCH or agent is None:
+        return None
+    got = _pop_current(ready, agent, weight)
+    if got is None and link.due("weight"):
+        _launch(agent, weight.device)
+        got = _pop_current(ready, agent, weight)
+    return got
+
+
+def _pop_current(ready: list, agent, weight: torch.Tensor):
+    got, ready[0] = ready[0], None
+    if got is None:
+        return None
+    step, key, target, amax = got
+    if step != agent.current_step or key != (weight.data_ptr(), weight._version):
+        return None
+    return target, amax
+
+
+def _launch(agent, device: torch.device) -> None:
+    """One ``cast_rows`` launch for every registered layer of ``agent`` on ``device`` whose weight row is due and
+    whose cast takes its row in place of the amax pass (Triton, current scaling, ``CURRENT_STATS = "row"``)."""
+    from .fp8_linear import _FORMATS, _resolve_backend
+
+    # the module (the package re-exports its function under the same name); its setting as it is now
+    if importlib.import_module(".kernels.quantize_transpose", __package__).CURRENT_STATS != "row":
+        return
+    items = []
+    for module in list(_layers.get(agent, ())):
+        link, weight = module.fp8mon_stats, module.weight
+        if getattr(link, "agent", None) is not agent or module.recipe.scaling == "delayed" or \
+                weight.device != device or weight.dim() != 2 or not link.due("weight") or \
+                _resolve_backend(module.backend, device, module.recipe) != "triton":
+            continue
+        target = link.target("weight", device)  # claims the row: the layer's own cast will not ask again
+        if target is None:
+            continue
+        amax = torch.empty(3, dtype=torch.float32, device=device)
+        items.append((weight, _FORMATS["weight"], target, amax))
+        module.fp8_weight_ready[0] = (agent.current_step, (weight.data_ptr(), weight._version), target, amax)
+    if items:
+        triton_stats.cast_rows(items, device)
