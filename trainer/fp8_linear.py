@@ -218,7 +218,8 @@ class _State:
             return self.quantize("weight", weight, want_q=True, want_t=want_t)
         key = (weight.data_ptr(), weight._version)
         hit = self.weight_cache[0]
-        due = self.link is not None and self.link.due("weight")
+        # due: the agent wants this step's weight row, or this step's batch took it and the cast adds its underflow
+        due = self.link is not None and (self.link.due("weight") or self.weight_ready[0] is not None)
         if hit is not None and hit[0] == key and (hit[1][1] is not None or not want_t) and not due:
             return hit[1]
         out = self.quantize("weight", weight, want_q=True, want_t=want_t)

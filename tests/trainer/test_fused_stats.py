@@ -262,9 +262,38 @@ def _child(names: list[str]) -> None:
             problem += f" sites reported: {sorted(sites)}"
         emit("gemm_stats_fallback", problem)
 
+    def fp8_linear_agent_cached():
+        # with weight caching (micro-batches reuse the step's first FP8 weight), the rows equal those without it:
+        # a weight whose row the step's batch took still casts once, adding its underflow count to that row
+        sys.path.insert(0, str(ROOT / "bench"))
+        from stats_check import agent_rows
+        from trainer.fp8_linear import Fp8Linear, cache_fp8_weights
+
+        torch.manual_seed(5)
+        model = torch.nn.Sequential(Fp8Linear(32, 64), torch.nn.GELU(), Fp8Linear(64, 32))
+        for m in model:
+            if isinstance(m, Fp8Linear):
+                m.backend = "triton"
+                with torch.no_grad():
+                    m.weight[0, :8] = 1e-9  # underflows in E4M3 at the weight's scale: the cast counts them
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        xs = [torch.randn(2, 16, 32) * (1 + i) for i in range(4)]
+        make = lambda step, micro: xs[2 * step + micro]  # noqa: E731
+        plain, keys = agent_rows(model, make, 2, "cpu", fused=True, stats_backend="triton")
+        model.load_state_dict(state)
+        cache_fp8_weights(model, torch.optim.SGD(model.parameters(), lr=0.0))
+        cached, keys2 = agent_rows(model, make, 2, "cpu", fused=True, stats_backend="triton")
+        problem = "" if keys == keys2 else f"slots {keys} vs {keys2}"
+        for step in range(2):
+            if not torch.equal(plain[step].nan_to_num(-1.0), cached[step].nan_to_num(-1.0)):
+                bad = (plain[step].nan_to_num(-1.0) != cached[step].nan_to_num(-1.0)).nonzero().tolist()[:4]
+                problem += f" step {step}: rows differ at {bad}"
+        emit("fp8_linear_agent_cached", problem)
+
     checks = dict(fused_kernels=fused_kernels, fused_fast_path=fused_fast_path, fused_merge=fused_merge, fp8_linear_agent=fp8_linear_agent,
                   fp8_linear_agent_read=lambda: fp8_linear_agent("read"),
-                  fp8_linear_agent_deferred=lambda: fp8_linear_agent("deferred"), gemm_stats_fallback=gemm_stats_fallback)
+                  fp8_linear_agent_deferred=lambda: fp8_linear_agent("deferred"),
+                  fp8_linear_agent_cached=fp8_linear_agent_cached, gemm_stats_fallback=gemm_stats_fallback)
     for name in names or checks:
         try:
             checks[name]()
@@ -276,7 +305,7 @@ def _child(names: list[str]) -> None:
 
 
 GROUPS = ["fused_kernels", "fused_fast_path", "fused_merge", "fp8_linear_agent", "fp8_linear_agent_read",
-          "fp8_linear_agent_deferred",
+          "fp8_linear_agent_deferred", "fp8_linear_agent_cached",
           "gemm_stats_fallback"]
 
 
