@@ -28,7 +28,9 @@ graph once every shape has run once (the first call of a shape compiles, autotun
 Statistics: with an agent watching (it sets ``module.fp8mon_stats`` to its ``FusedLink``), on a reporting
 step the quantize kernels of input, weight (E4M3) and grad_output (E5M2) also write those tensors' SPEC
 section-4 rows, with the scale they cast with, straight into the agent's step buffer (``stats=`` of
-``quantize_transpose``): no hook reads a GEMM input a second time. The torch path computes the same rows
+``quantize_transpose``): no hook reads a GEMM input a second time. Under current scaling the weights' rows (and
+amaxes) of a reporting step come from one launch for all layers at the first weight cast (``weight_rows``); each
+weight's cast then reads its amax. The torch path computes the same rows
 with ``device_stats.partials`` and reports them. The row of ``output`` (y as returned, in its dtype) is Fp8Linear's
 too, taken as ``OUTPUT_STATS`` says. The default, "auto", is "epilogue" eagerly and "deferred" while a CUDA graph
 captures the step (``output_stats_mode``): a replay pays no launch's host time, so the way of least device time wins
