@@ -82,6 +82,17 @@ def timeline(stamps: torch.Tensor, cap: int) -> str:
             f"moments {fin[2] / 1e3:.2f}, row {fin[3] / 1e3:.2f}); slot occupancy {busy:.2f}")
 
 
+def timed_and_traced(x, scale, center, hist) -> tuple[float, str]:
+    """The statistics kernel's time on x (µs, ``timed``) and one launch's ``timeline``."""
+    _, _, kernel = timed(_partials(x, scale, center, hist))
+    ts._trace = []
+    ts.partials(x, fmt="e4m3", scale=scale, center=center, hist=hist)
+    torch.cuda.synchronize()
+    line = timeline(ts._trace[0], ts.MAXNREG_FP32 if x.dtype == torch.float32 else ts.MAXNREG)
+    ts._trace = None
+    return kernel, line
+
+
 def trace_mode(scale, center) -> None:
     for dtype, mib in ((torch.bfloat16, 64), (torch.float32, 256), (torch.bfloat16, 256), (torch.bfloat16, 16)):
         nbytes = mib * MiB
@@ -90,12 +101,7 @@ def trace_mode(scale, center) -> None:
         for waves, chunk in ((None, 1 << 16), (1, 1 << 20)):
             ts.WAVES, ts.CHUNK = waves, chunk
             for hist in (False, True):
-                _, _, kernel = timed(_partials(x, scale, center, hist))
-                ts._trace = []
-                ts.partials(x, fmt="e4m3", scale=scale, center=center, hist=hist)
-                torch.cuda.synchronize()
-                tl_ = timeline(ts._trace[0], ts.MAXNREG_FP32 if dtype == torch.float32 else ts.MAXNREG)
-                ts._trace = None
+                kernel, tl_ = timed_and_traced(x, scale, center, hist)
                 print(f"{str(dtype)[6:]:8} {mib:3} MiB WAVES={waves} CHUNK={chunk} hist={hist!s:5}: kernel "
                       f"{kernel:7.1f} us = {nbytes / (kernel * 1e-6) / 1e12 / bw:.3f} of copy ({bw:.2f} TB/s) | {tl_}",
                       flush=True)
@@ -115,12 +121,7 @@ def trace_small(scale, center) -> None:
         print(f"{str(dtype)[6:]:8} {tuple(shape)}: amax pass {amax_us:.1f} us", flush=True)
         for waves, chunk in ((1, 1 << 20), (None, 1 << 16), (None, 1 << 18)):
             ts.WAVES, ts.CHUNK = waves, chunk
-            _, _, kernel = timed(_partials(x, scale, center, False))
-            ts._trace = []
-            ts.partials(x, fmt="e4m3", scale=scale, center=center, hist=False)
-            torch.cuda.synchronize()
-            tl_ = timeline(ts._trace[0], ts.MAXNREG_FP32 if dtype == torch.float32 else ts.MAXNREG)
-            ts._trace = None
+            kernel, tl_ = timed_and_traced(x, scale, center, False)
             print(f"  WAVES={waves} CHUNK={chunk}: kernel {kernel:6.1f} us | {tl_}", flush=True)
         ts.WAVES, ts.CHUNK = 1, 1 << 20
 
