@@ -141,9 +141,9 @@ def check_standalone(device) -> None:
 
 
 def bf16_pairs(n: int, device) -> tuple[torch.Tensor, list]:
-    """For the bf16 words path (two elements per word, bf16x2 instructions; with the histogram on hardware too): a tensor of
-    ``n`` elements with zeros of both signs, underflows, values on and just past bf16 outlier bounds, and the
-    (center, k, keyword arguments) to try on it: a zero-width center, a scale under which some overflow (counted
+    """For the bf16 words path (two elements per word, bf16x2 instructions; with the histogram too, on hardware): a
+    tensor of ``n`` elements with zeros of both signs, underflows, values on and just past bf16 outlier bounds, and
+    the (center, k, keyword arguments) to try on it: a zero-width center, a scale under which some overflow (counted
     lazily on the careful path), delayed scaling, no format."""
     g = torch.Generator(device="cpu").manual_seed(3)
     x = (torch.randn(n, generator=g) * 0.5).to(torch.bfloat16)

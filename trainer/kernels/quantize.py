@@ -54,8 +54,7 @@ from agent import triton_stats as ts
 from agent.formats import Fp8Format, by_name, current_scale, delayed_scale
 from agent.formats import quantize as _quantize_cast
 from agent.triton_stats import (_SMEM_HIST, _careful_result, _fast_result, _htab, _shift_of, _tile_careful, _tile_fast,
-                                    _tile_sum,
-                                fused_epilogue, fused_prologue)
+                                _tile_sum, fused_epilogue, fused_prologue)
 
 MAX_PARTIALS = 1024
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

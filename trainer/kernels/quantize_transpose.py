@@ -28,8 +28,9 @@ from agent import device_stats as ds
 from agent.formats import Fp8Format, by_name
 
 from agent import triton_stats as ts
-from agent.triton_stats import (_SMEM_HIST, _careful_result, _fast_result, _htab, _shift_of, _tile_bf16x2, _tile_careful,
-                                _tile_fast, _tile_sum, fused_epilogue, fused_prologue, packed_fold, packed_setup)
+from agent.triton_stats import (_SMEM_HIST, _careful_result, _fast_result, _htab, _shift_of, _tile_bf16x2,
+                                _tile_careful, _tile_fast, _tile_sum, fused_epilogue, fused_prologue, packed_fold,
+                                packed_setup)
 
 from .quantize import (INTERPRET, Quantized, _cast_fp8, cdiv, next_power_of_2, _consts, _current_scale_from_partials,
                        _finite_abs, amax_partials, quantize_ref, stats_consts, stats_programs)
@@ -170,11 +171,14 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, sca
     The statistics see each tile as [BM * BN / V, V], V the elements one thread holds contiguously, so that the
     per-tile sums along the last axis are a thread's own adds: no cross-thread reduction in the loop (reducing
     the [BM, BN] tile along its rows cost shuffles for every statistic). On an H200 at the shapes of a 1.5B step it
-    took 1.1-2.2x the time of the cast without statistics, 1.8-3.6x with the histogram (bench/qt_stats.py --step).
+    took 1.1-2.2x the time of the cast without statistics, 1.8-3.6x with the histogram (bench/qt_stats.py --step)
+    when ``tl.histogram`` counted it; with the shared-memory table (``triton_stats._htab``) 1.15-1.89x
+    (bench/qt_stats.py --defaults, 2026-11-26).
 
-    ``PACKED`` (bf16 x; with the histogram, only in its shared-memory table): full tiles take the standalone kernel's word loop (``_tile_bf16x2``: two
-    elements per 32-bit word, counts and amax without unpacking them); the overflow count is then checked lazily,
-    as there: an amax past the overflow threshold sends the program to the careful path."""
+    ``PACKED`` (bf16 x; with the histogram, only where the table counts it): full tiles take the standalone kernel's
+    word loop (``_tile_bf16x2``: two elements per 32-bit word, counts and amax without unpacking them); the overflow
+    count is then checked lazily, as there: an amax past the overflow threshold sends the program to the careful
+    path."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if CURRENT:
