@@ -310,15 +310,20 @@ if triton is not None:
         return base + lane * 4 - (127 + _LO) * 128
 
     @triton.jit
+    def _htab_cell(e128):
+        """The byte offset, from ``_htab``'s address, of the row of exponent field ``e128`` (the exponent at bits
+        7-14): its binade's, clamped to the table's 56 bins."""
+        return tl.minimum(tl.maximum(e128, (127 + _LO) * 128), (126 + _LO + _NB) * 128)
+
+    @triton.jit
     def _htab_add(ht, e128):
-        """One count in the lane's cell of the binade of exponent field ``e128`` (the exponent at bits 7-14)."""
-        _htab_red(ht, tl.minimum(tl.maximum(e128, (127 + _LO) * 128), (126 + _LO + _NB) * 128))
+        """One count in the lane's cell of the binade of exponent field ``e128``."""
+        _htab_red(ht, _htab_cell(e128))
 
     @triton.jit
     def _htab_dump(ht, mask, e128):
         """``_htab_add`` where ``mask``, else one count in the dump row."""
-        cell = tl.minimum(tl.maximum(e128, (127 + _LO) * 128), (126 + _LO + _NB) * 128)
-        _htab_red(ht, tl.where(mask, cell, (127 + _LO + _NB) * 128))
+        _htab_red(ht, tl.where(mask, _htab_cell(e128), (127 + _LO + _NB) * 128))
 
     @triton.jit
     def _htab_red(ht, cell):
