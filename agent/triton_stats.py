@@ -104,10 +104,13 @@ MAX_TENSORS = 4096  # per launch (the size of the per-device counter buffer)
 PW = 16  # fp64 fields of a per-program partial (the histogram goes to the counter buffer's row)
 CTRW = 1 + 64  # int64 fields of a tensor's counter row: programs done, then its histogram's 64 bins
 TABW = 20  # int64 fields of a tensor's table row
+MTABW = 8  # int64 fields of a row of ``_merge_kernel``'s table (``_MROW``)
 _DTYPE_CODE = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}
 
 # per-program partial layout
-_P_N, _P_NUMEL, _P_NONFIN, _P_ZEROS, _P_OUTL, _P_UNDER, _P_OVER, _P_AMAX, _P_MEAN, _P_M2, _P_M3, _P_M4 = range(12)
+_P_N, _P_NUMEL, _P_NONFIN, _P_ZEROS, _P_OUTL, _P_UNDER, _P_OVER, _P_AMAX, _P_MEAN, _P_M2, _P_M3, _P_M4, _P_AHM = \
+    range(13)  # _P_AHM: the history max, in a tensor's first partial, where a later launch merges (``_merge_kernel``)
+_AMAX_FIELD = _P_AMAX  # (the _P_* names become constexprs below)
 # table row layout (int64; float fields bit-cast): the scale/center/history are a device pointer when
 # the *_ADDR field is non-zero, else the inline value
 (_T_ADDR, _T_NUMEL, _T_CODE, _T_FIRST, _T_NWORK, _T_DST, _T_MERGE, _T_SMODE, _T_SCALE_ADDR, _T_SCALE,
@@ -161,6 +164,9 @@ if triton is not None:
     _JOINT = Const(not INTERPRET)
     _SMEM_HIST = Const(SMEM_HIST)
     _CTRW = Const(CTRW)
+    _MTABW = Const(MTABW)
+    _PW = Const(PW)
+    _ROW_UNDER = Const(ds.UNDERFLOW)
     _TABW = Const(TABW)
     _WIDTH = Const(ds.WIDTH)
     SCALE_NONE_C = Const(SCALE_NONE)
@@ -169,7 +175,7 @@ if triton is not None:
     SCALE_CAST_C = Const(SCALE_CAST)
     # the layouts, as constexprs for the kernels (they index Python lists as well)
     (_P_N, _P_NUMEL, _P_NONFIN, _P_ZEROS, _P_OUTL, _P_UNDER, _P_OVER, _P_AMAX, _P_MEAN, _P_M2, _P_M3,
-     _P_M4) = (Const(v) for v in range(12))
+     _P_M4, _P_AHM) = (Const(v) for v in range(13))
     (_T_ADDR, _T_NUMEL, _T_CODE, _T_FIRST, _T_NWORK, _T_DST, _T_MERGE, _T_SMODE, _T_SCALE_ADDR, _T_SCALE,
      _T_CENTER_ADDR, _T_MEAN, _T_STD, _T_AHM_ADDR, _T_AHM, _T_FMT, _T_K,
      _T_CHUNK, _T_AMAX_OUT) = (Const(v) for v in range(19))
@@ -585,7 +591,8 @@ if triton is not None:
 
     @triton.jit
     def _finalize(part, stride, nwork, ctr, dst, merge, smode, s_given, fmax, uthr, ahm, HIST: tl.constexpr,
-                  PB: tl.constexpr, tr, TRACE: tl.constexpr, NARROW: tl.constexpr, aout=None):
+                  PB: tl.constexpr, tr, TRACE: tl.constexpr, NARROW: tl.constexpr, aout=None, hist_in=None,
+                  LATER: tl.constexpr = False):
         # The moments merge as Pebay's formulas do, all at once about one center c0: each partial's central
         # moments become power sums of (x - c0), which add, and the sums give the central moments about the grand
         # mean (``_central``); no division per partial. c0 is the first partial's mean, loaded with the rest, so
@@ -597,7 +604,9 @@ if triton is not None:
         # partials holding fp32 sums. Up to PB partials (the usual case: a launch is about a wave of programs)
         # are read once into registers; more go in blocks (lane j: partials j, j + PB, ...).
         # The histogram is not in the partials: each program added it to the tensor's accumulator (``_done``);
-        # this reads and clears it.
+        # this reads and clears it. ``LATER`` (``_merge_kernel``, after the read's launch and the cast that followed
+        # it): the caller summed the histogram (``hist_in``), and a cast (SCALE_CAST) has added its underflow to the
+        # row already, so the row's count stays as it is.
         n0 = tl.load(part + _P_N * stride, cache_modifier=".cg")
         m0 = tl.load(part + _P_MEAN * stride, cache_modifier=".cg")
         i0 = tl.arange(0, PB)
@@ -651,7 +660,9 @@ if triton is not None:
         _stamp(tr, 6, TRACE)
         am = c0 + md
         hist = tl.zeros([64], tl.float64)
-        if HIST:
+        if LATER:
+            hist = hist_in
+        elif HIST:
             hist = tl.atomic_xchg(ctr + 1 + tl.arange(0, 64), tl.zeros([64], tl.int64), sem="relaxed",
                                   scope="gpu").to(tl.float64)
         bins = tl.arange(0, 64)
@@ -734,7 +745,10 @@ if triton is not None:
             tl.store(dst + 4, zeros)
             tl.store(dst + 5, nonzero)
             tl.store(dst + 6, outl)
-            tl.store(dst + 7, under)
+            if not LATER:
+                tl.store(dst + 7, under)
+            elif smode != SCALE_CAST_C:
+                tl.store(dst + 7, under)
             tl.store(dst + 8, over)
             tl.store(dst + 9, amax)
             tl.store(dst + 10, am)
@@ -1069,7 +1083,7 @@ if triton is not None:
 
     @triton.jit
     def _stats_kernel(tab_ptr, ntab, part_ptr, ctr_ptr, dst_ptr, trace_ptr, HIST: tl.constexpr, R: tl.constexpr,
-                      TRACE: tl.constexpr, NARROW: tl.constexpr):
+                      TRACE: tl.constexpr, NARROW: tl.constexpr, LATER: tl.constexpr = False):
         w = tl.program_id(0)
         tr = trace_ptr + w * 16
         _stamp(tr, 0, TRACE)
@@ -1122,9 +1136,46 @@ if triton is not None:
         first = tl.load(row + _T_FIRST)
         nwork = tl.load(row + _T_NWORK)
         dst = dst_ptr + tl.load(row + _T_DST) * _WIDTH
-        _done(part_ptr + first, tl.num_programs(0), ctr_ptr + t * _CTRW, nwork, dst, tl.load(row + _T_MERGE), smode,
-              s, fmax, uthr, ahm, hist, HIST, tr, TRACE, NARROW, tl.load(row + _T_AMAX_OUT))
+        if LATER:  # the rows are merged by a later launch (``_merge_kernel``): no counter, no last program here
+            if HIST:
+                tl.store(part_ptr + w + (_PW + tl.arange(0, 64)) * tl.num_programs(0), hist.to(tl.float64))
+            if w == first:
+                tl.store(part_ptr + w + _P_AHM * tl.num_programs(0), ahm)
+                if smode == SCALE_CAST_C:  # the cast adds its underflow to a row that starts at 0 (or merges)
+                    merge = tl.load(row + _T_MERGE)
+                    if merge == 0:
+                        tl.store(dst + _ROW_UNDER, 0.0)
+                    elif tl.load(dst) == 0:
+                        tl.store(dst + _ROW_UNDER, 0.0)
+        else:
+            _done(part_ptr + first, tl.num_programs(0), ctr_ptr + t * _CTRW, nwork, dst, tl.load(row + _T_MERGE),
+                  smode, s, fmax, uthr, ahm, hist, HIST, tr, TRACE, NARROW, tl.load(row + _T_AMAX_OUT))
         _stamp(tr, 4, TRACE)
+
+    @triton.jit
+    def _merge_kernel(mtab_ptr, trace_ptr, HIST: tl.constexpr, PB: tl.constexpr):
+        """One program per row of the table: the partials a ``LATER`` launch of ``_stats_kernel`` left for a tensor,
+        merged into its row (``_finalize``), with the histograms the programs stored beside them."""
+        row = mtab_ptr + tl.program_id(0).to(tl.int64) * _MTABW
+        stride = tl.load(row + 1)
+        part = tl.load(row + 0).to(tl.pointer_type(tl.float64)) + tl.load(row + 2)
+        nwork = tl.load(row + 3)
+        dst = tl.load(row + 4).to(tl.pointer_type(tl.float64))
+        smode = tl.load(row + 6)
+        fmt = tl.load(row + 7)
+        uthr = tl.where(fmt == 1, 2.0 ** -10, 2.0 ** -17).to(tl.float32)
+        fmax = tl.where(fmt == 1, 448.0, 57344.0)
+        hist = tl.zeros([64], tl.float64)
+        if HIST:
+            HB: tl.constexpr = 16
+            acc = tl.zeros([HB, 64], tl.float64)
+            i = tl.arange(0, HB)[:, None]
+            bins = tl.arange(0, 64)[None, :]
+            for b0 in range(0, nwork, HB):
+                acc += tl.load(part + (_PW + bins) * stride + b0 + i, mask=b0 + i < nwork, other=0.0)
+            hist = tl.sum(acc, 0)
+        _finalize(part, stride, nwork, mtab_ptr, dst, tl.load(row + 5), smode, tl.full([], float("nan"), tl.float32),
+                  fmax, uthr, tl.load(part + _P_AHM * stride), HIST, PB, trace_ptr, False, False, None, hist, True)
 
 
 # ---- launcher ---------------------------------------------------------------------------------------
@@ -1246,11 +1297,15 @@ def _chunk_elems(numels: list[int], device: torch.device, cap: int) -> int:
 _trace: list | None = None  # benches: a list to receive each launch's [programs, 16] int32 timer stamps
 
 
-def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, device, aouts=None) -> None:
+def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, device, aouts=None,
+            later: bool = False) -> tuple:
     """One launch of ``_stats_kernel`` (``rows``). ``aouts``: per tensor None, or the fp32 device tensor that
-    receives its finite amax; such a tensor's scale is that of its current-scaling cast (``cast_row``)."""
+    receives its finite amax; such a tensor's scale is that of its current-scaling cast (``cast_row``). ``later``:
+    the rows are merged by the next ``merge_later`` (``CAST_MERGE``), and the amaxes go to no ``aouts`` but stay in
+    the partials. Returns the partials ([fields, programs] fp64) and each tensor's (first program, programs)."""
     keep = []  # what the device reads by address: alive until the launch is queued
     table = bytearray(_ROW.size * len(tensors))
+    spans, modes = [], []  # per tensor (first program, programs), (scale mode, format code)
     nwork_total = 0
     # other dtypes are read as fp32 (below): a launch without 16-bit tensors is an fp32 launch
     cap = MAXNREG if any(x.dtype in (torch.bfloat16, torch.float16) for x in tensors) else MAXNREG_FP32
@@ -1300,20 +1355,69 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
             c_addr = c.data_ptr()
         elif c is not None:
             c_mean, c_std = float(c[0]), float(c[1])
+        fcode = _FMT_CODES.get(fmt.name, 0) if fmt is not None else 0
         _ROW.pack_into(table, i * _ROW.size, x.data_ptr(), numel, _DTYPE_CODE[x.dtype], first, nwork, int(index[i]),
                        int(bool(merges[i])), smode, s_addr, s_val, c_addr, c_mean, c_std, ahm_addr, ahm_val,
-                       _FMT_CODES.get(fmt.name, 0) if fmt is not None else 0, k, chunk,
-                       aouts[i].data_ptr() if smode == SCALE_CAST else 0, 0)
+                       fcode, k, chunk, aouts[i].data_ptr() if smode == SCALE_CAST else 0, 0)
+        spans.append((first, nwork))
+        modes.append((smode, fcode))
     tab = to_device(table, device)
-    part = torch.empty(PW, nwork_total, dtype=torch.float64, device=device)  # field-major (_store_partial)
+    # field-major (_store_partial); merged later, with each program's histogram beside its partial
+    part = torch.empty(PW + (64 if later and hist else 0), nwork_total, dtype=torch.float64, device=device)
+    if later:
+        dsts = [(out.data_ptr(), int(i)) for i in index]
+        if any(d in _later_dsts for d in dsts):  # a row merged into twice: the first merge goes first
+            merge_later()
     opts = {} if INTERPRET or not cap else {"maxnreg": cap}
     trace = None if _trace is None else torch.zeros(nwork_total, 16, dtype=torch.int32, device=device)
     _stats_kernel[(nwork_total,)](tab, len(tensors), part, counters(device), out, part if trace is None else trace,
                                   HIST=bool(hist), R=ROWS, TRACE=trace is not None,
-                                  NARROW=chunk * P_BLOCK < 2**31, num_warps=NUM_WARPS, **opts)
+                                  NARROW=chunk * P_BLOCK < 2**31, LATER=later, num_warps=NUM_WARPS, **opts)
     if trace is not None:
         _trace.append(trace)
     del keep
+    if later:
+        with _later_lock:
+            for i, ((first, nwork), (smode, fcode)) in enumerate(zip(spans, modes)):
+                _later.append((part, bool(hist), _MROW.pack(part.data_ptr(), nwork_total, first, nwork,
+                                                             dsts[i][0] + dsts[i][1] * ds.WIDTH * 8,
+                                                             int(bool(merges[i])), smode, fcode)))
+                _later_dsts.add(dsts[i])
+            full = len(_later) >= MAX_LATER
+        if full:
+            merge_later()
+    return part, spans
+
+
+# How a current-scaled cast's row is merged (``cast_row``): "later", by ``merge_later`` (``flush_deferred`` calls it:
+# the agent, before it takes a step's rows), in one launch for all rows waiting; the launch before the cast has no
+# counter and no last program, and the cast takes the max of its programs' amaxes itself. "last", by that launch's
+# last program, which hands the cast the amax (the serial tail of every cast's statistics launch: set-up of the
+# merge, loads of the partials, the reduction, the row; ~5 us of a 124M cast's ~12 us on an H200).
+CAST_MERGE = os.environ.get("FP8MON_CAST_MERGE", "later")
+MAX_LATER = 1024  # rows waiting for ``merge_later`` at most (their partials stay allocated): then merged at once
+_MROW = struct.Struct("<8q")  # part address, its stride, first program, programs, row address, merge, smode, format
+assert _MROW.size == MTABW * 8
+_later: list = []  # (partials, hist, _MROW bytes)
+_later_dsts: set = set()  # (row buffer address, index) of the rows waiting
+_later_lock = threading.Lock()
+
+
+def merge_later() -> None:
+    """Merge the rows that ``LATER`` launches left in their partials (``CAST_MERGE``): one launch per device and
+    histogram setting."""
+    if not _later:
+        return
+    with _later_lock:
+        todo, _later[:] = list(_later), []
+        _later_dsts.clear()
+    groups: dict = {}
+    for part, hist, mrow in todo:
+        groups.setdefault((part.device, hist), []).append((part, mrow))
+    for (device, hist), entries in groups.items():
+        mtab = to_device(b"".join(m for _, m in entries), device)
+        _merge_kernel[(len(entries),)](mtab, mtab, HIST=hist, PB=8 if INTERPRET else P_BLOCK, num_warps=NUM_WARPS)
+        del entries  # the partials may be reused once the launch is queued
 
 
 class _Staging:
@@ -1446,20 +1550,26 @@ _deferred_lock = threading.Lock()
 MAX_DEFERRED = 8  # tensors waiting at most (they are kept alive until their launch): then a launch of their own
 
 
-def _launch_items(items: list, device) -> None:
+def _launch_items(items: list, device, later: bool = False) -> list:
     """(tensor, Target, fmt, amax_out) items, each row into its target with the current scaling of ``fmt``
     (the cast's, with x's amax into ``amax_out``, where that is not None: ``cast_row``): one launch per
-    histogram setting, outlier k and row buffer (launch-wide), in one launch the usual case."""
+    histogram setting, outlier k and row buffer (launch-wide), in one launch the usual case. ``later``: see
+    ``_launch`` (an ``amax_out`` then only marks the cast's tensor: nothing is written to it). Returns per item its
+    launch's partials and its (first program, programs)."""
     groups: dict = {}
-    for item in items:
+    for pos, item in enumerate(items):
         t = item[1]
-        groups.setdefault((bool(t.hist), float(t.outlier_k), t.rows.data_ptr()), []).append(item)
+        groups.setdefault((bool(t.hist), float(t.outlier_k), t.rows.data_ptr()), []).append((pos, item))
+    out = [None] * len(items)
     for (hist, k, _), group in groups.items():
-        ts_ = [t for _, t, _, _ in group]
-        _launch([x for x, _, _, _ in group], [f for _, _, f, _ in group], [None] * len(group),
-                [t.center for t in ts_], k, [t.amax_history_max for t in ts_], hist, ts_[0].rows,
-                [int(t.index) for t in ts_], [bool(t.merge) for t in ts_], device,
-                aouts=[a for _, _, _, a in group])
+        ts_ = [it[1] for _, it in group]
+        part, spans = _launch([it[0] for _, it in group], [it[2] for _, it in group], [None] * len(group),
+                              [t.center for t in ts_], k, [t.amax_history_max for t in ts_], hist, ts_[0].rows,
+                              [int(t.index) for t in ts_], [bool(t.merge) for t in ts_], device,
+                              aouts=[it[3] for _, it in group], later=later)
+        for (pos, _), span in zip(group, spans):
+            out[pos] = (part, span)
+    return out
 
 
 def defer(x: torch.Tensor, target: "Target") -> None:
@@ -1489,24 +1599,30 @@ def _take_deferred(device: torch.device) -> list:
 
 
 def flush_deferred() -> None:
-    """Write every deferred row now (``defer``)."""
-    if not any(_deferred.values()):
-        return
-    with _deferred_lock:
-        pending = [items for items in _deferred.values() if items]
-        _deferred.clear()
-    for items in pending:
-        _launch_items(items, items[0][0].device)
+    """Write every deferred row now (``defer``), and merge the rows waiting for ``merge_later``."""
+    if any(_deferred.values()):
+        with _deferred_lock:
+            pending = [items for items in _deferred.values() if items]
+            _deferred.clear()
+        for items in pending:
+            _launch_items(items, items[0][0].device)
+    merge_later()
 
 
-def cast_row(x: torch.Tensor, fmt, target: "Target", amax_out: torch.Tensor) -> None:
+def cast_row(x: torch.Tensor, fmt, target: "Target", amax_out: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     """The statistics of x, about to be cast with current scaling, into ``target``'s row, by the standalone
-    kernel in place of the cast's amax pass (it reads x once, as that pass does): x's finite amax goes into
-    ``amax_out`` (fp32 on x's device, at least one element) for the cast, the row's scale is the one that cast
-    computes from it (quantize's ``_scale_from_amax``), overflow is 0 (exact under that scale), and underflow is left
-    at 0 for the cast, which counts it at that scale and adds it to the row (``quantize_transpose``'s ``COUNT``).
-    The rows deferred on x's device (``defer``) are written by the same launch."""
-    _launch_items([(x, target, by_name(fmt).name, amax_out)] + _take_deferred(x.device), x.device)
+    kernel in place of the cast's amax pass (it reads x once, as that pass does). The row's scale is the one that
+    cast computes from x's finite amax (quantize's ``_scale_from_amax``), overflow is 0 (exact under that scale), and
+    underflow is left at 0 for the cast, which counts it at that scale and adds it to the row
+    (``quantize_transpose``'s ``COUNT``). The rows deferred on x's device (``defer``) are written by the same launch.
+
+    With ``CAST_MERGE = "later"`` the row is complete after the next ``flush_deferred``, and this returns the fp64
+    amaxes of the launch's programs over x and their count: the cast takes their max. Else the amax goes into
+    ``amax_out`` (fp32 on x's device, at least one element) and this returns None."""
+    later = CAST_MERGE == "later"
+    part, (first, nwork) = _launch_items([(x, target, by_name(fmt).name, amax_out)]
+                                         + _take_deferred(x.device), x.device, later=later)[0]
+    return (part[_AMAX_FIELD, first: first + nwork], nwork) if later else None
 
 
 def cast_rows(items: list, device: torch.device) -> None:

@@ -114,16 +114,21 @@ def current_ab(cases: list) -> None:
 
             def variant(mode):
                 def fn():
-                    QT.CURRENT_STATS = mode or "row"
+                    QT.CURRENT_STATS = (mode or "row")[:4]
+                    ts.CAST_MERGE = "last" if mode == "row_last" else "later"
                     return QT.quantize_transpose(x, fmt, stats=tgt if mode else None)
                 return fn
 
-            fns = {"plain": variant(None), "row": variant("row"), "cast": variant("cast")}
+            # "row": its row merged later, here by a merge launch at the next call (the same row is merged into
+            # again); in a step, one merge launch takes every cast's row. "row_last": merged by the last program.
+            fns = {"plain": variant(None), "row": variant("row"), "row_last": variant("row_last"),
+                   "cast": variant("cast")}
             for fn in fns.values():
                 fn()  # compiles outside the timing
             d = device_medians(fns, rounds=7, calls=20)
             h = _medians(fns, 7, _host_ms)
-            QT.CURRENT_STATS = "row"
+            QT.CURRENT_STATS, ts.CAST_MERGE = "row", "later"
+            ts.flush_deferred()
             for k in fns:
                 tot = totals.setdefault((hist, k), [0.0, 0.0])
                 tot[0] += d[k]
@@ -136,7 +141,7 @@ def current_ab(cases: list) -> None:
         print(f"one layer's casts{' +hist' if hist else ''}: " + ", ".join(
             f"{k} device {totals[(hist, k)][0] * 1e3:.1f} us (+{(totals[(hist, k)][0] - dp) * 1e3:.1f}), host "
             f"{totals[(hist, k)][1] * 1e3:.1f} us (+{(totals[(hist, k)][1] - hp) * 1e3:.1f})"
-            for k in ("plain", "row", "cast")), flush=True)
+            for k in ("plain", "row", "row_last", "cast")), flush=True)
 
 
 def main(argv=None) -> int:

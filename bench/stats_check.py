@@ -261,6 +261,7 @@ def check_no_sync(device) -> None:
             quantize_transpose(x, "e5m2", scale=scale, accum=torch.zeros((), device=device),
                                stats=ts.Target(rowsbuf, 1, False, (0.1, 2.0)))
             quantize(x, "e4m3", stats=ts.Target(rowsbuf, 2, False, None))
+        ts.flush_deferred()  # (the current-scaled casts' rows, merged later)
 
     fused()
     sync_free("fused quantize / quantize_transpose statistics", fused)
@@ -331,12 +332,14 @@ def check_fused(device) -> None:
                     center = torch.tensor([0.1, 2.0], dtype=torch.float64, device=device)
                     ref_q = quantize_transpose(x, fmt, scale=scale, accum=torch.zeros((), device=device) if delayed else None)
                     # current scaling: the row from the standalone kernel in place of the amax pass, or from the cast
-                    for mode in ("row",) if delayed else ("row", "cast"):
-                        QT.CURRENT_STATS = mode
+                    # (its row merged by a later launch, or by the launch's last program: ts.CAST_MERGE)
+                    for mode in ("row",) if delayed else ("row", "row-last", "cast"):
+                        QT.CURRENT_STATS, ts.CAST_MERGE = mode[:4], "last" if mode == "row-last" else "later"
                         for hist in (True, False):  # without the histogram bf16 inputs take the word loop
                             tgt = ts.Target(ts.Target.new(device).rows, 0, False, center, 6.0, hist, None)
                             acc = torch.zeros((), device=device) if delayed else None
                             r = quantize_transpose(x, fmt, scale=scale, accum=acc, stats=tgt)
+                            ts.flush_deferred()
                             want = ts.partials(x, fmt=fmt, scale=r.scale, center=center, hist=hist)
                             ok, why = rows_close(tgt.rows[0], want)
                             same_q = torch.equal(r.data.view(torch.uint8), ref_q.data.view(torch.uint8)) and \
@@ -345,7 +348,7 @@ def check_fused(device) -> None:
                             report(f"fused quantize_transpose {m}x{n} {dt} {fmt} delayed={delayed} hist={hist}"
                                    + ("" if delayed else f" current_stats={mode}"),
                                    ok and same_q, why + ("" if same_q else " fp8 data or meta differs"))
-                    QT.CURRENT_STATS = "row"
+                    QT.CURRENT_STATS, ts.CAST_MERGE = "row", "later"
                     tgt1 = ts.Target(ts.Target.new(device).rows, 0, False, center, 6.0, True, None)
                     quantize(x, fmt, scale=scale, accum=torch.zeros((), device=device) if delayed else None,
                              stats=tgt1)

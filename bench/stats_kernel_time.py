@@ -14,7 +14,8 @@ With ncu (hardware counters) on the kernel: ``ncu --clock-control none -k regex:
 ``--trace``: kernel time and a per-program timeline (GPU timer stamps: start, set-up done, loop done, partial
 stored, end, and the last program's merge) for fixed 64k-element chunks and for one wave of programs (``WAVES``),
 16, 64 and 256 MiB of bf16, 256 MiB of fp32. ``--trace-small``: the same for small tensors of a 124M step, beside
-the amax pass a cast's statistics launch replaces.
+the amax pass a cast's statistics launch replaces. ``--cast-small``: per-cast device time of a 124M step's activation
+casts with their rows (``cast_small``).
 """
 
 import argparse
@@ -126,6 +127,44 @@ def trace_small(scale, center) -> None:
         ts.WAVES, ts.CHUNK = 1, 1 << 20
 
 
+def cast_small() -> None:
+    """``--cast-small``: device time per current-scaled cast of the activations of a 124M step (bf16), 48 casts into
+    48 rows then ``flush_deferred``: plain (amax pass + cast), and with the row from the statistics launch in place
+    of the amax pass, merged by that launch's last program (``CAST_MERGE = "last"``) or by one merge launch for the
+    48 rows at the flush ("later"). Per kernel name, from torch.profiler; with and without the histogram."""
+    from trainer.kernels.quantize_transpose import quantize_transpose
+
+    rows, calls, reps = torch.zeros(48, ts.ds.WIDTH, dtype=torch.float64, device="cuda"), 48, 5
+    for shape in ((8192, 768), (8192, 3072)):
+        x = torch.randn(*shape, device="cuda").to(torch.bfloat16)
+        for hist in (False, True):
+            for mode in ("plain", "last", "later"):
+                ts.CAST_MERGE = mode if mode != "plain" else "later"
+
+                def run():
+                    for i in range(calls):
+                        tgt = None if mode == "plain" else ts.Target(rows, i, False, (0.0, 1.0), 6.0, hist)
+                        quantize_transpose(x, "e4m3", stats=tgt)
+                    ts.flush_deferred()
+
+                run()
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(reps):
+                        run()
+                    torch.cuda.synchronize()
+                per: dict = {}
+                for e in prof.events():
+                    if e.device_type.name == "CUDA":
+                        name = next((k for k in ("_stats_kernel", "_merge_kernel", "_amax_partials_kernel",
+                                                 "_quantize_transpose_kernel") if k in e.name), "other")
+                        per[name] = per.get(name, 0.0) + e.time_range.elapsed_us() / (reps * calls)
+                total = sum(per.values())
+                print(f"bf16 {shape} hist={hist!s:5} {mode:5}: {total:6.2f} us per cast | " + ", ".join(
+                    f"{k} {v:.2f}" for k, v in sorted(per.items())), flush=True)
+    ts.CAST_MERGE = "later"
+
+
 def host_mode(center) -> None:
     """Where a ``triton_stats.rows`` call spends its host time: the agent's form of the call (one tensor, its row
     into a step buffer, a device center): 300 queued calls timed, then 300 more under cProfile, top functions by
@@ -154,7 +193,13 @@ def main() -> None:
                    help="a 124M step's small cast tensors: amax pass, and timelines at two chunkings")
     p.add_argument("--host", action="store_true",
                    help="host time of rows() calls on 16 MiB of bf16, and their cProfile")
+    p.add_argument("--cast-small", action="store_true",
+                   help="a 124M step's activation casts with their rows, merged by the last program or later")
     args = p.parse_args()
+    if args.cast_small:
+        print(torch.cuda.get_device_name())
+        cast_small()
+        return
     scale = torch.tensor(2.0, device="cuda")
     center = torch.tensor([0.0, 1.0], dtype=torch.float64, device="cuda")
     if args.host:

@@ -318,13 +318,19 @@ def quantize_transpose(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tenso
     if amax_ready is not None and (stats is None or scale is not None or CURRENT_STATS != "row"):
         raise ValueError("amax_ready needs current scaling, a statistics target and CURRENT_STATS = 'row'")
     if stats is not None and scale is None and CURRENT_STATS == "row":
+        amaxes, n_amax = meta, 1
         if amax_ready is None:
-            ts.cast_row(x, fmt, stats, meta)  # x's amax into meta[0], read back as the cast's one partial
+            # x's amax into meta[0], read back as the cast's one partial; or the row merged later, and the
+            # statistics programs' amaxes left for the cast to reduce (triton_stats.CAST_MERGE)
+            later = ts.cast_row(x, fmt, stats, meta)
+            if later is not None:
+                amaxes, n_amax = later
         else:
-            meta = amax_ready
-        # (program (0, 0) stores meta[0] = amax again while the others read it: the same bits)
-        _quantize_transpose_kernel[grid](x, q_arg, qt_arg, meta, 1, meta, meta, meta, M, N, x.stride(0),
-                                         stats.rows, int(stats.index), CURRENT=True, P_BLOCK=1, COUNT=True,
+            meta = amaxes = amax_ready
+        # (program (0, 0) stores meta[0] = amax, maybe again while the others read it: the same bits)
+        _quantize_transpose_kernel[grid](x, q_arg, qt_arg, amaxes, n_amax, meta, meta, meta, M, N, x.stride(0),
+                                         stats.rows, int(stats.index), CURRENT=True,
+                                         P_BLOCK=next_power_of_2(n_amax), COUNT=True,
                                          UTHR=float(fmt.underflow_threshold), **common)
         return Quantized(q, qt, meta)
     if stats is not None:
