@@ -110,7 +110,6 @@ _DTYPE_CODE = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}
 # per-program partial layout
 _P_N, _P_NUMEL, _P_NONFIN, _P_ZEROS, _P_OUTL, _P_UNDER, _P_OVER, _P_AMAX, _P_MEAN, _P_M2, _P_M3, _P_M4, _P_AHM = \
     range(13)  # _P_AHM: the history max, in a tensor's first partial, where a later launch merges (``_merge_kernel``)
-_AMAX_FIELD = _P_AMAX  # (the _P_* names become constexprs below)
 # table row layout (int64; float fields bit-cast): the scale/center/history are a device pointer when
 # the *_ADDR field is non-zero, else the inline value
 (_T_ADDR, _T_NUMEL, _T_CODE, _T_FIRST, _T_NWORK, _T_DST, _T_MERGE, _T_SMODE, _T_SCALE_ADDR, _T_SCALE,
@@ -1120,6 +1119,11 @@ if triton is not None:
             cmean = tl.load(cp)
             cstd = tl.load(cp + 1)
         lo, hi = _outlier_bounds(cmean, cstd, _f64(tl.load(row + _T_K)))
+        epoch_ptr = tl.load(row + _T_AMAX_OUT).to(tl.pointer_type(tl.int64))
+        epoch = tl.zeros([], tl.int64)
+        if LATER:
+            if smode == SCALE_CAST_C:  # loaded now: its latency passes under the read
+                epoch = tl.load(epoch_ptr + 1)
         n = (end - start).to(tl.int32)  # <= the chunk; the launcher makes every address 16-byte aligned
         if HIST and _SMEM_HIST:
             res = _chunks(addr, start, code, n, s, smode, uthr, othr, lo, hi, tr, HIST, R, TRACE, _htab())
@@ -1137,6 +1141,9 @@ if triton is not None:
         nwork = tl.load(row + _T_NWORK)
         dst = dst_ptr + tl.load(row + _T_DST) * _WIDTH
         if LATER:  # the rows are merged by a later launch (``_merge_kernel``): no counter, no last program here
+            if smode == SCALE_CAST_C:  # the amax to the cast, through the epoch words (``epoch_words``)
+                tl.atomic_max(epoch_ptr, ((epoch + 1) << 32) | amax.to(tl.int32, bitcast=True).to(tl.int64),
+                              sem="relaxed", scope="gpu")
             if HIST:
                 tl.store(part_ptr + w + (_PW + tl.arange(0, 64)) * tl.num_programs(0), hist.to(tl.float64))
             if w == first:
@@ -1301,8 +1308,8 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
             later: bool = False) -> tuple:
     """One launch of ``_stats_kernel`` (``rows``). ``aouts``: per tensor None, or the fp32 device tensor that
     receives its finite amax; such a tensor's scale is that of its current-scaling cast (``cast_row``). ``later``:
-    the rows are merged by the next ``merge_later`` (``CAST_MERGE``), and the amaxes go to no ``aouts`` but stay in
-    the partials. Returns the partials ([fields, programs] fp64) and each tensor's (first program, programs)."""
+    the rows are merged by the next ``merge_later`` (``CAST_MERGE``), and an amax goes to the ``epoch_words`` given
+    as its ``aouts``. Returns the partials ([fields, programs] fp64) and each tensor's (first program, programs)."""
     keep = []  # what the device reads by address: alive until the launch is queued
     table = bytearray(_ROW.size * len(tensors))
     spans, modes = [], []  # per tensor (first program, programs), (scale mode, format code)
@@ -1554,8 +1561,8 @@ def _launch_items(items: list, device, later: bool = False) -> list:
     """(tensor, Target, fmt, amax_out) items, each row into its target with the current scaling of ``fmt``
     (the cast's, with x's amax into ``amax_out``, where that is not None: ``cast_row``): one launch per
     histogram setting, outlier k and row buffer (launch-wide), in one launch the usual case. ``later``: see
-    ``_launch`` (an ``amax_out`` then only marks the cast's tensor: nothing is written to it). Returns per item its
-    launch's partials and its (first program, programs)."""
+    ``_launch`` (an ``amax_out`` is then the ``epoch_words``). Returns per item its launch's partials and its (first
+    program, programs)."""
     groups: dict = {}
     for pos, item in enumerate(items):
         t = item[1]
@@ -1616,13 +1623,34 @@ def cast_row(x: torch.Tensor, fmt, target: "Target", amax_out: torch.Tensor) -> 
     underflow is left at 0 for the cast, which counts it at that scale and adds it to the row
     (``quantize_transpose``'s ``COUNT``). The rows deferred on x's device (``defer``) are written by the same launch.
 
-    With ``CAST_MERGE = "later"`` the row is complete after the next ``flush_deferred``, and this returns the fp64
-    amaxes of the launch's programs over x and their count: the cast takes their max. Else the amax goes into
-    ``amax_out`` (fp32 on x's device, at least one element) and this returns None."""
+    With ``CAST_MERGE = "later"`` the row is complete after the next ``flush_deferred``, and this returns the
+    ``epoch_words`` that hold x's amax for the cast. Else the amax goes into ``amax_out`` (fp32 on x's device, at least
+    one element) and this returns None."""
     later = CAST_MERGE == "later"
-    part, (first, nwork) = _launch_items([(x, target, by_name(fmt).name, amax_out)]
-                                         + _take_deferred(x.device), x.device, later=later)[0]
-    return (part[_AMAX_FIELD, first: first + nwork], nwork) if later else None
+    word = epoch_words(x.device) if later else amax_out
+    _launch_items([(x, target, by_name(fmt).name, word)] + _take_deferred(x.device), x.device, later=later)
+    return word if later else None
+
+
+_epochs: dict = {}
+
+
+def epoch_words(device: torch.device) -> torch.Tensor:
+    """The device's two int64 words through which a ``LATER`` statistics launch hands its cast the amax: every
+    program of the cast's tensor does an atomic max of ``(e + 1) << 32 | amax bits`` into word 0, where ``e`` is word 1,
+    the epoch the last cast read (``quantize_transpose``'s ``EPOCH``), which records ``e + 1`` in turn. A value left
+    from an earlier launch carries a lower epoch, so no reset (a launch, or a last program) is needed between launches.
+    A statistics launch and its cast follow each other on one stream; casts on two streams of a device at once would
+    share the words. Made on the first use, which must not be under CUDA-graph capture (eager warm-up steps precede a
+    capture)."""
+    key = (device.type, device.index)
+    w = _epochs.get(key)
+    if w is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("triton_stats: a cast's statistics launch under CUDA-graph capture before any eager one: "
+                               "run the step eagerly once before capturing it")
+        w = _epochs[key] = torch.zeros(2, dtype=torch.int64, device=device)
+    return w
 
 
 def cast_rows(items: list, device: torch.device) -> None:

@@ -114,7 +114,7 @@ def current_ab(cases: list) -> None:
 
             def variant(mode):
                 def fn():
-                    QT.CURRENT_STATS = (mode or "row")[:4]
+                    QT.CURRENT_STATS = (mode or "row").split("_")[0]
                     ts.CAST_MERGE = "last" if mode == "row_last" else "later"
                     return QT.quantize_transpose(x, fmt, stats=tgt if mode else None)
                 return fn

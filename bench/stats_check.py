@@ -334,7 +334,7 @@ def check_fused(device) -> None:
                     # current scaling: the row from the standalone kernel in place of the amax pass, or from the cast
                     # (its row merged by a later launch, or by the launch's last program: ts.CAST_MERGE)
                     for mode in ("row",) if delayed else ("row", "row-last", "cast"):
-                        QT.CURRENT_STATS, ts.CAST_MERGE = mode[:4], "last" if mode == "row-last" else "later"
+                        QT.CURRENT_STATS, ts.CAST_MERGE = mode.split("-")[0], "last" if mode == "row-last" else "later"
                         for hist in (True, False):  # without the histogram bf16 inputs take the word loop
                             tgt = ts.Target(ts.Target.new(device).rows, 0, False, center, 6.0, hist, None)
                             acc = torch.zeros((), device=device) if delayed else None

@@ -146,7 +146,7 @@ def _scale_from_amax(amax, FMAX: tl.constexpr):
 def _current_scale_from_partials(part_ptr, n_part, FMAX: tl.constexpr, P_BLOCK: tl.constexpr):
     offs = tl.arange(0, P_BLOCK)
     p = tl.load(part_ptr + offs, mask=offs < n_part, other=0.0)
-    amax = tl.max(p, 0).to(tl.float32)  # (fp64 partials, from triton_stats.cast_row, hold fp32 values)
+    amax = tl.max(p, 0)
     return amax, _scale_from_amax(amax, FMAX)
 
 

@@ -33,7 +33,7 @@ from agent.triton_stats import (_SMEM_HIST, _careful_result, _fast_result, _htab
                                 packed_setup)
 
 from .quantize import (INTERPRET, Quantized, _cast_fp8, cdiv, next_power_of_2, _consts, _current_scale_from_partials,
-                       _finite_abs, amax_partials, quantize_ref, stats_consts, stats_programs)
+                       _finite_abs, _scale_from_amax, amax_partials, quantize_ref, stats_consts, stats_programs)
 
 # How the transposed tile is produced, per input dtype (see the kernel): 0 = tl.trans of the fp8 tile,
 # 1 = tl.trans of the fp32 tile then cast, 2 = re-read the tile transposed (no tl.trans). On an H200 with
@@ -81,14 +81,23 @@ def _quantize_transpose_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, scale_ptr
                                WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr,
                                SOFT_ROUND: tl.constexpr, P_BLOCK: tl.constexpr, TRANS_MODE: tl.constexpr,
                                BM: tl.constexpr, BN: tl.constexpr, COUNT: tl.constexpr = False,
-                               UTHR: tl.constexpr = 0.0):
+                               UTHR: tl.constexpr = 0.0, EPOCH: tl.constexpr = False):
     """One (BM, BN) tile per program. ``COUNT`` (current scaling, the cast that follows ``triton_stats.cast_row``):
     also count the tile's nonzero elements that cast to zero (fl32(|x| s) <= UTHR, as device_stats.partials counts
     them) and add them to the row ``dst_ptr[dst_index]``'s underflow. Its overflow stays 0, exactly: with s = max /
-    amax no |x| <= amax casts past the overflow threshold, and where s falls back to 1, amax is 0 or below 1e-36."""
+    amax no |x| <= amax casts past the overflow threshold, and where s falls back to 1, amax is 0 or below 1e-36.
+    ``EPOCH``: the amax is in ``triton_stats.cast_row``'s epoch words at ``part_ptr`` (int64: the epoch in the high
+    half, the amax's bits in the low one); program (0, 0) records the epoch it read, so the next statistics launch
+    outbids it."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if CURRENT:
+    if EPOCH:
+        word = tl.load(part_ptr)
+        amax = (word & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+        s = _scale_from_amax(amax, FMAX)
+        if (pid_m == 0) & (pid_n == 0):
+            tl.store(part_ptr + 1, word >> 32)
+    elif CURRENT:
         amax, s = _current_scale_from_partials(part_ptr, n_part, FMAX, P_BLOCK)
     else:
         s = tl.load(scale_ptr)
@@ -318,20 +327,19 @@ def quantize_transpose(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tenso
     if amax_ready is not None and (stats is None or scale is not None or CURRENT_STATS != "row"):
         raise ValueError("amax_ready needs current scaling, a statistics target and CURRENT_STATS = 'row'")
     if stats is not None and scale is None and CURRENT_STATS == "row":
-        amaxes, n_amax = meta, 1
+        amax_in = meta
         if amax_ready is None:
-            # x's amax into meta[0], read back as the cast's one partial; or the row merged later, and the
-            # statistics programs' amaxes left for the cast to reduce (triton_stats.CAST_MERGE)
-            later = ts.cast_row(x, fmt, stats, meta)
-            if later is not None:
-                amaxes, n_amax = later
+            # x's amax into meta[0], read back as the cast's one partial; or, the row merged later, into the
+            # epoch words (triton_stats.CAST_MERGE)
+            amax_in = ts.cast_row(x, fmt, stats, meta)
+            amax_in = meta if amax_in is None else amax_in
         else:
-            meta = amaxes = amax_ready
+            meta = amax_in = amax_ready
         # (program (0, 0) stores meta[0] = amax, maybe again while the others read it: the same bits)
-        _quantize_transpose_kernel[grid](x, q_arg, qt_arg, amaxes, n_amax, meta, meta, meta, M, N, x.stride(0),
-                                         stats.rows, int(stats.index), CURRENT=True,
-                                         P_BLOCK=next_power_of_2(n_amax), COUNT=True,
-                                         UTHR=float(fmt.underflow_threshold), **common)
+        _quantize_transpose_kernel[grid](x, q_arg, qt_arg, amax_in, 1, meta, meta, meta, M, N, x.stride(0),
+                                         stats.rows, int(stats.index), CURRENT=True, P_BLOCK=1, COUNT=True,
+                                         UTHR=float(fmt.underflow_threshold), EPOCH=amax_in.dtype == torch.int64,
+                                         **common)
         return Quantized(q, qt, meta)
     if stats is not None:
         programs = stats_programs(grid[0] * grid[1], dev)
