@@ -34,7 +34,8 @@ Scheme (one kernel):
   * The last program of a tensor (an atomic counter per tensor) merges the tensor's per-program partials in
     fp64 (Pebay's formulas applied at once about the first partial's mean, then shifted to the grand mean:
     ``_finalize``) and writes the row. No second launch. Histograms skip the partials: each program adds its
-    bins to the tensor's counter row atomically.
+    bins to the tensor's counter row atomically. A current-scaled cast's launch (``cast_row``) leaves that merge
+    to a later launch for many rows instead (``CAST_MERGE``, ``merge_later``): the cast waits for no last program.
 
 Underflow/overflow are exact counts of ``fl32(|x| * s) <= fmt.underflow_threshold`` and
 ``> fmt.overflow_threshold`` when the scale ``s`` is known before the read (a scale tensor or number: delayed

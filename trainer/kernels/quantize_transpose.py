@@ -15,7 +15,9 @@ target; reference ``quantize.stats_ref``. Under delayed scaling (and current sca
 loaded (see ``quantize.py``). Under current scaling (``CURRENT_STATS = "row"``, the default) the standalone
 statistics kernel takes the place of the amax pass, which reads x once anyway (``triton_stats.cast_row``): its
 merged amax is the cast's, and the plain cast adds the one statistic that needs the scale first, the underflow
-count (``COUNT``). The cast's statistics variant cost 1.3-1.8x the plain cast at the 1.5B step's shapes.
+count (``COUNT``). The row is then complete after ``triton_stats.flush_deferred`` (``triton_stats.CAST_MERGE``; the
+agent calls it before it takes a step's rows). The cast's statistics variant cost 1.3-1.8x the plain cast at the 1.5B
+step's shapes.
 """
 
 from __future__ import annotations
