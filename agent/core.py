@@ -41,6 +41,7 @@ import logging
 import os
 import re
 import threading
+import weakref
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -148,6 +149,9 @@ class Agent:
         self._after: dict[tuple[str, str], torch.Tensor] = {}
         self._after_queued = False  # the end-of-pass callback is queued
         self._after_lock = threading.Lock()
+        # id(gradient) -> (slot, weak reference to it): the grad_weight rows the Triton path took this step, for
+        # ``grad_sq_norms`` (weak: the optimizer frees the gradients after its step)
+        self._grad_slots: dict[int, tuple[int, weakref.ref]] = {}
         self._closed = False
         self.reporting = False
 
@@ -364,6 +368,7 @@ class Agent:
         self._step = step
         self._token += 1
         self._seen = set()
+        self._grad_slots = {}
         self.reporting = step % self.every == 0 and not self._closed
         self.hist_now = self.hist and step % (self.every * self.hist_every) == 0  # this step's rows carry it
         if self.reporting:
@@ -563,6 +568,28 @@ class Agent:
         for slot, x, fmt, scale, ahm, emulated, replace, site in todo:
             if emulated:
                 self._history.observe(slot, rows[slot, ds.AMAX])
+            if site == "grad_weight" and replace:
+                self._grad_slots[id(x)] = (slot, weakref.ref(x))
+
+    def grad_sq_norms(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor | None, list[bool]]:
+        """The sum of the squared L2 norms of those ``grads`` whose grad_weight rows this step's statistics took
+        (on the Triton path, from the gradient as the last backward pass left it), from their rows: n mean^2 + M2 of
+        the finite elements, in fp64 on their device; NaN if any of them holds NaN or Inf. Also which of ``grads``
+        these are. A gradient-clipping pass need not read them again (``trainer.clip``). (None, all False) when no
+        row of them was taken; valid until the gradients change (the optimizer's step, the next backward pass)."""
+        slots, covered = [], []
+        for g in grads:
+            got = self._grad_slots.get(id(g))
+            hit = got is not None and got[1]() is g
+            covered.append(hit)
+            if hit:
+                slots.append(got[0])
+        if not slots:
+            return None, covered
+        rows = self._pack.rows.index_select(0, ts.to_device(slots, self._pack.rows.device))
+        n, mean, m2 = rows[:, ds.N], rows[:, ds.MEAN], rows[:, ds.M2]
+        sq = torch.where(n > 0, n * mean * mean + m2, 0.0).sum()
+        return torch.where((rows[:, ds.NONFINITE] > 0).any(), float("nan"), sq), covered
 
     def _update_centers(self, rows: torch.Tensor) -> None:
         """The reporting step's (mean, std) per slot become the next steps' outlier centers (device ops)."""

@@ -6,7 +6,9 @@ grad_output, grad_weight), measured in one process, phases alternating.
     python bench/agent_overhead.py --configs tiny --precisions bf16 --device cpu --steps 3 --warmup 1 --rounds 1
 
 Per config and precision one model is built and stepped by bench/train_step.py's ``build`` and
-``optimizer_step`` (llama, current scaling, fused AdamW, gradient clipping, autocast) and the phases run in the order ``off, on, on-torch, off, on, ...`` (``--rounds``
+``optimizer_step`` (llama, current scaling, fused AdamW, gradient clipping, autocast; with the agent on, clipping
+takes the norms of the gradients it watches from its rows, as ``fp8mon train`` does, unless ``--clip-reads``) and the
+phases run in the order ``off, on, on-torch, off, on, ...`` (``--rounds``
 repetitions of ``off`` + each backend): the agent on the one-pass Triton path (``stats_backend="triton"``:
 in fp8 the rows of input/weight/grad_output come from the FP8 quantize kernels of Fp8Linear, output as
 ``--output-stats`` says (Fp8Linear's ``OUTPUT_STATS``: by default the GEMM's statistics epilogue, or the standalone
@@ -64,8 +66,10 @@ def measure(config: str, precision: str, args, device: torch.device, url: str) -
     if args.cuda_graph:
         tensor_lr(optimizer, device)  # capturable
 
+    watching = [None]  # the phase's agent, whose rows give clipping the watched gradients' norms (trainer.clip)
+
     def plain():
-        return optimizer_step(model, optimizer, params, precision, x, y)
+        return optimizer_step(model, optimizer, params, precision, x, y, agent=watching[0])
 
     def step(agent, run=plain):  # run: plain, or its StepGraphs (--cuda-graph)
         loss = run()
@@ -84,6 +88,7 @@ def measure(config: str, precision: str, args, device: torch.device, url: str) -
                           sites=sites.split("+") if sites else SITES,
                           hist=args.hist, hist_every=args.hist_every).watch(model)
             agent.step(step_no[0])
+        watching[0] = None if args.clip_reads else agent
         # --cuda-graph: a step of each kind eagerly, then captured, both within the warm-up
         run = StepGraphs(plain, agent=agent, warmup=1) if args.cuda_graph else plain
         # with the agent on, the warm-up takes in a histogram step (its kernels compile then, not in the timing)
@@ -277,6 +282,8 @@ def main(argv=None) -> int:
     p.add_argument("--backends", default="triton,torch",
                    help="agent statistics paths to measure (triton, torch), each optionally with some sites only: "
                         "triton:input+grad_weight")
+    p.add_argument("--clip-reads", action="store_true",
+                   help="gradient clipping reads every gradient again (clip_grad_norm_), not the agent's rows")
     p.add_argument("--batch-size", type=int)
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--steps", type=int, default=15, help="timed steps per phase")

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.config import get_config  # noqa: E402
 from trainer.fp8_linear import Fp8Recipe, cache_fp8_weights  # noqa: E402
+from trainer.clip import clip_grad_norm  # noqa: E402
 from trainer.model import Transformer, autocast  # noqa: E402
 
 BATCH = {"tiny": 8, "124m": 16, "1.5b": 4}  # sequences per step at the config's seq_len (124m: 16 x 1024)
@@ -43,14 +44,15 @@ def build(config: str, arch: str, precision: str, vocab: int, scaling: str, devi
     return model, optimizer, cfg
 
 
-def optimizer_step(model, optimizer, params, precision: str, x, y, grad_accum: int = 1) -> torch.Tensor:
+def optimizer_step(model, optimizer, params, precision: str, x, y, grad_accum: int = 1, agent=None) -> torch.Tensor:
     """One whole optimizer step as `fp8mon train` takes it: `grad_accum` forwards under autocast and backwards,
-    gradient clipping, AdamW. Returns the last micro-batch's loss."""
+    gradient clipping (the norms of the gradients ``agent`` read come from its rows, ``trainer.clip``), AdamW.
+    Returns the last micro-batch's loss."""
     for _ in range(grad_accum):
         with autocast(precision, x.device):
             loss = model(x, y)
         (loss / grad_accum).backward()
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    clip_grad_norm(params, 1.0, agent)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .clip import clip_grad_norm
 from .config import ARCHS, CONFIGS, PRECISIONS, get_config
 from .data import TokenData
 from .model import Transformer, autocast
@@ -320,8 +321,8 @@ def make_agent(args, model: Transformer, run_name: str, rank: int, world: int, s
     return agent
 
 
-def train_step(model, raw: Transformer, optimizer, params, batches, args, world: int):
-    """One optimizer step over the micro-batches ``batches`` ((x, y) pairs):
+def train_step(model, raw: Transformer, optimizer, params, batches, args, world: int, agent=None):
+    """One optimizer step over the micro-batches ``batches`` ((x, y) pairs), watched by ``agent`` if given:
     (mean loss over micro-batches and ranks, gradient norm before clipping, the model's diagnostics), all device
     tensors, nothing read on the host (``StepGraphs`` captures this function)."""
     loss_sum = torch.zeros((), device=params[0].device)
@@ -333,7 +334,8 @@ def train_step(model, raw: Transformer, optimizer, params, batches, args, world:
                 loss = model(x, y)
             (loss / args.grad_accum).backward()
         loss_sum += loss.detach()
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.clip if args.clip > 0 else float("inf"))
+    # (with an agent on one rank, the norms of the gradients it has just read come from its rows: trainer.clip)
+    grad_norm = clip_grad_norm(params, args.clip if args.clip > 0 else float("inf"), agent if world == 1 else None)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     step_loss = loss_sum / args.grad_accum
@@ -411,7 +413,7 @@ def run(args) -> TrainResult:
         shape = (args.batch_size, args.seq_len)
         static = [(torch.zeros(shape, dtype=torch.long, device=device),
                    torch.zeros(shape, dtype=torch.long, device=device)) for _ in range(args.grad_accum)]
-        graphs = StepGraphs(lambda: train_step(model, raw, optimizer, params, static, args, world), agent=agent,
+        graphs = StepGraphs(lambda: train_step(model, raw, optimizer, params, static, args, world, agent), agent=agent,
                             warmup=1)
     pending: list[tuple[int, float, torch.Tensor]] = []  # (step, lr, [loss, grad_norm]) not yet read
     t_last, steps_since = time.perf_counter(), 0
@@ -432,7 +434,8 @@ def run(args) -> TrainResult:
                                   index=rank * args.grad_accum + micro, device=device)
                        for micro in range(args.grad_accum)]
             if graphs is None:
-                step_loss, grad_norm, diagnostics = train_step(model, raw, optimizer, params, batches, args, world)
+                step_loss, grad_norm, diagnostics = train_step(model, raw, optimizer, params, batches, args, world,
+                                                               agent)
             else:
                 for (x, y), (sx, sy) in zip(batches, static):
                     sx.copy_(x)

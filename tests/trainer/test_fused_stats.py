@@ -295,10 +295,54 @@ def _child(names: list[str]) -> None:
                 problem += f" step {step}: rows differ at {bad}"
         emit("fp8_linear_agent_cached", problem)
 
+    def clip_from_rows():
+        """Gradient clipping with the watched gradients' norms from the agent's grad_weight rows (trainer.clip)
+        equals torch's clip_grad_norm_ (norm and clipped gradients), takes those rows only on reporting steps, and
+        gives NaN for a NaN gradient."""
+        from agent import Agent
+        from stats_check import NullTransport
+        from trainer.clip import clip_grad_norm
+
+        torch.manual_seed(5)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+        params = list(model.parameters())
+        agent = Agent(transport=NullTransport(), every=2, stats_backend="triton").watch(model)
+        for step in range(3):  # steps 0 and 2 report; step 2's input holds a NaN
+            x = torch.randn(4, 16) * (1 + step)
+            if step == 2:
+                x[1, 3] = float("nan")
+            model.zero_grad(set_to_none=True)
+            for _ in range(2):  # two micro-batches: the rows of the last backward pass's gradients count
+                model(x).square().mean().backward()
+            ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+            for r, p in zip(ref, params):
+                r.grad = p.grad.clone()
+            want = torch.nn.utils.clip_grad_norm_(ref, 0.05)
+            covered = sum(agent.grad_sq_norms([p.grad for p in params])[1])
+            got = clip_grad_norm(params, 0.05, agent)
+            problems = []
+            if covered != (2 if step % 2 == 0 else 0):  # the two weights, on reporting steps
+                problems.append(f"{covered} gradients' norms from rows")
+            if step == 2:
+                if not torch.isnan(got):
+                    problems.append(f"norm {float(got)} with a NaN gradient")
+            else:
+                if not abs(float(got) - float(want)) <= 1e-6 * float(want):
+                    problems.append(f"norm {float(got)} vs torch {float(want)}")
+                for r, p in zip(ref, params):
+                    if not torch.allclose(p.grad, r.grad, rtol=1e-6, atol=0):
+                        problems.append("clipped gradients differ from torch's")
+                        break
+            agent.log(step)
+            emit(f"clip_from_rows:step{step}", "; ".join(problems))
+        agent.close()
+        emit("clip_from_rows:errors", "" if agent.errors == 0 else str(agent.last_error))
+
     checks = dict(fused_kernels=fused_kernels, fused_fast_path=fused_fast_path, fused_merge=fused_merge, fp8_linear_agent=fp8_linear_agent,
                   fp8_linear_agent_read=lambda: fp8_linear_agent("read"),
                   fp8_linear_agent_deferred=lambda: fp8_linear_agent("deferred"),
-                  fp8_linear_agent_cached=fp8_linear_agent_cached, gemm_stats_fallback=gemm_stats_fallback)
+                  fp8_linear_agent_cached=fp8_linear_agent_cached, gemm_stats_fallback=gemm_stats_fallback,
+                  clip_from_rows=clip_from_rows)
     for name in names or checks:
         try:
             checks[name]()
@@ -311,7 +355,7 @@ def _child(names: list[str]) -> None:
 
 GROUPS = ["fused_kernels", "fused_fast_path", "fused_merge", "fp8_linear_agent", "fp8_linear_agent_read",
           "fp8_linear_agent_deferred", "fp8_linear_agent_cached",
-          "gemm_stats_fallback"]
+          "gemm_stats_fallback", "clip_from_rows"]
 
 
 @pytest.fixture(scope="module")
