@@ -552,7 +552,7 @@ class Agent:
         (already written this step, and not replaced), and the outlier centers; marks the slots written."""
         pack = self._pack
         with pack._lock:
-            pack.rows = _grown(pack.rows, len(self._slots), device, ds.empty)
+            pack.grow(device)
             merge = [s in pack.written and not r for s, r in zip(slots, replace)]
             pack.written.update(slots)
             self._centers = _grown(self._centers, len(self._slots), device, _no_centers)

@@ -8,6 +8,7 @@ import threading
 import torch
 
 from . import device_stats as ds
+from . import triton_stats
 
 
 class Slots:
@@ -58,10 +59,19 @@ class StepPack:
             self.written = set()
             self.open = True
 
+    def grow(self, device) -> torch.Tensor:
+        """The buffer with a row for every slot, on ``device`` (call with the lock held). Rows still waiting for a
+        merge into the old buffer (``triton_stats.merge_later``) are merged there before it is copied."""
+        r = self.rows
+        if r is not None and (r.shape[0] < len(self.slots) or r.device != torch.device(device)):
+            triton_stats.merge_later()
+        self.rows = _grown(r, len(self.slots), device, ds.empty)
+        return self.rows
+
     def add(self, slot: int, row: torch.Tensor, replace: bool = False) -> None:
         """Merge ``row`` into the slot (a further micro-batch or call), or overwrite it (``replace``)."""
         with self._lock:
-            self.rows = _grown(self.rows, len(self.slots), row.device, ds.empty)
+            self.grow(row.device)
             if row.device != self.rows.device:
                 row = row.to(self.rows.device, non_blocking=True)
             if slot in self.written and not replace:
@@ -76,8 +86,7 @@ class StepPack:
         """Close the step: its ``[len(slots), WIDTH]`` rows (a view of the buffer; copy before reuse)."""
         with self._lock:
             self.open = False
-            self.rows = _grown(self.rows, len(self.slots), device if self.rows is None else self.rows.device,
-                               ds.empty)
+            self.grow(device if self.rows is None else self.rows.device)
             return self.rows[: len(self.slots)]
 
 

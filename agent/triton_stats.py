@@ -1387,7 +1387,7 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
     if later:
         with _later_lock:
             for i, ((first, nwork), (smode, fcode)) in enumerate(zip(spans, modes)):
-                _later.append((part, bool(hist), _MROW.pack(part.data_ptr(), nwork_total, first, nwork,
+                _later.append((part, out, bool(hist), _MROW.pack(part.data_ptr(), nwork_total, first, nwork,
                                                              dsts[i][0] + dsts[i][1] * ds.WIDTH * 8,
                                                              int(bool(merges[i])), smode, fcode)))
                 _later_dsts.add(dsts[i])
@@ -1406,7 +1406,9 @@ CAST_MERGE = os.environ.get("FP8MON_CAST_MERGE", "later")
 MAX_LATER = 1024  # rows waiting for ``merge_later`` at most (their partials stay allocated): then merged at once
 _MROW = struct.Struct("<8q")  # part address, its stride, first program, programs, row address, merge, smode, format
 assert _MROW.size == MTABW * 8
-_later: list = []  # (partials, hist, _MROW bytes)
+# (partials, row buffer, hist, _MROW bytes); the row buffer is kept alive until the merge has written into it. Whoever
+# moves a row buffer (the agent growing its step buffer) merges first: the merge writes where the rows were.
+_later: list = []
 _later_dsts: set = set()  # (row buffer address, index) of the rows waiting
 _later_lock = threading.Lock()
 
@@ -1420,12 +1422,12 @@ def merge_later() -> None:
         todo, _later[:] = list(_later), []
         _later_dsts.clear()
     groups: dict = {}
-    for part, hist, mrow in todo:
-        groups.setdefault((part.device, hist), []).append((part, mrow))
+    for part, out, hist, mrow in todo:
+        groups.setdefault((part.device, hist), []).append((part, out, mrow))
     for (device, hist), entries in groups.items():
-        mtab = to_device(b"".join(m for _, m in entries), device)
+        mtab = to_device(b"".join(m for _, _, m in entries), device)
         _merge_kernel[(len(entries),)](mtab, mtab, HIST=hist, PB=8 if INTERPRET else P_BLOCK, num_warps=NUM_WARPS)
-        del entries  # the partials may be reused once the launch is queued
+        del entries  # the partials (and a row buffer no longer used) may be reused once the launch is queued
 
 
 class _Staging:

@@ -295,6 +295,38 @@ def _child(names: list[str]) -> None:
                 problem += f" step {step}: rows differ at {bad}"
         emit("fp8_linear_agent_cached", problem)
 
+    def fp8_linear_agent_grown():
+        # rows merged later (ts.CAST_MERGE) equal rows merged by their launch's last program, bit for bit, on a model
+        # whose 20 slots outgrow the agent's first step buffer (16 rows) in the middle of its first step: the rows
+        # waiting for their merge must land before the buffer moves
+        sys.path.insert(0, str(ROOT / "bench"))
+        from stats_check import agent_rows
+        from trainer.fp8_linear import Fp8Linear
+
+        got = {}
+        for merge in ("later", "last"):
+            torch.manual_seed(6)
+            model = torch.nn.Sequential(*[m for _ in range(2) for m in (Fp8Linear(32, 48), torch.nn.GELU(),
+                                                                         Fp8Linear(48, 32))])
+            for m in model:
+                if isinstance(m, Fp8Linear):
+                    m.backend = "triton"
+            xs = [torch.randn(2, 8, 32) * (1 + i) for i in range(4)]
+            old, ts.CAST_MERGE = ts.CAST_MERGE, merge
+            try:
+                got[merge] = agent_rows(model, lambda step, micro: xs[2 * step + micro], 2, "cpu", fused=True,
+                                        stats_backend="triton")
+            finally:
+                ts.CAST_MERGE = old
+        (later, keys), (last, keys2) = got["later"], got["last"]
+        problem = "" if sorted(keys) == sorted(keys2) and len(keys) == 20 else f"slots {keys} vs {keys2}"
+        order = [keys2.index(k) for k in keys]  # (the weights' slots may be claimed in another order)
+        for step in range(2):
+            a, b = later[step].nan_to_num(-1.0), last[step][order].nan_to_num(-1.0)
+            if not torch.equal(a, b):
+                problem += f" step {step}: rows differ at {(a != b).nonzero().tolist()[:4]}"
+        emit("fp8_linear_agent_grown", problem)
+
     def clip_from_rows():
         """Gradient clipping with the watched gradients' norms from the agent's grad_weight rows (trainer.clip)
         equals torch's clip_grad_norm_ (norm and clipped gradients), takes those rows only on reporting steps, and
@@ -342,7 +374,7 @@ def _child(names: list[str]) -> None:
                   fp8_linear_agent_read=lambda: fp8_linear_agent("read"),
                   fp8_linear_agent_deferred=lambda: fp8_linear_agent("deferred"),
                   fp8_linear_agent_cached=fp8_linear_agent_cached, gemm_stats_fallback=gemm_stats_fallback,
-                  clip_from_rows=clip_from_rows)
+                  fp8_linear_agent_grown=fp8_linear_agent_grown, clip_from_rows=clip_from_rows)
     for name in names or checks:
         try:
             checks[name]()
@@ -355,7 +387,7 @@ def _child(names: list[str]) -> None:
 
 GROUPS = ["fused_kernels", "fused_fast_path", "fused_merge", "fp8_linear_agent", "fp8_linear_agent_read",
           "fp8_linear_agent_deferred", "fp8_linear_agent_cached",
-          "gemm_stats_fallback", "clip_from_rows"]
+          "fp8_linear_agent_grown", "gemm_stats_fallback", "clip_from_rows"]
 
 
 @pytest.fixture(scope="module")
