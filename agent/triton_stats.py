@@ -1306,11 +1306,11 @@ _trace: list | None = None  # benches: a list to receive each launch's [programs
 
 
 def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, device, aouts=None,
-            later: bool = False) -> tuple:
+            later: bool = False) -> None:
     """One launch of ``_stats_kernel`` (``rows``). ``aouts``: per tensor None, or the fp32 device tensor that
     receives its finite amax; such a tensor's scale is that of its current-scaling cast (``cast_row``). ``later``:
     the rows are merged by the next ``merge_later`` (``CAST_MERGE``), and an amax goes to the ``epoch_words`` given
-    as its ``aouts``. Returns the partials ([fields, programs] fp64) and each tensor's (first program, programs)."""
+    as its ``aouts``."""
     keep = []  # what the device reads by address: alive until the launch is queued
     table = bytearray(_ROW.size * len(tensors))
     spans, modes = [], []  # per tensor (first program, programs), (scale mode, format code)
@@ -1394,12 +1394,11 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
             full = len(_later) >= MAX_LATER
         if full:
             merge_later()
-    return part, spans
 
 
 # How a current-scaled cast's row is merged (``cast_row``): "later", by ``merge_later`` (``flush_deferred`` calls it:
 # the agent, before it takes a step's rows), in one launch for all rows waiting; the launch before the cast has no
-# counter and no last program, and the cast takes the max of its programs' amaxes itself. "last", by that launch's
+# counter and no last program, and hands the cast the amax through the ``epoch_words``. "last", by that launch's
 # last program, which hands the cast the amax (the serial tail of every cast's statistics launch: set-up of the
 # merge, loads of the partials, the reduction, the row; ~5 us of a 124M cast's ~12 us on an H200).
 CAST_MERGE = os.environ.get("FP8MON_CAST_MERGE", "later")
@@ -1560,26 +1559,21 @@ _deferred_lock = threading.Lock()
 MAX_DEFERRED = 8  # tensors waiting at most (they are kept alive until their launch): then a launch of their own
 
 
-def _launch_items(items: list, device, later: bool = False) -> list:
+def _launch_items(items: list, device, later: bool = False) -> None:
     """(tensor, Target, fmt, amax_out) items, each row into its target with the current scaling of ``fmt``
     (the cast's, with x's amax into ``amax_out``, where that is not None: ``cast_row``): one launch per
     histogram setting, outlier k and row buffer (launch-wide), in one launch the usual case. ``later``: see
-    ``_launch`` (an ``amax_out`` is then the ``epoch_words``). Returns per item its launch's partials and its (first
-    program, programs)."""
+    ``_launch`` (an ``amax_out`` is then the ``epoch_words``)."""
     groups: dict = {}
-    for pos, item in enumerate(items):
+    for item in items:
         t = item[1]
-        groups.setdefault((bool(t.hist), float(t.outlier_k), t.rows.data_ptr()), []).append((pos, item))
-    out = [None] * len(items)
+        groups.setdefault((bool(t.hist), float(t.outlier_k), t.rows.data_ptr()), []).append(item)
     for (hist, k, _), group in groups.items():
-        ts_ = [it[1] for _, it in group]
-        part, spans = _launch([it[0] for _, it in group], [it[2] for _, it in group], [None] * len(group),
-                              [t.center for t in ts_], k, [t.amax_history_max for t in ts_], hist, ts_[0].rows,
-                              [int(t.index) for t in ts_], [bool(t.merge) for t in ts_], device,
-                              aouts=[it[3] for _, it in group], later=later)
-        for (pos, _), span in zip(group, spans):
-            out[pos] = (part, span)
-    return out
+        ts_ = [t for _, t, _, _ in group]
+        _launch([x for x, _, _, _ in group], [f for _, _, f, _ in group], [None] * len(group),
+                [t.center for t in ts_], k, [t.amax_history_max for t in ts_], hist, ts_[0].rows,
+                [int(t.index) for t in ts_], [bool(t.merge) for t in ts_], device,
+                aouts=[a for _, _, _, a in group], later=later)
 
 
 def defer(x: torch.Tensor, target: "Target") -> None:
@@ -1619,7 +1613,7 @@ def flush_deferred() -> None:
     merge_later()
 
 
-def cast_row(x: torch.Tensor, fmt, target: "Target", amax_out: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+def cast_row(x: torch.Tensor, fmt, target: "Target", amax_out: torch.Tensor) -> torch.Tensor | None:
     """The statistics of x, about to be cast with current scaling, into ``target``'s row, by the standalone
     kernel in place of the cast's amax pass (it reads x once, as that pass does). The row's scale is the one that
     cast computes from x's finite amax (quantize's ``_scale_from_amax``), overflow is 0 (exact under that scale), and
