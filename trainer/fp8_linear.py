@@ -148,6 +148,7 @@ class _State:
         self.amax = module.fp8_amax
         self.scale = module.fp8_scale
         self.link = module.fp8mon_stats  # the agent's FusedLink, or None
+        self.output_by_consumer = module.fp8mon_output_by_consumer
         self.weight = module.weight  # its .grad: what the wgrad result accumulates into
         self.weight_cache = module.fp8_weight_cache
         self.weight_ready = module.fp8_weight_ready
@@ -234,7 +235,7 @@ class _State:
     def gemm(self, a, b, sa, sb, out_dtype, fast_accum, bias=None, site=None):
         """(a @ bᵀ) * sa * sb, a (M, K), b (N, K) FP8; with ``site`` also the statistics row of the result for the
         agent."""
-        link = self.link if site is not None else None
+        link = self.link if site is not None and not (site == "output" and self.output_by_consumer) else None
         if self.backend == "triton":
             from .kernels import fp8_gemm
 
@@ -366,6 +367,8 @@ class Fp8Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self.backend = "auto"
         self.fp8mon_stats = None  # set by agent.Agent.watch
+        # True: the kernel that consumes this layer's output takes its row (trainer.layers.SwiGLU); this layer does not
+        self.fp8mon_output_by_consumer = False
         self.fp8_cache_weight = False  # set by cache_fp8_weights
         # [((data_ptr, version), (q, q_t, scale_inv)) or None, casts so far]: see _State.quantize_weight
         self.fp8_weight_cache: list = [None, 0]

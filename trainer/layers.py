@@ -8,6 +8,7 @@ their input's dtype.
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable
 
 import torch
@@ -106,6 +107,12 @@ class Attention(nn.Module):
         return s.masked_fill(~causal, float("-inf")).amax()
 
 
+# SwiGLU's elementwise part as one Triton kernel each way (trainer.kernels.swiglu) where Triton runs: it also takes the
+# row of an FP8 fc1's output for the agent from its read, which Fp8Linear then leaves to it (no second read of the
+# block's largest tensor). Off by default until measured on a GPU (FP8MON_FUSED_SWIGLU=1 turns it on).
+FUSED_SWIGLU = os.environ.get("FP8MON_FUSED_SWIGLU", "0") == "1"
+
+
 class SwiGLU(nn.Module):
     """fc2(silu(gate) * up), with ``fc1`` one fused GEMM producing [gate | up]."""
 
@@ -115,8 +122,24 @@ class SwiGLU(nn.Module):
         self.fc2 = make_linear(hidden, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.fc1(x).chunk(2, dim=-1)
-        return self.fc2(F.silu(gate) * up)
+        fused = FUSED_SWIGLU and _triton_runs(x.device)
+        link = getattr(self.fc1, "fp8mon_stats", None) if fused else None
+        if hasattr(self.fc1, "fp8mon_output_by_consumer"):
+            self.fc1.fp8mon_output_by_consumer = link is not None
+        y = self.fc1(x)
+        if not fused:
+            gate, up = y.chunk(2, dim=-1)
+            return self.fc2(F.silu(gate) * up)
+        from .kernels.swiglu import swiglu
+
+        return self.fc2(swiglu(y, stats=link.target("output", y.device) if link is not None else None))
+
+
+def _triton_runs(device: torch.device) -> bool:
+    """Whether the trainer's Triton kernels run on ``device``: CUDA with Triton, or the CPU under TRITON_INTERPRET."""
+    from agent import triton_stats
+
+    return triton_stats.available(device)
 
 
 def softplus_inverse(y: float) -> float:

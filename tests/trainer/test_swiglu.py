@@ -86,7 +86,51 @@ def _child(names: list[str]) -> None:
                 problems.append(row_problems(tgt.rows[0], both, rtol=1e-6))
                 emit(f"forward_stats:{tuple(y0.shape)}:{y0.dtype}:{fmt}", "; ".join(p for p in problems if p))
 
-    checks = dict(forward_backward=forward_backward, forward_stats=forward_stats)
+    def agent_block():
+        """A SwiGLU block of FP8 linears watched by an agent, two steps of two micro-batches: with the fused kernel,
+        fc1's output row comes from it (fc1's output is not deferred to a statistics read), and fc1's rows equal
+        those without it (its input, weight and output are the same tensors either way; fc2's see h, which may
+        differ in the last place)."""
+        from stats_check import agent_rows
+        from trainer import fp8_linear, layers
+        from trainer.fp8_linear import Fp8Linear
+
+        got = {}
+        for fused in (False, True):
+            torch.manual_seed(7)
+            block = layers.SwiGLU(32, 48, lambda i, o: Fp8Linear(i, o))
+            for m in block.modules():
+                if isinstance(m, Fp8Linear):
+                    m.backend = "triton"
+            xs = [torch.randn(2, 8, 32) * (1 + i) for i in range(4)]
+            deferred, real_defer = [], ts.defer
+            old = layers.FUSED_SWIGLU, fp8_linear.OUTPUT_STATS
+            layers.FUSED_SWIGLU, fp8_linear.OUTPUT_STATS = fused, "deferred"
+            ts.defer = lambda x, t: (deferred.append(x.shape[-1]), real_defer(x, t))
+            try:
+                rows, keys = agent_rows(block, lambda step, micro: xs[2 * step + micro], 2, "cpu", fused=True,
+                                        stats_backend="triton")
+            finally:
+                (layers.FUSED_SWIGLU, fp8_linear.OUTPUT_STATS), ts.defer = old, real_defer
+            got[fused] = rows, keys, deferred
+        (plain, keys, d_plain), (fused_rows, keys2, d_fused) = got[False], got[True]
+        problems = []
+        if sorted(keys) != sorted(keys2):
+            problems.append(f"slots {keys} vs {keys2}")
+        # 2 steps x 2 micro-batches: fc1's (96 wide) and fc2's (32 wide) outputs deferred, then fc2's only
+        if sorted(d_plain) != [32] * 4 + [96] * 4 or d_fused != [32] * 4:
+            problems.append(f"deferred outputs {d_plain} without the kernel, {d_fused} with it")
+        for step in range(2):
+            for key in (("fc1", "input"), ("fc1", "weight"), ("fc1", "output")):
+                if key in keys and key in keys2:
+                    p = row_problems(fused_rows[step][keys2.index(key)], plain[step][keys.index(key)])
+                    if p:
+                        problems.append(f"step {step} {key}: {p}")
+                else:
+                    problems.append(f"no row {key}")
+        emit("agent_block", "; ".join(problems))
+
+    checks = dict(forward_backward=forward_backward, forward_stats=forward_stats, agent_block=agent_block)
     for name in names or checks:
         try:
             checks[name]()
@@ -97,7 +141,7 @@ def _child(names: list[str]) -> None:
             emit(f"{name}:raised", repr(exc))
 
 
-GROUPS = ["forward_backward", "forward_stats"]
+GROUPS = ["forward_backward", "forward_stats", "agent_block"]
 
 
 @pytest.fixture(scope="module")

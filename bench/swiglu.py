@@ -1,0 +1,62 @@
+"""SwiGLU's elementwise part on a GPU: torch's ``F.silu(gate) * up`` (forward, and autograd's backward) against the
+fused kernels of trainer/kernels/swiglu.py, and the fused forward with y's statistics row against the standalone
+statistics kernel reading y apart (what the agent costs without the fusion). Device time of queued launches
+(``trainer.kernels.timing.device_medians``), at the 124M and 1.5B steps' shapes, bf16.
+
+    python3 bench/swiglu.py
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from agent import triton_stats as ts  # noqa: E402
+from trainer.kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_ref  # noqa: E402
+from trainer.kernels.timing import device_medians  # noqa: E402
+
+SHAPES = {"124m": (16 * 1024, 2048), "1.5b": (4 * 2048, 8192)}  # (tokens, SwiGLU hidden width)
+
+
+def torch_backward(y: torch.Tensor, dh: torch.Tensor):
+    """torch's forward and autograd backward of silu(gate) * up (a backward needs its forward's graph: the backward's
+    own time is this minus the forward's)."""
+    yy = y.detach().requires_grad_()
+    swiglu_ref(yy).backward(dh)
+    return yy.grad
+
+
+def main() -> None:
+    dev = torch.device("cuda")
+    print(torch.cuda.get_device_name())
+    for name, (tokens, hidden) in SHAPES.items():
+        y = torch.randn(tokens, 2 * hidden, device=dev).to(torch.bfloat16)
+        dh = torch.randn(tokens, hidden, device=dev).to(torch.bfloat16)
+        for hist in (False, True):
+            rows = torch.zeros(2, ts.ds.WIDTH, dtype=torch.float64, device=dev)
+            tgt = ts.Target(rows, 0, False, (0.0, 1.0), 6.0, hist, None, "e4m3")
+            fns = {
+                "torch forward": lambda: swiglu_ref(y),
+                "fused forward": lambda: swiglu_forward(y),
+                "fused forward + row": lambda: swiglu_forward(y, stats=tgt),
+                "torch forward + row read apart": lambda: (swiglu_ref(y), ts.rows(
+                    [y], fmt="e4m3", center=[(0.0, 1.0)], hist=hist, out=rows, index=[1])),
+                "torch forward + backward": lambda: torch_backward(y, dh),
+                "fused backward": lambda: swiglu_backward(y, dh),
+            }
+            for fn in fns.values():
+                fn()  # compiles outside the timing
+            t = device_medians(fns, rounds=5, calls=10)
+            gb = y.numel() * 2 * 1.5 / 1e9  # forward: y read, h written
+            print(f"{name} y {tuple(y.shape)} hist={hist}: " + ", ".join(
+                f"{k} {v * 1e3:.1f} us" for k, v in t.items())
+                + f" | fused forward at {gb / (t['fused forward'] * 1e-3) / 1e3:.2f} TB/s", flush=True)
+            print(f"  fused backward - torch forward+backward: "
+                  f"{(t['fused backward'] - (t['torch forward + backward'] - t['torch forward'])) * 1e3:+.1f} us; "
+                  f"row: fused +{(t['fused forward + row'] - t['fused forward']) * 1e3:.1f} us, read apart "
+                  f"+{(t['torch forward + row read apart'] - t['torch forward']) * 1e3:.1f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()
