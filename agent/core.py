@@ -149,9 +149,9 @@ class Agent:
         self._after: dict[tuple[str, str], torch.Tensor] = {}
         self._after_queued = False  # the end-of-pass callback is queued
         self._after_lock = threading.Lock()
-        # id(gradient) -> (slot, weak reference to it): the grad_weight rows the Triton path took this step, for
-        # ``grad_sq_norms`` (weak: the optimizer frees the gradients after its step)
-        self._grad_slots: dict[int, tuple[int, weakref.ref]] = {}
+        # id(gradient) -> (slot, weak reference to it, its version then): the grad_weight rows the Triton path took
+        # this step, for ``grad_sq_norms`` (weak: the optimizer frees the gradients after its step)
+        self._grad_slots: dict[int, tuple[int, weakref.ref, int]] = {}
         self._closed = False
         self.reporting = False
 
@@ -569,18 +569,19 @@ class Agent:
             if emulated:
                 self._history.observe(slot, rows[slot, ds.AMAX])
             if site == "grad_weight" and replace:
-                self._grad_slots[id(x)] = (slot, weakref.ref(x))
+                self._grad_slots[id(x)] = (slot, weakref.ref(x), x._version)
 
     def grad_sq_norms(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor | None, list[bool]]:
         """The sum of the squared L2 norms of those ``grads`` whose grad_weight rows this step's statistics took
         (on the Triton path, from the gradient as the last backward pass left it), from their rows: n mean^2 + M2 of
         the finite elements, in fp64 on their device; NaN if any of them holds NaN or Inf. Also which of ``grads``
         these are. A gradient-clipping pass need not read them again (``trainer.clip``). (None, all False) when no
-        row of them was taken; valid until the gradients change (the optimizer's step, the next backward pass)."""
+        row of them was taken. A gradient changed in place since its row was taken (unscaled, accumulated into) is not
+        counted; one changed out of torch's sight (an all-reduce) would be: call this before such changes."""
         slots, covered = [], []
         for g in grads:
             got = self._grad_slots.get(id(g))
-            hit = got is not None and got[1]() is g
+            hit = got is not None and got[1]() is g and g._version == got[2]
             covered.append(hit)
             if hit:
                 slots.append(got[0])

@@ -7,7 +7,9 @@ M2 of the finite elements in fp64, so their squared norm is n mean^2 + M2 (``Age
 gradients (embeddings, norms, the head) are read here, with ``torch._foreach_norm`` as torch does. The result equals
 torch's up to rounding: torch sums fp32 per-tensor norms, this fp64 sums (a relative difference of about 1e-7 in the
 norm and the clipping coefficient). A non-finite gradient makes the norm NaN (torch: NaN or Inf). Without an agent, or
-on a step whose rows it did not take, this is ``clip_grad_norm_`` itself.
+on a step whose rows it did not take, this is ``clip_grad_norm_`` itself; a gradient changed in place after its row
+(an AMP unscale) is read again. Call it before any change torch does not see (a distributed all-reduce: ``fp8mon
+train`` uses it on one rank only).
 """
 
 from __future__ import annotations

@@ -329,8 +329,8 @@ def _child(names: list[str]) -> None:
 
     def clip_from_rows():
         """Gradient clipping with the watched gradients' norms from the agent's grad_weight rows (trainer.clip)
-        equals torch's clip_grad_norm_ (norm and clipped gradients), takes those rows only on reporting steps, and
-        gives NaN for a NaN gradient."""
+        equals torch's clip_grad_norm_ (norm and clipped gradients), takes those rows only on reporting steps and for
+        gradients unchanged since, and gives NaN for a NaN gradient."""
         from agent import Agent
         from stats_check import NullTransport
         from trainer.clip import clip_grad_norm
@@ -346,6 +346,8 @@ def _child(names: list[str]) -> None:
             model.zero_grad(set_to_none=True)
             for _ in range(2):  # two micro-batches: the rows of the last backward pass's gradients count
                 model(x).square().mean().backward()
+            if step == 0:  # changed in place after its row was taken (as an AMP unscale does): read again
+                model[0].weight.grad.mul_(2.0)
             ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
             for r, p in zip(ref, params):
                 r.grad = p.grad.clone()
@@ -353,7 +355,7 @@ def _child(names: list[str]) -> None:
             covered = sum(agent.grad_sq_norms([p.grad for p in params])[1])
             got = clip_grad_norm(params, 0.05, agent)
             problems = []
-            if covered != (2 if step % 2 == 0 else 0):  # the two weights, on reporting steps
+            if covered != (1, 0, 2)[step]:  # the weights, on reporting steps (step 0: one changed since its row)
                 problems.append(f"{covered} gradients' norms from rows")
             if step == 2:
                 if not torch.isnan(got):
