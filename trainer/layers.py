@@ -107,9 +107,10 @@ class Attention(nn.Module):
         return s.masked_fill(~causal, float("-inf")).amax()
 
 
-# SwiGLU's elementwise part as one Triton kernel each way (trainer.kernels.swiglu) where Triton runs: it also takes the
-# row of an FP8 fc1's output for the agent from its read, which Fp8Linear then leaves to it (no second read of the
-# block's largest tensor). Off by default until measured on a GPU (FP8MON_FUSED_SWIGLU=1 turns it on).
+# SwiGLU's elementwise part as one Triton kernel each way (trainer.kernels.swiglu) where Triton runs. It also takes, for
+# the agent, the rows of fc1's output (an FP8 fc1 then leaves it to the kernel) and, for a plain fc2, of fc2's input,
+# from the tensors it reads and writes: no second read of the block's largest tensors. Read at construction (a plain
+# linear's rows are marked as the block's then). Off by default until measured on a GPU (FP8MON_FUSED_SWIGLU=1).
 FUSED_SWIGLU = os.environ.get("FP8MON_FUSED_SWIGLU", "0") == "1"
 
 
@@ -120,19 +121,43 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.fc1 = make_linear(d_model, 2 * hidden)
         self.fc2 = make_linear(hidden, d_model)
+        self.fused = FUSED_SWIGLU
+        if self.fused:  # an agent leaves these plain linears' rows to this block (agent.hooks, FusedLink)
+            for linear, site in ((self.fc1, "output"), (self.fc2, "input")):
+                if type(linear) is nn.Linear:
+                    linear.fp8mon_reported_sites = (site,)
+                    linear.fp8mon_stats = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = FUSED_SWIGLU and _triton_runs(x.device)
-        link = getattr(self.fc1, "fp8mon_stats", None) if fused else None
-        if hasattr(self.fc1, "fp8mon_output_by_consumer"):
-            self.fc1.fp8mon_output_by_consumer = link is not None
+        fused = self.fused and _triton_runs(x.device)
+        y_link = getattr(self.fc1, "fp8mon_stats", None)  # where this block reports fc1's output row
+        if hasattr(self.fc1, "fp8mon_output_by_consumer"):  # an FP8 fc1 takes it itself, unless the kernel does
+            self.fc1.fp8mon_output_by_consumer = fused and y_link is not None
+            y_link = y_link if fused else None
+        h_link = getattr(self.fc2, "fp8mon_stats", None) if type(self.fc2) is nn.Linear else None
         y = self.fc1(x)
-        if not fused:
-            gate, up = y.chunk(2, dim=-1)
-            return self.fc2(F.silu(gate) * up)
-        from .kernels.swiglu import swiglu
+        if fused:
+            from .kernels.swiglu import swiglu
 
-        return self.fc2(swiglu(y, stats=link.target("output", y.device) if link is not None else None))
+            h = swiglu(y, stats=_target(y_link, "output", y), h_stats=_target(h_link, "input", y))
+        else:
+            gate, up = y.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+            _report(y_link, "output", y)
+            _report(h_link, "input", h)
+        return self.fc2(h)
+
+
+def _target(link, site: str, like: torch.Tensor):
+    return link.target(site, like.device) if link is not None else None
+
+
+def _report(link, site: str, value: torch.Tensor) -> None:
+    """``value``'s row for the agent, computed apart (no fused kernel on this device)."""
+    if link is not None and link.wants(site):
+        from agent import device_stats as ds
+
+        link.report(site, ds.partials(value.detach(), fmt=link.fmt(site), outlier_k=link.outlier_k, hist=link.hist))
 
 
 def _triton_runs(device: torch.device) -> bool:

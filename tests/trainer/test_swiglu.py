@@ -68,16 +68,19 @@ def _child(names: list[str]) -> None:
             emit(name, "; ".join(problems))
 
     def forward_stats():
-        """The row the forward takes of y equals triton_stats' standalone row of y (a GEMM output's emulation:
-        current scaling of the format, or no format), merged into on a second call."""
+        """The rows the forward takes of y and of h equal triton_stats' standalone rows (a GEMM output's emulation:
+        current scaling of the format, or no format); y's merged into on a second call."""
         for y0, _ in values():
             for fmt, hist in (("e4m3", True), (None, False)):
                 center = (0.0, 3.0)
                 tgt = ts.Target.new("cpu", center=center, hist=hist, fmt=fmt)
+                tgt_h = ts.Target.new("cpu", center=(0.0, 1.0), hist=hist, fmt=fmt)
                 tgt.rows.fill_(float("nan"))  # overwritten (merge False), whatever it held
-                h = swiglu(y0, stats=tgt)
+                h = swiglu(y0, stats=tgt, h_stats=tgt_h)
                 want = ts.partials(y0, fmt=fmt, center=center, hist=hist)
                 problems = [row_problems(tgt.rows[0], want, rtol=1e-6)]
+                problems.append(row_problems(tgt_h.rows[0], ts.partials(h, fmt=fmt, center=(0.0, 1.0), hist=hist),
+                                             rtol=1e-6))
                 if not torch.equal(h, swiglu(y0)):
                     problems.append("h differs with statistics on")
                 tgt.merge = True
@@ -98,14 +101,14 @@ def _child(names: list[str]) -> None:
         got = {}
         for fused in (False, True):
             torch.manual_seed(7)
+            old = layers.FUSED_SWIGLU, fp8_linear.OUTPUT_STATS
+            layers.FUSED_SWIGLU, fp8_linear.OUTPUT_STATS = fused, "deferred"
             block = layers.SwiGLU(32, 48, lambda i, o: Fp8Linear(i, o))
             for m in block.modules():
                 if isinstance(m, Fp8Linear):
                     m.backend = "triton"
             xs = [torch.randn(2, 8, 32) * (1 + i) for i in range(4)]
             deferred, real_defer = [], ts.defer
-            old = layers.FUSED_SWIGLU, fp8_linear.OUTPUT_STATS
-            layers.FUSED_SWIGLU, fp8_linear.OUTPUT_STATS = fused, "deferred"
             ts.defer = lambda x, t: (deferred.append(x.shape[-1]), real_defer(x, t))
             try:
                 rows, keys = agent_rows(block, lambda step, micro: xs[2 * step + micro], 2, "cpu", fused=True,
@@ -130,7 +133,50 @@ def _child(names: list[str]) -> None:
                     problems.append(f"no row {key}")
         emit("agent_block", "; ".join(problems))
 
-    checks = dict(forward_backward=forward_backward, forward_stats=forward_stats, agent_block=agent_block)
+    def agent_block_plain():
+        """The same with plain linears (no FP8): the hooks read neither fc1's output nor fc2's input, the fused
+        kernel's rows of them are the hooks' rows without it (fc2's input h to the last place), and on a device
+        without the kernel the block reports them itself."""
+        from stats_check import agent_rows
+        from trainer import layers
+
+        got = {}
+        for mode in ("hooks", "fused", "block_torch"):
+            torch.manual_seed(7)
+            old = layers.FUSED_SWIGLU, layers._triton_runs
+            layers.FUSED_SWIGLU = mode != "hooks"
+            if mode == "block_torch":  # as on a device where Triton does not run
+                layers._triton_runs = lambda device: False
+            try:
+                block = layers.SwiGLU(32, 48, lambda i, o: torch.nn.Linear(i, o, bias=False))
+                xs = [torch.randn(2, 8, 32) * (1 + i) for i in range(4)]
+                got[mode] = agent_rows(block, lambda step, micro: xs[2 * step + micro], 2, "cpu", fused=True,
+                                       stats_backend="triton")
+            finally:
+                layers.FUSED_SWIGLU, layers._triton_runs = old
+        problems = []
+        want, keys = got["hooks"]
+        for mode in ("fused", "block_torch"):
+            rows, keys2 = got[mode]
+            if sorted(keys2) != sorted(keys):
+                problems.append(f"{mode}: slots {keys2} vs {keys}")
+                continue
+            for step in range(2):
+                for key, rtol in ((("fc1", "output"), 1e-6), (("fc2", "input"), 1e-2)):
+                    a, b = rows[step][keys2.index(key)].clone(), want[step][keys.index(key)]
+                    if mode == "block_torch":  # the torch path counts outliers about the tensor's own mean and std
+                        a[ds.OUTLIERS] = b[ds.OUTLIERS]
+                    if key[1] == "input":  # h may differ in the last place: moments and counts near, not equal
+                        p = "" if abs(float(a[ds.MEAN] - b[ds.MEAN])) <= rtol * float(b[ds.M2] / b[ds.N]) ** 0.5 \
+                            and float(a[ds.NUMEL]) == float(b[ds.NUMEL]) else f"mean {float(a[ds.MEAN])} vs {float(b[ds.MEAN])}"
+                    else:
+                        p = row_problems(a, b, rtol=rtol)
+                    if p:
+                        problems.append(f"{mode} step {step} {key}: {p}")
+        emit("agent_block_plain", "; ".join(problems))
+
+    checks = dict(forward_backward=forward_backward, forward_stats=forward_stats, agent_block=agent_block,
+                  agent_block_plain=agent_block_plain)
     for name in names or checks:
         try:
             checks[name]()
@@ -141,7 +187,7 @@ def _child(names: list[str]) -> None:
             emit(f"{name}:raised", repr(exc))
 
 
-GROUPS = ["forward_backward", "forward_stats", "agent_block"]
+GROUPS = ["forward_backward", "forward_stats", "agent_block", "agent_block_plain"]
 
 
 @pytest.fixture(scope="module")

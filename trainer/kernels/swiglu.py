@@ -1,5 +1,6 @@
 """SwiGLU's elementwise part, h = silu(gate) * up of y = [gate | up] (the fused fc1's output), forward and backward,
-in one pass each; the forward can also take y's statistics row for the agent from the read it does anyway.
+in one pass each; the forward can also take the statistics rows of y and of h for the agent from what it reads and
+writes anyway.
 
 y (M, 2H) in, h (M, H) out, rounded as torch rounds ``F.silu(gate) * up`` in y's dtype: silu in fp32, rounded to the
 dtype, times up in fp32, rounded (the exponential may differ from torch's in the last fp32 bit, so h may differ by
@@ -9,9 +10,9 @@ the dtype. Reference beside them: ``swiglu_ref``.
 
 ``stats=`` (an ``agent.triton_stats.Target``): y's SPEC section-4 row, as the agent's hooks emulate it for a GEMM
 output (``triton_stats.nofmt_consts``), accumulated from the tiles the forward loads (``rows_add``) and merged by
-the last program. With an FP8 fc1 this is the row of fc1's ``output``, which ``Fp8Linear`` then does not take
-itself: without it, a statistics kernel reads y once more (the deferred output read), and y is the largest tensor of
-a Llama block.
+the last program; ``h_stats=`` likewise h's, from the tiles it stores. They are the rows of fc1's ``output`` and
+fc2's ``input`` (``trainer.layers.SwiGLU``): without them a statistics kernel reads y once more (with an FP8 fc1,
+the deferred output read; y is the largest tensor of a Llama block), and with a plain fc2, h too.
 
 Persistent programs (a few per SM) loop over (BM, BN) tiles of h, so the statistics have a few hundred partials
 to merge, not one per tile.
@@ -40,17 +41,24 @@ def _silu_rounded(g, DTYPE: tl.constexpr, SOFT_ROUND: tl.constexpr):
     return _to_out(g * sig, DTYPE, SOFT_ROUND).to(tl.float32), sig
 
 
-@triton.jit(do_not_specialize=["dst_index", "merge"])
+@triton.jit(do_not_specialize=["dst_index", "merge", "dst_index_h", "merge_h"])
 def _swiglu_fwd_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, cen_ptr, c_mean,
-                       c_std, k, ahm_ptr, ahm_val, STATS: tl.constexpr, C_PTR: tl.constexpr, AHM_PTR: tl.constexpr,
-                       HIST: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr, SMODE: tl.constexpr,
+                       c_std, k, ahm_ptr, ahm_val, sp_ptr_h, ctr_ptr_h, dst_ptr_h, dst_index_h, merge_h, cen_ptr_h,
+                       c_mean_h, c_std_h, k_h, ahm_ptr_h, ahm_val_h, STATS: tl.constexpr, C_PTR: tl.constexpr,
+                       AHM_PTR: tl.constexpr, HIST: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr,
+                       SMODE: tl.constexpr, STATS_H: tl.constexpr, C_PTR_H: tl.constexpr, AHM_PTR_H: tl.constexpr,
+                       HIST_H: tl.constexpr, FMAX_H: tl.constexpr, UTHR_H: tl.constexpr, SMODE_H: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """h of y; with STATS y's row, with STATS_H h's row (the *_h arguments: a second target)."""
     dtype = h_ptr.dtype.element_ty
     n_tn = tl.cdiv(H, BN)
     tiles = tl.cdiv(M, BM) * n_tn
     if STATS:
         lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
         st = rows_zero(BM)
+    if STATS_H:
+        lo_h, hi_h = fused_bounds(cen_ptr_h, c_mean_h, c_std_h, k_h, C_PTR_H)
+        st_h = rows_zero(BM)
     for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
         r0 = (t // n_tn) * BM
         c0 = (t % n_tn) * BN
@@ -61,14 +69,20 @@ def _swiglu_fwd_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, d
         g = tl.load(gp, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(gp + H, mask=mask, other=0.0).to(tl.float32)
         s, _ = _silu_rounded(g, dtype, SOFT_ROUND)
-        tl.store(h_ptr + rows[:, None].to(tl.int64) * H + cols[None, :], _to_out(s * u, dtype, SOFT_ROUND), mask=mask)
+        h = _to_out(s * u, dtype, SOFT_ROUND)
+        tl.store(h_ptr + rows[:, None].to(tl.int64) * H + cols[None, :], h, mask=mask)
+        full = (r0 + BM <= M) & (c0 + BN <= H)
         if STATS:  # both halves are elements of y
-            full = (r0 + BM <= M) & (c0 + BN <= H)
             st = rows_add(st, g, mask, full, lo, hi, HIST)
             st = rows_add(st, u, mask, full, lo, hi, HIST)
+        if STATS_H:
+            st_h = rows_add(st_h, h.to(tl.float32), mask, full, lo_h, hi_h, HIST_H)
     if STATS:
         nofmt_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, rows_partial(st), AHM_PTR, HIST,
                        FMAX, UTHR, SMODE)
+    if STATS_H:
+        nofmt_epilogue(sp_ptr_h, ctr_ptr_h, dst_ptr_h, dst_index_h, merge_h, ahm_ptr_h, ahm_val_h, rows_partial(st_h),
+                       AHM_PTR_H, HIST_H, FMAX_H, UTHR_H, SMODE_H)
 
 
 @triton.jit
@@ -98,19 +112,25 @@ def _programs(tiles: int, device: torch.device) -> int:
     return max(1, min(tiles, PROGRAMS_PER_SM * _num_sms(device) if not INTERPRET else 4))
 
 
-def _stats_args(stats, programs: int, dummy: torch.Tensor) -> dict:
+def _stats_args(stats, programs: int, dummy: torch.Tensor, suffix: str = "", counter_row: int = 0) -> dict:
+    """The statistics arguments of one target, their names ending in ``suffix``, its last program counting on the
+    device's ``counter_row`` (two targets of one launch need two)."""
     if stats is None:
-        return dict(sp_ptr=dummy, ctr_ptr=dummy, dst_ptr=dummy, dst_index=0, merge=0, cen_ptr=dummy, c_mean=0.0,
+        args = dict(sp_ptr=dummy, ctr_ptr=dummy, dst_ptr=dummy, dst_index=0, merge=0, cen_ptr=dummy, c_mean=0.0,
                     c_std=0.0, k=0.0, ahm_ptr=dummy, ahm_val=0.0, STATS=False, C_PTR=False, AHM_PTR=False,
                     HIST=False, SMODE=0, FMAX=448.0, UTHR=0.0)
-    args = ts.fused_args(stats, programs, dummy.device)
-    args["cen_ptr"] = args.pop("c_ptr")
-    return dict(args, **ts.nofmt_consts(stats), STATS=True)
+    else:
+        args = ts.fused_args(stats, programs, dummy.device)
+        args["cen_ptr"] = args.pop("c_ptr")
+        args["ctr_ptr"] = args["ctr_ptr"][counter_row]
+        args = dict(args, **ts.nofmt_consts(stats), STATS=True)
+    return {(k.upper() + suffix.upper() if k.isupper() else k + suffix): v for k, v in args.items()}
 
 
-def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None) -> torch.Tensor:
+def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
+                   h_stats: "ts.Target | None" = None) -> torch.Tensor:
     """h = silu(gate) * up of y = [gate | up] along the last dimension (even), in y's dtype; with ``stats``, y's row
-    into the target."""
+    into that target, with ``h_stats`` h's row."""
     two_h = y.shape[-1]
     if two_h % 2:
         raise ValueError(f"swiglu: the last dimension ({two_h}) must be even: [gate | up]")
@@ -120,7 +140,8 @@ def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None) -> torch.T
     M, H = y2.shape[0], two_h // 2
     h = torch.empty((M, H), dtype=y.dtype, device=y.device)
     programs = _programs(cdiv(M, BM) * cdiv(H, BN), y.device)
-    _swiglu_fwd_kernel[(programs,)](y2, h, M, H, y2.stride(0), **_stats_args(stats, programs, h), BM=BM, BN=BN,
+    _swiglu_fwd_kernel[(programs,)](y2, h, M, H, y2.stride(0), **_stats_args(stats, programs, h),
+                                    **_stats_args(h_stats, programs, h, "_h", counter_row=1), BM=BM, BN=BN,
                                     SOFT_ROUND=INTERPRET, num_warps=8)
     return h.reshape(*y.shape[:-1], H)
 
@@ -142,19 +163,20 @@ def swiglu_backward(y: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
 
 class _SwiGLUFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, stats):
+    def forward(ctx, y, stats, h_stats):
         ctx.save_for_backward(y)
-        return swiglu_forward(y, stats)
+        return swiglu_forward(y, stats, h_stats)
 
     @staticmethod
     def backward(ctx, dh):
         (y,) = ctx.saved_tensors
-        return swiglu_backward(y, dh), None
+        return swiglu_backward(y, dh), None, None
 
 
-def swiglu(y: torch.Tensor, stats: "ts.Target | None" = None) -> torch.Tensor:
-    """silu(gate) * up of y = [gate | up], differentiable, in one pass each way (see the module docstring)."""
-    return _SwiGLUFn.apply(y, stats)
+def swiglu(y: torch.Tensor, stats: "ts.Target | None" = None, h_stats: "ts.Target | None" = None) -> torch.Tensor:
+    """silu(gate) * up of y = [gate | up], differentiable, in one pass each way (see the module docstring); with
+    ``stats`` y's statistics row, with ``h_stats`` h's."""
+    return _SwiGLUFn.apply(y, stats, h_stats)
 
 
 def swiglu_ref(y: torch.Tensor) -> torch.Tensor:
