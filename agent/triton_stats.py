@@ -1683,6 +1683,24 @@ class Target:
         return cls(torch.zeros(1, ds.WIDTH, dtype=torch.float64, device=device), **kw)
 
 
+def epilogue_args(target: Target | None, programs: int, like: torch.Tensor, suffix: str = "",
+                  counter_row: int = 0) -> dict:
+    """The statistics arguments of a kernel whose programs accumulate row states (``rows_add``) and end in
+    ``nofmt_epilogue``: ``fused_args`` with the center as ``cen_ptr`` and ``nofmt_consts``, or placeholders (``like``'s
+    pointer) and STATS False without a target. Names get ``suffix`` (a second target of one kernel: "_h"), and its
+    last program counts on the device's counter row ``counter_row`` (two targets of one launch need two)."""
+    if target is None:
+        args = dict(sp_ptr=like, ctr_ptr=like, dst_ptr=like, dst_index=0, merge=0, cen_ptr=like, c_mean=0.0,
+                    c_std=0.0, k=0.0, ahm_ptr=like, ahm_val=0.0, STATS=False, C_PTR=False, AHM_PTR=False,
+                    HIST=False, SMODE=0, FMAX=448.0, UTHR=0.0)
+    else:
+        args = fused_args(target, programs, like.device)
+        args["cen_ptr"] = args.pop("c_ptr")
+        args["ctr_ptr"] = args["ctr_ptr"][counter_row]
+        args = dict(args, **nofmt_consts(target), STATS=True)
+    return {(k.upper() + suffix.upper() if k.isupper() else k + suffix): v for k, v in args.items()}
+
+
 def nofmt_consts(target: Target) -> dict:
     """The constexprs of ``nofmt_epilogue`` for the target's ``fmt``."""
     if target.fmt is None:

@@ -427,13 +427,7 @@ def _max_programs(M: int, N: int, impl: str, config: dict | None, num_sms: int) 
 
 def _stats_args(stats, programs: int, dummy: torch.Tensor) -> dict:
     """The statistics arguments of the GEMM and reduce kernels (``dummy`` pointers when ``stats`` is None)."""
-    if stats is None:
-        return dict(sp_ptr=dummy, ctr_ptr=dummy, dst_ptr=dummy, dst_index=0, merge=0, cen_ptr=dummy,
-                    c_mean=0.0, c_std=0.0, k=0.0, ahm_ptr=dummy, ahm_val=0.0, STATS=False,
-                    C_PTR=False, AHM_PTR=False, HIST=False, SMODE=0, FMAX=448.0, UTHR=0.0)
-    args = ts.fused_args(stats, programs, dummy.device)
-    args["cen_ptr"] = args.pop("c_ptr")  # c_ptr is C here
-    return dict(args, **ts.nofmt_consts(stats), STATS=True)
+    return ts.epilogue_args(stats, programs, dummy)
 
 
 def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,

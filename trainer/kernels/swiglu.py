@@ -112,21 +112,6 @@ def _programs(tiles: int, device: torch.device) -> int:
     return max(1, min(tiles, PROGRAMS_PER_SM * _num_sms(device) if not INTERPRET else 4))
 
 
-def _stats_args(stats, programs: int, dummy: torch.Tensor, suffix: str = "", counter_row: int = 0) -> dict:
-    """The statistics arguments of one target, their names ending in ``suffix``, its last program counting on the
-    device's ``counter_row`` (two targets of one launch need two)."""
-    if stats is None:
-        args = dict(sp_ptr=dummy, ctr_ptr=dummy, dst_ptr=dummy, dst_index=0, merge=0, cen_ptr=dummy, c_mean=0.0,
-                    c_std=0.0, k=0.0, ahm_ptr=dummy, ahm_val=0.0, STATS=False, C_PTR=False, AHM_PTR=False,
-                    HIST=False, SMODE=0, FMAX=448.0, UTHR=0.0)
-    else:
-        args = ts.fused_args(stats, programs, dummy.device)
-        args["cen_ptr"] = args.pop("c_ptr")
-        args["ctr_ptr"] = args["ctr_ptr"][counter_row]
-        args = dict(args, **ts.nofmt_consts(stats), STATS=True)
-    return {(k.upper() + suffix.upper() if k.isupper() else k + suffix): v for k, v in args.items()}
-
-
 def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
                    h_stats: "ts.Target | None" = None) -> torch.Tensor:
     """h = silu(gate) * up of y = [gate | up] along the last dimension (even), in y's dtype; with ``stats``, y's row
@@ -140,8 +125,8 @@ def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
     M, H = y2.shape[0], two_h // 2
     h = torch.empty((M, H), dtype=y.dtype, device=y.device)
     programs = _programs(cdiv(M, BM) * cdiv(H, BN), y.device)
-    _swiglu_fwd_kernel[(programs,)](y2, h, M, H, y2.stride(0), **_stats_args(stats, programs, h),
-                                    **_stats_args(h_stats, programs, h, "_h", counter_row=1), BM=BM, BN=BN,
+    _swiglu_fwd_kernel[(programs,)](y2, h, M, H, y2.stride(0), **ts.epilogue_args(stats, programs, h),
+                                    **ts.epilogue_args(h_stats, programs, h, "_h", counter_row=1), BM=BM, BN=BN,
                                     SOFT_ROUND=INTERPRET, num_warps=8)
     return h.reshape(*y.shape[:-1], H)
 
