@@ -450,11 +450,25 @@ def check_gemm(device) -> None:
                        ok and same, why + ("" if same else " C differs with stats on"))
 
 
-def check_swiglu(device) -> None:
-    """trainer/kernels/swiglu.py on the GPU: forward and backward against torch's autograd of F.silu(gate) * up
-    (bf16: at most one unit in the last place, on under 1% of the elements; fp32 close), the forward's row of y
-    against the standalone kernel's."""
+def check_consumers(device) -> None:
+    """The consumer kernels on the GPU. trainer/kernels/swiglu.py: forward and backward against torch's autograd of
+    F.silu(gate) * up (bf16: at most one unit in the last place, on under 1% of the elements; fp32 close), the
+    forward's rows of y and h against the standalone kernel's. trainer/kernels/residual.py: x + b and its gradients
+    equal torch's, its row of b the standalone kernel's."""
+    from trainer.kernels.residual import residual_add
     from trainer.kernels.swiglu import swiglu, swiglu_ref
+
+    g = torch.Generator(device="cpu").manual_seed(9)
+    for xd in (torch.float32, torch.bfloat16):
+        x0 = torch.randn(4, 1000, 2048, generator=g).to(xd).to(device)
+        b0 = (torch.randn(4, 1000, 2048, generator=g) * 4).to(torch.bfloat16).to(device)
+        x1, b1 = x0.clone().requires_grad_(), b0.clone().requires_grad_()
+        tgt = ts.Target.new(device, center=(0.0, 4.0), fmt="e4m3")
+        out = residual_add(x1, b1, stats=tgt)
+        out.backward(torch.ones_like(out))
+        same = torch.equal(out.detach(), x0 + b0) and bool((x1.grad == 1).all()) and bool((b1.grad == 1).all())
+        ok, why = rows_close(tgt.rows[0], ts.partials(b0, fmt="e4m3", center=(0.0, 4.0)))
+        report(f"residual add {xd} + bf16", ok and same, why + ("" if same else " sum or gradients differ"))
 
     g = torch.Generator(device="cpu").manual_seed(8)
     for shape, dt in (((4, 1000, 2 * 1536), torch.bfloat16), ((777, 2 * 300), torch.float32)):
@@ -475,14 +489,17 @@ def check_swiglu(device) -> None:
             report(f"swiglu {what} {shape} {dt}", ok, "" if ok else why)
         for fmt, hist in (("e4m3", True), (None, False)):
             tgt = ts.Target.new(device, center=(0.0, 3.0), hist=hist, fmt=fmt)
-            swiglu(y0, stats=tgt)
+            tgt_h = ts.Target.new(device, center=(0.0, 1.0), hist=hist, fmt=fmt)
+            h = swiglu(y0, stats=tgt, h_stats=tgt_h)
             ok, why = rows_close(tgt.rows[0], ts.partials(y0, fmt=fmt, center=(0.0, 3.0), hist=hist))
-            report(f"swiglu row {shape} {dt} fmt={fmt} hist={hist}", ok, why)
+            ok_h, why_h = rows_close(tgt_h.rows[0], ts.partials(h, fmt=fmt, center=(0.0, 1.0), hist=hist))
+            report(f"swiglu rows of y and h {shape} {dt} fmt={fmt} hist={hist}", ok and ok_h, why + why_h)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--only", choices=["sync", "standalone", "multi", "fused", "agent", "gemm", "swiglu"], default=None)
+    p.add_argument("--only", choices=["sync", "standalone", "multi", "fused", "agent", "gemm", "consumers"],
+                   default=None)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-sync-models", action="store_true", help="sync check: skip the agent step on a small model")
     args = p.parse_args()
@@ -492,7 +509,7 @@ def main() -> None:
     print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
     for name, fn in (("sync", check_no_sync), ("standalone", check_standalone), ("multi", check_multi),
                      ("fused", check_fused), ("agent", check_fp8_linear_agent), ("gemm", check_gemm),
-                     ("swiglu", check_swiglu)):
+                     ("consumers", check_consumers)):
         if args.only in (None, name):
             try:
                 fn(device)

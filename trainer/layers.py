@@ -122,37 +122,52 @@ class SwiGLU(nn.Module):
         self.fc1 = make_linear(d_model, 2 * hidden)
         self.fc2 = make_linear(hidden, d_model)
         self.fused = FUSED_SWIGLU
-        if self.fused:  # an agent leaves these plain linears' rows to this block (agent.hooks, FusedLink)
-            for linear, site in ((self.fc1, "output"), (self.fc2, "input")):
-                if type(linear) is nn.Linear:
-                    linear.fp8mon_reported_sites = (site,)
-                    linear.fp8mon_stats = None
+        if self.fused:
+            mark_reported(self.fc1, "output")
+            mark_reported(self.fc2, "input")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = self.fused and _triton_runs(x.device)
-        y_link = getattr(self.fc1, "fp8mon_stats", None)  # where this block reports fc1's output row
-        if hasattr(self.fc1, "fp8mon_output_by_consumer"):  # an FP8 fc1 takes it itself, unless the kernel does
-            self.fc1.fp8mon_output_by_consumer = fused and y_link is not None
-            y_link = y_link if fused else None
-        h_link = getattr(self.fc2, "fp8mon_stats", None) if type(self.fc2) is nn.Linear else None
+        fused = self.fused and triton_runs(x.device)
+        y_link = take_output(self.fc1, fused) if self.fused else None
+        h_link = getattr(self.fc2, "fp8mon_stats", None) if self.fused and type(self.fc2) is nn.Linear else None
         y = self.fc1(x)
         if fused:
             from .kernels.swiglu import swiglu
 
-            h = swiglu(y, stats=_target(y_link, "output", y), h_stats=_target(h_link, "input", y))
+            h = swiglu(y, stats=target_of(y_link, "output", y), h_stats=target_of(h_link, "input", y))
         else:
             gate, up = y.chunk(2, dim=-1)
             h = F.silu(gate) * up
-            _report(y_link, "output", y)
-            _report(h_link, "input", h)
+            report_apart(y_link, "output", y)
+            report_apart(h_link, "input", h)
         return self.fc2(h)
 
 
-def _target(link, site: str, like: torch.Tensor):
+def mark_reported(linear: nn.Module, site: str) -> None:
+    """A plain linear's ``site`` row is reported by the block around it (a fused consumer kernel, or the block through
+    torch where that kernel does not run): an agent's hooks leave it to the block (agent.hooks, FusedLink). Call at
+    construction, before ``Agent.watch``. An FP8 linear reports its sites itself (see ``take_output``)."""
+    if type(linear) is nn.Linear:
+        linear.fp8mon_reported_sites = (*getattr(linear, "fp8mon_reported_sites", ()), site)
+        linear.fp8mon_stats = None
+
+
+def take_output(linear: nn.Module, fused: bool):
+    """The agent's link through which the block takes ``linear``'s output row in this forward (None: the linear or
+    the hooks take it): an FP8 linear leaves it to a fused consumer kernel (``fused``), else takes it itself; a plain
+    linear marked by ``mark_reported`` always leaves it to the block. Call right before the linear's forward."""
+    link = getattr(linear, "fp8mon_stats", None)
+    if hasattr(linear, "fp8mon_output_by_consumer"):
+        linear.fp8mon_output_by_consumer = fused and link is not None
+        return link if fused else None
+    return link
+
+
+def target_of(link, site: str, like: torch.Tensor):
     return link.target(site, like.device) if link is not None else None
 
 
-def _report(link, site: str, value: torch.Tensor) -> None:
+def report_apart(link, site: str, value: torch.Tensor) -> None:
     """``value``'s row for the agent, computed apart (no fused kernel on this device)."""
     if link is not None and link.wants(site):
         from agent import device_stats as ds
@@ -160,7 +175,7 @@ def _report(link, site: str, value: torch.Tensor) -> None:
         link.report(site, ds.partials(value.detach(), fmt=link.fmt(site), outlier_k=link.outlier_k, hist=link.hist))
 
 
-def _triton_runs(device: torch.device) -> bool:
+def triton_runs(device: torch.device) -> bool:
     """Whether the trainer's Triton kernels run on ``device``: CUDA with Triton, or the CPU under TRITON_INTERPRET."""
     from agent import triton_stats
 

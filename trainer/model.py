@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import ARCHS, PRECISIONS, ModelConfig
-from .layers import Attention, MakeLinear, RMSNorm, Rotary, SwiGLU, XIELUMLP
+from .layers import (Attention, MakeLinear, RMSNorm, Rotary, SwiGLU, XIELUMLP, mark_reported, report_apart, take_output,
+                     target_of, triton_runs)
 
 
 def linear_factory(precision: str, recipe=None) -> MakeLinear:
@@ -65,13 +67,40 @@ class Block(nn.Module):
             self.attn_norm = RMSNorm(d, cfg.norm_eps)  # pre-norm, on the branch input
             self.mlp = SwiGLU(d, cfg.d_ff, make_linear)
             self.mlp_norm = RMSNorm(d, cfg.norm_eps)
+        # llama's residual adds take the row of the branch's last linear's output (FUSED_RESIDUAL)
+        self.fused_residual = FUSED_RESIDUAL and not fog
+        if self.fused_residual:
+            mark_reported(self.attn.proj, "output")
+            mark_reported(self.mlp.fc2, "output")
 
     def forward(self, x: torch.Tensor, rope: Rotary) -> torch.Tensor:
         if self.arch == "fog":
             x = x + self.attn_out_norm(self.attn(x, rope))
             return x + self.mlp_out_norm(self.mlp(x))
-        x = x + self.attn(self.attn_norm(x), rope)
-        return x + self.mlp(self.mlp_norm(x))
+        if not self.fused_residual:
+            x = x + self.attn(self.attn_norm(x), rope)
+            return x + self.mlp(self.mlp_norm(x))
+        fused = triton_runs(x.device)
+        # (take_output before the branch runs: it tells an FP8 linear whether to leave its output row to the add)
+        x = _residual(x, take_output(self.attn.proj, fused), self.attn(self.attn_norm(x), rope), fused)
+        return _residual(x, take_output(self.mlp.fc2, fused), self.mlp(self.mlp_norm(x)), fused)
+
+
+# The residual add as one Triton kernel (trainer.kernels.residual) where Triton runs, taking, for the agent, the row of
+# the output of the attention's proj and of the MLP's fc2 from its read of them (an FP8 linear then leaves it to the
+# add; a plain one's is marked as the block's at construction): no second read of them. Off by default until
+# measured on a GPU (FP8MON_FUSED_RESIDUAL=1).
+FUSED_RESIDUAL = os.environ.get("FP8MON_FUSED_RESIDUAL", "0") == "1"
+
+
+def _residual(x: torch.Tensor, link, branch: torch.Tensor, fused: bool) -> torch.Tensor:
+    """x + branch, the branch's row (the output of the linear behind ``link``) taken by the fused add, or apart."""
+    if fused and x.shape == branch.shape:
+        from .kernels.residual import residual_add
+
+        return residual_add(x, branch, stats=target_of(link, "output", branch))
+    report_apart(link, "output", branch)
+    return x + branch
 
 
 class Transformer(nn.Module):

@@ -1,10 +1,11 @@
-"""SwiGLU's fused elementwise kernels (trainer/kernels/swiglu.py), on the CPU in Triton's interpreter: forward and
-backward equal torch's autograd of ``F.silu(gate) * up`` (bf16 to the last place, rarely one unit off; fp32 closely),
-the statistics row the forward takes equals the standalone kernel's row of y, and a SwiGLU block of FP8 linears with
-an agent reports fc1's output row from the fused kernel, the same row as without it, and reads y no more.
+"""Statistics taken by the kernels that consume a linear's output, on the CPU in Triton's interpreter: SwiGLU's fused
+elementwise kernels (trainer/kernels/swiglu.py) and the fused residual add (trainer/kernels/residual.py). Each equals
+torch's computation (forward and backward; SwiGLU's bf16 to the last place, rarely one unit off), its rows equal the
+standalone kernel's, and a model or block watched by an agent gets from them the rows the linears or the hooks took
+before, with no deferred read of those outputs.
 
 The checks run in one child process that sets TRITON_INTERPRET=1 before importing Triton (tests/interpreter_child.py).
-GPU: ``python bench/stats_check.py``.
+GPU: ``python bench/stats_check.py --only consumers``.
 """
 
 from __future__ import annotations
@@ -143,17 +144,17 @@ def _child(names: list[str]) -> None:
         got = {}
         for mode in ("hooks", "fused", "block_torch"):
             torch.manual_seed(7)
-            old = layers.FUSED_SWIGLU, layers._triton_runs
+            old = layers.FUSED_SWIGLU, layers.triton_runs
             layers.FUSED_SWIGLU = mode != "hooks"
             if mode == "block_torch":  # as on a device where Triton does not run
-                layers._triton_runs = lambda device: False
+                layers.triton_runs = lambda device: False
             try:
                 block = layers.SwiGLU(32, 48, lambda i, o: torch.nn.Linear(i, o, bias=False))
                 xs = [torch.randn(2, 8, 32) * (1 + i) for i in range(4)]
                 got[mode] = agent_rows(block, lambda step, micro: xs[2 * step + micro], 2, "cpu", fused=True,
                                        stats_backend="triton")
             finally:
-                layers.FUSED_SWIGLU, layers._triton_runs = old
+                layers.FUSED_SWIGLU, layers.triton_runs = old
         problems = []
         want, keys = got["hooks"]
         for mode in ("fused", "block_torch"):
@@ -175,8 +176,82 @@ def _child(names: list[str]) -> None:
                         problems.append(f"{mode} step {step} {key}: {p}")
         emit("agent_block_plain", "; ".join(problems))
 
+    def residual():
+        """The fused add equals torch's x + b, values (one rounding) and gradients, for an fp32 residual stream plus
+        a bf16 branch and for two bf16 tensors; its row of b equals the standalone kernel's."""
+        from trainer.kernels.residual import residual_add, residual_add_ref
+
+        g = torch.Generator().manual_seed(9)
+        for xd, bd in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)):
+            x0 = torch.randn(3, 50, 70, generator=g).to(xd)
+            b0 = (torch.randn(3, 50, 70, generator=g) * 4).to(bd)
+            dout = torch.randn(3, 50, 70, generator=g)
+            x1, b1 = x0.clone().requires_grad_(), b0.clone().requires_grad_()
+            x2, b2 = x0.clone().requires_grad_(), b0.clone().requires_grad_()
+            tgt = ts.Target.new("cpu", center=(0.0, 4.0), fmt="e4m3")
+            o1, o2 = residual_add(x1, b1, stats=tgt), residual_add_ref(x2, b2)
+            o1.backward(dout.to(o1.dtype))
+            o2.backward(dout.to(o2.dtype))
+            problems = []
+            if o1.dtype != o2.dtype or not torch.equal(o1.detach(), o2.detach()):
+                problems.append(f"sum differs ({o1.dtype} vs {o2.dtype})")
+            if not (torch.equal(x1.grad, x2.grad) and torch.equal(b1.grad, b2.grad)):
+                problems.append("gradients differ")
+            problems.append(row_problems(tgt.rows[0], ts.partials(b0, fmt="e4m3", center=(0.0, 4.0)), rtol=1e-6))
+            emit(f"residual:{xd}+{bd}", "; ".join(p for p in problems if p))
+
+    def agent_model():
+        """A one-block FP8 llama watched by an agent: with both fused consumers on, the rows of fc1's, proj's and
+        fc2's outputs come from them (only qkv's output is deferred to a statistics read), and equal the rows the
+        linears take without them (those outputs are the same tensors either way: the first step's only, as later
+        inputs pass through h, which may differ in the last place)."""
+        from stats_check import agent_rows
+        from trainer import fp8_linear, layers, model
+        from trainer.config import get_config
+        from trainer.fp8_linear import Fp8Linear
+
+        cfg = get_config("tiny", n_layer=1, d_model=32, n_head=2, d_ff=48, seq_len=8, vocab_size=64)
+        got = {}
+        for fused in (False, True):
+            old = layers.FUSED_SWIGLU, model.FUSED_RESIDUAL, fp8_linear.OUTPUT_STATS, ts.defer
+            deferred = []
+            layers.FUSED_SWIGLU = model.FUSED_RESIDUAL = fused
+            fp8_linear.OUTPUT_STATS = "deferred"
+            ts.defer = lambda x, t, real=ts.defer: (deferred.append(x.shape[-1]), real(x, t))
+            try:
+                torch.manual_seed(3)
+                net = model.Transformer(cfg, "llama", "fp8")
+                for m in net.modules():
+                    if isinstance(m, Fp8Linear):
+                        m.backend = "triton"
+                idx = [torch.randint(0, 64, (2, 8)) for _ in range(4)]
+                got[fused] = agent_rows(net, lambda step, micro: idx[2 * step + micro], 1, "cpu", fused=True,
+                                        stats_backend="triton", modules=r"^blocks\.") + (deferred,)
+            finally:
+                layers.FUSED_SWIGLU, model.FUSED_RESIDUAL, fp8_linear.OUTPUT_STATS, ts.defer = old
+        (plain, keys, d_plain), (rows, keys2, d_fused) = got[False], got[True]
+        problems = []
+        if sorted(keys) != sorted(keys2):
+            problems.append(f"slots {keys2} vs {keys}")
+        # one step of two micro-batches: qkv (96 wide), proj (32), fc1 (96), fc2 (32) deferred, then qkv's only
+        if sorted(d_plain) != [32] * 4 + [96] * 4 or d_fused != [96] * 2:
+            problems.append(f"deferred outputs {d_plain} without the fused consumers, {d_fused} with them")
+        for name in ("blocks.0.attn.qkv", "blocks.0.mlp.fc1"):  # the outputs fed by the same inputs either way
+            key = (name, "output")
+            if key in keys and key in keys2:
+                p = row_problems(rows[0][keys2.index(key)], plain[0][keys.index(key)])
+                if p:
+                    problems.append(f"{key}: {p}")
+            else:
+                problems.append(f"no row {key}")
+        for name in ("blocks.0.attn.proj", "blocks.0.mlp.fc2"):
+            key = (name, "output")
+            if key not in keys2 or float(rows[0][keys2.index(key)][ds.PARTS]) != 2:
+                problems.append(f"{key}: not taken from both micro-batches")
+        emit("agent_model", "; ".join(problems))
+
     checks = dict(forward_backward=forward_backward, forward_stats=forward_stats, agent_block=agent_block,
-                  agent_block_plain=agent_block_plain)
+                  agent_block_plain=agent_block_plain, residual=residual, agent_model=agent_model)
     for name in names or checks:
         try:
             checks[name]()
@@ -187,7 +262,7 @@ def _child(names: list[str]) -> None:
             emit(f"{name}:raised", repr(exc))
 
 
-GROUPS = ["forward_backward", "forward_stats", "agent_block", "agent_block_plain"]
+GROUPS = ["forward_backward", "forward_stats", "agent_block", "agent_block_plain", "residual", "agent_model"]
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +273,7 @@ def results() -> dict:
 
 
 @pytest.mark.parametrize("group", GROUPS)
-def test_swiglu(results, group):
+def test_consumer_statistics(results, group):
     from interpreter_child import assert_group
 
     assert_group(results, group)

@@ -1,0 +1,81 @@
+"""A transformer block's residual add, out = x + b (b: a branch's output, from the attention's or the MLP's last
+linear), in one pass, optionally taking b's statistics row for the agent from the read it does anyway: the row of that
+linear's ``output``, which the linear then leaves to it (``trainer.model.Block``), instead of a statistics kernel
+reading b once more.
+
+x and b have one shape; out takes torch's type promotion of the two (an fp32 residual stream plus a bf16 branch is
+fp32), and its values are torch's: the sum in fp32, rounded once to out's dtype. The backward is torch's: the gradient
+to each input, in its dtype. Reference beside it: ``residual_add_ref``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from agent import triton_stats as ts
+from agent.triton_stats import fused_bounds, nofmt_epilogue, rows_add, rows_partial, rows_zero
+
+from .fp8_gemm import _to_out
+from .quantize import INTERPRET, _num_sms, cdiv
+
+BLOCK = 2048
+PROGRAMS_PER_SM = 4
+
+
+@triton.jit(do_not_specialize=["dst_index", "merge"])
+def _residual_add_kernel(x_ptr, b_ptr, out_ptr, n, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, cen_ptr, c_mean, c_std,
+                         k, ahm_ptr, ahm_val, STATS: tl.constexpr, C_PTR: tl.constexpr, AHM_PTR: tl.constexpr,
+                         HIST: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr, SMODE: tl.constexpr,
+                         BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    if STATS:
+        lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
+        st = rows_zero(BLOCK // 16)
+    for blk in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
+        start = (blk + tl.zeros([], tl.int64)) * BLOCK
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, _to_out(x + b, out_ptr.dtype.element_ty, SOFT_ROUND), mask=mask)
+        if STATS:  # the statistics helpers take 2-D tiles
+            st = rows_add(st, tl.reshape(b, [BLOCK // 16, 16]), tl.reshape(mask, [BLOCK // 16, 16]),
+                          start + BLOCK <= n, lo, hi, HIST)
+    if STATS:
+        nofmt_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, rows_partial(st), AHM_PTR, HIST,
+                       FMAX, UTHR, SMODE)
+
+
+def residual_add_forward(x: torch.Tensor, b: torch.Tensor, stats: "ts.Target | None" = None) -> torch.Tensor:
+    """x + b (same shape) in one pass; with ``stats`` b's row into the target."""
+    if x.shape != b.shape:
+        raise ValueError(f"residual_add: x {tuple(x.shape)} and b {tuple(b.shape)} must have one shape")
+    xc, bc = x.contiguous(), b.contiguous()
+    out = torch.empty(x.shape, dtype=torch.result_type(x, b), device=x.device)
+    n = out.numel()
+    programs = max(1, min(cdiv(n, BLOCK), 4 if INTERPRET else PROGRAMS_PER_SM * _num_sms(x.device)))
+    _residual_add_kernel[(programs,)](xc, bc, out, n, **ts.epilogue_args(stats, programs, out), BLOCK=BLOCK,
+                                      SOFT_ROUND=INTERPRET, num_warps=8)
+    return out
+
+
+class _ResidualAddFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, b, stats):
+        ctx.dtypes = x.dtype, b.dtype
+        return residual_add_forward(x, b, stats)
+
+    @staticmethod
+    def backward(ctx, g):
+        dx, db = ctx.dtypes
+        return g.to(dx), g.to(db), None
+
+
+def residual_add(x: torch.Tensor, b: torch.Tensor, stats: "ts.Target | None" = None) -> torch.Tensor:
+    """x + b, differentiable, in one pass; with ``stats`` b's statistics row (see the module docstring)."""
+    return _ResidualAddFn.apply(x, b, stats)
+
+
+def residual_add_ref(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return x + b
