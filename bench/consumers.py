@@ -1,9 +1,11 @@
-"""SwiGLU's elementwise part on a GPU: torch's ``F.silu(gate) * up`` (forward, and autograd's backward) against the
-fused kernels of trainer/kernels/swiglu.py, and the fused forward with y's statistics row against the standalone
-statistics kernel reading y apart (what the agent costs without the fusion). Device time of queued launches
-(``trainer.kernels.timing.device_medians``), at the 124M and 1.5B steps' shapes, bf16.
+"""The consumer kernels that take a linear's output row, on a GPU, at the 124M and 1.5B steps' shapes (bf16):
+SwiGLU's elementwise part, torch's ``F.silu(gate) * up`` (forward, and autograd's backward) against the fused kernels
+of trainer/kernels/swiglu.py; the residual add, torch's ``x + b`` (fp32 stream, bf16 branch) against
+trainer/kernels/residual.py; each fused forward with its statistics row against torch plus the standalone statistics
+kernel reading the tensor apart (what the agent costs without the fusion). Device time of queued launches
+(``trainer.kernels.timing.device_medians``).
 
-    python3 bench/swiglu.py
+    python3 bench/consumers.py
 """
 
 import sys
@@ -13,10 +15,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agent import triton_stats as ts  # noqa: E402
+from trainer.kernels.residual import residual_add_forward  # noqa: E402
 from trainer.kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_ref  # noqa: E402
 from trainer.kernels.timing import device_medians  # noqa: E402
 
-SHAPES = {"124m": (16 * 1024, 2048), "1.5b": (4 * 2048, 8192)}  # (tokens, SwiGLU hidden width)
+SHAPES = {"124m": (16 * 1024, 2048, 768), "1.5b": (4 * 2048, 8192, 2048)}  # (tokens, SwiGLU hidden width, d_model)
 
 
 def torch_backward(y: torch.Tensor, dh: torch.Tensor):
@@ -30,7 +33,8 @@ def torch_backward(y: torch.Tensor, dh: torch.Tensor):
 def main() -> None:
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name())
-    for name, (tokens, hidden) in SHAPES.items():
+    for name, (tokens, hidden, d_model) in SHAPES.items():
+        residual(name, tokens, d_model, dev)
         y = torch.randn(tokens, 2 * hidden, device=dev).to(torch.bfloat16)
         dh = torch.randn(tokens, hidden, device=dev).to(torch.bfloat16)
         for hist in (False, True):
@@ -56,6 +60,25 @@ def main() -> None:
                   f"{(t['fused backward'] - (t['torch forward + backward'] - t['torch forward'])) * 1e3:+.1f} us; "
                   f"row: fused +{(t['fused forward + row'] - t['fused forward']) * 1e3:.1f} us, read apart "
                   f"+{(t['torch forward + row read apart'] - t['torch forward']) * 1e3:.1f} us", flush=True)
+
+
+def residual(name: str, tokens: int, d_model: int, dev: torch.device) -> None:
+    x = torch.randn(tokens, d_model, device=dev)
+    b = torch.randn(tokens, d_model, device=dev).to(torch.bfloat16)
+    rows = torch.zeros(2, ts.ds.WIDTH, dtype=torch.float64, device=dev)
+    tgt = ts.Target(rows, 0, False, (0.0, 1.0), 6.0, False, None, "e4m3")
+    fns = {
+        "torch add": lambda: x + b,
+        "fused add": lambda: residual_add_forward(x, b),
+        "fused add + row": lambda: residual_add_forward(x, b, stats=tgt),
+        "torch add + row read apart": lambda: (x + b, ts.rows([b], fmt="e4m3", center=[(0.0, 1.0)], hist=False,
+                                                                out=rows, index=[1])),
+    }
+    for fn in fns.values():
+        fn()
+    t = device_medians(fns, rounds=5, calls=10)
+    print(f"{name} residual fp32 + bf16 {tuple(x.shape)}: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in t.items()),
+          flush=True)
 
 
 if __name__ == "__main__":
