@@ -453,8 +453,8 @@ def check_gemm(device) -> None:
 def check_consumers(device) -> None:
     """The consumer kernels on the GPU. trainer/kernels/swiglu.py: forward and backward against torch's autograd of
     F.silu(gate) * up (bf16: at most one unit in the last place, on under 1% of the elements; fp32 close), the
-    forward's rows of y and h against the standalone kernel's. trainer/kernels/residual.py: x + b and its gradients
-    equal torch's, its row of b the standalone kernel's."""
+    forward's rows of y and h against the fp64 oracle's. trainer/kernels/residual.py: x + b and its gradients equal
+    torch's, its row of b the oracle's."""
     from trainer.kernels.residual import residual_add
     from trainer.kernels.swiglu import swiglu, swiglu_ref
 
@@ -467,7 +467,8 @@ def check_consumers(device) -> None:
         out = residual_add(x1, b1, stats=tgt)
         out.backward(torch.ones_like(out))
         same = torch.equal(out.detach(), x0 + b0) and bool((x1.grad == 1).all()) and bool((b1.grad == 1).all())
-        ok, why = rows_close(tgt.rows[0], ts.partials(b0, fmt="e4m3", center=(0.0, 4.0)))
+        want = ds.partials(b0, fmt="e4m3", outlier_center=(0.0, 4.0))
+        ok, why = rows_close(tgt.rows[0], want, under_slack=want[ds.HIST:].max().item())
         report(f"residual add {xd} + bf16", ok and same, why + ("" if same else " sum or gradients differ"))
 
     g = torch.Generator(device="cpu").manual_seed(8)
@@ -491,8 +492,13 @@ def check_consumers(device) -> None:
             tgt = ts.Target.new(device, center=(0.0, 3.0), hist=hist, fmt=fmt)
             tgt_h = ts.Target.new(device, center=(0.0, 1.0), hist=hist, fmt=fmt)
             h = swiglu(y0, stats=tgt, h_stats=tgt_h)
-            ok, why = rows_close(tgt.rows[0], ts.partials(y0, fmt=fmt, center=(0.0, 3.0), hist=hist))
-            ok_h, why_h = rows_close(tgt_h.rows[0], ts.partials(h, fmt=fmt, center=(0.0, 1.0), hist=hist))
+            # against the fp64 oracle: on heavy-tailed h the standalone kernel's fp32 sums were 1.4e-6 off in M4
+            want = ds.partials(y0, fmt=fmt, outlier_center=(0.0, 3.0), hist=hist)
+            want_h = ds.partials(h, fmt=fmt, outlier_center=(0.0, 1.0), hist=hist)
+            # current scaling's underflow comes from the histogram: exact up to the threshold's binade
+            slack = (lambda row: row[ds.HIST:].nan_to_num(0).max().item() if fmt else None)
+            ok, why = rows_close(tgt.rows[0], want, under_slack=slack(want))
+            ok_h, why_h = rows_close(tgt_h.rows[0], want_h, under_slack=slack(want_h))
             report(f"swiglu rows of y and h {shape} {dt} fmt={fmt} hist={hist}", ok and ok_h, why + why_h)
 
 
