@@ -1,6 +1,7 @@
 """Offline sm_90a build of the quantize-transpose kernels (plain and with statistics) or, with ``--standalone``, of
-the standalone statistics kernel (``agent/triton_stats.py``), no GPU needed: registers, spill stack, and the SASS
-instruction count of the longest loop (the statistics' tile loop) per kernel.
+the standalone statistics kernel (``agent/triton_stats.py``), or with ``--consumers`` of the consumer kernels
+(``trainer/kernels/swiglu.py``, ``residual.py``), no GPU needed: registers, spill stack, and the SASS instruction count
+of the longest loop (the statistics' tile loop) per kernel.
 
 Needs a Triton whose backend can compile for sm_90a on this machine (its bundled ptxas and cuobjdump), e.g. the
 Triton 3.6 wheel the GPU machines run, unpacked apart from the project's own::
@@ -93,12 +94,16 @@ def main(argv=None) -> int:
     p.add_argument("--fmt", default="e4m3", choices=["e4m3", "e5m2"])
     p.add_argument("--v", type=int, help="the statistics' row length (quantize_transpose._STATS_V)")
     p.add_argument("--standalone", action="store_true", help="the standalone statistics kernel (a given scale)")
+    p.add_argument("--consumers", action="store_true",
+                   help="the consumer kernels (trainer/kernels/swiglu.py, residual.py), bf16, with and without rows")
     args = p.parse_args(argv)
     driver.set_active(_Sm90())
     sys.path.insert(0, str(ROOT))
     qt = importlib.import_module("trainer.kernels.quantize_transpose")
     ts = importlib.import_module("agent.triton_stats")
     built: dict = {}
+    if args.consumers:
+        return _consumers(ts, built)
     if args.standalone:
         ts._stats_kernel = _CompileOnly(ts._stats_kernel, "standalone", built)
         x = torch.zeros(1 << 22, dtype=getattr(torch, args.dtype))
@@ -114,6 +119,27 @@ def main(argv=None) -> int:
     qt.quantize_transpose(x, args.fmt, scale, accum)
     qt.quantize_transpose(x, args.fmt, scale, accum, stats=ts.Target.new(torch.device("cpu"), hist=args.hist))
     return _report(built, f"{args.dtype} {args.fmt}, delayed scaling, hist={args.hist}, V={qt._STATS_V}")
+
+
+def _consumers(ts, built: dict) -> int:
+    """Every variant of the consumer kernels: the SwiGLU forward without rows, with y's, with y's and h's; its
+    backward; the residual add (fp32 stream, bf16 branch) without and with the branch's row."""
+    sw = importlib.import_module("trainer.kernels.swiglu")
+    res = importlib.import_module("trainer.kernels.residual")
+    cpu = torch.device("cpu")
+    y = torch.zeros(4096, 2 * 2048, dtype=torch.bfloat16)
+    fwd, bwd, add = sw._swiglu_fwd_kernel, sw._swiglu_bwd_kernel, res._residual_add_kernel
+    for name, rows in (("swiglu fwd", ()), ("swiglu fwd + y row", ("y",)), ("swiglu fwd + y, h rows", ("y", "h"))):
+        sw._swiglu_fwd_kernel = _CompileOnly(fwd, name, built)
+        sw.swiglu_forward(y, stats=ts.Target.new(cpu, fmt="e4m3", hist=False) if "y" in rows else None,
+                          h_stats=ts.Target.new(cpu, fmt="e4m3", hist=False) if "h" in rows else None)
+    sw._swiglu_bwd_kernel = _CompileOnly(bwd, "swiglu bwd", built)
+    sw.swiglu_backward(y, torch.zeros(4096, 2048, dtype=torch.bfloat16))
+    x, b = torch.zeros(4096, 2048), torch.zeros(4096, 2048, dtype=torch.bfloat16)
+    for name, row in (("residual add", False), ("residual add + row", True)):
+        res._residual_add_kernel = _CompileOnly(add, name, built)
+        res.residual_add_forward(x, b, stats=ts.Target.new(cpu, fmt="e4m3", hist=False) if row else None)
+    return _report(built, "consumer kernels, bf16, rows without the histogram", "LDG")
 
 
 def _report(built: dict, what: str, need: str = "") -> int:
