@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from agent import triton_stats as ts
-from agent.triton_stats import fused_bounds, nofmt_epilogue, rows_add, rows_partial, rows_zero
+from agent.triton_stats import (_SMEM_HIST, _careful_result, _fast_result, _htab, _shift_of, _tile_careful, _tile_fast,
+                                _tile_sum, fused_bounds, fused_epilogue)
 
 from .fp8_gemm import _to_out
 from .quantize import INTERPRET, _num_sms, cdiv
@@ -24,27 +25,92 @@ BLOCK = 2048
 PROGRAMS_PER_SM = 4
 
 
+@triton.jit
+def _block(x_ptr, b_ptr, out_ptr, n, blk, BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """out = x + b on block ``blk``; returns b's values (fp32) and the mask."""
+    offs = (blk + tl.zeros([], tl.int64)) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, _to_out(x + b, out_ptr.dtype.element_ty, SOFT_ROUND), mask=mask)
+    return b, mask
+
+
+@triton.jit
+def _load_b(b_ptr, n, blk, BLOCK: tl.constexpr, R: tl.constexpr, V: tl.constexpr):
+    """Block ``blk`` of b again (the careful path), as the statistics' [R, V] view, with its mask."""
+    offs = (blk + tl.zeros([], tl.int64)) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return tl.reshape(b, [R, V]), tl.reshape(mask, [R, V])
+
+
 @triton.jit(do_not_specialize=["dst_index", "merge"])
 def _residual_add_kernel(x_ptr, b_ptr, out_ptr, n, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, cen_ptr, c_mean, c_std,
                          k, ahm_ptr, ahm_val, STATS: tl.constexpr, C_PTR: tl.constexpr, AHM_PTR: tl.constexpr,
                          HIST: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr, SMODE: tl.constexpr,
                          BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr):
-    if STATS:
+    """Persistent programs over blocks of BLOCK elements. With STATS, b's statistics as the standalone kernel takes
+    them (``triton_stats._tile_fast``: each thread sums its own rows of V elements, about a shift from the program's
+    first block, in fp32), and its careful path (two exact fp64 passes re-reading b) where the shift was poor or b
+    holds NaN/Inf."""
+    pid = tl.program_id(0)
+    nblk = tl.cdiv(n, BLOCK)
+    if not STATS:
+        for blk in range(pid, nblk, tl.num_programs(0)):
+            _block(x_ptr, b_ptr, out_ptr, n, blk, BLOCK, SOFT_ROUND)
+    else:
+        V: tl.constexpr = 8
+        R: tl.constexpr = BLOCK // V
         lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
-        st = rows_zero(BLOCK // 16)
-    for blk in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
-        start = (blk + tl.zeros([], tl.int64)) * BLOCK
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < n
-        b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs, _to_out(x + b, out_ptr.dtype.element_ty, SOFT_ROUND), mask=mask)
-        if STATS:  # the statistics helpers take 2-D tiles
-            st = rows_add(st, tl.reshape(b, [BLOCK // 16, 16]), tl.reshape(mask, [BLOCK // 16, 16]),
-                          start + BLOCK <= n, lo, hi, HIST)
-    if STATS:
-        nofmt_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, rows_partial(st), AHM_PTR, HIST,
-                       FMAX, UTHR, SMODE)
+        tu = tl.full([], -1, tl.int32)  # no scale before the read: every |b| is above the underflow threshold,
+        to = tl.full([], 0x7FFFFFFF, tl.int32)  # none above the overflow one (the epilogue derives both)
+        b0, m0 = _load_b(b_ptr, n, pid, BLOCK, R, V)
+        c, p, ok = _shift_of(tl.reshape(b0, [BLOCK]), tl.reshape(m0, [BLOCK]))
+        ncp = -(c * p)
+        zf = tl.zeros([R], tl.float32)
+        zi = tl.zeros([R], tl.int32)
+        s1, s2, s3, s4, am, cu, co, cout, cz, h = zf, zf, zf, zf, zf, zi, zi, zi, zi, tl.zeros([64], tl.int32)
+        ht = None
+        if HIST and _SMEM_HIST:
+            ht = _htab()
+        ce = tl.zeros([], tl.int32)
+        for blk in range(pid, nblk, tl.num_programs(0)):
+            b, mask = _block(x_ptr, b_ptr, out_ptr, n, blk, BLOCK, SOFT_ROUND)
+            bv = tl.reshape(b, [R, V])
+            mv = tl.reshape(mask, [R, V])
+            inside = tl.minimum(n - (blk + tl.zeros([], tl.int64)) * BLOCK, BLOCK).to(tl.int32)
+            if inside == BLOCK:  # full blocks (nearly all) pay for no masks
+                s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
+                    bv, mv, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, False, True, ht)
+            else:
+                s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
+                    bv, mv, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, True, True, ht)
+            ce += inside
+        ok2, mean, m2, m3, m4, amax, zeros, under, over, outl, hist = _fast_result(
+            ce, c, p, tu, to, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, ht)
+        nfin = ce
+        nonfin = tl.zeros([], tl.int32)
+        if not (ok & ok2):  # NaN/Inf or a poor shift: this program's blocks again, in fp64
+            acc = tl.zeros([R], tl.float64)
+            cnt = zi
+            for blk in range(pid, nblk, tl.num_programs(0)):
+                bv, mv = _load_b(b_ptr, n, blk, BLOCK, R, V)
+                acc, cnt = _tile_sum(bv, mv, acc, cnt, True)
+            nfin = tl.sum(cnt, 0)
+            mean0 = tl.sum(acc, 0) / tl.maximum(nfin, 1).to(tl.float64)
+            zd = tl.zeros([R], tl.float64)
+            t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h = zd, zd, zd, zd, zf, zi, zi, zi, zi, zi, \
+                tl.zeros([64], tl.int32)
+            for blk in range(pid, nblk, tl.num_programs(0)):
+                bv, mv = _load_b(b_ptr, n, blk, BLOCK, R, V)
+                t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h = _tile_careful(
+                    bv, mv, mean0, tu, to, lo, hi, t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h, HIST, True)
+            mean, m2, m3, m4, amax, zeros, under, over, outl, nonfin = _careful_result(
+                nfin, mean0, t1, t2, t3, t4, am, cu, co, cout, cz, cnf)
+            hist = h
+        fused_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, 1.0, ce, nfin, nonfin, zeros,
+                       outl, under, over, amax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST, SMODE)
 
 
 def residual_add_forward(x: torch.Tensor, b: torch.Tensor, stats: "ts.Target | None" = None) -> torch.Tensor:
