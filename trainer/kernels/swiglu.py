@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from agent import triton_stats as ts
-from agent.triton_stats import fused_bounds, nofmt_epilogue, rows_add, rows_partial, rows_zero
+from agent.triton_stats import (_SMEM_HIST, _careful_result, _fast_result, _htab, _shift_of, _tile_careful, _tile_fast,
+                                _tile_sum, fused_bounds, fused_epilogue)
 
 from .fp8_gemm import _to_out
 from .quantize import INTERPRET, _num_sms, cdiv
@@ -41,6 +42,116 @@ def _silu_rounded(g, DTYPE: tl.constexpr, SOFT_ROUND: tl.constexpr):
     return _to_out(g * sig, DTYPE, SOFT_ROUND).to(tl.float32), sig
 
 
+@triton.jit
+def _tile(y_ptr, t, n_tn, M, H, stride_y, BM: tl.constexpr, BN: tl.constexpr):
+    """Tile t of the (M, H) output: gate and up (fp32), its mask, rows and columns."""
+    rows = (t // n_tn) * BM + tl.arange(0, BM)
+    cols = (t % n_tn) * BN + tl.arange(0, BN)
+    mask = (rows[:, None] < M) & (cols[None, :] < H)
+    gp = y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :]
+    g = tl.load(gp, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gp + H, mask=mask, other=0.0).to(tl.float32)
+    return g, u, mask, rows, cols
+
+
+@triton.jit
+def _h_of(g, u, DTYPE: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    s, _ = _silu_rounded(g, DTYPE, SOFT_ROUND)
+    return _to_out(s * u, DTYPE, SOFT_ROUND)
+
+
+@triton.jit
+def _acc_zero(R: tl.constexpr):
+    """The standalone kernel's per-thread accumulators (``_tile_fast``): s1-s4, amax, cu, co, outliers, cz, hist."""
+    zf = tl.zeros([R], tl.float32)
+    zi = tl.zeros([R], tl.int32)
+    return zf, zf, zf, zf, zf, zi, zi, zi, zi, tl.zeros([64], tl.int32)
+
+
+@triton.jit
+def _acc_add(acc, x, mask, full, p, ncp, lo, hi, HIST: tl.constexpr, R: tl.constexpr, V: tl.constexpr, ht=None):
+    """``acc`` with the [BM, BN] fp32 tile x added, seen as [R, V] (a thread's own rows of V elements)."""
+    s1, s2, s3, s4, am, cu, co, cout, cz, h = acc
+    tu = tl.full([], -1, tl.int32)  # no scale before the read: the epilogue derives underflow and overflow
+    to = tl.full([], 0x7FFFFFFF, tl.int32)
+    xv = tl.reshape(x, [R, V])
+    mv = tl.reshape(mask, [R, V])
+    if full:  # interior tiles (nearly all) pay for no masks
+        s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(xv, mv, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co,
+                                                             cout, cz, h, HIST, False, True, ht)
+    else:
+        s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(xv, mv, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co,
+                                                             cout, cz, h, HIST, True, True, ht)
+    return s1, s2, s3, s4, am, cu, co, cout, cz, h
+
+
+@triton.jit
+def _careful(y_ptr, M, H, stride_y, lo, hi, HIST: tl.constexpr, OF_H: tl.constexpr, DTYPE: tl.constexpr,
+             SOFT_ROUND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, R: tl.constexpr, V: tl.constexpr):
+    """The standalone kernel's careful path over this program's tiles: two exact fp64 passes over y's both halves
+    (or, ``OF_H``, over h recomputed from them). Returns its partial (nfin, mean, M2-M4, amax, zeros, under, over,
+    outliers, nonfinite, hist)."""
+    n_tn = tl.cdiv(H, BN)
+    tiles = tl.cdiv(M, BM) * n_tn
+    tu = tl.full([], -1, tl.int32)
+    to = tl.full([], 0x7FFFFFFF, tl.int32)
+    acc = tl.zeros([R], tl.float64)
+    cnt = tl.zeros([R], tl.int32)
+    for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
+        g, u, mask, _, _ = _tile(y_ptr, t, n_tn, M, H, stride_y, BM, BN)
+        mv = tl.reshape(mask, [R, V])
+        if OF_H:
+            acc, cnt = _tile_sum(tl.reshape(_h_of(g, u, DTYPE, SOFT_ROUND).to(tl.float32), [R, V]), mv, acc, cnt,
+                                 True)
+        else:
+            acc, cnt = _tile_sum(tl.reshape(g, [R, V]), mv, acc, cnt, True)
+            acc, cnt = _tile_sum(tl.reshape(u, [R, V]), mv, acc, cnt, True)
+    nfin = tl.sum(cnt, 0)
+    mean0 = tl.sum(acc, 0) / tl.maximum(nfin, 1).to(tl.float64)
+    zd = tl.zeros([R], tl.float64)
+    zi = tl.zeros([R], tl.int32)
+    t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h = zd, zd, zd, zd, tl.zeros([R], tl.float32), zi, zi, zi, zi, zi, \
+        tl.zeros([64], tl.int32)
+    for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
+        g, u, mask, _, _ = _tile(y_ptr, t, n_tn, M, H, stride_y, BM, BN)
+        mv = tl.reshape(mask, [R, V])
+        if OF_H:
+            t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h = _tile_careful(
+                tl.reshape(_h_of(g, u, DTYPE, SOFT_ROUND).to(tl.float32), [R, V]), mv, mean0, tu, to, lo, hi, t1, t2,
+                t3, t4, am, cu, co, cout, cz, cnf, h, HIST, True)
+        else:
+            t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h = _tile_careful(
+                tl.reshape(g, [R, V]), mv, mean0, tu, to, lo, hi, t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h, HIST,
+                True)
+            t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h = _tile_careful(
+                tl.reshape(u, [R, V]), mv, mean0, tu, to, lo, hi, t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h, HIST,
+                True)
+    mean, m2, m3, m4, amax, zeros, under, over, outl, nonfin = _careful_result(
+        nfin, mean0, t1, t2, t3, t4, am, cu, co, cout, cz, cnf)
+    return nfin, mean, m2, m3, m4, amax, zeros, under, over, outl, nonfin, h
+
+
+@triton.jit
+def _row_of(acc, n, c, p, ok, y_ptr, M, H, stride_y, lo, hi, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr,
+            ahm_val, HIST: tl.constexpr, AHM_PTR: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr,
+            SMODE: tl.constexpr, OF_H: tl.constexpr, DTYPE: tl.constexpr, SOFT_ROUND: tl.constexpr, BM: tl.constexpr,
+            BN: tl.constexpr, R: tl.constexpr, V: tl.constexpr, ht=None):
+    """This program's partial of ``acc`` (n elements summed about c, scaled by p), or of the careful path where the
+    fast one does not hold; into the target row (``fused_epilogue``: the last program merges)."""
+    s1, s2, s3, s4, am, cu, co, cout, cz, h = acc
+    tu = tl.full([], -1, tl.int32)
+    to = tl.full([], 0x7FFFFFFF, tl.int32)
+    ok2, mean, m2, m3, m4, amax, zeros, under, over, outl, hist = _fast_result(
+        n, c, p, tu, to, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, ht)
+    nfin = n
+    nonfin = tl.zeros([], tl.int32)
+    if not (ok & ok2):  # NaN/Inf or a poor shift: this program's tiles again, in fp64
+        nfin, mean, m2, m3, m4, amax, zeros, under, over, outl, nonfin, hist = _careful(
+            y_ptr, M, H, stride_y, lo, hi, HIST, OF_H, DTYPE, SOFT_ROUND, BM, BN, R, V)
+    fused_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, 1.0, n, nfin, nonfin, zeros, outl,
+                   under, over, amax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST, SMODE)
+
+
 @triton.jit(do_not_specialize=["dst_index", "merge", "dst_index_h", "merge_h"])
 def _swiglu_fwd_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, cen_ptr, c_mean,
                        c_std, k, ahm_ptr, ahm_val, sp_ptr_h, ctr_ptr_h, dst_ptr_h, dst_index_h, merge_h, cen_ptr_h,
@@ -49,40 +160,58 @@ def _swiglu_fwd_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, d
                        SMODE: tl.constexpr, STATS_H: tl.constexpr, C_PTR_H: tl.constexpr, AHM_PTR_H: tl.constexpr,
                        HIST_H: tl.constexpr, FMAX_H: tl.constexpr, UTHR_H: tl.constexpr, SMODE_H: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, SOFT_ROUND: tl.constexpr):
-    """h of y; with STATS y's row, with STATS_H h's row (the *_h arguments: a second target)."""
+    """h of y, persistent over (BM, BN) tiles of h; with STATS y's row, with STATS_H h's row (the *_h arguments: a
+    second target). The rows are taken as the standalone kernel takes them (``triton_stats._tile_fast``: a thread sums
+    its own rows of V elements in fp32, about a shift from the program's first tile; y's shift is the mean of its two
+    halves' shifts), with its careful path (exact fp64 passes re-reading y) where that does not hold. y's histogram
+    counts in the shared-memory table on hardware; h's, with ``tl.histogram`` (a kernel has one table)."""
     dtype = h_ptr.dtype.element_ty
+    V: tl.constexpr = 16
+    R: tl.constexpr = BM * BN // V
     n_tn = tl.cdiv(H, BN)
     tiles = tl.cdiv(M, BM) * n_tn
+    pid = tl.program_id(0)
+    if STATS or STATS_H:
+        g0, u0, m0, _, _ = _tile(y_ptr, pid, n_tn, M, H, stride_y, BM, BN)
+        m1 = tl.reshape(m0, [BM * BN])
     if STATS:
         lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
-        st = rows_zero(BM)
+        cg, pg, okg = _shift_of(tl.reshape(g0, [BM * BN]), m1)
+        cu_, pu_, oku = _shift_of(tl.reshape(u0, [BM * BN]), m1)
+        c = (cg + cu_) * 0.5
+        p = tl.minimum(pg, pu_)  # the larger amax's power of two
+        ok = okg & oku
+        ncp = -(c * p)
+        acc = _acc_zero(R)
+        ht = None
+        if HIST and _SMEM_HIST:
+            ht = _htab()
     if STATS_H:
         lo_h, hi_h = fused_bounds(cen_ptr_h, c_mean_h, c_std_h, k_h, C_PTR_H)
-        st_h = rows_zero(BM)
-    for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
-        r0 = (t // n_tn) * BM
-        c0 = (t % n_tn) * BN
-        rows = r0 + tl.arange(0, BM)
-        cols = c0 + tl.arange(0, BN)
-        mask = (rows[:, None] < M) & (cols[None, :] < H)
-        gp = y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :]
-        g = tl.load(gp, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(gp + H, mask=mask, other=0.0).to(tl.float32)
-        s, _ = _silu_rounded(g, dtype, SOFT_ROUND)
-        h = _to_out(s * u, dtype, SOFT_ROUND)
+        c_h, p_h, ok_h = _shift_of(tl.reshape(_h_of(g0, u0, dtype, SOFT_ROUND).to(tl.float32), [BM * BN]), m1)
+        ncp_h = -(c_h * p_h)
+        acc_h = _acc_zero(R)
+    ce = tl.zeros([], tl.int32)
+    for t in range(pid, tiles, tl.num_programs(0)):
+        g, u, mask, rows, cols = _tile(y_ptr, t, n_tn, M, H, stride_y, BM, BN)
+        h = _h_of(g, u, dtype, SOFT_ROUND)
         tl.store(h_ptr + rows[:, None].to(tl.int64) * H + cols[None, :], h, mask=mask)
-        full = (r0 + BM <= M) & (c0 + BN <= H)
+        tm = tl.minimum(M - (t // n_tn) * BM, BM)
+        tn = tl.minimum(H - (t % n_tn) * BN, BN)
+        full = (tm == BM) & (tn == BN)
         if STATS:  # both halves are elements of y
-            st = rows_add(st, g, mask, full, lo, hi, HIST)
-            st = rows_add(st, u, mask, full, lo, hi, HIST)
+            acc = _acc_add(acc, g, mask, full, p, ncp, lo, hi, HIST, R, V, ht)
+            acc = _acc_add(acc, u, mask, full, p, ncp, lo, hi, HIST, R, V, ht)
         if STATS_H:
-            st_h = rows_add(st_h, h.to(tl.float32), mask, full, lo_h, hi_h, HIST_H)
+            acc_h = _acc_add(acc_h, h.to(tl.float32), mask, full, p_h, ncp_h, lo_h, hi_h, HIST_H, R, V)
+        ce += tm * tn
     if STATS:
-        nofmt_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, rows_partial(st), AHM_PTR, HIST,
-                       FMAX, UTHR, SMODE)
+        _row_of(acc, 2 * ce, c, p, ok, y_ptr, M, H, stride_y, lo, hi, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge,
+                ahm_ptr, ahm_val, HIST, AHM_PTR, FMAX, UTHR, SMODE, False, dtype, SOFT_ROUND, BM, BN, R, V, ht)
     if STATS_H:
-        nofmt_epilogue(sp_ptr_h, ctr_ptr_h, dst_ptr_h, dst_index_h, merge_h, ahm_ptr_h, ahm_val_h, rows_partial(st_h),
-                       AHM_PTR_H, HIST_H, FMAX_H, UTHR_H, SMODE_H)
+        _row_of(acc_h, ce, c_h, p_h, ok_h, y_ptr, M, H, stride_y, lo_h, hi_h, sp_ptr_h, ctr_ptr_h, dst_ptr_h,
+                dst_index_h, merge_h, ahm_ptr_h, ahm_val_h, HIST_H, AHM_PTR_H, FMAX_H, UTHR_H, SMODE_H, True, dtype,
+                SOFT_ROUND, BM, BN, R, V)
 
 
 @triton.jit
