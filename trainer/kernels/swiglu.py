@@ -9,13 +9,15 @@ expression does: d_up = dh * silu(gate) and d_gate = (dh * up) * sig (1 + gate (
 the dtype. Reference beside them: ``swiglu_ref``.
 
 ``stats=`` (an ``agent.triton_stats.Target``): y's SPEC section-4 row, as the agent's hooks emulate it for a GEMM
-output (``triton_stats.nofmt_consts``), accumulated from the tiles the forward loads (``rows_add``) and merged by
-the last program; ``h_stats=`` likewise h's, from the tiles it stores. They are the rows of fc1's ``output`` and
+output (``triton_stats.nofmt_consts``), accumulated from the tiles the forward loads as the standalone kernel
+accumulates (``_tile_fast``; the kernel's docstring) and merged by the last program; ``h_stats=`` likewise h's, from
+the tiles it stores. They are the rows of fc1's ``output`` and
 fc2's ``input`` (``trainer.layers.SwiGLU``): without them a statistics kernel reads y once more (with an FP8 fc1,
 the deferred output read; y is the largest tensor of a Llama block), and with a plain fc2, h too.
 
 Persistent programs (a few per SM) loop over (BM, BN) tiles of h, so the statistics have a few hundred partials
-to merge, not one per tile.
+to merge, not one per tile. (An earlier form took the rows with the GEMM epilogues' ``rows_add``: about 70
+instructions per element of y in an offline sm_90a build, bench/RESULTS.md.)
 """
 
 from __future__ import annotations
