@@ -35,6 +35,11 @@ from .quantize import INTERPRET, _num_sms, cdiv
 
 BM, BN = 32, 128
 PROGRAMS_PER_SM = 4
+# Register cap of the forward with y's row only (ptxas; None: uncapped). In an offline sm_90a build
+# (bench/offline_sass.py --consumers) it took 162 registers uncapped, one program of 8 warps per SM, and 128 with no
+# spill at this cap (two per SM); with h's row too, 213 uncapped, and this cap spilled in the tile loop (14 loads,
+# 18 stores): uncapped there. Not timed on a GPU.
+STATS_MAXNREG: int | None = 128
 
 
 @triton.jit
@@ -256,9 +261,10 @@ def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
     M, H = y2.shape[0], two_h // 2
     h = torch.empty((M, H), dtype=y.dtype, device=y.device)
     programs = _programs(cdiv(M, BM) * cdiv(H, BN), y.device)
+    capped = STATS_MAXNREG and not INTERPRET and stats is not None and h_stats is None
     _swiglu_fwd_kernel[(programs,)](y2, h, M, H, y2.stride(0), **ts.epilogue_args(stats, programs, h),
                                     **ts.epilogue_args(h_stats, programs, h, "_h", counter_row=1), BM=BM, BN=BN,
-                                    SOFT_ROUND=INTERPRET, num_warps=8)
+                                    SOFT_ROUND=INTERPRET, num_warps=8, **({"maxnreg": STATS_MAXNREG} if capped else {}))
     return h.reshape(*y.shape[:-1], H)
 
 
