@@ -1765,6 +1765,35 @@ if triton is not None:
             ahm = tl.load(ahm_ptr).to(tl.float64)
         _done(sp_ptr, nprog, ctr_ptr, nprog, dst_ptr + dst_index * _WIDTH, merge, SMODE, s, FMAX, UTHR, ahm, hist, HIST)
 
+    # ---- statistics of the tiles a consumer kernel streams through (trainer/kernels/swiglu.py, residual.py) -----
+    # As the standalone kernel takes them: a thread sums its own rows of V elements (``_tile_fast``) about a shift from
+    # the program's first tile; no scale is known before the read (the epilogue derives underflow and overflow).
+
+    @triton.jit
+    def stream_zero(R: tl.constexpr):
+        """Empty ``_tile_fast`` accumulators of R rows: s1-s4, amax, cu, co, outliers, cz, histogram."""
+        zf = tl.zeros([R], tl.float32)
+        zi = tl.zeros([R], tl.int32)
+        return zf, zf, zf, zf, zf, zi, zi, zi, zi, tl.zeros([64], tl.int32)
+
+    @triton.jit
+    def stream_add(acc, x, mask, full, p, ncp, lo, hi, HIST: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
+                   ht=None):
+        """``acc`` with the fp32 tile x (any shape of R * V elements) added, seen as [R, V]; ``full``: every lane is
+        inside (then no masks are paid for)."""
+        s1, s2, s3, s4, am, cu, co, cout, cz, h = acc
+        tu = tl.full([], -1, tl.int32)
+        to = tl.full([], 0x7FFFFFFF, tl.int32)
+        xv = tl.reshape(x, [R, V])
+        mv = tl.reshape(mask, [R, V])
+        if full:
+            s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(xv, mv, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu,
+                                                                 co, cout, cz, h, HIST, False, True, ht)
+        else:
+            s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(xv, mv, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu,
+                                                                 co, cout, cz, h, HIST, True, True, ht)
+        return s1, s2, s3, s4, am, cu, co, cout, cz, h
+
     # ---- fused statistics of register tiles (the GEMM epilogues, trainer/kernels/fp8_gemm.py) ----------
     # A partial is the tuple (nelem, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist).
     # A program accumulates its tiles row by row: the state is one bucket per tile row (row r of every tile the

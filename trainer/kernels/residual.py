@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from agent import triton_stats as ts
-from agent.triton_stats import (_SMEM_HIST, _careful_result, _fast_result, _htab, _shift_of, _tile_careful, _tile_fast,
-                                _tile_sum, fused_bounds, fused_epilogue)
+from agent.triton_stats import (_SMEM_HIST, _careful_result, _fast_result, _htab, _shift_of, _tile_careful, _tile_sum,
+                                fused_bounds, fused_epilogue, stream_add, stream_zero)
 
 from .fp8_gemm import _to_out
 from .quantize import INTERPRET, _num_sms, cdiv
@@ -68,30 +68,24 @@ def _residual_add_kernel(x_ptr, b_ptr, out_ptr, n, sp_ptr, ctr_ptr, dst_ptr, dst
         b0, m0 = _load_b(b_ptr, n, pid, BLOCK, R, V)
         c, p, ok = _shift_of(tl.reshape(b0, [BLOCK]), tl.reshape(m0, [BLOCK]))
         ncp = -(c * p)
-        zf = tl.zeros([R], tl.float32)
-        zi = tl.zeros([R], tl.int32)
-        s1, s2, s3, s4, am, cu, co, cout, cz, h = zf, zf, zf, zf, zf, zi, zi, zi, zi, tl.zeros([64], tl.int32)
+        st = stream_zero(R)
         ht = None
         if HIST and _SMEM_HIST:
             ht = _htab()
         ce = tl.zeros([], tl.int32)
         for blk in range(pid, nblk, tl.num_programs(0)):
             b, mask = _block(x_ptr, b_ptr, out_ptr, n, blk, BLOCK, SOFT_ROUND)
-            bv = tl.reshape(b, [R, V])
-            mv = tl.reshape(mask, [R, V])
             inside = tl.minimum(n - (blk + tl.zeros([], tl.int64)) * BLOCK, BLOCK).to(tl.int32)
-            if inside == BLOCK:  # full blocks (nearly all) pay for no masks
-                s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
-                    bv, mv, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, False, True, ht)
-            else:
-                s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
-                    bv, mv, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, True, True, ht)
+            st = stream_add(st, b, mask, inside == BLOCK, p, ncp, lo, hi, HIST, R, V, ht)
             ce += inside
+        s1, s2, s3, s4, am, cu, co, cout, cz, h = st
         ok2, mean, m2, m3, m4, amax, zeros, under, over, outl, hist = _fast_result(
             ce, c, p, tu, to, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, ht)
         nfin = ce
         nonfin = tl.zeros([], tl.int32)
         if not (ok & ok2):  # NaN/Inf or a poor shift: this program's blocks again, in fp64
+            zf = tl.zeros([R], tl.float32)
+            zi = tl.zeros([R], tl.int32)
             acc = tl.zeros([R], tl.float64)
             cnt = zi
             for blk in range(pid, nblk, tl.num_programs(0)):

@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from agent import triton_stats as ts
-from agent.triton_stats import (_SMEM_HIST, _careful_result, _fast_result, _htab, _shift_of, _tile_careful, _tile_fast,
-                                _tile_sum, fused_bounds, fused_epilogue)
+from agent.triton_stats import (_SMEM_HIST, _careful_result, _fast_result, _htab, _shift_of, _tile_careful, _tile_sum,
+                                fused_bounds, fused_epilogue, stream_add, stream_zero)
 
 from .fp8_gemm import _to_out
 from .quantize import INTERPRET, _num_sms, cdiv
@@ -65,31 +65,6 @@ def _tile(y_ptr, t, n_tn, M, H, stride_y, BM: tl.constexpr, BN: tl.constexpr):
 def _h_of(g, u, DTYPE: tl.constexpr, SOFT_ROUND: tl.constexpr):
     s, _ = _silu_rounded(g, DTYPE, SOFT_ROUND)
     return _to_out(s * u, DTYPE, SOFT_ROUND)
-
-
-@triton.jit
-def _acc_zero(R: tl.constexpr):
-    """The standalone kernel's per-thread accumulators (``_tile_fast``): s1-s4, amax, cu, co, outliers, cz, hist."""
-    zf = tl.zeros([R], tl.float32)
-    zi = tl.zeros([R], tl.int32)
-    return zf, zf, zf, zf, zf, zi, zi, zi, zi, tl.zeros([64], tl.int32)
-
-
-@triton.jit
-def _acc_add(acc, x, mask, full, p, ncp, lo, hi, HIST: tl.constexpr, R: tl.constexpr, V: tl.constexpr, ht=None):
-    """``acc`` with the [BM, BN] fp32 tile x added, seen as [R, V] (a thread's own rows of V elements)."""
-    s1, s2, s3, s4, am, cu, co, cout, cz, h = acc
-    tu = tl.full([], -1, tl.int32)  # no scale before the read: the epilogue derives underflow and overflow
-    to = tl.full([], 0x7FFFFFFF, tl.int32)
-    xv = tl.reshape(x, [R, V])
-    mv = tl.reshape(mask, [R, V])
-    if full:  # interior tiles (nearly all) pay for no masks
-        s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(xv, mv, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co,
-                                                             cout, cz, h, HIST, False, True, ht)
-    else:
-        s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(xv, mv, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co,
-                                                             cout, cz, h, HIST, True, True, ht)
-    return s1, s2, s3, s4, am, cu, co, cout, cz, h
 
 
 @triton.jit
@@ -189,7 +164,7 @@ def _swiglu_fwd_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, d
         p = tl.minimum(pg, pu_)  # the larger amax's power of two
         ok = okg & oku
         ncp = -(c * p)
-        acc = _acc_zero(R)
+        acc = stream_zero(R)
         ht = None
         if HIST and _SMEM_HIST:
             ht = _htab()
@@ -197,7 +172,7 @@ def _swiglu_fwd_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, d
         lo_h, hi_h = fused_bounds(cen_ptr_h, c_mean_h, c_std_h, k_h, C_PTR_H)
         c_h, p_h, ok_h = _shift_of(tl.reshape(_h_of(g0, u0, dtype, SOFT_ROUND).to(tl.float32), [BM * BN]), m1)
         ncp_h = -(c_h * p_h)
-        acc_h = _acc_zero(R)
+        acc_h = stream_zero(R)
     ce = tl.zeros([], tl.int32)
     for t in range(pid, tiles, tl.num_programs(0)):
         g, u, mask, rows, cols = _tile(y_ptr, t, n_tn, M, H, stride_y, BM, BN)
@@ -207,10 +182,10 @@ def _swiglu_fwd_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, d
         tn = tl.minimum(H - (t % n_tn) * BN, BN)
         full = (tm == BM) & (tn == BN)
         if STATS:  # both halves are elements of y
-            acc = _acc_add(acc, g, mask, full, p, ncp, lo, hi, HIST, R, V, ht)
-            acc = _acc_add(acc, u, mask, full, p, ncp, lo, hi, HIST, R, V, ht)
+            acc = stream_add(acc, g, mask, full, p, ncp, lo, hi, HIST, R, V, ht)
+            acc = stream_add(acc, u, mask, full, p, ncp, lo, hi, HIST, R, V, ht)
         if STATS_H:
-            acc_h = _acc_add(acc_h, h.to(tl.float32), mask, full, p_h, ncp_h, lo_h, hi_h, HIST_H, R, V)
+            acc_h = stream_add(acc_h, h.to(tl.float32), mask, full, p_h, ncp_h, lo_h, hi_h, HIST_H, R, V)
         ce += tm * tn
     if STATS:
         _row_of(acc, 2 * ce, c, p, ok, y_ptr, M, H, stride_y, lo, hi, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge,
