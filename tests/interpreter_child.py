@@ -37,6 +37,24 @@ def run_checks(module_file: str, groups: list[str]) -> dict[str, str]:
     return {d["check"]: d["problem"] for d in lines}
 
 
+def emit(name: str, problem: str) -> None:
+    """In the child: one check's line ("" problem: a pass)."""
+    print(json.dumps({"check": name, "problem": problem}), flush=True)
+
+
+def run_each(checks: dict, names: list[str]) -> None:
+    """In the child: each of the ``checks`` named (all without names); a crash is one failed check, its traceback on
+    stderr, and the others still run."""
+    for name in names or checks:
+        try:
+            checks[name]()
+        except Exception as exc:
+            import traceback
+
+            traceback.print_exc()
+            emit(f"{name}:raised", repr(exc))
+
+
 def assert_group(results: dict[str, str], group: str) -> None:
     mine = {k: v for k, v in results.items() if k.split(":")[0] == group}
     assert mine, f"check group {group} produced nothing"

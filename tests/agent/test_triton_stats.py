@@ -9,7 +9,6 @@ Each check prints a JSON line; the tests below assert them. On a GPU: ``python b
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -55,6 +54,8 @@ def _child(names: list[str]) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(ROOT / "tests"))
+    from interpreter_child import emit, run_each
     import torch
     from torch import nn
 
@@ -66,9 +67,6 @@ def _child(names: list[str]) -> None:
 
     torch.set_num_threads(1)
     ts.CHUNK, ts.ROWS = 4096, 128  # several programs per tensor (5000 elements: 2), several tiles per program
-
-    def emit(name, problem):
-        print(json.dumps({"check": name, "problem": problem}), flush=True)
 
     def rows_vs_torch():
         for i, (case, x) in enumerate(_cases(torch).items()):
@@ -230,11 +228,7 @@ def _child(names: list[str]) -> None:
                   outliers_with_center=outliers_with_center, bf16_pairs=bf16_pairs, multi_tensor=multi_tensor,
                   many_partials=many_partials, far_first_partial=far_first_partial, agent_backends=agent_backends,
                   agent_outlier_centers=agent_outlier_centers)
-    for name in names or checks:
-        try:
-            checks[name]()
-        except Exception as exc:  # a crash is one failed check, the others still run
-            emit(f"{name}:raised", repr(exc))
+    run_each(checks, names)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ GPU: ``python bench/stats_check.py --only consumers``.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -24,6 +23,8 @@ def _child(names: list[str]) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(ROOT / "tests"))
+    from interpreter_child import emit, run_each
     import torch
 
     from agent import device_stats as ds
@@ -32,9 +33,6 @@ def _child(names: list[str]) -> None:
     from trainer.kernels.swiglu import swiglu, swiglu_ref
 
     torch.set_num_threads(1)
-
-    def emit(name, problem):
-        print(json.dumps({"check": name, "problem": problem}), flush=True)
 
     def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
         """The most units in the last place between two bf16 tensors of finite values."""
@@ -270,14 +268,7 @@ def _child(names: list[str]) -> None:
 
     checks = dict(forward_backward=forward_backward, forward_stats=forward_stats, agent_block=agent_block,
                   agent_block_plain=agent_block_plain, residual=residual, agent_model=agent_model)
-    for name in names or checks:
-        try:
-            checks[name]()
-        except Exception as exc:
-            import traceback
-
-            traceback.print_exc()
-            emit(f"{name}:raised", repr(exc))
+    run_each(checks, names)
 
 
 GROUPS = ["forward_backward", "forward_stats", "agent_block", "agent_block_plain", "residual", "agent_model"]

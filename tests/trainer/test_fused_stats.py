@@ -10,7 +10,6 @@ before importing Triton; each prints a JSON line that the tests assert. GPU: ``p
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -24,6 +23,8 @@ def _child(names: list[str]) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(ROOT / "tests"))
+    from interpreter_child import emit, run_each
     import torch
 
     from agent import device_stats as ds
@@ -54,9 +55,6 @@ def _child(names: list[str]) -> None:
             yield "quantize_transpose_cast", with_mode("cast")
 
     torch.set_num_threads(1)
-
-    def emit(name, problem):
-        print(json.dumps({"check": name, "problem": problem}), flush=True)
 
     def same_bits(a, b):
         return a is None and b is None or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
@@ -377,14 +375,7 @@ def _child(names: list[str]) -> None:
                   fp8_linear_agent_deferred=lambda: fp8_linear_agent("deferred"),
                   fp8_linear_agent_cached=fp8_linear_agent_cached, gemm_stats_fallback=gemm_stats_fallback,
                   fp8_linear_agent_grown=fp8_linear_agent_grown, clip_from_rows=clip_from_rows)
-    for name in names or checks:
-        try:
-            checks[name]()
-        except Exception as exc:
-            import traceback
-
-            traceback.print_exc()
-            emit(f"{name}:raised", repr(exc))
+    run_each(checks, names)
 
 
 GROUPS = ["fused_kernels", "fused_fast_path", "fused_merge", "fp8_linear_agent", "fp8_linear_agent_read",
