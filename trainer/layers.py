@@ -110,8 +110,9 @@ class Attention(nn.Module):
 # SwiGLU's elementwise part as one Triton kernel each way (trainer.kernels.swiglu) where Triton runs. It also takes, for
 # the agent, the rows of fc1's output (an FP8 fc1 then leaves it to the kernel) and, for a plain fc2, of fc2's input,
 # from the tensors it reads and writes: no second read of the block's largest tensors. Read at construction (a plain
-# linear's rows are marked as the block's then). Off by default until measured on a GPU (FP8MON_FUSED_SWIGLU=1).
-FUSED_SWIGLU = os.environ.get("FP8MON_FUSED_SWIGLU", "0") == "1"
+# linear's rows are marked as the block's then). On by default (bench/RESULTS.md: the step is faster and the agent's
+# rows cheaper); FP8MON_FUSED_SWIGLU=0 gives torch's ops.
+FUSED_SWIGLU = os.environ.get("FP8MON_FUSED_SWIGLU", "1") == "1"
 
 
 class SwiGLU(nn.Module):

@@ -88,9 +88,9 @@ class Block(nn.Module):
 
 # The residual add as one Triton kernel (trainer.kernels.residual) where Triton runs, taking, for the agent, the row of
 # the output of the attention's proj and of the MLP's fc2 from its read of them (an FP8 linear then leaves it to the
-# add; a plain one's is marked as the block's at construction): no second read of them. Off by default until
-# measured on a GPU (FP8MON_FUSED_RESIDUAL=1).
-FUSED_RESIDUAL = os.environ.get("FP8MON_FUSED_RESIDUAL", "0") == "1"
+# add; a plain one's is marked as the block's at construction): no second read of them. On by default
+# (bench/RESULTS.md: faster than torch's add, and the agent's rows cheaper); FP8MON_FUSED_RESIDUAL=0 gives torch's add.
+FUSED_RESIDUAL = os.environ.get("FP8MON_FUSED_RESIDUAL", "1") == "1"
 
 
 def _residual(x: torch.Tensor, link, branch: torch.Tensor, fused: bool) -> torch.Tensor:
