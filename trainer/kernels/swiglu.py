@@ -148,7 +148,7 @@ def _swiglu_fwd_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, d
     halves' shifts), with its careful path (exact fp64 passes re-reading y) where that does not hold. y's histogram
     counts in the shared-memory table on hardware; h's, with ``tl.histogram`` (a kernel has one table)."""
     dtype = h_ptr.dtype.element_ty
-    V: tl.constexpr = 16
+    V: tl.constexpr = 8  # a thread's 16-byte load: at 16, each row spanned two threads, one shuffle per sum per row
     R: tl.constexpr = BM * BN // V
     n_tn = tl.cdiv(H, BN)
     tiles = tl.cdiv(M, BM) * n_tn
