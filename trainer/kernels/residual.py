@@ -22,10 +22,6 @@ from .fp8_gemm import _to_out
 from .quantize import INTERPRET, _num_sms, cdiv
 
 BLOCK = 2048
-# With the branch's row, blocks of 4 elements a thread (fp32 x and out's 16-byte accesses): at 2048, b's 16-byte
-# loads gave the statistics' rows 8 elements a thread and out's store a layout of 4, converted through shared memory
-# with a barrier on every block (offline sm_90a build, bench/offline_sass.py --consumers).
-STATS_BLOCK = 1024
 PROGRAMS_PER_SM = 4
 
 
@@ -64,7 +60,7 @@ def _residual_add_kernel(x_ptr, b_ptr, out_ptr, n, sp_ptr, ctr_ptr, dst_ptr, dst
         for blk in range(pid, nblk, tl.num_programs(0)):
             _block(x_ptr, b_ptr, out_ptr, n, blk, BLOCK, SOFT_ROUND)
     else:
-        V: tl.constexpr = 4
+        V: tl.constexpr = 8
         R: tl.constexpr = BLOCK // V
         lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
         tu = tl.full([], -1, tl.int32)  # no scale before the read: every |b| is above the underflow threshold,
@@ -119,9 +115,8 @@ def residual_add_forward(x: torch.Tensor, b: torch.Tensor, stats: "ts.Target | N
     out = torch.empty(x.shape, dtype=torch.result_type(x, b), device=x.device)
     n = out.numel()
     programs = max(1, min(cdiv(n, BLOCK), 4 if INTERPRET else PROGRAMS_PER_SM * _num_sms(x.device)))
-    _residual_add_kernel[(programs,)](xc, bc, out, n, **ts.epilogue_args(stats, programs, out),
-                                      BLOCK=BLOCK if stats is None else STATS_BLOCK, SOFT_ROUND=INTERPRET,
-                                      num_warps=8)
+    _residual_add_kernel[(programs,)](xc, bc, out, n, **ts.epilogue_args(stats, programs, out), BLOCK=BLOCK,
+                                      SOFT_ROUND=INTERPRET, num_warps=8)
     return out
 
 
