@@ -1794,6 +1794,56 @@ if triton is not None:
                                                                  co, cout, cz, h, HIST, True, True, ht)
         return s1, s2, s3, s4, am, cu, co, cout, cz, h
 
+    @triton.jit
+    def careful_tiles(LOAD: tl.constexpr, src, tiles, PARTS: tl.constexpr, lo, hi, HIST: tl.constexpr,
+                      R: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr):
+        """The standalone kernel's careful path over a persistent program's tiles (t = pid, pid + programs, ... <
+        tiles): two exact fp64 passes over the fp32 [R, V] views and masks that ``LOAD(src, t, part, C1, C2)``
+        returns, part < PARTS (the tensors, or pieces, a tile reads apart; ``src`` a tuple of its runtime arguments,
+        C1 and C2 its constexprs, which a tuple does not carry). No scale: nothing under- or overflows. Returns the
+        partial (nfin, mean, M2-M4, amax, zeros, under, over, outliers, nonfinite, hist)."""
+        tu = tl.full([], -1, tl.int32)
+        to = tl.full([], 0x7FFFFFFF, tl.int32)
+        acc = tl.zeros([R], tl.float64)
+        cnt = tl.zeros([R], tl.int32)
+        for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
+            for part in tl.static_range(PARTS):
+                x, m = LOAD(src, t, part, C1, C2)
+                acc, cnt = _tile_sum(x, m, acc, cnt, True)
+        nfin = tl.sum(cnt, 0)
+        mean0 = tl.sum(acc, 0) / tl.maximum(nfin, 1).to(tl.float64)
+        zd = tl.zeros([R], tl.float64)
+        zi = tl.zeros([R], tl.int32)
+        t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h = zd, zd, zd, zd, tl.zeros([R], tl.float32), zi, zi, zi, zi, zi, \
+            tl.zeros([64], tl.int32)
+        for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
+            for part in tl.static_range(PARTS):
+                x, m = LOAD(src, t, part, C1, C2)
+                t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h = _tile_careful(
+                    x, m, mean0, tu, to, lo, hi, t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h, HIST, True)
+        mean, m2, m3, m4, amax, zeros, under, over, outl, nonfin = _careful_result(
+            nfin, mean0, t1, t2, t3, t4, am, cu, co, cout, cz, cnf)
+        return nfin, mean, m2, m3, m4, amax, zeros, under, over, outl, nonfin, h
+
+    @triton.jit
+    def stream_partial(acc, n, c, p, ok, LOAD: tl.constexpr, src, tiles, PARTS: tl.constexpr, lo, hi,
+                       HIST: tl.constexpr, R: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, ht=None):
+        """A persistent program's partial of its ``stream_add`` accumulators ``acc`` (``n`` elements about the shift
+        ``c``, scaled by ``p``; ``ok``: the shift was taken from finite values), or ``careful_tiles``'s (same
+        arguments) where that does not hold (NaN/Inf, fp32 overflow of the power sums, a poor shift). Returns
+        (nelem, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist), ``fused_epilogue``'s order."""
+        s1, s2, s3, s4, am, cu, co, cout, cz, h = acc
+        tu = tl.full([], -1, tl.int32)
+        to = tl.full([], 0x7FFFFFFF, tl.int32)
+        ok2, mean, m2, m3, m4, amax, zeros, under, over, outl, hist = _fast_result(
+            n, c, p, tu, to, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, ht)
+        nfin = n
+        nonfin = tl.zeros([], tl.int32)
+        if not (ok & ok2):
+            nfin, mean, m2, m3, m4, amax, zeros, under, over, outl, nonfin, hist = careful_tiles(
+                LOAD, src, tiles, PARTS, lo, hi, HIST, R, C1, C2)
+        return n, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist
+
     # ---- fused statistics of register tiles (the GEMM epilogues, trainer/kernels/fp8_gemm.py) ----------
     # A partial is the tuple (nelem, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist).
     # A program accumulates its tiles row by row: the state is one bucket per tile row (row r of every tile the

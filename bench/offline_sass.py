@@ -1,6 +1,6 @@
 """Offline sm_90a build of the quantize-transpose kernels (plain and with statistics) or, with ``--standalone``, of
 the standalone statistics kernel (``agent/triton_stats.py``), or with ``--consumers`` of the consumer kernels
-(``trainer/kernels/swiglu.py``, ``residual.py``), no GPU needed: registers, spill stack, and the SASS instruction count
+(``trainer/kernels/swiglu.py``, ``residual.py``, ``rope.py``), no GPU needed: registers, spill stack, and the SASS instruction count
 of the longest loop (the statistics' tile loop) per kernel.
 
 Needs a Triton whose backend can compile for sm_90a on this machine (its bundled ptxas and cuobjdump), e.g. the
@@ -123,7 +123,8 @@ def main(argv=None) -> int:
 
 def _consumers(ts, built: dict) -> int:
     """Every variant of the consumer kernels: the SwiGLU forward without rows, with y's, with y's and h's; its
-    backward; the residual add (fp32 stream, bf16 branch) without and with the branch's row."""
+    backward; the residual add (fp32 stream, bf16 branch) without and with the branch's row; RoPE on the qkv output
+    (1.5B's heads) without and with its row, and its backward."""
     sw = importlib.import_module("trainer.kernels.swiglu")
     res = importlib.import_module("trainer.kernels.residual")
     cpu = torch.device("cpu")
@@ -139,6 +140,15 @@ def _consumers(ts, built: dict) -> int:
     for name, row in (("residual add", False), ("residual add + row", True)):
         res._residual_add_kernel = _CompileOnly(add, name, built)
         res.residual_add_forward(x, b, stats=ts.Target.new(cpu, fmt="e4m3", hist=False) if row else None)
+    rope = importlib.import_module("trainer.kernels.rope")
+    rfwd, rbwd = rope._rope_fwd_kernel, rope._rope_bwd_kernel
+    qkv, trig = torch.zeros(2, 2048, 3 * 2048, dtype=torch.bfloat16), torch.zeros(2048, 64)
+    for name, row in (("rope fwd", False), ("rope fwd + row", True)):
+        rope._rope_fwd_kernel = _CompileOnly(rfwd, name, built)
+        rope.rope_qkv_forward(qkv, trig, trig, 16, stats=ts.Target.new(cpu, fmt="e4m3", hist=False) if row else None)
+    rope._rope_bwd_kernel = _CompileOnly(rbwd, "rope bwd", built)
+    d = torch.zeros(2, 16, 2048, 128, dtype=torch.bfloat16)
+    rope.rope_qkv_backward(d, d, d, trig, trig, torch.bfloat16)
     return _report(built, "consumer kernels, bf16, rows without the histogram", "LDG")
 
 

@@ -454,7 +454,7 @@ def check_consumers(device) -> None:
     """The consumer kernels on the GPU. trainer/kernels/swiglu.py: forward and backward against torch's autograd of
     F.silu(gate) * up (bf16: at most one unit in the last place, on under 1% of the elements; fp32 close), the
     forward's rows of y and h against the fp64 oracle's. trainer/kernels/residual.py: x + b and its gradients equal
-    torch's, its row of b the oracle's."""
+    torch's, its row of b the oracle's. trainer/kernels/rope.py: ``check_rope``."""
     from trainer.kernels.residual import residual_add
     from trainer.kernels.swiglu import swiglu, swiglu_ref
 
@@ -500,6 +500,48 @@ def check_consumers(device) -> None:
             ok, why = rows_close(tgt.rows[0], want, under_slack=slack(want))
             ok_h, why_h = rows_close(tgt_h.rows[0], want_h, under_slack=slack(want_h))
             report(f"swiglu rows of y and h {shape} {dt} fmt={fmt} hist={hist}", ok and ok_h, why + why_h)
+    check_rope(device)
+
+
+def check_rope(device) -> None:
+    """trainer/kernels/rope.py: q, k, v and qkv's gradient against torch's (``rope_qkv_ref`` and its autograd; bf16:
+    at most one unit in the last place, on under 1% of the elements), the forward's row of qkv against the fp64
+    oracle's, also with a NaN (the careful path) and merged into on a second call."""
+    from trainer.kernels.rope import rope_qkv, rope_qkv_ref
+    from trainer.layers import Rotary
+
+    g = torch.Generator(device="cpu").manual_seed(10)
+    for (b, t, nh, hd), dt, nan in (((2, 1000, 16, 128), torch.bfloat16, False), ((3, 77, 4, 64), torch.float32, False),
+                                    ((2, 256, 6, 128), torch.bfloat16, True)):
+        rot = Rotary(hd, 2048).to(device)
+        qkv0 = (torch.randn(b, t, 3 * nh * hd, generator=g) * 2 + 0.25).to(dt).to(device)
+        if nan:
+            qkv0[1, 7, 5] = float("nan")
+        grads = [torch.randn(b, nh, t, hd, generator=g).to(dt).to(device) for _ in range(3)]
+        a, r = qkv0.clone().requires_grad_(), qkv0.clone().requires_grad_()
+        tgt = ts.Target.new(device, center=(0.25, 2.0), hist=True, fmt="e4m3")
+        got, ref = rope_qkv(a, rot.cos, rot.sin, nh, stats=tgt), rope_qkv_ref(r, rot.cos, rot.sin, nh)
+        torch.autograd.backward(got, grads)
+        torch.autograd.backward(ref, grads)
+        problems = []
+        for what, x, y in (("q", got[0], ref[0]), ("k", got[1], ref[1]), ("v", got[2], ref[2]), ("dqkv", a.grad, r.grad)):
+            x, y = x.detach().float().nan_to_num(7.0), y.detach().float().nan_to_num(7.0)
+            if x.shape != y.shape:
+                problems.append(f"{what} shape {tuple(x.shape)} vs {tuple(y.shape)}")
+            elif dt == torch.bfloat16:
+                off = float((x != y).float().mean())
+                if not bool(((x - y).abs() <= y.abs() * 2.0 ** -7 + 1e-30).all()) or off >= 0.01:
+                    problems.append(f"{what}: {off:.3%} of elements differ")
+            elif not torch.allclose(x, y, rtol=1e-5, atol=1e-6):
+                problems.append(f"{what}: max difference {float((x - y).abs().max())}")
+        want = ds.partials(qkv0, fmt="e4m3", outlier_center=(0.25, 2.0), hist=True)
+        ok, why = rows_close(tgt.rows[0], want, under_slack=want[ds.HIST:].nan_to_num(0).max().item())
+        tgt.merge = True
+        rope_qkv(qkv0 * 2, rot.cos, rot.sin, nh, stats=tgt)
+        both = ds.merge(want, ds.partials(qkv0 * 2, fmt="e4m3", outlier_center=(0.25, 2.0), hist=True))
+        ok2, why2 = rows_close(tgt.rows[0], both, under_slack=both[ds.HIST:].nan_to_num(0).max().item())
+        report(f"rope {(b, t, nh, hd)} {dt} nan={nan}", ok and ok2 and not problems,
+               why + why2 + "; ".join(problems))
 
 
 def main() -> None:

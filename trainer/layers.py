@@ -61,6 +61,13 @@ class Rotary(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
 
 
+# RoPE on the qkv output as one Triton kernel each way (trainer.kernels.rope) where Triton runs, for attention without
+# QK-norm (llama) and heads of a power of two from 16. It also takes, for the agent, the row of the qkv linear's output
+# from its read of it (an FP8 qkv then leaves it to the kernel; a plain one's is marked as the block's at
+# construction): no second read of it. FP8MON_FUSED_ROPE=0 gives torch's ops.
+FUSED_ROPE = os.environ.get("FP8MON_FUSED_ROPE", "1") == "1"
+
+
 class Attention(nn.Module):
     """Causal multi-head attention; ``qkv`` is one fused GEMM producing [q | k | v].
 
@@ -81,11 +88,23 @@ class Attention(nn.Module):
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.track_max_logit = False
         self.max_logit: torch.Tensor | None = None
+        hd = self.head_dim
+        self.fused_rope = FUSED_ROPE and not qk_norm and hd >= 16 and not hd & (hd - 1)
+        if self.fused_rope:
+            mark_reported(self.qkv, "output")
 
     def heads(self, x: torch.Tensor, rope: Rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as (B, H, T, head_dim), q and k normed (fog) and rotated."""
         b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        fused = self.fused_rope and triton_runs(x.device) and t <= rope.cos.shape[0]
+        link = take_output(self.qkv, fused) if self.fused_rope else None
+        out = self.qkv(x)
+        if fused:
+            from .kernels.rope import rope_qkv
+
+            return rope_qkv(out, rope.cos, rope.sin, self.n_head, stats=target_of(link, "output", out))
+        report_apart(link, "output", out)
+        q, k, v = out.view(b, t, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return rope(q), rope(k), v

@@ -1,6 +1,6 @@
 """Statistics taken by the kernels that consume a linear's output, on the CPU in Triton's interpreter: SwiGLU's fused
-elementwise kernels (trainer/kernels/swiglu.py) and the fused residual add (trainer/kernels/residual.py). Each equals
-torch's computation (forward and backward; SwiGLU's bf16 to the last place, rarely one unit off), its rows equal the
+elementwise kernels (trainer/kernels/swiglu.py), the fused residual add (trainer/kernels/residual.py) and RoPE on the
+qkv output (trainer/kernels/rope.py). Each equals torch's computation (forward and backward; SwiGLU's bf16 to the last place, rarely one unit off), its rows equal the
 fp64 oracle's (device_stats.partials), and a model or block watched by an agent gets from them the rows the linears or the hooks took
 before, with no deferred read of those outputs.
 
@@ -216,9 +216,92 @@ def _child(names: list[str]) -> None:
             problems.append(row_problems(tgt.rows[0], want, rtol=1e-6, under_slack=float(want[ds.HIST:].max())))
             emit(f"residual:{xd}+{bd}:nan={nan}", "; ".join(p for p in problems if p))
 
+    def rope():
+        """RoPE on the qkv output equals torch's (q, k, v and qkv's gradient, exactly here: the interpreter does not
+        contract into FMAs), with a partial tile of positions and heads of 16 and 32; its row of qkv equals the fp64
+        oracle's, also with a NaN (the careful path) and merged into on a second call."""
+        from trainer.kernels.rope import rope_qkv, rope_qkv_ref
+        from trainer.layers import Rotary
+
+        g = torch.Generator().manual_seed(11)
+        for (b, t, nh, hd), dt, nan in (((2, 50, 2, 32), torch.bfloat16, False), ((1, 33, 3, 16), torch.float32, False),
+                                        ((1, 40, 2, 32), torch.bfloat16, True)):
+            rot = Rotary(hd, 64)
+            qkv0 = (torch.randn(b, t, 3 * nh * hd, generator=g) * 2 + 0.5).to(dt)
+            if nan:
+                qkv0[0, 3, 5] = float("nan")
+            grads = [torch.randn(b, nh, t, hd, generator=g).to(dt) for _ in range(3)]
+            a, r = qkv0.clone().requires_grad_(), qkv0.clone().requires_grad_()
+            tgt = ts.Target.new("cpu", center=(0.5, 2.0), hist=True, fmt="e4m3")
+            got, ref = rope_qkv(a, rot.cos, rot.sin, nh, stats=tgt), rope_qkv_ref(r, rot.cos, rot.sin, nh)
+            torch.autograd.backward(got, grads)
+            torch.autograd.backward(ref, grads)
+            problems = [f"{what} differs" for what, x, y in (("q", got[0], ref[0]), ("k", got[1], ref[1]),
+                                                              ("v", got[2], ref[2]), ("dqkv", a.grad, r.grad))
+                        if x.shape != y.shape or not torch.equal(x.detach().nan_to_num(7.0), y.detach().nan_to_num(7.0))]
+            if not all(x.is_contiguous() for x in got):
+                problems.append("q, k, v not contiguous")
+            want = ds.partials(qkv0, fmt="e4m3", outlier_center=(0.5, 2.0), hist=True)
+            slack = (lambda row: float(row[ds.HIST:].nan_to_num(0).max()))
+            problems.append(row_problems(tgt.rows[0], want, rtol=1e-6, under_slack=slack(want)))
+            tgt.merge = True
+            rope_qkv(qkv0 * 2, rot.cos, rot.sin, nh, stats=tgt)
+            both = ds.merge(want, ds.partials(qkv0 * 2, fmt="e4m3", outlier_center=(0.5, 2.0), hist=True))
+            problems.append(row_problems(tgt.rows[0], both, rtol=1e-6, under_slack=slack(both)))
+            emit(f"rope:{(b, t, nh, hd)}:{dt}:nan={nan}", "; ".join(p for p in problems if p))
+
+    def attention_plain():
+        """An attention block of plain linears watched by an agent: with the fused RoPE the hooks do not read qkv's
+        output, and the kernel's row of it equals the hooks' row without it; on a device without the kernel the block
+        reports it itself."""
+        from stats_check import agent_rows
+        from trainer import layers
+
+        rot = layers.Rotary(16, 16)
+
+        class WithRope(torch.nn.Module):  # agent_rows calls model(x)
+            def __init__(self, attn):
+                super().__init__()
+                self.attn = attn
+
+            def forward(self, x):
+                return self.attn(x, rot)
+
+        got = {}
+        for mode in ("hooks", "fused", "block_torch"):
+            torch.manual_seed(5)
+            old = layers.FUSED_ROPE, layers.triton_runs
+            layers.FUSED_ROPE = mode != "hooks"
+            if mode == "block_torch":
+                layers.triton_runs = lambda device: False
+            try:
+                attn = layers.Attention(32, 2, lambda i, o: torch.nn.Linear(i, o, bias=False), qk_norm=False)
+                block = WithRope(attn)
+                xs = [torch.randn(2, 8, 32) * (1 + i) for i in range(4)]
+                got[mode] = agent_rows(block, lambda step, micro: xs[2 * step + micro], 2, "cpu", fused=True,
+                                       stats_backend="triton")
+            finally:
+                layers.FUSED_ROPE, layers.triton_runs = old
+        problems = []
+        want, keys = got["hooks"]
+        key = ("attn.qkv", "output")
+        for mode in ("fused", "block_torch"):
+            rows, keys2 = got[mode]
+            if sorted(keys2) != sorted(keys) or key not in keys2:
+                problems.append(f"{mode}: slots {keys2} vs {keys}")
+                continue
+            for step in range(2):
+                a, b = rows[step][keys2.index(key)].clone(), want[step][keys.index(key)]
+                if mode == "block_torch":  # the torch path counts outliers about the tensor's own mean and std
+                    a[ds.OUTLIERS] = b[ds.OUTLIERS]
+                p = row_problems(a, b, rtol=1e-6)
+                if p:
+                    problems.append(f"{mode} step {step}: {p}")
+        emit("attention_plain", "; ".join(problems))
+
     def agent_model():
-        """A one-block FP8 llama watched by an agent: with both fused consumers on, the rows of fc1's, proj's and
-        fc2's outputs come from them (only qkv's output is deferred to a statistics read), and equal the rows the
+        """A one-block FP8 llama watched by an agent: with the fused consumers on, the rows of qkv's, fc1's, proj's
+        and fc2's outputs come from them (no output is deferred to a statistics read), and equal the rows the
         linears take without them (those outputs are the same tensors either way: the first step's only, as later
         inputs pass through h, which may differ in the last place)."""
         from stats_check import agent_rows
@@ -229,9 +312,9 @@ def _child(names: list[str]) -> None:
         cfg = get_config("tiny", n_layer=1, d_model=32, n_head=2, d_ff=48, seq_len=8, vocab_size=64)
         got = {}
         for fused in (False, True):
-            old = layers.FUSED_SWIGLU, model.FUSED_RESIDUAL, fp8_linear.OUTPUT_STATS, ts.defer
+            old = layers.FUSED_SWIGLU, layers.FUSED_ROPE, model.FUSED_RESIDUAL, fp8_linear.OUTPUT_STATS, ts.defer
             deferred = []
-            layers.FUSED_SWIGLU = model.FUSED_RESIDUAL = fused
+            layers.FUSED_SWIGLU = layers.FUSED_ROPE = model.FUSED_RESIDUAL = fused
             fp8_linear.OUTPUT_STATS = "deferred"
             ts.defer = lambda x, t, real=ts.defer: (deferred.append(x.shape[-1]), real(x, t))
             try:
@@ -244,13 +327,13 @@ def _child(names: list[str]) -> None:
                 got[fused] = agent_rows(net, lambda step, micro: idx[2 * step + micro], 1, "cpu", fused=True,
                                         stats_backend="triton", modules=r"^blocks\.") + (deferred,)
             finally:
-                layers.FUSED_SWIGLU, model.FUSED_RESIDUAL, fp8_linear.OUTPUT_STATS, ts.defer = old
+                layers.FUSED_SWIGLU, layers.FUSED_ROPE, model.FUSED_RESIDUAL, fp8_linear.OUTPUT_STATS, ts.defer = old
         (plain, keys, d_plain), (rows, keys2, d_fused) = got[False], got[True]
         problems = []
         if sorted(keys) != sorted(keys2):
             problems.append(f"slots {keys2} vs {keys}")
-        # one step of two micro-batches: qkv (96 wide), proj (32), fc1 (96), fc2 (32) deferred, then qkv's only
-        if sorted(d_plain) != [32] * 4 + [96] * 4 or d_fused != [96] * 2:
+        # one step of two micro-batches: qkv (96 wide), proj (32), fc1 (96), fc2 (32) deferred, then none
+        if sorted(d_plain) != [32] * 4 + [96] * 4 or d_fused:
             problems.append(f"deferred outputs {d_plain} without the fused consumers, {d_fused} with them")
         for name in ("blocks.0.attn.qkv", "blocks.0.mlp.fc1"):  # the outputs fed by the same inputs either way
             key = (name, "output")
@@ -260,18 +343,20 @@ def _child(names: list[str]) -> None:
                     problems.append(f"{key}: {p}")
             else:
                 problems.append(f"no row {key}")
-        for name in ("blocks.0.attn.proj", "blocks.0.mlp.fc2"):
+        for name in ("blocks.0.attn.proj", "blocks.0.mlp.fc2", "blocks.0.attn.qkv"):
             key = (name, "output")
             if key not in keys2 or float(rows[0][keys2.index(key)][ds.PARTS]) != 2:
                 problems.append(f"{key}: not taken from both micro-batches")
         emit("agent_model", "; ".join(problems))
 
     checks = dict(forward_backward=forward_backward, forward_stats=forward_stats, agent_block=agent_block,
-                  agent_block_plain=agent_block_plain, residual=residual, agent_model=agent_model)
+                  agent_block_plain=agent_block_plain, residual=residual, rope=rope, attention_plain=attention_plain,
+                  agent_model=agent_model)
     run_each(checks, names)
 
 
-GROUPS = ["forward_backward", "forward_stats", "agent_block", "agent_block_plain", "residual", "agent_model"]
+GROUPS = ["forward_backward", "forward_stats", "agent_block", "agent_block_plain", "residual", "rope",
+          "attention_plain", "agent_model"]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,254 @@
+"""RoPE on the attention's fused qkv output, forward and backward in one pass each; the forward can also take the
+statistics row of that output (the qkv linear's ``output`` site) for the agent from what it reads anyway.
+
+qkv (B, T, 3 * NH * HD) in, as [q | k | v] with NH heads of HD channels (``trainer.layers.Attention``); q and k
+rotated (rotate-half layout, ``trainer.layers.Rotary``: channel i pairs with i + HD/2 and turns by the angle of its
+position) and v, each (B, NH, T, HD) and contiguous, out. The rotation is computed in fp32 and rounded to qkv's dtype
+once, as ``Rotary.forward`` does; on a GPU x1*cos - x2*sin may be contracted into one FMA, so a value may differ from
+torch's by one unit in the last place of the dtype, rarely (the interpreter does not contract). The backward gives
+qkv's gradient, (B, T, 3 * NH * HD), from those of q, k and v: the rotation's transpose on dq and dk, dv copied.
+Reference beside them: ``rope_qkv_ref``.
+
+``stats=`` (an ``agent.triton_stats.Target``): the qkv output's SPEC section-4 row, accumulated as
+``trainer.kernels.swiglu`` accumulates y's (``triton_stats.stream_add``), with the careful path of
+``triton_stats.careful_tiles``. Without it a statistics kernel reads the qkv output once more (under CUDA graphs the
+FP8 linear's deferred output read).
+
+Persistent programs (a few per SM) loop over tiles of BT positions of one batch row and head.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from agent import triton_stats as ts
+from agent.triton_stats import (_SMEM_HIST, _htab, _shift_of, fused_bounds, fused_epilogue, stream_add,
+                                stream_partial, stream_zero)
+
+from .fp8_gemm import _to_out
+from .quantize import INTERPRET, _num_sms, cdiv
+
+BT = 32  # positions per tile
+PROGRAMS_PER_SM = 4
+# Register cap of the forward with the row (ptxas): in an offline sm_90a build (bench/offline_sass.py --consumers)
+# 166 registers uncapped, one program of 8 warps per SM; 126 with no spill at this cap, two.
+STATS_MAXNREG = 128
+
+
+def supported(head_dim: int) -> bool:
+    """Whether the kernels take this head size: a power of two from 16 (half a head is a tile's row, 8 elements a
+    thread's statistics row)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+@triton.jit
+def _where(t, T, NH, BT: tl.constexpr):
+    """Tile t's batch row, head, positions and their mask."""
+    ntb = tl.cdiv(T, BT)
+    bh = t // ntb
+    pos = (t % ntb) * BT + tl.arange(0, BT)
+    return bh // NH, bh % NH, pos, pos < T
+
+
+@triton.jit
+def _in_ptrs(base, b, h, pos, slot, T, NH, HD2: tl.constexpr):
+    """The first halves of head h's ``slot`` (0 q, 1 k, 2 v) at positions ``pos`` of a (B, T, 3, NH, HD) tensor."""
+    row = ((b.to(tl.int64) * T + pos) * 3 + slot) * NH + h
+    return base + row[:, None] * (2 * HD2) + tl.arange(0, HD2)[None, :]
+
+
+@triton.jit
+def _out_ptrs(base, b, h, pos, T, NH, HD2: tl.constexpr):
+    """The first halves of head h at positions ``pos`` of a (B, NH, T, HD) tensor."""
+    row = (b.to(tl.int64) * NH + h) * T + pos
+    return base + row[:, None] * (2 * HD2) + tl.arange(0, HD2)[None, :]
+
+
+@triton.jit
+def _part(src, t, part, BT: tl.constexpr, HD2: tl.constexpr):
+    """The careful path's loader (``triton_stats.careful_tiles``): half ``part % 2`` of slot ``part // 2`` of tile t
+    of the qkv output, fp32, as the statistics' [R, 8] view, with its mask."""
+    qkv_ptr, T, NH = src
+    b, h, pos, pm = _where(t, T, NH, BT)
+    m = pm[:, None] & (tl.arange(0, HD2)[None, :] < HD2)
+    x = tl.load(_in_ptrs(qkv_ptr, b, h, pos, part // 2, T, NH, HD2) + (part % 2) * HD2, mask=m, other=0.0)
+    R: tl.constexpr = BT * HD2 // 8
+    return tl.reshape(x.to(tl.float32), [R, 8]), tl.reshape(m, [R, 8])
+
+
+@triton.jit(do_not_specialize=["dst_index", "merge"])
+def _rope_fwd_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, T, NH, tiles, sp_ptr, ctr_ptr, dst_ptr,
+                     dst_index, merge, cen_ptr, c_mean, c_std, k, ahm_ptr, ahm_val, STATS: tl.constexpr,
+                     C_PTR: tl.constexpr, AHM_PTR: tl.constexpr, HIST: tl.constexpr, FMAX: tl.constexpr,
+                     UTHR: tl.constexpr, SMODE: tl.constexpr, BT: tl.constexpr, HD2: tl.constexpr,
+                     SOFT_ROUND: tl.constexpr):
+    """q, k rotated and v, persistent over tiles; with STATS the qkv output's row, its six half-heads per tile read
+    as a thread's rows of 8 (the shift from q's first half in the program's first tile)."""
+    dtype = q_ptr.dtype.element_ty
+    R: tl.constexpr = BT * HD2 // 8
+    cols = tl.arange(0, HD2)
+    pid = tl.program_id(0)
+    if STATS:
+        lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
+        b0, h0, pos0, pm0 = _where(pid, T, NH, BT)
+        m0 = pm0[:, None] & (cols[None, :] < HD2)
+        x0 = tl.load(_in_ptrs(qkv_ptr, b0, h0, pos0, 0, T, NH, HD2), mask=m0, other=0.0).to(tl.float32)
+        c, p, ok = _shift_of(tl.reshape(x0, [BT * HD2]), tl.reshape(m0, [BT * HD2]))
+        ncp = -(c * p)
+        acc = stream_zero(R)
+        ht = None
+        if HIST and _SMEM_HIST:
+            ht = _htab()
+    ce = tl.zeros([], tl.int32)
+    for t in range(pid, tiles, tl.num_programs(0)):
+        b, h, pos, pm = _where(t, T, NH, BT)
+        m = pm[:, None] & (cols[None, :] < HD2)
+        inside = tl.sum(pm.to(tl.int32), 0)
+        trig = pos[:, None] * HD2 + cols[None, :]
+        cos = tl.load(cos_ptr + trig, mask=m, other=0.0)
+        sin = tl.load(sin_ptr + trig, mask=m, other=0.0)
+        for slot in tl.static_range(3):
+            src = _in_ptrs(qkv_ptr, b, h, pos, slot, T, NH, HD2)
+            r1 = tl.load(src, mask=m, other=0.0)
+            r2 = tl.load(src + HD2, mask=m, other=0.0)
+            x1 = r1.to(tl.float32)
+            x2 = r2.to(tl.float32)
+            if slot == 0:
+                dst = _out_ptrs(q_ptr, b, h, pos, T, NH, HD2)
+            elif slot == 1:
+                dst = _out_ptrs(k_ptr, b, h, pos, T, NH, HD2)
+            else:
+                dst = _out_ptrs(v_ptr, b, h, pos, T, NH, HD2)
+            if slot < 2:
+                tl.store(dst, _to_out(x1 * cos - x2 * sin, dtype, SOFT_ROUND), mask=m)
+                tl.store(dst + HD2, _to_out(x1 * sin + x2 * cos, dtype, SOFT_ROUND), mask=m)
+            else:
+                tl.store(dst, r1, mask=m)
+                tl.store(dst + HD2, r2, mask=m)
+            if STATS:
+                acc = stream_add(acc, x1, m, inside == BT, p, ncp, lo, hi, HIST, R, 8, ht)
+                acc = stream_add(acc, x2, m, inside == BT, p, ncp, lo, hi, HIST, R, 8, ht)
+        ce += inside * (6 * HD2)
+    if STATS:
+        n, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = stream_partial(
+            acc, ce, c, p, ok, _part, (qkv_ptr, T, NH), tiles, 6, lo, hi, HIST, R, BT, HD2, ht)
+        fused_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, 1.0, n, nfin, nonfin, zeros,
+                       outl, under, over, amax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST, SMODE)
+
+
+@triton.jit
+def _rope_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, cos_ptr, sin_ptr, T, NH, tiles, BT: tl.constexpr,
+                     HD2: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """dqkv from dq, dk (rotated back: dx1 = dy1 cos + dy2 sin, dx2 = dy2 cos - dy1 sin) and dv (copied)."""
+    dtype = dqkv_ptr.dtype.element_ty
+    cols = tl.arange(0, HD2)
+    for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
+        b, h, pos, pm = _where(t, T, NH, BT)
+        m = pm[:, None] & (cols[None, :] < HD2)
+        trig = pos[:, None] * HD2 + cols[None, :]
+        cos = tl.load(cos_ptr + trig, mask=m, other=0.0)
+        sin = tl.load(sin_ptr + trig, mask=m, other=0.0)
+        for slot in tl.static_range(3):
+            if slot == 0:
+                src = _out_ptrs(dq_ptr, b, h, pos, T, NH, HD2)
+            elif slot == 1:
+                src = _out_ptrs(dk_ptr, b, h, pos, T, NH, HD2)
+            else:
+                src = _out_ptrs(dv_ptr, b, h, pos, T, NH, HD2)
+            dst = _in_ptrs(dqkv_ptr, b, h, pos, slot, T, NH, HD2)
+            r1 = tl.load(src, mask=m, other=0.0)
+            r2 = tl.load(src + HD2, mask=m, other=0.0)
+            if slot < 2:
+                g1 = r1.to(tl.float32)
+                g2 = r2.to(tl.float32)
+                tl.store(dst, _to_out(g1 * cos + g2 * sin, dtype, SOFT_ROUND), mask=m)
+                tl.store(dst + HD2, _to_out(g2 * cos - g1 * sin, dtype, SOFT_ROUND), mask=m)
+            else:
+                tl.store(dst, r1.to(dtype), mask=m)
+                tl.store(dst + HD2, r2.to(dtype), mask=m)
+
+
+def _programs(tiles: int, device: torch.device) -> int:
+    return max(1, min(tiles, PROGRAMS_PER_SM * _num_sms(device) if not INTERPRET else 4))
+
+
+def _warps(hd2: int) -> int:
+    """Warps for a tile of BT x hd2: 8 elements a thread (one 16-byte load of bf16, a whole statistics row)."""
+    return max(1, min(8, BT * hd2 // (8 * 32)))
+
+
+def _check(qkv: torch.Tensor, cos: torch.Tensor, n_head: int) -> tuple[int, int, int, int]:
+    b, t, width = qkv.shape
+    if width % (3 * n_head):
+        raise ValueError(f"rope_qkv: the last dimension ({width}) is not 3 x {n_head} heads")
+    hd = width // (3 * n_head)
+    if not supported(hd):
+        raise ValueError(f"rope_qkv: head size {hd} is not a power of two >= 16")
+    if cos.shape != (cos.shape[0], hd // 2) or t > cos.shape[0]:
+        raise ValueError(f"rope_qkv: {t} positions of head size {hd} against cos/sin of {tuple(cos.shape)}")
+    return b, t, hd, cdiv(t, BT) * b * n_head
+
+
+def rope_qkv_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: int,
+                     stats: "ts.Target | None" = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v), each (B, NH, T, HD), of qkv (B, T, 3 * NH * HD) with positions 0..T-1 of ``cos``/``sin``
+    (max_seq_len, HD / 2, fp32); with ``stats`` qkv's row into that target."""
+    b, t, hd, tiles = _check(qkv, cos, n_head)
+    qkv = qkv.contiguous()
+    q, k, v = (torch.empty(b, n_head, t, hd, dtype=qkv.dtype, device=qkv.device) for _ in range(3))
+    programs = _programs(tiles, qkv.device)
+    _rope_fwd_kernel[(programs,)](qkv, q, k, v, cos.contiguous(), sin.contiguous(), t, n_head, tiles,
+                                  **ts.epilogue_args(stats, programs, qkv), BT=BT, HD2=hd // 2, SOFT_ROUND=INTERPRET,
+                                  num_warps=_warps(hd // 2),
+                                  **({"maxnreg": STATS_MAXNREG} if stats is not None and not INTERPRET else {}))
+    return q, k, v
+
+
+def rope_qkv_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """qkv's gradient (B, T, 3 * NH * HD) in ``dtype`` from those of q, k and v (B, NH, T, HD)."""
+    b, nh, t, hd = dv.shape
+    tiles = cdiv(t, BT) * b * nh
+    dqkv = torch.empty(b, t, 3 * nh * hd, dtype=dtype, device=dv.device)
+    _rope_bwd_kernel[(_programs(tiles, dv.device),)](dq.contiguous(), dk.contiguous(), dv.contiguous(), dqkv,
+                                                      cos.contiguous(), sin.contiguous(), t, nh, tiles, BT=BT,
+                                                      HD2=hd // 2, SOFT_ROUND=INTERPRET, num_warps=_warps(hd // 2))
+    return dqkv
+
+
+class _RopeQKVFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, n_head, stats):
+        ctx.save_for_backward(cos, sin)
+        ctx.dtype = qkv.dtype
+        return rope_qkv_forward(qkv, cos, sin, n_head, stats)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cos, sin = ctx.saved_tensors
+        like = next(g for g in (dq, dk, dv) if g is not None)
+        dq, dk, dv = (torch.zeros_like(like) if g is None else g for g in (dq, dk, dv))
+        return rope_qkv_backward(dq, dk, dv, cos, sin, ctx.dtype), None, None, None, None
+
+
+def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: int,
+             stats: "ts.Target | None" = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v) of the fused qkv output, q and k rotated, differentiable, in one pass each way (see the module
+    docstring); with ``stats`` the qkv output's statistics row."""
+    return _RopeQKVFn.apply(qkv, cos, sin, n_head, stats)
+
+
+def rope_qkv_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 n_head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch's: ``Attention.heads`` without QK-norm, ``Rotary.forward`` on q and k."""
+    b, t, width = qkv.shape
+    q, k, v = qkv.view(b, t, 3, n_head, width // (3 * n_head)).permute(2, 0, 3, 1, 4)
+
+    def rotate(x):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        c, s = cos[:t], sin[:t]
+        return torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k), v
