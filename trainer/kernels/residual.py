@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from agent import triton_stats as ts
-from agent.triton_stats import (_SMEM_HIST, _careful_result, _fast_result, _htab, _shift_of, _tile_careful, _tile_sum,
-                                fused_bounds, fused_epilogue, stream_add, stream_zero)
+from agent.triton_stats import (_SMEM_HIST, _htab, _shift_of, fused_bounds, fused_epilogue, stream_add, stream_partial,
+                                stream_zero)
 
 from .fp8_gemm import _to_out
 from .quantize import INTERPRET, _num_sms, cdiv
@@ -37,12 +37,14 @@ def _block(x_ptr, b_ptr, out_ptr, n, blk, BLOCK: tl.constexpr, SOFT_ROUND: tl.co
 
 
 @triton.jit
-def _load_b(b_ptr, n, blk, BLOCK: tl.constexpr, R: tl.constexpr, V: tl.constexpr):
-    """Block ``blk`` of b again (the careful path), as the statistics' [R, V] view, with its mask."""
+def _b_part(src, blk, part, BLOCK: tl.constexpr, V: tl.constexpr):
+    """The careful path's loader (``triton_stats.careful_tiles``): block ``blk`` of b again, fp32, as the
+    statistics' [R, V] view, with its mask (one part)."""
+    b_ptr, n = src
     offs = (blk + tl.zeros([], tl.int64)) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    return tl.reshape(b, [R, V]), tl.reshape(mask, [R, V])
+    return tl.reshape(b, [BLOCK // V, V]), tl.reshape(mask, [BLOCK // V, V])
 
 
 @triton.jit(do_not_specialize=["dst_index", "merge"])
@@ -52,8 +54,8 @@ def _residual_add_kernel(x_ptr, b_ptr, out_ptr, n, sp_ptr, ctr_ptr, dst_ptr, dst
                          BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr):
     """Persistent programs over blocks of BLOCK elements. With STATS, b's statistics as the standalone kernel takes
     them (``triton_stats._tile_fast``: each thread sums its own rows of V elements, about a shift from the program's
-    first block, in fp32), and its careful path (two exact fp64 passes re-reading b) where the shift was poor or b
-    holds NaN/Inf."""
+    first block, in fp32), and its careful path (``triton_stats.careful_tiles``: two exact fp64 passes re-reading b)
+    where the shift was poor or b holds NaN/Inf."""
     pid = tl.program_id(0)
     nblk = tl.cdiv(n, BLOCK)
     if not STATS:
@@ -63,9 +65,7 @@ def _residual_add_kernel(x_ptr, b_ptr, out_ptr, n, sp_ptr, ctr_ptr, dst_ptr, dst
         V: tl.constexpr = 8
         R: tl.constexpr = BLOCK // V
         lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
-        tu = tl.full([], -1, tl.int32)  # no scale before the read: every |b| is above the underflow threshold,
-        to = tl.full([], 0x7FFFFFFF, tl.int32)  # none above the overflow one (the epilogue derives both)
-        b0, m0 = _load_b(b_ptr, n, pid, BLOCK, R, V)
+        b0, m0 = _b_part((b_ptr, n), pid, 0, BLOCK, V)
         c, p, ok = _shift_of(tl.reshape(b0, [BLOCK]), tl.reshape(m0, [BLOCK]))
         ncp = -(c * p)
         st = stream_zero(R)
@@ -78,31 +78,8 @@ def _residual_add_kernel(x_ptr, b_ptr, out_ptr, n, sp_ptr, ctr_ptr, dst_ptr, dst
             inside = tl.minimum(n - (blk + tl.zeros([], tl.int64)) * BLOCK, BLOCK).to(tl.int32)
             st = stream_add(st, b, mask, inside == BLOCK, p, ncp, lo, hi, HIST, R, V, ht)
             ce += inside
-        s1, s2, s3, s4, am, cu, co, cout, cz, h = st
-        ok2, mean, m2, m3, m4, amax, zeros, under, over, outl, hist = _fast_result(
-            ce, c, p, tu, to, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, ht)
-        nfin = ce
-        nonfin = tl.zeros([], tl.int32)
-        if not (ok & ok2):  # NaN/Inf or a poor shift: this program's blocks again, in fp64
-            zf = tl.zeros([R], tl.float32)
-            zi = tl.zeros([R], tl.int32)
-            acc = tl.zeros([R], tl.float64)
-            cnt = zi
-            for blk in range(pid, nblk, tl.num_programs(0)):
-                bv, mv = _load_b(b_ptr, n, blk, BLOCK, R, V)
-                acc, cnt = _tile_sum(bv, mv, acc, cnt, True)
-            nfin = tl.sum(cnt, 0)
-            mean0 = tl.sum(acc, 0) / tl.maximum(nfin, 1).to(tl.float64)
-            zd = tl.zeros([R], tl.float64)
-            t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h = zd, zd, zd, zd, zf, zi, zi, zi, zi, zi, \
-                tl.zeros([64], tl.int32)
-            for blk in range(pid, nblk, tl.num_programs(0)):
-                bv, mv = _load_b(b_ptr, n, blk, BLOCK, R, V)
-                t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h = _tile_careful(
-                    bv, mv, mean0, tu, to, lo, hi, t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h, HIST, True)
-            mean, m2, m3, m4, amax, zeros, under, over, outl, nonfin = _careful_result(
-                nfin, mean0, t1, t2, t3, t4, am, cu, co, cout, cz, cnf)
-            hist = h
+        ce, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = stream_partial(
+            st, ce, c, p, ok, _b_part, (b_ptr, n), nblk, 1, lo, hi, HIST, R, BLOCK, V, ht)
         fused_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, 1.0, ce, nfin, nonfin, zeros,
                        outl, under, over, amax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST, SMODE)
 

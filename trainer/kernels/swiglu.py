@@ -10,7 +10,8 @@ the dtype. Reference beside them: ``swiglu_ref``.
 
 ``stats=`` (an ``agent.triton_stats.Target``): y's SPEC section-4 row, as the agent's hooks emulate it for a GEMM
 output (``triton_stats.nofmt_consts``), accumulated from the tiles the forward loads as the standalone kernel
-accumulates (``_tile_fast``; the kernel's docstring) and merged by the last program; ``h_stats=`` likewise h's, from
+accumulates (``_tile_fast``; the kernel's docstring; where that does not hold, ``triton_stats.careful_tiles``) and
+merged by the last program; ``h_stats=`` likewise h's, from
 the tiles it stores. They are the rows of fc1's ``output`` and
 fc2's ``input`` (``trainer.layers.SwiGLU``): without them a statistics kernel reads y once more (with an FP8 fc1,
 the deferred output read; y is the largest tensor of a Llama block), and with a plain fc2, h too.
@@ -27,14 +28,17 @@ import triton
 import triton.language as tl
 
 from agent import triton_stats as ts
-from agent.triton_stats import (_SMEM_HIST, _careful_result, _fast_result, _htab, _shift_of, _tile_careful, _tile_sum,
-                                fused_bounds, fused_epilogue, stream_add, stream_zero)
+from agent.triton_stats import (_SMEM_HIST, _htab, _shift_of, fused_bounds, fused_epilogue, stream_add, stream_partial,
+                                stream_zero)
 
 from .fp8_gemm import _to_out
 from .quantize import INTERPRET, _num_sms, cdiv
 
 BM, BN = 32, 128
 PROGRAMS_PER_SM = 4
+# a statistics row is a thread's 16-byte load of y: at 16, each row spanned two threads, one shuffle per sum per row
+_V = tl.constexpr(8)
+_SOFT_ROUND = tl.constexpr(INTERPRET)  # for the careful path's loader of h (the kernels take it as an argument)
 # Register cap of the forward with y's row only (ptxas; None: uncapped). In an offline sm_90a build
 # (bench/offline_sass.py --consumers) it took 162 registers uncapped, one program of 8 warps per SM, and 128 with no
 # spill at this cap (two per SM); with h's row too, 213 uncapped, and this cap spilled in the tile loop (14 loads,
@@ -68,68 +72,41 @@ def _h_of(g, u, DTYPE: tl.constexpr, SOFT_ROUND: tl.constexpr):
 
 
 @triton.jit
-def _careful(y_ptr, M, H, stride_y, lo, hi, HIST: tl.constexpr, OF_H: tl.constexpr, DTYPE: tl.constexpr,
-             SOFT_ROUND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, R: tl.constexpr, V: tl.constexpr):
-    """The standalone kernel's careful path over this program's tiles: two exact fp64 passes over y's both halves
-    (or, ``OF_H``, over h recomputed from them). Returns its partial (nfin, mean, M2-M4, amax, zeros, under, over,
-    outliers, nonfinite, hist)."""
+def _y_part(src, t, part, BM: tl.constexpr, BN: tl.constexpr):
+    """The careful path's loader (``triton_stats.careful_tiles``): y's gate (part 0) or up (1) half of tile t, fp32,
+    as the statistics' [R, V] view, with its mask."""
+    y_ptr, M, H, stride_y = src
     n_tn = tl.cdiv(H, BN)
-    tiles = tl.cdiv(M, BM) * n_tn
-    tu = tl.full([], -1, tl.int32)
-    to = tl.full([], 0x7FFFFFFF, tl.int32)
-    acc = tl.zeros([R], tl.float64)
-    cnt = tl.zeros([R], tl.int32)
-    for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
-        g, u, mask, _, _ = _tile(y_ptr, t, n_tn, M, H, stride_y, BM, BN)
-        mv = tl.reshape(mask, [R, V])
-        if OF_H:
-            acc, cnt = _tile_sum(tl.reshape(_h_of(g, u, DTYPE, SOFT_ROUND).to(tl.float32), [R, V]), mv, acc, cnt,
-                                 True)
-        else:
-            acc, cnt = _tile_sum(tl.reshape(g, [R, V]), mv, acc, cnt, True)
-            acc, cnt = _tile_sum(tl.reshape(u, [R, V]), mv, acc, cnt, True)
-    nfin = tl.sum(cnt, 0)
-    mean0 = tl.sum(acc, 0) / tl.maximum(nfin, 1).to(tl.float64)
-    zd = tl.zeros([R], tl.float64)
-    zi = tl.zeros([R], tl.int32)
-    t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h = zd, zd, zd, zd, tl.zeros([R], tl.float32), zi, zi, zi, zi, zi, \
-        tl.zeros([64], tl.int32)
-    for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
-        g, u, mask, _, _ = _tile(y_ptr, t, n_tn, M, H, stride_y, BM, BN)
-        mv = tl.reshape(mask, [R, V])
-        if OF_H:
-            t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h = _tile_careful(
-                tl.reshape(_h_of(g, u, DTYPE, SOFT_ROUND).to(tl.float32), [R, V]), mv, mean0, tu, to, lo, hi, t1, t2,
-                t3, t4, am, cu, co, cout, cz, cnf, h, HIST, True)
-        else:
-            t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h = _tile_careful(
-                tl.reshape(g, [R, V]), mv, mean0, tu, to, lo, hi, t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h, HIST,
-                True)
-            t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h = _tile_careful(
-                tl.reshape(u, [R, V]), mv, mean0, tu, to, lo, hi, t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h, HIST,
-                True)
-    mean, m2, m3, m4, amax, zeros, under, over, outl, nonfin = _careful_result(
-        nfin, mean0, t1, t2, t3, t4, am, cu, co, cout, cz, cnf)
-    return nfin, mean, m2, m3, m4, amax, zeros, under, over, outl, nonfin, h
+    rows = (t // n_tn) * BM + tl.arange(0, BM)
+    cols = (t % n_tn) * BN + tl.arange(0, BN)
+    mask = (rows[:, None] < M) & (cols[None, :] < H)
+    x = tl.load(y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :] + part * H, mask=mask, other=0.0)
+    return tl.reshape(x.to(tl.float32), [BM * BN // _V, _V]), tl.reshape(mask, [BM * BN // _V, _V])
+
+
+@triton.jit
+def _h_part(src, t, part, BM: tl.constexpr, BN: tl.constexpr):
+    """The same for h, recomputed from tile t of y (one part)."""
+    y_ptr, M, H, stride_y = src
+    g, u, mask, _, _ = _tile(y_ptr, t, tl.cdiv(H, BN), M, H, stride_y, BM, BN)
+    h = _h_of(g, u, y_ptr.dtype.element_ty, _SOFT_ROUND).to(tl.float32)
+    return tl.reshape(h, [BM * BN // _V, _V]), tl.reshape(mask, [BM * BN // _V, _V])
 
 
 @triton.jit
 def _row_of(acc, n, c, p, ok, y_ptr, M, H, stride_y, lo, hi, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr,
             ahm_val, HIST: tl.constexpr, AHM_PTR: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr,
-            SMODE: tl.constexpr, OF_H: tl.constexpr, DTYPE: tl.constexpr, SOFT_ROUND: tl.constexpr, BM: tl.constexpr,
-            BN: tl.constexpr, R: tl.constexpr, V: tl.constexpr, ht=None):
+            SMODE: tl.constexpr, OF_H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, ht=None):
     """This program's partial of ``acc`` (n elements summed about c, scaled by p), or of the careful path where the
-    fast one does not hold; into the target row (``fused_epilogue``: the last program merges)."""
-    s1, s2, s3, s4, am, cu, co, cout, cz, h = acc
-    tu = tl.full([], -1, tl.int32)
-    to = tl.full([], 0x7FFFFFFF, tl.int32)
-    ok2, mean, m2, m3, m4, amax, zeros, under, over, outl, hist = _fast_result(
-        n, c, p, tu, to, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, ht)
-    nfin = n
-    nonfin = tl.zeros([], tl.int32)
-    if not (ok & ok2):  # NaN/Inf or a poor shift: this program's tiles again, in fp64
-        nfin, mean, m2, m3, m4, amax, zeros, under, over, outl, nonfin, hist = _careful(
-            y_ptr, M, H, stride_y, lo, hi, HIST, OF_H, DTYPE, SOFT_ROUND, BM, BN, R, V)
+    fast one does not hold, into the target row (``fused_epilogue``: the last program merges)."""
+    tiles = tl.cdiv(M, BM) * tl.cdiv(H, BN)
+    R: tl.constexpr = BM * BN // _V
+    if OF_H:
+        n, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = stream_partial(
+            acc, n, c, p, ok, _h_part, (y_ptr, M, H, stride_y), tiles, 1, lo, hi, HIST, R, BM, BN, ht)
+    else:
+        n, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = stream_partial(
+            acc, n, c, p, ok, _y_part, (y_ptr, M, H, stride_y), tiles, 2, lo, hi, HIST, R, BM, BN, ht)
     fused_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, 1.0, n, nfin, nonfin, zeros, outl,
                    under, over, amax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST, SMODE)
 
@@ -148,7 +125,7 @@ def _swiglu_fwd_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, d
     halves' shifts), with its careful path (exact fp64 passes re-reading y) where that does not hold. y's histogram
     counts in the shared-memory table on hardware; h's, with ``tl.histogram`` (a kernel has one table)."""
     dtype = h_ptr.dtype.element_ty
-    V: tl.constexpr = 8  # a thread's 16-byte load: at 16, each row spanned two threads, one shuffle per sum per row
+    V: tl.constexpr = _V
     R: tl.constexpr = BM * BN // V
     n_tn = tl.cdiv(H, BN)
     tiles = tl.cdiv(M, BM) * n_tn
@@ -189,11 +166,10 @@ def _swiglu_fwd_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, d
         ce += tm * tn
     if STATS:
         _row_of(acc, 2 * ce, c, p, ok, y_ptr, M, H, stride_y, lo, hi, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge,
-                ahm_ptr, ahm_val, HIST, AHM_PTR, FMAX, UTHR, SMODE, False, dtype, SOFT_ROUND, BM, BN, R, V, ht)
+                ahm_ptr, ahm_val, HIST, AHM_PTR, FMAX, UTHR, SMODE, False, BM, BN, ht)
     if STATS_H:
         _row_of(acc_h, ce, c_h, p_h, ok_h, y_ptr, M, H, stride_y, lo_h, hi_h, sp_ptr_h, ctr_ptr_h, dst_ptr_h,
-                dst_index_h, merge_h, ahm_ptr_h, ahm_val_h, HIST_H, AHM_PTR_H, FMAX_H, UTHR_H, SMODE_H, True, dtype,
-                SOFT_ROUND, BM, BN, R, V)
+                dst_index_h, merge_h, ahm_ptr_h, ahm_val_h, HIST_H, AHM_PTR_H, FMAX_H, UTHR_H, SMODE_H, True, BM, BN)
 
 
 @triton.jit
