@@ -2,7 +2,8 @@
 SwiGLU's elementwise part, torch's ``F.silu(gate) * up`` (forward, and autograd's backward) against the fused kernels
 of trainer/kernels/swiglu.py; the residual add, torch's ``x + b`` (fp32 stream, bf16 branch) against
 trainer/kernels/residual.py; each fused forward with its statistics row against torch plus the standalone statistics
-kernel reading the tensor apart (what the agent costs without the fusion). Device time of queued launches
+kernel reading the tensor apart (what the agent costs without the fusion); RoPE on the qkv output, torch's
+``Rotary`` on q and k (forward, and autograd's backward) against trainer/kernels/rope.py. Device time of queued launches
 (``trainer.kernels.timing.device_medians``).
 
     python3 bench/consumers.py
@@ -20,6 +21,7 @@ from trainer.kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_ref  
 from trainer.kernels.timing import device_medians  # noqa: E402
 
 SHAPES = {"124m": (16 * 1024, 2048, 768), "1.5b": (4 * 2048, 8192, 2048)}  # (tokens, SwiGLU hidden width, d_model)
+ROPE_SHAPES = {"124m": (16, 1024, 6), "1.5b": (4, 2048, 16)}  # (batch, sequence, heads)
 
 
 def torch_backward(y: torch.Tensor, dh: torch.Tensor):
@@ -35,6 +37,8 @@ def main() -> None:
     print(torch.cuda.get_device_name())
     for name, (tokens, hidden, d_model) in SHAPES.items():
         residual(name, tokens, d_model, dev)
+        batch, seq, heads = ROPE_SHAPES[name]
+        rope(name, batch, seq, d_model, heads, dev)
         y = torch.randn(tokens, 2 * hidden, device=dev).to(torch.bfloat16)
         dh = torch.randn(tokens, hidden, device=dev).to(torch.bfloat16)
         for hist in (False, True):
@@ -60,6 +64,40 @@ def main() -> None:
                   f"{(t['fused backward'] - (t['torch forward + backward'] - t['torch forward'])) * 1e3:+.1f} us; "
                   f"row: fused +{(t['fused forward + row'] - t['fused forward']) * 1e3:.1f} us, read apart "
                   f"+{(t['torch forward + row read apart'] - t['torch forward']) * 1e3:.1f} us", flush=True)
+
+
+def rope(name: str, batch: int, seq: int, d_model: int, n_head: int, dev: torch.device) -> None:
+    """RoPE on the qkv output: torch's (Rotary on the permuted q and k views, autograd's backward) against
+    trainer/kernels/rope.py, and the forward with the qkv row against torch plus the row read apart."""
+    from trainer.kernels.rope import rope_qkv_backward, rope_qkv_forward, rope_qkv_ref
+    from trainer.layers import Rotary
+
+    hd = d_model // n_head
+    rot = Rotary(hd, seq).to(dev)
+    qkv = torch.randn(batch, seq, 3 * d_model, device=dev).to(torch.bfloat16)
+    grads = [torch.randn(batch, n_head, seq, hd, device=dev).to(torch.bfloat16) for _ in range(3)]
+    rows = torch.zeros(2, ts.ds.WIDTH, dtype=torch.float64, device=dev)
+    tgt = ts.Target(rows, 0, False, (0.0, 1.0), 6.0, False, None, "e4m3")
+
+    def torch_both():
+        x = qkv.detach().requires_grad_()
+        torch.autograd.backward(rope_qkv_ref(x, rot.cos, rot.sin, n_head), grads)
+        return x.grad
+
+    fns = {
+        "torch forward": lambda: rope_qkv_ref(qkv, rot.cos, rot.sin, n_head),
+        "fused forward": lambda: rope_qkv_forward(qkv, rot.cos, rot.sin, n_head),
+        "fused forward + row": lambda: rope_qkv_forward(qkv, rot.cos, rot.sin, n_head, stats=tgt),
+        "torch forward + row read apart": lambda: (rope_qkv_ref(qkv, rot.cos, rot.sin, n_head), ts.rows(
+            [qkv], fmt="e4m3", center=[(0.0, 1.0)], hist=False, out=rows, index=[1])),
+        "torch forward + backward": torch_both,
+        "fused backward": lambda: rope_qkv_backward(*grads, rot.cos, rot.sin, torch.bfloat16),
+    }
+    for fn in fns.values():
+        fn()
+    t = device_medians(fns, rounds=5, calls=10)
+    print(f"{name} rope qkv {tuple(qkv.shape)}: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in t.items()),
+          flush=True)
 
 
 def residual(name: str, tokens: int, d_model: int, dev: torch.device) -> None:
