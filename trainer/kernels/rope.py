@@ -3,9 +3,9 @@ statistics row of that output (the qkv linear's ``output`` site) for the agent f
 
 qkv (B, T, 3 * NH * HD) in, as [q | k | v] with NH heads of HD channels (``trainer.layers.Attention``); q and k
 rotated (rotate-half layout, ``trainer.layers.Rotary``: channel i pairs with i + HD/2 and turns by the angle of its
-position) and v, each (B, NH, T, HD) and contiguous, out. The rotation is computed in fp32 and rounded to qkv's dtype
-once, as ``Rotary.forward`` does; on a GPU x1*cos - x2*sin may be contracted into one FMA, so a value may differ from
-torch's by one unit in the last place of the dtype, rarely (the interpreter does not contract). The backward gives
+position) and v, each (B, NH, T, HD) and contiguous, out. The rotation is computed in fp32 as ``Rotary.forward``
+computes it (each product rounded, then their sum; no FMA) and rounded to qkv's dtype once: the values are torch's.
+The backward gives
 qkv's gradient, (B, T, 3 * NH * HD), from those of q, k and v: the rotation's transpose on dq and dk, dv copied.
 Reference beside them: ``rope_qkv_ref``.
 
@@ -67,6 +67,17 @@ def _out_ptrs(base, b, h, pos, T, NH, HD2: tl.constexpr):
 
 
 @triton.jit
+def _mul(a, b, INTERPRETED: tl.constexpr):
+    """a * b in fp32, rounded on its own as torch's separate multiply rounds it: ``mul.rn`` is never contracted into
+    an FMA with the add that follows (contracted, a cancelling x1*cos - x2*sin was many bf16 units off torch's on an
+    H100, bench/RESULTS.md). The interpreter contracts nothing."""
+    if INTERPRETED:
+        return a * b
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
 def _part(src, t, part, BT: tl.constexpr, HD2: tl.constexpr):
     """The careful path's loader (``triton_stats.careful_tiles``): half ``part % 2`` of slot ``part // 2`` of tile t
     of the qkv output, fp32, as the statistics' [R, 8] view, with its mask."""
@@ -122,8 +133,10 @@ def _rope_fwd_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, T, NH, tile
             else:
                 dst = _out_ptrs(v_ptr, b, h, pos, T, NH, HD2)
             if slot < 2:
-                tl.store(dst, _to_out(x1 * cos - x2 * sin, dtype, SOFT_ROUND), mask=m)
-                tl.store(dst + HD2, _to_out(x1 * sin + x2 * cos, dtype, SOFT_ROUND), mask=m)
+                y1 = _mul(x1, cos, SOFT_ROUND) - _mul(x2, sin, SOFT_ROUND)
+                y2 = _mul(x1, sin, SOFT_ROUND) + _mul(x2, cos, SOFT_ROUND)
+                tl.store(dst, _to_out(y1, dtype, SOFT_ROUND), mask=m)
+                tl.store(dst + HD2, _to_out(y2, dtype, SOFT_ROUND), mask=m)
             else:
                 tl.store(dst, r1, mask=m)
                 tl.store(dst + HD2, r2, mask=m)
@@ -163,8 +176,10 @@ def _rope_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, cos_ptr, sin_ptr, T, NH, 
             if slot < 2:
                 g1 = r1.to(tl.float32)
                 g2 = r2.to(tl.float32)
-                tl.store(dst, _to_out(g1 * cos + g2 * sin, dtype, SOFT_ROUND), mask=m)
-                tl.store(dst + HD2, _to_out(g2 * cos - g1 * sin, dtype, SOFT_ROUND), mask=m)
+                dx1 = _mul(g1, cos, SOFT_ROUND) + _mul(g2, sin, SOFT_ROUND)
+                dx2 = _mul(g2, cos, SOFT_ROUND) - _mul(g1, sin, SOFT_ROUND)
+                tl.store(dst, _to_out(dx1, dtype, SOFT_ROUND), mask=m)
+                tl.store(dst + HD2, _to_out(dx2, dtype, SOFT_ROUND), mask=m)
             else:
                 tl.store(dst, r1.to(dtype), mask=m)
                 tl.store(dst + HD2, r2.to(dtype), mask=m)
