@@ -146,27 +146,37 @@ def _child(names: list[str]) -> None:
                     problems.append(f"no row {key}")
         emit("agent_block", "; ".join(problems))
 
-    def agent_block_plain():
-        """The same with plain linears (no FP8): the hooks read neither fc1's output nor fc2's input, the fused
-        kernel's rows of them are the hooks' rows without it (fc2's input h to the last place), and on a device
-        without the kernel the block reports them itself."""
+    def rows_by_mode(flag: str, make_block, seed: int) -> dict:
+        """``agent_rows`` of a block of plain linears with ``layers.<flag>`` off ("hooks"), on ("fused"), and on as on
+        a device where Triton does not run ("block_torch"): two steps of two micro-batches of (2, 8, 32)."""
         from stats_check import agent_rows
         from trainer import layers
 
         got = {}
         for mode in ("hooks", "fused", "block_torch"):
-            torch.manual_seed(7)
-            old = layers.FUSED_SWIGLU, layers.triton_runs
-            layers.FUSED_SWIGLU = mode != "hooks"
-            if mode == "block_torch":  # as on a device where Triton does not run
+            torch.manual_seed(seed)
+            old = getattr(layers, flag), layers.triton_runs
+            setattr(layers, flag, mode != "hooks")
+            if mode == "block_torch":
                 layers.triton_runs = lambda device: False
             try:
-                block = layers.SwiGLU(32, 48, lambda i, o: torch.nn.Linear(i, o, bias=False))
+                block = make_block()
                 xs = [torch.randn(2, 8, 32) * (1 + i) for i in range(4)]
                 got[mode] = agent_rows(block, lambda step, micro: xs[2 * step + micro], 2, "cpu", fused=True,
                                        stats_backend="triton")
             finally:
-                layers.FUSED_SWIGLU, layers.triton_runs = old
+                setattr(layers, flag, old[0])
+                layers.triton_runs = old[1]
+        return got
+
+    def agent_block_plain():
+        """The same with plain linears (no FP8): the hooks read neither fc1's output nor fc2's input, the fused
+        kernel's rows of them are the hooks' rows without it (fc2's input h to the last place), and on a device
+        without the kernel the block reports them itself."""
+        from trainer import layers
+
+        got = rows_by_mode("FUSED_SWIGLU", lambda: layers.SwiGLU(32, 48, lambda i, o: torch.nn.Linear(i, o, bias=False)),
+                           7)
         problems = []
         want, keys = got["hooks"]
         for mode in ("fused", "block_torch"):
@@ -254,34 +264,19 @@ def _child(names: list[str]) -> None:
         """An attention block of plain linears watched by an agent: with the fused RoPE the hooks do not read qkv's
         output, and the kernel's row of it equals the hooks' row without it; on a device without the kernel the block
         reports it itself."""
-        from stats_check import agent_rows
         from trainer import layers
 
         rot = layers.Rotary(16, 16)
 
         class WithRope(torch.nn.Module):  # agent_rows calls model(x)
-            def __init__(self, attn):
+            def __init__(self):
                 super().__init__()
-                self.attn = attn
+                self.attn = layers.Attention(32, 2, lambda i, o: torch.nn.Linear(i, o, bias=False), qk_norm=False)
 
             def forward(self, x):
                 return self.attn(x, rot)
 
-        got = {}
-        for mode in ("hooks", "fused", "block_torch"):
-            torch.manual_seed(5)
-            old = layers.FUSED_ROPE, layers.triton_runs
-            layers.FUSED_ROPE = mode != "hooks"
-            if mode == "block_torch":
-                layers.triton_runs = lambda device: False
-            try:
-                attn = layers.Attention(32, 2, lambda i, o: torch.nn.Linear(i, o, bias=False), qk_norm=False)
-                block = WithRope(attn)
-                xs = [torch.randn(2, 8, 32) * (1 + i) for i in range(4)]
-                got[mode] = agent_rows(block, lambda step, micro: xs[2 * step + micro], 2, "cpu", fused=True,
-                                       stats_backend="triton")
-            finally:
-                layers.FUSED_ROPE, layers.triton_runs = old
+        got = rows_by_mode("FUSED_ROPE", WithRope, 5)
         problems = []
         want, keys = got["hooks"]
         key = ("attn.qkv", "output")

@@ -67,6 +67,28 @@ def _out_ptrs(base, b, h, pos, T, NH, HD2: tl.constexpr):
 
 
 @triton.jit
+def _tile_trig(t, T, NH, cos_ptr, sin_ptr, BT: tl.constexpr, HD2: tl.constexpr):
+    """Tile t's batch row, head, positions and their mask, the tile's [BT, HD2] mask, and cos and sin there."""
+    b, h, pos, pm = _where(t, T, NH, BT)
+    cols = tl.arange(0, HD2)
+    m = pm[:, None] & (cols[None, :] < HD2)
+    trig = pos[:, None] * HD2 + cols[None, :]
+    return b, h, pos, pm, m, tl.load(cos_ptr + trig, mask=m, other=0.0), tl.load(sin_ptr + trig, mask=m, other=0.0)
+
+
+@triton.jit
+def _head_ptrs(slot: tl.constexpr, q_ptr, k_ptr, v_ptr, b, h, pos, T, NH, HD2: tl.constexpr):
+    """``_out_ptrs`` of q, k or v by ``slot``."""
+    if slot == 0:
+        ptrs = _out_ptrs(q_ptr, b, h, pos, T, NH, HD2)
+    elif slot == 1:
+        ptrs = _out_ptrs(k_ptr, b, h, pos, T, NH, HD2)
+    else:
+        ptrs = _out_ptrs(v_ptr, b, h, pos, T, NH, HD2)
+    return ptrs
+
+
+@triton.jit
 def _mul(a, b, INTERPRETED: tl.constexpr):
     """a * b in fp32, rounded on its own as torch's separate multiply rounds it: ``mul.rn`` is never contracted into
     an FMA with the add that follows (contracted, a cancelling x1*cos - x2*sin was many bf16 units off torch's on an
@@ -114,24 +136,15 @@ def _rope_fwd_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, T, NH, tile
             ht = _htab()
     ce = tl.zeros([], tl.int32)
     for t in range(pid, tiles, tl.num_programs(0)):
-        b, h, pos, pm = _where(t, T, NH, BT)
-        m = pm[:, None] & (cols[None, :] < HD2)
+        b, h, pos, pm, m, cos, sin = _tile_trig(t, T, NH, cos_ptr, sin_ptr, BT, HD2)
         inside = tl.sum(pm.to(tl.int32), 0)
-        trig = pos[:, None] * HD2 + cols[None, :]
-        cos = tl.load(cos_ptr + trig, mask=m, other=0.0)
-        sin = tl.load(sin_ptr + trig, mask=m, other=0.0)
         for slot in tl.static_range(3):
             src = _in_ptrs(qkv_ptr, b, h, pos, slot, T, NH, HD2)
             r1 = tl.load(src, mask=m, other=0.0)
             r2 = tl.load(src + HD2, mask=m, other=0.0)
             x1 = r1.to(tl.float32)
             x2 = r2.to(tl.float32)
-            if slot == 0:
-                dst = _out_ptrs(q_ptr, b, h, pos, T, NH, HD2)
-            elif slot == 1:
-                dst = _out_ptrs(k_ptr, b, h, pos, T, NH, HD2)
-            else:
-                dst = _out_ptrs(v_ptr, b, h, pos, T, NH, HD2)
+            dst = _head_ptrs(slot, q_ptr, k_ptr, v_ptr, b, h, pos, T, NH, HD2)
             if slot < 2:
                 y1 = _mul(x1, cos, SOFT_ROUND) - _mul(x2, sin, SOFT_ROUND)
                 y2 = _mul(x1, sin, SOFT_ROUND) + _mul(x2, cos, SOFT_ROUND)
@@ -156,20 +169,10 @@ def _rope_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, cos_ptr, sin_ptr, T, NH, 
                      HD2: tl.constexpr, SOFT_ROUND: tl.constexpr):
     """dqkv from dq, dk (rotated back: dx1 = dy1 cos + dy2 sin, dx2 = dy2 cos - dy1 sin) and dv (copied)."""
     dtype = dqkv_ptr.dtype.element_ty
-    cols = tl.arange(0, HD2)
     for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
-        b, h, pos, pm = _where(t, T, NH, BT)
-        m = pm[:, None] & (cols[None, :] < HD2)
-        trig = pos[:, None] * HD2 + cols[None, :]
-        cos = tl.load(cos_ptr + trig, mask=m, other=0.0)
-        sin = tl.load(sin_ptr + trig, mask=m, other=0.0)
+        b, h, pos, _, m, cos, sin = _tile_trig(t, T, NH, cos_ptr, sin_ptr, BT, HD2)
         for slot in tl.static_range(3):
-            if slot == 0:
-                src = _out_ptrs(dq_ptr, b, h, pos, T, NH, HD2)
-            elif slot == 1:
-                src = _out_ptrs(dk_ptr, b, h, pos, T, NH, HD2)
-            else:
-                src = _out_ptrs(dv_ptr, b, h, pos, T, NH, HD2)
+            src = _head_ptrs(slot, dq_ptr, dk_ptr, dv_ptr, b, h, pos, T, NH, HD2)
             dst = _in_ptrs(dqkv_ptr, b, h, pos, slot, T, NH, HD2)
             r1 = tl.load(src, mask=m, other=0.0)
             r2 = tl.load(src + HD2, mask=m, other=0.0)
