@@ -1770,6 +1770,14 @@ if triton is not None:
     # the program's first tile; no scale is known before the read (the epilogue derives underflow and overflow).
 
     @triton.jit
+    def stream_start(x0, m0, R: tl.constexpr):
+        """A persistent program's statistics set-up from its first tile ``x0`` (fp32, mask ``m0``, any shape): the shift
+        c, scale p and whether they hold (``_shift_of``), -c*p and empty ``stream_add`` accumulators of R rows. (The
+        histogram's shared-memory table stays the caller's: Triton 3.6 cannot return None in a tuple.)"""
+        c, p, ok = _shift_of(tl.reshape(x0, [x0.numel]), tl.reshape(m0, [m0.numel]))
+        return c, p, ok, -(c * p), stream_zero(R)
+
+    @triton.jit
     def stream_zero(R: tl.constexpr):
         """Empty ``_tile_fast`` accumulators of R rows: s1-s4, amax, cu, co, outliers, cz, histogram."""
         zf = tl.zeros([R], tl.float32)

@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from agent import triton_stats as ts
-from agent.triton_stats import (_SMEM_HIST, _htab, _shift_of, fused_bounds, fused_epilogue, stream_add, stream_partial,
-                                stream_zero)
+from agent.triton_stats import (_SMEM_HIST, _htab, fused_bounds, fused_epilogue, stream_add, stream_partial,
+                                stream_start)
 
 from .fp8_gemm import _to_out
 from .quantize import INTERPRET, _num_sms, cdiv
@@ -66,9 +66,7 @@ def _residual_add_kernel(x_ptr, b_ptr, out_ptr, n, sp_ptr, ctr_ptr, dst_ptr, dst
         R: tl.constexpr = BLOCK // V
         lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
         b0, m0 = _b_part((b_ptr, n), pid, 0, BLOCK, V)
-        c, p, ok = _shift_of(tl.reshape(b0, [BLOCK]), tl.reshape(m0, [BLOCK]))
-        ncp = -(c * p)
-        st = stream_zero(R)
+        c, p, ok, ncp, st = stream_start(b0, m0, R)
         ht = None
         if HIST and _SMEM_HIST:
             ht = _htab()

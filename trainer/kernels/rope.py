@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from agent import triton_stats as ts
-from agent.triton_stats import (_SMEM_HIST, _htab, _shift_of, fused_bounds, fused_epilogue, stream_add,
-                                stream_partial, stream_zero)
+from agent.triton_stats import (_SMEM_HIST, _htab, fused_bounds, fused_epilogue, stream_add, stream_partial,
+                                stream_start)
 
 from .fp8_gemm import _to_out
 from .quantize import INTERPRET, _num_sms, cdiv
@@ -128,9 +128,7 @@ def _rope_fwd_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, T, NH, tile
         b0, h0, pos0, pm0 = _where(pid, T, NH, BT)
         m0 = pm0[:, None] & (cols[None, :] < HD2)
         x0 = tl.load(_in_ptrs(qkv_ptr, b0, h0, pos0, 0, T, NH, HD2), mask=m0, other=0.0).to(tl.float32)
-        c, p, ok = _shift_of(tl.reshape(x0, [BT * HD2]), tl.reshape(m0, [BT * HD2]))
-        ncp = -(c * p)
-        acc = stream_zero(R)
+        c, p, ok, ncp, acc = stream_start(x0, m0, R)
         ht = None
         if HIST and _SMEM_HIST:
             ht = _htab()
