@@ -24,6 +24,18 @@ SHAPES = {"124m": (16 * 1024, 2048, 768), "1.5b": (4 * 2048, 8192, 2048)}  # (to
 ROPE_SHAPES = {"124m": (16, 1024, 6), "1.5b": (4, 2048, 16)}  # (batch, sequence, heads)
 
 
+def words_forward(y: torch.Tensor, tgt):
+    """The forward with y's row through y's words (``swiglu.WORDS``)."""
+    import importlib
+
+    sw = importlib.import_module("trainer.kernels.swiglu")
+    sw.WORDS = True
+    try:
+        return swiglu_forward(y, stats=tgt)
+    finally:
+        sw.WORDS = False
+
+
 def torch_backward(y: torch.Tensor, dh: torch.Tensor):
     """torch's forward and autograd backward of silu(gate) * up (a backward needs its forward's graph: the backward's
     own time is this minus the forward's)."""
@@ -48,6 +60,7 @@ def main() -> None:
                 "torch forward": lambda: swiglu_ref(y),
                 "fused forward": lambda: swiglu_forward(y),
                 "fused forward + row": lambda: swiglu_forward(y, stats=tgt),
+                "fused forward + row, words": lambda: words_forward(y, tgt),
                 "torch forward + row read apart": lambda: (swiglu_ref(y), ts.rows(
                     [y], fmt="e4m3", center=[(0.0, 1.0)], hist=hist, out=rows, index=[1])),
                 "torch forward + backward": lambda: torch_backward(y, dh),

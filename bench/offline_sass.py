@@ -122,8 +122,8 @@ def main(argv=None) -> int:
 
 
 def _consumers(ts, built: dict) -> int:
-    """Every variant of the consumer kernels: the SwiGLU forward without rows, with y's, with y's and h's; its
-    backward; the residual add (fp32 stream, bf16 branch) without and with the branch's row; RoPE on the qkv output
+    """Every variant of the consumer kernels: the SwiGLU forward without rows, with y's, with y's and h's, with y's
+    through its words; its backward; the residual add (fp32 stream, bf16 branch) without and with the branch's row; RoPE on the qkv output
     (1.5B's heads) without and with its row, and its backward."""
     sw = importlib.import_module("trainer.kernels.swiglu")
     res = importlib.import_module("trainer.kernels.residual")
@@ -134,6 +134,9 @@ def _consumers(ts, built: dict) -> int:
         sw._swiglu_fwd_kernel = _CompileOnly(fwd, name, built)
         sw.swiglu_forward(y, stats=ts.Target.new(cpu, fmt="e4m3", hist=False) if "y" in rows else None,
                           h_stats=ts.Target.new(cpu, fmt="e4m3", hist=False) if "h" in rows else None)
+    sw.WORDS, words = True, sw._swiglu_fwd_words_kernel
+    sw._swiglu_fwd_words_kernel = _CompileOnly(words, "swiglu fwd + y row (words)", built)
+    sw.swiglu_forward(y, stats=ts.Target.new(cpu, fmt="e4m3", hist=False))
     sw._swiglu_bwd_kernel = _CompileOnly(bwd, "swiglu bwd", built)
     sw.swiglu_backward(y, torch.zeros(4096, 2048, dtype=torch.bfloat16))
     x, b = torch.zeros(4096, 2048), torch.zeros(4096, 2048, dtype=torch.bfloat16)

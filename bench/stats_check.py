@@ -500,6 +500,20 @@ def check_consumers(device) -> None:
             ok, why = rows_close(tgt.rows[0], want, under_slack=slack(want))
             ok_h, why_h = rows_close(tgt_h.rows[0], want_h, under_slack=slack(want_h))
             report(f"swiglu rows of y and h {shape} {dt} fmt={fmt} hist={hist}", ok and ok_h, why + why_h)
+            if dt == torch.bfloat16:  # y's row through its words (swiglu.WORDS): the same row, h to the bit
+                import importlib
+
+                sw = importlib.import_module("trainer.kernels.swiglu")
+                tgt_w = ts.Target.new(device, center=(0.0, 3.0), hist=hist, fmt=fmt)
+                sw.WORDS = True
+                try:
+                    h_w = swiglu(y0, stats=tgt_w)
+                finally:
+                    sw.WORDS = False
+                ok, why = rows_close(tgt_w.rows[0], want, under_slack=slack(want))
+                same = torch.equal(h_w, h)
+                report(f"swiglu y's row through its words {shape} fmt={fmt} hist={hist}", ok and same,
+                       why + ("" if same else " h differs"))
     check_rope(device)
 
 

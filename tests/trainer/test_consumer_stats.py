@@ -102,6 +102,41 @@ def _child(names: list[str]) -> None:
                 problems.append(row_problems(tgt.rows[0], both, rtol=1e-6, under_slack=slack(both)))
                 emit(f"forward_stats:{tuple(y0.shape)}:{y0.dtype}:{fmt}", "; ".join(p for p in problems if p))
 
+    def words():
+        """y's row through y's 32-bit words (``swiglu.WORDS``; the histogram needs the GPU's shared-memory table, so
+        here without it): the words kernel runs, h is the fp32 kernel's to the bit, and the row equals the fp64
+        oracle's, on full tiles (the bf16x2 path), partial ones (fp32) and with a NaN (the careful path)."""
+        import importlib
+
+        sw = importlib.import_module("trainer.kernels.swiglu")
+        g = torch.Generator().manual_seed(12)
+        for shape, nan in (((64, 2 * 256), False), ((3, 70, 2 * 150), False), ((50, 2 * 90), True)):
+            y = (torch.randn(*shape, generator=g) * 3 + 1.0).to(torch.bfloat16)
+            if nan:
+                y[7, 3] = float("nan")
+            for fmt in ("e4m3", None):
+                tgt = ts.Target.new("cpu", center=(0.0, 3.0), hist=False, fmt=fmt)
+                launched, real = [], sw._swiglu_fwd_words_kernel
+
+                class Spy:  # the words kernel, its launches counted
+                    def __getitem__(self, grid):
+                        launched.append(grid)
+                        return real[grid]
+
+                sw.WORDS, sw._swiglu_fwd_words_kernel = True, Spy()
+                try:
+                    h = sw.swiglu(y, stats=tgt)
+                finally:
+                    sw.WORDS, sw._swiglu_fwd_words_kernel = False, real
+                want = ds.partials(y, fmt=fmt, outlier_center=(0.0, 3.0), hist=False)
+                slack = float(want[ds.HIST:].nan_to_num(0).max()) if fmt else None
+                problems = [row_problems(tgt.rows[0], want, rtol=1e-6, under_slack=slack)]
+                if not launched:
+                    problems.append("the words kernel did not run")
+                if not torch.equal(h.nan_to_num(7.0), swiglu(y).nan_to_num(7.0)):
+                    problems.append("h differs from the fp32 kernel's")
+                emit(f"words:{tuple(y.shape)}:{fmt}", "; ".join(p for p in problems if p))
+
     def agent_block():
         """A SwiGLU block of FP8 linears watched by an agent, two steps of two micro-batches: with the fused kernel,
         fc1's output row comes from it (fc1's output is not deferred to a statistics read), and fc1's rows equal
@@ -344,13 +379,13 @@ def _child(names: list[str]) -> None:
                 problems.append(f"{key}: not taken from both micro-batches")
         emit("agent_model", "; ".join(problems))
 
-    checks = dict(forward_backward=forward_backward, forward_stats=forward_stats, agent_block=agent_block,
+    checks = dict(forward_backward=forward_backward, forward_stats=forward_stats, words=words, agent_block=agent_block,
                   agent_block_plain=agent_block_plain, residual=residual, rope=rope, attention_plain=attention_plain,
                   agent_model=agent_model)
     run_each(checks, names)
 
 
-GROUPS = ["forward_backward", "forward_stats", "agent_block", "agent_block_plain", "residual", "rope",
+GROUPS = ["forward_backward", "forward_stats", "words", "agent_block", "agent_block_plain", "residual", "rope",
           "attention_plain", "agent_model"]
 
 

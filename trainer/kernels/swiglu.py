@@ -23,13 +23,15 @@ instructions per element of y in an offline sm_90a build, bench/RESULTS.md.)
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from agent import triton_stats as ts
-from agent.triton_stats import (_SMEM_HIST, _htab, _shift_of, fused_bounds, fused_epilogue, stream_add, stream_partial,
-                                stream_zero)
+from agent.triton_stats import (_SMEM_HIST, _htab, _shift_of, _tile_bf16x2, fused_bounds, fused_epilogue, packed_fold,
+                                packed_setup, stream_add, stream_partial, stream_zero)
 
 from .fp8_gemm import _to_out
 from .quantize import INTERPRET, _num_sms, cdiv
@@ -38,6 +40,9 @@ BM, BN = 32, 128
 PROGRAMS_PER_SM = 4
 # a statistics row is a thread's 16-byte load of y: at 16, each row spanned two threads, one shuffle per sum per row
 _V = tl.constexpr(8)
+# y's row through y's 32-bit words (``_swiglu_fwd_words_kernel``) where y is bf16 of even width; opt-in
+# (FP8MON_SWIGLU_WORDS=1) until timed on a GPU
+WORDS = os.environ.get("FP8MON_SWIGLU_WORDS", "0") == "1"
 _SOFT_ROUND = tl.constexpr(INTERPRET)  # for the careful path's loader of h (the kernels take it as an argument)
 # Register cap of the forward with y's row only (ptxas; None: uncapped). In an offline sm_90a build
 # (bench/offline_sass.py --consumers) it took 162 registers uncapped, one program of 8 warps per SM, and 128 with no
@@ -173,6 +178,92 @@ def _swiglu_fwd_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, d
 
 
 @triton.jit
+def _unpack(w):
+    """The two bf16 of each 32-bit word, as fp32: the low half (the element at the lower address) and the high."""
+    return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pack(lo, hi, SOFT_ROUND: tl.constexpr):
+    """Words of two fp32 tensors rounded to bf16, ``lo`` in the low halves: one ``cvt.rn.bf16x2.f32`` a word on
+    hardware (the compiler paired adjacent elements so, but not two tensors), ``_to_out`` in the interpreter."""
+    if SOFT_ROUND:
+        hb = _to_out(hi, tl.bfloat16, True).to(tl.int16, bitcast=True).to(tl.int32)
+        lb = _to_out(lo, tl.bfloat16, True).to(tl.int16, bitcast=True).to(tl.int32)
+        return (hb << 16) | (lb & 0xFFFF)
+    return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit(do_not_specialize=["dst_index", "merge"])
+def _swiglu_fwd_words_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, cen_ptr, c_mean,
+                             c_std, k, ahm_ptr, ahm_val, STATS: tl.constexpr, C_PTR: tl.constexpr,
+                             AHM_PTR: tl.constexpr, HIST: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr,
+                             SMODE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """The forward with y's row, for bf16 y of even H, through y's and h's 32-bit words: on a full tile the two
+    elements of a word share the counts' and the amax's integer and bf16x2 operations (``triton_stats._tile_bf16x2``,
+    the standalone kernel's bf16 path); a partial tile takes the fp32 path (``stream_add``). The histogram needs the
+    shared-memory table (the launcher checks)."""
+    dtype = h_ptr.dtype.element_ty
+    BW: tl.constexpr = BN // 2
+    R: tl.constexpr = BM * BW // 4
+    n_tn = tl.cdiv(H, BN)
+    tiles = tl.cdiv(M, BM) * n_tn
+    hw = H // 2
+    sw = stride_y // 2
+    yw_ptr = y_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    hw_ptr = h_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    pid = tl.program_id(0)
+    g0, u0, m0, _, _ = _tile(y_ptr, pid, n_tn, M, H, stride_y, BM, BN)
+    m1 = tl.reshape(m0, [BM * BN])
+    lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
+    cg, pg, okg = _shift_of(tl.reshape(g0, [BM * BN]), m1)
+    cu_, pu_, oku = _shift_of(tl.reshape(u0, [BM * BN]), m1)
+    c = (cg + cu_) * 0.5
+    p = tl.minimum(pg, pu_)
+    ok = okg & oku
+    ncp = -(c * p)
+    s1, s2, s3, s4, am, cu, co, cout, cz, hist = stream_zero(R)
+    ku, lo2, hi2, amw, pu, pnz, pout = packed_setup(tl.full([], -1, tl.int32), lo, hi, R)
+    ht = None
+    if HIST and _SMEM_HIST:
+        ht = _htab()
+    ce = tl.zeros([], tl.int32)
+    nfull = tl.zeros([], tl.int32)
+    for t in range(pid, tiles, tl.num_programs(0)):
+        rows = (t // n_tn) * BM + tl.arange(0, BM)
+        cw = (t % n_tn) * BW + tl.arange(0, BW)
+        mw = (rows[:, None] < M) & (cw[None, :] < hw)
+        src = yw_ptr + rows[:, None].to(tl.int64) * sw + cw[None, :]
+        gw = tl.load(src, mask=mw, other=0)
+        uw = tl.load(src + hw, mask=mw, other=0)
+        g_lo, g_hi = _unpack(gw)
+        u_lo, u_hi = _unpack(uw)
+        h = _pack(_silu_rounded(g_lo, dtype, SOFT_ROUND)[0] * u_lo, _silu_rounded(g_hi, dtype, SOFT_ROUND)[0] * u_hi,
+                  SOFT_ROUND)
+        tl.store(hw_ptr + rows[:, None].to(tl.int64) * hw + cw[None, :], h, mask=mw)
+        tm = tl.minimum(M - (t // n_tn) * BM, BM)
+        tn = tl.minimum(H - (t % n_tn) * BN, BN)
+        if (tm == BM) & (tn == BN):
+            s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(tl.reshape(gw, [R, 4]), p, ncp, ku, lo2, hi2, s1, s2, s3,
+                                                              s4, amw, pu, pnz, pout, ht)
+            s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(tl.reshape(uw, [R, 4]), p, ncp, ku, lo2, hi2, s1, s2, s3,
+                                                              s4, amw, pu, pnz, pout, ht)
+            nfull += 1
+        else:
+            acc = s1, s2, s3, s4, am, cu, co, cout, cz, hist
+            acc = stream_add(acc, g_lo, mw, False, p, ncp, lo, hi, HIST, R, 4, ht)
+            acc = stream_add(acc, g_hi, mw, False, p, ncp, lo, hi, HIST, R, 4, ht)
+            acc = stream_add(acc, u_lo, mw, False, p, ncp, lo, hi, HIST, R, 4, ht)
+            s1, s2, s3, s4, am, cu, co, cout, cz, hist = stream_add(acc, u_hi, mw, False, p, ncp, lo, hi, HIST, R, 4,
+                                                                     ht)
+        ce += tm * tn
+    am, cu, cz, cout = packed_fold(nfull * 16, amw, pu, pnz, pout, am, cu, cz, cout)  # 2 x 8 elements a lane a tile
+    _row_of((s1, s2, s3, s4, am, cu, co, cout, cz, hist), 2 * ce, c, p, ok, y_ptr, M, H, stride_y, lo, hi, sp_ptr,
+            ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, HIST, AHM_PTR, FMAX, UTHR, SMODE, False, BM, BN, ht)
+
+
+@triton.jit
 def _swiglu_bwd_kernel(y_ptr, dh_ptr, dy_ptr, M, H, stride_y, BM: tl.constexpr, BN: tl.constexpr,
                        SOFT_ROUND: tl.constexpr):
     dtype = dy_ptr.dtype.element_ty
@@ -213,6 +304,12 @@ def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
     h = torch.empty((M, H), dtype=y.dtype, device=y.device)
     programs = _programs(cdiv(M, BM) * cdiv(H, BN), y.device)
     capped = STATS_MAXNREG and not INTERPRET and stats is not None and h_stats is None
+    if (WORDS and stats is not None and h_stats is None and y.dtype == torch.bfloat16 and H % 2 == 0
+            and y2.stride(0) % 2 == 0 and y2.data_ptr() % 4 == 0 and (not stats.hist or ts.SMEM_HIST)):
+        _swiglu_fwd_words_kernel[(programs,)](y2, h, M, H, y2.stride(0), **ts.epilogue_args(stats, programs, h), BM=BM,
+                                              BN=BN, SOFT_ROUND=INTERPRET, num_warps=8,
+                                              **({"maxnreg": STATS_MAXNREG} if capped else {}))
+        return h.reshape(*y.shape[:-1], H)
     _swiglu_fwd_kernel[(programs,)](y2, h, M, H, y2.stride(0), **ts.epilogue_args(stats, programs, h),
                                     **ts.epilogue_args(h_stats, programs, h, "_h", counter_row=1), BM=BM, BN=BN,
                                     SOFT_ROUND=INTERPRET, num_warps=8, **({"maxnreg": STATS_MAXNREG} if capped else {}))
