@@ -24,16 +24,16 @@ SHAPES = {"124m": (16 * 1024, 2048, 768), "1.5b": (4 * 2048, 8192, 2048)}  # (to
 ROPE_SHAPES = {"124m": (16, 1024, 6), "1.5b": (4, 2048, 16)}  # (batch, sequence, heads)
 
 
-def words_forward(y: torch.Tensor, tgt):
-    """The forward with y's row through y's words (``swiglu.WORDS``)."""
+def with_words(module: str, fn):
+    """``fn()`` with the kernel module's ``WORDS`` on (its row through the tensor's 32-bit words)."""
     import importlib
 
-    sw = importlib.import_module("trainer.kernels.swiglu")
-    sw.WORDS = True
+    mod = importlib.import_module(module)
+    mod.WORDS = True
     try:
-        return swiglu_forward(y, stats=tgt)
+        return fn()
     finally:
-        sw.WORDS = False
+        mod.WORDS = False
 
 
 def torch_backward(y: torch.Tensor, dh: torch.Tensor):
@@ -60,7 +60,8 @@ def main() -> None:
                 "torch forward": lambda: swiglu_ref(y),
                 "fused forward": lambda: swiglu_forward(y),
                 "fused forward + row": lambda: swiglu_forward(y, stats=tgt),
-                "fused forward + row, words": lambda: words_forward(y, tgt),
+                "fused forward + row, words": lambda: with_words("trainer.kernels.swiglu",
+                                                                 lambda: swiglu_forward(y, stats=tgt)),
                 "torch forward + row read apart": lambda: (swiglu_ref(y), ts.rows(
                     [y], fmt="e4m3", center=[(0.0, 1.0)], hist=hist, out=rows, index=[1])),
                 "torch forward + backward": lambda: torch_backward(y, dh),
@@ -101,6 +102,8 @@ def rope(name: str, batch: int, seq: int, d_model: int, n_head: int, dev: torch.
         "torch forward": lambda: rope_qkv_ref(qkv, rot.cos, rot.sin, n_head),
         "fused forward": lambda: rope_qkv_forward(qkv, rot.cos, rot.sin, n_head),
         "fused forward + row": lambda: rope_qkv_forward(qkv, rot.cos, rot.sin, n_head, stats=tgt),
+        "fused forward + row, words": lambda: with_words("trainer.kernels.rope", lambda: rope_qkv_forward(
+            qkv, rot.cos, rot.sin, n_head, stats=tgt)),
         "torch forward + row read apart": lambda: (rope_qkv_ref(qkv, rot.cos, rot.sin, n_head), ts.rows(
             [qkv], fmt="e4m3", center=[(0.0, 1.0)], hist=False, out=rows, index=[1])),
         "torch forward + backward": torch_both,

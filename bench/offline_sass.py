@@ -124,7 +124,7 @@ def main(argv=None) -> int:
 def _consumers(ts, built: dict) -> int:
     """Every variant of the consumer kernels: the SwiGLU forward without rows, with y's, with y's and h's, with y's
     through its words; its backward; the residual add (fp32 stream, bf16 branch) without and with the branch's row; RoPE on the qkv output
-    (1.5B's heads) without and with its row, and its backward."""
+    (1.5B's heads) without and with its row, with it through the words, and its backward."""
     sw = importlib.import_module("trainer.kernels.swiglu")
     res = importlib.import_module("trainer.kernels.residual")
     cpu = torch.device("cpu")
@@ -149,6 +149,9 @@ def _consumers(ts, built: dict) -> int:
     for name, row in (("rope fwd", False), ("rope fwd + row", True)):
         rope._rope_fwd_kernel = _CompileOnly(rfwd, name, built)
         rope.rope_qkv_forward(qkv, trig, trig, 16, stats=ts.Target.new(cpu, fmt="e4m3", hist=False) if row else None)
+    rope.WORDS, rwords = True, rope._rope_fwd_words_kernel
+    rope._rope_fwd_words_kernel = _CompileOnly(rwords, "rope fwd + row (words)", built)
+    rope.rope_qkv_forward(qkv, trig, trig, 16, stats=ts.Target.new(cpu, fmt="e4m3", hist=False))
     rope._rope_bwd_kernel = _CompileOnly(rbwd, "rope bwd", built)
     d = torch.zeros(2, 16, 2048, 128, dtype=torch.bfloat16)
     rope.rope_qkv_backward(d, d, d, trig, trig, torch.bfloat16)

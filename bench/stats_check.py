@@ -553,6 +553,20 @@ def check_rope(device) -> None:
         ok2, why2 = rows_close(tgt.rows[0], both, under_slack=both[ds.HIST:].nan_to_num(0).max().item())
         report(f"rope {(b, t, nh, hd)} {dt} nan={nan}", ok and ok2 and not problems,
                why + why2 + "; ".join(problems))
+        if dt == torch.bfloat16:  # the row through qkv's words (rope.WORDS): the same row, q, k, v to the bit
+            import importlib
+
+            rp = importlib.import_module("trainer.kernels.rope")
+            tgt_w = ts.Target.new(device, center=(0.25, 2.0), hist=True, fmt="e4m3")
+            rp.WORDS = True
+            try:
+                got_w = rp.rope_qkv_forward(qkv0, rot.cos, rot.sin, nh, stats=tgt_w)
+            finally:
+                rp.WORDS = False
+            ok, why = rows_close(tgt_w.rows[0], want, under_slack=want[ds.HIST:].nan_to_num(0).max().item())
+            same = all(torch.equal(x.nan_to_num(7.0), y.detach().nan_to_num(7.0)) for x, y in zip(got_w, got))
+            report(f"rope's row through the words {(b, t, nh, hd)} nan={nan}", ok and same,
+                   why + ("" if same else " q, k or v differs"))
 
 
 def main() -> None:

@@ -102,6 +102,23 @@ def _child(names: list[str]) -> None:
                 problems.append(row_problems(tgt.rows[0], both, rtol=1e-6, under_slack=slack(both)))
                 emit(f"forward_stats:{tuple(y0.shape)}:{y0.dtype}:{fmt}", "; ".join(p for p in problems if p))
 
+    def with_words(module, kernel: str, fn):
+        """``fn()`` with ``module.WORDS`` on, and how many times ``module.<kernel>`` (its words kernel) launched."""
+        launched, real = [], getattr(module, kernel)
+
+        class Spy:
+            def __getitem__(self, grid):
+                launched.append(grid)
+                return real[grid]
+
+        module.WORDS = True
+        setattr(module, kernel, Spy())
+        try:
+            return fn(), len(launched)
+        finally:
+            module.WORDS = False
+            setattr(module, kernel, real)
+
     def words():
         """y's row through y's 32-bit words (``swiglu.WORDS``; the histogram needs the GPU's shared-memory table, so
         here without it): the words kernel runs, h is the fp32 kernel's to the bit, and the row equals the fp64
@@ -116,18 +133,7 @@ def _child(names: list[str]) -> None:
                 y[7, 3] = float("nan")
             for fmt in ("e4m3", None):
                 tgt = ts.Target.new("cpu", center=(0.0, 3.0), hist=False, fmt=fmt)
-                launched, real = [], sw._swiglu_fwd_words_kernel
-
-                class Spy:  # the words kernel, its launches counted
-                    def __getitem__(self, grid):
-                        launched.append(grid)
-                        return real[grid]
-
-                sw.WORDS, sw._swiglu_fwd_words_kernel = True, Spy()
-                try:
-                    h = sw.swiglu(y, stats=tgt)
-                finally:
-                    sw.WORDS, sw._swiglu_fwd_words_kernel = False, real
+                h, launched = with_words(sw, "_swiglu_fwd_words_kernel", lambda: sw.swiglu(y, stats=tgt))
                 want = ds.partials(y, fmt=fmt, outlier_center=(0.0, 3.0), hist=False)
                 slack = float(want[ds.HIST:].nan_to_num(0).max()) if fmt else None
                 problems = [row_problems(tgt.rows[0], want, rtol=1e-6, under_slack=slack)]
@@ -136,6 +142,35 @@ def _child(names: list[str]) -> None:
                 if not torch.equal(h.nan_to_num(7.0), swiglu(y).nan_to_num(7.0)):
                     problems.append("h differs from the fp32 kernel's")
                 emit(f"words:{tuple(y.shape)}:{fmt}", "; ".join(p for p in problems if p))
+
+    def rope_words():
+        """The qkv row through qkv's words (``rope.WORDS``; without the histogram, as ``words``): the words kernel
+        runs, q, k and v are torch's to the bit, and the row equals the fp64 oracle's on full and partial tiles and
+        with a NaN."""
+        import importlib
+
+        from trainer.layers import Rotary
+
+        rp = importlib.import_module("trainer.kernels.rope")
+        g = torch.Generator().manual_seed(13)
+        for (b, t, nh, hd), nan in (((2, 64, 2, 32), False), ((1, 50, 3, 16), False), ((1, 40, 2, 64), True)):
+            rot = Rotary(hd, 64)
+            qkv = (torch.randn(b, t, 3 * nh * hd, generator=g) * 2 + 0.5).to(torch.bfloat16)
+            if nan:
+                qkv[0, 3, 5] = float("nan")
+            for fmt in ("e4m3", None):
+                tgt = ts.Target.new("cpu", center=(0.5, 2.0), hist=False, fmt=fmt)
+                got, launched = with_words(rp, "_rope_fwd_words_kernel",
+                                           lambda: rp.rope_qkv_forward(qkv, rot.cos, rot.sin, nh, stats=tgt))
+                want = ds.partials(qkv, fmt=fmt, outlier_center=(0.5, 2.0), hist=False)
+                slack = float(want[ds.HIST:].nan_to_num(0).max()) if fmt else None
+                problems = [row_problems(tgt.rows[0], want, rtol=1e-6, under_slack=slack)]
+                if not launched:
+                    problems.append("the words kernel did not run")
+                ref = rp.rope_qkv_ref(qkv, rot.cos, rot.sin, nh)
+                if not all(torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)) for x, y in zip(got, ref)):
+                    problems.append("q, k or v differs from torch's")
+                emit(f"rope_words:{(b, t, nh, hd)}:{fmt}", "; ".join(p for p in problems if p))
 
     def agent_block():
         """A SwiGLU block of FP8 linears watched by an agent, two steps of two micro-batches: with the fused kernel,
@@ -380,13 +415,14 @@ def _child(names: list[str]) -> None:
         emit("agent_model", "; ".join(problems))
 
     checks = dict(forward_backward=forward_backward, forward_stats=forward_stats, words=words, agent_block=agent_block,
-                  agent_block_plain=agent_block_plain, residual=residual, rope=rope, attention_plain=attention_plain,
+                  agent_block_plain=agent_block_plain, residual=residual, rope=rope, rope_words=rope_words,
+                  attention_plain=attention_plain,
                   agent_model=agent_model)
     run_each(checks, names)
 
 
 GROUPS = ["forward_backward", "forward_stats", "words", "agent_block", "agent_block_plain", "residual", "rope",
-          "attention_plain", "agent_model"]
+          "rope_words", "attention_plain", "agent_model"]
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,9 @@
   quantize            amax + scale + clamp + cast (current or delayed tensorwise scaling)
   quantize_transpose  the same, writing the FP8 tensor and its transpose in one pass
   swiglu              silu(gate) * up of y = [gate | up], forward and backward in one pass each, with y's row
+  residual            a block's residual add, with the branch's row
+  rope                RoPE on the attention's qkv output, forward and backward in one pass each, with its row
+  words               bf16 tensors as 32-bit words (the consumer kernels' bf16x2 statistics)
 
 Importing this package imports Triton; ``trainer.fp8_linear`` imports it only when it runs the Triton
 path (CUDA, or ``backend="triton"`` under ``TRITON_INTERPRET=1``).

@@ -19,22 +19,28 @@ Persistent programs (a few per SM) loop over tiles of BT positions of one batch 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from agent import triton_stats as ts
-from agent.triton_stats import (_SMEM_HIST, _htab, fused_bounds, fused_epilogue, stream_add, stream_partial,
-                                stream_start)
+from agent.triton_stats import (_SMEM_HIST, _htab, _tile_bf16x2, fused_bounds, fused_epilogue, packed_fold,
+                                packed_setup, stream_add, stream_partial, stream_start)
 
 from .fp8_gemm import _to_out
 from .quantize import INTERPRET, _num_sms, cdiv
+from .words import pack, unpack
 
 BT = 32  # positions per tile
 PROGRAMS_PER_SM = 4
 # Register cap of the forward with the row (ptxas): in an offline sm_90a build (bench/offline_sass.py --consumers)
 # 166 registers uncapped, one program of 8 warps per SM; 126 with no spill at this cap, two.
 STATS_MAXNREG = 128
+# the row through qkv's 32-bit words (``_rope_fwd_words_kernel``) where qkv is bf16; opt-in (FP8MON_ROPE_WORDS=1)
+# until timed on a GPU
+WORDS = os.environ.get("FP8MON_ROPE_WORDS", "0") == "1"
 
 
 def supported(head_dim: int) -> bool:
@@ -163,6 +169,88 @@ def _rope_fwd_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, T, NH, tile
 
 
 @triton.jit
+def _trig_words(cos_ptr, sin_ptr, pos, pm, HW: tl.constexpr):
+    """cos and sin at the positions ``pos`` for the even channels (a word's low elements) and the odd ones (high), and
+    the [BT, HW] mask of words."""
+    jw = tl.arange(0, HW)
+    mw = pm[:, None] & (jw[None, :] < HW)
+    ev = pos[:, None] * (2 * HW) + 2 * jw[None, :]
+    return (tl.load(cos_ptr + ev, mask=mw, other=0.0), tl.load(cos_ptr + ev + 1, mask=mw, other=0.0),
+            tl.load(sin_ptr + ev, mask=mw, other=0.0), tl.load(sin_ptr + ev + 1, mask=mw, other=0.0), mw)
+
+
+@triton.jit(do_not_specialize=["dst_index", "merge"])
+def _rope_fwd_words_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, T, NH, tiles, sp_ptr, ctr_ptr, dst_ptr,
+                           dst_index, merge, cen_ptr, c_mean, c_std, k, ahm_ptr, ahm_val, STATS: tl.constexpr,
+                           C_PTR: tl.constexpr, AHM_PTR: tl.constexpr, HIST: tl.constexpr, FMAX: tl.constexpr,
+                           UTHR: tl.constexpr, SMODE: tl.constexpr, BT: tl.constexpr, HD2: tl.constexpr,
+                           SOFT_ROUND: tl.constexpr):
+    """The forward with the qkv row, for bf16 qkv, through 32-bit words (``trainer.kernels.words``): a word holds
+    channels 2j and 2j + 1 of a half-head, rotated as two fp32 tensors (the even and the odd channels); on a full tile
+    the row's counts and amax take a word at a time (``_tile_bf16x2``), on a partial one the fp32 path. The histogram
+    needs the shared-memory table (the launcher checks)."""
+    HW: tl.constexpr = HD2 // 2
+    R: tl.constexpr = BT * HW // 4
+    pid = tl.program_id(0)
+    lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
+    b0, h0, pos0, pm0 = _where(pid, T, NH, BT)
+    m0 = pm0[:, None] & (tl.arange(0, HD2)[None, :] < HD2)
+    x0 = tl.load(_in_ptrs(qkv_ptr, b0, h0, pos0, 0, T, NH, HD2), mask=m0, other=0.0).to(tl.float32)
+    c, p, ok, ncp, acc = stream_start(x0, m0, R)
+    s1, s2, s3, s4, am, cu, co, cout, cz, hist = acc
+    ku, lo2, hi2, amw, pu, pnz, pout = packed_setup(tl.full([], -1, tl.int32), lo, hi, R)
+    ht = None
+    if HIST and _SMEM_HIST:
+        ht = _htab()
+    qkv_w = qkv_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    ce = tl.zeros([], tl.int32)
+    nfull = tl.zeros([], tl.int32)
+    for t in range(pid, tiles, tl.num_programs(0)):
+        b, h, pos, pm = _where(t, T, NH, BT)
+        cos_lo, cos_hi, sin_lo, sin_hi, mw = _trig_words(cos_ptr, sin_ptr, pos, pm, HW)
+        inside = tl.sum(pm.to(tl.int32), 0)
+        for slot in tl.static_range(3):
+            src = _in_ptrs(qkv_w, b, h, pos, slot, T, NH, HW)
+            w1 = tl.load(src, mask=mw, other=0)
+            w2 = tl.load(src + HW, mask=mw, other=0)
+            dst = _head_ptrs(slot, q_ptr.to(tl.pointer_type(tl.int32), bitcast=True),
+                             k_ptr.to(tl.pointer_type(tl.int32), bitcast=True),
+                             v_ptr.to(tl.pointer_type(tl.int32), bitcast=True), b, h, pos, T, NH, HW)
+            x1_lo, x1_hi = unpack(w1)
+            x2_lo, x2_hi = unpack(w2)
+            if slot < 2:
+                y1 = pack(_mul(x1_lo, cos_lo, SOFT_ROUND) - _mul(x2_lo, sin_lo, SOFT_ROUND),
+                          _mul(x1_hi, cos_hi, SOFT_ROUND) - _mul(x2_hi, sin_hi, SOFT_ROUND), SOFT_ROUND)
+                y2 = pack(_mul(x1_lo, sin_lo, SOFT_ROUND) + _mul(x2_lo, cos_lo, SOFT_ROUND),
+                          _mul(x1_hi, sin_hi, SOFT_ROUND) + _mul(x2_hi, cos_hi, SOFT_ROUND), SOFT_ROUND)
+                tl.store(dst, y1, mask=mw)
+                tl.store(dst + HW, y2, mask=mw)
+            else:
+                tl.store(dst, w1, mask=mw)
+                tl.store(dst + HW, w2, mask=mw)
+            if inside == BT:
+                s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(tl.reshape(w1, [R, 4]), p, ncp, ku, lo2, hi2, s1,
+                                                                  s2, s3, s4, amw, pu, pnz, pout, ht)
+                s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(tl.reshape(w2, [R, 4]), p, ncp, ku, lo2, hi2, s1,
+                                                                  s2, s3, s4, amw, pu, pnz, pout, ht)
+            else:
+                acc = s1, s2, s3, s4, am, cu, co, cout, cz, hist
+                acc = stream_add(acc, x1_lo, mw, False, p, ncp, lo, hi, HIST, R, 4, ht)
+                acc = stream_add(acc, x1_hi, mw, False, p, ncp, lo, hi, HIST, R, 4, ht)
+                acc = stream_add(acc, x2_lo, mw, False, p, ncp, lo, hi, HIST, R, 4, ht)
+                s1, s2, s3, s4, am, cu, co, cout, cz, hist = stream_add(acc, x2_hi, mw, False, p, ncp, lo, hi, HIST,
+                                                                         R, 4, ht)
+        nfull += (inside == BT).to(tl.int32)
+        ce += inside * (6 * HD2)
+    am, cu, cz, cout = packed_fold(nfull * 48, amw, pu, pnz, pout, am, cu, cz, cout)  # 6 x 8 elements a lane a tile
+    n, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = stream_partial(
+        (s1, s2, s3, s4, am, cu, co, cout, cz, hist), ce, c, p, ok, _part, (qkv_ptr, T, NH), tiles, 6, lo, hi, HIST,
+        BT * HD2 // 8, BT, HD2, ht)
+    fused_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, 1.0, n, nfin, nonfin, zeros, outl,
+                   under, over, amax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST, SMODE)
+
+
+@triton.jit
 def _rope_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, cos_ptr, sin_ptr, T, NH, tiles, BT: tl.constexpr,
                      HD2: tl.constexpr, SOFT_ROUND: tl.constexpr):
     """dqkv from dq, dk (rotated back: dx1 = dy1 cos + dy2 sin, dx2 = dy2 cos - dy1 sin) and dv (copied)."""
@@ -215,10 +303,13 @@ def rope_qkv_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_
     qkv = qkv.contiguous()
     q, k, v = (torch.empty(b, n_head, t, hd, dtype=qkv.dtype, device=qkv.device) for _ in range(3))
     programs = _programs(tiles, qkv.device)
-    _rope_fwd_kernel[(programs,)](qkv, q, k, v, cos.contiguous(), sin.contiguous(), t, n_head, tiles,
-                                  **ts.epilogue_args(stats, programs, qkv), BT=BT, HD2=hd // 2, SOFT_ROUND=INTERPRET,
-                                  num_warps=_warps(hd // 2),
-                                  **({"maxnreg": STATS_MAXNREG} if stats is not None and not INTERPRET else {}))
+    words = (WORDS and stats is not None and qkv.dtype == torch.bfloat16 and qkv.data_ptr() % 4 == 0
+             and (not stats.hist or ts.SMEM_HIST))
+    kernel = _rope_fwd_words_kernel if words else _rope_fwd_kernel
+    kernel[(programs,)](qkv, q, k, v, cos.contiguous(), sin.contiguous(), t, n_head, tiles,
+                        **ts.epilogue_args(stats, programs, qkv), BT=BT, HD2=hd // 2, SOFT_ROUND=INTERPRET,
+                        num_warps=_warps(hd // 2),
+                        **({"maxnreg": STATS_MAXNREG} if stats is not None and not INTERPRET else {}))
     return q, k, v
 
 

@@ -35,6 +35,7 @@ from agent.triton_stats import (_SMEM_HIST, _htab, _shift_of, _tile_bf16x2, fuse
 
 from .fp8_gemm import _to_out
 from .quantize import INTERPRET, _num_sms, cdiv
+from .words import pack, unpack
 
 BM, BN = 32, 128
 PROGRAMS_PER_SM = 4
@@ -177,24 +178,6 @@ def _swiglu_fwd_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, d
                 dst_index_h, merge_h, ahm_ptr_h, ahm_val_h, HIST_H, AHM_PTR_H, FMAX_H, UTHR_H, SMODE_H, True, BM, BN)
 
 
-@triton.jit
-def _unpack(w):
-    """The two bf16 of each 32-bit word, as fp32: the low half (the element at the lower address) and the high."""
-    return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _pack(lo, hi, SOFT_ROUND: tl.constexpr):
-    """Words of two fp32 tensors rounded to bf16, ``lo`` in the low halves: one ``cvt.rn.bf16x2.f32`` a word on
-    hardware (the compiler paired adjacent elements so, but not two tensors), ``_to_out`` in the interpreter."""
-    if SOFT_ROUND:
-        hb = _to_out(hi, tl.bfloat16, True).to(tl.int16, bitcast=True).to(tl.int32)
-        lb = _to_out(lo, tl.bfloat16, True).to(tl.int16, bitcast=True).to(tl.int32)
-        return (hb << 16) | (lb & 0xFFFF)
-    return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
-                                     is_pure=True, pack=1)
-
-
 @triton.jit(do_not_specialize=["dst_index", "merge"])
 def _swiglu_fwd_words_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, cen_ptr, c_mean,
                              c_std, k, ahm_ptr, ahm_val, STATS: tl.constexpr, C_PTR: tl.constexpr,
@@ -237,9 +220,9 @@ def _swiglu_fwd_words_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_
         src = yw_ptr + rows[:, None].to(tl.int64) * sw + cw[None, :]
         gw = tl.load(src, mask=mw, other=0)
         uw = tl.load(src + hw, mask=mw, other=0)
-        g_lo, g_hi = _unpack(gw)
-        u_lo, u_hi = _unpack(uw)
-        h = _pack(_silu_rounded(g_lo, dtype, SOFT_ROUND)[0] * u_lo, _silu_rounded(g_hi, dtype, SOFT_ROUND)[0] * u_hi,
+        g_lo, g_hi = unpack(gw)
+        u_lo, u_hi = unpack(uw)
+        h = pack(_silu_rounded(g_lo, dtype, SOFT_ROUND)[0] * u_lo, _silu_rounded(g_hi, dtype, SOFT_ROUND)[0] * u_hi,
                   SOFT_ROUND)
         tl.store(hw_ptr + rows[:, None].to(tl.int64) * hw + cw[None, :], h, mask=mw)
         tm = tl.minimum(M - (t // n_tn) * BM, BM)
