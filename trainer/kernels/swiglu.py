@@ -78,6 +78,17 @@ def _h_of(g, u, DTYPE: tl.constexpr, SOFT_ROUND: tl.constexpr):
 
 
 @triton.jit
+def _y_shift(g0, u0, m1):
+    """y's shift c, scale p, whether they hold, and -c*p, from a program's first tile of gate and up (``m1``: its mask,
+    flat): the mean of the two halves' shifts, the larger amax's power of two."""
+    cg, pg, okg = _shift_of(tl.reshape(g0, [g0.numel]), m1)
+    cu, pu, oku = _shift_of(tl.reshape(u0, [u0.numel]), m1)
+    c = (cg + cu) * 0.5
+    p = tl.minimum(pg, pu)
+    return c, p, okg & oku, -(c * p)
+
+
+@triton.jit
 def _y_part(src, t, part, BM: tl.constexpr, BN: tl.constexpr):
     """The careful path's loader (``triton_stats.careful_tiles``): y's gate (part 0) or up (1) half of tile t, fp32,
     as the statistics' [R, V] view, with its mask."""
@@ -141,12 +152,7 @@ def _swiglu_fwd_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, d
         m1 = tl.reshape(m0, [BM * BN])
     if STATS:
         lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
-        cg, pg, okg = _shift_of(tl.reshape(g0, [BM * BN]), m1)
-        cu_, pu_, oku = _shift_of(tl.reshape(u0, [BM * BN]), m1)
-        c = (cg + cu_) * 0.5
-        p = tl.minimum(pg, pu_)  # the larger amax's power of two
-        ok = okg & oku
-        ncp = -(c * p)
+        c, p, ok, ncp = _y_shift(g0, u0, m1)
         acc = stream_zero(R)
         ht = None
         if HIST and _SMEM_HIST:
@@ -200,12 +206,7 @@ def _swiglu_fwd_words_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_
     g0, u0, m0, _, _ = _tile(y_ptr, pid, n_tn, M, H, stride_y, BM, BN)
     m1 = tl.reshape(m0, [BM * BN])
     lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
-    cg, pg, okg = _shift_of(tl.reshape(g0, [BM * BN]), m1)
-    cu_, pu_, oku = _shift_of(tl.reshape(u0, [BM * BN]), m1)
-    c = (cg + cu_) * 0.5
-    p = tl.minimum(pg, pu_)
-    ok = okg & oku
-    ncp = -(c * p)
+    c, p, ok, ncp = _y_shift(g0, u0, m1)
     s1, s2, s3, s4, am, cu, co, cout, cz, hist = stream_zero(R)
     ku, lo2, hi2, amw, pu, pnz, pout = packed_setup(tl.full([], -1, tl.int32), lo, hi, R)
     ht = None
