@@ -1,8 +1,9 @@
 """Statistics taken by the kernels that consume a linear's output, on the CPU in Triton's interpreter: SwiGLU's fused
 elementwise kernels (trainer/kernels/swiglu.py), the fused residual add (trainer/kernels/residual.py) and RoPE on the
-qkv output (trainer/kernels/rope.py). Each equals torch's computation (forward and backward; SwiGLU's bf16 to the last place, rarely one unit off), its rows equal the
-fp64 oracle's (device_stats.partials), and a model or block watched by an agent gets from them the rows the linears or the hooks took
-before, with no deferred read of those outputs.
+qkv output (trainer/kernels/rope.py), with the opt-in words paths of the first and the last. Each equals torch's
+computation (forward and backward; SwiGLU's bf16 to the last place, rarely one unit off), its rows equal the fp64
+oracle's (device_stats.partials), and a model or block watched by an agent gets from them the rows the linears or the
+hooks took before, with no deferred read of those outputs.
 
 The checks run in one child process that sets TRITON_INTERPRET=1 before importing Triton (tests/interpreter_child.py).
 GPU: ``python bench/stats_check.py --only consumers``.
