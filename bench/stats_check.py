@@ -500,7 +500,10 @@ def check_consumers(device) -> None:
             ok, why = rows_close(tgt.rows[0], want, under_slack=slack(want))
             ok_h, why_h = rows_close(tgt_h.rows[0], want_h, under_slack=slack(want_h))
             report(f"swiglu rows of y and h {shape} {dt} fmt={fmt} hist={hist}", ok and ok_h, why + why_h)
-            if dt == torch.bfloat16:  # y's row through its words (swiglu.WORDS): the same row, h to the bit
+            # y's row through its words (swiglu.WORDS): the same row, h to the bit. GPU only: the interpreter's 4
+            # programs put ~12000 elements into each lane's fp32 sums (M4 1.1e-6 off here, bench/RESULTS.md);
+            # tests/trainer/test_consumer_stats.py checks it there on small tensors
+            if dt == torch.bfloat16 and device.type == "cuda":
                 import importlib
 
                 sw = importlib.import_module("trainer.kernels.swiglu")
