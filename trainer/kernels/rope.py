@@ -5,14 +5,13 @@ qkv (B, T, 3 * NH * HD) in, as [q | k | v] with NH heads of HD channels (``train
 rotated (rotate-half layout, ``trainer.layers.Rotary``: channel i pairs with i + HD/2 and turns by the angle of its
 position) and v, each (B, NH, T, HD) and contiguous, out. The rotation is computed in fp32 as ``Rotary.forward``
 computes it (each product rounded, then their sum; no FMA) and rounded to qkv's dtype once: the values are torch's.
-The backward gives
-qkv's gradient, (B, T, 3 * NH * HD), from those of q, k and v: the rotation's transpose on dq and dk, dv copied.
-Reference beside them: ``rope_qkv_ref``.
+The backward gives qkv's gradient, (B, T, 3 * NH * HD), from those of q, k and v: the rotation's transpose on dq and
+dk, dv copied. Reference beside them: ``rope_qkv_ref``.
 
 ``stats=`` (an ``agent.triton_stats.Target``): the qkv output's SPEC section-4 row, accumulated as
 ``trainer.kernels.swiglu`` accumulates y's (``triton_stats.stream_add``), with the careful path of
 ``triton_stats.careful_tiles``. Without it a statistics kernel reads the qkv output once more (under CUDA graphs the
-FP8 linear's deferred output read).
+FP8 linear's deferred output read). With ``WORDS`` (opt-in) the row is taken through qkv's 32-bit words.
 
 Persistent programs (a few per SM) loop over tiles of BT positions of one batch row and head.
 """
