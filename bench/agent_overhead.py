@@ -27,6 +27,10 @@ amortized cost.
 --cuda-graph``), each kind of step captured in the phase's warm-up: the launches' host cost leaves the step, so
 the overhead is the agent's device time.
 
+``--variants "default;trainer.kernels.swiglu.WORDS=True"`` measures settings one after another in one process: the
+kernels compiled for the first are the later ones' too, so a first process's compile time (minutes on a fresh GPU
+machine) does not cut one setting short, and the settings share the machine's state.
+
 The agent posts to --url (a real ``fp8mon serve``), or by default to bench/sink.py, a stdlib endpoint in a
 subprocess that acknowledges every batch: the agent's whole client side (statistics, device-to-host copy,
 encoding, gzip, HTTP) is in the measurement.
@@ -35,8 +39,10 @@ encoding, gzip, HTTP) is in the measurement.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import gc
+import importlib
 import os
 import statistics
 import subprocess
@@ -275,6 +281,40 @@ def profile(phase, device, args) -> dict:
     return {}
 
 
+def _assignments(variant: str) -> list[tuple[object, str, object]]:
+    """(module, attribute, value) of each ``module.ATTR=value`` of a ``--variants`` entry ("default": none)."""
+    out = []
+    for item in (v.strip() for v in variant.split(",")):
+        if item in ("", "default"):
+            continue
+        target, _, raw = item.partition("=")
+        module_name, _, attr = target.strip().rpartition(".")
+        if not module_name or not raw:
+            raise ValueError(f"--variants: {item!r} is not module.ATTR=value")
+        try:
+            module = importlib.import_module(module_name)
+            value = ast.literal_eval(raw.strip())
+        except (ImportError, ValueError, SyntaxError) as e:
+            raise ValueError(f"--variants: {item!r}: {e}") from None
+        if not hasattr(module, attr):
+            raise ValueError(f"--variants: {module_name} has no attribute {attr}")
+        out.append((module, attr, value))
+    return out
+
+
+@contextlib.contextmanager
+def _set(assignments):
+    """The attributes set for the block, and restored after it."""
+    old = [(m, a, getattr(m, a)) for m, a, _ in assignments]
+    try:
+        for m, a, v in assignments:
+            setattr(m, a, v)
+        yield
+    finally:
+        for m, a, v in old:
+            setattr(m, a, v)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default="124m,1.5b")
@@ -304,12 +344,22 @@ def main(argv=None) -> int:
                         "--cuda-graph), captured in its warm-up: the host's launch costs leave the step")
     p.add_argument("--output-stats", choices=["auto", "read", "epilogue", "deferred"], default=None,
                    help="how Fp8Linear takes the output row (trainer.fp8_linear.OUTPUT_STATS; default: its own)")
+    p.add_argument("--variants", default="default",
+                   help="';'-separated settings measured one after another in this process (compiled kernels are "
+                        "shared, so no variant pays the first compiles alone), each a ','-separated list of "
+                        "module.ATTR=value (a Python literal) or 'default', e.g. "
+                        "\"default;trainer.kernels.swiglu.WORDS=True,trainer.kernels.rope.WORDS=True\"; a flag read at "
+                        "construction (trainer.layers.FUSED_ROPE) works too: each measurement builds its model")
     p.add_argument("--current-stats", choices=["row", "cast"], default=None,
                    help="where a current-scaled cast's row is made (trainer.kernels.quantize_transpose.CURRENT_STATS: "
                         "the standalone kernel in place of the amax pass, or the cast's statistics variant; default: "
                         "its own)")
     args = p.parse_args(argv)
     args.backends = [b for b in args.backends.split(",") if b]
+    try:
+        variants = [(v.strip(), _assignments(v)) for v in args.variants.split(";") if v.strip()]
+    except ValueError as e:
+        p.error(str(e))
     if args.cuda_graph:
         if not args.device.startswith("cuda"):
             p.error("--cuda-graph needs a CUDA device")
@@ -334,20 +384,25 @@ def main(argv=None) -> int:
         url = f"http://127.0.0.1:{sink.stdout.readline().strip()}"
     summary = []
     try:
-        for config in args.configs.split(","):
-            for precision in args.precisions.split(","):
-                r = measure(config, precision, args, device, url)
-                summary.append((config, precision, r))
+        for name, assignments in variants:
+            with _set(assignments):
+                for config in args.configs.split(","):
+                    for precision in args.precisions.split(","):
+                        if len(variants) > 1:
+                            print(f"# variant {name}", flush=True)
+                        r = measure(config, precision, args, device, url)
+                        summary.append((name, config, precision, r))
     finally:
         if sink is not None:
             sink.terminate()
     if args.profile:
         return 0
     print("\nconfig precision   off ms "
-          + "".join(f"{b + ' ms':>12}{b + ' %':>10}{'mean %':>9}" for b in args.backends))
-    for config, precision, r in summary:
+          + "".join(f"{b + ' ms':>12}{b + ' %':>10}{'mean %':>9}" for b in args.backends) + "  variant")
+    for name, config, precision, r in summary:
         print(f"{config:>6} {precision:>9} {r['off_ms']:8.2f} "
-              + "".join(f"{r[f'{b}_ms']:12.2f}{r[b]:+10.2f}{r[f'{b}_mean']:+9.2f}" for b in args.backends))
+              + "".join(f"{r[f'{b}_ms']:12.2f}{r[b]:+10.2f}{r[f'{b}_mean']:+9.2f}" for b in args.backends)
+              + f"  {name}")
     print(f"(every=1, every block linear x input/weight/output/grad_output/grad_weight; log2 histogram "
           f"{'every ' + str(args.hist_every) + ' steps' if args.hist else 'off'}; medians of whole steps)")
     return 0
