@@ -9,6 +9,7 @@ kernel reading the tensor apart (what the agent costs without the fusion); RoPE 
     python3 bench/consumers.py
 """
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from agent import triton_stats as ts  # noqa: E402
 from trainer.kernels.residual import residual_add_forward  # noqa: E402
 from trainer.kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_ref  # noqa: E402
 from trainer.kernels.timing import device_medians  # noqa: E402
+from trainer.kernels.words import words_on  # noqa: E402
 
 SHAPES = {"124m": (16 * 1024, 2048, 768), "1.5b": (4 * 2048, 8192, 2048)}  # (tokens, SwiGLU hidden width, d_model)
 ROPE_SHAPES = {"124m": (16, 1024, 6), "1.5b": (4, 2048, 16)}  # (batch, sequence, heads)
@@ -26,14 +28,8 @@ ROPE_SHAPES = {"124m": (16, 1024, 6), "1.5b": (4, 2048, 16)}  # (batch, sequence
 
 def with_words(module: str, fn):
     """``fn()`` with the kernel module's ``WORDS`` on (its row through the tensor's 32-bit words)."""
-    import importlib
-
-    mod = importlib.import_module(module)
-    mod.WORDS = True
-    try:
+    with words_on(importlib.import_module(module)):
         return fn()
-    finally:
-        mod.WORDS = False
 
 
 def torch_backward(y: torch.Tensor, dh: torch.Tensor):

@@ -455,8 +455,13 @@ def check_consumers(device) -> None:
     F.silu(gate) * up (bf16: at most one unit in the last place, on under 1% of the elements; fp32 close), the
     forward's rows of y and h against the fp64 oracle's. trainer/kernels/residual.py: x + b and its gradients equal
     torch's, its row of b the oracle's. trainer/kernels/rope.py: ``check_rope``."""
+    import importlib
+
     from trainer.kernels.residual import residual_add
     from trainer.kernels.swiglu import swiglu, swiglu_ref
+    from trainer.kernels.words import words_on
+
+    sw = importlib.import_module("trainer.kernels.swiglu")  # the module (trainer.kernels.swiglu is the function)
 
     g = torch.Generator(device="cpu").manual_seed(9)
     for xd in (torch.float32, torch.bfloat16):
@@ -504,15 +509,9 @@ def check_consumers(device) -> None:
             # programs put ~12000 elements into each lane's fp32 sums (M4 1.1e-6 off here, bench/RESULTS.md);
             # tests/trainer/test_consumer_stats.py checks it there on small tensors
             if dt == torch.bfloat16 and device.type == "cuda":
-                import importlib
-
-                sw = importlib.import_module("trainer.kernels.swiglu")
                 tgt_w = ts.Target.new(device, center=(0.0, 3.0), hist=hist, fmt=fmt)
-                sw.WORDS = True
-                try:
+                with words_on(sw):
                     h_w = swiglu(y0, stats=tgt_w)
-                finally:
-                    sw.WORDS = False
                 ok, why = rows_close(tgt_w.rows[0], want, under_slack=slack(want))
                 same = torch.equal(h_w, h)
                 report(f"swiglu y's row through its words {shape} fmt={fmt} hist={hist}", ok and same,
@@ -524,7 +523,10 @@ def check_rope(device) -> None:
     """trainer/kernels/rope.py: q, k, v and qkv's gradient equal torch's (``rope_qkv_ref`` and its autograd), the
     forward's row of qkv against the fp64 oracle's, also with a NaN (the careful path) and merged into on a second
     call."""
+    import importlib
+
     from trainer.kernels.rope import rope_qkv, rope_qkv_ref
+    from trainer.kernels.words import words_on
     from trainer.layers import Rotary
 
     g = torch.Generator(device="cpu").manual_seed(10)
@@ -557,15 +559,10 @@ def check_rope(device) -> None:
         report(f"rope {(b, t, nh, hd)} {dt} nan={nan}", ok and ok2 and not problems,
                why + why2 + "; ".join(problems))
         if dt == torch.bfloat16:  # the row through qkv's words (rope.WORDS): the same row, q, k, v to the bit
-            import importlib
-
             rp = importlib.import_module("trainer.kernels.rope")
             tgt_w = ts.Target.new(device, center=(0.25, 2.0), hist=True, fmt="e4m3")
-            rp.WORDS = True
-            try:
+            with words_on(rp):
                 got_w = rp.rope_qkv_forward(qkv0, rot.cos, rot.sin, nh, stats=tgt_w)
-            finally:
-                rp.WORDS = False
             ok, why = rows_close(tgt_w.rows[0], want, under_slack=want[ds.HIST:].nan_to_num(0).max().item())
             same = all(torch.equal(x.nan_to_num(7.0), y.detach().nan_to_num(7.0)) for x, y in zip(got_w, got))
             report(f"rope's row through the words {(b, t, nh, hd)} nan={nan}", ok and same,

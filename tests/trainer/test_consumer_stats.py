@@ -103,6 +103,8 @@ def _child(names: list[str]) -> None:
                 problems.append(row_problems(tgt.rows[0], both, rtol=1e-6, under_slack=slack(both)))
                 emit(f"forward_stats:{tuple(y0.shape)}:{y0.dtype}:{fmt}", "; ".join(p for p in problems if p))
 
+    from trainer.kernels.words import words_on
+
     def with_words(module, kernel: str, fn):
         """``fn()`` with ``module.WORDS`` on, and how many times ``module.<kernel>`` (its words kernel) launched."""
         launched, real = [], getattr(module, kernel)
@@ -112,12 +114,11 @@ def _child(names: list[str]) -> None:
                 launched.append(grid)
                 return real[grid]
 
-        module.WORDS = True
         setattr(module, kernel, Spy())
         try:
-            return fn(), len(launched)
+            with words_on(module):
+                return fn(), len(launched)
         finally:
-            module.WORDS = False
             setattr(module, kernel, real)
 
     def words():

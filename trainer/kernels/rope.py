@@ -201,7 +201,9 @@ def _rope_fwd_words_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, T, NH
     ht = None
     if HIST and _SMEM_HIST:
         ht = _htab()
-    qkv_w = qkv_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    word: tl.constexpr = tl.pointer_type(tl.int32)
+    qkv_w = qkv_ptr.to(word, bitcast=True)
+    q_w, k_w, v_w = q_ptr.to(word, bitcast=True), k_ptr.to(word, bitcast=True), v_ptr.to(word, bitcast=True)
     ce = tl.zeros([], tl.int32)
     nfull = tl.zeros([], tl.int32)
     for t in range(pid, tiles, tl.num_programs(0)):
@@ -212,9 +214,7 @@ def _rope_fwd_words_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, T, NH
             src = _in_ptrs(qkv_w, b, h, pos, slot, T, NH, HW)
             w1 = tl.load(src, mask=mw, other=0)
             w2 = tl.load(src + HW, mask=mw, other=0)
-            dst = _head_ptrs(slot, q_ptr.to(tl.pointer_type(tl.int32), bitcast=True),
-                             k_ptr.to(tl.pointer_type(tl.int32), bitcast=True),
-                             v_ptr.to(tl.pointer_type(tl.int32), bitcast=True), b, h, pos, T, NH, HW)
+            dst = _head_ptrs(slot, q_w, k_w, v_w, b, h, pos, T, NH, HW)
             x1_lo, x1_hi = unpack(w1)
             x2_lo, x2_hi = unpack(w2)
             if slot < 2:

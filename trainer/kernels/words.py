@@ -4,6 +4,8 @@ standalone kernel's bf16 path), and their elementwise math runs on the low and t
 
 from __future__ import annotations
 
+import contextlib
+
 import triton
 import triton.language as tl
 
@@ -27,3 +29,16 @@ def pack(lo, hi, SOFT_ROUND: tl.constexpr):
         return (hb << 16) | (lb & 0xFFFF)
     return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
                                      is_pure=True, pack=1)
+
+
+@contextlib.contextmanager
+def words_on(*modules):
+    """The kernel modules' ``WORDS`` switches (their rows through the words) on for the block, restored after."""
+    old = [m.WORDS for m in modules]
+    try:
+        for m in modules:
+            m.WORDS = True
+        yield
+    finally:
+        for m, v in zip(modules, old):
+            m.WORDS = v
