@@ -82,6 +82,35 @@ def loops(sass: str, need: str = "") -> list[tuple[int, collections.Counter]]:
     return found
 
 
+def loop_branches(sass: str, need: str = "") -> list[tuple[int, int | None]]:
+    """The branches inside the longest of ``loops``: (position, target position), both counted from the loop's first
+    instruction (target None: outside the loop). A body of if/else blocks reads off them: a branch at i to j skips
+    i+1..j-1, so a path's length is the loop's less the blocks it skips."""
+    ins, at = [], {}
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*?);", line)
+        if m:
+            at[int(m.group(1), 16)] = len(ins)
+            ins.append(m.group(2).strip())
+    best = None
+    for i, text in enumerate(ins):
+        m = re.search(r"BRA\s+(?:!?U?P\d,\s*)?0x([0-9a-f]+)", text)
+        start = at.get(int(m.group(1), 16)) if m else None
+        if start is not None and start <= i and any(need in t for t in ins[start:i + 1]):
+            if best is None or i - start > best[1] - best[0]:
+                best = (start, i)
+    if best is None:
+        return []
+    start, end = best
+    out = []
+    for i in range(start, end + 1):
+        m = re.search(r"BRA\s+(?:!?U?P\d,\s*)?0x([0-9a-f]+)", ins[i])
+        if m:
+            j = at.get(int(m.group(1), 16))
+            out.append((i - start, j - start if j is not None and start <= j <= end + 1 else None))
+    return out
+
+
 def longest_loop(sass: str, need: str = "") -> tuple[int, collections.Counter]:
     """The longest of ``loops``: (0, empty) when there is none."""
     return max(loops(sass, need), key=lambda f: f[0], default=(0, collections.Counter()))
@@ -176,6 +205,8 @@ def _report(built: dict, what: str, need: str = "") -> int:
             print(f"{name}: {regs}, {total} instructions; longest loop {n} (LDL {mix['LDL']}, STL {mix['STL']}): {top}")
             if need:  # the standalone kernel holds one tile loop per dtype path (bf16 words, fp16, fp32, ...)
                 print(f"  loops holding {need}, in program order: " + ", ".join(str(f[0]) for f in loops(sass, need)))
+                print("  branches in the longest loop (at -> to): " + ", ".join(
+                    f"{i} -> {'out' if j is None else j}" for i, j in loop_branches(sass, need)))
     return 0
 
 
