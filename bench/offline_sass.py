@@ -202,7 +202,8 @@ def _report(built: dict, what: str, need: str = "") -> int:
             total = len(re.findall(r"^\s*/\*[0-9a-f]+\*/\s+\S", sass, re.M))
             regs = " ".join(re.findall(r"REG:\d+|STACK:\d+", usage))
             top = ", ".join(f"{k} {v}" for k, v in mix.most_common(8))
-            print(f"{name}: {regs}, {total} instructions; longest loop {n} (LDL {mix['LDL']}, STL {mix['STL']}): {top}")
+            print(f"{name}: {regs}, {total} instructions; longest loop {n} (LDL {mix['LDL']}, STL {mix['STL']}, "
+                  f"SHFL {mix['SHFL']}, BAR {mix['BAR']}): {top}")
             if need:  # the standalone kernel holds one tile loop per dtype path (bf16 words, fp16, fp32, ...)
                 print(f"  loops holding {need}, in program order: " + ", ".join(str(f[0]) for f in loops(sass, need)))
                 print("  branches in the longest loop (at -> to): " + ", ".join(
