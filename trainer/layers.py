@@ -64,7 +64,7 @@ class Rotary(nn.Module):
 # RoPE on the qkv output as one Triton kernel each way (trainer.kernels.rope) where Triton runs, for attention without
 # QK-norm (llama) and heads of a power of two from 16. It also takes, for the agent, the row of the qkv linear's output
 # from its read of it (an FP8 qkv then leaves it to the kernel; a plain one's is marked as the block's at
-# construction): no second read of it. On by default (bench/RESULTS.md: about ten times faster than torch's Rotary on
+# construction), and a plain qkv's grad_output row from the backward's write of it: no second read of them. On by default (bench/RESULTS.md: about ten times faster than torch's Rotary on
 # the permuted views, and the row cheaper than a read apart); FP8MON_FUSED_ROPE=0 gives torch's ops.
 FUSED_ROPE = os.environ.get("FP8MON_FUSED_ROPE", "1") == "1"
 
@@ -92,19 +92,23 @@ class Attention(nn.Module):
         hd = self.head_dim
         self.fused_rope = FUSED_ROPE and not qk_norm and hd >= 16 and not hd & (hd - 1)
         if self.fused_rope:
-            mark_reported(self.qkv, "output")
+            mark_reported(self.qkv, "output", "grad_output")
 
     def heads(self, x: torch.Tensor, rope: Rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as (B, H, T, head_dim), q and k normed (fog) and rotated."""
         b, t, d = x.shape
         fused = self.fused_rope and triton_runs(x.device) and t <= rope.cos.shape[0]
         link = take_output(self.qkv, fused) if self.fused_rope else None
+        grad_link = link if type(self.qkv) is nn.Linear else None  # an FP8 qkv's backward cast takes its grad_output
         out = self.qkv(x)
         if fused:
             from .kernels.rope import rope_qkv
 
-            return rope_qkv(out, rope.cos, rope.sin, self.n_head, stats=target_of(link, "output", out))
+            grad_target = (lambda: target_of(grad_link, "grad_output", out)) if grad_link is not None else None
+            return rope_qkv(out, rope.cos, rope.sin, self.n_head, stats=target_of(link, "output", out),
+                            grad_stats=grad_target)
         report_apart(link, "output", out)
+        report_grad_apart(grad_link, out)
         q, k, v = out.view(b, t, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -128,10 +132,10 @@ class Attention(nn.Module):
 
 
 # SwiGLU's elementwise part as one Triton kernel each way (trainer.kernels.swiglu) where Triton runs. It also takes, for
-# the agent, the rows of fc1's output (an FP8 fc1 then leaves it to the kernel) and, for a plain fc2, of fc2's input,
-# from the tensors it reads and writes: no second read of the block's largest tensors. Read at construction (a plain
-# linear's rows are marked as the block's then). On by default (bench/RESULTS.md: the step is faster and the agent's
-# rows cheaper); FP8MON_FUSED_SWIGLU=0 gives torch's ops.
+# the agent, the rows of fc1's output (an FP8 fc1 then leaves it to the kernel) and, for plain linears, of fc2's input
+# and fc1's grad_output, from the tensors it reads and writes: no second read of the block's largest tensors. Read at
+# construction (a plain linear's rows are marked as the block's then). On by default (bench/RESULTS.md: the step is
+# faster and the agent's rows cheaper); FP8MON_FUSED_SWIGLU=0 gives torch's ops.
 FUSED_SWIGLU = os.environ.get("FP8MON_FUSED_SWIGLU", "1") == "1"
 
 
@@ -144,32 +148,36 @@ class SwiGLU(nn.Module):
         self.fc2 = make_linear(hidden, d_model)
         self.fused = FUSED_SWIGLU
         if self.fused:
-            mark_reported(self.fc1, "output")
+            mark_reported(self.fc1, "output", "grad_output")
             mark_reported(self.fc2, "input")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = self.fused and triton_runs(x.device)
         y_link = take_output(self.fc1, fused) if self.fused else None
         h_link = getattr(self.fc2, "fp8mon_stats", None) if self.fused and type(self.fc2) is nn.Linear else None
+        dy_link = y_link if type(self.fc1) is nn.Linear else None  # an FP8 fc1's backward cast takes its grad_output
         y = self.fc1(x)
         if fused:
             from .kernels.swiglu import swiglu
 
-            h = swiglu(y, stats=target_of(y_link, "output", y), h_stats=target_of(h_link, "input", y))
+            dy_target = (lambda: target_of(dy_link, "grad_output", y)) if dy_link is not None else None
+            h = swiglu(y, stats=target_of(y_link, "output", y), h_stats=target_of(h_link, "input", y),
+                       dy_stats=dy_target)
         else:
             gate, up = y.chunk(2, dim=-1)
             h = F.silu(gate) * up
             report_apart(y_link, "output", y)
             report_apart(h_link, "input", h)
+            report_grad_apart(dy_link, y)
         return self.fc2(h)
 
 
-def mark_reported(linear: nn.Module, site: str) -> None:
-    """A plain linear's ``site`` row is reported by the block around it (a fused consumer kernel, or the block through
-    torch where that kernel does not run): an agent's hooks leave it to the block (agent.hooks, FusedLink). Call at
-    construction, before ``Agent.watch``. An FP8 linear reports its sites itself (see ``take_output``)."""
+def mark_reported(linear: nn.Module, *sites: str) -> None:
+    """A plain linear's ``sites`` rows are reported by the block around it (a fused consumer kernel, or the block
+    through torch where that kernel does not run): an agent's hooks leave them to the block (agent.hooks, FusedLink).
+    Call at construction, before ``Agent.watch``. An FP8 linear reports its sites itself (see ``take_output``)."""
     if type(linear) is nn.Linear:
-        linear.fp8mon_reported_sites = (*getattr(linear, "fp8mon_reported_sites", ()), site)
+        linear.fp8mon_reported_sites = (*getattr(linear, "fp8mon_reported_sites", ()), *sites)
         linear.fp8mon_stats = None
 
 
@@ -194,6 +202,12 @@ def report_apart(link, site: str, value: torch.Tensor) -> None:
         from agent import device_stats as ds
 
         link.report(site, ds.partials(value.detach(), fmt=link.fmt(site), outlier_k=link.outlier_k, hist=link.hist))
+
+
+def report_grad_apart(link, output: torch.Tensor) -> None:
+    """The row of ``output``'s gradient (the linear's grad_output), computed apart when the backward reaches it."""
+    if link is not None and output.requires_grad:
+        output.register_hook(lambda grad: report_apart(link, "grad_output", grad))
 
 
 def triton_runs(device: torch.device) -> bool:

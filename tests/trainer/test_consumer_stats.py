@@ -1,6 +1,6 @@
 """Statistics taken by the kernels that consume a linear's output, on the CPU in Triton's interpreter: SwiGLU's fused
 elementwise kernels (trainer/kernels/swiglu.py), the fused residual add (trainer/kernels/residual.py) and RoPE on the
-qkv output (trainer/kernels/rope.py), with the opt-in words paths of the first and the last. Each equals torch's
+qkv output (trainer/kernels/rope.py), with SwiGLU's words path. Each equals torch's
 computation (forward and backward; SwiGLU's bf16 to the last place, rarely one unit off), its rows equal the fp64
 oracle's (device_stats.partials), and a model or block watched by an agent gets from them the rows the linears or the
 hooks took before, with no deferred read of those outputs.
@@ -89,6 +89,7 @@ def _child(names: list[str]) -> None:
                 tgt_h = ts.Target.new("cpu", center=(0.0, 1.0), hist=hist, fmt=fmt)
                 tgt.rows.fill_(float("nan"))  # overwritten (merge False), whatever it held
                 h = swiglu(y0, stats=tgt, h_stats=tgt_h)
+                ts.flush_deferred()  # on the words path (bf16 y) h's row waits for the next statistics launch
                 want = ds.partials(y0, fmt=fmt, outlier_center=center, hist=hist)  # the fp64 oracle
                 want_h = ds.partials(h, fmt=fmt, outlier_center=(0.0, 1.0), hist=hist)
                 # current scaling's underflow comes from the histogram: exact up to the threshold's binade
@@ -102,6 +103,27 @@ def _child(names: list[str]) -> None:
                 both = ds.merge(want, ds.partials(y0 * 2, fmt=fmt, outlier_center=center, hist=hist))
                 problems.append(row_problems(tgt.rows[0], both, rtol=1e-6, under_slack=slack(both)))
                 emit(f"forward_stats:{tuple(y0.shape)}:{y0.dtype}:{fmt}", "; ".join(p for p in problems if p))
+
+    def backward_stats():
+        """The row the backward takes of dy (fc1's grad_output) equals the fp64 oracle's, dy is the same as without it,
+        and the target is asked for only when the backward runs; with a NaN in y (the careful path) too."""
+        g = torch.Generator().manual_seed(5)
+        for y0, dh0 in stats_values():
+            dh0 = torch.randn(*y0.shape[:-1], y0.shape[-1] // 2, generator=g) if dh0 is None else dh0
+            for fmt, hist in (("e5m2", True), (None, False)):
+                tgt = ts.Target.new("cpu", center=(0.0, 1.0), hist=hist, fmt=fmt)
+                asked = []
+                y1, y2 = y0.clone().requires_grad_(), y0.clone().requires_grad_()
+                h1 = swiglu(y1, dy_stats=lambda: asked.append(1) or tgt)
+                problems = ["" if not asked else "the target was asked for in the forward"]
+                h1.backward(dh0.to(y0.dtype))
+                swiglu(y2).backward(dh0.to(y0.dtype))
+                want = ds.partials(y1.grad, fmt=fmt, outlier_center=(0.0, 1.0), hist=hist)
+                slack = float(want[ds.HIST:].nan_to_num(0).max()) if fmt else None
+                problems.append(row_problems(tgt.rows[0], want, rtol=1e-6, under_slack=slack))
+                if not torch.equal(y1.grad.nan_to_num(7.0), y2.grad.nan_to_num(7.0)):
+                    problems.append("dy differs with statistics on")
+                emit(f"backward_stats:{tuple(y0.shape)}:{y0.dtype}:{fmt}", "; ".join(p for p in problems if p))
 
     from trainer.kernels.words import words_on
 
@@ -124,7 +146,8 @@ def _child(names: list[str]) -> None:
     def words():
         """y's row through y's 32-bit words (``swiglu.WORDS``; the histogram needs the GPU's shared-memory table, so
         here without it): the words kernel runs, h is the fp32 kernel's to the bit, and the row equals the fp64
-        oracle's, on full tiles (the bf16x2 path), partial ones (fp32) and with a NaN (the careful path)."""
+        oracle's, on full tiles (the bf16x2 path), partial ones (fp32) and with a NaN (the careful path); h's row,
+        deferred to the next statistics launch on this path, equals the oracle's after it."""
         import importlib
 
         sw = importlib.import_module("trainer.kernels.swiglu")
@@ -135,44 +158,19 @@ def _child(names: list[str]) -> None:
                 y[7, 3] = float("nan")
             for fmt in ("e4m3", None):
                 tgt = ts.Target.new("cpu", center=(0.0, 3.0), hist=False, fmt=fmt)
-                h, launched = with_words(sw, "_swiglu_fwd_words_kernel", lambda: sw.swiglu(y, stats=tgt))
+                tgt_h = ts.Target.new("cpu", center=(0.0, 1.0), hist=False, fmt=fmt)
+                h, launched = with_words(sw, "_swiglu_fwd_words_kernel", lambda: sw.swiglu(y, stats=tgt, h_stats=tgt_h))
+                ts.flush_deferred()  # h's row: deferred on this path
                 want = ds.partials(y, fmt=fmt, outlier_center=(0.0, 3.0), hist=False)
-                slack = float(want[ds.HIST:].nan_to_num(0).max()) if fmt else None
-                problems = [row_problems(tgt.rows[0], want, rtol=1e-6, under_slack=slack)]
+                want_h = ds.partials(h, fmt=fmt, outlier_center=(0.0, 1.0), hist=False)
+                slack = (lambda row: float(row[ds.HIST:].nan_to_num(0).max()) if fmt else None)
+                problems = [row_problems(tgt.rows[0], want, rtol=1e-6, under_slack=slack(want)),
+                            row_problems(tgt_h.rows[0], want_h, rtol=1e-6, under_slack=slack(want_h))]
                 if not launched:
                     problems.append("the words kernel did not run")
                 if not torch.equal(h.nan_to_num(7.0), swiglu(y).nan_to_num(7.0)):
                     problems.append("h differs from the fp32 kernel's")
                 emit(f"words:{tuple(y.shape)}:{fmt}", "; ".join(p for p in problems if p))
-
-    def rope_words():
-        """The qkv row through qkv's words (``rope.WORDS``; without the histogram, as ``words``): the words kernel
-        runs, q, k and v are torch's to the bit, and the row equals the fp64 oracle's on full and partial tiles and
-        with a NaN."""
-        import importlib
-
-        from trainer.layers import Rotary
-
-        rp = importlib.import_module("trainer.kernels.rope")
-        g = torch.Generator().manual_seed(13)
-        for (b, t, nh, hd), nan in (((2, 64, 2, 32), False), ((1, 50, 3, 16), False), ((1, 40, 2, 64), True)):
-            rot = Rotary(hd, 64)
-            qkv = (torch.randn(b, t, 3 * nh * hd, generator=g) * 2 + 0.5).to(torch.bfloat16)
-            if nan:
-                qkv[0, 3, 5] = float("nan")
-            for fmt in ("e4m3", None):
-                tgt = ts.Target.new("cpu", center=(0.5, 2.0), hist=False, fmt=fmt)
-                got, launched = with_words(rp, "_rope_fwd_words_kernel",
-                                           lambda: rp.rope_qkv_forward(qkv, rot.cos, rot.sin, nh, stats=tgt))
-                want = ds.partials(qkv, fmt=fmt, outlier_center=(0.5, 2.0), hist=False)
-                slack = float(want[ds.HIST:].nan_to_num(0).max()) if fmt else None
-                problems = [row_problems(tgt.rows[0], want, rtol=1e-6, under_slack=slack)]
-                if not launched:
-                    problems.append("the words kernel did not run")
-                ref = rp.rope_qkv_ref(qkv, rot.cos, rot.sin, nh)
-                if not all(torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)) for x, y in zip(got, ref)):
-                    problems.append("q, k or v differs from torch's")
-                emit(f"rope_words:{(b, t, nh, hd)}:{fmt}", "; ".join(p for p in problems if p))
 
     def agent_block():
         """A SwiGLU block of FP8 linears watched by an agent, two steps of two micro-batches: with the fused kernel,
@@ -242,9 +240,9 @@ def _child(names: list[str]) -> None:
         return got
 
     def agent_block_plain():
-        """The same with plain linears (no FP8): the hooks read neither fc1's output nor fc2's input, the fused
-        kernel's rows of them are the hooks' rows without it (fc2's input h to the last place), and on a device
-        without the kernel the block reports them itself."""
+        """The same with plain linears (no FP8): the hooks read neither fc1's output and grad_output nor fc2's input,
+        the fused kernels' rows of them are the hooks' rows without them (fc2's input h and fc1's grad_output dy to the
+        last place), and on a device without the kernels the block reports them itself."""
         from trainer import layers
 
         got = rows_by_mode("FUSED_SWIGLU", lambda: layers.SwiGLU(32, 48, lambda i, o: torch.nn.Linear(i, o, bias=False)),
@@ -257,11 +255,11 @@ def _child(names: list[str]) -> None:
                 problems.append(f"{mode}: slots {keys2} vs {keys}")
                 continue
             for step in range(2):
-                for key, rtol in ((("fc1", "output"), 1e-6), (("fc2", "input"), 1e-2)):
+                for key, rtol in ((("fc1", "output"), 1e-6), (("fc2", "input"), 1e-2), (("fc1", "grad_output"), 1e-2)):
                     a, b = rows[step][keys2.index(key)].clone(), want[step][keys.index(key)]
                     if mode == "block_torch":  # the torch path counts outliers about the tensor's own mean and std
                         a[ds.OUTLIERS] = b[ds.OUTLIERS]
-                    if key[1] == "input":  # h may differ in the last place: moments and counts near, not equal
+                    if key[1] != "output":  # h and dy may differ in the last place: moments and counts near
                         p = "" if abs(float(a[ds.MEAN] - b[ds.MEAN])) <= rtol * float(b[ds.M2] / b[ds.N]) ** 0.5 \
                             and float(a[ds.NUMEL]) == float(b[ds.NUMEL]) else f"mean {float(a[ds.MEAN])} vs {float(b[ds.MEAN])}"
                     else:
@@ -300,8 +298,9 @@ def _child(names: list[str]) -> None:
 
     def rope():
         """RoPE on the qkv output equals torch's (q, k, v and qkv's gradient, exactly here: the interpreter does not
-        contract into FMAs), with a partial tile of positions and heads of 16 and 32; its row of qkv equals the fp64
-        oracle's, also with a NaN (the careful path) and merged into on a second call."""
+        contract into FMAs), with a partial tile of positions and heads of 16 and 32; its rows of qkv and of qkv's
+        gradient equal the fp64 oracle's, also with a NaN (the careful path), the first merged into on a second
+        call."""
         from trainer.kernels.rope import rope_qkv, rope_qkv_ref
         from trainer.layers import Rotary
 
@@ -315,7 +314,9 @@ def _child(names: list[str]) -> None:
             grads = [torch.randn(b, nh, t, hd, generator=g).to(dt) for _ in range(3)]
             a, r = qkv0.clone().requires_grad_(), qkv0.clone().requires_grad_()
             tgt = ts.Target.new("cpu", center=(0.5, 2.0), hist=True, fmt="e4m3")
-            got, ref = rope_qkv(a, rot.cos, rot.sin, nh, stats=tgt), rope_qkv_ref(r, rot.cos, rot.sin, nh)
+            tgt_g = ts.Target.new("cpu", center=(0.0, 1.0), hist=True, fmt="e5m2")
+            got = rope_qkv(a, rot.cos, rot.sin, nh, stats=tgt, grad_stats=lambda: tgt_g)
+            ref = rope_qkv_ref(r, rot.cos, rot.sin, nh)
             torch.autograd.backward(got, grads)
             torch.autograd.backward(ref, grads)
             problems = [f"{what} differs" for what, x, y in (("q", got[0], ref[0]), ("k", got[1], ref[1]),
@@ -326,6 +327,8 @@ def _child(names: list[str]) -> None:
             want = ds.partials(qkv0, fmt="e4m3", outlier_center=(0.5, 2.0), hist=True)
             slack = (lambda row: float(row[ds.HIST:].nan_to_num(0).max()))
             problems.append(row_problems(tgt.rows[0], want, rtol=1e-6, under_slack=slack(want)))
+            want_g = ds.partials(a.grad, fmt="e5m2", outlier_center=(0.0, 1.0), hist=True)
+            problems.append(row_problems(tgt_g.rows[0], want_g, rtol=1e-6, under_slack=slack(want_g)))
             tgt.merge = True
             rope_qkv(qkv0 * 2, rot.cos, rot.sin, nh, stats=tgt)
             both = ds.merge(want, ds.partials(qkv0 * 2, fmt="e4m3", outlier_center=(0.5, 2.0), hist=True))
@@ -333,9 +336,9 @@ def _child(names: list[str]) -> None:
             emit(f"rope:{(b, t, nh, hd)}:{dt}:nan={nan}", "; ".join(p for p in problems if p))
 
     def attention_plain():
-        """An attention block of plain linears watched by an agent: with the fused RoPE the hooks do not read qkv's
-        output, and the kernel's row of it equals the hooks' row without it; on a device without the kernel the block
-        reports it itself."""
+        """An attention block of plain linears watched by an agent: with the fused RoPE the hooks read neither qkv's
+        output nor its grad_output, and the kernels' rows of them equal the hooks' rows without them; on a device
+        without the kernels the block reports them itself."""
         from trainer import layers
 
         rot = layers.Rotary(16, 16)
@@ -351,19 +354,21 @@ def _child(names: list[str]) -> None:
         got = rows_by_mode("FUSED_ROPE", WithRope, 5)
         problems = []
         want, keys = got["hooks"]
-        key = ("attn.qkv", "output")
         for mode in ("fused", "block_torch"):
             rows, keys2 = got[mode]
-            if sorted(keys2) != sorted(keys) or key not in keys2:
+            if sorted(keys2) != sorted(keys):
                 problems.append(f"{mode}: slots {keys2} vs {keys}")
                 continue
-            for step in range(2):
-                a, b = rows[step][keys2.index(key)].clone(), want[step][keys.index(key)]
-                if mode == "block_torch":  # the torch path counts outliers about the tensor's own mean and std
-                    a[ds.OUTLIERS] = b[ds.OUTLIERS]
-                p = row_problems(a, b, rtol=1e-6)
-                if p:
-                    problems.append(f"{mode} step {step}: {p}")
+            for key in (("attn.qkv", "output"), ("attn.qkv", "grad_output")):
+                for step in range(2):
+                    a, b = rows[step][keys2.index(key)].clone(), want[step][keys.index(key)]
+                    if mode == "block_torch":  # the torch path counts outliers about the tensor's own mean and std
+                        a[ds.OUTLIERS] = b[ds.OUTLIERS]
+                    # current scaling's underflow: the Triton rows' from the histogram, exact up to the threshold's
+                    # binade; the torch path's exact
+                    p = row_problems(a, b, rtol=1e-6, under_slack=float(b[ds.HIST:].nan_to_num(0).max()))
+                    if p:
+                        problems.append(f"{mode} step {step} {key}: {p}")
         emit("attention_plain", "; ".join(problems))
 
     def agent_model():
@@ -417,14 +422,14 @@ def _child(names: list[str]) -> None:
         emit("agent_model", "; ".join(problems))
 
     checks = dict(forward_backward=forward_backward, forward_stats=forward_stats, words=words, agent_block=agent_block,
-                  agent_block_plain=agent_block_plain, residual=residual, rope=rope, rope_words=rope_words,
+                  agent_block_plain=agent_block_plain, residual=residual, rope=rope, backward_stats=backward_stats,
                   attention_plain=attention_plain,
                   agent_model=agent_model)
     run_each(checks, names)
 
 
-GROUPS = ["forward_backward", "forward_stats", "words", "agent_block", "agent_block_plain", "residual", "rope",
-          "rope_words", "attention_plain", "agent_model"]
+GROUPS = ["forward_backward", "forward_stats", "backward_stats", "words", "agent_block", "agent_block_plain", "residual",
+          "rope", "attention_plain", "agent_model"]
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""RoPE on the attention's fused qkv output, forward and backward in one pass each; the forward can also take the
-statistics row of that output (the qkv linear's ``output`` site) for the agent from what it reads anyway.
+"""RoPE on the attention's fused qkv output, forward and backward in one pass each; each can also take the
+statistics row of what it reads or writes anyway (the qkv linear's ``output``, and its ``grad_output``) for the agent.
 
 qkv (B, T, 3 * NH * HD) in, as [q | k | v] with NH heads of HD channels (``trainer.layers.Attention``); q and k
 rotated (rotate-half layout, ``trainer.layers.Rotary``: channel i pairs with i + HD/2 and turns by the angle of its
@@ -11,35 +11,33 @@ dk, dv copied. Reference beside them: ``rope_qkv_ref``.
 ``stats=`` (an ``agent.triton_stats.Target``): the qkv output's SPEC section-4 row, accumulated as
 ``trainer.kernels.swiglu`` accumulates y's (``triton_stats.stream_add``), with the careful path of
 ``triton_stats.careful_tiles``. Without it a statistics kernel reads the qkv output once more (under CUDA graphs the
-FP8 linear's deferred output read). With ``WORDS`` (opt-in) the row is taken through qkv's 32-bit words.
+FP8 linear's deferred output read). (A path through qkv's 32-bit words, as ``swiglu``'s, was slower on an H100:
+bench/RESULTS.md.) The backward's ``grad_stats`` likewise gives the row of qkv's gradient (a plain qkv linear's
+``grad_output``; an FP8 linear's backward cast takes its own) from the halves it stores.
 
 Persistent programs (a few per SM) loop over tiles of BT positions of one batch row and head.
 """
 
 from __future__ import annotations
 
-import os
+from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
 
 from agent import triton_stats as ts
-from agent.triton_stats import (_SMEM_HIST, _htab, _tile_bf16x2, fused_bounds, fused_epilogue, packed_fold,
-                                packed_setup, stream_add, stream_partial, stream_start)
+from agent.triton_stats import _SMEM_HIST, _htab, fused_bounds, fused_epilogue, stream_add, stream_partial, stream_start
 
 from .fp8_gemm import _to_out
 from .quantize import INTERPRET, _num_sms, cdiv
-from .words import pack, unpack
 
 BT = 32  # positions per tile
 PROGRAMS_PER_SM = 4
 # Register cap of the forward with the row (ptxas): in an offline sm_90a build (bench/offline_sass.py --consumers)
 # 166 registers uncapped, one program of 8 warps per SM; 126 with no spill at this cap, two.
 STATS_MAXNREG = 128
-# the row through qkv's 32-bit words (``_rope_fwd_words_kernel``) where qkv is bf16; opt-in (FP8MON_ROPE_WORDS=1)
-# until timed on a GPU
-WORDS = os.environ.get("FP8MON_ROPE_WORDS", "0") == "1"
+_SOFT_ROUND = tl.constexpr(INTERPRET)  # for the careful path's loader of the gradient (kernels take it as an argument)
 
 
 def supported(head_dim: int) -> bool:
@@ -168,109 +166,79 @@ def _rope_fwd_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, T, NH, tile
 
 
 @triton.jit
-def _trig_words(cos_ptr, sin_ptr, pos, pm, HW: tl.constexpr):
-    """cos and sin at the positions ``pos`` for the even channels (a word's low elements) and the odd ones (high), and
-    the [BT, HW] mask of words."""
-    jw = tl.arange(0, HW)
-    mw = pm[:, None] & (jw[None, :] < HW)
-    ev = pos[:, None] * (2 * HW) + 2 * jw[None, :]
-    return (tl.load(cos_ptr + ev, mask=mw, other=0.0), tl.load(cos_ptr + ev + 1, mask=mw, other=0.0),
-            tl.load(sin_ptr + ev, mask=mw, other=0.0), tl.load(sin_ptr + ev + 1, mask=mw, other=0.0), mw)
-
-
-@triton.jit(do_not_specialize=["dst_index", "merge"])
-def _rope_fwd_words_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, T, NH, tiles, sp_ptr, ctr_ptr, dst_ptr,
-                           dst_index, merge, cen_ptr, c_mean, c_std, k, ahm_ptr, ahm_val, STATS: tl.constexpr,
-                           C_PTR: tl.constexpr, AHM_PTR: tl.constexpr, HIST: tl.constexpr, FMAX: tl.constexpr,
-                           UTHR: tl.constexpr, SMODE: tl.constexpr, BT: tl.constexpr, HD2: tl.constexpr,
-                           SOFT_ROUND: tl.constexpr):
-    """The forward with the qkv row, for bf16 qkv, through 32-bit words (``trainer.kernels.words``): a word holds
-    channels 2j and 2j + 1 of a half-head, rotated as two fp32 tensors (the even and the odd channels); on a full tile
-    the row's counts and amax take a word at a time (``_tile_bf16x2``), on a partial one the fp32 path. The histogram
-    needs the shared-memory table (the launcher checks)."""
-    HW: tl.constexpr = HD2 // 2
-    R: tl.constexpr = BT * HW // 4
-    pid = tl.program_id(0)
-    lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
-    b0, h0, pos0, pm0 = _where(pid, T, NH, BT)
-    m0 = pm0[:, None] & (tl.arange(0, HD2)[None, :] < HD2)
-    x0 = tl.load(_in_ptrs(qkv_ptr, b0, h0, pos0, 0, T, NH, HD2), mask=m0, other=0.0).to(tl.float32)
-    c, p, ok, ncp, acc = stream_start(x0, m0, R)
-    s1, s2, s3, s4, am, cu, co, cout, cz, hist = acc
-    ku, lo2, hi2, amw, pu, pnz, pout = packed_setup(tl.full([], -1, tl.int32), lo, hi, R)
-    ht = None
-    if HIST and _SMEM_HIST:
-        ht = _htab()
-    word: tl.constexpr = tl.pointer_type(tl.int32)
-    qkv_w = qkv_ptr.to(word, bitcast=True)
-    q_w, k_w, v_w = q_ptr.to(word, bitcast=True), k_ptr.to(word, bitcast=True), v_ptr.to(word, bitcast=True)
-    ce = tl.zeros([], tl.int32)
-    nfull = tl.zeros([], tl.int32)
-    for t in range(pid, tiles, tl.num_programs(0)):
-        b, h, pos, pm = _where(t, T, NH, BT)
-        cos_lo, cos_hi, sin_lo, sin_hi, mw = _trig_words(cos_ptr, sin_ptr, pos, pm, HW)
-        inside = tl.sum(pm.to(tl.int32), 0)
-        for slot in tl.static_range(3):
-            src = _in_ptrs(qkv_w, b, h, pos, slot, T, NH, HW)
-            w1 = tl.load(src, mask=mw, other=0)
-            w2 = tl.load(src + HW, mask=mw, other=0)
-            dst = _head_ptrs(slot, q_w, k_w, v_w, b, h, pos, T, NH, HW)
-            x1_lo, x1_hi = unpack(w1)
-            x2_lo, x2_hi = unpack(w2)
-            if slot < 2:
-                y1 = pack(_mul(x1_lo, cos_lo, SOFT_ROUND) - _mul(x2_lo, sin_lo, SOFT_ROUND),
-                          _mul(x1_hi, cos_hi, SOFT_ROUND) - _mul(x2_hi, sin_hi, SOFT_ROUND), SOFT_ROUND)
-                y2 = pack(_mul(x1_lo, sin_lo, SOFT_ROUND) + _mul(x2_lo, cos_lo, SOFT_ROUND),
-                          _mul(x1_hi, sin_hi, SOFT_ROUND) + _mul(x2_hi, cos_hi, SOFT_ROUND), SOFT_ROUND)
-                tl.store(dst, y1, mask=mw)
-                tl.store(dst + HW, y2, mask=mw)
-            else:
-                tl.store(dst, w1, mask=mw)
-                tl.store(dst + HW, w2, mask=mw)
-            if inside == BT:
-                s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(tl.reshape(w1, [R, 4]), p, ncp, ku, lo2, hi2, s1,
-                                                                  s2, s3, s4, amw, pu, pnz, pout, ht)
-                s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(tl.reshape(w2, [R, 4]), p, ncp, ku, lo2, hi2, s1,
-                                                                  s2, s3, s4, amw, pu, pnz, pout, ht)
-            else:
-                acc = s1, s2, s3, s4, am, cu, co, cout, cz, hist
-                acc = stream_add(acc, x1_lo, mw, False, p, ncp, lo, hi, HIST, R, 4, ht)
-                acc = stream_add(acc, x1_hi, mw, False, p, ncp, lo, hi, HIST, R, 4, ht)
-                acc = stream_add(acc, x2_lo, mw, False, p, ncp, lo, hi, HIST, R, 4, ht)
-                s1, s2, s3, s4, am, cu, co, cout, cz, hist = stream_add(acc, x2_hi, mw, False, p, ncp, lo, hi, HIST,
-                                                                         R, 4, ht)
-        nfull += (inside == BT).to(tl.int32)
-        ce += inside * (6 * HD2)
-    am, cu, cz, cout = packed_fold(nfull * 48, amw, pu, pnz, pout, am, cu, cz, cout)  # 6 x 8 elements a lane a tile
-    n, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = stream_partial(
-        (s1, s2, s3, s4, am, cu, co, cout, cz, hist), ce, c, p, ok, _part, (qkv_ptr, T, NH), tiles, 6, lo, hi, HIST,
-        BT * HD2 // 8, BT, HD2, ht)
-    fused_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, 1.0, n, nfin, nonfin, zeros, outl,
-                   under, over, amax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST, SMODE)
+def _grad_halves(slot: tl.constexpr, dq_ptr, dk_ptr, dv_ptr, b, h, pos, m, cos, sin, T, NH, HD2: tl.constexpr,
+                 DTYPE: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """The two halves of head h's ``slot`` of qkv's gradient at ``pos``, in DTYPE: dq and dk rotated back
+    (dx1 = dy1 cos + dy2 sin, dx2 = dy2 cos - dy1 sin), dv as it is."""
+    src = _head_ptrs(slot, dq_ptr, dk_ptr, dv_ptr, b, h, pos, T, NH, HD2)
+    r1 = tl.load(src, mask=m, other=0.0)
+    r2 = tl.load(src + HD2, mask=m, other=0.0)
+    if slot < 2:
+        g1 = r1.to(tl.float32)
+        g2 = r2.to(tl.float32)
+        d1 = _to_out(_mul(g1, cos, SOFT_ROUND) + _mul(g2, sin, SOFT_ROUND), DTYPE, SOFT_ROUND)
+        d2 = _to_out(_mul(g2, cos, SOFT_ROUND) - _mul(g1, sin, SOFT_ROUND), DTYPE, SOFT_ROUND)
+    else:
+        d1 = r1.to(DTYPE)
+        d2 = r2.to(DTYPE)
+    return d1, d2
 
 
 @triton.jit
-def _rope_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, cos_ptr, sin_ptr, T, NH, tiles, BT: tl.constexpr,
-                     HD2: tl.constexpr, SOFT_ROUND: tl.constexpr):
-    """dqkv from dq, dk (rotated back: dx1 = dy1 cos + dy2 sin, dx2 = dy2 cos - dy1 sin) and dv (copied)."""
+def _grad_part(src, t, part, BT: tl.constexpr, HD2: tl.constexpr):
+    """The careful path's loader of the backward's row: half ``part % 2`` of slot ``part // 2`` of tile t of qkv's
+    gradient, recomputed from dq, dk, dv (not re-read: other threads of the program stored it), fp32, as the
+    statistics' [R, 8] view, with its mask."""
+    dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, cos_ptr, sin_ptr, T, NH = src
+    b, h, pos, _, m, cos, sin = _tile_trig(t, T, NH, cos_ptr, sin_ptr, BT, HD2)
+    d1, d2 = _grad_halves(part // 2, dq_ptr, dk_ptr, dv_ptr, b, h, pos, m, cos, sin, T, NH, HD2,
+                          dqkv_ptr.dtype.element_ty, _SOFT_ROUND)
+    x = d2
+    if part % 2 == 0:
+        x = d1
+    R: tl.constexpr = BT * HD2 // 8
+    return tl.reshape(x.to(tl.float32), [R, 8]), tl.reshape(m, [R, 8])
+
+
+@triton.jit(do_not_specialize=["dst_index", "merge"])
+def _rope_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, cos_ptr, sin_ptr, T, NH, tiles, sp_ptr, ctr_ptr, dst_ptr,
+                     dst_index, merge, cen_ptr, c_mean, c_std, k, ahm_ptr, ahm_val, STATS: tl.constexpr,
+                     C_PTR: tl.constexpr, AHM_PTR: tl.constexpr, HIST: tl.constexpr, FMAX: tl.constexpr,
+                     UTHR: tl.constexpr, SMODE: tl.constexpr, BT: tl.constexpr, HD2: tl.constexpr,
+                     SOFT_ROUND: tl.constexpr):
+    """dqkv from dq, dk (rotated back) and dv (copied); with STATS its row (the qkv linear's ``grad_output``), taken
+    from the halves it stores as the forward takes qkv's (the shift from dq's first half in the program's first
+    tile)."""
     dtype = dqkv_ptr.dtype.element_ty
-    for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
-        b, h, pos, _, m, cos, sin = _tile_trig(t, T, NH, cos_ptr, sin_ptr, BT, HD2)
+    R: tl.constexpr = BT * HD2 // 8
+    pid = tl.program_id(0)
+    if STATS:
+        lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
+        b0, h0, pos0, _, m0, cos0, sin0 = _tile_trig(pid, T, NH, cos_ptr, sin_ptr, BT, HD2)
+        x0, _ = _grad_halves(0, dq_ptr, dk_ptr, dv_ptr, b0, h0, pos0, m0, cos0, sin0, T, NH, HD2, dtype, SOFT_ROUND)
+        c, p, ok, ncp, acc = stream_start(x0.to(tl.float32), m0, R)
+        ht = None
+        if HIST and _SMEM_HIST:
+            ht = _htab()
+    ce = tl.zeros([], tl.int32)
+    for t in range(pid, tiles, tl.num_programs(0)):
+        b, h, pos, pm, m, cos, sin = _tile_trig(t, T, NH, cos_ptr, sin_ptr, BT, HD2)
+        inside = tl.sum(pm.to(tl.int32), 0)
         for slot in tl.static_range(3):
-            src = _head_ptrs(slot, dq_ptr, dk_ptr, dv_ptr, b, h, pos, T, NH, HD2)
+            d1, d2 = _grad_halves(slot, dq_ptr, dk_ptr, dv_ptr, b, h, pos, m, cos, sin, T, NH, HD2, dtype, SOFT_ROUND)
             dst = _in_ptrs(dqkv_ptr, b, h, pos, slot, T, NH, HD2)
-            r1 = tl.load(src, mask=m, other=0.0)
-            r2 = tl.load(src + HD2, mask=m, other=0.0)
-            if slot < 2:
-                g1 = r1.to(tl.float32)
-                g2 = r2.to(tl.float32)
-                dx1 = _mul(g1, cos, SOFT_ROUND) + _mul(g2, sin, SOFT_ROUND)
-                dx2 = _mul(g2, cos, SOFT_ROUND) - _mul(g1, sin, SOFT_ROUND)
-                tl.store(dst, _to_out(dx1, dtype, SOFT_ROUND), mask=m)
-                tl.store(dst + HD2, _to_out(dx2, dtype, SOFT_ROUND), mask=m)
-            else:
-                tl.store(dst, r1.to(dtype), mask=m)
-                tl.store(dst + HD2, r2.to(dtype), mask=m)
+            tl.store(dst, d1, mask=m)
+            tl.store(dst + HD2, d2, mask=m)
+            if STATS:
+                acc = stream_add(acc, d1.to(tl.float32), m, inside == BT, p, ncp, lo, hi, HIST, R, 8, ht)
+                acc = stream_add(acc, d2.to(tl.float32), m, inside == BT, p, ncp, lo, hi, HIST, R, 8, ht)
+        ce += inside * (6 * HD2)
+    if STATS:
+        n, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = stream_partial(
+            acc, ce, c, p, ok, _grad_part, (dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, cos_ptr, sin_ptr, T, NH), tiles, 6, lo,
+            hi, HIST, R, BT, HD2, ht)
+        fused_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, 1.0, n, nfin, nonfin, zeros,
+                       outl, under, over, amax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST, SMODE)
 
 
 def _programs(tiles: int, device: torch.device) -> int:
@@ -302,33 +270,33 @@ def rope_qkv_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_
     qkv = qkv.contiguous()
     q, k, v = (torch.empty(b, n_head, t, hd, dtype=qkv.dtype, device=qkv.device) for _ in range(3))
     programs = _programs(tiles, qkv.device)
-    words = (WORDS and stats is not None and qkv.dtype == torch.bfloat16 and qkv.data_ptr() % 4 == 0
-             and (not stats.hist or ts.SMEM_HIST))
-    kernel = _rope_fwd_words_kernel if words else _rope_fwd_kernel
-    kernel[(programs,)](qkv, q, k, v, cos.contiguous(), sin.contiguous(), t, n_head, tiles,
-                        **ts.epilogue_args(stats, programs, qkv), BT=BT, HD2=hd // 2, SOFT_ROUND=INTERPRET,
-                        num_warps=_warps(hd // 2),
-                        **({"maxnreg": STATS_MAXNREG} if stats is not None and not INTERPRET else {}))
+    _rope_fwd_kernel[(programs,)](qkv, q, k, v, cos.contiguous(), sin.contiguous(), t, n_head, tiles,
+                                  **ts.epilogue_args(stats, programs, qkv), BT=BT, HD2=hd // 2, SOFT_ROUND=INTERPRET,
+                                  num_warps=_warps(hd // 2),
+                                  **({"maxnreg": STATS_MAXNREG} if stats is not None and not INTERPRET else {}))
     return q, k, v
 
 
 def rope_qkv_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      dtype: torch.dtype) -> torch.Tensor:
-    """qkv's gradient (B, T, 3 * NH * HD) in ``dtype`` from those of q, k and v (B, NH, T, HD)."""
+                      dtype: torch.dtype, stats: "ts.Target | None" = None) -> torch.Tensor:
+    """qkv's gradient (B, T, 3 * NH * HD) in ``dtype`` from those of q, k and v (B, NH, T, HD); with ``stats`` its row
+    into that target."""
     b, nh, t, hd = dv.shape
     tiles = cdiv(t, BT) * b * nh
     dqkv = torch.empty(b, t, 3 * nh * hd, dtype=dtype, device=dv.device)
-    _rope_bwd_kernel[(_programs(tiles, dv.device),)](dq.contiguous(), dk.contiguous(), dv.contiguous(), dqkv,
-                                                      cos.contiguous(), sin.contiguous(), t, nh, tiles, BT=BT,
-                                                      HD2=hd // 2, SOFT_ROUND=INTERPRET, num_warps=_warps(hd // 2))
+    programs = _programs(tiles, dv.device)
+    _rope_bwd_kernel[(programs,)](dq.contiguous(), dk.contiguous(), dv.contiguous(), dqkv, cos.contiguous(),
+                                  sin.contiguous(), t, nh, tiles, **ts.epilogue_args(stats, programs, dqkv), BT=BT,
+                                  HD2=hd // 2, SOFT_ROUND=INTERPRET, num_warps=_warps(hd // 2),
+                                  **({"maxnreg": STATS_MAXNREG} if stats is not None and not INTERPRET else {}))
     return dqkv
 
 
 class _RopeQKVFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv, cos, sin, n_head, stats):
+    def forward(ctx, qkv, cos, sin, n_head, stats, grad_stats):
         ctx.save_for_backward(cos, sin)
-        ctx.dtype = qkv.dtype
+        ctx.dtype, ctx.grad_stats = qkv.dtype, grad_stats
         return rope_qkv_forward(qkv, cos, sin, n_head, stats)
 
     @staticmethod
@@ -336,14 +304,17 @@ class _RopeQKVFn(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         like = next(g for g in (dq, dk, dv) if g is not None)
         dq, dk, dv = (torch.zeros_like(like) if g is None else g for g in (dq, dk, dv))
-        return rope_qkv_backward(dq, dk, dv, cos, sin, ctx.dtype), None, None, None, None
+        stats = ctx.grad_stats() if ctx.grad_stats is not None else None
+        return rope_qkv_backward(dq, dk, dv, cos, sin, ctx.dtype, stats), None, None, None, None, None
 
 
 def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: int,
-             stats: "ts.Target | None" = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             stats: "ts.Target | None" = None,
+             grad_stats: "Callable[[], ts.Target | None] | None" = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, k, v) of the fused qkv output, q and k rotated, differentiable, in one pass each way (see the module
-    docstring); with ``stats`` the qkv output's statistics row."""
-    return _RopeQKVFn.apply(qkv, cos, sin, n_head, stats)
+    docstring); with ``stats`` the qkv output's statistics row; ``grad_stats``, called in the backward right before
+    its kernel, gives the target of the qkv gradient's row (None: none)."""
+    return _RopeQKVFn.apply(qkv, cos, sin, n_head, stats, grad_stats)
 
 
 def rope_qkv_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -11,10 +11,12 @@ the dtype. Reference beside them: ``swiglu_ref``.
 ``stats=`` (an ``agent.triton_stats.Target``): y's SPEC section-4 row, as the agent's hooks emulate it for a GEMM
 output (``triton_stats.nofmt_consts``), accumulated from the tiles the forward loads as the standalone kernel
 accumulates (``_tile_fast``; the kernel's docstring; where that does not hold, ``triton_stats.careful_tiles``) and
-merged by the last program; ``h_stats=`` likewise h's, from
-the tiles it stores. They are the rows of fc1's ``output`` and
-fc2's ``input`` (``trainer.layers.SwiGLU``): without them a statistics kernel reads y once more (with an FP8 fc1,
-the deferred output read; y is the largest tensor of a Llama block), and with a plain fc2, h too.
+merged by the last program; ``h_stats=`` likewise h's, from the tiles it stores (on the words path, below, deferred
+to the next statistics launch instead). For bf16 y the forward takes y's row through y's 32-bit words (``WORDS``).
+The backward's ``dy_stats`` gives dy's row from the tiles it stores. They are the rows of fc1's ``output``, fc2's
+``input`` and fc1's ``grad_output`` (``trainer.layers.SwiGLU``; the last two for plain linears, an FP8 linear's
+casts take them): without them a statistics kernel reads y once more (with an FP8 fc1, the deferred output read; y
+is the largest tensor of a Llama block), and with plain linears, h and dy too.
 
 Persistent programs (a few per SM) loop over (BM, BN) tiles of h, so the statistics have a few hundred partials
 to merge, not one per tile. (An earlier form took the rows with the GEMM epilogues' ``rows_add``: about 70
@@ -24,6 +26,7 @@ instructions per element of y in an offline sm_90a build, bench/RESULTS.md.)
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 import triton
@@ -41,10 +44,10 @@ BM, BN = 32, 128
 PROGRAMS_PER_SM = 4
 # a statistics row is a thread's 16-byte load of y: at 16, each row spanned two threads, one shuffle per sum per row
 _V = tl.constexpr(8)
-# y's row through y's 32-bit words (``_swiglu_fwd_words_kernel``) where y is bf16 of even width; opt-in
-# (FP8MON_SWIGLU_WORDS=1) until timed on a GPU
-WORDS = os.environ.get("FP8MON_SWIGLU_WORDS", "0") == "1"
-_SOFT_ROUND = tl.constexpr(INTERPRET)  # for the careful path's loader of h (the kernels take it as an argument)
+# y's row through y's 32-bit words (``_swiglu_fwd_words_kernel``) where y is bf16 of even width, h's row then deferred
+# to a statistics launch; on by default (bench/RESULTS.md: faster on an H100), FP8MON_SWIGLU_WORDS=0 turns it off
+WORDS = os.environ.get("FP8MON_SWIGLU_WORDS", "1") == "1"
+_SOFT_ROUND = tl.constexpr(INTERPRET)  # for the careful path's loaders of h and dy (the kernels take it as an argument)
 # Register cap of the forward with y's row only (ptxas; None: uncapped). In an offline sm_90a build
 # (bench/offline_sass.py --consumers) it took 162 registers uncapped, one program of 8 warps per SM, and 128 with no
 # spill at this cap (two per SM); with h's row too, 213 uncapped, and this cap spilled in the tile loop (14 loads,
@@ -248,26 +251,72 @@ def _swiglu_fwd_words_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_
 
 
 @triton.jit
-def _swiglu_bwd_kernel(y_ptr, dh_ptr, dy_ptr, M, H, stride_y, BM: tl.constexpr, BN: tl.constexpr,
-                       SOFT_ROUND: tl.constexpr):
-    dtype = dy_ptr.dtype.element_ty
+def _dy_of(g, u, dh, DTYPE: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """d_gate and d_up (DTYPE) of gate, up and dh (fp32), as torch's autograd rounds them."""
+    s, sig = _silu_rounded(g, DTYPE, SOFT_ROUND)
+    d_silu = _to_out(dh * u, DTYPE, SOFT_ROUND).to(tl.float32)
+    return _to_out(d_silu * sig * (1.0 + g * (1.0 - sig)), DTYPE, SOFT_ROUND), _to_out(dh * s, DTYPE, SOFT_ROUND)
+
+
+@triton.jit
+def _dy_tile(y_ptr, dh_ptr, t, n_tn, M, H, stride_y, BM: tl.constexpr, BN: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """Tile t of dy's two halves (y's dtype), its mask, rows and columns."""
+    g, u, mask, rows, cols = _tile(y_ptr, t, n_tn, M, H, stride_y, BM, BN)
+    dh = tl.load(dh_ptr + rows[:, None].to(tl.int64) * H + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    d_gate, d_up = _dy_of(g, u, dh, y_ptr.dtype.element_ty, SOFT_ROUND)
+    return d_gate, d_up, mask, rows, cols
+
+
+@triton.jit
+def _dy_part(src, t, part, BM: tl.constexpr, BN: tl.constexpr):
+    """The careful path's loader for dy's row: its d_gate (part 0) or d_up (1) half of tile t, recomputed from y and
+    dh (not re-read: other threads of the program stored it), fp32, as the statistics' [R, V] view, with its mask."""
+    y_ptr, dh_ptr, M, H, stride_y = src
+    d_gate, d_up, mask, _, _ = _dy_tile(y_ptr, dh_ptr, t, tl.cdiv(H, BN), M, H, stride_y, BM, BN, _SOFT_ROUND)
+    x = d_up
+    if part == 0:
+        x = d_gate
+    return tl.reshape(x.to(tl.float32), [BM * BN // _V, _V]), tl.reshape(mask, [BM * BN // _V, _V])
+
+
+@triton.jit(do_not_specialize=["dst_index", "merge"])
+def _swiglu_bwd_kernel(y_ptr, dh_ptr, dy_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, cen_ptr,
+                       c_mean, c_std, k, ahm_ptr, ahm_val, STATS: tl.constexpr, C_PTR: tl.constexpr,
+                       AHM_PTR: tl.constexpr, HIST: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr,
+                       SMODE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """dy of y and dh, persistent over (BM, BN) tiles of h; with STATS dy's row (fc1's ``grad_output``), from the
+    tiles it stores, taken as the forward takes y's (shift from the program's first tile of dy)."""
+    V: tl.constexpr = _V
+    R: tl.constexpr = BM * BN // V
     n_tn = tl.cdiv(H, BN)
     tiles = tl.cdiv(M, BM) * n_tn
-    for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
-        rows = (t // n_tn) * BM + tl.arange(0, BM)
-        cols = (t % n_tn) * BN + tl.arange(0, BN)
-        mask = (rows[:, None] < M) & (cols[None, :] < H)
-        r64 = rows[:, None].to(tl.int64)
-        gp = y_ptr + r64 * stride_y + cols[None, :]
-        g = tl.load(gp, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(gp + H, mask=mask, other=0.0).to(tl.float32)
-        dh = tl.load(dh_ptr + r64 * H + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        s, sig = _silu_rounded(g, dtype, SOFT_ROUND)
-        d_silu = _to_out(dh * u, dtype, SOFT_ROUND).to(tl.float32)
-        d_gate = d_silu * sig * (1.0 + g * (1.0 - sig))
-        dp = dy_ptr + r64 * (2 * H) + cols[None, :]
-        tl.store(dp, _to_out(d_gate, dtype, SOFT_ROUND), mask=mask)
-        tl.store(dp + H, _to_out(dh * s, dtype, SOFT_ROUND), mask=mask)
+    pid = tl.program_id(0)
+    if STATS:
+        dg0, du0, m0, _, _ = _dy_tile(y_ptr, dh_ptr, pid, n_tn, M, H, stride_y, BM, BN, SOFT_ROUND)
+        lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
+        c, p, ok, ncp = _y_shift(dg0.to(tl.float32), du0.to(tl.float32), tl.reshape(m0, [BM * BN]))
+        acc = stream_zero(R)
+        ht = None
+        if HIST and _SMEM_HIST:
+            ht = _htab()
+    ce = tl.zeros([], tl.int32)
+    for t in range(pid, tiles, tl.num_programs(0)):
+        d_gate, d_up, mask, rows, cols = _dy_tile(y_ptr, dh_ptr, t, n_tn, M, H, stride_y, BM, BN, SOFT_ROUND)
+        dp = dy_ptr + rows[:, None].to(tl.int64) * (2 * H) + cols[None, :]
+        tl.store(dp, d_gate, mask=mask)
+        tl.store(dp + H, d_up, mask=mask)
+        if STATS:
+            tm = tl.minimum(M - (t // n_tn) * BM, BM)
+            tn = tl.minimum(H - (t % n_tn) * BN, BN)
+            full = (tm == BM) & (tn == BN)
+            acc = stream_add(acc, d_gate.to(tl.float32), mask, full, p, ncp, lo, hi, HIST, R, V, ht)
+            acc = stream_add(acc, d_up.to(tl.float32), mask, full, p, ncp, lo, hi, HIST, R, V, ht)
+            ce += tm * tn
+    if STATS:
+        n, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = stream_partial(
+            acc, 2 * ce, c, p, ok, _dy_part, (y_ptr, dh_ptr, M, H, stride_y), tiles, 2, lo, hi, HIST, R, BM, BN, ht)
+        fused_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, 1.0, n, nfin, nonfin, zeros,
+                       outl, under, over, amax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST, SMODE)
 
 
 def _programs(tiles: int, device: torch.device) -> int:
@@ -277,7 +326,7 @@ def _programs(tiles: int, device: torch.device) -> int:
 def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
                    h_stats: "ts.Target | None" = None) -> torch.Tensor:
     """h = silu(gate) * up of y = [gate | up] along the last dimension (even), in y's dtype; with ``stats``, y's row
-    into that target, with ``h_stats`` h's row."""
+    into that target, with ``h_stats`` h's row (on the words path, deferred: ``triton_stats.defer``)."""
     two_h = y.shape[-1]
     if two_h % 2:
         raise ValueError(f"swiglu: the last dimension ({two_h}) must be even: [gate | up]")
@@ -287,21 +336,24 @@ def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
     M, H = y2.shape[0], two_h // 2
     h = torch.empty((M, H), dtype=y.dtype, device=y.device)
     programs = _programs(cdiv(M, BM) * cdiv(H, BN), y.device)
-    capped = STATS_MAXNREG and not INTERPRET and stats is not None and h_stats is None
-    if (WORDS and stats is not None and h_stats is None and y.dtype == torch.bfloat16 and H % 2 == 0
-            and y2.stride(0) % 2 == 0 and y2.data_ptr() % 4 == 0 and (not stats.hist or ts.SMEM_HIST)):
+    if (WORDS and stats is not None and y.dtype == torch.bfloat16 and H % 2 == 0 and y2.stride(0) % 2 == 0
+            and y2.data_ptr() % 4 == 0 and (not stats.hist or ts.SMEM_HIST)):
         _swiglu_fwd_words_kernel[(programs,)](y2, h, M, H, y2.stride(0), **ts.epilogue_args(stats, programs, h), BM=BM,
                                               BN=BN, SOFT_ROUND=INTERPRET, num_warps=8,
-                                              **({"maxnreg": STATS_MAXNREG} if capped else {}))
+                                              **({"maxnreg": STATS_MAXNREG} if STATS_MAXNREG and not INTERPRET else {}))
+        if h_stats is not None:  # h's row by the next statistics launch: cheaper than a second row here (RESULTS)
+            ts.defer(h, h_stats)
         return h.reshape(*y.shape[:-1], H)
+    capped = STATS_MAXNREG and not INTERPRET and stats is not None and h_stats is None
     _swiglu_fwd_kernel[(programs,)](y2, h, M, H, y2.stride(0), **ts.epilogue_args(stats, programs, h),
                                     **ts.epilogue_args(h_stats, programs, h, "_h", counter_row=1), BM=BM, BN=BN,
                                     SOFT_ROUND=INTERPRET, num_warps=8, **({"maxnreg": STATS_MAXNREG} if capped else {}))
     return h.reshape(*y.shape[:-1], H)
 
 
-def swiglu_backward(y: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
-    """dy = [d_gate | d_up] of h = silu(gate) * up, from y and dh (h's gradient), in y's dtype."""
+def swiglu_backward(y: torch.Tensor, dh: torch.Tensor, stats: "ts.Target | None" = None) -> torch.Tensor:
+    """dy = [d_gate | d_up] of h = silu(gate) * up, from y and dh (h's gradient), in y's dtype; with ``stats``, dy's
+    row into that target."""
     two_h = y.shape[-1]
     y2 = y.reshape(-1, two_h)
     if y2.stride(1) != 1:
@@ -310,27 +362,30 @@ def swiglu_backward(y: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
     dh2 = dh.reshape(M, H).to(y.dtype).contiguous()
     dy = torch.empty((M, two_h), dtype=y.dtype, device=y.device)
     programs = _programs(cdiv(M, BM) * cdiv(H, BN), y.device)
-    _swiglu_bwd_kernel[(programs,)](y2, dh2, dy, M, H, y2.stride(0), BM=BM, BN=BN, SOFT_ROUND=INTERPRET,
-                                    num_warps=8)
+    _swiglu_bwd_kernel[(programs,)](y2, dh2, dy, M, H, y2.stride(0), **ts.epilogue_args(stats, programs, dy), BM=BM,
+                                    BN=BN, SOFT_ROUND=INTERPRET, num_warps=8)
     return dy.reshape(y.shape)
 
 
 class _SwiGLUFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, stats, h_stats):
+    def forward(ctx, y, stats, h_stats, dy_stats):
         ctx.save_for_backward(y)
+        ctx.dy_stats = dy_stats
         return swiglu_forward(y, stats, h_stats)
 
     @staticmethod
     def backward(ctx, dh):
         (y,) = ctx.saved_tensors
-        return swiglu_backward(y, dh), None, None
+        return swiglu_backward(y, dh, ctx.dy_stats() if ctx.dy_stats is not None else None), None, None, None
 
 
-def swiglu(y: torch.Tensor, stats: "ts.Target | None" = None, h_stats: "ts.Target | None" = None) -> torch.Tensor:
+def swiglu(y: torch.Tensor, stats: "ts.Target | None" = None, h_stats: "ts.Target | None" = None,
+           dy_stats: "Callable[[], ts.Target | None] | None" = None) -> torch.Tensor:
     """silu(gate) * up of y = [gate | up], differentiable, in one pass each way (see the module docstring); with
-    ``stats`` y's statistics row, with ``h_stats`` h's."""
-    return _SwiGLUFn.apply(y, stats, h_stats)
+    ``stats`` y's statistics row, with ``h_stats`` h's; ``dy_stats``, called in the backward right before its kernel,
+    gives the target of dy's row (None: none)."""
+    return _SwiGLUFn.apply(y, stats, h_stats, dy_stats)
 
 
 def swiglu_ref(y: torch.Tensor) -> torch.Tensor:
