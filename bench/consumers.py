@@ -2,8 +2,9 @@
 SwiGLU's elementwise part, torch's ``F.silu(gate) * up`` (forward, and autograd's backward) against the fused kernels
 of trainer/kernels/swiglu.py; the residual add, torch's ``x + b`` (fp32 stream, bf16 branch) against
 trainer/kernels/residual.py; each fused forward with its statistics row against torch plus the standalone statistics
-kernel reading the tensor apart (what the agent costs without the fusion); RoPE on the qkv output, torch's
-``Rotary`` on q and k (forward, and autograd's backward) against trainer/kernels/rope.py. Device time of queued launches
+kernel reading the tensor apart (what the agent costs without the fusion), and the backwards with their gradient's
+row (a plain linear's grad_output) against that row read apart; RoPE on the qkv output, torch's ``Rotary`` on q and k
+(forward, and autograd's backward) against trainer/kernels/rope.py. Device time of queued launches
 (``trainer.kernels.timing.device_medians``).
 
     python3 bench/consumers.py
@@ -20,15 +21,16 @@ from agent import triton_stats as ts  # noqa: E402
 from trainer.kernels.residual import residual_add_forward  # noqa: E402
 from trainer.kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_ref  # noqa: E402
 from trainer.kernels.timing import device_medians  # noqa: E402
-from trainer.kernels.words import words_on  # noqa: E402
+from trainer.kernels.words import words_path  # noqa: E402
 
 SHAPES = {"124m": (16 * 1024, 2048, 768), "1.5b": (4 * 2048, 8192, 2048)}  # (tokens, SwiGLU hidden width, d_model)
 ROPE_SHAPES = {"124m": (16, 1024, 6), "1.5b": (4, 2048, 16)}  # (batch, sequence, heads)
 
 
-def with_words(module: str, fn):
-    """``fn()`` with the kernel module's ``WORDS`` on (its row through the tensor's 32-bit words)."""
-    with words_on(importlib.import_module(module)):
+def fp32_path(fn):
+    """``fn()`` with SwiGLU's ``WORDS`` off: y's row through fp32 values, not y's 32-bit words (the default for bf16),
+    and h's row in the same kernel, not deferred."""
+    with words_path(importlib.import_module("trainer.kernels.swiglu"), on=False):
         return fn()
 
 
@@ -50,18 +52,29 @@ def main() -> None:
         y = torch.randn(tokens, 2 * hidden, device=dev).to(torch.bfloat16)
         dh = torch.randn(tokens, hidden, device=dev).to(torch.bfloat16)
         for hist in (False, True):
-            rows = torch.zeros(2, ts.ds.WIDTH, dtype=torch.float64, device=dev)
+            rows = torch.zeros(3, ts.ds.WIDTH, dtype=torch.float64, device=dev)
             tgt = ts.Target(rows, 0, False, (0.0, 1.0), 6.0, hist, None, "e4m3")
+            tgt_h = ts.Target(rows, 2, False, (0.0, 1.0), 6.0, hist, None, "e4m3")
+
+            def both_rows():  # the words path: y's row in the kernel, h's by a statistics launch (deferred)
+                swiglu_forward(y, stats=tgt, h_stats=tgt_h)
+                ts.flush_deferred()
+
             fns = {
                 "torch forward": lambda: swiglu_ref(y),
                 "fused forward": lambda: swiglu_forward(y),
                 "fused forward + row": lambda: swiglu_forward(y, stats=tgt),
-                "fused forward + row, words": lambda: with_words("trainer.kernels.swiglu",
-                                                                 lambda: swiglu_forward(y, stats=tgt)),
+                "fused forward + row, fp32 path": lambda: fp32_path(lambda: swiglu_forward(y, stats=tgt)),
+                "fused forward + rows of y and h": both_rows,
+                "fused forward + rows of y and h, one kernel": lambda: fp32_path(
+                    lambda: swiglu_forward(y, stats=tgt, h_stats=tgt_h)),
                 "torch forward + row read apart": lambda: (swiglu_ref(y), ts.rows(
                     [y], fmt="e4m3", center=[(0.0, 1.0)], hist=hist, out=rows, index=[1])),
                 "torch forward + backward": lambda: torch_backward(y, dh),
                 "fused backward": lambda: swiglu_backward(y, dh),
+                "fused backward + dy's row": lambda: swiglu_backward(y, dh, stats=tgt),
+                "dy's row read apart": lambda: ts.rows([y], fmt="e5m2", center=[(0.0, 1.0)], hist=hist, out=rows,
+                                                       index=[1]),
             }
             for fn in fns.values():
                 fn()  # compiles outside the timing
@@ -73,12 +86,15 @@ def main() -> None:
             print(f"  fused backward - torch forward+backward: "
                   f"{(t['fused backward'] - (t['torch forward + backward'] - t['torch forward'])) * 1e3:+.1f} us; "
                   f"row: fused +{(t['fused forward + row'] - t['fused forward']) * 1e3:.1f} us, read apart "
-                  f"+{(t['torch forward + row read apart'] - t['torch forward']) * 1e3:.1f} us", flush=True)
+                  f"+{(t['torch forward + row read apart'] - t['torch forward']) * 1e3:.1f} us; dy's row: fused "
+                  f"+{(t['fused backward + dy' + chr(39) + 's row'] - t['fused backward']) * 1e3:.1f} us, read apart "
+                  f"+{t['dy' + chr(39) + 's row read apart'] * 1e3:.1f} us", flush=True)
 
 
 def rope(name: str, batch: int, seq: int, d_model: int, n_head: int, dev: torch.device) -> None:
     """RoPE on the qkv output: torch's (Rotary on the permuted q and k views, autograd's backward) against
-    trainer/kernels/rope.py, and the forward with the qkv row against torch plus the row read apart."""
+    trainer/kernels/rope.py, and the forward with the qkv row and the backward with its gradient's row against the
+    row read apart (a tensor of the same shape)."""
     from trainer.kernels.rope import rope_qkv_backward, rope_qkv_forward, rope_qkv_ref
     from trainer.layers import Rotary
 
@@ -98,12 +114,12 @@ def rope(name: str, batch: int, seq: int, d_model: int, n_head: int, dev: torch.
         "torch forward": lambda: rope_qkv_ref(qkv, rot.cos, rot.sin, n_head),
         "fused forward": lambda: rope_qkv_forward(qkv, rot.cos, rot.sin, n_head),
         "fused forward + row": lambda: rope_qkv_forward(qkv, rot.cos, rot.sin, n_head, stats=tgt),
-        "fused forward + row, words": lambda: with_words("trainer.kernels.rope", lambda: rope_qkv_forward(
-            qkv, rot.cos, rot.sin, n_head, stats=tgt)),
         "torch forward + row read apart": lambda: (rope_qkv_ref(qkv, rot.cos, rot.sin, n_head), ts.rows(
             [qkv], fmt="e4m3", center=[(0.0, 1.0)], hist=False, out=rows, index=[1])),
         "torch forward + backward": torch_both,
         "fused backward": lambda: rope_qkv_backward(*grads, rot.cos, rot.sin, torch.bfloat16),
+        "fused backward + row": lambda: rope_qkv_backward(*grads, rot.cos, rot.sin, torch.bfloat16, stats=tgt),
+        "row read apart": lambda: ts.rows([qkv], fmt="e5m2", center=[(0.0, 1.0)], hist=False, out=rows, index=[1]),
     }
     for fn in fns.values():
         fn()

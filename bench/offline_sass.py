@@ -152,13 +152,15 @@ def main(argv=None) -> int:
 
 def _consumers(ts, built: dict) -> int:
     """Every variant of the consumer kernels: the SwiGLU forward without rows, with y's, with y's and h's, with y's
-    through its words; its backward; the residual add (fp32 stream, bf16 branch) without and with the branch's row; RoPE on the qkv output
-    (1.5B's heads) without and with its row, with it through the words, and its backward."""
+    through its words; its backward without and with dy's row; the residual add (fp32 stream, bf16 branch) without and
+    with the branch's row; RoPE on the qkv output (1.5B's heads) without and with its row, and its backward without
+    and with its gradient's row."""
     sw = importlib.import_module("trainer.kernels.swiglu")
     res = importlib.import_module("trainer.kernels.residual")
     cpu = torch.device("cpu")
     y = torch.zeros(4096, 2 * 2048, dtype=torch.bfloat16)
     fwd, bwd, add = sw._swiglu_fwd_kernel, sw._swiglu_bwd_kernel, res._residual_add_kernel
+    sw.WORDS = False  # the fp32 path first
     for name, rows in (("swiglu fwd", ()), ("swiglu fwd + y row", ("y",)), ("swiglu fwd + y, h rows", ("y", "h"))):
         sw._swiglu_fwd_kernel = _CompileOnly(fwd, name, built)
         sw.swiglu_forward(y, stats=ts.Target.new(cpu, fmt="e4m3", hist=False) if "y" in rows else None,
@@ -166,8 +168,10 @@ def _consumers(ts, built: dict) -> int:
     sw.WORDS, words = True, sw._swiglu_fwd_words_kernel
     sw._swiglu_fwd_words_kernel = _CompileOnly(words, "swiglu fwd + y row (words)", built)
     sw.swiglu_forward(y, stats=ts.Target.new(cpu, fmt="e4m3", hist=False))
-    sw._swiglu_bwd_kernel = _CompileOnly(bwd, "swiglu bwd", built)
-    sw.swiglu_backward(y, torch.zeros(4096, 2048, dtype=torch.bfloat16))
+    for name, row in (("swiglu bwd", False), ("swiglu bwd + dy row", True)):
+        sw._swiglu_bwd_kernel = _CompileOnly(bwd, name, built)
+        sw.swiglu_backward(y, torch.zeros(4096, 2048, dtype=torch.bfloat16),
+                           stats=ts.Target.new(cpu, fmt="e5m2", hist=False) if row else None)
     x, b = torch.zeros(4096, 2048), torch.zeros(4096, 2048, dtype=torch.bfloat16)
     for name, row in (("residual add", False), ("residual add + row", True)):
         res._residual_add_kernel = _CompileOnly(add, name, built)
@@ -178,12 +182,11 @@ def _consumers(ts, built: dict) -> int:
     for name, row in (("rope fwd", False), ("rope fwd + row", True)):
         rope._rope_fwd_kernel = _CompileOnly(rfwd, name, built)
         rope.rope_qkv_forward(qkv, trig, trig, 16, stats=ts.Target.new(cpu, fmt="e4m3", hist=False) if row else None)
-    rope.WORDS, rwords = True, rope._rope_fwd_words_kernel
-    rope._rope_fwd_words_kernel = _CompileOnly(rwords, "rope fwd + row (words)", built)
-    rope.rope_qkv_forward(qkv, trig, trig, 16, stats=ts.Target.new(cpu, fmt="e4m3", hist=False))
-    rope._rope_bwd_kernel = _CompileOnly(rbwd, "rope bwd", built)
     d = torch.zeros(2, 16, 2048, 128, dtype=torch.bfloat16)
-    rope.rope_qkv_backward(d, d, d, trig, trig, torch.bfloat16)
+    for name, row in (("rope bwd", False), ("rope bwd + row", True)):
+        rope._rope_bwd_kernel = _CompileOnly(rbwd, name, built)
+        rope.rope_qkv_backward(d, d, d, trig, trig, torch.bfloat16,
+                               stats=ts.Target.new(cpu, fmt="e5m2", hist=False) if row else None)
     return _report(built, "consumer kernels, bf16, rows without the histogram", "LDG")
 
 

@@ -453,13 +453,14 @@ def check_gemm(device) -> None:
 def check_consumers(device) -> None:
     """The consumer kernels on the GPU. trainer/kernels/swiglu.py: forward and backward against torch's autograd of
     F.silu(gate) * up (bf16: at most one unit in the last place, on under 1% of the elements; fp32 close), the
-    forward's rows of y and h against the fp64 oracle's. trainer/kernels/residual.py: x + b and its gradients equal
+    forward's rows of y and h (bf16: the words path and the fp32 one) and the backward's of dy against the fp64
+    oracle's. trainer/kernels/residual.py: x + b and its gradients equal
     torch's, its row of b the oracle's. trainer/kernels/rope.py: ``check_rope``."""
     import importlib
 
     from trainer.kernels.residual import residual_add
     from trainer.kernels.swiglu import swiglu, swiglu_ref
-    from trainer.kernels.words import words_on
+    from trainer.kernels.words import words_path
 
     sw = importlib.import_module("trainer.kernels.swiglu")  # the module (trainer.kernels.swiglu is the function)
 
@@ -494,39 +495,44 @@ def check_consumers(device) -> None:
                 why = f"max difference {float((a - b).abs().max())}"
             report(f"swiglu {what} {shape} {dt}", ok, "" if ok else why)
         for fmt, hist in (("e4m3", True), (None, False)):
-            tgt = ts.Target.new(device, center=(0.0, 3.0), hist=hist, fmt=fmt)
-            tgt_h = ts.Target.new(device, center=(0.0, 1.0), hist=hist, fmt=fmt)
-            h = swiglu(y0, stats=tgt, h_stats=tgt_h)
-            # against the fp64 oracle: on heavy-tailed h the standalone kernel's fp32 sums were 1.4e-6 off in M4
-            want = ds.partials(y0, fmt=fmt, outlier_center=(0.0, 3.0), hist=hist)
-            want_h = ds.partials(h, fmt=fmt, outlier_center=(0.0, 1.0), hist=hist)
             # current scaling's underflow comes from the histogram: exact up to the threshold's binade
             slack = (lambda row: row[ds.HIST:].nan_to_num(0).max().item() if fmt else None)
-            ok, why = rows_close(tgt.rows[0], want, under_slack=slack(want))
-            ok_h, why_h = rows_close(tgt_h.rows[0], want_h, under_slack=slack(want_h))
-            report(f"swiglu rows of y and h {shape} {dt} fmt={fmt} hist={hist}", ok and ok_h, why + why_h)
-            # y's row through its words (swiglu.WORDS): the same row, h to the bit. GPU only: the interpreter's 4
-            # programs put ~12000 elements into each lane's fp32 sums (M4 1.1e-6 off here, bench/RESULTS.md);
-            # tests/trainer/test_consumer_stats.py checks it there on small tensors
-            if dt == torch.bfloat16 and device.type == "cuda":
-                tgt_w = ts.Target.new(device, center=(0.0, 3.0), hist=hist, fmt=fmt)
-                with words_on(sw):
-                    h_w = swiglu(y0, stats=tgt_w)
-                ok, why = rows_close(tgt_w.rows[0], want, under_slack=slack(want))
-                same = torch.equal(h_w, h)
-                report(f"swiglu y's row through its words {shape} fmt={fmt} hist={hist}", ok and same,
-                       why + ("" if same else " h differs"))
+            want = ds.partials(y0, fmt=fmt, outlier_center=(0.0, 3.0), hist=hist)
+            # bf16 y: the words path (the default on a GPU; the interpreter's 4 programs put ~12000 elements into each
+            # lane's fp32 sums, M4 1.1e-6 off here, bench/RESULTS.md) and the fp32 one; h the same to the bit
+            paths = (True, False) if dt == torch.bfloat16 and device.type == "cuda" else (False,)
+            hs = []
+            for words in paths:
+                tgt = ts.Target.new(device, center=(0.0, 3.0), hist=hist, fmt=fmt)
+                tgt_h = ts.Target.new(device, center=(0.0, 1.0), hist=hist, fmt=fmt)
+                with words_path(sw, on=words):
+                    h = swiglu(y0, stats=tgt, h_stats=tgt_h)
+                ts.flush_deferred()  # the words path defers h's row to the next statistics launch
+                hs.append(h)
+                # against the fp64 oracle: on heavy-tailed h the standalone kernel's fp32 sums were 1.4e-6 off in M4
+                want_h = ds.partials(h, fmt=fmt, outlier_center=(0.0, 1.0), hist=hist)
+                ok, why = rows_close(tgt.rows[0], want, under_slack=slack(want))
+                ok_h, why_h = rows_close(tgt_h.rows[0], want_h, under_slack=slack(want_h))
+                same = torch.equal(h, hs[0])
+                report(f"swiglu rows of y and h {shape} {dt} fmt={fmt} hist={hist}{' words' if words else ''}",
+                       ok and ok_h and same, why + why_h + ("" if same else " h differs between the paths"))
+            # dy's row (fc1's grad_output, a plain fc1's) from the backward
+            tgt_dy = ts.Target.new(device, center=(0.0, 1.0), hist=hist, fmt="e5m2" if fmt else None)
+            y3 = y0.clone().requires_grad_()
+            swiglu(y3, dy_stats=lambda: tgt_dy).backward(dh)
+            want_dy = ds.partials(y3.grad, fmt=tgt_dy.fmt, outlier_center=(0.0, 1.0), hist=hist)
+            ok, why = rows_close(tgt_dy.rows[0], want_dy, under_slack=slack(want_dy))
+            same = torch.equal(y3.grad, y1.grad)
+            report(f"swiglu row of dy {shape} {dt} fmt={tgt_dy.fmt} hist={hist}", ok and same,
+                   why + ("" if same else " dy differs with the row"))
     check_rope(device)
 
 
 def check_rope(device) -> None:
     """trainer/kernels/rope.py: q, k, v and qkv's gradient equal torch's (``rope_qkv_ref`` and its autograd), the
-    forward's row of qkv against the fp64 oracle's, also with a NaN (the careful path) and merged into on a second
-    call."""
-    import importlib
-
+    forward's row of qkv and the backward's of its gradient against the fp64 oracle's, also with a NaN (the careful
+    path), the first merged into on a second call."""
     from trainer.kernels.rope import rope_qkv, rope_qkv_ref
-    from trainer.kernels.words import words_on
     from trainer.layers import Rotary
 
     g = torch.Generator(device="cpu").manual_seed(10)
@@ -539,7 +545,9 @@ def check_rope(device) -> None:
         grads = [torch.randn(b, nh, t, hd, generator=g).to(dt).to(device) for _ in range(3)]
         a, r = qkv0.clone().requires_grad_(), qkv0.clone().requires_grad_()
         tgt = ts.Target.new(device, center=(0.25, 2.0), hist=True, fmt="e4m3")
-        got, ref = rope_qkv(a, rot.cos, rot.sin, nh, stats=tgt), rope_qkv_ref(r, rot.cos, rot.sin, nh)
+        tgt_g = ts.Target.new(device, center=(0.0, 1.0), hist=True, fmt="e5m2")
+        got = rope_qkv(a, rot.cos, rot.sin, nh, stats=tgt, grad_stats=lambda: tgt_g)
+        ref = rope_qkv_ref(r, rot.cos, rot.sin, nh)
         torch.autograd.backward(got, grads)
         torch.autograd.backward(ref, grads)
         problems = []
@@ -556,17 +564,10 @@ def check_rope(device) -> None:
         rope_qkv(qkv0 * 2, rot.cos, rot.sin, nh, stats=tgt)
         both = ds.merge(want, ds.partials(qkv0 * 2, fmt="e4m3", outlier_center=(0.25, 2.0), hist=True))
         ok2, why2 = rows_close(tgt.rows[0], both, under_slack=both[ds.HIST:].nan_to_num(0).max().item())
-        report(f"rope {(b, t, nh, hd)} {dt} nan={nan}", ok and ok2 and not problems,
-               why + why2 + "; ".join(problems))
-        if dt == torch.bfloat16:  # the row through qkv's words (rope.WORDS): the same row, q, k, v to the bit
-            rp = importlib.import_module("trainer.kernels.rope")
-            tgt_w = ts.Target.new(device, center=(0.25, 2.0), hist=True, fmt="e4m3")
-            with words_on(rp):
-                got_w = rp.rope_qkv_forward(qkv0, rot.cos, rot.sin, nh, stats=tgt_w)
-            ok, why = rows_close(tgt_w.rows[0], want, under_slack=want[ds.HIST:].nan_to_num(0).max().item())
-            same = all(torch.equal(x.nan_to_num(7.0), y.detach().nan_to_num(7.0)) for x, y in zip(got_w, got))
-            report(f"rope's row through the words {(b, t, nh, hd)} nan={nan}", ok and same,
-                   why + ("" if same else " q, k or v differs"))
+        want_g = ds.partials(a.grad, fmt="e5m2", outlier_center=(0.0, 1.0), hist=True)
+        ok3, why3 = rows_close(tgt_g.rows[0], want_g, under_slack=want_g[ds.HIST:].nan_to_num(0).max().item())
+        report(f"rope {(b, t, nh, hd)} {dt} nan={nan}", ok and ok2 and ok3 and not problems,
+               why + why2 + why3 + "; ".join(problems))
 
 
 def main() -> None:

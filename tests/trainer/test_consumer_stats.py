@@ -125,7 +125,7 @@ def _child(names: list[str]) -> None:
                     problems.append("dy differs with statistics on")
                 emit(f"backward_stats:{tuple(y0.shape)}:{y0.dtype}:{fmt}", "; ".join(p for p in problems if p))
 
-    from trainer.kernels.words import words_on
+    from trainer.kernels.words import words_path
 
     def with_words(module, kernel: str, fn):
         """``fn()`` with ``module.WORDS`` on, and how many times ``module.<kernel>`` (its words kernel) launched."""
@@ -138,7 +138,7 @@ def _child(names: list[str]) -> None:
 
         setattr(module, kernel, Spy())
         try:
-            with words_on(module):
+            with words_path(module):
                 return fn(), len(launched)
         finally:
             setattr(module, kernel, real)

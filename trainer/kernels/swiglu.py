@@ -363,7 +363,9 @@ def swiglu_backward(y: torch.Tensor, dh: torch.Tensor, stats: "ts.Target | None"
     dy = torch.empty((M, two_h), dtype=y.dtype, device=y.device)
     programs = _programs(cdiv(M, BM) * cdiv(H, BN), y.device)
     _swiglu_bwd_kernel[(programs,)](y2, dh2, dy, M, H, y2.stride(0), **ts.epilogue_args(stats, programs, dy), BM=BM,
-                                    BN=BN, SOFT_ROUND=INTERPRET, num_warps=8)
+                                    BN=BN, SOFT_ROUND=INTERPRET, num_warps=8,
+                                    **({"maxnreg": STATS_MAXNREG} if STATS_MAXNREG and stats is not None
+                                       and not INTERPRET else {}))
     return dy.reshape(y.shape)
 
 

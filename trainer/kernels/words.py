@@ -32,12 +32,13 @@ def pack(lo, hi, SOFT_ROUND: tl.constexpr):
 
 
 @contextlib.contextmanager
-def words_on(*modules):
-    """The kernel modules' ``WORDS`` switches (their rows through the words) on for the block, restored after."""
+def words_path(*modules, on: bool = True):
+    """The kernel modules' ``WORDS`` switches (their rows through the words) set to ``on`` for the block, restored
+    after."""
     old = [m.WORDS for m in modules]
     try:
         for m in modules:
-            m.WORDS = True
+            m.WORDS = on
         yield
     finally:
         for m, v in zip(modules, old):
