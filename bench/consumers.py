@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agent import triton_stats as ts  # noqa: E402
-from trainer.kernels.residual import residual_add_forward  # noqa: E402
+from trainer.kernels.residual import branch_grad, residual_add_forward  # noqa: E402
 from trainer.kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_ref  # noqa: E402
 from trainer.kernels.timing import device_medians  # noqa: E402
 from trainer.kernels.words import words_path  # noqa: E402
@@ -139,6 +139,11 @@ def residual(name: str, tokens: int, d_model: int, dev: torch.device) -> None:
         "fused add + row": lambda: residual_add_forward(x, b, stats=tgt),
         "torch add + row read apart": lambda: (x + b, ts.rows([b], fmt="e4m3", center=[(0.0, 1.0)], hist=False,
                                                                 out=rows, index=[1])),
+        # the backward: b's gradient, the fp32 stream's cast to bf16, with its row (a plain linear's grad_output)
+        "torch grad cast": lambda: x.to(torch.bfloat16),
+        "fused grad cast + row": lambda: branch_grad(x, torch.bfloat16, tgt),
+        "torch grad cast + row read apart": lambda: ts.rows([x.to(torch.bfloat16)], fmt="e5m2", center=[(0.0, 1.0)],
+                                                             hist=False, out=rows, index=[1]),
     }
     for fn in fns.values():
         fn()

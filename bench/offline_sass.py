@@ -153,7 +153,7 @@ def main(argv=None) -> int:
 def _consumers(ts, built: dict) -> int:
     """Every variant of the consumer kernels: the SwiGLU forward without rows, with y's, with y's and h's, with y's
     through its words; its backward without and with dy's row; the residual add (fp32 stream, bf16 branch) without and
-    with the branch's row; RoPE on the qkv output (1.5B's heads) without and with its row, and its backward without
+    with the branch's row, and the branch gradient's cast with its row; RoPE on the qkv output (1.5B's heads) without and with its row, and its backward without
     and with its gradient's row."""
     sw = importlib.import_module("trainer.kernels.swiglu")
     res = importlib.import_module("trainer.kernels.residual")
@@ -176,6 +176,8 @@ def _consumers(ts, built: dict) -> int:
     for name, row in (("residual add", False), ("residual add + row", True)):
         res._residual_add_kernel = _CompileOnly(add, name, built)
         res.residual_add_forward(x, b, stats=ts.Target.new(cpu, fmt="e4m3", hist=False) if row else None)
+    res._branch_grad_kernel = _CompileOnly(res._branch_grad_kernel, "residual grad cast + row", built)
+    res.branch_grad(x, torch.bfloat16, ts.Target.new(cpu, fmt="e5m2", hist=False))
     rope = importlib.import_module("trainer.kernels.rope")
     rfwd, rbwd = rope._rope_fwd_kernel, rope._rope_bwd_kernel
     qkv, trig = torch.zeros(2, 2048, 3 * 2048, dtype=torch.bfloat16), torch.zeros(2048, 64)

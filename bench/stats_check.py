@@ -455,7 +455,7 @@ def check_consumers(device) -> None:
     F.silu(gate) * up (bf16: at most one unit in the last place, on under 1% of the elements; fp32 close), the
     forward's rows of y and h (bf16: the words path and the fp32 one) and the backward's of dy against the fp64
     oracle's. trainer/kernels/residual.py: x + b and its gradients equal
-    torch's, its row of b the oracle's. trainer/kernels/rope.py: ``check_rope``."""
+    torch's, its rows of b and of b's gradient the oracle's. trainer/kernels/rope.py: ``check_rope``."""
     import importlib
 
     from trainer.kernels.residual import residual_add
@@ -470,12 +470,18 @@ def check_consumers(device) -> None:
         b0 = (torch.randn(4, 1000, 2048, generator=g) * 4).to(torch.bfloat16).to(device)
         x1, b1 = x0.clone().requires_grad_(), b0.clone().requires_grad_()
         tgt = ts.Target.new(device, center=(0.0, 4.0), fmt="e4m3")
-        out = residual_add(x1, b1, stats=tgt)
-        out.backward(torch.ones_like(out))
-        same = torch.equal(out.detach(), x0 + b0) and bool((x1.grad == 1).all()) and bool((b1.grad == 1).all())
+        tgt_g = ts.Target.new(device, center=(0.0, 1.0), fmt="e5m2")
+        out = residual_add(x1, b1, stats=tgt, grad_stats=lambda: tgt_g)
+        dout = torch.randn(out.shape, generator=g).to(out.dtype).to(device)
+        out.backward(dout)
+        same = torch.equal(out.detach(), x0 + b0) and torch.equal(x1.grad, dout.to(xd)) and \
+            torch.equal(b1.grad, dout.to(torch.bfloat16))
         want = ds.partials(b0, fmt="e4m3", outlier_center=(0.0, 4.0))
         ok, why = rows_close(tgt.rows[0], want, under_slack=want[ds.HIST:].max().item())
-        report(f"residual add {xd} + bf16", ok and same, why + ("" if same else " sum or gradients differ"))
+        want_g = ds.partials(b1.grad, fmt="e5m2", outlier_center=(0.0, 1.0))
+        ok_g, why_g = rows_close(tgt_g.rows[0], want_g, under_slack=want_g[ds.HIST:].max().item())
+        report(f"residual add {xd} + bf16", ok and ok_g and same,
+               why + why_g + ("" if same else " sum or gradients differ"))
 
     g = torch.Generator(device="cpu").manual_seed(8)
     for shape, dt in (((4, 1000, 2 * 1536), torch.bfloat16), ((777, 2 * 300), torch.float32)):

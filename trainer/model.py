@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ARCHS, PRECISIONS, ModelConfig
-from .layers import (Attention, MakeLinear, RMSNorm, Rotary, SwiGLU, XIELUMLP, mark_reported, report_apart, take_output,
-                     target_of, triton_runs)
+from .layers import (Attention, MakeLinear, RMSNorm, Rotary, SwiGLU, XIELUMLP, mark_reported, report_apart,
+                     report_grad_apart, take_output, target_of, triton_runs)
 
 
 def linear_factory(precision: str, recipe=None) -> MakeLinear:
@@ -70,8 +70,8 @@ class Block(nn.Module):
         # llama's residual adds take the row of the branch's last linear's output (FUSED_RESIDUAL)
         self.fused_residual = FUSED_RESIDUAL and not fog
         if self.fused_residual:
-            mark_reported(self.attn.proj, "output")
-            mark_reported(self.mlp.fc2, "output")
+            mark_reported(self.attn.proj, "output", "grad_output")
+            mark_reported(self.mlp.fc2, "output", "grad_output")
 
     def forward(self, x: torch.Tensor, rope: Rotary) -> torch.Tensor:
         if self.arch == "fog":
@@ -82,24 +82,29 @@ class Block(nn.Module):
             return x + self.mlp(self.mlp_norm(x))
         fused = triton_runs(x.device)
         # (take_output before the branch runs: it tells an FP8 linear whether to leave its output row to the add)
-        x = _residual(x, take_output(self.attn.proj, fused), self.attn(self.attn_norm(x), rope), fused)
-        return _residual(x, take_output(self.mlp.fc2, fused), self.mlp(self.mlp_norm(x)), fused)
+        x = _residual(x, self.attn.proj, take_output(self.attn.proj, fused), self.attn(self.attn_norm(x), rope), fused)
+        return _residual(x, self.mlp.fc2, take_output(self.mlp.fc2, fused), self.mlp(self.mlp_norm(x)), fused)
 
 
 # The residual add as one Triton kernel (trainer.kernels.residual) where Triton runs, taking, for the agent, the row of
 # the output of the attention's proj and of the MLP's fc2 from its read of them (an FP8 linear then leaves it to the
-# add; a plain one's is marked as the block's at construction): no second read of them. On by default
+# add; a plain one's is marked as the block's at construction), and a plain one's grad_output row from the backward's
+# cast of it: no second read of them. On by default
 # (bench/RESULTS.md: faster than torch's add, and the agent's rows cheaper); FP8MON_FUSED_RESIDUAL=0 gives torch's add.
 FUSED_RESIDUAL = os.environ.get("FP8MON_FUSED_RESIDUAL", "1") == "1"
 
 
-def _residual(x: torch.Tensor, link, branch: torch.Tensor, fused: bool) -> torch.Tensor:
-    """x + branch, the branch's row (the output of the linear behind ``link``) taken by the fused add, or apart."""
+def _residual(x: torch.Tensor, linear: nn.Module, link, branch: torch.Tensor, fused: bool) -> torch.Tensor:
+    """x + branch, the rows of the branch (the output of ``linear``, whose agent link is ``link``) and, for a plain
+    linear, of its gradient (the linear's grad_output) taken by the fused add and its backward, or apart."""
+    grad_link = link if type(linear) is nn.Linear else None  # an FP8 linear's backward cast takes its grad_output
     if fused and x.shape == branch.shape:
         from .kernels.residual import residual_add
 
-        return residual_add(x, branch, stats=target_of(link, "output", branch))
+        grad_target = (lambda: target_of(grad_link, "grad_output", branch)) if grad_link is not None else None
+        return residual_add(x, branch, stats=target_of(link, "output", branch), grad_stats=grad_target)
     report_apart(link, "output", branch)
+    report_grad_apart(grad_link, branch)
     return x + branch
 
 

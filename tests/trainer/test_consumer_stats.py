@@ -216,27 +216,33 @@ def _child(names: list[str]) -> None:
                     problems.append(f"no row {key}")
         emit("agent_block", "; ".join(problems))
 
-    def rows_by_mode(flag: str, make_block, seed: int) -> dict:
-        """``agent_rows`` of a block of plain linears with ``layers.<flag>`` off ("hooks"), on ("fused"), and on as on
-        a device where Triton does not run ("block_torch"): two steps of two micro-batches of (2, 8, 32)."""
-        from stats_check import agent_rows
-        from trainer import layers
+    def rows_by_mode(flag: str, make_block, seed: int, inputs=None) -> dict:
+        """``agent_rows`` of a block of plain linears with the flag (``trainer.layers.<flag>``, or ``module.FLAG``)
+        off ("hooks"), on ("fused"), and on as on a device where Triton does not run ("block_torch"): two steps of two
+        micro-batches of ``inputs(i)`` (default (2, 8, 32) floats)."""
+        import importlib
 
+        from stats_check import agent_rows
+        from trainer import layers, model
+
+        module, _, flag = flag.rpartition(".")
+        module = importlib.import_module(module) if module else layers
+        inputs = inputs or (lambda i: torch.randn(2, 8, 32) * (1 + i))
         got = {}
         for mode in ("hooks", "fused", "block_torch"):
             torch.manual_seed(seed)
-            old = getattr(layers, flag), layers.triton_runs
-            setattr(layers, flag, mode != "hooks")
+            old = getattr(module, flag), layers.triton_runs, model.triton_runs
+            setattr(module, flag, mode != "hooks")
             if mode == "block_torch":
-                layers.triton_runs = lambda device: False
+                layers.triton_runs = model.triton_runs = lambda device: False
             try:
                 block = make_block()
-                xs = [torch.randn(2, 8, 32) * (1 + i) for i in range(4)]
+                xs = [inputs(i) for i in range(4)]
                 got[mode] = agent_rows(block, lambda step, micro: xs[2 * step + micro], 2, "cpu", fused=True,
                                        stats_backend="triton")
             finally:
-                setattr(layers, flag, old[0])
-                layers.triton_runs = old[1]
+                setattr(module, flag, old[0])
+                layers.triton_runs, model.triton_runs = old[1], old[2]
         return got
 
     def agent_block_plain():
@@ -269,8 +275,9 @@ def _child(names: list[str]) -> None:
         emit("agent_block_plain", "; ".join(problems))
 
     def residual():
-        """The fused add equals torch's x + b, values (one rounding) and gradients, for an fp32 residual stream plus
-        a bf16 branch and for two bf16 tensors; its row of b equals the fp64 oracle's."""
+        """The fused add equals torch's x + b, values (one rounding) and gradients (b's cast by the kernel that takes
+        its row), for an fp32 residual stream plus a bf16 branch and for two bf16 tensors; its rows of b and of b's
+        gradient equal the fp64 oracle's."""
         from trainer.kernels.residual import residual_add, residual_add_ref
 
         g = torch.Generator().manual_seed(9)
@@ -284,7 +291,8 @@ def _child(names: list[str]) -> None:
             x1, b1 = x0.clone().requires_grad_(), b0.clone().requires_grad_()
             x2, b2 = x0.clone().requires_grad_(), b0.clone().requires_grad_()
             tgt = ts.Target.new("cpu", center=(0.0, 4.0), fmt="e4m3")
-            o1, o2 = residual_add(x1, b1, stats=tgt), residual_add_ref(x2, b2)
+            tgt_g = ts.Target.new("cpu", center=(0.0, 1.0), fmt="e5m2")
+            o1, o2 = residual_add(x1, b1, stats=tgt, grad_stats=lambda: tgt_g), residual_add_ref(x2, b2)
             o1.backward(dout.to(o1.dtype))
             o2.backward(dout.to(o2.dtype))
             problems = []
@@ -294,6 +302,8 @@ def _child(names: list[str]) -> None:
                 problems.append("gradients differ")
             want = ds.partials(b0, fmt="e4m3", outlier_center=(0.0, 4.0))
             problems.append(row_problems(tgt.rows[0], want, rtol=1e-6, under_slack=float(want[ds.HIST:].max())))
+            want_g = ds.partials(b2.grad, fmt="e5m2", outlier_center=(0.0, 1.0))
+            problems.append(row_problems(tgt_g.rows[0], want_g, rtol=1e-6, under_slack=float(want_g[ds.HIST:].max())))
             emit(f"residual:{xd}+{bd}:nan={nan}", "; ".join(p for p in problems if p))
 
     def rope():
@@ -371,6 +381,38 @@ def _child(names: list[str]) -> None:
                         problems.append(f"{mode} step {step} {key}: {p}")
         emit("attention_plain", "; ".join(problems))
 
+    def residual_plain():
+        """A one-block llama of plain linears (no FP8) watched by an agent: with the fused residual adds the hooks
+        read neither proj's nor fc2's output and grad_output, and the kernels' rows of them equal the hooks' rows
+        without them; on a device without the kernels the block reports them itself."""
+        from trainer import layers, model
+        from trainer.config import get_config
+
+        cfg = get_config("tiny", n_layer=1, d_model=32, n_head=2, d_ff=48, seq_len=8, vocab_size=64)
+        old = layers.FUSED_SWIGLU, layers.FUSED_ROPE
+        layers.FUSED_SWIGLU = layers.FUSED_ROPE = False  # torch's ops in every mode: the adds alone differ
+        try:
+            got = rows_by_mode("trainer.model.FUSED_RESIDUAL", lambda: model.Transformer(cfg, "llama", "fp32"), 6,
+                               inputs=lambda i: torch.randint(0, 64, (2, 8)))
+        finally:
+            layers.FUSED_SWIGLU, layers.FUSED_ROPE = old
+        problems = []
+        want, keys = got["hooks"]
+        for mode in ("fused", "block_torch"):
+            rows, keys2 = got[mode]
+            if sorted(keys2) != sorted(keys):
+                problems.append(f"{mode}: slots {keys2} vs {keys}")
+                continue
+            for key in [(f"blocks.0.{n}", s) for n in ("attn.proj", "mlp.fc2") for s in ("output", "grad_output")]:
+                for step in range(2):
+                    a, b = rows[step][keys2.index(key)].clone(), want[step][keys.index(key)]
+                    if mode == "block_torch":  # the torch path counts outliers about the tensor's own mean and std
+                        a[ds.OUTLIERS] = b[ds.OUTLIERS]
+                    p = row_problems(a, b, rtol=1e-6, under_slack=float(b[ds.HIST:].nan_to_num(0).max()))
+                    if p:
+                        problems.append(f"{mode} step {step} {key}: {p}")
+        emit("residual_plain", "; ".join(problems))
+
     def agent_model():
         """A one-block FP8 llama watched by an agent: with the fused consumers on, the rows of qkv's, fc1's, proj's
         and fc2's outputs come from them (no output is deferred to a statistics read), and equal the rows the
@@ -423,13 +465,13 @@ def _child(names: list[str]) -> None:
 
     checks = dict(forward_backward=forward_backward, forward_stats=forward_stats, words=words, agent_block=agent_block,
                   agent_block_plain=agent_block_plain, residual=residual, rope=rope, backward_stats=backward_stats,
-                  attention_plain=attention_plain,
+                  attention_plain=attention_plain, residual_plain=residual_plain,
                   agent_model=agent_model)
     run_each(checks, names)
 
 
 GROUPS = ["forward_backward", "forward_stats", "backward_stats", "words", "agent_block", "agent_block_plain", "residual",
-          "rope", "attention_plain", "agent_model"]
+          "rope", "attention_plain", "residual_plain", "agent_model"]
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,14 @@ reading b once more.
 
 x and b have one shape; out takes torch's type promotion of the two (an fp32 residual stream plus a bf16 branch is
 fp32), and its values are torch's: the sum in fp32, rounded once to out's dtype. The backward is torch's: the gradient
-to each input, in its dtype. Reference beside it: ``residual_add_ref``.
+to each input, in its dtype. Reference beside it: ``residual_add_ref``. With ``grad_stats`` the backward casts b's
+gradient in one kernel (``branch_grad``) that also takes its row: the grad_output of a plain branch linear (an FP8
+linear's backward cast takes its own).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import triton
@@ -23,6 +27,7 @@ from .quantize import INTERPRET, _num_sms, cdiv
 
 BLOCK = 2048
 PROGRAMS_PER_SM = 4
+_SOFT_ROUND = tl.constexpr(INTERPRET)  # for the careful path's loader of b's gradient (kernels take it as an argument)
 
 
 @triton.jit
@@ -82,6 +87,70 @@ def _residual_add_kernel(x_ptr, b_ptr, out_ptr, n, sp_ptr, ctr_ptr, dst_ptr, dst
                        outl, under, over, amax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST, SMODE)
 
 
+@triton.jit
+def _grad_block(g_ptr, n, blk, DTYPE: tl.constexpr, BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """Block ``blk`` of the gradient g rounded to DTYPE (as ``g.to(DTYPE)``), and the mask."""
+    offs = (blk + tl.zeros([], tl.int64)) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return _to_out(g, DTYPE, SOFT_ROUND), offs, mask
+
+
+@triton.jit
+def _db_part(src, blk, part, BLOCK: tl.constexpr, V: tl.constexpr):
+    """The careful path's loader of the branch gradient's row: block ``blk`` of it, recomputed from g (not re-read:
+    other threads of the program stored it), fp32, as the statistics' [R, V] view, with its mask."""
+    g_ptr, db_ptr, n = src
+    d, _, mask = _grad_block(g_ptr, n, blk, db_ptr.dtype.element_ty, BLOCK, _SOFT_ROUND)
+    return tl.reshape(d.to(tl.float32), [BLOCK // V, V]), tl.reshape(mask, [BLOCK // V, V])
+
+
+@triton.jit(do_not_specialize=["dst_index", "merge"])
+def _branch_grad_kernel(g_ptr, db_ptr, n, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, cen_ptr, c_mean, c_std, k,
+                        ahm_ptr, ahm_val, STATS: tl.constexpr, C_PTR: tl.constexpr, AHM_PTR: tl.constexpr,
+                        HIST: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr, SMODE: tl.constexpr,
+                        BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """db = g in b's dtype, persistent over blocks, with db's row (the branch linear's ``grad_output``) taken as the
+    forward takes b's."""
+    V: tl.constexpr = 8
+    R: tl.constexpr = BLOCK // V
+    dtype = db_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    nblk = tl.cdiv(n, BLOCK)
+    lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
+    d0, m0 = _db_part((g_ptr, db_ptr, n), pid, 0, BLOCK, V)
+    c, p, ok, ncp, st = stream_start(d0, m0, R)
+    ht = None
+    if HIST and _SMEM_HIST:
+        ht = _htab()
+    ce = tl.zeros([], tl.int32)
+    for blk in range(pid, nblk, tl.num_programs(0)):
+        d, offs, mask = _grad_block(g_ptr, n, blk, dtype, BLOCK, SOFT_ROUND)
+        tl.store(db_ptr + offs, d, mask=mask)
+        inside = tl.minimum(n - (blk + tl.zeros([], tl.int64)) * BLOCK, BLOCK).to(tl.int32)
+        st = stream_add(st, d.to(tl.float32), mask, inside == BLOCK, p, ncp, lo, hi, HIST, R, V, ht)
+        ce += inside
+    ce, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = stream_partial(
+        st, ce, c, p, ok, _db_part, (g_ptr, db_ptr, n), nblk, 1, lo, hi, HIST, R, BLOCK, V, ht)
+    fused_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, 1.0, ce, nfin, nonfin, zeros, outl,
+                   under, over, amax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST, SMODE)
+
+
+def _programs(n: int, device: torch.device) -> int:
+    return max(1, min(cdiv(n, BLOCK), 4 if INTERPRET else PROGRAMS_PER_SM * _num_sms(device)))
+
+
+def branch_grad(g: torch.Tensor, dtype: torch.dtype, stats: "ts.Target") -> torch.Tensor:
+    """The branch's gradient, ``g.to(dtype)`` (a new tensor even where the dtype is g's), in one pass with its row
+    into ``stats``."""
+    gc = g.contiguous()
+    db = torch.empty(g.shape, dtype=dtype, device=g.device)
+    programs = _programs(db.numel(), g.device)
+    _branch_grad_kernel[(programs,)](gc, db, db.numel(), **ts.epilogue_args(stats, programs, db), BLOCK=BLOCK,
+                                     SOFT_ROUND=INTERPRET, num_warps=8)
+    return db
+
+
 def residual_add_forward(x: torch.Tensor, b: torch.Tensor, stats: "ts.Target | None" = None) -> torch.Tensor:
     """x + b (same shape) in one pass; with ``stats`` b's row into the target."""
     if x.shape != b.shape:
@@ -89,7 +158,7 @@ def residual_add_forward(x: torch.Tensor, b: torch.Tensor, stats: "ts.Target | N
     xc, bc = x.contiguous(), b.contiguous()
     out = torch.empty(x.shape, dtype=torch.result_type(x, b), device=x.device)
     n = out.numel()
-    programs = max(1, min(cdiv(n, BLOCK), 4 if INTERPRET else PROGRAMS_PER_SM * _num_sms(x.device)))
+    programs = _programs(n, x.device)
     _residual_add_kernel[(programs,)](xc, bc, out, n, **ts.epilogue_args(stats, programs, out), BLOCK=BLOCK,
                                       SOFT_ROUND=INTERPRET, num_warps=8)
     return out
@@ -97,19 +166,22 @@ def residual_add_forward(x: torch.Tensor, b: torch.Tensor, stats: "ts.Target | N
 
 class _ResidualAddFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, b, stats):
-        ctx.dtypes = x.dtype, b.dtype
+    def forward(ctx, x, b, stats, grad_stats):
+        ctx.dtypes, ctx.grad_stats = (x.dtype, b.dtype), grad_stats
         return residual_add_forward(x, b, stats)
 
     @staticmethod
     def backward(ctx, g):
         dx, db = ctx.dtypes
-        return g.to(dx), g.to(db), None
+        target = ctx.grad_stats() if ctx.grad_stats is not None else None
+        return g.to(dx), g.to(db) if target is None else branch_grad(g, db, target), None, None
 
 
-def residual_add(x: torch.Tensor, b: torch.Tensor, stats: "ts.Target | None" = None) -> torch.Tensor:
-    """x + b, differentiable, in one pass; with ``stats`` b's statistics row (see the module docstring)."""
-    return _ResidualAddFn.apply(x, b, stats)
+def residual_add(x: torch.Tensor, b: torch.Tensor, stats: "ts.Target | None" = None,
+                 grad_stats: "Callable[[], ts.Target | None] | None" = None) -> torch.Tensor:
+    """x + b, differentiable, in one pass; with ``stats`` b's statistics row (see the module docstring);
+    ``grad_stats``, called in the backward, gives the target of the row of b's gradient (None: none)."""
+    return _ResidualAddFn.apply(x, b, stats, grad_stats)
 
 
 def residual_add_ref(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
