@@ -245,6 +245,28 @@ def _child(names: list[str]) -> None:
                 layers.triton_runs, model.triton_runs = old[1], old[2]
         return got
 
+    def same_rows_by_mode(got: dict, wanted: list) -> list[str]:
+        """Where the "fused" and "block_torch" rows of ``rows_by_mode`` differ from the hooks' at the slots
+        ``wanted``, both steps (rtol 1e-6)."""
+        problems = []
+        want, keys = got["hooks"]
+        for mode in ("fused", "block_torch"):
+            rows, keys2 = got[mode]
+            if sorted(keys2) != sorted(keys):
+                problems.append(f"{mode}: slots {keys2} vs {keys}")
+                continue
+            for key in wanted:
+                for step in range(2):
+                    a, b = rows[step][keys2.index(key)].clone(), want[step][keys.index(key)]
+                    if mode == "block_torch":  # the torch path counts outliers about the tensor's own mean and std
+                        a[ds.OUTLIERS] = b[ds.OUTLIERS]
+                    # current scaling's underflow: the Triton rows' from the histogram, exact up to the threshold's
+                    # binade; the torch path's exact
+                    p = row_problems(a, b, rtol=1e-6, under_slack=float(b[ds.HIST:].nan_to_num(0).max()))
+                    if p:
+                        problems.append(f"{mode} step {step} {key}: {p}")
+        return problems
+
     def agent_block_plain():
         """The same with plain linears (no FP8): the hooks read neither fc1's output and grad_output nor fc2's input,
         the fused kernels' rows of them are the hooks' rows without them (fc2's input h and fc1's grad_output dy to the
@@ -362,24 +384,7 @@ def _child(names: list[str]) -> None:
                 return self.attn(x, rot)
 
         got = rows_by_mode("FUSED_ROPE", WithRope, 5)
-        problems = []
-        want, keys = got["hooks"]
-        for mode in ("fused", "block_torch"):
-            rows, keys2 = got[mode]
-            if sorted(keys2) != sorted(keys):
-                problems.append(f"{mode}: slots {keys2} vs {keys}")
-                continue
-            for key in (("attn.qkv", "output"), ("attn.qkv", "grad_output")):
-                for step in range(2):
-                    a, b = rows[step][keys2.index(key)].clone(), want[step][keys.index(key)]
-                    if mode == "block_torch":  # the torch path counts outliers about the tensor's own mean and std
-                        a[ds.OUTLIERS] = b[ds.OUTLIERS]
-                    # current scaling's underflow: the Triton rows' from the histogram, exact up to the threshold's
-                    # binade; the torch path's exact
-                    p = row_problems(a, b, rtol=1e-6, under_slack=float(b[ds.HIST:].nan_to_num(0).max()))
-                    if p:
-                        problems.append(f"{mode} step {step} {key}: {p}")
-        emit("attention_plain", "; ".join(problems))
+        emit("attention_plain", "; ".join(same_rows_by_mode(got, [("attn.qkv", s) for s in ("output", "grad_output")])))
 
     def residual_plain():
         """A one-block llama of plain linears (no FP8) watched by an agent: with the fused residual adds the hooks
@@ -396,22 +401,8 @@ def _child(names: list[str]) -> None:
                                inputs=lambda i: torch.randint(0, 64, (2, 8)))
         finally:
             layers.FUSED_SWIGLU, layers.FUSED_ROPE = old
-        problems = []
-        want, keys = got["hooks"]
-        for mode in ("fused", "block_torch"):
-            rows, keys2 = got[mode]
-            if sorted(keys2) != sorted(keys):
-                problems.append(f"{mode}: slots {keys2} vs {keys}")
-                continue
-            for key in [(f"blocks.0.{n}", s) for n in ("attn.proj", "mlp.fc2") for s in ("output", "grad_output")]:
-                for step in range(2):
-                    a, b = rows[step][keys2.index(key)].clone(), want[step][keys.index(key)]
-                    if mode == "block_torch":  # the torch path counts outliers about the tensor's own mean and std
-                        a[ds.OUTLIERS] = b[ds.OUTLIERS]
-                    p = row_problems(a, b, rtol=1e-6, under_slack=float(b[ds.HIST:].nan_to_num(0).max()))
-                    if p:
-                        problems.append(f"{mode} step {step} {key}: {p}")
-        emit("residual_plain", "; ".join(problems))
+        keys = [(f"blocks.0.{n}", s) for n in ("attn.proj", "mlp.fc2") for s in ("output", "grad_output")]
+        emit("residual_plain", "; ".join(same_rows_by_mode(got, keys)))
 
     def agent_model():
         """A one-block FP8 llama watched by an agent: with the fused consumers on, the rows of qkv's, fc1's, proj's
