@@ -153,8 +153,8 @@ def main(argv=None) -> int:
 def _consumers(ts, built: dict) -> int:
     """Every variant of the consumer kernels: the SwiGLU forward without rows, with y's, with y's and h's, with y's
     through its words; its backward without and with dy's row; the residual add (fp32 stream, bf16 branch) without and
-    with the branch's row, and the branch gradient's cast with its row; RoPE on the qkv output (1.5B's heads) without and with its row, and its backward without
-    and with its gradient's row."""
+    with the branch's row, and the branch gradient's cast with its row; RoPE on the qkv output (1.5B's heads) without
+    and with its row, and its backward without and with its gradient's row."""
     sw = importlib.import_module("trainer.kernels.swiglu")
     res = importlib.import_module("trainer.kernels.residual")
     cpu = torch.device("cpu")

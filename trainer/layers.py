@@ -64,8 +64,9 @@ class Rotary(nn.Module):
 # RoPE on the qkv output as one Triton kernel each way (trainer.kernels.rope) where Triton runs, for attention without
 # QK-norm (llama) and heads of a power of two from 16. It also takes, for the agent, the row of the qkv linear's output
 # from its read of it (an FP8 qkv then leaves it to the kernel; a plain one's is marked as the block's at
-# construction), and a plain qkv's grad_output row from the backward's write of it: no second read of them. On by default (bench/RESULTS.md: about ten times faster than torch's Rotary on
-# the permuted views, and the row cheaper than a read apart); FP8MON_FUSED_ROPE=0 gives torch's ops.
+# construction), and a plain qkv's grad_output row from the backward's write of it: no second read of them. On by
+# default (bench/RESULTS.md: about ten times faster than torch's Rotary on the permuted views, and the rows cheaper
+# than reads apart); FP8MON_FUSED_ROPE=0 gives torch's ops.
 FUSED_ROPE = os.environ.get("FP8MON_FUSED_ROPE", "1") == "1"
 
 

@@ -34,8 +34,9 @@ from .quantize import INTERPRET, _num_sms, cdiv
 
 BT = 32  # positions per tile
 PROGRAMS_PER_SM = 4
-# Register cap of the forward with the row (ptxas): in an offline sm_90a build (bench/offline_sass.py --consumers)
-# 166 registers uncapped, one program of 8 warps per SM; 126 with no spill at this cap, two.
+# Register cap of the kernels with a row (ptxas): in an offline sm_90a build (bench/offline_sass.py --consumers) the
+# forward took 166 registers uncapped, one program of 8 warps per SM, and 126 with no spill at this cap, two; the
+# backward 128 at this cap, with 80 bytes of stack outside its tile loop.
 STATS_MAXNREG = 128
 _SOFT_ROUND = tl.constexpr(INTERPRET)  # for the careful path's loader of the gradient (kernels take it as an argument)
 
@@ -308,9 +309,9 @@ class _RopeQKVFn(torch.autograd.Function):
         return rope_qkv_backward(dq, dk, dv, cos, sin, ctx.dtype, stats), None, None, None, None, None
 
 
-def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: int,
-             stats: "ts.Target | None" = None,
-             grad_stats: "Callable[[], ts.Target | None] | None" = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: int, stats: "ts.Target | None" = None,
+             grad_stats: "Callable[[], ts.Target | None] | None" = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, k, v) of the fused qkv output, q and k rotated, differentiable, in one pass each way (see the module
     docstring); with ``stats`` the qkv output's statistics row; ``grad_stats``, called in the backward right before
     its kernel, gives the target of the qkv gradient's row (None: none)."""
