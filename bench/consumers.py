@@ -56,14 +56,9 @@ def main() -> None:
             tgt = ts.Target(rows, 0, False, (0.0, 1.0), 6.0, hist, None, "e4m3")
             tgt_h = ts.Target(rows, 2, False, (0.0, 1.0), 6.0, hist, None, "e4m3")
 
-            def both_rows(h_in_kernel=True):  # the words path: y's row in the kernel; h's there (without the
-                sw = importlib.import_module("trainer.kernels.swiglu")  # histogram) or deferred to a statistics launch
-                old, sw.WORDS_H = sw.WORDS_H, h_in_kernel
-                try:
-                    swiglu_forward(y, stats=tgt, h_stats=tgt_h)
-                    ts.flush_deferred()
-                finally:
-                    sw.WORDS_H = old
+            def both_rows():  # the words path: y's row in the kernel, h's by a statistics launch (deferred)
+                swiglu_forward(y, stats=tgt, h_stats=tgt_h)
+                ts.flush_deferred()
 
             fns = {
                 "torch forward": lambda: swiglu_ref(y),
@@ -71,7 +66,6 @@ def main() -> None:
                 "fused forward + row": lambda: swiglu_forward(y, stats=tgt),
                 "fused forward + row, fp32 path": lambda: fp32_path(lambda: swiglu_forward(y, stats=tgt)),
                 "fused forward + rows of y and h": both_rows,
-                "fused forward + rows of y and h, h deferred": lambda: both_rows(False),
                 "fused forward + rows of y and h, one kernel": lambda: fp32_path(
                     lambda: swiglu_forward(y, stats=tgt, h_stats=tgt_h)),
                 "torch forward + row read apart": lambda: (swiglu_ref(y), ts.rows(

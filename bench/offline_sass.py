@@ -152,7 +152,7 @@ def main(argv=None) -> int:
 
 def _consumers(ts, built: dict) -> int:
     """Every variant of the consumer kernels: the SwiGLU forward without rows, with y's, with y's and h's, with y's
-    through its words, with y's and h's through their words; its backward without and with dy's row; the residual add (fp32 stream, bf16 branch) without and
+    through its words; its backward without and with dy's row; the residual add (fp32 stream, bf16 branch) without and
     with the branch's row, and the branch gradient's cast with its row; RoPE on the qkv output (1.5B's heads) without
     and with its row, and its backward without and with its gradient's row."""
     sw = importlib.import_module("trainer.kernels.swiglu")
@@ -168,9 +168,6 @@ def _consumers(ts, built: dict) -> int:
     sw.WORDS, words = True, sw._swiglu_fwd_words_kernel
     sw._swiglu_fwd_words_kernel = _CompileOnly(words, "swiglu fwd + y row (words)", built)
     sw.swiglu_forward(y, stats=ts.Target.new(cpu, fmt="e4m3", hist=False))
-    sw._swiglu_fwd_words_kernel = _CompileOnly(words, "swiglu fwd + y, h rows (words)", built)
-    sw.swiglu_forward(y, stats=ts.Target.new(cpu, fmt="e4m3", hist=False),
-                      h_stats=ts.Target.new(cpu, fmt="e4m3", hist=False))
     for name, row in (("swiglu bwd", False), ("swiglu bwd + dy row", True)):
         sw._swiglu_bwd_kernel = _CompileOnly(bwd, name, built)
         sw.swiglu_backward(y, torch.zeros(4096, 2048, dtype=torch.bfloat16),

@@ -47,8 +47,6 @@ _V = tl.constexpr(8)
 # y's row through y's 32-bit words (``_swiglu_fwd_words_kernel``) where y is bf16 of even width, h's row then deferred
 # to a statistics launch; on by default (bench/RESULTS.md: faster on an H100), FP8MON_SWIGLU_WORDS=0 turns it off
 WORDS = os.environ.get("FP8MON_SWIGLU_WORDS", "1") == "1"
-# on that path, h's row (without the histogram) through h's words in the same kernel, not deferred
-WORDS_H = os.environ.get("FP8MON_SWIGLU_WORDS_H", "1") == "1"
 _SOFT_ROUND = tl.constexpr(INTERPRET)  # for the careful path's loaders of h and dy (the kernels take it as an argument)
 # Register cap of the forward with y's row only (ptxas; None: uncapped). In an offline sm_90a build
 # (bench/offline_sass.py --consumers) it took 162 registers uncapped, one program of 8 warps per SM, and 128 with no
@@ -190,20 +188,15 @@ def _swiglu_fwd_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, d
                 dst_index_h, merge_h, ahm_ptr_h, ahm_val_h, HIST_H, AHM_PTR_H, FMAX_H, UTHR_H, SMODE_H, True, BM, BN)
 
 
-@triton.jit(do_not_specialize=["dst_index", "merge", "dst_index_h", "merge_h"])
+@triton.jit(do_not_specialize=["dst_index", "merge"])
 def _swiglu_fwd_words_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, cen_ptr, c_mean,
-                             c_std, k, ahm_ptr, ahm_val, sp_ptr_h, ctr_ptr_h, dst_ptr_h, dst_index_h, merge_h, cen_ptr_h,
-                             c_mean_h, c_std_h, k_h, ahm_ptr_h, ahm_val_h, STATS: tl.constexpr, C_PTR: tl.constexpr,
+                             c_std, k, ahm_ptr, ahm_val, STATS: tl.constexpr, C_PTR: tl.constexpr,
                              AHM_PTR: tl.constexpr, HIST: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr,
-                             SMODE: tl.constexpr, STATS_H: tl.constexpr, C_PTR_H: tl.constexpr,
-                             AHM_PTR_H: tl.constexpr, HIST_H: tl.constexpr, FMAX_H: tl.constexpr,
-                             UTHR_H: tl.constexpr, SMODE_H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                             SOFT_ROUND: tl.constexpr):
+                             SMODE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SOFT_ROUND: tl.constexpr):
     """The forward with y's row, for bf16 y of even H, through y's and h's 32-bit words: on a full tile the two
     elements of a word share the counts' and the amax's integer and bf16x2 operations (``triton_stats._tile_bf16x2``,
-    the standalone kernel's bf16 path); a partial tile takes the fp32 path (``stream_add``). With STATS_H h's row too,
-    the same way from h's words (without a histogram: the kernel has one table, y's; the launcher checks). y's
-    histogram needs the shared-memory table (the launcher checks)."""
+    the standalone kernel's bf16 path); a partial tile takes the fp32 path (``stream_add``). The histogram needs the
+    shared-memory table (the launcher checks)."""
     dtype = h_ptr.dtype.element_ty
     BW: tl.constexpr = BN // 2
     R: tl.constexpr = BM * BW // 4
@@ -223,12 +216,6 @@ def _swiglu_fwd_words_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_
     ht = None
     if HIST and _SMEM_HIST:
         ht = _htab()
-    if STATS_H:
-        lo_h, hi_h = fused_bounds(cen_ptr_h, c_mean_h, c_std_h, k_h, C_PTR_H)
-        c_h, p_h, ok_h = _shift_of(tl.reshape(_h_of(g0, u0, dtype, SOFT_ROUND).to(tl.float32), [BM * BN]), m1)
-        ncp_h = -(c_h * p_h)
-        t1, t2, t3, t4, am_h, cu_h, co_h, cout_h, cz_h, hist_h = stream_zero(R)
-        ku_h, lo2_h, hi2_h, amw_h, pu_h, pnz_h, pout_h = packed_setup(tl.full([], -1, tl.int32), lo_h, hi_h, R)
     ce = tl.zeros([], tl.int32)
     nfull = tl.zeros([], tl.int32)
     for t in range(pid, tiles, tl.num_programs(0)):
@@ -250,9 +237,6 @@ def _swiglu_fwd_words_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_
                                                               s4, amw, pu, pnz, pout, ht)
             s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(tl.reshape(uw, [R, 4]), p, ncp, ku, lo2, hi2, s1, s2, s3,
                                                               s4, amw, pu, pnz, pout, ht)
-            if STATS_H:
-                t1, t2, t3, t4, amw_h, pu_h, pnz_h, pout_h = _tile_bf16x2(
-                    tl.reshape(h, [R, 4]), p_h, ncp_h, ku_h, lo2_h, hi2_h, t1, t2, t3, t4, amw_h, pu_h, pnz_h, pout_h)
             nfull += 1
         else:
             acc = s1, s2, s3, s4, am, cu, co, cout, cz, hist
@@ -261,21 +245,10 @@ def _swiglu_fwd_words_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_
             acc = stream_add(acc, u_lo, mw, False, p, ncp, lo, hi, HIST, R, 4, ht)
             s1, s2, s3, s4, am, cu, co, cout, cz, hist = stream_add(acc, u_hi, mw, False, p, ncp, lo, hi, HIST, R, 4,
                                                                      ht)
-            if STATS_H:
-                h_lo, h_hi = unpack(h)
-                acc_h = t1, t2, t3, t4, am_h, cu_h, co_h, cout_h, cz_h, hist_h
-                acc_h = stream_add(acc_h, h_lo, mw, False, p_h, ncp_h, lo_h, hi_h, False, R, 4)
-                t1, t2, t3, t4, am_h, cu_h, co_h, cout_h, cz_h, hist_h = stream_add(acc_h, h_hi, mw, False, p_h, ncp_h,
-                                                                                     lo_h, hi_h, False, R, 4)
         ce += tm * tn
     am, cu, cz, cout = packed_fold(nfull * 16, amw, pu, pnz, pout, am, cu, cz, cout)  # 2 x 8 elements a lane a tile
     _row_of((s1, s2, s3, s4, am, cu, co, cout, cz, hist), 2 * ce, c, p, ok, y_ptr, M, H, stride_y, lo, hi, sp_ptr,
             ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, HIST, AHM_PTR, FMAX, UTHR, SMODE, False, BM, BN, ht)
-    if STATS_H:
-        am_h, cu_h, cz_h, cout_h = packed_fold(nfull * 8, amw_h, pu_h, pnz_h, pout_h, am_h, cu_h, cz_h, cout_h)
-        _row_of((t1, t2, t3, t4, am_h, cu_h, co_h, cout_h, cz_h, hist_h), ce, c_h, p_h, ok_h, y_ptr, M, H, stride_y,
-                lo_h, hi_h, sp_ptr_h, ctr_ptr_h, dst_ptr_h, dst_index_h, merge_h, ahm_ptr_h, ahm_val_h, False,
-                AHM_PTR_H, FMAX_H, UTHR_H, SMODE_H, True, BM, BN)
 
 
 @triton.jit
@@ -366,14 +339,10 @@ def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
     programs = _programs(cdiv(M, BM) * cdiv(H, BN), y.device)
     if (WORDS and stats is not None and y.dtype == torch.bfloat16 and H % 2 == 0 and y2.stride(0) % 2 == 0
             and y2.data_ptr() % 4 == 0 and (not stats.hist or ts.SMEM_HIST)):
-        # h's row in the kernel without a histogram, else by the next statistics launch (the one table is y's)
-        h_here = h_stats if h_stats is not None and not h_stats.hist and WORDS_H else None
-        _swiglu_fwd_words_kernel[(programs,)](y2, h, M, H, y2.stride(0), **ts.epilogue_args(stats, programs, h),
-                                              **ts.epilogue_args(h_here, programs, h, "_h", counter_row=1), BM=BM,
+        _swiglu_fwd_words_kernel[(programs,)](y2, h, M, H, y2.stride(0), **ts.epilogue_args(stats, programs, h), BM=BM,
                                               BN=BN, SOFT_ROUND=INTERPRET, num_warps=8,
-                                              **({"maxnreg": STATS_MAXNREG} if STATS_MAXNREG and not INTERPRET
-                                                 and h_here is None else {}))
-        if h_stats is not None and h_here is None:
+                                              **({"maxnreg": STATS_MAXNREG} if STATS_MAXNREG and not INTERPRET else {}))
+        if h_stats is not None:  # h's row by the next statistics launch: cheaper than a second row here (RESULTS)
             ts.defer(h, h_stats)
         return h.reshape(*y.shape[:-1], H)
     capped = STATS_MAXNREG and not INTERPRET and stats is not None and h_stats is None
