@@ -27,7 +27,7 @@ amortized cost.
 --cuda-graph``), each kind of step captured in the phase's warm-up: the launches' host cost leaves the step, so
 the overhead is the agent's device time.
 
-``--variants "default;trainer.kernels.swiglu.WORDS=True"`` measures settings one after another in one process: the
+``--variants "default;trainer.kernels.swiglu.WORDS=False"`` measures settings one after another in one process: the
 kernels compiled for the first are the later ones' too, so a first process's compile time (minutes on a fresh GPU
 machine) does not cut one setting short, and the settings share the machine's state.
 
@@ -348,7 +348,7 @@ def main(argv=None) -> int:
                    help="';'-separated settings measured one after another in this process (compiled kernels are "
                         "shared, so no variant pays the first compiles alone), each a ','-separated list of "
                         "module.ATTR=value (a Python literal) or 'default', e.g. "
-                        "\"default;trainer.kernels.swiglu.WORDS=True,trainer.kernels.rope.WORDS=True\"; a flag read at "
+                        "\"default;trainer.kernels.swiglu.WORDS=False,agent.triton_stats.WAVES=2\"; a flag read at "
                         "construction (trainer.layers.FUSED_ROPE) works too: each measurement builds its model")
     p.add_argument("--current-stats", choices=["row", "cast"], default=None,
                    help="where a current-scaled cast's row is made (trainer.kernels.quantize_transpose.CURRENT_STATS: "
