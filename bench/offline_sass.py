@@ -62,51 +62,58 @@ class _CompileOnly:
         return launch
 
 
-def loops(sass: str, need: str = "") -> list[tuple[int, collections.Counter]]:
-    """Instruction count and opcode mix of every backward branch's body in ``cuobjdump -sass`` output that holds an
-    instruction containing ``need`` (e.g. "LDG.E.128": the tile loops), in program order."""
+_BRANCH = re.compile(r"BRA\s+(?:!?U?P\d,\s*)?0x([0-9a-f]+)")
+
+
+def _instructions(sass: str) -> tuple[list[str], dict[int, int]]:
+    """The instructions of ``cuobjdump -sass`` output in order, and each address's position among them."""
     ins, at = [], {}
     for line in sass.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*?);", line)
         if m:
             at[int(m.group(1), 16)] = len(ins)
             ins.append(m.group(2).strip())
-    found = []
+    return ins, at
+
+
+def _branch_target(text: str, at: dict[int, int]) -> int | None:
+    """The position a branch instruction jumps to (None: not a branch, or outside the code)."""
+    m = _BRANCH.search(text)
+    return at.get(int(m.group(1), 16)) if m else None
+
+
+def _loop_spans(ins: list[str], at: dict[int, int], need: str) -> list[tuple[int, int]]:
+    """(first, last) positions of every backward branch's body holding an instruction containing ``need``."""
+    spans = []
     for i, text in enumerate(ins):
-        m = re.search(r"BRA\s+(?:!?U?P\d,\s*)?0x([0-9a-f]+)", text)
-        start = at.get(int(m.group(1), 16)) if m else None
+        start = _branch_target(text, at)
         if start is not None and start <= i and any(need in t for t in ins[start:i + 1]):
-            body = ins[start:i + 1]
-            found.append((len(body), collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
-                                                         for t in body)))
-    return found
+            spans.append((start, i))
+    return spans
+
+
+def loops(sass: str, need: str = "") -> list[tuple[int, collections.Counter]]:
+    """Instruction count and opcode mix of every backward branch's body in ``cuobjdump -sass`` output that holds an
+    instruction containing ``need`` (e.g. "LDG.E.128": the tile loops), in program order."""
+    ins, at = _instructions(sass)
+    return [(end - start + 1, collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+                                                 for t in ins[start:end + 1]))
+            for start, end in _loop_spans(ins, at, need)]
 
 
 def loop_branches(sass: str, need: str = "") -> list[tuple[int, int | None]]:
     """The branches inside the longest of ``loops``: (position, target position), both counted from the loop's first
     instruction (target None: outside the loop). A body of if/else blocks reads off them: a branch at i to j skips
     i+1..j-1, so a path's length is the loop's less the blocks it skips."""
-    ins, at = [], {}
-    for line in sass.splitlines():
-        m = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*?);", line)
-        if m:
-            at[int(m.group(1), 16)] = len(ins)
-            ins.append(m.group(2).strip())
-    best = None
-    for i, text in enumerate(ins):
-        m = re.search(r"BRA\s+(?:!?U?P\d,\s*)?0x([0-9a-f]+)", text)
-        start = at.get(int(m.group(1), 16)) if m else None
-        if start is not None and start <= i and any(need in t for t in ins[start:i + 1]):
-            if best is None or i - start > best[1] - best[0]:
-                best = (start, i)
-    if best is None:
+    ins, at = _instructions(sass)
+    spans = _loop_spans(ins, at, need)
+    if not spans:
         return []
-    start, end = best
+    start, end = max(spans, key=lambda s: s[1] - s[0])  # the first of the longest, as ``longest_loop``
     out = []
     for i in range(start, end + 1):
-        m = re.search(r"BRA\s+(?:!?U?P\d,\s*)?0x([0-9a-f]+)", ins[i])
-        if m:
-            j = at.get(int(m.group(1), 16))
+        if _BRANCH.search(ins[i]):
+            j = _branch_target(ins[i], at)
             out.append((i - start, j - start if j is not None and start <= j <= end + 1 else None))
     return out
 
