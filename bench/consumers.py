@@ -8,8 +8,10 @@ row (a plain linear's grad_output) against that row read apart; RoPE on the qkv 
 (``trainer.kernels.timing.device_medians``).
 
     python3 bench/consumers.py
+    python3 bench/consumers.py --stages 1,2,3   # the kernels with rows at each software-pipelining depth
 """
 
+import argparse
 import importlib
 import sys
 from pathlib import Path
@@ -42,9 +44,17 @@ def torch_backward(y: torch.Tensor, dh: torch.Tensor):
     return yy.grad
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--stages",
+                   help="comma-separated depths: time the kernels with rows at each (STATS_STAGES), only that")
+    args = p.parse_args(argv)
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name())
+    if args.stages:
+        for name in SHAPES:
+            stages(name, [int(d) for d in args.stages.split(",")], dev)
+        return
     for name, (tokens, hidden, d_model) in SHAPES.items():
         residual(name, tokens, d_model, dev)
         batch, seq, heads = ROPE_SHAPES[name]
@@ -89,6 +99,74 @@ def main() -> None:
                   f"+{(t['torch forward + row read apart'] - t['torch forward']) * 1e3:.1f} us; dy's row: fused "
                   f"+{(t['fused backward + dy' + chr(39) + 's row'] - t['fused backward']) * 1e3:.1f} us, read apart "
                   f"+{t['dy' + chr(39) + 's row read apart'] * 1e3:.1f} us", flush=True)
+
+
+def stages(name: str, depths: list[int], dev: torch.device) -> None:
+    """Device time of each fused kernel with its row at each software-pipelining depth (the modules' ``STATS_STAGES``
+    and SwiGLU's ``BWD_STATS_STAGES``, set before each call), and RoPE's also without its register cap, interleaved
+    in one timing."""
+    from trainer.kernels.rope import rope_qkv_backward, rope_qkv_forward
+    from trainer.layers import Rotary
+
+    sw, res, rp = (importlib.import_module(f"trainer.kernels.{m}") for m in ("swiglu", "residual", "rope"))
+    tokens, hidden, d_model = SHAPES[name]
+    batch, seq, heads = ROPE_SHAPES[name]
+    y = torch.randn(tokens, 2 * hidden, device=dev).to(torch.bfloat16)
+    dh = torch.randn(tokens, hidden, device=dev).to(torch.bfloat16)
+    x = torch.randn(tokens, d_model, device=dev)
+    b = torch.randn(tokens, d_model, device=dev).to(torch.bfloat16)
+    hd = d_model // heads
+    rot = Rotary(hd, seq).to(dev)
+    qkv = torch.randn(batch, seq, 3 * d_model, device=dev).to(torch.bfloat16)
+    grads = [torch.randn(batch, heads, seq, hd, device=dev).to(torch.bfloat16) for _ in range(3)]
+    rows = torch.zeros(2, ts.ds.WIDTH, dtype=torch.float64, device=dev)
+    tgt = ts.Target(rows, 0, False, (0.0, 1.0), 6.0, False, None, "e4m3")
+    tgt_hist = ts.Target(rows, 1, False, (0.0, 1.0), 6.0, True, None, "e4m3")
+    saved = sw.STATS_STAGES, sw.BWD_STATS_STAGES, res.STATS_STAGES, rp.STATS_STAGES, rp.STATS_MAXNREG
+
+    def uncapped(fn):
+        def call():
+            rp.STATS_MAXNREG = None
+            try:
+                return fn()
+            finally:
+                rp.STATS_MAXNREG = saved[-1]
+        return call
+
+    rope_fwd = lambda: rope_qkv_forward(qkv, rot.cos, rot.sin, heads, stats=tgt)  # noqa: E731
+    rope_bwd = lambda: rope_qkv_backward(*grads, rot.cos, rot.sin, torch.bfloat16, stats=tgt)  # noqa: E731
+    kernels = {
+        "swiglu fwd + row": lambda: swiglu_forward(y, stats=tgt),
+        "swiglu fwd + row, hist": lambda: swiglu_forward(y, stats=tgt_hist),
+        "swiglu fwd + row, fp32 path": lambda: fp32_path(lambda: swiglu_forward(y, stats=tgt)),
+        "swiglu bwd + row": lambda: swiglu_backward(y, dh, stats=tgt),
+        "residual add + row": lambda: residual_add_forward(x, b, stats=tgt),
+        "residual grad cast + row": lambda: branch_grad(x, torch.bfloat16, tgt),
+        "rope fwd + row": rope_fwd,
+        "rope fwd + row, uncapped": uncapped(rope_fwd),
+        "rope bwd + row": rope_bwd,
+        "rope bwd + row, uncapped": uncapped(rope_bwd),
+    }
+
+    def at(depth, fn):
+        def call():
+            sw.STATS_STAGES = sw.BWD_STATS_STAGES = res.STATS_STAGES = rp.STATS_STAGES = depth
+            return fn()
+        return call
+
+    fns = {}
+    for k, fn in kernels.items():
+        for d in depths:
+            try:
+                at(d, fn)()  # compiles outside the timing
+                fns[(k, d)] = at(d, fn)
+            except RuntimeError as e:  # e.g. more shared memory than a launch gets
+                print(f"  {k} at {d}: {str(e).splitlines()[-1]}", flush=True)
+    t = device_medians(fns, rounds=5, calls=10)
+    sw.STATS_STAGES, sw.BWD_STATS_STAGES, res.STATS_STAGES, rp.STATS_STAGES, rp.STATS_MAXNREG = saved
+    print(f"{name}, device us at STATS_STAGES " + " / ".join(map(str, depths)))
+    for k in kernels:
+        print(f"  {k}: " + " / ".join(f"{t[(k, d)] * 1e3:.1f}" if (k, d) in t else "-" for d in depths), flush=True)
 
 
 def rope(name: str, batch: int, seq: int, d_model: int, n_head: int, dev: torch.device) -> None:

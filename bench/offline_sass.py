@@ -10,7 +10,8 @@ Triton 3.6 wheel the GPU machines run, unpacked apart from the project's own::
     pip install --no-deps --target T W/triton*.whl
     PYTHONPATH=T:$PWD python bench/offline_sass.py [bfloat16|float32] [--hist] [--fmt e5m2] [--v 8] [--standalone]
 
-With ``SASS_OUT=file`` the last kernel's SASS is written to that file.
+With ``SASS_OUT=file`` the last kernel's SASS is written to that file; with ``SASS_OUT=dir`` (an existing directory)
+every kernel's, one file each.
 
 The driver is replaced by a stand-in that reports an sm_90 device and a CPU torch device, and each launch becomes
 ``JITFunction.warmup`` (compile only). Counts are static: instructions in the loop body, not executed ones.
@@ -208,8 +209,11 @@ def _report(built: dict, what: str, need: str = "") -> int:
             cubin.write_bytes(kernel.asm["cubin"])
             usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin], capture_output=True, text=True).stdout
             sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True).stdout
-            if os.environ.get("SASS_OUT"):
-                Path(os.environ["SASS_OUT"]).write_text(sass)
+            out = os.environ.get("SASS_OUT")
+            if out and Path(out).is_dir():
+                (Path(out) / f"{re.sub(r'[^a-z0-9]+', '_', name)}.sass").write_text(sass)
+            elif out:
+                Path(out).write_text(sass)
             n, mix = longest_loop(sass, need)
             total = len(re.findall(r"^\s*/\*[0-9a-f]+\*/\s+\S", sass, re.M))
             regs = " ".join(re.findall(r"REG:\d+|STACK:\d+", usage))

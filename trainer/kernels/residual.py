@@ -27,6 +27,10 @@ from .quantize import INTERPRET, _num_sms, cdiv
 
 BLOCK = 2048
 PROGRAMS_PER_SM = 4
+# Software-pipelining depth of the tile loops with a row (``tl.range``'s num_stages: from 2 on, Triton issues the
+# next blocks' loads into shared memory, cp.async, ahead of this block's arithmetic); by ``bench/consumers.py
+# --stages`` on an H100 (bench/RESULTS.md). Without a row the add streams at copy speed and takes 1.
+STATS_STAGES = 3
 _SOFT_ROUND = tl.constexpr(INTERPRET)  # for the careful path's loader of b's gradient (kernels take it as an argument)
 
 
@@ -56,7 +60,7 @@ def _b_part(src, blk, part, BLOCK: tl.constexpr, V: tl.constexpr):
 def _residual_add_kernel(x_ptr, b_ptr, out_ptr, n, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, cen_ptr, c_mean, c_std,
                          k, ahm_ptr, ahm_val, STATS: tl.constexpr, C_PTR: tl.constexpr, AHM_PTR: tl.constexpr,
                          HIST: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr, SMODE: tl.constexpr,
-                         BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr):
+                         BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr, STAGES: tl.constexpr):
     """Persistent programs over blocks of BLOCK elements. With STATS, b's statistics as the standalone kernel takes
     them (``triton_stats._tile_fast``: each thread sums its own rows of V elements, about a shift from the program's
     first block, in fp32), and its careful path (``triton_stats.careful_tiles``: two exact fp64 passes re-reading b)
@@ -64,7 +68,7 @@ def _residual_add_kernel(x_ptr, b_ptr, out_ptr, n, sp_ptr, ctr_ptr, dst_ptr, dst
     pid = tl.program_id(0)
     nblk = tl.cdiv(n, BLOCK)
     if not STATS:
-        for blk in range(pid, nblk, tl.num_programs(0)):
+        for blk in tl.range(pid, nblk, tl.num_programs(0), num_stages=STAGES):
             _block(x_ptr, b_ptr, out_ptr, n, blk, BLOCK, SOFT_ROUND)
     else:
         V: tl.constexpr = 8
@@ -76,7 +80,7 @@ def _residual_add_kernel(x_ptr, b_ptr, out_ptr, n, sp_ptr, ctr_ptr, dst_ptr, dst
         if HIST and _SMEM_HIST:
             ht = _htab()
         ce = tl.zeros([], tl.int32)
-        for blk in range(pid, nblk, tl.num_programs(0)):
+        for blk in tl.range(pid, nblk, tl.num_programs(0), num_stages=STAGES):
             b, mask = _block(x_ptr, b_ptr, out_ptr, n, blk, BLOCK, SOFT_ROUND)
             inside = tl.minimum(n - (blk + tl.zeros([], tl.int64)) * BLOCK, BLOCK).to(tl.int32)
             st = stream_add(st, b, mask, inside == BLOCK, p, ncp, lo, hi, HIST, R, V, ht)
@@ -109,7 +113,7 @@ def _db_part(src, blk, part, BLOCK: tl.constexpr, V: tl.constexpr):
 def _branch_grad_kernel(g_ptr, db_ptr, n, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, cen_ptr, c_mean, c_std, k,
                         ahm_ptr, ahm_val, STATS: tl.constexpr, C_PTR: tl.constexpr, AHM_PTR: tl.constexpr,
                         HIST: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr, SMODE: tl.constexpr,
-                        BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr):
+                        BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr, STAGES: tl.constexpr):
     """db = g in b's dtype, persistent over blocks, with db's row (the branch linear's ``grad_output``) taken as the
     forward takes b's."""
     V: tl.constexpr = 8
@@ -124,7 +128,7 @@ def _branch_grad_kernel(g_ptr, db_ptr, n, sp_ptr, ctr_ptr, dst_ptr, dst_index, m
     if HIST and _SMEM_HIST:
         ht = _htab()
     ce = tl.zeros([], tl.int32)
-    for blk in range(pid, nblk, tl.num_programs(0)):
+    for blk in tl.range(pid, nblk, tl.num_programs(0), num_stages=STAGES):
         d, offs, mask = _grad_block(g_ptr, n, blk, dtype, BLOCK, SOFT_ROUND)
         tl.store(db_ptr + offs, d, mask=mask)
         inside = tl.minimum(n - (blk + tl.zeros([], tl.int64)) * BLOCK, BLOCK).to(tl.int32)
@@ -147,7 +151,8 @@ def branch_grad(g: torch.Tensor, dtype: torch.dtype, stats: "ts.Target") -> torc
     db = torch.empty(g.shape, dtype=dtype, device=g.device)
     programs = _programs(db.numel(), g.device)
     _branch_grad_kernel[(programs,)](gc, db, db.numel(), **ts.epilogue_args(stats, programs, db), BLOCK=BLOCK,
-                                     SOFT_ROUND=INTERPRET, num_warps=8)
+                                     SOFT_ROUND=INTERPRET, num_warps=8,
+                                     STAGES=STATS_STAGES)
     return db
 
 
@@ -160,7 +165,8 @@ def residual_add_forward(x: torch.Tensor, b: torch.Tensor, stats: "ts.Target | N
     n = out.numel()
     programs = _programs(n, x.device)
     _residual_add_kernel[(programs,)](xc, bc, out, n, **ts.epilogue_args(stats, programs, out), BLOCK=BLOCK,
-                                      SOFT_ROUND=INTERPRET, num_warps=8)
+                                      SOFT_ROUND=INTERPRET, num_warps=8,
+                                      STAGES=STATS_STAGES if stats is not None else 1)
     return out
 
 

@@ -38,6 +38,9 @@ PROGRAMS_PER_SM = 4
 # forward took 166 registers uncapped, one program of 8 warps per SM, and 126 with no spill at this cap, two; the
 # backward 128 at this cap, with 80 bytes of stack outside its tile loop.
 STATS_MAXNREG = 128
+# Software-pipelining depth of the tile loops with a row (``tl.range``'s num_stages). Deeper spilled at the register
+# cap and was slower on an H100 (``bench/consumers.py --stages``, bench/RESULTS.md).
+STATS_STAGES = 1
 _SOFT_ROUND = tl.constexpr(INTERPRET)  # for the careful path's loader of the gradient (kernels take it as an argument)
 
 
@@ -120,7 +123,7 @@ def _rope_fwd_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, T, NH, tile
                      dst_index, merge, cen_ptr, c_mean, c_std, k, ahm_ptr, ahm_val, STATS: tl.constexpr,
                      C_PTR: tl.constexpr, AHM_PTR: tl.constexpr, HIST: tl.constexpr, FMAX: tl.constexpr,
                      UTHR: tl.constexpr, SMODE: tl.constexpr, BT: tl.constexpr, HD2: tl.constexpr,
-                     SOFT_ROUND: tl.constexpr):
+                     SOFT_ROUND: tl.constexpr, STAGES: tl.constexpr):
     """q, k rotated and v, persistent over tiles; with STATS the qkv output's row, its six half-heads per tile read
     as a thread's rows of 8 (the shift from q's first half in the program's first tile)."""
     dtype = q_ptr.dtype.element_ty
@@ -137,7 +140,7 @@ def _rope_fwd_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, T, NH, tile
         if HIST and _SMEM_HIST:
             ht = _htab()
     ce = tl.zeros([], tl.int32)
-    for t in range(pid, tiles, tl.num_programs(0)):
+    for t in tl.range(pid, tiles, tl.num_programs(0), num_stages=STAGES):
         b, h, pos, pm, m, cos, sin = _tile_trig(t, T, NH, cos_ptr, sin_ptr, BT, HD2)
         inside = tl.sum(pm.to(tl.int32), 0)
         for slot in tl.static_range(3):
@@ -206,7 +209,7 @@ def _rope_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, cos_ptr, sin_ptr, T, NH, 
                      dst_index, merge, cen_ptr, c_mean, c_std, k, ahm_ptr, ahm_val, STATS: tl.constexpr,
                      C_PTR: tl.constexpr, AHM_PTR: tl.constexpr, HIST: tl.constexpr, FMAX: tl.constexpr,
                      UTHR: tl.constexpr, SMODE: tl.constexpr, BT: tl.constexpr, HD2: tl.constexpr,
-                     SOFT_ROUND: tl.constexpr):
+                     SOFT_ROUND: tl.constexpr, STAGES: tl.constexpr):
     """dqkv from dq, dk (rotated back) and dv (copied); with STATS its row (the qkv linear's ``grad_output``), taken
     from the halves it stores as the forward takes qkv's (the shift from dq's first half in the program's first
     tile)."""
@@ -222,7 +225,7 @@ def _rope_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, cos_ptr, sin_ptr, T, NH, 
         if HIST and _SMEM_HIST:
             ht = _htab()
     ce = tl.zeros([], tl.int32)
-    for t in range(pid, tiles, tl.num_programs(0)):
+    for t in tl.range(pid, tiles, tl.num_programs(0), num_stages=STAGES):
         b, h, pos, pm, m, cos, sin = _tile_trig(t, T, NH, cos_ptr, sin_ptr, BT, HD2)
         inside = tl.sum(pm.to(tl.int32), 0)
         for slot in tl.static_range(3):
@@ -251,6 +254,10 @@ def _warps(hd2: int) -> int:
     return max(1, min(8, BT * hd2 // (8 * 32)))
 
 
+def _reg_cap(stats) -> dict:
+    return {"maxnreg": STATS_MAXNREG} if stats is not None and STATS_MAXNREG and not INTERPRET else {}
+
+
 def _check(qkv: torch.Tensor, cos: torch.Tensor, n_head: int) -> tuple[int, int, int, int]:
     b, t, width = qkv.shape
     if width % (3 * n_head):
@@ -273,8 +280,9 @@ def rope_qkv_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_
     programs = _programs(tiles, qkv.device)
     _rope_fwd_kernel[(programs,)](qkv, q, k, v, cos.contiguous(), sin.contiguous(), t, n_head, tiles,
                                   **ts.epilogue_args(stats, programs, qkv), BT=BT, HD2=hd // 2, SOFT_ROUND=INTERPRET,
+                                  STAGES=STATS_STAGES if stats is not None else 1,
                                   num_warps=_warps(hd // 2),
-                                  **({"maxnreg": STATS_MAXNREG} if stats is not None and not INTERPRET else {}))
+                                  **_reg_cap(stats))
     return q, k, v
 
 
@@ -288,8 +296,9 @@ def rope_qkv_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos:
     programs = _programs(tiles, dv.device)
     _rope_bwd_kernel[(programs,)](dq.contiguous(), dk.contiguous(), dv.contiguous(), dqkv, cos.contiguous(),
                                   sin.contiguous(), t, nh, tiles, **ts.epilogue_args(stats, programs, dqkv), BT=BT,
-                                  HD2=hd // 2, SOFT_ROUND=INTERPRET, num_warps=_warps(hd // 2),
-                                  **({"maxnreg": STATS_MAXNREG} if stats is not None and not INTERPRET else {}))
+                                  HD2=hd // 2, SOFT_ROUND=INTERPRET,
+                                  STAGES=STATS_STAGES if stats is not None else 1, num_warps=_warps(hd // 2),
+                                  **_reg_cap(stats))
     return dqkv
 
 

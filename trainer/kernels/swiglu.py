@@ -47,6 +47,12 @@ _V = tl.constexpr(8)
 # y's row through y's 32-bit words (``_swiglu_fwd_words_kernel``) where y is bf16 of even width, h's row then deferred
 # to a statistics launch; on by default (bench/RESULTS.md: faster on an H100), FP8MON_SWIGLU_WORDS=0 turns it off
 WORDS = os.environ.get("FP8MON_SWIGLU_WORDS", "1") == "1"
+# Software-pipelining depth of the tile loops of the kernels with a row (``tl.range``'s num_stages: from 2 on, Triton
+# issues the next tiles' loads into shared memory, cp.async, ahead of this tile's arithmetic, which the rows make long);
+# the forward's and the backward's, by ``bench/consumers.py --stages`` on an H100 (bench/RESULTS.md). Without a row
+# the kernels stream at copy speed and take 1.
+STATS_STAGES = 3
+BWD_STATS_STAGES = 2
 _SOFT_ROUND = tl.constexpr(INTERPRET)  # for the careful path's loaders of h and dy (the kernels take it as an argument)
 # Register cap of the forward with y's row only (ptxas; None: uncapped). In an offline sm_90a build
 # (bench/offline_sass.py --consumers) it took 162 registers uncapped, one program of 8 warps per SM, and 128 with no
@@ -139,7 +145,7 @@ def _swiglu_fwd_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, d
                        AHM_PTR: tl.constexpr, HIST: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr,
                        SMODE: tl.constexpr, STATS_H: tl.constexpr, C_PTR_H: tl.constexpr, AHM_PTR_H: tl.constexpr,
                        HIST_H: tl.constexpr, FMAX_H: tl.constexpr, UTHR_H: tl.constexpr, SMODE_H: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, SOFT_ROUND: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr, SOFT_ROUND: tl.constexpr, STAGES: tl.constexpr):
     """h of y, persistent over (BM, BN) tiles of h; with STATS y's row, with STATS_H h's row (the *_h arguments: a
     second target). The rows are taken as the standalone kernel takes them (``triton_stats._tile_fast``: a thread sums
     its own rows of V elements in fp32, about a shift from the program's first tile; y's shift is the mean of its two
@@ -167,7 +173,7 @@ def _swiglu_fwd_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, d
         ncp_h = -(c_h * p_h)
         acc_h = stream_zero(R)
     ce = tl.zeros([], tl.int32)
-    for t in range(pid, tiles, tl.num_programs(0)):
+    for t in tl.range(pid, tiles, tl.num_programs(0), num_stages=STAGES):
         g, u, mask, rows, cols = _tile(y_ptr, t, n_tn, M, H, stride_y, BM, BN)
         h = _h_of(g, u, dtype, SOFT_ROUND)
         tl.store(h_ptr + rows[:, None].to(tl.int64) * H + cols[None, :], h, mask=mask)
@@ -192,7 +198,8 @@ def _swiglu_fwd_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, d
 def _swiglu_fwd_words_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, cen_ptr, c_mean,
                              c_std, k, ahm_ptr, ahm_val, STATS: tl.constexpr, C_PTR: tl.constexpr,
                              AHM_PTR: tl.constexpr, HIST: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr,
-                             SMODE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SOFT_ROUND: tl.constexpr):
+                             SMODE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SOFT_ROUND: tl.constexpr,
+                             STAGES: tl.constexpr):
     """The forward with y's row, for bf16 y of even H, through y's and h's 32-bit words: on a full tile the two
     elements of a word share the counts' and the amax's integer and bf16x2 operations (``triton_stats._tile_bf16x2``,
     the standalone kernel's bf16 path); a partial tile takes the fp32 path (``stream_add``). The histogram needs the
@@ -218,7 +225,7 @@ def _swiglu_fwd_words_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_
         ht = _htab()
     ce = tl.zeros([], tl.int32)
     nfull = tl.zeros([], tl.int32)
-    for t in range(pid, tiles, tl.num_programs(0)):
+    for t in tl.range(pid, tiles, tl.num_programs(0), num_stages=STAGES):
         rows = (t // n_tn) * BM + tl.arange(0, BM)
         cw = (t % n_tn) * BW + tl.arange(0, BW)
         mw = (rows[:, None] < M) & (cw[None, :] < hw)
@@ -284,7 +291,8 @@ def _dy_part(src, t, part, BM: tl.constexpr, BN: tl.constexpr):
 def _swiglu_bwd_kernel(y_ptr, dh_ptr, dy_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, cen_ptr,
                        c_mean, c_std, k, ahm_ptr, ahm_val, STATS: tl.constexpr, C_PTR: tl.constexpr,
                        AHM_PTR: tl.constexpr, HIST: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr,
-                       SMODE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SOFT_ROUND: tl.constexpr):
+                       SMODE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SOFT_ROUND: tl.constexpr,
+                       STAGES: tl.constexpr):
     """dy of y and dh, persistent over (BM, BN) tiles of h; with STATS dy's row (fc1's ``grad_output``), from the
     tiles it stores, taken as the forward takes y's (shift from the program's first tile of dy)."""
     V: tl.constexpr = _V
@@ -301,7 +309,7 @@ def _swiglu_bwd_kernel(y_ptr, dh_ptr, dy_ptr, M, H, stride_y, sp_ptr, ctr_ptr, d
         if HIST and _SMEM_HIST:
             ht = _htab()
     ce = tl.zeros([], tl.int32)
-    for t in range(pid, tiles, tl.num_programs(0)):
+    for t in tl.range(pid, tiles, tl.num_programs(0), num_stages=STAGES):
         d_gate, d_up, mask, rows, cols = _dy_tile(y_ptr, dh_ptr, t, n_tn, M, H, stride_y, BM, BN, SOFT_ROUND)
         dp = dy_ptr + rows[:, None].to(tl.int64) * (2 * H) + cols[None, :]
         tl.store(dp, d_gate, mask=mask)
@@ -341,6 +349,7 @@ def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
             and y2.data_ptr() % 4 == 0 and (not stats.hist or ts.SMEM_HIST)):
         _swiglu_fwd_words_kernel[(programs,)](y2, h, M, H, y2.stride(0), **ts.epilogue_args(stats, programs, h), BM=BM,
                                               BN=BN, SOFT_ROUND=INTERPRET, num_warps=8,
+                                              STAGES=STATS_STAGES,
                                               **({"maxnreg": STATS_MAXNREG} if STATS_MAXNREG and not INTERPRET else {}))
         if h_stats is not None:  # h's row by the next statistics launch: cheaper than a second row here (RESULTS)
             ts.defer(h, h_stats)
@@ -348,7 +357,9 @@ def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
     capped = STATS_MAXNREG and not INTERPRET and stats is not None and h_stats is None
     _swiglu_fwd_kernel[(programs,)](y2, h, M, H, y2.stride(0), **ts.epilogue_args(stats, programs, h),
                                     **ts.epilogue_args(h_stats, programs, h, "_h", counter_row=1), BM=BM, BN=BN,
-                                    SOFT_ROUND=INTERPRET, num_warps=8, **({"maxnreg": STATS_MAXNREG} if capped else {}))
+                                    SOFT_ROUND=INTERPRET, num_warps=8,
+                                    STAGES=STATS_STAGES if stats is not None or h_stats is not None else 1,
+                                    **({"maxnreg": STATS_MAXNREG} if capped else {}))
     return h.reshape(*y.shape[:-1], H)
 
 
@@ -365,6 +376,7 @@ def swiglu_backward(y: torch.Tensor, dh: torch.Tensor, stats: "ts.Target | None"
     programs = _programs(cdiv(M, BM) * cdiv(H, BN), y.device)
     _swiglu_bwd_kernel[(programs,)](y2, dh2, dy, M, H, y2.stride(0), **ts.epilogue_args(stats, programs, dy), BM=BM,
                                     BN=BN, SOFT_ROUND=INTERPRET, num_warps=8,
+                                    STAGES=BWD_STATS_STAGES if stats is not None else 1,
                                     **({"maxnreg": STATS_MAXNREG} if STATS_MAXNREG and stats is not None
                                        and not INTERPRET else {}))
     return dy.reshape(y.shape)
