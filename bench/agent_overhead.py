@@ -39,7 +39,6 @@ encoding, gzip, HTTP) is in the measurement.
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import gc
 import importlib
@@ -58,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agent import Agent  # noqa: E402
 from agent.wire import SITES  # noqa: E402
 from bench.train_step import BATCH, build, optimizer_step  # noqa: E402
+from bench.variants import applied, parse_all  # noqa: E402
 from trainer.graphs import StepGraphs, tensor_lr  # noqa: E402
 
 def measure(config: str, precision: str, args, device: torch.device, url: str) -> dict:
@@ -281,40 +281,6 @@ def profile(phase, device, args) -> dict:
     return {}
 
 
-def _assignments(variant: str) -> list[tuple[object, str, object]]:
-    """(module, attribute, value) of each ``module.ATTR=value`` of a ``--variants`` entry ("default": none)."""
-    out = []
-    for item in (v.strip() for v in variant.split(",")):
-        if item in ("", "default"):
-            continue
-        target, _, raw = item.partition("=")
-        module_name, _, attr = target.strip().rpartition(".")
-        if not module_name or not raw:
-            raise ValueError(f"--variants: {item!r} is not module.ATTR=value")
-        try:
-            module = importlib.import_module(module_name)
-            value = ast.literal_eval(raw.strip())
-        except (ImportError, ValueError, SyntaxError) as e:
-            raise ValueError(f"--variants: {item!r}: {e}") from None
-        if not hasattr(module, attr):
-            raise ValueError(f"--variants: {module_name} has no attribute {attr}")
-        out.append((module, attr, value))
-    return out
-
-
-@contextlib.contextmanager
-def _set(assignments):
-    """The attributes set for the block, and restored after it."""
-    old = [(m, a, getattr(m, a)) for m, a, _ in assignments]
-    try:
-        for m, a, v in assignments:
-            setattr(m, a, v)
-        yield
-    finally:
-        for m, a, v in old:
-            setattr(m, a, v)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default="124m,1.5b")
@@ -357,7 +323,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.backends = [b for b in args.backends.split(",") if b]
     try:
-        variants = [(v.strip(), _assignments(v)) for v in args.variants.split(";") if v.strip()]
+        variants = parse_all(args.variants)
     except ValueError as e:
         p.error(str(e))
     if args.cuda_graph:
@@ -369,8 +335,6 @@ def main(argv=None) -> int:
 
         fp8_linear.OUTPUT_STATS = args.output_stats
     if args.current_stats is not None:
-        import importlib
-
         importlib.import_module("trainer.kernels.quantize_transpose").CURRENT_STATS = args.current_stats
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -385,7 +349,7 @@ def main(argv=None) -> int:
     summary = []
     try:
         for name, assignments in variants:
-            with _set(assignments):
+            with applied(assignments):
                 for config in args.configs.split(","):
                     for precision in args.precisions.split(","):
                         if len(variants) > 1:

@@ -9,6 +9,7 @@ row (a plain linear's grad_output) against that row read apart; RoPE on the qkv 
 
     python3 bench/consumers.py
     python3 bench/consumers.py --stages 1,2,3   # the kernels with rows at each software-pipelining depth
+    python3 bench/consumers.py --variants "default;trainer.kernels.residual.BLOCK=4096"   # ... in each setting
 """
 
 import argparse
@@ -20,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agent import triton_stats as ts  # noqa: E402
+from bench.variants import applied, parse_all  # noqa: E402
 from trainer.kernels.residual import branch_grad, residual_add_forward  # noqa: E402
 from trainer.kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_ref  # noqa: E402
 from trainer.kernels.timing import device_medians  # noqa: E402
@@ -46,14 +48,19 @@ def torch_backward(y: torch.Tensor, dh: torch.Tensor):
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--stages",
-                   help="comma-separated depths: time the kernels with rows at each (STATS_STAGES), only that")
+    p.add_argument("--stages", help="comma-separated depths: the kernels with rows at each software-pipelining depth "
+                                    "(every module's STATS_STAGES), only that")
+    p.add_argument("--variants", help="the kernels with rows under each variant (bench/variants.py), only that")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name())
-    if args.stages:
+    if args.stages or args.variants:
+        variants = parse_all(args.variants) if args.variants else [(f"STATS_STAGES={d}", [
+            (importlib.import_module(f"trainer.kernels.{m}"), a, int(d))
+            for m, a in (("swiglu", "STATS_STAGES"), ("swiglu", "BWD_STATS_STAGES"), ("residual", "STATS_STAGES"),
+                         ("rope", "STATS_STAGES"))]) for d in args.stages.split(",")]
         for name in SHAPES:
-            stages(name, [int(d) for d in args.stages.split(",")], dev)
+            sweep(name, variants, dev)
         return
     for name, (tokens, hidden, d_model) in SHAPES.items():
         residual(name, tokens, d_model, dev)
@@ -101,14 +108,12 @@ def main(argv=None) -> None:
                   f"+{t['dy' + chr(39) + 's row read apart'] * 1e3:.1f} us", flush=True)
 
 
-def stages(name: str, depths: list[int], dev: torch.device) -> None:
-    """Device time of each fused kernel with its row at each software-pipelining depth (the modules' ``STATS_STAGES``
-    and SwiGLU's ``BWD_STATS_STAGES``, set before each call), and RoPE's also without its register cap, interleaved
-    in one timing."""
+def sweep(name: str, variants: list[tuple[str, list]], dev: torch.device) -> None:
+    """Device time of each fused kernel with its row under each variant (module attributes set around each call,
+    ``bench.variants``), interleaved in one timing."""
     from trainer.kernels.rope import rope_qkv_backward, rope_qkv_forward
     from trainer.layers import Rotary
 
-    sw, res, rp = (importlib.import_module(f"trainer.kernels.{m}") for m in ("swiglu", "residual", "rope"))
     tokens, hidden, d_model = SHAPES[name]
     batch, seq, heads = ROPE_SHAPES[name]
     y = torch.randn(tokens, 2 * hidden, device=dev).to(torch.bfloat16)
@@ -122,51 +127,37 @@ def stages(name: str, depths: list[int], dev: torch.device) -> None:
     rows = torch.zeros(2, ts.ds.WIDTH, dtype=torch.float64, device=dev)
     tgt = ts.Target(rows, 0, False, (0.0, 1.0), 6.0, False, None, "e4m3")
     tgt_hist = ts.Target(rows, 1, False, (0.0, 1.0), 6.0, True, None, "e4m3")
-    saved = sw.STATS_STAGES, sw.BWD_STATS_STAGES, res.STATS_STAGES, rp.STATS_STAGES, rp.STATS_MAXNREG
-
-    def uncapped(fn):
-        def call():
-            rp.STATS_MAXNREG = None
-            try:
-                return fn()
-            finally:
-                rp.STATS_MAXNREG = saved[-1]
-        return call
-
-    rope_fwd = lambda: rope_qkv_forward(qkv, rot.cos, rot.sin, heads, stats=tgt)  # noqa: E731
-    rope_bwd = lambda: rope_qkv_backward(*grads, rot.cos, rot.sin, torch.bfloat16, stats=tgt)  # noqa: E731
     kernels = {
         "swiglu fwd + row": lambda: swiglu_forward(y, stats=tgt),
         "swiglu fwd + row, hist": lambda: swiglu_forward(y, stats=tgt_hist),
         "swiglu fwd + row, fp32 path": lambda: fp32_path(lambda: swiglu_forward(y, stats=tgt)),
         "swiglu bwd + row": lambda: swiglu_backward(y, dh, stats=tgt),
         "residual add + row": lambda: residual_add_forward(x, b, stats=tgt),
+        "residual add + row, hist": lambda: residual_add_forward(x, b, stats=tgt_hist),
         "residual grad cast + row": lambda: branch_grad(x, torch.bfloat16, tgt),
-        "rope fwd + row": rope_fwd,
-        "rope fwd + row, uncapped": uncapped(rope_fwd),
-        "rope bwd + row": rope_bwd,
-        "rope bwd + row, uncapped": uncapped(rope_bwd),
+        "rope fwd + row": lambda: rope_qkv_forward(qkv, rot.cos, rot.sin, heads, stats=tgt),
+        "rope bwd + row": lambda: rope_qkv_backward(*grads, rot.cos, rot.sin, torch.bfloat16, stats=tgt),
     }
 
-    def at(depth, fn):
+    def under(assignments, fn):
         def call():
-            sw.STATS_STAGES = sw.BWD_STATS_STAGES = res.STATS_STAGES = rp.STATS_STAGES = depth
-            return fn()
+            with applied(assignments):
+                return fn()
         return call
 
     fns = {}
     for k, fn in kernels.items():
-        for d in depths:
+        for v, assignments in variants:
             try:
-                at(d, fn)()  # compiles outside the timing
-                fns[(k, d)] = at(d, fn)
-            except RuntimeError as e:  # e.g. more shared memory than a launch gets
-                print(f"  {k} at {d}: {str(e).splitlines()[-1]}", flush=True)
+                under(assignments, fn)()  # compiles outside the timing
+                fns[(k, v)] = under(assignments, fn)
+            except Exception as e:  # e.g. more shared memory than a launch gets, or a shape it cannot compile
+                print(f"  {k}, {v}: {str(e).splitlines()[-1]}", flush=True)
     t = device_medians(fns, rounds=5, calls=10)
-    sw.STATS_STAGES, sw.BWD_STATS_STAGES, res.STATS_STAGES, rp.STATS_STAGES, rp.STATS_MAXNREG = saved
-    print(f"{name}, device us at STATS_STAGES " + " / ".join(map(str, depths)))
-    for k in kernels:
-        print(f"  {k}: " + " / ".join(f"{t[(k, d)] * 1e3:.1f}" if (k, d) in t else "-" for d in depths), flush=True)
+    print(f"{name}, device us:")
+    for v, _ in variants:
+        print(f"  {v}: " + ", ".join(f"{k} {t[(k, v)] * 1e3:.1f}" if (k, v) in t else f"{k} -" for k in kernels),
+              flush=True)
 
 
 def rope(name: str, batch: int, seq: int, d_model: int, n_head: int, dev: torch.device) -> None:

@@ -27,6 +27,7 @@ from .quantize import INTERPRET, _num_sms, cdiv
 
 BLOCK = 2048
 PROGRAMS_PER_SM = 4
+WARPS = 8
 # Software-pipelining depth of the tile loops with a row (``tl.range``'s num_stages: from 2 on, Triton issues the
 # next blocks' loads into shared memory, cp.async, ahead of this block's arithmetic); by ``bench/consumers.py
 # --stages`` on an H100 (bench/RESULTS.md). Without a row the add streams at copy speed and takes 1.
@@ -151,7 +152,7 @@ def branch_grad(g: torch.Tensor, dtype: torch.dtype, stats: "ts.Target") -> torc
     db = torch.empty(g.shape, dtype=dtype, device=g.device)
     programs = _programs(db.numel(), g.device)
     _branch_grad_kernel[(programs,)](gc, db, db.numel(), **ts.epilogue_args(stats, programs, db), BLOCK=BLOCK,
-                                     SOFT_ROUND=INTERPRET, num_warps=8,
+                                     SOFT_ROUND=INTERPRET, num_warps=WARPS,
                                      STAGES=STATS_STAGES)
     return db
 
@@ -165,7 +166,7 @@ def residual_add_forward(x: torch.Tensor, b: torch.Tensor, stats: "ts.Target | N
     n = out.numel()
     programs = _programs(n, x.device)
     _residual_add_kernel[(programs,)](xc, bc, out, n, **ts.epilogue_args(stats, programs, out), BLOCK=BLOCK,
-                                      SOFT_ROUND=INTERPRET, num_warps=8,
+                                      SOFT_ROUND=INTERPRET, num_warps=WARPS,
                                       STAGES=STATS_STAGES if stats is not None else 1)
     return out
 

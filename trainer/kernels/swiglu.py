@@ -42,6 +42,7 @@ from .words import pack, unpack
 
 BM, BN = 32, 128
 PROGRAMS_PER_SM = 4
+WARPS = 8
 # a statistics row is a thread's 16-byte load of y: at 16, each row spanned two threads, one shuffle per sum per row
 _V = tl.constexpr(8)
 # y's row through y's 32-bit words (``_swiglu_fwd_words_kernel``) where y is bf16 of even width, h's row then deferred
@@ -348,7 +349,7 @@ def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
     if (WORDS and stats is not None and y.dtype == torch.bfloat16 and H % 2 == 0 and y2.stride(0) % 2 == 0
             and y2.data_ptr() % 4 == 0 and (not stats.hist or ts.SMEM_HIST)):
         _swiglu_fwd_words_kernel[(programs,)](y2, h, M, H, y2.stride(0), **ts.epilogue_args(stats, programs, h), BM=BM,
-                                              BN=BN, SOFT_ROUND=INTERPRET, num_warps=8,
+                                              BN=BN, SOFT_ROUND=INTERPRET, num_warps=WARPS,
                                               STAGES=STATS_STAGES,
                                               **({"maxnreg": STATS_MAXNREG} if STATS_MAXNREG and not INTERPRET else {}))
         if h_stats is not None:  # h's row by the next statistics launch: cheaper than a second row here (RESULTS)
@@ -357,7 +358,7 @@ def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
     capped = STATS_MAXNREG and not INTERPRET and stats is not None and h_stats is None
     _swiglu_fwd_kernel[(programs,)](y2, h, M, H, y2.stride(0), **ts.epilogue_args(stats, programs, h),
                                     **ts.epilogue_args(h_stats, programs, h, "_h", counter_row=1), BM=BM, BN=BN,
-                                    SOFT_ROUND=INTERPRET, num_warps=8,
+                                    SOFT_ROUND=INTERPRET, num_warps=WARPS,
                                     STAGES=STATS_STAGES if stats is not None or h_stats is not None else 1,
                                     **({"maxnreg": STATS_MAXNREG} if capped else {}))
     return h.reshape(*y.shape[:-1], H)
@@ -375,7 +376,7 @@ def swiglu_backward(y: torch.Tensor, dh: torch.Tensor, stats: "ts.Target | None"
     dy = torch.empty((M, two_h), dtype=y.dtype, device=y.device)
     programs = _programs(cdiv(M, BM) * cdiv(H, BN), y.device)
     _swiglu_bwd_kernel[(programs,)](y2, dh2, dy, M, H, y2.stride(0), **ts.epilogue_args(stats, programs, dy), BM=BM,
-                                    BN=BN, SOFT_ROUND=INTERPRET, num_warps=8,
+                                    BN=BN, SOFT_ROUND=INTERPRET, num_warps=WARPS,
                                     STAGES=BWD_STATS_STAGES if stats is not None else 1,
                                     **({"maxnreg": STATS_MAXNREG} if STATS_MAXNREG and stats is not None
                                        and not INTERPRET else {}))
