@@ -27,6 +27,9 @@ from .quantize import INTERPRET, _num_sms, cdiv
 
 BLOCK = 2048
 PROGRAMS_PER_SM = 4
+# Persistent programs per SM of the kernels with a row: two hold every register at the cap (128 a thread, 8 warps),
+# so two make one wave; more queued a second wave and were slower on an H100 (bench/RESULTS.md).
+STATS_PROGRAMS_PER_SM = 2
 WARPS = 8
 # Software-pipelining depth of the tile loops with a row (``tl.range``'s num_stages: from 2 on, Triton issues the
 # next blocks' loads into shared memory, cp.async, ahead of this block's arithmetic); by ``bench/consumers.py
@@ -141,8 +144,9 @@ def _branch_grad_kernel(g_ptr, db_ptr, n, sp_ptr, ctr_ptr, dst_ptr, dst_index, m
                    under, over, amax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST, SMODE)
 
 
-def _programs(n: int, device: torch.device) -> int:
-    return max(1, min(cdiv(n, BLOCK), 4 if INTERPRET else PROGRAMS_PER_SM * _num_sms(device)))
+def _programs(n: int, device: torch.device, rows: bool) -> int:
+    per_sm = STATS_PROGRAMS_PER_SM if rows else PROGRAMS_PER_SM
+    return max(1, min(cdiv(n, BLOCK), 4 if INTERPRET else per_sm * _num_sms(device)))
 
 
 def branch_grad(g: torch.Tensor, dtype: torch.dtype, stats: "ts.Target") -> torch.Tensor:
@@ -150,7 +154,7 @@ def branch_grad(g: torch.Tensor, dtype: torch.dtype, stats: "ts.Target") -> torc
     into ``stats``."""
     gc = g.contiguous()
     db = torch.empty(g.shape, dtype=dtype, device=g.device)
-    programs = _programs(db.numel(), g.device)
+    programs = _programs(db.numel(), g.device, True)
     _branch_grad_kernel[(programs,)](gc, db, db.numel(), **ts.epilogue_args(stats, programs, db), BLOCK=BLOCK,
                                      SOFT_ROUND=INTERPRET, num_warps=WARPS,
                                      STAGES=STATS_STAGES)
@@ -164,7 +168,7 @@ def residual_add_forward(x: torch.Tensor, b: torch.Tensor, stats: "ts.Target | N
     xc, bc = x.contiguous(), b.contiguous()
     out = torch.empty(x.shape, dtype=torch.result_type(x, b), device=x.device)
     n = out.numel()
-    programs = _programs(n, x.device)
+    programs = _programs(n, x.device, stats is not None)
     _residual_add_kernel[(programs,)](xc, bc, out, n, **ts.epilogue_args(stats, programs, out), BLOCK=BLOCK,
                                       SOFT_ROUND=INTERPRET, num_warps=WARPS,
                                       STAGES=STATS_STAGES if stats is not None else 1)

@@ -34,6 +34,10 @@ from .quantize import INTERPRET, _num_sms, cdiv
 
 BT = 32  # positions per tile
 PROGRAMS_PER_SM = 4
+# Persistent programs per SM of the kernels with a row: at the register cap (128 a thread) two of 8 warps fill an
+# SM's registers; four (a second wave, or with the 124M heads' 4 warps four resident) were slower on an H100
+# (bench/RESULTS.md).
+STATS_PROGRAMS_PER_SM = 2
 # Register cap of the kernels with a row (ptxas): in an offline sm_90a build (bench/offline_sass.py --consumers) the
 # forward took 166 registers uncapped, one program of 8 warps per SM, and 126 with no spill at this cap, two; the
 # backward 128 at this cap, with 80 bytes of stack outside its tile loop.
@@ -245,8 +249,9 @@ def _rope_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, cos_ptr, sin_ptr, T, NH, 
                        outl, under, over, amax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST, SMODE)
 
 
-def _programs(tiles: int, device: torch.device) -> int:
-    return max(1, min(tiles, PROGRAMS_PER_SM * _num_sms(device) if not INTERPRET else 4))
+def _programs(tiles: int, device: torch.device, rows: bool) -> int:
+    per_sm = STATS_PROGRAMS_PER_SM if rows else PROGRAMS_PER_SM
+    return max(1, min(tiles, per_sm * _num_sms(device) if not INTERPRET else 4))
 
 
 def _warps(hd2: int) -> int:
@@ -277,7 +282,7 @@ def rope_qkv_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_
     b, t, hd, tiles = _check(qkv, cos, n_head)
     qkv = qkv.contiguous()
     q, k, v = (torch.empty(b, n_head, t, hd, dtype=qkv.dtype, device=qkv.device) for _ in range(3))
-    programs = _programs(tiles, qkv.device)
+    programs = _programs(tiles, qkv.device, stats is not None)
     _rope_fwd_kernel[(programs,)](qkv, q, k, v, cos.contiguous(), sin.contiguous(), t, n_head, tiles,
                                   **ts.epilogue_args(stats, programs, qkv), BT=BT, HD2=hd // 2, SOFT_ROUND=INTERPRET,
                                   STAGES=STATS_STAGES if stats is not None else 1,
@@ -293,7 +298,7 @@ def rope_qkv_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos:
     b, nh, t, hd = dv.shape
     tiles = cdiv(t, BT) * b * nh
     dqkv = torch.empty(b, t, 3 * nh * hd, dtype=dtype, device=dv.device)
-    programs = _programs(tiles, dv.device)
+    programs = _programs(tiles, dv.device, stats is not None)
     _rope_bwd_kernel[(programs,)](dq.contiguous(), dk.contiguous(), dv.contiguous(), dqkv, cos.contiguous(),
                                   sin.contiguous(), t, nh, tiles, **ts.epilogue_args(stats, programs, dqkv), BT=BT,
                                   HD2=hd // 2, SOFT_ROUND=INTERPRET,

@@ -42,6 +42,9 @@ from .words import pack, unpack
 
 BM, BN = 32, 128
 PROGRAMS_PER_SM = 4
+# Persistent programs per SM of the kernels with a row: two hold every register at the cap (128 a thread, 8 warps),
+# so two make one wave; more queued a second wave and were slower on an H100 (bench/RESULTS.md).
+STATS_PROGRAMS_PER_SM = 2
 WARPS = 8
 # a statistics row is a thread's 16-byte load of y: at 16, each row spanned two threads, one shuffle per sum per row
 _V = tl.constexpr(8)
@@ -329,8 +332,9 @@ def _swiglu_bwd_kernel(y_ptr, dh_ptr, dy_ptr, M, H, stride_y, sp_ptr, ctr_ptr, d
                        outl, under, over, amax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST, SMODE)
 
 
-def _programs(tiles: int, device: torch.device) -> int:
-    return max(1, min(tiles, PROGRAMS_PER_SM * _num_sms(device) if not INTERPRET else 4))
+def _programs(tiles: int, device: torch.device, rows: bool) -> int:
+    per_sm = STATS_PROGRAMS_PER_SM if rows else PROGRAMS_PER_SM
+    return max(1, min(tiles, per_sm * _num_sms(device) if not INTERPRET else 4))
 
 
 def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
@@ -345,7 +349,7 @@ def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
         y2 = y2.contiguous()
     M, H = y2.shape[0], two_h // 2
     h = torch.empty((M, H), dtype=y.dtype, device=y.device)
-    programs = _programs(cdiv(M, BM) * cdiv(H, BN), y.device)
+    programs = _programs(cdiv(M, BM) * cdiv(H, BN), y.device, stats is not None or h_stats is not None)
     if (WORDS and stats is not None and y.dtype == torch.bfloat16 and H % 2 == 0 and y2.stride(0) % 2 == 0
             and y2.data_ptr() % 4 == 0 and (not stats.hist or ts.SMEM_HIST)):
         _swiglu_fwd_words_kernel[(programs,)](y2, h, M, H, y2.stride(0), **ts.epilogue_args(stats, programs, h), BM=BM,
@@ -374,7 +378,7 @@ def swiglu_backward(y: torch.Tensor, dh: torch.Tensor, stats: "ts.Target | None"
     M, H = y2.shape[0], two_h // 2
     dh2 = dh.reshape(M, H).to(y.dtype).contiguous()
     dy = torch.empty((M, two_h), dtype=y.dtype, device=y.device)
-    programs = _programs(cdiv(M, BM) * cdiv(H, BN), y.device)
+    programs = _programs(cdiv(M, BM) * cdiv(H, BN), y.device, stats is not None)
     _swiglu_bwd_kernel[(programs,)](y2, dh2, dy, M, H, y2.stride(0), **ts.epilogue_args(stats, programs, dy), BM=BM,
                                     BN=BN, SOFT_ROUND=INTERPRET, num_warps=WARPS,
                                     STAGES=BWD_STATS_STAGES if stats is not None else 1,
