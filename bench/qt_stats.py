@@ -10,6 +10,7 @@ of a tile (``_STATS_V``), on the 1.5B model's activation and weight shapes. CUDA
     python3 bench/qt_stats.py --defaults --step 1.5b  # instead of CASES, the casts of one bench/agent_overhead.py step
     python3 bench/qt_stats.py --step 1.5b --packed-ab  # the bf16 casts: plain / statistics without and with PACKED
     python3 bench/qt_stats.py --step 1.5b --current-ab  # current scaling: the row from the amax pass or the cast
+    python3 bench/qt_stats.py --step 124m --variants "default;trainer.kernels.quantize.STATS_PROGRAMS_PER_SM=2"
 
 ``--step C``: the tensors an FP8 step of config C casts (bench/train_step.py's batch; llama: every block's four
 inputs and grad_outputs in bf16, its four fp32 weights), each with a given scale (delayed scaling), so that neither
@@ -22,6 +23,8 @@ histogram: the plain cast (amax pass + cast), the statistics row made by the sta
 pass (``CURRENT_STATS = "row"``), and by the cast's statistics variant after the amax pass (``"cast"``); queued
 device time as for ``--packed-ab``, and host time per call (``calls`` eager calls of each in turn, the GPU idle at
 the start, median of 7 rounds), with each case's total over one layer.
+``--variants V``: the casts with statistics (no histogram; delayed scaling, as ``--step`` gives) under each setting of
+``bench/variants.py``, against the plain cast, queued device time as for ``--packed-ab``, and the total over one layer.
 """
 import sys
 from pathlib import Path
@@ -144,9 +147,45 @@ def current_ab(cases: list) -> None:
             for k in ("plain", "row", "row_last", "cast")), flush=True)
 
 
+def variants_ab(cases: list, variants: list) -> None:
+    """``--variants`` (the module docstring)."""
+    from bench.variants import applied
+    from trainer.kernels.timing import device_medians
+
+    dev = torch.device("cuda")
+    totals = {}
+    for label, shape, dtype, delayed in cases:
+        x = torch.randn(shape, device=dev).to(dtype)
+        scale = torch.tensor(4.0, device=dev) if delayed else None
+        accum = torch.zeros((), device=dev) if delayed else None
+        tgt = ts.Target.new(dev, hist=False)
+
+        def under(assignments, stats):
+            def fn():
+                with applied(assignments):
+                    return QT.quantize_transpose(x, "e4m3", scale, accum, stats=tgt if stats else None)
+            return fn
+
+        fns = {"plain": under([], False), **{v: under(a, True) for v, a in variants}}
+        for fn in fns.values():
+            fn()  # compiles outside the timing
+        t = device_medians(fns, rounds=7, calls=20)
+        for k, v in t.items():
+            totals[k] = totals.get(k, 0.0) + v
+        print(f"{label}: " + ", ".join(f"{k} {v * 1e3:.1f} us ({v / t['plain']:.2f}x)" for k, v in t.items()),
+              flush=True)
+    print("one layer: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in totals.items()), flush=True)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cases = step_cases(argv[argv.index("--step") + 1]) if "--step" in argv else CASES
+    if "--variants" in argv:
+        from bench.variants import parse_all
+
+        print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+        variants_ab(cases, parse_all(argv[argv.index("--variants") + 1]))
+        return 0
     if "--packed-ab" in argv or "--current-ab" in argv:
         print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
         (packed_ab if "--packed-ab" in argv else current_ab)(cases)

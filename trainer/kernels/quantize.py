@@ -333,9 +333,15 @@ def stats_consts(fmt: Fp8Format) -> dict:
     return dict(UTHR=float(fmt.underflow_threshold), OTHR=float(fmt.overflow_threshold))
 
 
+# Persistent programs per SM of the casts with statistics (here and quantize_transpose.py): at quantize_transpose's
+# register cap (128 a thread, 8 warps) two are resident, one wave; four queued a second wave, and one layer's casts
+# with statistics took 6-8% longer on an H100 (bench/qt_stats.py --variants, bench/RESULTS.md).
+STATS_PROGRAMS_PER_SM = 2
+
+
 def stats_programs(tiles: int, device: torch.device) -> int:
     """Programs of a persistent statistics kernel: every program gets at least one tile."""
-    return max(1, min(tiles, 4 * _num_sms(device)))
+    return max(1, min(tiles, STATS_PROGRAMS_PER_SM * _num_sms(device)))
 
 
 def quantize(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tensor | None = None,
