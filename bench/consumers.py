@@ -112,7 +112,6 @@ def sweep(name: str, variants: list[tuple[str, list]], dev: torch.device) -> Non
     """Device time of each fused kernel with its row under each variant (module attributes set around each call,
     ``bench.variants``), interleaved in one timing."""
     from trainer.kernels.rope import rope_qkv_backward, rope_qkv_forward
-    from trainer.layers import Rotary
 
     tokens, hidden, d_model = SHAPES[name]
     batch, seq, heads = ROPE_SHAPES[name]
@@ -120,10 +119,7 @@ def sweep(name: str, variants: list[tuple[str, list]], dev: torch.device) -> Non
     dh = torch.randn(tokens, hidden, device=dev).to(torch.bfloat16)
     x = torch.randn(tokens, d_model, device=dev)
     b = torch.randn(tokens, d_model, device=dev).to(torch.bfloat16)
-    hd = d_model // heads
-    rot = Rotary(hd, seq).to(dev)
-    qkv = torch.randn(batch, seq, 3 * d_model, device=dev).to(torch.bfloat16)
-    grads = [torch.randn(batch, heads, seq, hd, device=dev).to(torch.bfloat16) for _ in range(3)]
+    rot, qkv, grads = _rope_inputs(batch, seq, d_model, heads, dev)
     rows = torch.zeros(2, ts.ds.WIDTH, dtype=torch.float64, device=dev)
     tgt = ts.Target(rows, 0, False, (0.0, 1.0), 6.0, False, None, "e4m3")
     tgt_hist = ts.Target(rows, 1, False, (0.0, 1.0), 6.0, True, None, "e4m3")
@@ -160,17 +156,23 @@ def sweep(name: str, variants: list[tuple[str, list]], dev: torch.device) -> Non
               flush=True)
 
 
+def _rope_inputs(batch: int, seq: int, d_model: int, n_head: int, dev: torch.device):
+    """The rotary tables, a bf16 qkv output (batch, seq, 3 * d_model) and the gradients of q, k and v."""
+    from trainer.layers import Rotary
+
+    hd = d_model // n_head
+    qkv = torch.randn(batch, seq, 3 * d_model, device=dev).to(torch.bfloat16)
+    grads = [torch.randn(batch, n_head, seq, hd, device=dev).to(torch.bfloat16) for _ in range(3)]
+    return Rotary(hd, seq).to(dev), qkv, grads
+
+
 def rope(name: str, batch: int, seq: int, d_model: int, n_head: int, dev: torch.device) -> None:
     """RoPE on the qkv output: torch's (Rotary on the permuted q and k views, autograd's backward) against
     trainer/kernels/rope.py, and the forward with the qkv row and the backward with its gradient's row against the
     row read apart (a tensor of the same shape)."""
     from trainer.kernels.rope import rope_qkv_backward, rope_qkv_forward, rope_qkv_ref
-    from trainer.layers import Rotary
 
-    hd = d_model // n_head
-    rot = Rotary(hd, seq).to(dev)
-    qkv = torch.randn(batch, seq, 3 * d_model, device=dev).to(torch.bfloat16)
-    grads = [torch.randn(batch, n_head, seq, hd, device=dev).to(torch.bfloat16) for _ in range(3)]
+    rot, qkv, grads = _rope_inputs(batch, seq, d_model, n_head, dev)
     rows = torch.zeros(2, ts.ds.WIDTH, dtype=torch.float64, device=dev)
     tgt = ts.Target(rows, 0, False, (0.0, 1.0), 6.0, False, None, "e4m3")
 
