@@ -43,7 +43,8 @@ from .words import pack, unpack
 BM, BN = 32, 128
 PROGRAMS_PER_SM = 4
 # Persistent programs per SM of the kernels with a row: two hold every register at the cap (128 a thread, 8 warps),
-# so two make one wave; more queued a second wave and were slower on an H100 (bench/RESULTS.md).
+# so two make one wave; more queued a second wave and were slower on an H100 (bench/RESULTS.md). (The uncapped forward
+# with both rows, taken only with WORDS off, fits one.)
 STATS_PROGRAMS_PER_SM = 2
 WARPS = 8
 # a statistics row is a thread's 16-byte load of y: at 16, each row spanned two threads, one shuffle per sum per row
