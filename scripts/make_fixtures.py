@@ -146,6 +146,9 @@ CPU_RUNS = (
     # held out in pass O (2026-11-26, fourth session, written down before they ran; no threshold changed after pass
     # K): seed 12
     *_cpu_pass_runs("test", 12),
+    # held out in pass P (2026-11-26, sixth session, written down before they ran; no threshold changed after pass
+    # K): seed 13
+    *_cpu_pass_runs("test", 13),
 )
 
 # GPU: 4 layers x d 512 (head_dim 128), 32 x 256 tokens per step, statistics every 5 steps, 700 steps.
