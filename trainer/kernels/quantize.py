@@ -311,6 +311,16 @@ def _num_sms(device: torch.device) -> int:
     return _sms(device.index or 0) if device.type == "cuda" else 4
 
 
+def persistent_programs(work: int, per_sm: int, device: torch.device) -> int:
+    """Programs of a persistent kernel over ``work`` items: ``per_sm`` per SM (4 in the interpreter), at least one."""
+    return max(1, min(work, 4 if INTERPRET else per_sm * _num_sms(device)))
+
+
+def reg_cap(cap: int | None) -> dict:
+    """The launch option capping a kernel's registers at ``cap`` (ptxas); none without a cap or in the interpreter."""
+    return {"maxnreg": cap} if cap and not INTERPRET else {}
+
+
 def amax_partials(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
     """fp32 tensor of per-program partial amaxes of contiguous x (reduce with .max(); stage 1 of 2)."""
     n = x.numel()

@@ -35,7 +35,8 @@ from agent.triton_stats import (_SMEM_HIST, _careful_result, _fast_result, _htab
                                 packed_setup)
 
 from .quantize import (INTERPRET, Quantized, _cast_fp8, cdiv, next_power_of_2, _consts, _current_scale_from_partials,
-                       _finite_abs, _scale_from_amax, amax_partials, quantize_ref, stats_consts, stats_programs)
+                       _finite_abs, _scale_from_amax, amax_partials, quantize_ref, reg_cap, stats_consts,
+                       stats_programs)
 
 # How the transposed tile is produced, per input dtype (see the kernel): 0 = tl.trans of the fp8 tile,
 # 1 = tl.trans of the fp32 tile then cast, 2 = re-read the tile transposed (no tl.trans). On an H200 with
@@ -294,7 +295,7 @@ def _packed(x: torch.Tensor, stats: "ts.Target") -> bool:
 
 
 def _stats_opts() -> dict:
-    return {"maxnreg": STATS_MAXNREG} if STATS_MAXNREG and not INTERPRET else {}
+    return reg_cap(STATS_MAXNREG)
 
 
 def quantize_transpose(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tensor | None = None,

@@ -23,7 +23,7 @@ from agent.triton_stats import (_SMEM_HIST, _htab, fused_bounds, fused_epilogue,
                                 stream_start)
 
 from .fp8_gemm import _to_out
-from .quantize import INTERPRET, _num_sms, cdiv
+from .quantize import INTERPRET, cdiv, persistent_programs
 
 BLOCK = 2048
 PROGRAMS_PER_SM = 4
@@ -145,8 +145,7 @@ def _branch_grad_kernel(g_ptr, db_ptr, n, sp_ptr, ctr_ptr, dst_ptr, dst_index, m
 
 
 def _programs(n: int, device: torch.device, rows: bool) -> int:
-    per_sm = STATS_PROGRAMS_PER_SM if rows else PROGRAMS_PER_SM
-    return max(1, min(cdiv(n, BLOCK), 4 if INTERPRET else per_sm * _num_sms(device)))
+    return persistent_programs(cdiv(n, BLOCK), STATS_PROGRAMS_PER_SM if rows else PROGRAMS_PER_SM, device)
 
 
 def branch_grad(g: torch.Tensor, dtype: torch.dtype, stats: "ts.Target") -> torch.Tensor:

@@ -30,7 +30,7 @@ from agent import triton_stats as ts
 from agent.triton_stats import _SMEM_HIST, _htab, fused_bounds, fused_epilogue, stream_add, stream_partial, stream_start
 
 from .fp8_gemm import _to_out
-from .quantize import INTERPRET, _num_sms, cdiv
+from .quantize import INTERPRET, cdiv, persistent_programs, reg_cap
 
 BT = 32  # positions per tile
 PROGRAMS_PER_SM = 4
@@ -250,17 +250,12 @@ def _rope_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, cos_ptr, sin_ptr, T, NH, 
 
 
 def _programs(tiles: int, device: torch.device, rows: bool) -> int:
-    per_sm = STATS_PROGRAMS_PER_SM if rows else PROGRAMS_PER_SM
-    return max(1, min(tiles, per_sm * _num_sms(device) if not INTERPRET else 4))
+    return persistent_programs(tiles, STATS_PROGRAMS_PER_SM if rows else PROGRAMS_PER_SM, device)
 
 
 def _warps(hd2: int) -> int:
     """Warps for a tile of BT x hd2: 8 elements a thread (one 16-byte load of bf16, a whole statistics row)."""
     return max(1, min(8, BT * hd2 // (8 * 32)))
-
-
-def _reg_cap(stats) -> dict:
-    return {"maxnreg": STATS_MAXNREG} if stats is not None and STATS_MAXNREG and not INTERPRET else {}
 
 
 def _check(qkv: torch.Tensor, cos: torch.Tensor, n_head: int) -> tuple[int, int, int, int]:
@@ -287,7 +282,7 @@ def rope_qkv_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_
                                   **ts.epilogue_args(stats, programs, qkv), BT=BT, HD2=hd // 2, SOFT_ROUND=INTERPRET,
                                   STAGES=STATS_STAGES if stats is not None else 1,
                                   num_warps=_warps(hd // 2),
-                                  **_reg_cap(stats))
+                                  **reg_cap(STATS_MAXNREG if stats is not None else None))
     return q, k, v
 
 
@@ -303,7 +298,7 @@ def rope_qkv_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos:
                                   sin.contiguous(), t, nh, tiles, **ts.epilogue_args(stats, programs, dqkv), BT=BT,
                                   HD2=hd // 2, SOFT_ROUND=INTERPRET,
                                   STAGES=STATS_STAGES if stats is not None else 1, num_warps=_warps(hd // 2),
-                                  **_reg_cap(stats))
+                                  **reg_cap(STATS_MAXNREG if stats is not None else None))
     return dqkv
 
 

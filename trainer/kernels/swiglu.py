@@ -37,7 +37,7 @@ from agent.triton_stats import (_SMEM_HIST, _htab, _shift_of, _tile_bf16x2, fuse
                                 packed_setup, stream_add, stream_partial, stream_zero)
 
 from .fp8_gemm import _to_out
-from .quantize import INTERPRET, _num_sms, cdiv
+from .quantize import INTERPRET, cdiv, persistent_programs, reg_cap
 from .words import pack, unpack
 
 BM, BN = 32, 128
@@ -334,8 +334,7 @@ def _swiglu_bwd_kernel(y_ptr, dh_ptr, dy_ptr, M, H, stride_y, sp_ptr, ctr_ptr, d
 
 
 def _programs(tiles: int, device: torch.device, rows: bool) -> int:
-    per_sm = STATS_PROGRAMS_PER_SM if rows else PROGRAMS_PER_SM
-    return max(1, min(tiles, per_sm * _num_sms(device) if not INTERPRET else 4))
+    return persistent_programs(tiles, STATS_PROGRAMS_PER_SM if rows else PROGRAMS_PER_SM, device)
 
 
 def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
@@ -356,16 +355,15 @@ def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
         _swiglu_fwd_words_kernel[(programs,)](y2, h, M, H, y2.stride(0), **ts.epilogue_args(stats, programs, h), BM=BM,
                                               BN=BN, SOFT_ROUND=INTERPRET, num_warps=WARPS,
                                               STAGES=STATS_STAGES,
-                                              **({"maxnreg": STATS_MAXNREG} if STATS_MAXNREG and not INTERPRET else {}))
+                                              **reg_cap(STATS_MAXNREG))
         if h_stats is not None:  # h's row by the next statistics launch: cheaper than a second row here (RESULTS)
             ts.defer(h, h_stats)
         return h.reshape(*y.shape[:-1], H)
-    capped = STATS_MAXNREG and not INTERPRET and stats is not None and h_stats is None
     _swiglu_fwd_kernel[(programs,)](y2, h, M, H, y2.stride(0), **ts.epilogue_args(stats, programs, h),
                                     **ts.epilogue_args(h_stats, programs, h, "_h", counter_row=1), BM=BM, BN=BN,
                                     SOFT_ROUND=INTERPRET, num_warps=WARPS,
                                     STAGES=STATS_STAGES if stats is not None or h_stats is not None else 1,
-                                    **({"maxnreg": STATS_MAXNREG} if capped else {}))
+                                    **reg_cap(STATS_MAXNREG if stats is not None and h_stats is None else None))
     return h.reshape(*y.shape[:-1], H)
 
 
@@ -383,8 +381,7 @@ def swiglu_backward(y: torch.Tensor, dh: torch.Tensor, stats: "ts.Target | None"
     _swiglu_bwd_kernel[(programs,)](y2, dh2, dy, M, H, y2.stride(0), **ts.epilogue_args(stats, programs, dy), BM=BM,
                                     BN=BN, SOFT_ROUND=INTERPRET, num_warps=WARPS,
                                     STAGES=BWD_STATS_STAGES if stats is not None else 1,
-                                    **({"maxnreg": STATS_MAXNREG} if STATS_MAXNREG and stats is not None
-                                       and not INTERPRET else {}))
+                                    **reg_cap(STATS_MAXNREG if stats is not None else None))
     return dy.reshape(y.shape)
 
 
