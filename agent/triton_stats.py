@@ -1372,10 +1372,9 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
     tab = to_device(table, device)
     # field-major (_store_partial); merged later, with each program's histogram beside its partial
     part = torch.empty(PW + (64 if later and hist else 0), nwork_total, dtype=torch.float64, device=device)
-    if later:
-        dsts = [(out.data_ptr(), int(i)) for i in index]
-        if any(d in _later_dsts for d in dsts):  # a row merged into twice: the first merge goes first
-            merge_later()
+    dsts = [(out.data_ptr(), int(i)) for i in index]
+    if any(d in _later_dsts for d in dsts):  # a row merged into twice: the first merge goes first
+        merge_later()
     opts = {} if INTERPRET or not cap else {"maxnreg": cap}
     trace = None if _trace is None else torch.zeros(nwork_total, 16, dtype=torch.int32, device=device)
     _stats_kernel[(nwork_total,)](tab, len(tensors), part, counters(device), out, part if trace is None else trace,
@@ -1410,6 +1409,25 @@ assert _MROW.size == MTABW * 8
 _later: list = []
 _later_dsts: set = set()  # (row buffer address, index) of the rows waiting
 _later_lock = threading.Lock()
+
+
+# How a fused kernel's row is merged where its launcher allows it (``epilogue_args``' ``later``: the consumer kernels
+# of trainer/kernels): "later", by ``merge_later`` as a current-scaled cast's (``CAST_MERGE``), or "last", by the
+# kernel's last program, whose merge is the kernel's serial tail.
+FUSED_MERGE = os.environ.get("FP8MON_FUSED_MERGE", "later")
+
+
+def _wait_for_merge(part: torch.Tensor, rows: torch.Tensor, index: int, hist: bool, programs: int, merge: bool,
+                    smode: int, fcode: int) -> None:
+    """Queue the row ``rows[index]`` for ``merge_later``: the ``programs`` partials at ``part`` (field-major, the
+    histograms beside them with ``hist``) of the launch that follows. A row already waiting is merged first."""
+    dst = (rows.data_ptr(), index)
+    if dst in _later_dsts or len(_later) >= MAX_LATER:  # (never after this row is queued: its launch comes next)
+        merge_later()
+    with _later_lock:
+        _later.append((part, rows, hist, _MROW.pack(part.data_ptr(), programs, 0, programs,
+                                                    dst[0] + index * ds.WIDTH * 8, int(merge), smode, fcode)))
+        _later_dsts.add(dst)
 
 
 def merge_later() -> None:
@@ -1684,20 +1702,31 @@ class Target:
 
 
 def epilogue_args(target: Target | None, programs: int, like: torch.Tensor, suffix: str = "",
-                  counter_row: int = 0) -> dict:
+                  counter_row: int = 0, later: bool = False) -> dict:
     """The statistics arguments of a kernel whose programs accumulate row states (``rows_add``) and end in
     ``nofmt_epilogue``: ``fused_args`` with the center as ``cen_ptr`` and ``nofmt_consts``, or placeholders (``like``'s
     pointer) and STATS False without a target. Names get ``suffix`` (a second target of one kernel: "_h"), and its
-    last program counts on the device's counter row ``counter_row`` (two targets of one launch need two)."""
+    last program counts on the device's counter row ``counter_row`` (two targets of one launch need two).
+
+    ``later``: ``programs`` is the launch's grid exactly, which is launched next, and the row may be merged by the next
+    ``merge_later`` rather than by the launch's last program (``FUSED_MERGE``). (A launch's second target must not
+    ask: its registration may merge the rows waiting, the first target's among them, before the launch.)"""
     if target is None:
         args = dict(sp_ptr=like, ctr_ptr=like, dst_ptr=like, dst_index=0, merge=0, cen_ptr=like, c_mean=0.0,
                     c_std=0.0, k=0.0, ahm_ptr=like, ahm_val=0.0, STATS=False, C_PTR=False, AHM_PTR=False,
                     HIST=False, SMODE=0, FMAX=448.0, UTHR=0.0)
     else:
-        args = fused_args(target, programs, like.device)
+        later = later and FUSED_MERGE == "later"
+        args = fused_args(target, programs, like.device, later)
         args["cen_ptr"] = args.pop("c_ptr")
         args["ctr_ptr"] = args["ctr_ptr"][counter_row]
-        args = dict(args, **nofmt_consts(target), STATS=True)
+        consts = nofmt_consts(target)
+        if later:
+            args["merge"] |= 2
+            smode, fcode = consts["SMODE"], _FMT_CODES[by_name(target.fmt).name] if target.fmt is not None else 0
+            _wait_for_merge(args["sp_ptr"], target.rows, int(target.index), bool(target.hist), programs,
+                            bool(target.merge), smode, fcode)
+        args = dict(args, **consts, STATS=True)
     return {(k.upper() + suffix.upper() if k.isupper() else k + suffix): v for k, v in args.items()}
 
 
@@ -1709,9 +1738,11 @@ def nofmt_consts(target: Target) -> dict:
     return dict(SMODE=SCALE_CURRENT, FMAX=float(f.max), UTHR=float(f.underflow_threshold))
 
 
-def fused_args(target: Target, programs: int, device) -> dict:
-    """The statistics arguments of a fused kernel launched on ``programs`` programs (see quantize.py)."""
-    part = torch.empty(PW, max(1, programs), dtype=torch.float64, device=device)  # field-major (_store_partial)
+def fused_args(target: Target, programs: int, device, later: bool = False) -> dict:
+    """The statistics arguments of a fused kernel launched on ``programs`` programs (see quantize.py); ``later``:
+    with room for each program's histogram beside its partial (``merge_later``)."""
+    rows = PW + (64 if later and target.hist else 0)
+    part = torch.empty(rows, max(1, programs), dtype=torch.float64, device=device)  # field-major (_store_partial)
     c = target.center
     if c is not None and not isinstance(c, torch.Tensor):  # kernel float arguments are fp32: pass fp64 by pointer
         c = to_device(struct.pack("<2d", float(c[0]), float(c[1])), torch.device(device)).view(torch.float64)
@@ -1755,7 +1786,9 @@ if triton is not None:
                        AHM_PTR: tl.constexpr, HIST: tl.constexpr, SMODE: tl.constexpr = 1):
         """Store this program's partial; the last program merges all into the target row. ``SMODE``: the
         scale ``s`` given (1), none (0: scale, underflow and overflow NaN) or current scaling (2: s from the
-        merged amax, see the module docstring)."""
+        merged amax, see the module docstring). ``merge``: bit 0, merge into the row rather than overwrite it; bit
+        1, leave the merge to ``merge_later`` (``epilogue_args``' ``later``): the programs store their partials
+        (and histograms beside them) and stop, with no counter and no last program."""
         pid = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
         nprog = tl.num_programs(0) * tl.num_programs(1)
         _store_partial(sp_ptr + pid, nprog, nelem, nfin, nonfin, zeros, outl, under, over, amax, mean,
@@ -1763,7 +1796,14 @@ if triton is not None:
         ahm = ahm_val + tl.zeros([], tl.float64)  # (float arguments may arrive as Python floats)
         if AHM_PTR:
             ahm = tl.load(ahm_ptr).to(tl.float64)
-        _done(sp_ptr, nprog, ctr_ptr, nprog, dst_ptr + dst_index * _WIDTH, merge, SMODE, s, FMAX, UTHR, ahm, hist, HIST)
+        if merge >= 2:
+            if HIST:
+                tl.store(sp_ptr + pid + (_PW + tl.arange(0, 64)) * nprog, hist.to(tl.float64))
+            if pid == 0:
+                tl.store(sp_ptr + _P_AHM * nprog, ahm)
+        else:
+            _done(sp_ptr, nprog, ctr_ptr, nprog, dst_ptr + dst_index * _WIDTH, merge, SMODE, s, FMAX, UTHR, ahm,
+                  hist, HIST)
 
     # ---- statistics of the tiles a consumer kernel streams through (trainer/kernels/swiglu.py, residual.py, rope.py)
     # As the standalone kernel takes them: a thread sums its own rows of V elements (``_tile_fast``) about a shift from

@@ -10,6 +10,7 @@ row (a plain linear's grad_output) against that row read apart; RoPE on the qkv 
     python3 bench/consumers.py
     python3 bench/consumers.py --stages 1,2,3   # the kernels with rows at each software-pipelining depth
     python3 bench/consumers.py --variants "default;trainer.kernels.residual.BLOCK=4096"   # ... in each setting
+    python3 bench/consumers.py --variants "default;agent.triton_stats.FUSED_MERGE='last'"
 """
 
 import argparse
@@ -27,8 +28,23 @@ from trainer.kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_ref  
 from trainer.kernels.timing import device_medians  # noqa: E402
 from trainer.kernels.words import words_path  # noqa: E402
 
+STEP_ROWS = 48  # the rows a 124M FP8 step's consumer kernels take: SwiGLU, RoPE and two residual adds in 12 layers
 SHAPES = {"124m": (16 * 1024, 2048, 768), "1.5b": (4 * 2048, 8192, 2048)}  # (tokens, SwiGLU hidden width, d_model)
 ROPE_SHAPES = {"124m": (16, 1024, 6), "1.5b": (4, 2048, 16)}  # (batch, sequence, heads)
+
+
+class StepRows:
+    """Targets for the kernels' rows: a row of its own for each call, as a step's rows are. (A row merged later,
+    ``triton_stats.FUSED_MERGE``, waits for one merge launch of many rows, which the timings include once every
+    STEP_ROWS calls; one row for every call would add a merge launch to each.)"""
+
+    def __init__(self, dev: torch.device):
+        self.rows = torch.zeros(STEP_ROWS, ts.ds.WIDTH, dtype=torch.float64, device=dev)
+        self.calls = 0
+
+    def __call__(self, hist: bool = False) -> ts.Target:
+        self.calls += 1
+        return ts.Target(self.rows, self.calls % STEP_ROWS, False, (0.0, 1.0), 6.0, hist, None, "e4m3")
 
 
 def fp32_path(fn):
@@ -69,27 +85,29 @@ def main(argv=None) -> None:
         y = torch.randn(tokens, 2 * hidden, device=dev).to(torch.bfloat16)
         dh = torch.randn(tokens, hidden, device=dev).to(torch.bfloat16)
         for hist in (False, True):
-            rows = torch.zeros(3, ts.ds.WIDTH, dtype=torch.float64, device=dev)
-            tgt = ts.Target(rows, 0, False, (0.0, 1.0), 6.0, hist, None, "e4m3")
-            tgt_h = ts.Target(rows, 2, False, (0.0, 1.0), 6.0, hist, None, "e4m3")
+            rows = torch.zeros(2, ts.ds.WIDTH, dtype=torch.float64, device=dev)  # the rows read apart
+            step = StepRows(dev)
+
+            def tgt():
+                return step(hist)
 
             def both_rows():  # the words path: y's row in the kernel, h's by a statistics launch (deferred)
-                swiglu_forward(y, stats=tgt, h_stats=tgt_h)
+                swiglu_forward(y, stats=tgt(), h_stats=tgt())
                 ts.flush_deferred()
 
             fns = {
                 "torch forward": lambda: swiglu_ref(y),
                 "fused forward": lambda: swiglu_forward(y),
-                "fused forward + row": lambda: swiglu_forward(y, stats=tgt),
-                "fused forward + row, fp32 path": lambda: fp32_path(lambda: swiglu_forward(y, stats=tgt)),
+                "fused forward + row": lambda: swiglu_forward(y, stats=tgt()),
+                "fused forward + row, fp32 path": lambda: fp32_path(lambda: swiglu_forward(y, stats=tgt())),
                 "fused forward + rows of y and h": both_rows,
                 "fused forward + rows of y and h, one kernel": lambda: fp32_path(
-                    lambda: swiglu_forward(y, stats=tgt, h_stats=tgt_h)),
+                    lambda: swiglu_forward(y, stats=tgt(), h_stats=tgt())),
                 "torch forward + row read apart": lambda: (swiglu_ref(y), ts.rows(
                     [y], fmt="e4m3", center=[(0.0, 1.0)], hist=hist, out=rows, index=[1])),
                 "torch forward + backward": lambda: torch_backward(y, dh),
                 "fused backward": lambda: swiglu_backward(y, dh),
-                "fused backward + dy's row": lambda: swiglu_backward(y, dh, stats=tgt),
+                "fused backward + dy's row": lambda: swiglu_backward(y, dh, stats=tgt()),
                 "dy's row read apart": lambda: ts.rows([y], fmt="e5m2", center=[(0.0, 1.0)], hist=hist, out=rows,
                                                        index=[1]),
             }
@@ -120,19 +138,17 @@ def sweep(name: str, variants: list[tuple[str, list]], dev: torch.device) -> Non
     x = torch.randn(tokens, d_model, device=dev)
     b = torch.randn(tokens, d_model, device=dev).to(torch.bfloat16)
     rot, qkv, grads = _rope_inputs(batch, seq, d_model, heads, dev)
-    rows = torch.zeros(2, ts.ds.WIDTH, dtype=torch.float64, device=dev)
-    tgt = ts.Target(rows, 0, False, (0.0, 1.0), 6.0, False, None, "e4m3")
-    tgt_hist = ts.Target(rows, 1, False, (0.0, 1.0), 6.0, True, None, "e4m3")
+    tgt = StepRows(dev)
     kernels = {
-        "swiglu fwd + row": lambda: swiglu_forward(y, stats=tgt),
-        "swiglu fwd + row, hist": lambda: swiglu_forward(y, stats=tgt_hist),
-        "swiglu fwd + row, fp32 path": lambda: fp32_path(lambda: swiglu_forward(y, stats=tgt)),
-        "swiglu bwd + row": lambda: swiglu_backward(y, dh, stats=tgt),
-        "residual add + row": lambda: residual_add_forward(x, b, stats=tgt),
-        "residual add + row, hist": lambda: residual_add_forward(x, b, stats=tgt_hist),
-        "residual grad cast + row": lambda: branch_grad(x, torch.bfloat16, tgt),
-        "rope fwd + row": lambda: rope_qkv_forward(qkv, rot.cos, rot.sin, heads, stats=tgt),
-        "rope bwd + row": lambda: rope_qkv_backward(*grads, rot.cos, rot.sin, torch.bfloat16, stats=tgt),
+        "swiglu fwd + row": lambda: swiglu_forward(y, stats=tgt()),
+        "swiglu fwd + row, hist": lambda: swiglu_forward(y, stats=tgt(True)),
+        "swiglu fwd + row, fp32 path": lambda: fp32_path(lambda: swiglu_forward(y, stats=tgt())),
+        "swiglu bwd + row": lambda: swiglu_backward(y, dh, stats=tgt()),
+        "residual add + row": lambda: residual_add_forward(x, b, stats=tgt()),
+        "residual add + row, hist": lambda: residual_add_forward(x, b, stats=tgt(True)),
+        "residual grad cast + row": lambda: branch_grad(x, torch.bfloat16, tgt()),
+        "rope fwd + row": lambda: rope_qkv_forward(qkv, rot.cos, rot.sin, heads, stats=tgt()),
+        "rope bwd + row": lambda: rope_qkv_backward(*grads, rot.cos, rot.sin, torch.bfloat16, stats=tgt()),
     }
 
     def under(assignments, fn):
@@ -173,8 +189,8 @@ def rope(name: str, batch: int, seq: int, d_model: int, n_head: int, dev: torch.
     from trainer.kernels.rope import rope_qkv_backward, rope_qkv_forward, rope_qkv_ref
 
     rot, qkv, grads = _rope_inputs(batch, seq, d_model, n_head, dev)
-    rows = torch.zeros(2, ts.ds.WIDTH, dtype=torch.float64, device=dev)
-    tgt = ts.Target(rows, 0, False, (0.0, 1.0), 6.0, False, None, "e4m3")
+    rows = torch.zeros(2, ts.ds.WIDTH, dtype=torch.float64, device=dev)  # the rows read apart
+    tgt = StepRows(dev)
 
     def torch_both():
         x = qkv.detach().requires_grad_()
@@ -184,12 +200,12 @@ def rope(name: str, batch: int, seq: int, d_model: int, n_head: int, dev: torch.
     fns = {
         "torch forward": lambda: rope_qkv_ref(qkv, rot.cos, rot.sin, n_head),
         "fused forward": lambda: rope_qkv_forward(qkv, rot.cos, rot.sin, n_head),
-        "fused forward + row": lambda: rope_qkv_forward(qkv, rot.cos, rot.sin, n_head, stats=tgt),
+        "fused forward + row": lambda: rope_qkv_forward(qkv, rot.cos, rot.sin, n_head, stats=tgt()),
         "torch forward + row read apart": lambda: (rope_qkv_ref(qkv, rot.cos, rot.sin, n_head), ts.rows(
             [qkv], fmt="e4m3", center=[(0.0, 1.0)], hist=False, out=rows, index=[1])),
         "torch forward + backward": torch_both,
         "fused backward": lambda: rope_qkv_backward(*grads, rot.cos, rot.sin, torch.bfloat16),
-        "fused backward + row": lambda: rope_qkv_backward(*grads, rot.cos, rot.sin, torch.bfloat16, stats=tgt),
+        "fused backward + row": lambda: rope_qkv_backward(*grads, rot.cos, rot.sin, torch.bfloat16, stats=tgt()),
         "row read apart": lambda: ts.rows([qkv], fmt="e5m2", center=[(0.0, 1.0)], hist=False, out=rows, index=[1]),
     }
     for fn in fns.values():
@@ -202,17 +218,17 @@ def rope(name: str, batch: int, seq: int, d_model: int, n_head: int, dev: torch.
 def residual(name: str, tokens: int, d_model: int, dev: torch.device) -> None:
     x = torch.randn(tokens, d_model, device=dev)
     b = torch.randn(tokens, d_model, device=dev).to(torch.bfloat16)
-    rows = torch.zeros(2, ts.ds.WIDTH, dtype=torch.float64, device=dev)
-    tgt = ts.Target(rows, 0, False, (0.0, 1.0), 6.0, False, None, "e4m3")
+    rows = torch.zeros(2, ts.ds.WIDTH, dtype=torch.float64, device=dev)  # the rows read apart
+    tgt = StepRows(dev)
     fns = {
         "torch add": lambda: x + b,
         "fused add": lambda: residual_add_forward(x, b),
-        "fused add + row": lambda: residual_add_forward(x, b, stats=tgt),
+        "fused add + row": lambda: residual_add_forward(x, b, stats=tgt()),
         "torch add + row read apart": lambda: (x + b, ts.rows([b], fmt="e4m3", center=[(0.0, 1.0)], hist=False,
                                                                 out=rows, index=[1])),
         # the backward: b's gradient, the fp32 stream's cast to bf16, with its row (a plain linear's grad_output)
         "torch grad cast": lambda: x.to(torch.bfloat16),
-        "fused grad cast + row": lambda: branch_grad(x, torch.bfloat16, tgt),
+        "fused grad cast + row": lambda: branch_grad(x, torch.bfloat16, tgt()),
         "torch grad cast + row read apart": lambda: ts.rows([x.to(torch.bfloat16)], fmt="e5m2", center=[(0.0, 1.0)],
                                                              hist=False, out=rows, index=[1]),
     }

@@ -474,6 +474,7 @@ def check_consumers(device) -> None:
         out = residual_add(x1, b1, stats=tgt, grad_stats=lambda: tgt_g)
         dout = torch.randn(out.shape, generator=g).to(out.dtype).to(device)
         out.backward(dout)
+        ts.flush_deferred()  # (the consumer kernels' rows are merged later: triton_stats.FUSED_MERGE)
         same = torch.equal(out.detach(), x0 + b0) and torch.equal(x1.grad, dout.to(xd)) and \
             torch.equal(b1.grad, dout.to(torch.bfloat16))
         want = ds.partials(b0, fmt="e4m3", outlier_center=(0.0, 4.0))
@@ -526,6 +527,7 @@ def check_consumers(device) -> None:
             tgt_dy = ts.Target.new(device, center=(0.0, 1.0), hist=hist, fmt="e5m2" if fmt else None)
             y3 = y0.clone().requires_grad_()
             swiglu(y3, dy_stats=lambda: tgt_dy).backward(dh)
+            ts.flush_deferred()
             want_dy = ds.partials(y3.grad, fmt=tgt_dy.fmt, outlier_center=(0.0, 1.0), hist=hist)
             ok, why = rows_close(tgt_dy.rows[0], want_dy, under_slack=slack(want_dy))
             same = torch.equal(y3.grad, y1.grad)
@@ -556,6 +558,7 @@ def check_rope(device) -> None:
         ref = rope_qkv_ref(r, rot.cos, rot.sin, nh)
         torch.autograd.backward(got, grads)
         torch.autograd.backward(ref, grads)
+        ts.flush_deferred()
         problems = []
         for what, x, y in (("q", got[0], ref[0]), ("k", got[1], ref[1]), ("v", got[2], ref[2]), ("dqkv", a.grad, r.grad)):
             x, y = x.detach().float().nan_to_num(7.0), y.detach().float().nan_to_num(7.0)
@@ -568,6 +571,7 @@ def check_rope(device) -> None:
         ok, why = rows_close(tgt.rows[0], want, under_slack=want[ds.HIST:].nan_to_num(0).max().item())
         tgt.merge = True
         rope_qkv(qkv0 * 2, rot.cos, rot.sin, nh, stats=tgt)
+        ts.flush_deferred()
         both = ds.merge(want, ds.partials(qkv0 * 2, fmt="e4m3", outlier_center=(0.25, 2.0), hist=True))
         ok2, why2 = rows_close(tgt.rows[0], both, under_slack=both[ds.HIST:].nan_to_num(0).max().item())
         want_g = ds.partials(a.grad, fmt="e5m2", outlier_center=(0.0, 1.0), hist=True)

@@ -100,6 +100,7 @@ def _child(names: list[str]) -> None:
                     problems.append("h differs with statistics on")
                 tgt.merge = True
                 swiglu(y0 * 2, stats=tgt)
+                ts.flush_deferred()  # the row is merged later (triton_stats.FUSED_MERGE)
                 both = ds.merge(want, ds.partials(y0 * 2, fmt=fmt, outlier_center=center, hist=hist))
                 problems.append(row_problems(tgt.rows[0], both, rtol=1e-6, under_slack=slack(both)))
                 emit(f"forward_stats:{tuple(y0.shape)}:{y0.dtype}:{fmt}", "; ".join(p for p in problems if p))
@@ -118,6 +119,7 @@ def _child(names: list[str]) -> None:
                 problems = ["" if not asked else "the target was asked for in the forward"]
                 h1.backward(dh0.to(y0.dtype))
                 swiglu(y2).backward(dh0.to(y0.dtype))
+                ts.flush_deferred()
                 want = ds.partials(y1.grad, fmt=fmt, outlier_center=(0.0, 1.0), hist=hist)
                 slack = float(want[ds.HIST:].nan_to_num(0).max()) if fmt else None
                 problems.append(row_problems(tgt.rows[0], want, rtol=1e-6, under_slack=slack))
@@ -302,9 +304,16 @@ def _child(names: list[str]) -> None:
             x2, b2 = x0.clone().requires_grad_(), b0.clone().requires_grad_()
             tgt = ts.Target.new("cpu", center=(0.0, 4.0), fmt="e4m3")
             tgt_g = ts.Target.new("cpu", center=(0.0, 1.0), fmt="e5m2")
-            o1, o2 = residual_add(x1, b1, stats=tgt, grad_stats=lambda: tgt_g), residual_add_ref(x2, b2)
-            o1.backward(dout.to(o1.dtype))
+            merge, ts.FUSED_MERGE = ts.FUSED_MERGE, "last" if nan else "later"  # by the last program, or later
+            try:
+                o1 = residual_add(x1, b1, stats=tgt, grad_stats=lambda: tgt_g)
+                o1.backward(dout.to(o1.dtype))
+            finally:
+                ts.FUSED_MERGE = merge
+            o2 = residual_add_ref(x2, b2)
             o2.backward(dout.to(o2.dtype))
+            if not nan:  # the rows are complete after the next flush
+                ts.flush_deferred()
             problems = []
             if o1.dtype != o2.dtype or not torch.equal(o1.detach().nan_to_num(7.0), o2.detach().nan_to_num(7.0)):
                 problems.append(f"sum differs ({o1.dtype} vs {o2.dtype})")
@@ -339,6 +348,7 @@ def _child(names: list[str]) -> None:
             ref = rope_qkv_ref(r, rot.cos, rot.sin, nh)
             torch.autograd.backward(got, grads)
             torch.autograd.backward(ref, grads)
+            ts.flush_deferred()
             problems = [f"{what} differs" for what, x, y in (("q", got[0], ref[0]), ("k", got[1], ref[1]),
                                                               ("v", got[2], ref[2]), ("dqkv", a.grad, r.grad))
                         if x.shape != y.shape or not torch.equal(x.detach().nan_to_num(7.0), y.detach().nan_to_num(7.0))]
@@ -349,9 +359,13 @@ def _child(names: list[str]) -> None:
             problems.append(row_problems(tgt.rows[0], want, rtol=1e-6, under_slack=slack(want)))
             want_g = ds.partials(a.grad, fmt="e5m2", outlier_center=(0.0, 1.0), hist=True)
             problems.append(row_problems(tgt_g.rows[0], want_g, rtol=1e-6, under_slack=slack(want_g)))
-            tgt.merge = True
+            tgt.merge = True  # twice into the waiting row: the first merge goes first
             rope_qkv(qkv0 * 2, rot.cos, rot.sin, nh, stats=tgt)
-            both = ds.merge(want, ds.partials(qkv0 * 2, fmt="e4m3", outlier_center=(0.5, 2.0), hist=True))
+            rope_qkv(qkv0 * 3, rot.cos, rot.sin, nh, stats=tgt)
+            ts.flush_deferred()
+            both = want
+            for f in (2, 3):
+                both = ds.merge(both, ds.partials(qkv0 * f, fmt="e4m3", outlier_center=(0.5, 2.0), hist=True))
             problems.append(row_problems(tgt.rows[0], both, rtol=1e-6, under_slack=slack(both)))
             emit(f"rope:{(b, t, nh, hd)}:{dt}:nan={nan}", "; ".join(p for p in problems if p))
 

@@ -154,9 +154,8 @@ def branch_grad(g: torch.Tensor, dtype: torch.dtype, stats: "ts.Target") -> torc
     gc = g.contiguous()
     db = torch.empty(g.shape, dtype=dtype, device=g.device)
     programs = _programs(db.numel(), g.device, True)
-    _branch_grad_kernel[(programs,)](gc, db, db.numel(), **ts.epilogue_args(stats, programs, db), BLOCK=BLOCK,
-                                     SOFT_ROUND=INTERPRET, num_warps=WARPS,
-                                     STAGES=STATS_STAGES)
+    _branch_grad_kernel[(programs,)](gc, db, db.numel(), **ts.epilogue_args(stats, programs, db, later=True),
+                                     BLOCK=BLOCK, SOFT_ROUND=INTERPRET, num_warps=WARPS, STAGES=STATS_STAGES)
     return db
 
 
@@ -168,8 +167,8 @@ def residual_add_forward(x: torch.Tensor, b: torch.Tensor, stats: "ts.Target | N
     out = torch.empty(x.shape, dtype=torch.result_type(x, b), device=x.device)
     n = out.numel()
     programs = _programs(n, x.device, stats is not None)
-    _residual_add_kernel[(programs,)](xc, bc, out, n, **ts.epilogue_args(stats, programs, out), BLOCK=BLOCK,
-                                      SOFT_ROUND=INTERPRET, num_warps=WARPS,
+    _residual_add_kernel[(programs,)](xc, bc, out, n, **ts.epilogue_args(stats, programs, out, later=True),
+                                      BLOCK=BLOCK, SOFT_ROUND=INTERPRET, num_warps=WARPS,
                                       STAGES=STATS_STAGES if stats is not None else 1)
     return out
 

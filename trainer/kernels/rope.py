@@ -279,8 +279,8 @@ def rope_qkv_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_
     q, k, v = (torch.empty(b, n_head, t, hd, dtype=qkv.dtype, device=qkv.device) for _ in range(3))
     programs = _programs(tiles, qkv.device, stats is not None)
     _rope_fwd_kernel[(programs,)](qkv, q, k, v, cos.contiguous(), sin.contiguous(), t, n_head, tiles,
-                                  **ts.epilogue_args(stats, programs, qkv), BT=BT, HD2=hd // 2, SOFT_ROUND=INTERPRET,
-                                  STAGES=STATS_STAGES if stats is not None else 1,
+                                  **ts.epilogue_args(stats, programs, qkv, later=True), BT=BT, HD2=hd // 2,
+                                  SOFT_ROUND=INTERPRET, STAGES=STATS_STAGES if stats is not None else 1,
                                   num_warps=_warps(hd // 2),
                                   **reg_cap(STATS_MAXNREG if stats is not None else None))
     return q, k, v
@@ -295,8 +295,8 @@ def rope_qkv_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos:
     dqkv = torch.empty(b, t, 3 * nh * hd, dtype=dtype, device=dv.device)
     programs = _programs(tiles, dv.device, stats is not None)
     _rope_bwd_kernel[(programs,)](dq.contiguous(), dk.contiguous(), dv.contiguous(), dqkv, cos.contiguous(),
-                                  sin.contiguous(), t, nh, tiles, **ts.epilogue_args(stats, programs, dqkv), BT=BT,
-                                  HD2=hd // 2, SOFT_ROUND=INTERPRET,
+                                  sin.contiguous(), t, nh, tiles, **ts.epilogue_args(stats, programs, dqkv, later=True),
+                                  BT=BT, HD2=hd // 2, SOFT_ROUND=INTERPRET,
                                   STAGES=STATS_STAGES if stats is not None else 1, num_warps=_warps(hd // 2),
                                   **reg_cap(STATS_MAXNREG if stats is not None else None))
     return dqkv

@@ -352,14 +352,14 @@ def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
     programs = _programs(cdiv(M, BM) * cdiv(H, BN), y.device, stats is not None or h_stats is not None)
     if (WORDS and stats is not None and y.dtype == torch.bfloat16 and H % 2 == 0 and y2.stride(0) % 2 == 0
             and y2.data_ptr() % 4 == 0 and (not stats.hist or ts.SMEM_HIST)):
-        _swiglu_fwd_words_kernel[(programs,)](y2, h, M, H, y2.stride(0), **ts.epilogue_args(stats, programs, h), BM=BM,
-                                              BN=BN, SOFT_ROUND=INTERPRET, num_warps=WARPS,
-                                              STAGES=STATS_STAGES,
+        _swiglu_fwd_words_kernel[(programs,)](y2, h, M, H, y2.stride(0),
+                                              **ts.epilogue_args(stats, programs, h, later=True), BM=BM, BN=BN,
+                                              SOFT_ROUND=INTERPRET, num_warps=WARPS, STAGES=STATS_STAGES,
                                               **reg_cap(STATS_MAXNREG))
         if h_stats is not None:  # h's row by the next statistics launch: cheaper than a second row here (RESULTS)
             ts.defer(h, h_stats)
         return h.reshape(*y.shape[:-1], H)
-    _swiglu_fwd_kernel[(programs,)](y2, h, M, H, y2.stride(0), **ts.epilogue_args(stats, programs, h),
+    _swiglu_fwd_kernel[(programs,)](y2, h, M, H, y2.stride(0), **ts.epilogue_args(stats, programs, h, later=True),
                                     **ts.epilogue_args(h_stats, programs, h, "_h", counter_row=1), BM=BM, BN=BN,
                                     SOFT_ROUND=INTERPRET, num_warps=WARPS,
                                     STAGES=STATS_STAGES if stats is not None or h_stats is not None else 1,
@@ -378,8 +378,9 @@ def swiglu_backward(y: torch.Tensor, dh: torch.Tensor, stats: "ts.Target | None"
     dh2 = dh.reshape(M, H).to(y.dtype).contiguous()
     dy = torch.empty((M, two_h), dtype=y.dtype, device=y.device)
     programs = _programs(cdiv(M, BM) * cdiv(H, BN), y.device, stats is not None)
-    _swiglu_bwd_kernel[(programs,)](y2, dh2, dy, M, H, y2.stride(0), **ts.epilogue_args(stats, programs, dy), BM=BM,
-                                    BN=BN, SOFT_ROUND=INTERPRET, num_warps=WARPS,
+    _swiglu_bwd_kernel[(programs,)](y2, dh2, dy, M, H, y2.stride(0),
+                                    **ts.epilogue_args(stats, programs, dy, later=True), BM=BM, BN=BN,
+                                    SOFT_ROUND=INTERPRET, num_warps=WARPS,
                                     STAGES=BWD_STATS_STAGES if stats is not None else 1,
                                     **reg_cap(STATS_MAXNREG if stats is not None else None))
     return dy.reshape(y.shape)
