@@ -23,13 +23,15 @@ from agent.triton_stats import (_SMEM_HIST, _htab, fused_bounds, fused_epilogue,
                                 stream_start)
 
 from .fp8_gemm import _to_out
-from .quantize import INTERPRET, cdiv, persistent_programs
+from .quantize import INTERPRET, cdiv, persistent_programs, reg_cap
 
 BLOCK = 2048
 PROGRAMS_PER_SM = 4
-# Persistent programs per SM of the kernels with a row: two hold every register at the cap (128 a thread, 8 warps),
-# so two make one wave; more queued a second wave and were slower on an H100 (bench/RESULTS.md).
+# Persistent programs per SM of the kernels with a row, and their register cap (ptxas; None: none). Uncapped, the
+# add with a row took 156 registers in an offline sm_90a build (bench/offline_sass.py --consumers), so one program of
+# 8 warps fit an SM; two were launched per SM all the same, measured faster than one or four (bench/RESULTS.md).
 STATS_PROGRAMS_PER_SM = 2
+STATS_MAXNREG = None
 WARPS = 8
 # Software-pipelining depth of the tile loops with a row (``tl.range``'s num_stages: from 2 on, Triton issues the
 # next blocks' loads into shared memory, cp.async, ahead of this block's arithmetic); by ``bench/consumers.py
@@ -155,7 +157,8 @@ def branch_grad(g: torch.Tensor, dtype: torch.dtype, stats: "ts.Target") -> torc
     db = torch.empty(g.shape, dtype=dtype, device=g.device)
     programs = _programs(db.numel(), g.device, True)
     _branch_grad_kernel[(programs,)](gc, db, db.numel(), **ts.epilogue_args(stats, programs, db, later=True),
-                                     BLOCK=BLOCK, SOFT_ROUND=INTERPRET, num_warps=WARPS, STAGES=STATS_STAGES)
+                                     BLOCK=BLOCK, SOFT_ROUND=INTERPRET, num_warps=WARPS, STAGES=STATS_STAGES,
+                                     **reg_cap(STATS_MAXNREG))
     return db
 
 
@@ -169,7 +172,8 @@ def residual_add_forward(x: torch.Tensor, b: torch.Tensor, stats: "ts.Target | N
     programs = _programs(n, x.device, stats is not None)
     _residual_add_kernel[(programs,)](xc, bc, out, n, **ts.epilogue_args(stats, programs, out, later=True),
                                       BLOCK=BLOCK, SOFT_ROUND=INTERPRET, num_warps=WARPS,
-                                      STAGES=STATS_STAGES if stats is not None else 1)
+                                      STAGES=STATS_STAGES if stats is not None else 1,
+                                      **reg_cap(STATS_MAXNREG if stats is not None else None))
     return out
 
 
