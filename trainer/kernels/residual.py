@@ -27,11 +27,12 @@ from .quantize import INTERPRET, cdiv, persistent_programs, reg_cap
 
 BLOCK = 2048
 PROGRAMS_PER_SM = 4
-# Persistent programs per SM of the kernels with a row, and their register cap (ptxas; None: none). Uncapped, the
-# add with a row took 156 registers in an offline sm_90a build (bench/offline_sass.py --consumers), so one program of
-# 8 warps fit an SM; two were launched per SM all the same, measured faster than one or four (bench/RESULTS.md).
+# Persistent programs per SM of the kernels with a row, and their register cap (ptxas). Uncapped, the add with a row
+# took 156 registers in an offline sm_90a build (bench/offline_sass.py --consumers): one program of 8 warps per SM, the
+# second of each SM a second wave. At 128 (no spill; 96 neither) two fit, one wave, and the add and the cast took 10%
+# and 17% less time on an H100; fewer registers with more programs gained nothing more (bench/RESULTS.md).
 STATS_PROGRAMS_PER_SM = 2
-STATS_MAXNREG = None
+STATS_MAXNREG = 128
 WARPS = 8
 # Software-pipelining depth of the tile loops with a row (``tl.range``'s num_stages: from 2 on, Triton issues the
 # next blocks' loads into shared memory, cp.async, ahead of this block's arithmetic); by ``bench/consumers.py
