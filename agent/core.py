@@ -62,6 +62,9 @@ from .wire import SITES
 log = logging.getLogger("fp8mon.agent")
 
 DEFAULT_FORMATS = {"input": "e4m3", "weight": "e4m3", "output": None, "grad_output": "e5m2", "grad_weight": "e5m2"}
+# The hooks' statistics launches on the Triton path leave their rows (those with no scale known before the read) to
+# the merge launch that ends the step (``triton_stats.rows``' ``later``): no launch ends in its last program's merge.
+LATER_MERGE = True
 _RUN_NAME = re.compile(wire.RUN_NAME_PATTERN)
 _SCALAR_NAME = re.compile(wire.SCALAR_NAME_PATTERN)
 _MAX_LAYER, _MAX_NAME, _MAX_RUN = wire.MAX_LAYER_NAME, wire.MAX_SCALAR_NAME, wire.MAX_RUN_NAME
@@ -562,9 +565,12 @@ class Agent:
         slots = [t[0] for t in todo]
         device = todo[0][1].device
         rows, merge, centers = self._claim(slots, [t[6] for t in todo], device)
+        # rows no scale decides and no history reads now are merged by the launch that ends the step (_launch_pending)
+        later = LATER_MERGE and all(t[3] is None and t[4] is None and not t[5] for t in todo)
         ts.rows([t[1] for t in todo], fmt=[t[2] for t in todo], scale=[t[3] for t in todo],
                 center=[centers[s] for s in slots], outlier_k=self.outlier_k,
-                amax_history_max=[t[4] for t in todo], hist=self.hist_now, out=rows, index=slots, merge=merge)
+                amax_history_max=[t[4] for t in todo], hist=self.hist_now, out=rows, index=slots, merge=merge,
+                later=later)
         for slot, x, fmt, scale, ahm, emulated, replace, site in todo:
             if emulated:
                 self._history.observe(slot, rows[slot, ds.AMAX])
@@ -587,6 +593,7 @@ class Agent:
                 slots.append(got[0])
         if not slots:
             return None, covered
+        ts.merge_later()  # (their rows may wait for their merge)
         rows = self._pack.rows.index_select(0, ts.to_device(slots, self._pack.rows.device))
         n, mean, m2 = rows[:, ds.N], rows[:, ds.MEAN], rows[:, ds.M2]
         sq = torch.where(n > 0, n * mean * mean + m2, 0.0).sum()

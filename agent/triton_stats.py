@@ -1229,7 +1229,7 @@ def _scale_of_history(ahm: float, fmt) -> float:
 
 def rows(tensors: Sequence[torch.Tensor], *, fmt=None, scale=None, center=None, outlier_k: float = 6.0,
          amax_history_max=None, hist: bool = True, out: torch.Tensor | None = None,
-         index: Sequence[int] | None = None, merge: Sequence[bool] | bool = False) -> torch.Tensor:
+         index: Sequence[int] | None = None, merge: Sequence[bool] | bool = False, later: bool = False) -> torch.Tensor:
     """The ``device_stats`` row of each tensor, all computed by one launch (per MAX_TENSORS tensors).
 
     Per-tensor arguments take one value for all or a list: ``fmt`` ("e4m3" | "e5m2" | None), ``scale``
@@ -1237,7 +1237,11 @@ def rows(tensors: Sequence[torch.Tensor], *, fmt=None, scale=None, center=None, 
     tensor otherwise), ``center`` ((mean, std) numbers, or an fp64 device tensor of 2; None: no outliers),
     ``amax_history_max`` (number or device tensor). ``out`` (``[R, WIDTH]`` fp64, on the tensors' device)
     receives tensor i's row at ``index[i]``, merged into the row there where ``merge[i]``; without ``out``
-    a new ``[len(tensors), WIDTH]`` tensor is returned (``out`` is returned either way)."""
+    a new ``[len(tensors), WIDTH]`` tensor is returned (``out`` is returned either way).
+
+    ``later``: the rows are merged by the next ``merge_later`` (``flush_deferred``), not by the launch's last program,
+    as ``FUSED_MERGE`` says; only for rows with no scale known before the read (no ``scale``, no
+    ``amax_history_max``: the merge launch knows none)."""
     n = len(tensors)
     if n == 0:
         return out if out is not None else ds.empty(0)
@@ -1249,10 +1253,13 @@ def rows(tensors: Sequence[torch.Tensor], *, fmt=None, scale=None, center=None, 
     index = list(index if index is not None else range(n))
     fmts, scales, centers = _each(fmt, n), _each(scale, n), _each(center, n, pair=True)
     ahms, merges = _each(amax_history_max, n), _each(merge, n)
+    later = later and FUSED_MERGE == "later"
+    if later and any(s is not None for s in scales + ahms):
+        raise ValueError("rows(later=True) takes no scale and no amax_history_max: the later merge knows no scale")
     for lo in range(0, n, MAX_TENSORS):
         hi = min(n, lo + MAX_TENSORS)
         _launch(tensors[lo:hi], fmts[lo:hi], scales[lo:hi], centers[lo:hi], float(outlier_k), ahms[lo:hi], hist,
-                out, index[lo:hi], merges[lo:hi], device)
+                out, index[lo:hi], merges[lo:hi], device, later=later)
     return out
 
 
@@ -1411,9 +1418,10 @@ _later_dsts: set = set()  # (row buffer address, index) of the rows waiting
 _later_lock = threading.Lock()
 
 
-# How a fused kernel's row is merged where its launcher allows it (``epilogue_args``' ``later``: the consumer kernels
-# of trainer/kernels): "later", by ``merge_later`` as a current-scaled cast's (``CAST_MERGE``), or "last", by the
-# kernel's last program, whose merge is the kernel's serial tail.
+# How a row is merged where its launcher allows it (``epilogue_args``' ``later``: the consumer kernels of
+# trainer/kernels; ``rows(later=True)``: the agent's launches of rows with no scale known before the read): "later",
+# by ``merge_later`` as a current-scaled cast's (``CAST_MERGE``), or "last", by the launch's last program, whose merge
+# is the launch's serial tail.
 FUSED_MERGE = os.environ.get("FP8MON_FUSED_MERGE", "later")
 
 

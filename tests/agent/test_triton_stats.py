@@ -133,6 +133,36 @@ def _child(names: list[str]) -> None:
         emit("multi_tensor:merged_into_rows", row_problems(out[idx], ds.merge(base, want)))
         emit("multi_tensor:other_rows_untouched", "" if bool((out[0::2] == 0).all()) else "rows written outside index")
 
+    def merged_later():
+        """Rows launched with ``later``: the rows stay as they were until ``flush_deferred`` merges them, then equal
+        the rows merged by the launch's last program, written over or merged into (twice into one row before a
+        flush: the first merge goes first); a scale known before the read is refused, as the merge knows none."""
+        g = torch.Generator().manual_seed(7)
+        xs = [torch.randn(5000, generator=g) * 2 + 1, (torch.randn(3001, generator=g) * 40).to(torch.bfloat16)]
+        xs[1][5] = float("nan")
+        for hist in (True, False):
+            base = torch.stack([ds.partials(x[:1000], fmt="e4m3", hist=hist) for x in xs])
+            want = torch.zeros(3, ds.WIDTH, dtype=torch.float64)
+            want[:2] = base
+            ts.rows(xs, fmt="e4m3", center=(0.5, 3.0), hist=hist, out=want, index=[0, 1], merge=[False, True])
+            ts.rows(xs[:1], fmt="e4m3", center=(0.5, 3.0), hist=hist, out=want, index=[2])
+            ts.rows(xs[:1], fmt="e4m3", center=(0.5, 3.0), hist=hist, out=want, index=[2], merge=True)
+            got = torch.zeros(3, ds.WIDTH, dtype=torch.float64)
+            got[:2] = base
+            ts.rows(xs, fmt="e4m3", center=(0.5, 3.0), hist=hist, out=got, index=[0, 1], merge=[False, True],
+                    later=True)
+            ts.rows(xs[:1], fmt="e4m3", center=(0.5, 3.0), hist=hist, out=got, index=[2], later=True)
+            untouched = torch.equal(got[:2].nan_to_num(7.0), base.nan_to_num(7.0)) and bool((got[2] == 0).all())
+            waiting = "" if untouched else "rows written before the merge"
+            ts.rows(xs[:1], fmt="e4m3", center=(0.5, 3.0), hist=hist, out=got, index=[2], merge=True, later=True)
+            ts.flush_deferred()
+            emit(f"merged_later:hist={hist}", waiting or row_problems(got, want, rtol=1e-12))
+        try:
+            ts.rows(xs, fmt="e4m3", scale=2.0, later=True)
+            emit("merged_later:scale_refused", "a scale was taken")
+        except ValueError:
+            emit("merged_later:scale_refused", "")
+
     def many_partials():
         """One tensor cut into more programs than the finalize step merges per block (8 lanes in the
         interpreter, several blocks' worth of partials and of histograms): the per-lane merges."""
@@ -226,7 +256,8 @@ def _child(names: list[str]) -> None:
 
     checks = dict(rows_vs_torch=rows_vs_torch, current_scaling=current_scaling,
                   outliers_with_center=outliers_with_center, bf16_pairs=bf16_pairs, multi_tensor=multi_tensor,
-                  many_partials=many_partials, far_first_partial=far_first_partial, agent_backends=agent_backends,
+                  merged_later=merged_later, many_partials=many_partials, far_first_partial=far_first_partial,
+                  agent_backends=agent_backends,
                   agent_outlier_centers=agent_outlier_centers)
     run_each(checks, names)
 
@@ -234,8 +265,8 @@ def _child(names: list[str]) -> None:
 # ---------------------------------------------------------------------------------------------------
 # tests
 
-GROUPS = ["rows_vs_torch", "current_scaling", "outliers_with_center", "bf16_pairs", "multi_tensor", "many_partials",
-          "far_first_partial", "agent_backends", "agent_outlier_centers"]
+GROUPS = ["rows_vs_torch", "current_scaling", "outliers_with_center", "bf16_pairs", "multi_tensor", "merged_later",
+          "many_partials", "far_first_partial", "agent_backends", "agent_outlier_centers"]
 
 
 @pytest.fixture(scope="module")
