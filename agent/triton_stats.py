@@ -36,6 +36,8 @@ Scheme (one kernel):
     ``_finalize``) and writes the row. No second launch. Histograms skip the partials: each program adds its
     bins to the tensor's counter row atomically. A current-scaled cast's launch (``cast_row``) leaves that merge
     to a later launch for many rows instead (``CAST_MERGE``, ``merge_later``): the cast waits for no last program.
+    So do the consumer kernels of trainer/kernels and the agent's launches of rows with no scale known before the
+    read (``FUSED_MERGE``): their rows are complete after the next ``flush_deferred``.
 
 Underflow/overflow are exact counts of ``fl32(|x| * s) <= fmt.underflow_threshold`` and
 ``> fmt.overflow_threshold`` when the scale ``s`` is known before the read (a scale tensor or number: delayed
@@ -1439,8 +1441,8 @@ def _wait_for_merge(part: torch.Tensor, rows: torch.Tensor, index: int, hist: bo
 
 
 def merge_later() -> None:
-    """Merge the rows that ``LATER`` launches left in their partials (``CAST_MERGE``): one launch per device and
-    histogram setting."""
+    """Merge the rows that launches left in their partials (``CAST_MERGE``, ``FUSED_MERGE``): one launch per device
+    and histogram setting."""
     if not _later:
         return
     with _later_lock:

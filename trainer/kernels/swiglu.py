@@ -11,7 +11,7 @@ the dtype. Reference beside them: ``swiglu_ref``.
 ``stats=`` (an ``agent.triton_stats.Target``): y's SPEC section-4 row, as the agent's hooks emulate it for a GEMM
 output (``triton_stats.nofmt_consts``), accumulated from the tiles the forward loads as the standalone kernel
 accumulates (``_tile_fast``; the kernel's docstring; where that does not hold, ``triton_stats.careful_tiles``) and
-merged by the last program; ``h_stats=`` likewise h's, from the tiles it stores (on the words path, below, deferred
+merged by the next ``triton_stats.merge_later`` (``flush_deferred``; ``triton_stats.FUSED_MERGE``); ``h_stats=`` likewise h's, from the tiles it stores (on the words path, below, deferred
 to the next statistics launch instead). For bf16 y the forward takes y's row through y's 32-bit words (``WORDS``).
 The backward's ``dy_stats`` gives dy's row from the tiles it stores. They are the rows of fc1's ``output``, fc2's
 ``input`` and fc1's ``grad_output`` (``trainer.layers.SwiGLU``; the last two for plain linears, an FP8 linear's
@@ -130,7 +130,7 @@ def _row_of(acc, n, c, p, ok, y_ptr, M, H, stride_y, lo, hi, sp_ptr, ctr_ptr, ds
             ahm_val, HIST: tl.constexpr, AHM_PTR: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr,
             SMODE: tl.constexpr, OF_H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, ht=None):
     """This program's partial of ``acc`` (n elements summed about c, scaled by p), or of the careful path where the
-    fast one does not hold, into the target row (``fused_epilogue``: the last program merges)."""
+    fast one does not hold, for the target row (``fused_epilogue``: merged later, or by the last program)."""
     tiles = tl.cdiv(M, BM) * tl.cdiv(H, BN)
     R: tl.constexpr = BM * BN // _V
     if OF_H:
