@@ -18,10 +18,11 @@ torch path (``stats_backend="torch"``) for comparison. Each phase: its own warm-
 timed steps (host clock around a synchronised step); the figure is the median step time of each phase,
 printed beside the median host time until the step's Python returned (a step whose host time is close to its
 step time is host-bound: its GPU waits for launches);
-overhead = median(on) / median(off) - 1 over all phases of a kind (off phases bracket the on phases), and the same
-with means ("mean %"): the agent computes the log2 histogram on every ``--hist-every``-th step only (its default, 10;
-1 = every step), so the median step carries none and the mean over whole cycles (``--steps`` a multiple of it) is the
-amortized cost.
+overhead = median(on) / median(off) - 1 over all phases of a kind (off phases bracket the on phases); "paired %",
+the median over rounds of each on-phase against the off-phases around it (``paired``: robust to a drift of the
+machine's clocks over the run); and the first with means ("mean %"): the agent computes the log2 histogram on every
+``--hist-every``-th step only (its default, 10; 1 = every step), so the median step carries none and the mean over
+whole cycles (``--steps`` a multiple of it) is the amortized cost.
 
 ``--cuda-graph`` replays every phase's steps as CUDA graphs (``trainer.graphs.StepGraphs``, as ``fp8mon train
 --cuda-graph``), each kind of step captured in the phase's warm-up: the launches' host cost leaves the step, so
@@ -150,13 +151,23 @@ def measure(config: str, precision: str, args, device: torch.device, url: str) -
     out = {"off_ms": off * 1e3}
     for b in args.backends:
         on = statistics.median([t for i in got[b] for t in i["times"]])
-        # per round too: each on phase against the mean of the off phases around it
         out[b] = (on / off - 1) * 100
+        out[f"{b}_paired"] = paired([i["times"] for i in got["off"]], [i["times"] for i in got[b]])
         out[f"{b}_ms"] = on * 1e3
         # with the histogram on every N-th step only, the median step has none: the mean over whole cycles
         # (--steps a multiple of --hist-every) is the amortized cost
         out[f"{b}_mean"] = (statistics.mean([t for i in got[b] for t in i["times"]]) / off_mean - 1) * 100
     return out
+
+
+def paired(offs: list[list[float]], ons: list[list[float]]) -> float:
+    """The overhead (%) as the median over rounds of each on-phase's median step against the mean of the medians of
+    the off-phases on either side of it (the same round's and the next one's; the same round's alone after the last
+    round). A drift of the machine's clocks over the run cancels within each pair, where the pooled medians mix it
+    in (a first off-phase faster than the rest made two settings of a 2-round 124M run look equal, bench/RESULTS.md)."""
+    offs_m = [statistics.median(t) for t in offs]
+    return statistics.median(statistics.median(t) / statistics.mean(offs_m[r:r + 2]) - 1
+                             for r, t in enumerate(ons)) * 100
 
 
 def lower_bound(model, tokens: int, precision: str, device: torch.device) -> None:
@@ -362,10 +373,12 @@ def main(argv=None) -> int:
     if args.profile:
         return 0
     print("\nconfig precision   off ms "
-          + "".join(f"{b + ' ms':>12}{b + ' %':>10}{'mean %':>9}" for b in args.backends) + "  variant")
+          + "".join(f"{b + ' ms':>12}{b + ' %':>10}{'mean %':>9}{'paired %':>10}" for b in args.backends)
+          + "  variant")
     for name, config, precision, r in summary:
         print(f"{config:>6} {precision:>9} {r['off_ms']:8.2f} "
-              + "".join(f"{r[f'{b}_ms']:12.2f}{r[b]:+10.2f}{r[f'{b}_mean']:+9.2f}" for b in args.backends)
+              + "".join(f"{r[f'{b}_ms']:12.2f}{r[b]:+10.2f}{r[f'{b}_mean']:+9.2f}{r[f'{b}_paired']:+10.2f}"
+                        for b in args.backends)
               + f"  {name}")
     print(f"(every=1, every block linear x input/weight/output/grad_output/grad_weight; log2 histogram "
           f"{'every ' + str(args.hist_every) + ' steps' if args.hist else 'off'}; medians of whole steps)")
