@@ -387,9 +387,9 @@ class Agent:
     def _launch_pending(self) -> None:
         """Launch what the step left waiting for a later statistics launch: rows a layer's kernels deferred
         (``triton_stats.defer``), a grad_output waiting for its grad_weight, grad_weights waiting for their pass's end."""
-        ts.flush_deferred()
         self._release_waiting()
         self._observe_after()
+        ts.flush_deferred()  # last: it also merges the rows the launches above left to it (triton_stats.merge_later)
 
     def _end(self, step: int, values: dict) -> None:
         self._launch_pending()

@@ -193,9 +193,12 @@ def _child(names: list[str]) -> None:
             emit(f"far_first_partial:{name}", row_problems(ts.partials(x, hist=False),
                                                            ds.partials(x, hist=False, outlier_center=NO_CENTER)))
 
-    def agent_backends():
+    def agent_backends(name="agent_backends", frozen=False):
         """The agent on the Triton path vs the torch path: same rows, except outliers, which the Triton
-        path counts against the previous reporting step's mean/std of the slot."""
+        path counts against the previous reporting step's mean/std of the slot. ``frozen``: the first linear's
+        weight and bias frozen after watch() (and the input requiring grad), so its grad_output, the backward's last,
+        waits for a grad_weight that never comes and is launched as the step ends, before the rows merged later are
+        (``_launch_pending``)."""
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
         state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -210,15 +213,17 @@ def _child(names: list[str]) -> None:
         for backend in ("triton", "torch"):
             model.load_state_dict(state)
             agent = Agent(transport=Null(), every=1, stats_backend=backend).watch(model)
+            for p in model[0].parameters():
+                p.requires_grad_(not frozen)
             shipped[backend] = []
             agent._ship = lambda step, rows, values, b=backend: shipped[b].append(rows.clone())
             for step, x in enumerate(xs):
                 model.zero_grad(set_to_none=True)
-                model(x).square().mean().backward()
+                model(x.requires_grad_(frozen)).square().mean().backward()
                 agent.log(step)
             errors = agent.errors
             agent.close()
-            emit(f"agent_backends:{backend}:no_errors", "" if errors == 0 else agent.last_error)
+            emit(f"{name}:{backend}:no_errors", "" if errors == 0 else agent.last_error)
         tri, tor = shipped["triton"], shipped["torch"]
         for step in range(len(xs)):
             a, b = tri[step].clone(), tor[step].clone()
@@ -227,7 +232,12 @@ def _child(names: list[str]) -> None:
             a[:, ds.OUTLIERS] = b[:, ds.OUTLIERS] = 0
             # the torch path emulates current scaling exactly; the kernel derives underflow from the histogram
             slack = float(b[:, ds.HIST:].max())
-            emit(f"agent_backends:step{step}:rows", problem or row_problems(a, b, under_slack=slack))
+            if frozen and not bool((b[:, ds.NUMEL] > 0).sum() == 9):  # 2 x 5 sites, less the frozen grad_weight
+                problem = f"{int((b[:, ds.NUMEL] > 0).sum())} rows on the torch path, not 9"
+            emit(f"{name}:step{step}:rows", problem or row_problems(a, b, under_slack=slack))
+
+    def agent_waiting_grad_output():
+        agent_backends("agent_waiting_grad_output", frozen=True)
 
     def agent_outlier_centers():
         """Step 1's outliers on the Triton path = torch count against step 0's (mean, std) of the slot."""
@@ -257,7 +267,7 @@ def _child(names: list[str]) -> None:
     checks = dict(rows_vs_torch=rows_vs_torch, current_scaling=current_scaling,
                   outliers_with_center=outliers_with_center, bf16_pairs=bf16_pairs, multi_tensor=multi_tensor,
                   merged_later=merged_later, many_partials=many_partials, far_first_partial=far_first_partial,
-                  agent_backends=agent_backends,
+                  agent_backends=agent_backends, agent_waiting_grad_output=agent_waiting_grad_output,
                   agent_outlier_centers=agent_outlier_centers)
     run_each(checks, names)
 
@@ -266,7 +276,7 @@ def _child(names: list[str]) -> None:
 # tests
 
 GROUPS = ["rows_vs_torch", "current_scaling", "outliers_with_center", "bf16_pairs", "multi_tensor", "merged_later",
-          "many_partials", "far_first_partial", "agent_backends", "agent_outlier_centers"]
+          "many_partials", "far_first_partial", "agent_backends", "agent_waiting_grad_output", "agent_outlier_centers"]
 
 
 @pytest.fixture(scope="module")
