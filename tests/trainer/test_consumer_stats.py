@@ -289,7 +289,7 @@ def _child(names: list[str]) -> None:
     def residual():
         """The fused add equals torch's x + b, values (one rounding) and gradients (b's cast by the kernel that takes
         its row), for an fp32 residual stream plus a bf16 branch and for two bf16 tensors; its rows of b and of b's
-        gradient equal the fp64 oracle's."""
+        gradient equal the fp64 oracle's, merged by a later launch and (the NaN case) by the kernels' last program."""
         from trainer.kernels.residual import residual_add, residual_add_ref
 
         g = torch.Generator().manual_seed(9)
@@ -328,8 +328,8 @@ def _child(names: list[str]) -> None:
     def rope():
         """RoPE on the qkv output equals torch's (q, k, v and qkv's gradient, exactly here: the interpreter does not
         contract into FMAs), with a partial tile of positions and heads of 16 and 32; its rows of qkv and of qkv's
-        gradient equal the fp64 oracle's, also with a NaN (the careful path), the first merged into on a second
-        call."""
+        gradient equal the fp64 oracle's, also with a NaN (the careful path), the first merged into by two more calls
+        before the rows are merged (the first merge goes first)."""
         from trainer.kernels.rope import rope_qkv, rope_qkv_ref
         from trainer.layers import Rotary
 
