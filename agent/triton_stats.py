@@ -1393,14 +1393,9 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
         _trace.append(trace)
     del keep
     if later:
-        with _later_lock:
-            for i, ((first, nwork), (smode, fcode)) in enumerate(zip(spans, modes)):
-                _later.append((part, out, bool(hist), _MROW.pack(part.data_ptr(), nwork_total, first, nwork,
-                                                             dsts[i][0] + dsts[i][1] * ds.WIDTH * 8,
-                                                             int(bool(merges[i])), smode, fcode)))
-                _later_dsts.add(dsts[i])
-            full = len(_later) >= MAX_LATER
-        if full:
+        for i, ((first, nwork), (smode, fcode)) in enumerate(zip(spans, modes)):
+            _queue_merge(part, nwork_total, first, nwork, out, dsts[i][1], bool(hist), bool(merges[i]), smode, fcode)
+        if len(_later) >= MAX_LATER:
             merge_later()
 
 
@@ -1427,17 +1422,23 @@ _later_lock = threading.Lock()
 FUSED_MERGE = os.environ.get("FP8MON_FUSED_MERGE", "later")
 
 
+def _queue_merge(part: torch.Tensor, stride: int, first: int, nwork: int, rows: torch.Tensor, index: int, hist: bool,
+                 merge: bool, smode: int, fcode: int) -> None:
+    """Queue the row ``rows[index]`` for ``merge_later``: the ``nwork`` partials from column ``first`` of ``part``
+    (field-major, ``stride`` columns, the histograms beside them with ``hist``)."""
+    with _later_lock:
+        _later.append((part, rows, hist, _MROW.pack(part.data_ptr(), stride, first, nwork,
+                                                    rows.data_ptr() + index * ds.WIDTH * 8, int(merge), smode, fcode)))
+        _later_dsts.add((rows.data_ptr(), index))
+
+
 def _wait_for_merge(part: torch.Tensor, rows: torch.Tensor, index: int, hist: bool, programs: int, merge: bool,
                     smode: int, fcode: int) -> None:
-    """Queue the row ``rows[index]`` for ``merge_later``: the ``programs`` partials at ``part`` (field-major, the
-    histograms beside them with ``hist``) of the launch that follows. A row already waiting is merged first."""
-    dst = (rows.data_ptr(), index)
-    if dst in _later_dsts or len(_later) >= MAX_LATER:  # (never after this row is queued: its launch comes next)
+    """``_queue_merge`` of the ``programs`` partials of the launch that follows, for the row ``rows[index]``. A row
+    already waiting is merged first."""
+    if (rows.data_ptr(), index) in _later_dsts or len(_later) >= MAX_LATER:  # (never after: its launch comes next)
         merge_later()
-    with _later_lock:
-        _later.append((part, rows, hist, _MROW.pack(part.data_ptr(), programs, 0, programs,
-                                                    dst[0] + index * ds.WIDTH * 8, int(merge), smode, fcode)))
-        _later_dsts.add(dst)
+    _queue_merge(part, programs, 0, programs, rows, index, hist, merge, smode, fcode)
 
 
 def merge_later() -> None:

@@ -294,10 +294,6 @@ def _packed(x: torch.Tensor, stats: "ts.Target") -> bool:
     return PACKED_STATS and x.dtype == torch.bfloat16 and (not stats.hist or ts.SMEM_HIST) and _STATS_V == 16
 
 
-def _stats_opts() -> dict:
-    return reg_cap(STATS_MAXNREG)
-
-
 def quantize_transpose(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tensor | None = None,
                        accum: torch.Tensor | None = None, write_q: bool = True, write_qt: bool = True,
                        bm: int = 64, bn: int = 128, num_warps: int = 8, trans_mode: int | None = None,
@@ -357,7 +353,7 @@ def quantize_transpose(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tenso
         _quantize_transpose_stats_kernel[(programs,)](*args, **ts.fused_args(stats, programs, dev),
                                                       CURRENT=scale is None, P_BLOCK=P, V=_STATS_V,
                                                       STAGES=STATS_STAGES, PACKED=_packed(x, stats),
-                                                      **common, **stats_consts(fmt), **_stats_opts())
+                                                      **common, **stats_consts(fmt), **reg_cap(STATS_MAXNREG))
         return Quantized(q, qt, meta)
     if scale is None:
         part = amax_partials(x if x.is_contiguous() else x.contiguous())
