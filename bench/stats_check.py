@@ -11,7 +11,8 @@ non-contiguous), with a scale, with current scaling, with delayed scaling and wi
 (4) the quantize kernels' fused statistics against the standalone kernel; (5) Fp8Linear + Agent: the rows
 the layer reports from its quantize kernels and GEMM epilogues against the rows of the hooks' path; (6) the
 FP8 GEMM epilogue statistics (``fp8_gemm(stats=)``, ptr and TMA, split-K, edges, bias) against
-``device_stats.partials`` of the returned output; the sync check covers them too.
+``device_stats.partials`` of the returned output; the sync check covers them too; (7) the hooks' rows on the Triton
+path (merged at the step's end) against the torch path, bf16 autocast and fp32, a frozen first linear.
 """
 
 import argparse
@@ -373,15 +374,16 @@ class NullTransport:
         return True
 
 
-def agent_rows(model, make_input, steps: int, device, **agent_kw) -> list[torch.Tensor]:
-    """The packed rows the agent ships at each step (training two micro-batches per step)."""
+def agent_rows(model, make_input, steps: int, device, watch=None, **agent_kw) -> list[torch.Tensor]:
+    """The packed rows the agent ships at each step (training two micro-batches per step); ``watch``: the module
+    watched, when ``make_input`` runs the model itself (``model`` is then applied to its output)."""
     from agent import Agent
 
-    agent = Agent(transport=NullTransport(), every=1, **{"hist_every": 1, **agent_kw}).watch(model)
+    agent = Agent(transport=NullTransport(), every=1, **{"hist_every": 1, **agent_kw}).watch(watch or model)
     shipped = []
     agent._ship = lambda step, rows, values: shipped.append(None if rows is None else rows.clone())
     for step in range(steps):  # step 0 has no outlier center yet; the later ones use the previous step's
-        model.zero_grad(set_to_none=True)
+        (watch or model).zero_grad(set_to_none=True)
         for micro in range(2):
             y = model(make_input(step, micro))
             y.float().square().mean().backward()
@@ -423,6 +425,41 @@ def check_fp8_linear_agent(device) -> None:
             ok, why = rows_close(a2, b2, rtol=1e-6, under_slack=slack if recipe.scaling == "current" else None)
             report(f"Fp8Linear+Agent {recipe.scaling} fused rows = hook rows, step {step} "
                    f"({int(fused_sites.sum())} fused of {len(keys)})", ok, why + ("" if ok else f"; rows {keys}"))
+
+
+def check_agent_backends(device) -> None:
+    """The hooks' rows on the Triton path (merged later, at the step's end) against the torch path, for a bf16
+    autocast step and an fp32 one, with the first linear frozen in one run: its grad_output waits for a
+    grad_weight that never comes and must still be merged into its own step (``_launch_pending``)."""
+    for autocast, frozen in ((True, False), (True, True), (False, True)):
+        torch.manual_seed(6)
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(),
+                                    torch.nn.Linear(4096, 1024)).to(device)
+        if frozen:
+            for p in model[0].parameters():
+                p.requires_grad_(False)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        g = torch.Generator(device="cpu").manual_seed(7)
+        xs = [(torch.randn(8, 256, 1024, generator=g) * (1 + i)).to(device).requires_grad_(frozen)
+              for i in range(6)]
+
+        def make(step, micro):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                return model(xs[2 * step + micro])
+
+        rows = {}
+        for backend in ("triton", "torch"):
+            model.load_state_dict(state)
+            rows[backend] = agent_rows(torch.nn.Identity(), make, 3, device, stats_backend=backend, watch=model)
+        (tri, keys), (tor, keys2) = rows["triton"], rows["torch"]
+        order = [keys2.index(k) for k in keys]
+        for step in range(3):
+            a, b = tri[step].clone(), tor[step][order].clone()
+            a[:, ds.OUTLIERS] = b[:, ds.OUTLIERS] = 0  # the Triton path counts them against the last step's center
+            present = int((b[:, ds.NUMEL] > 0).sum())
+            ok, why = rows_close(a, b, under_slack=b[:, ds.HIST:].max().item())
+            report(f"agent triton rows = torch rows, autocast={autocast} frozen={frozen} step {step} "
+                   f"({present} rows)", ok and present == (9 if frozen else 10), why)
 
 
 def check_gemm(device) -> None:
@@ -592,7 +629,8 @@ def main() -> None:
     device = torch.device(args.device)
     print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
     for name, fn in (("sync", check_no_sync), ("standalone", check_standalone), ("multi", check_multi),
-                     ("fused", check_fused), ("agent", check_fp8_linear_agent), ("gemm", check_gemm),
+                     ("fused", check_fused), ("agent", check_fp8_linear_agent), ("agent", check_agent_backends),
+                     ("gemm", check_gemm),
                      ("consumers", check_consumers)):
         if args.only in (None, name):
             try:
