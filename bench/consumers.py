@@ -3,11 +3,13 @@ SwiGLU's elementwise part, torch's ``F.silu(gate) * up`` (forward, and autograd'
 of trainer/kernels/swiglu.py; the residual add, torch's ``x + b`` (fp32 stream, bf16 branch) against
 trainer/kernels/residual.py; each fused forward with its statistics row against torch plus the standalone statistics
 kernel reading the tensor apart (what the agent costs without the fusion), and the backwards with their gradient's
-row (a plain linear's grad_output) against that row read apart; RoPE on the qkv output, torch's ``Rotary`` on q and k
+row (a plain linear's grad_output) against that row read apart; RMSNorm (trainer/kernels/rmsnorm.py, with the row of
+its output, the next linear's input) against torch's ops; RoPE on the qkv output, torch's ``Rotary`` on q and k
 (forward, and autograd's backward) against trainer/kernels/rope.py. Device time of queued launches
 (``trainer.kernels.timing.device_medians``).
 
     python3 bench/consumers.py
+    python3 bench/consumers.py --only-norm         # RMSNorm only
     python3 bench/consumers.py --stages 1,2,3   # the kernels with rows at each software-pipelining depth
     python3 bench/consumers.py --variants "default;trainer.kernels.residual.BLOCK=4096"   # ... in each setting
     python3 bench/consumers.py --variants "default;agent.triton_stats.FUSED_MERGE='last'"
@@ -24,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agent import triton_stats as ts  # noqa: E402
 from bench.variants import applied, parse_all  # noqa: E402
 from trainer.kernels.residual import branch_grad, residual_add_forward  # noqa: E402
+from trainer.kernels.rmsnorm import rms_norm_backward, rms_norm_forward, rms_norm_ref  # noqa: E402
 from trainer.kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_ref  # noqa: E402
 from trainer.kernels.timing import device_medians  # noqa: E402
 from trainer.kernels.words import words_path  # noqa: E402
@@ -67,6 +70,7 @@ def main(argv=None) -> None:
     p.add_argument("--stages", help="comma-separated depths: the kernels with rows at each software-pipelining depth "
                                     "(every module's STATS_STAGES), only that")
     p.add_argument("--variants", help="the kernels with rows under each variant (bench/variants.py), only that")
+    p.add_argument("--only-norm", action="store_true", help="the RMSNorm timings only")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name())
@@ -78,7 +82,12 @@ def main(argv=None) -> None:
         for name in SHAPES:
             sweep(name, variants, dev)
         return
+    if args.only_norm:
+        for name, (tokens, _, d_model) in SHAPES.items():
+            norm(name, tokens, d_model, dev)
+        return
     for name, (tokens, hidden, d_model) in SHAPES.items():
+        norm(name, tokens, d_model, dev)
         residual(name, tokens, d_model, dev)
         batch, seq, heads = ROPE_SHAPES[name]
         rope(name, batch, seq, d_model, heads, dev)
@@ -213,6 +222,39 @@ def rope(name: str, batch: int, seq: int, d_model: int, n_head: int, dev: torch.
     t = device_medians(fns, rounds=5, calls=10)
     print(f"{name} rope qkv {tuple(qkv.shape)}: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in t.items()),
           flush=True)
+
+
+def norm(name: str, tokens: int, d_model: int, dev: torch.device) -> None:
+    """A llama pre-norm on the fp32 residual stream: torch's ops against trainer/kernels/rmsnorm.py, forward with and
+    without the row of its output (the next linear's input) and torch's with the row read apart; backward (torch's:
+    autograd's through its forward, less that forward)."""
+    x = torch.randn(tokens, d_model, device=dev)
+    w = torch.randn(d_model, device=dev) + 1.0
+    g = torch.randn(tokens, d_model, device=dev)
+    _, rstd = rms_norm_forward(x, w, 1e-6)
+    rows = torch.zeros(2, ts.ds.WIDTH, dtype=torch.float64, device=dev)
+    for hist in (False, True):
+        step = StepRows(dev)
+
+        def torch_both():
+            xx, ww = x.detach().requires_grad_(), w.detach().requires_grad_()
+            rms_norm_ref(xx, ww, 1e-6).backward(g)
+
+        fns = {
+            "torch norm": lambda: rms_norm_ref(x, w, 1e-6),
+            "torch norm + row read apart": lambda: ts.rows([rms_norm_ref(x, w, 1e-6)], fmt="e4m3", center=[(0.0, 1.0)],
+                                                           hist=hist, out=rows, index=[1]),
+            "fused norm": lambda: rms_norm_forward(x, w, 1e-6),
+            "fused norm + row": lambda: rms_norm_forward(x, w, 1e-6, stats=step(hist)),
+            "torch forward + backward": torch_both,
+            "fused backward": lambda: rms_norm_backward(g, x, w, rstd),
+        }
+        for fn in fns.values():
+            fn()
+        t = device_medians(fns, rounds=5, calls=10)
+        print(f"{name} rmsnorm fp32 {tuple(x.shape)} hist={hist}: " + ", ".join(
+            f"{k} {v * 1e3:.1f} us" for k, v in t.items()) + f" | torch backward "
+            f"{(t['torch forward + backward'] - t['torch norm']) * 1e3:.1f} us", flush=True)
 
 
 def residual(name: str, tokens: int, d_model: int, dev: torch.device) -> None:

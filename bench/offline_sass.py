@@ -197,7 +197,17 @@ def _consumers(ts, built: dict) -> int:
         rope._rope_bwd_kernel = _CompileOnly(rbwd, name, built)
         rope.rope_qkv_backward(d, d, d, trig, trig, torch.bfloat16,
                                stats=ts.Target.new(cpu, fmt="e5m2", hist=False) if row else None)
-    return _report(built, "consumer kernels, bf16, rows without the histogram", "LDG")
+    norm = importlib.import_module("trainer.kernels.rmsnorm")
+    nfwd, nbwd = norm._rms_norm_fwd_kernel, norm._rms_norm_bwd_kernel
+    for d_model in (768, 2048):
+        x, w = torch.zeros(4096, d_model), torch.zeros(d_model)
+        for name, row, hist in (("rmsnorm fwd", False, False), ("rmsnorm fwd + row", True, False),
+                                ("rmsnorm fwd + row + hist", True, True)):
+            norm._rms_norm_fwd_kernel = _CompileOnly(nfwd, f"{name} (fp32, {d_model})", built)
+            norm.rms_norm_forward(x, w, 1e-6, stats=ts.Target.new(cpu, fmt="e4m3", hist=hist) if row else None)
+        norm._rms_norm_bwd_kernel = _CompileOnly(nbwd, f"rmsnorm bwd (fp32, {d_model})", built)
+        norm.rms_norm_backward(x, x, w, torch.zeros(4096))
+    return _report(built, "consumer kernels, bf16, rows without the histogram (but where named)", "LDG")
 
 
 def _report(built: dict, what: str, need: str = "") -> int:
@@ -216,7 +226,7 @@ def _report(built: dict, what: str, need: str = "") -> int:
                 Path(out).write_text(sass)
             n, mix = longest_loop(sass, need)
             total = len(re.findall(r"^\s*/\*[0-9a-f]+\*/\s+\S", sass, re.M))
-            regs = " ".join(re.findall(r"REG:\d+|STACK:\d+", usage))
+            regs = " ".join(re.findall(r"REG:\d+|STACK:\d+|SHARED:\d+", usage)) + f" +{kernel.metadata.shared} B dynamic"
             top = ", ".join(f"{k} {v}" for k, v in mix.most_common(8))
             print(f"{name}: {regs}, {total} instructions; longest loop {n} (LDL {mix['LDL']}, STL {mix['STL']}, "
                   f"SHFL {mix['SHFL']}, BAR {mix['BAR']}): {top}")

@@ -18,6 +18,20 @@ from torch import nn
 MakeLinear = Callable[[int, int], nn.Module]
 
 
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x's last dimension in fp32, in x's dtype: torch's ops (trainer.kernels.rmsnorm's reference)."""
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+# RMSNorm as one Triton kernel each way (trainer.kernels.rmsnorm) where Triton runs and x is contiguous, for every
+# RMSNorm of the model; llama's pre-norms also take, for the agent, the row of the qkv's and fc1's input from their
+# write of it (a plain linear's, marked as the block's at construction; an FP8 linear's cast takes its own).
+# FP8MON_FUSED_NORM=0 gives torch's ops.
+FUSED_NORM = os.environ.get("FP8MON_FUSED_NORM", "1") == "1"
+
+
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * g. ``learnable=False`` keeps g as a buffer (frozen, never in the
     optimizer): FOG's QK-norm gains are fixed at 1."""
@@ -31,10 +45,21 @@ class RMSNorm(nn.Module):
         else:
             self.register_buffer("weight", gain)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+    def fused(self, x: torch.Tensor) -> bool:
+        """Whether the forward of x runs the Triton kernels (and can take y's row)."""
+        if not (FUSED_NORM and triton_runs(x.device)):
+            return False
+        from .kernels.rmsnorm import supports
+
+        return supports(x, self.weight)
+
+    def forward(self, x: torch.Tensor, stats=None) -> torch.Tensor:
+        """``stats``: a ``triton_stats.Target`` for y's row, taken where ``fused(x)`` (else ignored)."""
+        if self.fused(x):
+            from .kernels.rmsnorm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, stats=stats)
+        return rms_norm_torch(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, learnable={isinstance(self.weight, nn.Parameter)}"

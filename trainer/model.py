@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import layers
 from .config import ARCHS, PRECISIONS, ModelConfig
 from .layers import (Attention, MakeLinear, RMSNorm, Rotary, SwiGLU, XIELUMLP, mark_reported, report_apart,
                      report_grad_apart, take_output, target_of, triton_runs)
@@ -67,6 +68,11 @@ class Block(nn.Module):
             self.attn_norm = RMSNorm(d, cfg.norm_eps)  # pre-norm, on the branch input
             self.mlp = SwiGLU(d, cfg.d_ff, make_linear)
             self.mlp_norm = RMSNorm(d, cfg.norm_eps)
+        # llama's pre-norms take the row of the input of the branch's first linear (layers.FUSED_NORM)
+        self.norm_rows = layers.FUSED_NORM and not fog
+        if self.norm_rows:
+            mark_reported(self.attn.qkv, "input")
+            mark_reported(self.mlp.fc1, "input")
         # llama's residual adds take the row of the branch's last linear's output (FUSED_RESIDUAL)
         self.fused_residual = FUSED_RESIDUAL and not fog
         if self.fused_residual:
@@ -78,12 +84,29 @@ class Block(nn.Module):
             x = x + self.attn_out_norm(self.attn(x, rope))
             return x + self.mlp_out_norm(self.mlp(x))
         if not self.fused_residual:
-            x = x + self.attn(self.attn_norm(x), rope)
-            return x + self.mlp(self.mlp_norm(x))
+            x = x + self.attn(_normed(self.attn_norm, x, self.attn.qkv, self.norm_rows), rope)
+            return x + self.mlp(_normed(self.mlp_norm, x, self.mlp.fc1, self.norm_rows))
         fused = triton_runs(x.device)
         # (take_output before the branch runs: it tells an FP8 linear whether to leave its output row to the add)
-        x = _residual(x, self.attn.proj, take_output(self.attn.proj, fused), self.attn(self.attn_norm(x), rope), fused)
-        return _residual(x, self.mlp.fc2, take_output(self.mlp.fc2, fused), self.mlp(self.mlp_norm(x)), fused)
+        link = take_output(self.attn.proj, fused)
+        x = _residual(x, self.attn.proj, link, self.attn(_normed(self.attn_norm, x, self.attn.qkv, self.norm_rows),
+                                                         rope), fused)
+        link = take_output(self.mlp.fc2, fused)
+        return _residual(x, self.mlp.fc2, link, self.mlp(_normed(self.mlp_norm, x, self.mlp.fc1, self.norm_rows)),
+                         fused)
+
+
+def _normed(norm: RMSNorm, x: torch.Tensor, linear: nn.Module, rows: bool) -> torch.Tensor:
+    """norm(x), the input of ``linear``; with ``rows`` (set at construction, which marked a plain linear's input as the
+    block's) a plain linear's input row, taken by the norm's kernel or apart."""
+    link = getattr(linear, "fp8mon_stats", None) if rows and type(linear) is nn.Linear else None
+    if link is None:
+        return norm(x)
+    if norm.fused(x):
+        return norm(x, stats=target_of(link, "input", x))
+    y = norm(x)
+    report_apart(link, "input", y)
+    return y
 
 
 # The residual add as one Triton kernel (trainer.kernels.residual) where Triton runs, taking, for the agent, the row of

@@ -1,6 +1,7 @@
-"""Statistics taken by the kernels that consume a linear's output, on the CPU in Triton's interpreter: SwiGLU's fused
-elementwise kernels (trainer/kernels/swiglu.py), the fused residual add (trainer/kernels/residual.py) and RoPE on the
-qkv output (trainer/kernels/rope.py), with SwiGLU's words path. Each equals torch's
+"""Statistics taken by the kernels around a linear, on the CPU in Triton's interpreter: those that consume its output,
+SwiGLU's fused elementwise kernels (trainer/kernels/swiglu.py), the fused residual add (trainer/kernels/residual.py)
+and RoPE on the qkv output (trainer/kernels/rope.py), with SwiGLU's words path; and RMSNorm (trainer/kernels/rmsnorm.py),
+which produces the input of llama's qkv and fc1. Each equals torch's
 computation (forward and backward; SwiGLU's bf16 to the last place, rarely one unit off), its rows equal the fp64
 oracle's (device_stats.partials), and a model or block watched by an agent gets from them the rows the linears or the
 hooks took before, with no deferred read of those outputs.
@@ -396,15 +397,68 @@ def _child(names: list[str]) -> None:
         from trainer.config import get_config
 
         cfg = get_config("tiny", n_layer=1, d_model=32, n_head=2, d_ff=48, seq_len=8, vocab_size=64)
-        old = layers.FUSED_SWIGLU, layers.FUSED_ROPE
-        layers.FUSED_SWIGLU = layers.FUSED_ROPE = False  # torch's ops in every mode: the adds alone differ
+        old = layers.FUSED_SWIGLU, layers.FUSED_ROPE, layers.FUSED_NORM
+        layers.FUSED_SWIGLU = layers.FUSED_ROPE = layers.FUSED_NORM = False  # torch's ops in every mode: the adds alone
         try:
             got = rows_by_mode("trainer.model.FUSED_RESIDUAL", lambda: model.Transformer(cfg, "llama", "fp32"), 6,
                                inputs=lambda i: torch.randint(0, 64, (2, 8)))
         finally:
-            layers.FUSED_SWIGLU, layers.FUSED_ROPE = old
+            layers.FUSED_SWIGLU, layers.FUSED_ROPE, layers.FUSED_NORM = old
         keys = [(f"blocks.0.{n}", s) for n in ("attn.proj", "mlp.fc2") for s in ("output", "grad_output")]
         emit("residual_plain", "; ".join(same_rows_by_mode(got, keys)))
+
+    def rmsnorm():
+        """The RMSNorm kernels equal torch's ops (``rms_norm_torch``: y, x's and the weight's gradients, to a few units
+        in the last place: the sum of squares goes in another order), for fp32 and bf16 rows, widths that are and are
+        not a power of two, a partial last tile and a frozen weight; the row of y equals the fp64 oracle's of y as
+        returned, merged later, with a NaN by the careful path, and merged into by a second call."""
+        from trainer.kernels.rmsnorm import rms_norm, rms_norm_ref
+
+        g = torch.Generator().manual_seed(13)
+        for shape, dt, nan, learn in (((3, 50, 48), torch.float32, False, True), ((7, 64), torch.bfloat16, False, True),
+                                      ((300, 40), torch.float32, True, False), ((5, 3, 96), torch.bfloat16, True, True)):
+            x0 = (torch.randn(*shape, generator=g) * 3 + 0.5).to(dt)
+            if nan:
+                x0.view(-1)[17] = float("nan")
+            w0 = torch.randn(shape[-1], generator=g) + 1.0
+            gy = torch.randn(*shape, generator=g).to(dt)
+            (x1, w1), (x2, w2) = [(x0.clone().requires_grad_(), w0.clone().requires_grad_(learn)) for _ in range(2)]
+            tgt = ts.Target.new("cpu", center=(0.5, 3.0), fmt="e4m3")
+            y1, y2 = rms_norm(x1, w1, 1e-6, stats=tgt), rms_norm_ref(x2, w2, 1e-6)
+            y1.backward(gy)
+            y2.backward(gy)
+            ts.flush_deferred()  # the row is merged later (triton_stats.FUSED_MERGE)
+            problems = []
+            tol = dict(rtol=2e-2, atol=2e-2) if dt == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+            for what, a, b in (("y", y1.detach(), y2.detach()), ("dx", x1.grad, x2.grad), ("dw", w1.grad, w2.grad)):
+                if a is None or b is None:
+                    if (a is None) != (b is None) or learn:
+                        problems.append(f"{what}: {a is None} vs {b is None}")
+                elif a.dtype != b.dtype or not torch.allclose(a.float(), b.float(), equal_nan=True, **tol):
+                    problems.append(f"{what} ({a.dtype} vs {b.dtype}): max difference {float((a - b).abs().max())}")
+            want = ds.partials(y1.detach(), fmt="e4m3", outlier_center=(0.5, 3.0))
+            slack = (lambda row: float(row[ds.HIST:].nan_to_num(0).max()))
+            problems.append(row_problems(tgt.rows[0], want, rtol=1e-6, under_slack=slack(want)))
+            tgt.merge = True
+            y3 = rms_norm(x0 * 2, w0, 1e-6, stats=tgt)
+            ts.flush_deferred()
+            both = ds.merge(want, ds.partials(y3, fmt="e4m3", outlier_center=(0.5, 3.0)))
+            problems.append(row_problems(tgt.rows[0], both, rtol=1e-6, under_slack=slack(both)))
+            emit(f"rmsnorm:{shape}:{dt}:nan={nan}", "; ".join(p for p in problems if p))
+
+    def norm_plain():
+        """A one-block llama of plain linears watched by an agent: with the fused pre-norms the hooks read neither
+        qkv's nor fc1's input, and the norm kernels' rows of them equal the hooks' rows without them; on a device
+        without the kernels the block reports them itself."""
+        from trainer import layers, model
+        from trainer.config import get_config
+
+        cfg = get_config("tiny", n_layer=1, d_model=32, n_head=2, d_ff=48, seq_len=8, vocab_size=64)
+        got = rows_by_mode("FUSED_NORM", lambda: model.Transformer(cfg, "llama", "fp32"), 8,
+                           inputs=lambda i: torch.randint(0, 64, (2, 8)))
+        # the norms' y may differ in the last place from torch's, and the inputs of later linears with them
+        near = tuple((f"blocks.0.{n}", "input") for n in ("attn.qkv", "mlp.fc1"))
+        emit("norm_plain", "; ".join(same_rows_by_mode(got, list(near), near)))
 
     def agent_model():
         """A one-block FP8 llama watched by an agent: with the fused consumers on, the rows of qkv's, fc1's, proj's
@@ -458,13 +512,13 @@ def _child(names: list[str]) -> None:
 
     checks = dict(forward_backward=forward_backward, forward_stats=forward_stats, words=words, agent_block=agent_block,
                   agent_block_plain=agent_block_plain, residual=residual, rope=rope, backward_stats=backward_stats,
-                  attention_plain=attention_plain, residual_plain=residual_plain,
-                  agent_model=agent_model)
+                  attention_plain=attention_plain, residual_plain=residual_plain, rmsnorm=rmsnorm,
+                  norm_plain=norm_plain, agent_model=agent_model)
     run_each(checks, names)
 
 
 GROUPS = ["forward_backward", "forward_stats", "backward_stats", "words", "agent_block", "agent_block_plain", "residual",
-          "rope", "attention_plain", "residual_plain", "agent_model"]
+          "rope", "attention_plain", "residual_plain", "rmsnorm", "norm_plain", "agent_model"]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,199 @@
+"""RMSNorm over the last dimension, y = x / sqrt(mean(x^2) + eps) * w, forward and backward as one Triton kernel
+each, the forward optionally taking y's statistics row for the agent from the registers it stores y from: the row of
+the ``input`` of the linear that y feeds (llama's pre-norms feed qkv and fc1), which that linear then leaves to the
+block (``trainer.model.Block``) instead of a statistics kernel reading y once more.
+
+y has x's dtype, as ``trainer.layers.rms_norm_torch`` (the reference; under autocast the next linear casts y). Its
+values are that computation's in fp32 with the sum of squares in another order: a few units in the last place apart.
+The backward, with n = x * rstd: dx = rstd * (g * w - n * mean(g * w * n)) in x's dtype, and dw = the sum over rows of
+g * n, per-program partials in fp32 that torch sums.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from agent import triton_stats as ts
+from agent.triton_stats import _SMEM_HIST, _htab, fused_bounds, fused_epilogue, stream_add, stream_partial, stream_start
+
+from ..layers import rms_norm_torch as rms_norm_ref  # noqa: F401  (the reference, beside the kernels)
+from .fp8_gemm import _to_out
+from .quantize import INTERPRET, cdiv, next_power_of_2, persistent_programs, reg_cap
+
+TILE = 4096  # elements of a tile: rows of the next power of two of the width, as many as fit
+MAX_WIDTH = 16384  # wider rows: torch's ops (a tile holds one whole row)
+WARPS = 8
+PROGRAMS_PER_SM = 4
+# With a row, as the residual kernels (trainer/kernels/residual.py): two programs of 8 warps per SM under a cap of 128
+# registers, the tile loop software-pipelined (the next tiles' loads issued into shared memory ahead of this one's
+# arithmetic). Two deep: three took 41 KiB of shared memory for a 768-wide tile (offline sm_90a build,
+# bench/offline_sass.py --consumers), which with the histogram's 8 KiB table passed the 48 KiB a launch gets without
+# opting in, and the launch failed.
+STATS_PROGRAMS_PER_SM = 2
+STATS_MAXNREG = 128
+STATS_STAGES = 2
+_SOFT_ROUND = tl.constexpr(INTERPRET)  # for the careful path's loader (kernels take it as an argument)
+
+
+@triton.jit
+def _tile(x_ptr, w_ptr, M, D, eps, tile, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows ``tile * ROWS ...`` of x (fp32), their offsets, mask, rows and 1 / rms, and y = x * rstd * w (fp32)."""
+    rows = (tile + tl.zeros([], tl.int64)) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows < M)[:, None] & (cols < D)[None, :]
+    offs = rows[:, None] * D + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, 1) / D + eps)
+    return x, offs, mask, rows, rstd, (x * rstd[:, None]) * w[None, :]
+
+
+@triton.jit
+def _y_part(src, tile, part, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The careful path's loader (``triton_stats.careful_tiles``): tile ``tile`` of y recomputed from x (not re-read:
+    other threads of the program stored it), as stored, in fp32, as the statistics' [R, 8] view, with its mask."""
+    x_ptr, w_ptr, y_ptr, M, D, eps = src
+    _, _, mask, _, _, y = _tile(x_ptr, w_ptr, M, D, eps, tile, ROWS, BLOCK_D)
+    y = _to_out(y, y_ptr.dtype.element_ty, _SOFT_ROUND).to(tl.float32)
+    return tl.reshape(y, [ROWS * BLOCK_D // 8, 8]), tl.reshape(mask, [ROWS * BLOCK_D // 8, 8])
+
+
+@triton.jit
+def _store_tile(x_ptr, w_ptr, y_ptr, rstd_ptr, M, D, eps, tile, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                SOFT_ROUND: tl.constexpr):
+    """Normalizes a tile into y and 1 / rms into rstd; returns y as stored (fp32) and its mask."""
+    _, offs, mask, rows, rstd, y = _tile(x_ptr, w_ptr, M, D, eps, tile, ROWS, BLOCK_D)
+    yq = _to_out(y, y_ptr.dtype.element_ty, SOFT_ROUND)
+    tl.store(y_ptr + offs, yq, mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=rows < M)
+    return yq.to(tl.float32), mask
+
+
+@triton.jit(do_not_specialize=["dst_index", "merge"])
+def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, M, D, eps, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, cen_ptr,
+                         c_mean, c_std, k, ahm_ptr, ahm_val, STATS: tl.constexpr, C_PTR: tl.constexpr,
+                         AHM_PTR: tl.constexpr, HIST: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr,
+                         SMODE: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, SOFT_ROUND: tl.constexpr,
+                         STAGES: tl.constexpr):
+    """Persistent programs over tiles of ROWS rows. With STATS, y's statistics as the standalone kernel takes them
+    (``triton_stats.stream_add``, about a shift from the program's first tile), and its careful path (two exact fp64
+    passes over y recomputed) where the shift was poor or y holds NaN/Inf."""
+    pid = tl.program_id(0)
+    tiles = tl.cdiv(M, ROWS)
+    if not STATS:
+        for tile in tl.range(pid, tiles, tl.num_programs(0), num_stages=STAGES):
+            _store_tile(x_ptr, w_ptr, y_ptr, rstd_ptr, M, D, eps, tile, ROWS, BLOCK_D, SOFT_ROUND)
+    else:
+        V: tl.constexpr = 8
+        R: tl.constexpr = ROWS * BLOCK_D // V
+        src = (x_ptr, w_ptr, y_ptr, M, D, eps)
+        lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
+        y0, m0 = _y_part(src, pid, 0, ROWS, BLOCK_D)
+        c, p, ok, ncp, st = stream_start(y0, m0, R)
+        ht = None
+        if HIST and _SMEM_HIST:
+            ht = _htab()
+        ce = tl.zeros([], tl.int32)
+        for tile in tl.range(pid, tiles, tl.num_programs(0), num_stages=STAGES):
+            y, mask = _store_tile(x_ptr, w_ptr, y_ptr, rstd_ptr, M, D, eps, tile, ROWS, BLOCK_D, SOFT_ROUND)
+            inside = (tl.minimum(M - (tile + tl.zeros([], tl.int64)) * ROWS, ROWS) * D).to(tl.int32)
+            st = stream_add(st, y, mask, inside == ROWS * BLOCK_D, p, ncp, lo, hi, HIST, R, V, ht)
+            ce += inside
+        ce, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = stream_partial(
+            st, ce, c, p, ok, _y_part, src, tiles, 1, lo, hi, HIST, R, ROWS, BLOCK_D, ht)
+        fused_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, 1.0, ce, nfin, nonfin, zeros,
+                       outl, under, over, amax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST, SMODE)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(x_ptr, w_ptr, g_ptr, rstd_ptr, dx_ptr, dw_ptr, M, D, HAS_DW: tl.constexpr,
+                         ROWS: tl.constexpr, BLOCK_D: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """Persistent programs over tiles of ROWS rows: dx, and the program's partial of dw into row ``pid`` of dw."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_D], tl.float32)
+    for tile in range(pid, tl.cdiv(M, ROWS), tl.num_programs(0)):
+        rows = (tile + tl.zeros([], tl.int64)) * ROWS + tl.arange(0, ROWS)
+        mask = (rows < M)[:, None] & (cols < D)[None, :]
+        offs = rows[:, None] * D + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
+        n = x * rstd[:, None]
+        dn = g * w[None, :]
+        dx = rstd[:, None] * (dn - n * (tl.sum(dn * n, 1) / D)[:, None])
+        tl.store(dx_ptr + offs, _to_out(dx, dx_ptr.dtype.element_ty, SOFT_ROUND), mask=mask)
+        if HAS_DW:
+            dw += tl.sum(g * n, 0)
+    if HAS_DW:
+        tl.store(dw_ptr + pid * D + cols, dw, mask=cols < D)
+
+
+def _shape(d: int) -> tuple[int, int]:
+    """(ROWS, BLOCK_D) of a tile of rows ``d`` wide."""
+    block_d = next_power_of_2(d)
+    return max(1, TILE // block_d), block_d
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether these kernels take x (contiguous, float, rows of at most MAX_WIDTH) and weight (its row's width)."""
+    return (x.is_contiguous() and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.numel() > 0
+            and x.shape[-1] <= MAX_WIDTH and weight.shape == (x.shape[-1],))
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     stats: "ts.Target | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, 1 / rms of each row, fp32); with ``stats`` y's row into the target (merged later: ``FUSED_MERGE``)."""
+    d = x.shape[-1]
+    m = x.numel() // d
+    y = torch.empty_like(x)
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    rows, block_d = _shape(d)
+    programs = persistent_programs(cdiv(m, rows), STATS_PROGRAMS_PER_SM if stats is not None else PROGRAMS_PER_SM,
+                                   x.device)
+    _rms_norm_fwd_kernel[(programs,)](x, weight, y, rstd, m, d, float(eps),
+                                      **ts.epilogue_args(stats, programs, y, later=True), ROWS=rows, BLOCK_D=block_d,
+                                      SOFT_ROUND=INTERPRET, STAGES=STATS_STAGES if stats is not None else 1,
+                                      num_warps=WARPS, **reg_cap(STATS_MAXNREG if stats is not None else None))
+    return y, rstd
+
+
+def rms_norm_backward(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                      weight_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dx in x's dtype, dw in weight's dtype or None without ``weight_grad``) of y's gradient g."""
+    d = x.shape[-1]
+    m = x.numel() // d
+    gc = g.contiguous()
+    dx = torch.empty_like(x)
+    rows, block_d = _shape(d)
+    programs = persistent_programs(cdiv(m, rows), PROGRAMS_PER_SM, x.device)
+    dw = torch.empty(programs, d, dtype=torch.float32, device=x.device) if weight_grad else rstd
+    _rms_norm_bwd_kernel[(programs,)](x, weight, gc, rstd, dx, dw, m, d, HAS_DW=weight_grad, ROWS=rows,
+                                      BLOCK_D=block_d, SOFT_ROUND=INTERPRET, num_warps=WARPS)
+    return dx, dw.sum(0).to(weight.dtype) if weight_grad else None
+
+
+class _RMSNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, stats):
+        y, rstd = rms_norm_forward(x, weight, eps, stats)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_backward(g, x, weight, rstd, weight_grad=ctx.needs_input_grad[1])
+        return dx, dw, None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, stats: "ts.Target | None" = None) -> torch.Tensor:
+    """RMSNorm of x's rows (``supports``), differentiable in x and weight; with ``stats`` y's statistics row (see the
+    module docstring)."""
+    if not supports(x, weight):
+        raise ValueError(f"rms_norm: x {tuple(x.shape)} {x.dtype} (contiguous: {x.is_contiguous()}) and weight "
+                         f"{tuple(weight.shape)}: needs contiguous float rows, at least one, of 1..{MAX_WIDTH} and a weight as wide")
+    return _RMSNormFn.apply(x, weight, eps, stats)
