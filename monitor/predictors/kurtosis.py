@@ -1,10 +1,12 @@
 """Kurtosis growth (FOG): a sustained rise of ln(kurtosis) of a tensor against its own history.
 
-Per (layer, site): the EWMA of ln(kurtosis) is compared with its running minimum since warm-up; a rise
-of `kurtosis_rise_info` (ln units) is reported as info, `kurtosis_rise` a warning, `kurtosis_rise_critical`
-critical (gradient sites: info only, see WARNING_SITES). Per site, the same on the
-layer-average of ln(kurtosis) (finding with layer=None). The estimated steps to divergence extrapolate
-the worst tensor's rise at its current rate up to the critical level.
+Per (layer, site): the EWMA of ln(kurtosis) (its weight per training step, `kurtosis_alpha_steps`) is
+compared with its minimum over the last `kurtosis_baseline_steps` steps since warm-up; a rise of
+`kurtosis_rise_info` (ln units) is reported as info, `kurtosis_rise` a warning, `kurtosis_rise_critical`
+critical (gradient sites: info only, see WARNING_SITES). A fast rise is a warning too (pass Q): the same level
+above its minimum over only the last `kurtosis_fast_steps` steps by `kurtosis_fast_rise`. Per site, the same
+on the layer-average of ln(kurtosis) (finding with layer=None). The estimated steps to divergence extrapolate
+the worst warning tensor's rise at its current rate up to the critical level.
 """
 
 from __future__ import annotations
@@ -28,10 +30,14 @@ class KurtosisGrowth:
 
     def __init__(self, params: PredictorParams):
         self.p = params
-        self.slots = LevelTracker(params.kurtosis_alpha, params.trend_window, params.warmup_steps,
-                                  baseline_steps=params.kurtosis_baseline_steps)
-        self.means = LevelTracker(params.kurtosis_alpha, params.trend_window, params.warmup_steps,
-                                  baseline_steps=params.kurtosis_baseline_steps)
+        def tracker(baseline_steps):
+            return LevelTracker(params.kurtosis_alpha, params.trend_window, params.warmup_steps,
+                                baseline_steps=baseline_steps, alpha_steps=params.kurtosis_alpha_steps)
+
+        self.slots = tracker(params.kurtosis_baseline_steps)
+        # the same levels against a short trailing minimum (None: no fast-rise rule)
+        self.fast = tracker(params.kurtosis_fast_steps) if params.kurtosis_fast_steps else None
+        self.means = tracker(params.kurtosis_baseline_steps)
         self.last = SignalOutput()
 
     def update(self, frame: StepFrame, table: SlotTable) -> None:
@@ -41,6 +47,8 @@ class KurtosisGrowth:
         with np.errstate(divide="ignore", invalid="ignore"):
             logk = np.log(np.where(kurt > 0, kurt, np.nan))
         self.slots.update(frame.step, logk)
+        if self.fast is not None:
+            self.fast.update(frame.step, logk)
         self.means.update(frame.step, self._site_means(logk, table))
 
     @staticmethod
@@ -62,16 +70,26 @@ class KurtosisGrowth:
         self.means.grow(len(table.site_list))
         rise = self.slots.rise()
         ratio = rise / p.kurtosis_rise
+        if self.fast is not None:
+            self.fast.grow(table.width)
+            fast = self.fast.rise()
+            ratio = np.fmax(ratio, fast / p.kurtosis_fast_rise)
+        else:
+            fast = np.full(table.width, np.nan)
         kurt = np.exp(self.slots.level)
         findings = []
         warns = table.site_mask(WARNING_SITES)
         ratio = np.where(warns, ratio, np.minimum(ratio, INFO_RATIO_CAP))  # gradient/input sites: info only
-        for i in np.flatnonzero(rise >= p.kurtosis_rise_info).tolist():
+        fast_warns = warns & (fast >= p.kurtosis_fast_rise)  # NaN compares False
+        # the fast rise is never above the rise against the longer window, so its slots are among these
+        for i in np.flatnonzero((rise >= p.kurtosis_rise_info) | fast_warns).tolist():
             layer, site = table.name(i)
             severity = "info" if not warns[i] else ("critical" if rise[i] >= p.kurtosis_rise_critical else
-                                                    "warning" if rise[i] >= p.kurtosis_rise else "info")
+                                                    "warning" if rise[i] >= p.kurtosis_rise or fast_warns[i]
+                                                    else "info")
+            within = f", {np.exp(fast[i]):.1f}x within {p.kurtosis_fast_steps} steps" if fast_warns[i] else ""
             findings.append(Finding(RULE, severity, step, f"kurtosis of {layer} {site} grew {np.exp(rise[i]):.1f}x "
-                                    f"over its minimum to {kurt[i]:.3g}", layer=layer, site=site,
+                                    f"over its minimum to {kurt[i]:.3g}{within}", layer=layer, site=site,
                                     value=float(kurt[i]), for_steps=p.kurtosis_for_steps))
         mean_rise = self.means.rise()
         mean_ratio = mean_rise / p.kurtosis_mean_rise
@@ -85,13 +103,14 @@ class KurtosisGrowth:
                                     value=float(np.exp(self.means.level[i])), for_steps=p.kurtosis_for_steps))
         culprits = top_culprits(RULE, ratio, kurt, table.name)
         worst = max(float(score_of(ratio).max(initial=0.0)), float(score_of(mean_ratio).max(initial=0.0)))
-        self.last = SignalOutput(worst, findings, culprits, self._steps_to_critical(rise, warns))
+        self.last = SignalOutput(worst, findings, culprits, self._steps_to_critical(rise, warns, fast_warns))
         return self.last
 
-    def _steps_to_critical(self, rise: np.ndarray, warns: np.ndarray) -> float | None:
-        """Steps until the worst rising tensor reaches the critical rise at its current rate."""
+    def _steps_to_critical(self, rise: np.ndarray, warns: np.ndarray, fast_warns: np.ndarray) -> float | None:
+        """Steps until the worst warning tensor reaches the critical rise at its current rate."""
         rate = self.slots.rate()
-        valid = np.isfinite(rise) & np.isfinite(rate) & (rate > 0) & (rise >= self.p.kurtosis_rise) & warns
+        warning = ((rise >= self.p.kurtosis_rise) & warns) | fast_warns
+        valid = np.isfinite(rise) & np.isfinite(rate) & (rate > 0) & warning
         if not valid.any():
             return None
         steps = np.maximum(0.0, (self.p.kurtosis_rise_critical - rise[valid]) / rate[valid])

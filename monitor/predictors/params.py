@@ -24,6 +24,9 @@ class PredictorParams:
     # -- kurtosis growth: rise of smoothed ln(kurtosis) above its own running minimum (after warm-up).
     # Healthy small runs grow kurtosis up to ~4x while they learn, so 2x is only "info".
     kurtosis_alpha: float = 0.1         # EWMA weight of ln(kurtosis): slower than the others, it is noisy
+    # pass Q: that weight is per 2 training steps, not per report (the CPU profile's interval, so its runs are
+    # smoothed as before; the GPU profile reports every 5 steps and was smoothed over 2.5x as many steps)
+    kurtosis_alpha_steps: int | None = 2
     kurtosis_rise_info: float = 0.7     # ln units: 2x the kurtosis minimum
     # 10x -> warning. Was 2.1 (8x) until the second corpus: a sane-lr FOG run (cpu-fog-fp8-delayed-stable,
     # a tune run) grew its mlp.fc2 output kurtosis 8.7x (rise 2.16); 2.3 is the smallest of 2.1/2.3/2.4/2.5 with
@@ -40,6 +43,14 @@ class PredictorParams:
     # 150-300 steps give the same leads with no alert on a stable run (100 and 60 lose lead, 400 and 500 keep a
     # false alert): 200 is the middle of that range
     kurtosis_baseline_steps: int | None = 200
+    # pass Q: a fast rise is a warning too: the same smoothed ln(kurtosis) above its minimum over only the last
+    # 50 training steps (from warm-up on), 1.2 (3.3x), output/weight sites. Healthy runs grow their kurtosis by
+    # up to 3.1x within 50 steps (rise 1.12, cpu-fog-fp8-long-s13-stable at step 142; 1.02 on the GPU,
+    # gpu-wide-llama-bf16-long-s10-stable at step 125); the six learning-rate ramps it was chosen for reach 1.30-2.42
+    # by 100 steps before they diverge. Chosen on every run of passes A-P (docs/prediction.md, pass Q): 1.2 and 1.3
+    # warn all six >= 100 steps ahead with no alert on a stable run, 1.1 pages that CPU run, 1.4 loses two ramps
+    kurtosis_fast_steps: int | None = 50
+    kurtosis_fast_rise: float = 1.2
 
     # -- amax drift toward saturation (delayed scaling only: a reported amax_history_max)
     # Short histories overflow by ~1% for a few steps whenever gradients grow fast (early training), in

@@ -23,13 +23,17 @@ class LevelTracker:
 
     With `baseline_steps` the baseline is the minimum over only the last `baseline_steps` training steps
     (from warm-up on), kept as the minima of 8 buckets of steps, so slow drift over a long run does not add
-    up into a rise."""
+    up into a rise.
+
+    With `alpha_steps` the EWMA weight `alpha` is per `alpha_steps` training steps, not per update: an update
+    dt steps after the previous one weighs 1 - (1 - alpha) ** (dt / alpha_steps), so the smoothing spans the
+    same number of training steps whatever the reporting interval."""
 
     BUCKETS = 8
 
     def __init__(self, alpha: float, window: int, warmup_steps: int, width: int = 0,
-                 baseline_steps: int | None = None):
-        self.alpha, self.warmup_steps = alpha, warmup_steps
+                 baseline_steps: int | None = None, alpha_steps: int | None = None):
+        self.alpha, self.warmup_steps, self.alpha_steps = alpha, warmup_steps, alpha_steps
         self.level = np.full(width, np.nan)
         self.baseline = np.full(width, np.nan)
         self.count = np.zeros(width, dtype=np.int64)
@@ -59,7 +63,10 @@ class LevelTracker:
         first = ok & (self.count == 0)
         self.level = np.where(first, values, self.level)
         later = ok & ~first
-        self.level = np.where(later, self.level + self.alpha * (values - self.level), self.level)
+        alpha = self.alpha
+        if self.alpha_steps is not None and self.step is not None and step > self.step:
+            alpha = 1.0 - (1.0 - alpha) ** ((step - self.step) / self.alpha_steps)
+        self.level = np.where(later, self.level + alpha * (values - self.level), self.level)
         self.count += ok
         if step >= self.warmup_steps:
             if self._bucket_steps is None:
