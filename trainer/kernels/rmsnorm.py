@@ -21,18 +21,14 @@ from agent.triton_stats import _SMEM_HIST, _htab, fused_bounds, fused_epilogue, 
 from ..layers import rms_norm_torch as rms_norm_ref  # noqa: F401  (the reference, beside the kernels)
 from .fp8_gemm import _to_out
 from .quantize import INTERPRET, cdiv, next_power_of_2, persistent_programs, reg_cap
+from .residual import PROGRAMS_PER_SM, STATS_MAXNREG, STATS_PROGRAMS_PER_SM, WARPS
 
 TILE = 4096  # elements of a tile: rows of the next power of two of the width, as many as fit
 MAX_WIDTH = 16384  # wider rows: torch's ops (a tile holds one whole row)
-WARPS = 8
-PROGRAMS_PER_SM = 4
-# With a row, as the residual kernels (trainer/kernels/residual.py): two programs of 8 warps per SM under a cap of 128
-# registers, the tile loop software-pipelined (the next tiles' loads issued into shared memory ahead of this one's
-# arithmetic). Two deep: three took 41 KiB of shared memory for a 768-wide tile (offline sm_90a build,
+# With a row the tile loop is software-pipelined (the next tiles' loads issued into shared memory ahead of this one's
+# arithmetic) two deep: three took 41 KiB of shared memory for a 768-wide tile (offline sm_90a build,
 # bench/offline_sass.py --consumers), which with the histogram's 8 KiB table passed the 48 KiB a launch gets without
-# opting in, and the launch failed.
-STATS_PROGRAMS_PER_SM = 2
-STATS_MAXNREG = 128
+# opting in, and the launch failed. Programs, warps and the register cap are the residual kernels'.
 STATS_STAGES = 2
 _SOFT_ROUND = tl.constexpr(INTERPRET)  # for the careful path's loader (kernels take it as an argument)
 
