@@ -65,6 +65,12 @@ DEFAULT_FORMATS = {"input": "e4m3", "weight": "e4m3", "output": None, "grad_outp
 # The hooks' statistics launches on the Triton path leave their rows (those with no scale known before the read) to
 # the merge launch that ends the step (``triton_stats.rows``' ``later``): no launch ends in its last program's merge.
 LATER_MERGE = True
+# The first forward of a reporting step that reads a weight through the hooks reads every hooked weight on its device
+# that is due this step, in the same launch: a step's weights then cost one multi-tensor launch, not one small launch
+# per linear (a plain linear's weight is all its forward hook still reads where the block's kernels take its input and
+# output). The weights do not change within a step, so the rows are the same; a layer whose forward does not run that
+# step still gets its weight's row, as FP8 layers do (trainer.weight_rows).
+WEIGHTS_TOGETHER = True
 _RUN_NAME = re.compile(wire.RUN_NAME_PATTERN)
 _SCALAR_NAME = re.compile(wire.SCALAR_NAME_PATTERN)
 _MAX_LAYER, _MAX_NAME, _MAX_RUN = wire.MAX_LAYER_NAME, wire.MAX_SCALAR_NAME, wire.MAX_RUN_NAME
@@ -460,7 +466,26 @@ class Agent:
             grad = self._take_waiting(layer)
             if grad is not None:
                 items = [("grad_output", grad, False, False), *items]
-        self._observe([(layer, *it) for it in items] + self._take_after(items[0][1].device if items else None))
+        todo = [(layer, *it) for it in items]
+        if WEIGHTS_TOGETHER and self.reporting:
+            weight = next((it[1] for it in items if it[0] == "weight" and it[2]), None)
+            if weight is not None and self._slots.get(layer, "weight") not in self._seen:
+                todo += self._due_weights(layer, weight.device)
+        self._observe(todo + self._take_after(items[0][1].device if items else None))
+
+    def _due_weights(self, layer: str, device) -> list:
+        """``_observe`` items of the hooked weights on ``device`` of the layers other than ``layer``, in training mode,
+        not yet read this step (``WEIGHTS_TOGETHER``)."""
+        out = []
+        for hooks in self._layers:
+            module, name = hooks.module, hooks.name
+            w = getattr(module, "weight", None)
+            if name == layer or "weight" not in hooks.sites or not hooks.installed or not module.training or \
+                    not isinstance(w, torch.Tensor) or w.device != device:
+                continue
+            if self._slots.get(name, "weight") not in self._seen:
+                out.append((name, "weight", w, True, False))
+        return out
 
     def observe_after_backward(self, layer: str, site: str, param: torch.Tensor) -> None:
         """``param.grad`` as ``site`` of ``layer`` (replacing), observed with the next launch of this backward pass

@@ -489,7 +489,8 @@ def test_a_layers_backward_sites_share_one_launch_and_a_frozen_weight_loses_no_g
         opt.zero_grad(set_to_none=True)
         agent.log(step)
         if step == 0:
-            assert launches == [3] * 8 + [2] * 8  # 8 forward, 8 backward launches
+            # 8 forward launches, the first with every layer's weight (agent.core.WEIGHTS_TOGETHER), 8 backward ones
+            assert launches == [3 + 7] + [2] * 7 + [2] * 8
     ref.step = 4
     lm_loss(model, batches(1, seed=8)[0]).backward()
     agent.close()  # no log(): what the hooks saw is sent as step 4, the last grad_output that waited too
