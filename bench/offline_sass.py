@@ -1,7 +1,7 @@
 """Offline sm_90a build of the quantize-transpose kernels (plain and with statistics) or, with ``--standalone``, of
 the standalone statistics kernel (``agent/triton_stats.py``), or with ``--consumers`` of the consumer kernels
-(``trainer/kernels/swiglu.py``, ``residual.py``, ``rope.py``), no GPU needed: registers, spill stack, and the SASS instruction count
-of the longest loop (the statistics' tile loop) per kernel.
+(``trainer/kernels/swiglu.py``, ``residual.py``, ``rope.py``) and RMSNorm's (``rmsnorm.py``), no GPU needed: registers,
+spill stack, shared memory, and the SASS instruction count of the longest loop (the statistics' tile loop) per kernel.
 
 Needs a Triton whose backend can compile for sm_90a on this machine (its bundled ptxas and cuobjdump), e.g. the
 Triton 3.6 wheel the GPU machines run, unpacked apart from the project's own::
@@ -226,7 +226,8 @@ def _report(built: dict, what: str, need: str = "") -> int:
                 Path(out).write_text(sass)
             n, mix = longest_loop(sass, need)
             total = len(re.findall(r"^\s*/\*[0-9a-f]+\*/\s+\S", sass, re.M))
-            regs = " ".join(re.findall(r"REG:\d+|STACK:\d+|SHARED:\d+", usage)) + f" +{kernel.metadata.shared} B dynamic"
+            regs = " ".join(re.findall(r"REG:\d+|STACK:\d+|SHARED:\d+", usage))
+            regs += f" +{kernel.metadata.shared} B dynamic"
             top = ", ".join(f"{k} {v}" for k, v in mix.most_common(8))
             print(f"{name}: {regs}, {total} instructions; longest loop {n} (LDL {mix['LDL']}, STL {mix['STL']}, "
                   f"SHFL {mix['SHFL']}, BAR {mix['BAR']}): {top}")

@@ -1,7 +1,7 @@
 """Statistics taken by the kernels around a linear, on the CPU in Triton's interpreter: those that consume its output,
 SwiGLU's fused elementwise kernels (trainer/kernels/swiglu.py), the fused residual add (trainer/kernels/residual.py)
-and RoPE on the qkv output (trainer/kernels/rope.py), with SwiGLU's words path; and RMSNorm (trainer/kernels/rmsnorm.py),
-which produces the input of llama's qkv and fc1. Each equals torch's
+and RoPE on the qkv output (trainer/kernels/rope.py), with SwiGLU's words path; and RMSNorm
+(trainer/kernels/rmsnorm.py), which produces the input of llama's qkv and fc1. Each equals torch's
 computation (forward and backward; SwiGLU's bf16 to the last place, rarely one unit off), its rows equal the fp64
 oracle's (device_stats.partials), and a model or block watched by an agent gets from them the rows the linears or the
 hooks took before, with no deferred read of those outputs.
@@ -517,8 +517,8 @@ def _child(names: list[str]) -> None:
     run_each(checks, names)
 
 
-GROUPS = ["forward_backward", "forward_stats", "backward_stats", "words", "agent_block", "agent_block_plain", "residual",
-          "rope", "attention_plain", "residual_plain", "rmsnorm", "norm_plain", "agent_model"]
+GROUPS = ["forward_backward", "forward_stats", "backward_stats", "words", "agent_block", "agent_block_plain",
+          "residual", "rope", "attention_plain", "residual_plain", "rmsnorm", "norm_plain", "agent_model"]
 
 
 @pytest.fixture(scope="module")

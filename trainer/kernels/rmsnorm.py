@@ -191,5 +191,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, stats: "ts.Targe
     module docstring)."""
     if not supports(x, weight):
         raise ValueError(f"rms_norm: x {tuple(x.shape)} {x.dtype} (contiguous: {x.is_contiguous()}) and weight "
-                         f"{tuple(weight.shape)}: needs contiguous float rows, at least one, of 1..{MAX_WIDTH} and a weight as wide")
+                         f"{tuple(weight.shape)}: needs contiguous float rows, at least one, of 1..{MAX_WIDTH}, and "
+                         f"a weight as wide")
     return _RMSNormFn.apply(x, weight, eps, stats)
