@@ -151,6 +151,9 @@ CPU_RUNS = (
     # held out in pass P (2026-11-26, sixth session, written down before they ran; no threshold changed after pass
     # K): seed 13
     *_cpu_pass_runs("tune", 13),
+    # held out in pass R (2026-11-26, eighth session, written down before they ran, with the pass-R thresholds fixed:
+    # the kurtosis level warns only at the critical 16x): seed 14
+    *_cpu_pass_runs("test", 14),
 )
 
 # GPU: 4 layers x d 512 (head_dim 128), 32 x 256 tokens per step, statistics every 5 steps, 700 steps.
@@ -320,18 +323,19 @@ GPU_WIDE3_RUNS = tuple(RunSpec(r.name, (*GPU_WIDE, *r.args), r.split, r.expect) 
     _gpu_div("gpu-wide-fog-fp8-delayed-ramp-s12-div", "fog", "fp8", "0.04", "tune", *DELAYED, "2", "--seed", "12"),
     _gpu_long("fog", "fp8", "tune", 12, name="gpu-wide-fog-fp8-long-s12-stable"),
 ))
-# Held-out runs of pass Q (profile gpu-wide4, 2026-11-26), written down before any was made, with the pass-Q
+# Held-out runs of pass Q (profile gpu-wide4, 2026-11-26; tune runs from pass R on: every run was used to choose
+# pass R's kurtosis level warning), written down before any was made, with the pass-Q
 # thresholds fixed (ln(kurtosis) smoothed per training step; a 3.3x rise within 50 steps warns): the wide model's
 # learning-rate ramps that pass Q was chosen on (passes J and M), seed 14, as in pass M (fp8, bf16, fp8 delayed with a
 # 2-step history, all to 0.04), and two healthy runs for the silence: FOG fp8, and Llama bf16, the kind whose fast
 # rise came closest to the new warning on the GPU (1.02 against 1.2, gpu-wide-llama-bf16-long-s10-stable). The
 # healthy runs are cut by the timeout; the fast rises of healthy runs come early (steps 120-150 on the corpus).
 GPU_WIDE4_RUNS = tuple(RunSpec(r.name, (*GPU_WIDE, *r.args), r.split, r.expect) for r in (
-    _gpu_div("gpu-wide-fog-fp8-ramp-s14-div", "fog", "fp8", "0.04", "test", "--seed", "14"),
-    _gpu_div("gpu-wide-fog-bf16-ramp-s14-div", "fog", "bf16", "0.04", "test", "--seed", "14"),
-    _gpu_div("gpu-wide-fog-fp8-delayed-ramp-s14-div", "fog", "fp8", "0.04", "test", *DELAYED, "2", "--seed", "14"),
-    _gpu_long("fog", "fp8", "test", 14, name="gpu-wide-fog-fp8-long-s14-stable"),
-    _gpu_long("llama", "bf16", "test", 14, name="gpu-wide-llama-bf16-long-s14-stable"),
+    _gpu_div("gpu-wide-fog-fp8-ramp-s14-div", "fog", "fp8", "0.04", "tune", "--seed", "14"),
+    _gpu_div("gpu-wide-fog-bf16-ramp-s14-div", "fog", "bf16", "0.04", "tune", "--seed", "14"),
+    _gpu_div("gpu-wide-fog-fp8-delayed-ramp-s14-div", "fog", "fp8", "0.04", "tune", *DELAYED, "2", "--seed", "14"),
+    _gpu_long("fog", "fp8", "tune", 14, name="gpu-wide-fog-fp8-long-s14-stable"),
+    _gpu_long("llama", "bf16", "tune", 14, name="gpu-wide-llama-bf16-long-s14-stable"),
 ))
 PROFILES = {"cpu": (CPU_BASE, CPU_RUNS), "gpu": (GPU_BASE, GPU_RUNS), "gpu-frozen": (GPU_BASE, GPU_FROZEN_RUNS),
             "gpu-test2": (GPU_BASE, GPU_TEST2_RUNS), "gpu-test3": (GPU_BASE, GPU_TEST3_RUNS),

@@ -28,10 +28,12 @@ class PredictorParams:
     # smoothed as before; the GPU profile reports every 5 steps and was smoothed over 2.5x as many steps)
     kurtosis_alpha_steps: int | None = 2
     kurtosis_rise_info: float = 0.7     # ln units: 2x the kurtosis minimum
-    # 10x -> warning. Was 2.1 (8x) until the second corpus: a sane-lr FOG run (cpu-fog-fp8-delayed-stable,
-    # a tune run) grew its mlp.fc2 output kurtosis 8.7x (rise 2.16); 2.3 is the smallest of 2.1/2.3/2.4/2.5 with
-    # no alert on the stable tune runs (chosen after the held-out results of 2.1 had been seen: docs/prediction.md)
-    kurtosis_rise: float = 2.3
+    # The level that warns. Was 2.1 (8x) until the second corpus, then 2.3 (10x) until pass R: a healthy wide Llama
+    # bf16 run (gpu-wide-llama-bf16-long-s14-stable, pass Q held out) grew its blocks.1.mlp.fc2 output kurtosis
+    # 12-13x, slowly. With pass Q's fast-rise warning the level warning led by 10 steps in total over the 62
+    # diverging runs of passes A-Q; 2.6-2.8 warn as many >= 100 steps ahead with no alert on a stable run. Pass R:
+    # 2.8, the critical level, i.e. a slow rise is info until it is critical (docs/prediction.md)
+    kurtosis_rise: float = 2.8
     kurtosis_rise_critical: float = 2.8  # 16x -> critical
     kurtosis_mean_rise_info: float = 0.4  # layer-average (per site) of ln(kurtosis): 1.5x -> info
     kurtosis_mean_rise: float = 1.1     # 3x -> warning

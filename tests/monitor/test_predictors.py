@@ -479,9 +479,6 @@ KNOWN_MISSES = {
                                  "stale-scale warning came 14 steps after the freeze, 90 ahead",
     "cpu-fog-fp8-frozen-s7-div": "pass H held-out: as pass F's miss, a cast without saturation overflowed at step "
                                  "221, before its scales froze; paged only at the NaN",
-    "gpu-wide-llama-bf16-long-s14-stable": "pass Q held-out (8 layers x d 1024, healthy): kurtosis of blocks.1.mlp.fc2 "
-                                           "output grew 10x over its minimum by step 240, the level warning (the "
-                                           "rules before pass Q warned too, at step 270)",
 }
 
 
