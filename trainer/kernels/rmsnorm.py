@@ -186,6 +186,7 @@ class _RMSNormFn(torch.autograd.Function):
         return dx, dw, None, None
 
 
+@torch.compiler.disable  # as Fp8Linear's: torch.compile cannot trace the launchers' host work (the row's tables)
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, stats: "ts.Target | None" = None) -> torch.Tensor:
     """RMSNorm of x's rows (``supports``), differentiable in x and weight; with ``stats`` y's statistics row (see the
     module docstring)."""
