@@ -4,7 +4,8 @@ Per (layer, site): the EWMA of ln(kurtosis) (its weight per training step, `kurt
 compared with its minimum over the last `kurtosis_baseline_steps` steps since warm-up; a rise of
 `kurtosis_rise_info` (ln units) is reported as info, `kurtosis_rise` a warning, `kurtosis_rise_critical`
 critical (gradient sites: info only, see WARNING_SITES). A fast rise is a warning too (pass Q): the same level
-above its minimum over only the last `kurtosis_fast_steps` steps by `kurtosis_fast_rise`. Per site, the same
+above its minimum over only the last `kurtosis_fast_steps` steps by `kurtosis_fast_rise`. Since pass R
+`kurtosis_rise` is the critical level: a slow rise is info until it is critical. Per site, the same
 on the layer-average of ln(kurtosis) (finding with layer=None). The estimated steps to divergence extrapolate
 the worst warning tensor's rise at its current rate up to the critical level.
 """
