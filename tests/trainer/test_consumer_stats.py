@@ -535,5 +535,22 @@ def test_consumer_statistics(results, group):
     assert_group(results, group)
 
 
+def test_rms_norm_refuses_what_its_kernels_cannot_take_and_the_module_falls_back_to_torch():
+    """rms_norm names what it needs (a non-contiguous x, a weight of another width, no rows); trainer.layers.RMSNorm
+    gives torch's result for such an x instead of calling it."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from trainer.kernels.rmsnorm import rms_norm
+    from trainer.layers import RMSNorm, rms_norm_torch
+
+    for x, w in ((torch.randn(6, 4).t(), torch.ones(6)), (torch.randn(4, 6), torch.ones(5)),
+                 (torch.zeros(0, 6), torch.ones(6))):
+        with pytest.raises(ValueError, match="needs contiguous float rows"):
+            rms_norm(x, w, 1e-6)
+    norm = RMSNorm(6)
+    x = torch.randn(6, 4).t()
+    assert not norm.fused(x) and torch.equal(norm(x), rms_norm_torch(x, norm.weight, norm.eps))
+
+
 if __name__ == "__main__":
     _child(sys.argv[1:])
