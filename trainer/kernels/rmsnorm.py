@@ -30,6 +30,11 @@ MAX_WIDTH = 16384  # wider rows: torch's ops (a tile holds one whole row)
 # bench/offline_sass.py --consumers), which with the histogram's 8 KiB table passed the 48 KiB a launch gets without
 # opting in, and the launch failed. Programs, warps and the register cap are the residual kernels'.
 STATS_STAGES = 2
+# The statistics see a tile as [elements / V, V], summing each row of V in a thread. V = 4, the fp32 elements of a
+# thread's 16-byte load: with 8 (the residual kernels' choice for a flat block) the view crossed the tile's layout and
+# the offline build's tile loop held 56 more shuffles, 916 instructions against 794 (768 wide), and spilled with the
+# histogram (56 bytes of stack against 8).
+_V = tl.constexpr(4)
 _SOFT_ROUND = tl.constexpr(INTERPRET)  # for the careful path's loader (kernels take it as an argument)
 
 
@@ -49,11 +54,11 @@ def _tile(x_ptr, w_ptr, M, D, eps, tile, ROWS: tl.constexpr, BLOCK_D: tl.constex
 @triton.jit
 def _y_part(src, tile, part, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     """The careful path's loader (``triton_stats.careful_tiles``): tile ``tile`` of y recomputed from x (not re-read:
-    other threads of the program stored it), as stored, in fp32, as the statistics' [R, 8] view, with its mask."""
+    other threads of the program stored it), as stored, in fp32, as the statistics' [R, V] view, with its mask."""
     x_ptr, w_ptr, y_ptr, M, D, eps = src
     _, _, mask, _, _, y = _tile(x_ptr, w_ptr, M, D, eps, tile, ROWS, BLOCK_D)
     y = _to_out(y, y_ptr.dtype.element_ty, _SOFT_ROUND).to(tl.float32)
-    return tl.reshape(y, [ROWS * BLOCK_D // 8, 8]), tl.reshape(mask, [ROWS * BLOCK_D // 8, 8])
+    return tl.reshape(y, [ROWS * BLOCK_D // _V, _V]), tl.reshape(mask, [ROWS * BLOCK_D // _V, _V])
 
 
 @triton.jit
@@ -82,7 +87,7 @@ def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, M, D, eps, sp_ptr, ctr_p
         for tile in tl.range(pid, tiles, tl.num_programs(0), num_stages=STAGES):
             _store_tile(x_ptr, w_ptr, y_ptr, rstd_ptr, M, D, eps, tile, ROWS, BLOCK_D, SOFT_ROUND)
     else:
-        V: tl.constexpr = 8
+        V: tl.constexpr = _V
         R: tl.constexpr = ROWS * BLOCK_D // V
         src = (x_ptr, w_ptr, y_ptr, M, D, eps)
         lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
