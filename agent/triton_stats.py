@@ -1816,7 +1816,8 @@ if triton is not None:
             _done(sp_ptr, nprog, ctr_ptr, nprog, dst_ptr + dst_index * _WIDTH, merge, SMODE, s, FMAX, UTHR, ahm,
                   hist, HIST)
 
-    # ---- statistics of the tiles a consumer kernel streams through (trainer/kernels/swiglu.py, residual.py, rope.py)
+    # ---- statistics of the tiles a consumer kernel streams through (trainer/kernels/swiglu.py, residual.py, rope.py,
+    # rmsnorm.py)
     # As the standalone kernel takes them: a thread sums its own rows of V elements (``_tile_fast``) about a shift from
     # the program's first tile; no scale is known before the read (the epilogue derives underflow and overflow).
 

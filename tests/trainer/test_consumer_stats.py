@@ -416,7 +416,8 @@ def _child(names: list[str]) -> None:
 
         g = torch.Generator().manual_seed(13)
         for shape, dt, nan, learn in (((3, 50, 48), torch.float32, False, True), ((7, 64), torch.bfloat16, False, True),
-                                      ((300, 40), torch.float32, True, False), ((5, 3, 96), torch.bfloat16, True, True)):
+                                      ((300, 40), torch.float32, True, False),
+                                      ((5, 3, 96), torch.bfloat16, True, True)):
             x0 = (torch.randn(*shape, generator=g) * 3 + 0.5).to(dt)
             if nan:
                 x0.view(-1)[17] = float("nan")
