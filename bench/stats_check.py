@@ -600,6 +600,55 @@ def check_consumers(device) -> None:
                    why + ("" if same else " dy differs with the row"))
     check_rope(device)
     check_rmsnorm(device)
+    check_weight_cast(device)
+
+
+def check_weight_cast(device) -> None:
+    """trainer/kernels/residual.py's ``weight_cast``: w.to(bf16) and the gradient cast back equal torch's, the row of w's
+    own fp32 values against the fp64 oracle's; and a bf16 llama under autocast whose linears take their weights' rows
+    from those casts (``trainer.layers.FUSED_WEIGHT``) ships the weight rows the hooks ship without them."""
+    from trainer import layers, model as tm
+    from trainer.config import get_config
+    from trainer.kernels.residual import weight_cast
+
+    g = torch.Generator(device="cpu").manual_seed(11)
+    for shape in ((3072, 768), (2048, 2048), (77, 33)):
+        w0 = (torch.randn(*shape, generator=g) * 0.02 + 0.001).to(device)
+        w = w0.clone().requires_grad_()
+        tgt = ts.Target.new(device, center=(0.0, 0.02), hist=True, fmt="e4m3")
+        wb = weight_cast(w, torch.bfloat16, tgt)
+        gy = torch.randn(*shape, generator=g).to(device, torch.bfloat16)
+        wb.backward(gy)
+        ts.flush_deferred()
+        want = ds.partials(w0, fmt="e4m3", outlier_center=(0.0, 0.02), hist=True)
+        ok, why = rows_close(tgt.rows[0], want, under_slack=want[ds.HIST:].nan_to_num(0).max().item())
+        same = torch.equal(wb.detach(), w0.to(torch.bfloat16)) and torch.equal(w.grad, gy.float())
+        report(f"weight cast {shape}", ok and same, why + ("" if same else " values differ from torch's"))
+    cfg = get_config("tiny", n_layer=2, d_model=256, n_head=4, d_ff=512, seq_len=128, vocab_size=512)
+    idx = [torch.randint(0, 512, (4, 128), generator=g).to(device) for _ in range(4)]
+    got = {}
+    for fused in (False, True):
+        old, layers.FUSED_WEIGHT = layers.FUSED_WEIGHT, fused
+        try:
+            torch.manual_seed(12)
+            net = tm.Transformer(cfg, "llama", "bf16").to(device)
+
+            def make(step, micro):
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    return net(idx[2 * step + micro])
+
+            got[fused] = agent_rows(torch.nn.Identity(), make, 2, device, stats_backend="triton", watch=net,
+                                    modules=r"^blocks\.")
+        finally:
+            layers.FUSED_WEIGHT = old
+    (hooks, keys), (cast, keys2) = got[False], got[True]
+    weights = [k for k in keys2 if k[1] == "weight"]
+    for step in range(2):
+        a = cast[step][[keys2.index(k) for k in weights]]
+        b = hooks[step][[keys.index(k) for k in weights]]
+        ok, why = rows_close(a, b, under_slack=b[:, ds.HIST:].max().item())
+        report(f"weight rows of a bf16 llama from its casts, step {step} ({len(weights)} weights)",
+               ok and sorted(keys) == sorted(keys2), why + ("" if sorted(keys) == sorted(keys2) else " slots differ"))
 
 
 def check_rope(device) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import types
 from typing import Callable
 
 import torch
@@ -220,6 +221,38 @@ def take_output(linear: nn.Module, fused: bool):
 
 def target_of(link, site: str, like: torch.Tensor):
     return link.target(site, like.device) if link is not None else None
+
+
+# A bf16 linear's weight: autocast casts it to bf16 for the GEMM, a read of every weight at every step. With
+# ``own_weight_row`` (set at construction) that cast is one Triton kernel that also takes the weight's row for the agent
+# on a reporting step (trainer.kernels.residual.weight_cast), so no hook reads the weight again; where that cast does not
+# happen or the kernel cannot run (no autocast, no Triton), the linear reports the row apart. FP8MON_FUSED_WEIGHT=0
+# leaves the weight to the hooks.
+FUSED_WEIGHT = os.environ.get("FP8MON_FUSED_WEIGHT", "1") == "1"
+
+
+def own_weight_row(linear: nn.Linear) -> nn.Linear:
+    """``linear`` (a plain one; returned) reporting its weight's row itself, as its cast for autocast takes it."""
+    if FUSED_WEIGHT and type(linear) is nn.Linear:
+        mark_reported(linear, "weight")
+        linear.forward = types.MethodType(_linear_with_weight_row, linear)
+    return linear
+
+
+def _linear_with_weight_row(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    link, w = self.fp8mon_stats, self.weight
+    if link is not None and link.due("weight"):
+        kind = x.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else w.dtype
+        if dtype != w.dtype and w.dtype == torch.float32 and w.is_contiguous() and triton_runs(w.device):
+            target = link.target("weight", w.device)
+            if target is not None:
+                from .kernels.residual import weight_cast
+
+                return F.linear(x, weight_cast(w, dtype, target), self.bias)
+        else:
+            report_apart(link, "weight", w)
+    return F.linear(x, w, self.bias)
 
 
 def report_apart(link, site: str, value: torch.Tensor) -> None:

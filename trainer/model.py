@@ -35,12 +35,15 @@ from .layers import (Attention, MakeLinear, RMSNorm, Rotary, SwiGLU, XIELUMLP, m
 
 
 def linear_factory(precision: str, recipe=None) -> MakeLinear:
-    """Block GEMMs: Fp8Linear for fp8 (imported only then), else a bias-free nn.Linear."""
+    """Block GEMMs: Fp8Linear for fp8 (imported only then), else a bias-free nn.Linear (bf16: one that takes its
+    weight's row from autocast's cast of it)."""
     if precision == "fp8":
         from .fp8_linear import Fp8Linear, Fp8Recipe
 
         recipe = recipe if recipe is not None else Fp8Recipe()
         return lambda fan_in, fan_out: Fp8Linear(fan_in, fan_out, bias=False, recipe=recipe)
+    if precision == "bf16":  # autocast casts each weight: the cast takes its row (layers.own_weight_row)
+        return lambda fan_in, fan_out: layers.own_weight_row(nn.Linear(fan_in, fan_out, bias=False))
     return lambda fan_in, fan_out: nn.Linear(fan_in, fan_out, bias=False)
 
 

@@ -461,6 +461,35 @@ def _child(names: list[str]) -> None:
         near = tuple((f"blocks.0.{n}", "input") for n in ("attn.qkv", "mlp.fc1"))
         emit("norm_plain", "; ".join(same_rows_by_mode(got, list(near), near)))
 
+    def weight_plain():
+        """A one-block bf16 llama under autocast watched by an agent: with ``FUSED_WEIGHT`` each linear's cast of its
+        weight takes the weight's row (the hooks read no weight), equal to the hooks' rows of the fp32 weights without
+        it; on a device without the kernels the linears report them apart. (FOG's linears come from the same
+        factory.)"""
+        from trainer import layers, model
+        from trainer.config import get_config
+
+        cfg = get_config("tiny", n_layer=1, d_model=32, n_head=2, d_ff=48, seq_len=8, vocab_size=64)
+
+        class Autocast(torch.nn.Module):
+            def __init__(self, arch):
+                super().__init__()
+                self.net = model.Transformer(cfg, arch, "bf16")
+
+            def forward(self, idx):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    return self.net(idx)
+
+        old = layers.FUSED_SWIGLU, layers.FUSED_ROPE, layers.FUSED_NORM, model.FUSED_RESIDUAL
+        # torch's ops around the linears in every mode: the interpreter runs the weights' casts alone
+        layers.FUSED_SWIGLU = layers.FUSED_ROPE = layers.FUSED_NORM = model.FUSED_RESIDUAL = False
+        try:
+            got = rows_by_mode("FUSED_WEIGHT", lambda: Autocast("llama"), 9, inputs=lambda i: torch.randint(0, 64, (2, 8)))
+            keys = [(f"net.blocks.0.{n}", "weight") for n in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")]
+            emit("weight_plain", "; ".join(same_rows_by_mode(got, keys)))
+        finally:
+            layers.FUSED_SWIGLU, layers.FUSED_ROPE, layers.FUSED_NORM, model.FUSED_RESIDUAL = old
+
     def agent_model():
         """A one-block FP8 llama watched by an agent: with the fused consumers on, the rows of qkv's, fc1's, proj's
         and fc2's outputs come from them (no output is deferred to a statistics read), and equal the rows the
@@ -514,12 +543,13 @@ def _child(names: list[str]) -> None:
     checks = dict(forward_backward=forward_backward, forward_stats=forward_stats, words=words, agent_block=agent_block,
                   agent_block_plain=agent_block_plain, residual=residual, rope=rope, backward_stats=backward_stats,
                   attention_plain=attention_plain, residual_plain=residual_plain, rmsnorm=rmsnorm,
-                  norm_plain=norm_plain, agent_model=agent_model)
+                  norm_plain=norm_plain, weight_plain=weight_plain, agent_model=agent_model)
     run_each(checks, names)
 
 
 GROUPS = ["forward_backward", "forward_stats", "backward_stats", "words", "agent_block", "agent_block_plain",
-          "residual", "rope", "attention_plain", "residual_plain", "rmsnorm", "norm_plain", "agent_model"]
+          "residual", "rope", "attention_plain", "residual_plain", "rmsnorm", "norm_plain", "weight_plain",
+          "agent_model"]
 
 
 @pytest.fixture(scope="module")

@@ -100,11 +100,11 @@ def _residual_add_kernel(x_ptr, b_ptr, out_ptr, n, sp_ptr, ctr_ptr, dst_ptr, dst
 
 @triton.jit
 def _grad_block(g_ptr, n, blk, DTYPE: tl.constexpr, BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr):
-    """Block ``blk`` of the gradient g rounded to DTYPE (as ``g.to(DTYPE)``), and the mask."""
+    """Block ``blk`` of g (fp32), the same rounded to DTYPE (as ``g.to(DTYPE)``), and the mask."""
     offs = (blk + tl.zeros([], tl.int64)) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    return _to_out(g, DTYPE, SOFT_ROUND), offs, mask
+    return g, _to_out(g, DTYPE, SOFT_ROUND), offs, mask
 
 
 @triton.jit
@@ -112,7 +112,7 @@ def _db_part(src, blk, part, BLOCK: tl.constexpr, V: tl.constexpr):
     """The careful path's loader of the branch gradient's row: block ``blk`` of it, recomputed from g (not re-read:
     other threads of the program stored it), fp32, as the statistics' [R, V] view, with its mask."""
     g_ptr, db_ptr, n = src
-    d, _, mask = _grad_block(g_ptr, n, blk, db_ptr.dtype.element_ty, BLOCK, _SOFT_ROUND)
+    _, d, _, mask = _grad_block(g_ptr, n, blk, db_ptr.dtype.element_ty, BLOCK, _SOFT_ROUND)
     return tl.reshape(d.to(tl.float32), [BLOCK // V, V]), tl.reshape(mask, [BLOCK // V, V])
 
 
@@ -120,29 +120,38 @@ def _db_part(src, blk, part, BLOCK: tl.constexpr, V: tl.constexpr):
 def _branch_grad_kernel(g_ptr, db_ptr, n, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, cen_ptr, c_mean, c_std, k,
                         ahm_ptr, ahm_val, STATS: tl.constexpr, C_PTR: tl.constexpr, AHM_PTR: tl.constexpr,
                         HIST: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr, SMODE: tl.constexpr,
-                        BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr, STAGES: tl.constexpr):
+                        BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr, STAGES: tl.constexpr,
+                        SOURCE_ROW: tl.constexpr = False):
     """db = g in b's dtype, persistent over blocks, with db's row (the branch linear's ``grad_output``) taken as the
-    forward takes b's."""
+    forward takes b's; with SOURCE_ROW the row of g itself (``cast_with_row``: a weight before its cast)."""
     V: tl.constexpr = 8
     R: tl.constexpr = BLOCK // V
     dtype = db_ptr.dtype.element_ty
     pid = tl.program_id(0)
     nblk = tl.cdiv(n, BLOCK)
     lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
-    d0, m0 = _db_part((g_ptr, db_ptr, n), pid, 0, BLOCK, V)
+    if SOURCE_ROW:
+        d0, m0 = _b_part((g_ptr, n), pid, 0, BLOCK, V)
+    else:
+        d0, m0 = _db_part((g_ptr, db_ptr, n), pid, 0, BLOCK, V)
     c, p, ok, ncp, st = stream_start(d0, m0, R)
     ht = None
     if HIST and _SMEM_HIST:
         ht = _htab()
     ce = tl.zeros([], tl.int32)
     for blk in tl.range(pid, nblk, tl.num_programs(0), num_stages=STAGES):
-        d, offs, mask = _grad_block(g_ptr, n, blk, dtype, BLOCK, SOFT_ROUND)
+        g, d, offs, mask = _grad_block(g_ptr, n, blk, dtype, BLOCK, SOFT_ROUND)
         tl.store(db_ptr + offs, d, mask=mask)
         inside = tl.minimum(n - (blk + tl.zeros([], tl.int64)) * BLOCK, BLOCK).to(tl.int32)
-        st = stream_add(st, d.to(tl.float32), mask, inside == BLOCK, p, ncp, lo, hi, HIST, R, V, ht)
+        st = stream_add(st, g if SOURCE_ROW else d.to(tl.float32), mask, inside == BLOCK, p, ncp, lo, hi, HIST, R, V,
+                        ht)
         ce += inside
-    ce, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = stream_partial(
-        st, ce, c, p, ok, _db_part, (g_ptr, db_ptr, n), nblk, 1, lo, hi, HIST, R, BLOCK, V, ht)
+    if SOURCE_ROW:
+        ce, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = stream_partial(
+            st, ce, c, p, ok, _b_part, (g_ptr, n), nblk, 1, lo, hi, HIST, R, BLOCK, V, ht)
+    else:
+        ce, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = stream_partial(
+            st, ce, c, p, ok, _db_part, (g_ptr, db_ptr, n), nblk, 1, lo, hi, HIST, R, BLOCK, V, ht)
     fused_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, 1.0, ce, nfin, nonfin, zeros, outl,
                    under, over, amax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST, SMODE)
 
@@ -151,16 +160,35 @@ def _programs(n: int, device: torch.device, rows: bool) -> int:
     return persistent_programs(cdiv(n, BLOCK), STATS_PROGRAMS_PER_SM if rows else PROGRAMS_PER_SM, device)
 
 
-def branch_grad(g: torch.Tensor, dtype: torch.dtype, stats: "ts.Target") -> torch.Tensor:
+def branch_grad(g: torch.Tensor, dtype: torch.dtype, stats: "ts.Target", source_row: bool = False) -> torch.Tensor:
     """The branch's gradient, ``g.to(dtype)`` (a new tensor even where the dtype is g's), in one pass with its row
-    into ``stats``."""
+    into ``stats``; with ``source_row`` the row of g, not of the result."""
     gc = g.contiguous()
     db = torch.empty(g.shape, dtype=dtype, device=g.device)
     programs = _programs(db.numel(), g.device, True)
     _branch_grad_kernel[(programs,)](gc, db, db.numel(), **ts.epilogue_args(stats, programs, db, later=True),
                                      BLOCK=BLOCK, SOFT_ROUND=INTERPRET, num_warps=WARPS, STAGES=STATS_STAGES,
-                                     **reg_cap(STATS_MAXNREG))
+                                     SOURCE_ROW=source_row, **reg_cap(STATS_MAXNREG))
     return db
+
+
+class _WeightCastFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w, dtype, stats):
+        ctx.dtype = w.dtype
+        return branch_grad(w.detach(), dtype, stats, source_row=True)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to(ctx.dtype), None, None
+
+
+@torch.compiler.disable
+def weight_cast(w: torch.Tensor, dtype: torch.dtype, stats: "ts.Target") -> torch.Tensor:
+    """``w.to(dtype)``, differentiable as that (the gradient cast back to w's dtype), in one pass that takes the row
+    of w's own values into ``stats``: autocast's cast of a weight, with the weight's row for the agent from the same
+    read. Reference: ``w.to(dtype)``."""
+    return _WeightCastFn.apply(w, dtype, stats)
 
 
 def residual_add_forward(x: torch.Tensor, b: torch.Tensor, stats: "ts.Target | None" = None) -> torch.Tensor:
