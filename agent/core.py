@@ -161,6 +161,10 @@ class Agent:
         # id(gradient) -> (slot, weak reference to it, its version then): the grad_weight rows the Triton path took
         # this step, for ``grad_sq_norms`` (weak: the optimizer frees the gradients after its step)
         self._grad_slots: dict[int, tuple[int, weakref.ref, int]] = {}
+        # layer -> (data pointer, version, slot) of the gradient whose grad_weight row the layer's own cast took in this
+        # backward pass (FusedLink.grad_weight_target): its hook then leaves that gradient alone. (The cast's result
+        # becomes .grad as it is, but not as the same Python object: its memory tells it.)
+        self._cast_grads: dict[str, tuple[int, int, int]] = {}
         self._closed = False
         self.reporting = False
 
@@ -211,7 +215,10 @@ class Agent:
                     weight.is_leaf and weight.requires_grad:
                 self._pairs.add(name)
             if fused:
-                module.fp8mon_stats = FusedLink(self, name, tuple(s for s in self.sites if s not in hooks.sites))
+                # a layer that casts its weight's gradient may take that row, which its hook otherwise reads
+                grad_by_cast = "grad_weight" in hooks.sites and getattr(module, "fp8mon_grad_weight_by_cast", False)
+                module.fp8mon_stats = FusedLink(self, name, tuple(s for s in self.sites if s not in hooks.sites),
+                                                grad_by_cast)
             elif hasattr(module, "fp8mon_stats"):
                 module.fp8mon_stats = None
             self._layers.append(hooks)
@@ -378,6 +385,7 @@ class Agent:
         self._token += 1
         self._seen = set()
         self._grad_slots = {}
+        self._cast_grads = {}
         self.reporting = step % self.every == 0 and not self._closed
         self.hist_now = self.hist and step % (self.every * self.hist_every) == 0  # this step's rows carry it
         if self.reporting:
@@ -602,6 +610,15 @@ class Agent:
             if site == "grad_weight" and replace:
                 self._grad_slots[id(x)] = (slot, weakref.ref(x), x._version)
 
+    def cast_took(self, layer: str, grad: torch.Tensor) -> bool:
+        """Whether ``layer``'s own cast took the row of ``grad`` (its weight's gradient, unchanged since) in this
+        backward pass; asked once, by the layer's grad_weight hook."""
+        got = self._cast_grads.pop(layer, None)
+        if got is None or got[:2] != (grad.data_ptr(), grad._version):
+            return False
+        self._grad_slots[id(grad)] = (got[2], weakref.ref(grad), grad._version)  # for clipping, as the hooks' reads
+        return True
+
     def grad_sq_norms(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor | None, list[bool]]:
         """The sum of the squared L2 norms of those ``grads`` whose grad_weight rows this step's statistics took
         (on the Triton path, from the gradient as the last backward pass left it), from their rows: n mean^2 + M2 of
@@ -735,8 +752,28 @@ class FusedLink:
       computes a ``device_stats`` row itself and hands it over.
     """
 
-    def __init__(self, agent: Agent, layer: str, sites: tuple[str, ...]):
-        self.agent, self.layer, self.sites = agent, layer, sites
+    def __init__(self, agent: Agent, layer: str, sites: tuple[str, ...], grad_by_cast: bool = False):
+        self.agent, self.layer, self.sites, self.grad_by_cast = agent, layer, sites, grad_by_cast
+
+    def grad_weight_target(self, device) -> "ts.Target | None":
+        """A target for the row of the layer's weight gradient, for a layer that casts that gradient to its weight's
+        dtype (``fp8mon_grad_weight_by_cast``, a watched grad_weight) where the cast's result becomes ``.grad`` as it
+        is (no gradient accumulated yet in this step): None when not this step. Name the result with
+        ``took_grad_weight``; the hook then leaves it alone. A later micro-batch, whose gradient is added to it, asks
+        for none and the hook reads the sum, replacing the row."""
+        agent = self.agent
+        if not (self.grad_by_cast and agent.reporting) or agent._history is not None:  # delayed: the hooks' history
+            return None
+        try:
+            return agent.fused_target(self.layer, "grad_weight", device)
+        except Exception as exc:
+            agent._error("fused target", exc)
+            return None
+
+    def took_grad_weight(self, grad: torch.Tensor, target: "ts.Target") -> None:
+        """``grad`` (the gradient the cast returned, written with its row into ``target``) as the step's gradient of the
+        layer's weight: its hook leaves it alone, and gradient clipping may take its norm from the row."""
+        self.agent._cast_grads[self.layer] = (grad.data_ptr(), grad._version, int(target.index))
 
     def target(self, site: str, device) -> "ts.Target | None":
         if site not in self.sites:

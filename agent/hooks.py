@@ -122,6 +122,9 @@ class LayerHooks:
                 y.register_hook(hook)
 
     def _grad_weight(self, param: torch.Tensor) -> None:
+        took = getattr(self.sink, "cast_took", None)
+        if param.grad is not None and took is not None and took(self.name, param.grad):
+            return  # the layer's cast of the gradient took its row
         if param.grad is not None and self.sink.active():
             later = getattr(self.sink, "observe_after_backward", None)
             if later is not None:

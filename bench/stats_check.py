@@ -374,8 +374,9 @@ class NullTransport:
         return True
 
 
-def agent_rows(model, make_input, steps: int, device, watch=None, **agent_kw) -> list[torch.Tensor]:
-    """The packed rows the agent ships at each step (training two micro-batches per step); ``watch``: the module
+def agent_rows(model, make_input, steps: int, device, watch=None, micro_batches: int = 2,
+               **agent_kw) -> list[torch.Tensor]:
+    """The packed rows the agent ships at each step (training ``micro_batches`` per step); ``watch``: the module
     watched, when ``make_input`` runs the model itself (``model`` is then applied to its output)."""
     from agent import Agent
 
@@ -384,7 +385,7 @@ def agent_rows(model, make_input, steps: int, device, watch=None, **agent_kw) ->
     agent._ship = lambda step, rows, values: shipped.append(None if rows is None else rows.clone())
     for step in range(steps):  # step 0 has no outlier center yet; the later ones use the previous step's
         (watch or model).zero_grad(set_to_none=True)
-        for micro in range(2):
+        for micro in range(micro_batches):
             y = model(make_input(step, micro))
             y.float().square().mean().backward()
         agent.log(step)
@@ -606,7 +607,8 @@ def check_consumers(device) -> None:
 def check_weight_cast(device) -> None:
     """trainer/kernels/residual.py's ``weight_cast``: w.to(bf16) and the gradient cast back equal torch's, the row of w's
     own fp32 values against the fp64 oracle's; and a bf16 llama under autocast whose linears take their weights' rows
-    from those casts (``trainer.layers.FUSED_WEIGHT``) ships the weight rows the hooks ship without them."""
+    and (one micro-batch a step) their gradients' rows from those casts (``trainer.layers.FUSED_WEIGHT``) ships the
+    rows the hooks ship without them, with one micro-batch a step and with two."""
     from trainer import layers, model as tm
     from trainer.config import get_config
     from trainer.kernels.residual import weight_cast
@@ -626,29 +628,31 @@ def check_weight_cast(device) -> None:
         report(f"weight cast {shape}", ok and same, why + ("" if same else " values differ from torch's"))
     cfg = get_config("tiny", n_layer=2, d_model=256, n_head=4, d_ff=512, seq_len=128, vocab_size=512)
     idx = [torch.randint(0, 512, (4, 128), generator=g).to(device) for _ in range(4)]
-    got = {}
-    for fused in (False, True):
-        old, layers.FUSED_WEIGHT = layers.FUSED_WEIGHT, fused
-        try:
-            torch.manual_seed(12)
-            net = tm.Transformer(cfg, "llama", "bf16").to(device)
+    for micro_batches in (1, 2):
+        got = {}
+        for fused in (False, True):
+            old, layers.FUSED_WEIGHT = layers.FUSED_WEIGHT, fused
+            try:
+                torch.manual_seed(12)
+                net = tm.Transformer(cfg, "llama", "bf16").to(device)
 
-            def make(step, micro):
-                with torch.autocast(device.type, dtype=torch.bfloat16):
-                    return net(idx[2 * step + micro])
+                def make(step, micro):
+                    with torch.autocast(device.type, dtype=torch.bfloat16):
+                        return net(idx[2 * step + micro])
 
-            got[fused] = agent_rows(torch.nn.Identity(), make, 2, device, stats_backend="triton", watch=net,
-                                    modules=r"^blocks\.")
-        finally:
-            layers.FUSED_WEIGHT = old
-    (hooks, keys), (cast, keys2) = got[False], got[True]
-    weights = [k for k in keys2 if k[1] == "weight"]
-    for step in range(2):
-        a = cast[step][[keys2.index(k) for k in weights]]
-        b = hooks[step][[keys.index(k) for k in weights]]
-        ok, why = rows_close(a, b, under_slack=b[:, ds.HIST:].max().item())
-        report(f"weight rows of a bf16 llama from its casts, step {step} ({len(weights)} weights)",
-               ok and sorted(keys) == sorted(keys2), why + ("" if sorted(keys) == sorted(keys2) else " slots differ"))
+                got[fused] = agent_rows(torch.nn.Identity(), make, 2, device, stats_backend="triton", watch=net,
+                                        modules=r"^blocks\.", micro_batches=micro_batches)
+            finally:
+                layers.FUSED_WEIGHT = old
+        (hooks, keys), (cast, keys2) = got[False], got[True]
+        weights = [k for k in keys2 if k[1] in ("weight", "grad_weight")]
+        for step in range(2):
+            a = cast[step][[keys2.index(k) for k in weights]]
+            b = hooks[step][[keys.index(k) for k in weights]]
+            ok, why = rows_close(a, b, under_slack=b[:, ds.HIST:].max().item())
+            same = sorted(keys) == sorted(keys2)
+            report(f"weight and gradient rows of a bf16 llama from its casts, {micro_batches} micro-batch(es), step "
+                   f"{step} ({len(weights)} rows)", ok and same, why + ("" if same else " slots differ"))
 
 
 def check_rope(device) -> None:

@@ -226,8 +226,10 @@ def target_of(link, site: str, like: torch.Tensor):
 # A bf16 linear's weight: autocast casts it to bf16 for the GEMM, a read of every weight at every step. With
 # ``own_weight_row`` (set at construction) that cast is one Triton kernel that also takes the weight's row for the agent
 # on a reporting step (trainer.kernels.residual.weight_cast), so no hook reads the weight again; where that cast does not
-# happen or the kernel cannot run (no autocast, no Triton), the linear reports the row apart. FP8MON_FUSED_WEIGHT=0
-# leaves the weight to the hooks.
+# happen or the kernel cannot run (no autocast, no Triton), the linear reports the row apart. Its backward, the cast of
+# the weight's gradient back to fp32, takes the gradient's row too where that becomes .grad as it is (the step's
+# first micro-batch; a later one's is added to it, and the hook reads the sum). FP8MON_FUSED_WEIGHT=0 leaves both to
+# the hooks.
 FUSED_WEIGHT = os.environ.get("FP8MON_FUSED_WEIGHT", "1") == "1"
 
 
@@ -235,6 +237,7 @@ def own_weight_row(linear: nn.Linear) -> nn.Linear:
     """``linear`` (a plain one; returned) reporting its weight's row itself, as its cast for autocast takes it."""
     if FUSED_WEIGHT and type(linear) is nn.Linear:
         mark_reported(linear, "weight")
+        linear.fp8mon_grad_weight_by_cast = True  # the hook reads the gradient unless the cast back took its row
         linear.forward = types.MethodType(_linear_with_weight_row, linear)
     return linear
 
@@ -249,7 +252,7 @@ def _linear_with_weight_row(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             if target is not None:
                 from .kernels.residual import weight_cast
 
-                return F.linear(x, weight_cast(w, dtype, target), self.bias)
+                return F.linear(x, weight_cast(w, dtype, target, link), self.bias)
         else:
             report_apart(link, "weight", w)
     return F.linear(x, w, self.bias)

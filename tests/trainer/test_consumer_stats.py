@@ -485,10 +485,55 @@ def _child(names: list[str]) -> None:
         layers.FUSED_SWIGLU = layers.FUSED_ROPE = layers.FUSED_NORM = model.FUSED_RESIDUAL = False
         try:
             got = rows_by_mode("FUSED_WEIGHT", lambda: Autocast("llama"), 9, inputs=lambda i: torch.randint(0, 64, (2, 8)))
-            keys = [(f"net.blocks.0.{n}", "weight") for n in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")]
+            names = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
+            keys = [(f"net.blocks.0.{n}", s) for n in names for s in ("weight", "grad_weight")]
             emit("weight_plain", "; ".join(same_rows_by_mode(got, keys)))
+            emit("weight_plain:one_micro_batch", "; ".join(grad_rows_from_casts(Autocast, names)))
         finally:
             layers.FUSED_SWIGLU, layers.FUSED_ROPE, layers.FUSED_NORM, model.FUSED_RESIDUAL = old
+
+    def grad_rows_from_casts(make, names) -> list[str]:
+        """One micro-batch a step: the casts back take the weights' gradient rows (no grad_weight hook reads one), equal
+        to the hooks' rows without them, and clipping gets every block gradient's norm from them."""
+        from agent import Agent
+        from stats_check import NullTransport
+        from trainer import layers
+
+        problems, got = [], {}
+        idx = [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+        for fused in (False, True):
+            old, layers.FUSED_WEIGHT = layers.FUSED_WEIGHT, fused
+            try:
+                torch.manual_seed(9)
+                net = make("llama")
+                agent = Agent(transport=NullTransport(), every=1, hist_every=1, stats_backend="triton").watch(net)
+                read, shipped = [], []
+                agent.observe_after_backward = lambda layer, site, p, real=agent.observe_after_backward: (
+                    read.append(layer), real(layer, site, p))
+                agent._ship = lambda step, rows, values: shipped.append(rows.clone())
+                for step in range(2):
+                    net.zero_grad(set_to_none=True)
+                    net(idx[step]).float().square().mean().backward()
+                    grads = [m.weight.grad for n, m in net.named_modules() if n.endswith(names)]
+                    norm, covered = agent.grad_sq_norms(grads)
+                    want = sum(float(g.double().square().sum()) for g in grads)
+                    if fused and (not all(covered) or abs(float(norm) - want) > 1e-6 * want):
+                        problems.append(f"clipping's norms: covered {covered}, {norm} vs {want}")
+                    agent.log(step)
+                keys = list(agent._slots.keys)
+                agent.close()
+            finally:
+                layers.FUSED_WEIGHT = old
+            got[fused] = shipped, keys, sorted(set(r for r in read if r.startswith("net.blocks")))
+        (want_rows, keys, read_plain), (rows, keys2, read_fused) = got[False], got[True]
+        if read_fused or len(read_plain) != len(names):
+            problems.append(f"grad_weight hooks read {read_fused} with the casts, {read_plain} without")
+        for step in range(2):
+            for key in [(f"net.blocks.0.{n}", "grad_weight") for n in names]:
+                p = row_problems(rows[step][keys2.index(key)], want_rows[step][keys.index(key)], rtol=1e-6)
+                if p:
+                    problems.append(f"step {step} {key}: {p}")
+        return problems
 
     def agent_model():
         """A one-block FP8 llama watched by an agent: with the fused consumers on, the rows of qkv's, fc1's, proj's

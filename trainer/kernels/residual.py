@@ -12,6 +12,7 @@ linear's backward cast takes its own).
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -174,21 +175,30 @@ def branch_grad(g: torch.Tensor, dtype: torch.dtype, stats: "ts.Target", source_
 
 class _WeightCastFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, w, dtype, stats):
-        ctx.dtype = w.dtype
+    def forward(ctx, w, dtype, stats, link):
+        ctx.dtype, ctx.link = w.dtype, link
+        ctx.weight = weakref.ref(w) if link is not None else None
         return branch_grad(w.detach(), dtype, stats, source_row=True)
 
     @staticmethod
     def backward(ctx, g):
-        return g.to(ctx.dtype), None, None
+        w = ctx.weight() if ctx.weight is not None else None
+        # the cast back becomes w.grad as it is only while no gradient is accumulated yet: then it takes the row
+        target = ctx.link.grad_weight_target(g.device) if w is not None and w.grad is None else None
+        if target is None:
+            return g.to(ctx.dtype), None, None, None
+        grad = branch_grad(g, ctx.dtype, target)
+        ctx.link.took_grad_weight(grad, target)
+        return grad, None, None, None
 
 
 @torch.compiler.disable
-def weight_cast(w: torch.Tensor, dtype: torch.dtype, stats: "ts.Target") -> torch.Tensor:
+def weight_cast(w: torch.Tensor, dtype: torch.dtype, stats: "ts.Target", link=None) -> torch.Tensor:
     """``w.to(dtype)``, differentiable as that (the gradient cast back to w's dtype), in one pass that takes the row
     of w's own values into ``stats``: autocast's cast of a weight, with the weight's row for the agent from the same
-    read. Reference: ``w.to(dtype)``."""
-    return _WeightCastFn.apply(w, dtype, stats)
+    read. ``link`` (the layer's ``agent.core.FusedLink``): the backward's cast takes the row of w's gradient where it
+    asks for it (``grad_weight_target``). Reference: ``w.to(dtype)``."""
+    return _WeightCastFn.apply(w, dtype, stats, link)
 
 
 def residual_add_forward(x: torch.Tensor, b: torch.Tensor, stats: "ts.Target | None" = None) -> torch.Tensor:
