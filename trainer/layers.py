@@ -244,7 +244,7 @@ def own_weight_row(linear: nn.Linear) -> nn.Linear:
 
 def _linear_with_weight_row(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     link, w = self.fp8mon_stats, self.weight
-    if link is not None and link.due("weight"):
+    if link is not None and self.training and link.due("weight"):  # (the hooks skip evaluation passes too)
         kind = x.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else w.dtype
         if dtype != w.dtype and w.dtype == torch.float32 and w.is_contiguous() and triton_runs(w.device):

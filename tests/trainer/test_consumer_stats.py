@@ -489,8 +489,31 @@ def _child(names: list[str]) -> None:
             keys = [(f"net.blocks.0.{n}", s) for n in names for s in ("weight", "grad_weight")]
             emit("weight_plain", "; ".join(same_rows_by_mode(got, keys)))
             emit("weight_plain:one_micro_batch", "; ".join(grad_rows_from_casts(Autocast, names)))
+            emit("weight_plain:cast", "; ".join(weight_cast_values()))
         finally:
             layers.FUSED_SWIGLU, layers.FUSED_ROPE, layers.FUSED_NORM, model.FUSED_RESIDUAL = old
+
+    def weight_cast_values() -> list[str]:
+        """``weight_cast`` equals ``w.to(bf16)`` (its gradient ``g.float()``), with w's own row (the fp64 oracle's of
+        the fp32 values, not the cast's), also across a partial last block."""
+        from trainer.kernels.residual import weight_cast
+
+        problems, g = [], torch.Generator().manual_seed(21)
+        for shape in ((48, 32), (3000,)):
+            w0 = torch.randn(*shape, generator=g) * 0.02 + 0.003
+            w = w0.clone().requires_grad_()
+            tgt = ts.Target.new("cpu", center=(0.0, 0.02), fmt="e4m3")
+            wb = weight_cast(w, torch.bfloat16, tgt)
+            gy = torch.randn(*shape, generator=g).to(torch.bfloat16)
+            wb.backward(gy)
+            ts.flush_deferred()
+            if not (wb.dtype == torch.bfloat16 and torch.equal(wb.detach(), w0.to(torch.bfloat16))
+                    and torch.equal(w.grad, gy.float())):
+                problems.append(f"{shape}: values differ from torch's casts")
+            want = ds.partials(w0, fmt="e4m3", outlier_center=(0.0, 0.02))
+            problems.append(row_problems(tgt.rows[0], want, rtol=1e-6,
+                                         under_slack=float(want[ds.HIST:].nan_to_num(0).max())))
+        return [p for p in problems if p]
 
     def grad_rows_from_casts(make, names) -> list[str]:
         """One micro-batch a step: the casts back take the weights' gradient rows (no grad_weight hook reads one), equal

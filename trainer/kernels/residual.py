@@ -7,7 +7,8 @@ x and b have one shape; out takes torch's type promotion of the two (an fp32 res
 fp32), and its values are torch's: the sum in fp32, rounded once to out's dtype. The backward is torch's: the gradient
 to each input, in its dtype. Reference beside it: ``residual_add_ref``. With ``grad_stats`` the backward casts b's
 gradient in one kernel (``branch_grad``) that also takes its row: the grad_output of a plain branch linear (an FP8
-linear's backward cast takes its own).
+linear's backward cast takes its own). The same kernel is ``weight_cast``: a bf16 linear's weight cast for autocast
+with the weight's row, and its gradient cast back with the gradient's row (``trainer.layers.own_weight_row``).
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def _branch_grad_kernel(g_ptr, db_ptr, n, sp_ptr, ctr_ptr, dst_ptr, dst_index, m
                         BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr, STAGES: tl.constexpr,
                         SOURCE_ROW: tl.constexpr = False):
     """db = g in b's dtype, persistent over blocks, with db's row (the branch linear's ``grad_output``) taken as the
-    forward takes b's; with SOURCE_ROW the row of g itself (``cast_with_row``: a weight before its cast)."""
+    forward takes b's; with SOURCE_ROW the row of g itself (``weight_cast``: a weight before its cast)."""
     V: tl.constexpr = 8
     R: tl.constexpr = BLOCK // V
     dtype = db_ptr.dtype.element_ty
