@@ -14,7 +14,7 @@ router = APIRouter(tags=["alerts"])
 StateQuery = Annotated[list[AlertState] | None, Query(description="any of these states (repeatable)")]
 SeverityQuery = Annotated[list[Severity] | None, Query(description="any of these severities (repeatable)")]
 Limit = Annotated[int, Query(ge=1, le=1000)]
-Offset = Annotated[int, Query(ge=0)]
+Offset = Annotated[int, Query(ge=0, le=2**62)]  # (the databases' integers are 64-bit)
 
 
 @router.get("/alerts", response_model=AlertList, responses=ERRORS, dependencies=[require_read],

@@ -27,7 +27,7 @@ def list_runs(
     order_by: Annotated[str, Query(description="one of " + ", ".join(queries.RUN_ORDER_FIELDS)
                                                + "; prefix - for descending")] = "-created_at",
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=2**62)] = 0,  # (the databases' integers are 64-bit)
 ):
     with http_errors():
         return SafeJSONResponse(queries.list_runs(store, status=status, name=name, tags=tag,

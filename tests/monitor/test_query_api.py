@@ -113,6 +113,8 @@ ERROR_CASES = [
     ("/runs", {"status": "paused"}, 422, "status"),
     ("/runs", {"created_since": "yesterday"}, 422, "created_since"),
     ("/runs", {"tag": "=x"}, 422, "tag"),
+    ("/runs", {"offset": 7175645888532389551931392}, 422, "offset"),  # past 64 bits: was a 500 (fuzzing found it)
+    ("/alerts", {"offset": 2**63}, 422, "offset"),
 ]
 
 
