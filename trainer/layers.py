@@ -7,9 +7,9 @@ their input's dtype.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
-import types
 from typing import Callable
 
 import torch
@@ -238,7 +238,8 @@ def own_weight_row(linear: nn.Linear) -> nn.Linear:
     if FUSED_WEIGHT and type(linear) is nn.Linear:
         mark_reported(linear, "weight")
         linear.fp8mon_grad_weight_by_cast = True  # the hook reads the gradient unless the cast back took its row
-        linear.forward = types.MethodType(_linear_with_weight_row, linear)
+        # an instance's forward (it stays an nn.Linear for the type checks); a partial, not a bound method, pickles
+        linear.forward = functools.partial(_linear_with_weight_row, linear)
     return linear
 
 

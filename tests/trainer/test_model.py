@@ -297,3 +297,23 @@ def test_fp8_precision_puts_every_block_gemm_in_fp8_and_keeps_head_and_embedding
     w = model.blocks[0].attn.qkv.weight
     assert w.dtype == torch.float32 and w.shape == (3 * SMALL.d_model, SMALL.d_model)
     assert 0.015 < w.std().item() < 0.025  # our init reached the FP8 layer's master weight
+
+
+def test_a_bf16_model_pickles_deep_copies_and_saves_whole_and_the_copies_compute_the_same():
+    """A bf16 model's linears report their weights' rows through their own forward (layers.own_weight_row): whole-model
+    pickling, deepcopy and torch.save keep it, bound to the copy's own linear."""
+    import copy
+    import io
+    import pickle
+
+    torch.manual_seed(0)
+    net = Transformer(get_config("tiny", n_layer=1, d_model=32, n_head=2, d_ff=48, seq_len=8, vocab_size=64), "llama",
+                      "bf16")
+    buf = io.BytesIO()
+    torch.save(net, buf)
+    buf.seek(0)
+    idx = torch.randint(0, 64, (2, 8))
+    for other in (pickle.loads(pickle.dumps(net)), copy.deepcopy(net), torch.load(buf, weights_only=False)):
+        qkv = other.blocks[0].attn.qkv
+        assert qkv.forward.args[0] is qkv
+        assert torch.equal(other(idx), net(idx))
