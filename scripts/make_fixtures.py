@@ -291,7 +291,22 @@ GPU_TRITON_RUNS = (
 # Fp8Linear (the Triton kernels, and the torch path for the stale-scale recipes they refuse). The FOG ramps peak
 # at 0.04, below the 0.05-0.07 of the 4 x 512 model (its stable edge was ~0.04; a wider model's is expected lower).
 GPU_WIDE = ("--n-layer", "8", "--d-model", "1024", "--n-head", "8", "--d-ff", "2048")
-GPU_WIDE_RUNS = tuple(RunSpec(r.name, (*GPU_WIDE, *r.args), r.split, r.expect) for r in (
+
+
+def _wide(*runs: RunSpec) -> tuple[RunSpec, ...]:
+    """``runs`` on the wide model."""
+    return tuple(RunSpec(r.name, (*GPU_WIDE, *r.args), r.split, r.expect) for r in runs)
+
+
+def _wide_ramps(split: str, seed: int) -> tuple[RunSpec, ...]:
+    """The wide model's FOG learning-rate ramps to 0.04 of passes M, Q and R, with ``seed``: fp8, bf16, fp8 delayed
+    with a 2-step history (the trainer arguments without the wide model's, which ``_wide`` adds)."""
+    s = str(seed)
+    return (_gpu_div(f"gpu-wide-fog-fp8-ramp-s{s}-div", "fog", "fp8", "0.04", split, "--seed", s),
+            _gpu_div(f"gpu-wide-fog-bf16-ramp-s{s}-div", "fog", "bf16", "0.04", split, "--seed", s),
+            _gpu_div(f"gpu-wide-fog-fp8-delayed-ramp-s{s}-div", "fog", "fp8", "0.04", split, *DELAYED, "2", "--seed",
+                     s))
+GPU_WIDE_RUNS = _wide(
     _gpu_div("gpu-wide-fog-fp8-ramp-s10-div", "fog", "fp8", "0.04", "tune", "--seed", "10"),
     _gpu_div("gpu-wide-fog-bf16-ramp-s10-div", "fog", "bf16", "0.04", "tune", "--seed", "10"),
     _gpu_frozen("gpu-wide-fog-fp8-frozen-s10-div", "fog", "tune", 300, 2, "1e-3", *CONSTANT, "--seed", "10"),
@@ -300,7 +315,7 @@ GPU_WIDE_RUNS = tuple(RunSpec(r.name, (*GPU_WIDE, *r.args), r.split, r.expect) f
     _gpu_long("llama", "fp8", "tune", 10, name="gpu-wide-llama-fp8-long-s10-stable"),
     _gpu_long("llama", "bf16", "tune", 10, name="gpu-wide-llama-bf16-long-s10-stable"),
     _gpu_long("fog", "fp8", "tune", 10, *DELAYED, "16", name="gpu-wide-fog-fp8-delayed16-long-s10-stable"),
-))
+)
 
 # Held-out runs of pass K (profile gpu-wide2; tune runs from pass Q on), written down before any was made, with the
 # pass-K thresholds fixed (underflow_rise info only, after pass J's wide healthy Llama runs): the wide model of pass J,
@@ -308,24 +323,22 @@ GPU_WIDE_RUNS = tuple(RunSpec(r.name, (*GPU_WIDE, *r.args), r.split, r.expect) f
 # kinds that pass K's change touches (two wide healthy Llama runs, a ramp without QK-norm, whose underflow rise was
 # its first warning at 4 x 512) and two more healthy runs, one in delayed scaling (pass J's zeros at step 0).
 # Cut by a short per-run timeout (the device time left): healthy runs are healthy as far as they got.
-GPU_WIDE2_RUNS = tuple(RunSpec(r.name, (*GPU_WIDE, *r.args), r.split, r.expect) for r in (
+GPU_WIDE2_RUNS = _wide(
     _gpu_long("llama", "fp8", "tune", 11, name="gpu-wide-llama-fp8-long-s11-stable"),
     _gpu_long("llama", "bf16", "tune", 11, name="gpu-wide-llama-bf16-long-s11-stable"),
     _gpu_div("gpu-wide-fog-fp8-noqk-s11-div", "fog", "fp8", "0.02", "tune", "--no-qk-norm", "--seed", "11"),
     _gpu_long("fog", "fp8", "tune", 11, name="gpu-wide-fog-fp8-long-s11-stable"),
     _gpu_long("llama", "fp8", "tune", 11, *DELAYED, "4", name="gpu-wide-llama-fp8-delayed4-long-s11-stable"),
-))
+)
 # Held-out runs of pass M (profile gpu-wide3, 2026-11-26; tune runs from pass Q on), written down before any was
 # made, no threshold changed after pass K: the wide model's learning-rate ramps, the kind pass J missed (78 and 87
 # steps ahead) and no pass has
 # retested since, seed 12. The two FOG ramps of pass J at 0.04, one in delayed scaling (history 2, as the 4 x 512
 # delayed ramps), and a healthy FOG run for the silence, cut by the timeout.
-GPU_WIDE3_RUNS = tuple(RunSpec(r.name, (*GPU_WIDE, *r.args), r.split, r.expect) for r in (
-    _gpu_div("gpu-wide-fog-fp8-ramp-s12-div", "fog", "fp8", "0.04", "tune", "--seed", "12"),
-    _gpu_div("gpu-wide-fog-bf16-ramp-s12-div", "fog", "bf16", "0.04", "tune", "--seed", "12"),
-    _gpu_div("gpu-wide-fog-fp8-delayed-ramp-s12-div", "fog", "fp8", "0.04", "tune", *DELAYED, "2", "--seed", "12"),
+GPU_WIDE3_RUNS = _wide(
+    *_wide_ramps("tune", 12),
     _gpu_long("fog", "fp8", "tune", 12, name="gpu-wide-fog-fp8-long-s12-stable"),
-))
+)
 # Held-out runs of pass Q (profile gpu-wide4, 2026-11-26; tune runs from pass R on: every run was used to choose
 # pass R's kurtosis level warning), written down before any was made, with the pass-Q
 # thresholds fixed (ln(kurtosis) smoothed per training step; a 3.3x rise within 50 steps warns): the wide model's
@@ -333,26 +346,22 @@ GPU_WIDE3_RUNS = tuple(RunSpec(r.name, (*GPU_WIDE, *r.args), r.split, r.expect) 
 # 2-step history, all to 0.04), and two healthy runs for the silence: FOG fp8, and Llama bf16, the kind whose fast
 # rise came closest to the new warning on the GPU (1.02 against 1.2, gpu-wide-llama-bf16-long-s10-stable). The
 # healthy runs are cut by the timeout; the fast rises of healthy runs come early (steps 120-150 on the corpus).
-GPU_WIDE4_RUNS = tuple(RunSpec(r.name, (*GPU_WIDE, *r.args), r.split, r.expect) for r in (
-    _gpu_div("gpu-wide-fog-fp8-ramp-s14-div", "fog", "fp8", "0.04", "tune", "--seed", "14"),
-    _gpu_div("gpu-wide-fog-bf16-ramp-s14-div", "fog", "bf16", "0.04", "tune", "--seed", "14"),
-    _gpu_div("gpu-wide-fog-fp8-delayed-ramp-s14-div", "fog", "fp8", "0.04", "tune", *DELAYED, "2", "--seed", "14"),
+GPU_WIDE4_RUNS = _wide(
+    *_wide_ramps("tune", 14),
     _gpu_long("fog", "fp8", "tune", 14, name="gpu-wide-fog-fp8-long-s14-stable"),
     _gpu_long("llama", "bf16", "tune", 14, name="gpu-wide-llama-bf16-long-s14-stable"),
-))
+)
 # Held-out runs of pass R on the GPU (profile gpu-wide5, 2026-11-26), written down before any was made, with the
 # pass-R thresholds fixed (the kurtosis level warns only at the critical 16x): pass R held out only CPU runs, and the
 # slow rise it stopped paging was seen on a wide healthy Llama bf16 run. Seed 16: the wide FOG ramps of passes M and Q
 # (fp8, bf16, fp8 delayed with a 2-step history, all to 0.04), and three healthy wide Llama runs cut by the timeout,
 # two in bf16 (seeds 16 and 17, the kind pass Q paged) and one in fp8.
-GPU_WIDE5_RUNS = tuple(RunSpec(r.name, (*GPU_WIDE, *r.args), r.split, r.expect) for r in (
-    _gpu_div("gpu-wide-fog-fp8-ramp-s16-div", "fog", "fp8", "0.04", "test", "--seed", "16"),
-    _gpu_div("gpu-wide-fog-bf16-ramp-s16-div", "fog", "bf16", "0.04", "test", "--seed", "16"),
-    _gpu_div("gpu-wide-fog-fp8-delayed-ramp-s16-div", "fog", "fp8", "0.04", "test", *DELAYED, "2", "--seed", "16"),
+GPU_WIDE5_RUNS = _wide(
+    *_wide_ramps("test", 16),
     _gpu_long("llama", "bf16", "test", 16, name="gpu-wide-llama-bf16-long-s16-stable"),
     _gpu_long("llama", "bf16", "test", 17, name="gpu-wide-llama-bf16-long-s17-stable"),
     _gpu_long("llama", "fp8", "test", 16, name="gpu-wide-llama-fp8-long-s16-stable"),
-))
+)
 PROFILES = {"cpu": (CPU_BASE, CPU_RUNS), "gpu": (GPU_BASE, GPU_RUNS), "gpu-frozen": (GPU_BASE, GPU_FROZEN_RUNS),
             "gpu-test2": (GPU_BASE, GPU_TEST2_RUNS), "gpu-test3": (GPU_BASE, GPU_TEST3_RUNS),
             "gpu-triton": (GPU_BASE, GPU_TRITON_RUNS), "gpu-wide": (GPU_BASE, GPU_WIDE_RUNS),
