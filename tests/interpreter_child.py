@@ -36,16 +36,16 @@ def run_checks(module_file: str, groups: list[str]) -> dict[str, str]:
     children = [subprocess.Popen([sys.executable, module_file, *groups[i::n]], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for i in range(n)]
     results = {}
-    for child in children:
-        try:
+    try:
+        for child in children:
             out, err = child.communicate(timeout=900)
-        except subprocess.TimeoutExpired:
-            for c in children:
-                c.kill()
-            raise
-        lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        assert lines, err[-3000:]
-        results.update((d["check"], d["problem"]) for d in lines)
+            lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+            assert lines, err[-3000:]
+            results.update((d["check"], d["problem"]) for d in lines)
+    finally:  # a child that timed out or printed nothing: the others are not left running
+        for child in children:
+            child.kill()
+            child.wait()
     return results
 
 
