@@ -100,6 +100,9 @@ ROWS = 512  # rows of a [ROWS, 16 bytes] tile: ROWS / (32 * NUM_WARPS) 16-byte l
 # The log2 histogram in a shared-memory table (``_htab``) on hardware; FP8MON_STATS_HIST=ballot keeps tl.histogram
 # (benches compare the two; the interpreter always counts with tl.histogram).
 SMEM_HIST = not INTERPRET and os.environ.get("FP8MON_STATS_HIST", "table") != "ballot"
+# The standalone kernel's table: a row per fp32 exponent (32 KiB, no clamp per element) or the consumer kernels' 57
+# clamped rows (8 KiB); benches compare the two.
+EXPONENT_ROWS = True
 MAXNREG = 128
 MAXNREG_FP32 = 80
 P_BLOCK = 512  # partials the finalize step reads at once (2 per lane with 8 warps); more: blocks of this size
@@ -151,6 +154,10 @@ if triton is not None:
     # the sum of a row of the shared histogram table (32 lanes' uint32 cells from address $1) into $0
     _HTAB_ROW_SUM = Const("{.reg .b32 a, b, c, d; mov.u32 $0, 0;" + "".join(
         f" ld.shared.v4.u32 {{a, b, c, d}}, [$1+{16 * i}]; add.u32 $0, $0, a; add.u32 $0, $0, b;"
+        f" add.u32 $0, $0, c; add.u32 $0, $0, d;" for i in range(8)) + "}")
+    # the same for the row at byte offset $1 of the exponent-row table (``_erows``)
+    _EROW_SUM = Const("{.reg .b32 p, a, b, c, d; mov.u32 p, fp8mon_erows; add.u32 p, p, $1; mov.u32 $0, 0;" + "".join(
+        f" ld.shared.v4.u32 {{a, b, c, d}}, [p+{16 * i}]; add.u32 $0, $0, a; add.u32 $0, $0, b;"
         f" add.u32 $0, $0, c; add.u32 $0, $0, d;" for i in range(8)) + "}")
     _LO = Const(LOG2_HIST_LO)
     _NB = Const(LOG2_HIST_BINS)
@@ -350,9 +357,58 @@ if triton is not None:
         hist = tl.where(j < _NB, per_bin, 0)
         return hist + tl.where(j == _BIN_ZERO, zeros, 0) - tl.where(j == 0, zeros, 0)
 
+    # ---- the standalone kernel's table: a row per exponent ------------------------------------------
+    # 256 rows of 32 lanes (32 KiB), row e for the exponent field e: an element's cell is its exponent field masked
+    # in place or'ed with its lane's offset, one logic op before the atomic (the table's address is folded into the
+    # atomic's), where the clamped table pays two min/max and an add more. The rows become bins once, at the end
+    # (``_erow_bins``). Row 255 (Inf/NaN, which no fast path keeps) takes a partial tile's masked lanes.
+
+    @triton.jit
+    def _erows():
+        """This program's exponent-row table, zeroed, as its lane's byte offset within a row (``_erow_add`` adds the
+        table's address). Declared once per kernel, as ``_htab``."""
+        base = tl.inline_asm_elementwise(".shared .align 128 .b32 fp8mon_erows[8192]; mov.u32 $0, fp8mon_erows;",
+                                         "=r", [], dtype=tl.int32, is_pure=True, pack=1)
+        q = tl.arange(0, 2048)
+        tl.inline_asm_elementwise("{.reg .b32 z; mov.b32 z, 0; st.shared.v4.b32 [$1], {z, z, z, z};} mov.u32 $0, 0;",
+                                  "=r,r", [base + q * 16], dtype=tl.int32, is_pure=False, pack=1)
+        tl.debug_barrier()
+        return tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1) * 4
+
+    @triton.jit
+    def _erow_add(ht, e128):
+        """One count in the lane's cell of the row of exponent field ``e128`` (the exponent at bits 7-14)."""
+        tl.inline_asm_elementwise("{.reg .b32 a; mov.u32 a, fp8mon_erows; add.u32 a, a, $1; red.shared.add.u32 [a], 1;}"
+                                  " mov.u32 $0, 0;", "=r,r", [e128 | ht], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _erow_bins(ht, zeros):
+        """The exponent rows as the 64 bins of ``_bins`` (int32), after every lane's adds: each row's 32 cells summed,
+        the rows below and above the binades added to the first and last bin, row 255 (masked lanes) left out, and
+        ``zeros`` moved from bin 0 to bin 56. The bins are summed in the first 64 cells (read by then)."""
+        tl.debug_barrier()
+        r = tl.arange(0, 256)
+        per_row = tl.inline_asm_elementwise(_EROW_SUM, "=r,r", [r * 128], dtype=tl.int32, is_pure=False, pack=1)
+        tl.debug_barrier()
+        j = tl.arange(0, 64)
+        tl.inline_asm_elementwise("{.reg .b32 a; mov.u32 a, fp8mon_erows; add.u32 a, a, $1; st.shared.u32 [a], 0;}"
+                                  " mov.u32 $0, 0;", "=r,r", [j * 4], dtype=tl.int32, is_pure=False, pack=1)
+        tl.debug_barrier()
+        b = tl.minimum(tl.maximum(r - (127 + _LO), 0), _NB - 1)
+        tl.inline_asm_elementwise("{.reg .b32 a; mov.u32 a, fp8mon_erows; add.u32 a, a, $1; red.shared.add.u32 [a], $2;}"
+                                  " mov.u32 $0, 0;", "=r,r,r", [b * 4, tl.where(r < 255, per_row, 0)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+        tl.debug_barrier()
+        per_bin = tl.inline_asm_elementwise("{.reg .b32 a; mov.u32 a, fp8mon_erows; add.u32 a, a, $1; "
+                                            "ld.shared.u32 $0, [a];}", "=r,r", [j * 4], dtype=tl.int32,
+                                            is_pure=False, pack=1)
+        hist = tl.where(j < _NB, per_bin, 0)
+        return hist + tl.where(j == _BIN_ZERO, zeros, 0) - tl.where(j == 0, zeros, 0)
+
     @triton.jit
     def _tile_fast(x, mask, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, amax, cu, co, cout, cz, hist,
-                   HIST: tl.constexpr, HAS_MASK: tl.constexpr, RED: tl.constexpr = False, ht=None):
+                   HIST: tl.constexpr, HAS_MASK: tl.constexpr, RED: tl.constexpr = False, ht=None,
+                   HTF: tl.constexpr = False):
         """Fast path (no NaN/Inf expected): fp32 power sums of the scaled shifted values per lane, counts
         as integer compares of |x|'s bits. ``cu``, ``co`` and ``cz`` hold *minus* the counts of |x| above the
         underflow threshold, above the overflow threshold and of zeros (``_fast_result`` turns them into
@@ -360,7 +416,7 @@ if triton is not None:
         instructions where a compare-and-count took three (ptxas made it a conditional increment). Only a
         partial tile (``HAS_MASK``) pays for masks; its masked lanes are loaded as 0, which exceeds a threshold
         only when that is -1 (no scale, or an infinite one: ``_fast_result`` handles both), so only the zero and
-        outlier counts mask them."""
+        outlier counts mask them. ``HTF``: ``ht`` is the exponent-row table (``_erows``)."""
         a = tl.abs(x)
         bits = a.to(tl.int32, bitcast=True)
         d = tl.fma(x, p, ncp)
@@ -374,7 +430,9 @@ if triton is not None:
                 hist += _hist(tl.where(mask, _bins(bits), _BIN_DUMP), RED)
             else:
                 cz -= _red(((bits == 0) & mask).to(tl.int32), RED)
-                if HIST:
+                if HIST and HTF:
+                    _erow_add(ht, tl.where(mask, (bits >> 16) & 0x7F80, 255 * 128))
+                elif HIST:
                     _htab_dump(ht, mask, (bits >> 16) & 0x7F80)
         else:
             cout += _red(((x > hi) | (x < lo)).to(tl.int32), RED)
@@ -382,7 +440,9 @@ if triton is not None:
                 hist += _hist(_bins(bits), RED)
             else:
                 cz += _red((bits - 1) >> 31, RED)
-                if HIST:
+                if HIST and HTF:
+                    _erow_add(ht, (bits >> 16) & 0x7F80)
+                elif HIST:
                     _htab_add(ht, (bits >> 16) & 0x7F80)
         d2 = d * d
         s1 += _red(d, RED)
@@ -449,7 +509,8 @@ if triton is not None:
         return a1 + b1, a2 + b2, a3 + b3, a4 + b4, tl.maximum(am, bm), i1 + j1, i2 + j2, i3 + j3, i4 + j4
 
     @triton.jit
-    def _fast_result(n, c, p, tu, to, s1, s2, s3, s4, amax, cu, co, cout, cz, hist, HIST: tl.constexpr, ht=None):
+    def _fast_result(n, c, p, tu, to, s1, s2, s3, s4, amax, cu, co, cout, cz, hist, HIST: tl.constexpr, ht=None,
+                     HTF: tl.constexpr = False):
         """Per-program partial of the fast path, and whether it is valid (else: careful path). One reduction of
         all nine accumulators (one round through shared memory, not nine)."""
         if _JOINT:
@@ -460,7 +521,9 @@ if triton is not None:
             S1, S2 = tl.sum(s1.to(tl.float64), 0), tl.sum(s2.to(tl.float64), 0)
             S3, S4 = tl.sum(s3.to(tl.float64), 0), tl.sum(s4.to(tl.float64), 0)
             am, cu, co, cout, cz = tl.max(amax, 0), tl.sum(cu, 0), tl.sum(co, 0), tl.sum(cout, 0), tl.sum(cz, 0)
-        if HIST and ht is not None:
+        if HIST and HTF:
+            hist = _erow_bins(ht, -cz)
+        elif HIST and ht is not None:
             hist = _htab_bins(ht, -cz)
         nf = n.to(tl.float64)
         finite = (tl.abs(S1) < float("inf")) & (S2 < float("inf")) & (tl.abs(S3) < float("inf")) & \
@@ -874,11 +937,14 @@ if triton is not None:
         return (m.to(tl.uint32, bitcast=True) >> 15).to(tl.int32, bitcast=True)
 
     @triton.jit
-    def _tile_bf16x2(w, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw, pu, pnz, pout, ht=None):
+    def _tile_bf16x2(w, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw, pu, pnz, pout, ht=None, HTF: tl.constexpr = False):
         """One [R, 4] tile of words. ``pu``/``pnz``/``pout``: per-half counts of |x| above the underflow
         threshold, of nonzeros and of outliers; ``amw`` the per-half amax bits (words); with a histogram table
-        ``ht``, both halves' exponents counted in it."""
-        if ht is not None:
+        ``ht`` (the exponent-row table where ``HTF``), both halves' exponents counted in it."""
+        if HTF:
+            _erow_add(ht, w & 0x7F80)
+            _erow_add(ht, (w >> 16) & 0x7F80)
+        elif ht is not None:
             _htab_add(ht, w & 0x7F80)
             _htab_add(ht, (w >> 16) & 0x7F80)
         amw = _bf16x2_max(amw, w & 0x7FFF7FFF)
@@ -966,7 +1032,7 @@ if triton is not None:
 
     @triton.jit
     def _chunk(base, n, s, smode, uthr, othr, lo, hi, tr, HIST: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
-               TRACE: tl.constexpr, PACKED: tl.constexpr = False, ht=None):
+               TRACE: tl.constexpr, PACKED: tl.constexpr = False, ht=None, HTF: tl.constexpr = False):
         """Statistics of the ``n`` elements at ``base`` (16-byte aligned). Tiles are [R, V]: a thread holds whole
         rows of V contiguous elements (one 16-byte load), so the per-row sums inside the loop are a thread's own
         adds and the accumulators are [R] (no cross-thread work in the hot loop). The first tiles' loads are
@@ -1016,29 +1082,29 @@ if triton is not None:
                 for k in range(0, nfull // 2):
                     wn = tl.load(wb + (2 * k + 1) * (TILE // 2) + woffs)
                     s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(w, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw,
-                                                                      pu, pnz, pout, ht)
+                                                                      pu, pnz, pout, ht, HTF)
                     w = tl.load(wb + tl.minimum(2 * k + 2, nfull - 1) * (TILE // 2) + woffs)
                     s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(wn, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw,
-                                                                      pu, pnz, pout, ht)
+                                                                      pu, pnz, pout, ht, HTF)
                 if nfull % 2 == 1:  # w: the last full tile
                     s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(w, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw,
-                                                                      pu, pnz, pout, ht)
+                                                                      pu, pnz, pout, ht, HTF)
                 am, cu, cz, cout = packed_fold(nfull * V, amw, pu, pnz, pout, am, cu, cz, cout)
             else:
                 x = x0
                 for k in range(0, nfull):
                     xn = tl.load(base + tl.minimum(k + 1, nfull - 1) * TILE + offs)
                     s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
-                        x, m0, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, False, True, ht)
+                        x, m0, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, False, True, ht, HTF)
                     x = xn.to(tl.float32)
             _stamp(tr, 2, TRACE)
             if nfull < ntiles:
                 mt = nfull * TILE + offs < n
                 x = tl.load(base + nfull * TILE + offs, mask=mt, other=0.0).to(tl.float32)
                 s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
-                    x, mt, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, True, True, ht)
+                    x, mt, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, True, True, ht, HTF)
             ok, mean, m2, m3, m4, amax, zeros, under, over, outl, hist = _fast_result(
-                n, c, p, tu, to, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, ht)
+                n, c, p, tu, to, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, ht, HTF)
             if PACKED:  # an element above the overflow threshold: the careful path counts them
                 ok = ok & ((to < 0) | (amax.to(tl.int32, bitcast=True) <= to))
         if not ok:  # NaN/Inf, fp32 overflow of the power sums or a poor shift: two exact fp64 passes
@@ -1069,23 +1135,23 @@ if triton is not None:
 
     @triton.jit
     def _chunks(addr, start, code, n, s, smode, uthr, othr, lo, hi, tr, HIST: tl.constexpr, R: tl.constexpr,
-                TRACE: tl.constexpr, ht=None):
+                TRACE: tl.constexpr, ht=None, HTF: tl.constexpr = False):
         """``_chunk`` of the tensor's dtype (``code``). bf16 goes through its words unless the histogram needs
-        ``tl.histogram`` (no table ``ht``)."""
+        ``tl.histogram`` (no table ``ht``). ``HTF``: ``ht`` is the exponent-row table."""
         if code == 0:
             res = _chunk(tl.multiple_of(addr.to(tl.pointer_type(tl.bfloat16)) + start, 16), n, s, smode, uthr, othr,
-                         lo, hi, tr, HIST, R, 8, TRACE, not HIST or ht is not None, ht)
+                         lo, hi, tr, HIST, R, 8, TRACE, not HIST or ht is not None, ht, HTF)
         elif code == 1:
             res = _chunk(tl.multiple_of(addr.to(tl.pointer_type(tl.float32)) + start, 16), n, s, smode, uthr, othr,
-                         lo, hi, tr, HIST, R, 4, TRACE, False, ht)
+                         lo, hi, tr, HIST, R, 4, TRACE, False, ht, HTF)
         else:
             res = _chunk(tl.multiple_of(addr.to(tl.pointer_type(tl.float16)) + start, 16), n, s, smode, uthr, othr,
-                         lo, hi, tr, HIST, R, 8, TRACE, False, ht)
+                         lo, hi, tr, HIST, R, 8, TRACE, False, ht, HTF)
         return res
 
     @triton.jit
     def _stats_kernel(tab_ptr, ntab, part_ptr, ctr_ptr, dst_ptr, trace_ptr, HIST: tl.constexpr, R: tl.constexpr,
-                      TRACE: tl.constexpr, NARROW: tl.constexpr, LATER: tl.constexpr = False):
+                      TRACE: tl.constexpr, NARROW: tl.constexpr, LATER: tl.constexpr = False, HTF: tl.constexpr = False):
         w = tl.program_id(0)
         tr = trace_ptr + w * 16
         _stamp(tr, 0, TRACE)
@@ -1128,7 +1194,9 @@ if triton is not None:
             if smode == SCALE_CAST_C:  # loaded now: its latency passes under the read
                 epoch = tl.load(epoch_ptr + 1)
         n = (end - start).to(tl.int32)  # <= the chunk; the launcher makes every address 16-byte aligned
-        if HIST and _SMEM_HIST:
+        if HIST and _SMEM_HIST and HTF:
+            res = _chunks(addr, start, code, n, s, smode, uthr, othr, lo, hi, tr, HIST, R, TRACE, _erows(), True)
+        elif HIST and _SMEM_HIST:
             res = _chunks(addr, start, code, n, s, smode, uthr, othr, lo, hi, tr, HIST, R, TRACE, _htab())
         else:
             res = _chunks(addr, start, code, n, s, smode, uthr, othr, lo, hi, tr, HIST, R, TRACE)
@@ -1388,7 +1456,8 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
     trace = None if _trace is None else torch.zeros(nwork_total, 16, dtype=torch.int32, device=device)
     _stats_kernel[(nwork_total,)](tab, len(tensors), part, counters(device), out, part if trace is None else trace,
                                   HIST=bool(hist), R=ROWS, TRACE=trace is not None,
-                                  NARROW=chunk * P_BLOCK < 2**31, LATER=later, num_warps=NUM_WARPS, **opts)
+                                  NARROW=chunk * P_BLOCK < 2**31, LATER=later,
+                                  HTF=bool(hist) and SMEM_HIST and EXPONENT_ROWS, num_warps=NUM_WARPS, **opts)
     if trace is not None:
         _trace.append(trace)
     del keep

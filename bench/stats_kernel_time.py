@@ -6,6 +6,8 @@ work whenever that is longer than the kernel; this one separates the two.
     python3 bench/stats_kernel_time.py            # on a GPU: sizes 16, 64, 256 MiB, bf16 and fp32,
                                                   # the 20 tensors of a GPT-124M layer, a launch-shape sweep
     python3 bench/stats_kernel_time.py --no-sweep # the same without the sweep
+    python3 bench/stats_kernel_time.py --no-sweep --variants "default;agent.triton_stats.EXPONENT_ROWS=False"
+                                                  # ... each size under each variant (bench/variants.py), in turn
 
 With ncu (hardware counters) on the kernel: ``ncu --clock-control none -k regex:_stats_kernel --launch-count 8
 --section SpeedOfLight --section Occupancy --section LaunchStats python3 bench/stats_kernel_time.py --ncu``
@@ -29,6 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agent import triton_stats as ts  # noqa: E402
+from bench.variants import applied, parse_all  # noqa: E402
 
 MiB = 1 << 20
 
@@ -193,6 +196,8 @@ def main() -> None:
                    help="a 124M step's small cast tensors: amax pass, and timelines at two chunkings")
     p.add_argument("--host", action="store_true",
                    help="host time of rows() calls on 16 MiB of bf16, and their cProfile")
+    p.add_argument("--variants", default="default",
+                   help="the sizes' kernel times under each variant (bench/variants.py), one after another")
     p.add_argument("--cast-small", action="store_true",
                    help="a 124M step's activation casts with their rows, merged by the last program or later")
     args = p.parse_args()
@@ -218,16 +223,21 @@ def main() -> None:
         torch.cuda.synchronize()
         return
     print(torch.cuda.get_device_name())
+    variants = parse_all(args.variants)
     for dtype in (torch.bfloat16, torch.float32):
         for mib in (16, 64, 256):
             nbytes = mib * MiB
             x = torch.randn(nbytes // torch.empty((), dtype=dtype).element_size(), device="cuda").to(dtype)
             bw = copy_tbs(x)
-            for hist in (True, False):
-                host, wall, kernel = timed(_partials(x, scale, center, hist))
-                print(f"{str(dtype)[6:]:9} {mib:4} MiB hist={hist!s:5} copy {bw:5.2f} TB/s | kernel {kernel:8.1f} us = "
-                      f"{nbytes / (kernel * 1e-6) / 1e12 / bw:.3f} of copy | host/call {host:7.1f} us, wall/call "
-                      f"{wall:7.1f} us = {nbytes / (wall * 1e-6) / 1e12 / bw:.3f}", flush=True)
+            for name, assignments in variants:
+                label = "" if len(variants) == 1 else f" [{name}]"
+                for hist in (True, False):
+                    with applied(assignments):
+                        host, wall, kernel = timed(_partials(x, scale, center, hist))
+                    print(f"{str(dtype)[6:]:9} {mib:4} MiB hist={hist!s:5}{label} copy {bw:5.2f} TB/s | kernel "
+                          f"{kernel:8.1f} us = {nbytes / (kernel * 1e-6) / 1e12 / bw:.3f} of copy | host/call "
+                          f"{host:7.1f} us, wall/call {wall:7.1f} us = {nbytes / (wall * 1e-6) / 1e12 / bw:.3f}",
+                          flush=True)
             del x
     # the 20 tensors of one GPT-124M layer (input, weight, output, grad_output, grad_weight of 4 linears)
     d, tok = 768, 16 * 1024
