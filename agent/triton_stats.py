@@ -103,6 +103,9 @@ SMEM_HIST = not INTERPRET and os.environ.get("FP8MON_STATS_HIST", "table") != "b
 # The standalone kernel's table: a row per fp32 exponent (32 KiB, no clamp per element) or the consumer kernels' 57
 # clamped rows (8 KiB); benches compare the two.
 EXPONENT_ROWS = True
+# bf16 words of a tensor with no scale before the read (no format, or a current-scaled cast's row) through a loop that
+# counts nothing against the underflow threshold (there is none); False: one loop for every tensor (benches compare)
+SPLIT_UNSCALED = True
 MAXNREG = 128
 MAXNREG_FP32 = 80
 P_BLOCK = 512  # partials the finalize step reads at once (2 per lane with 8 warps); more: blocks of this size
@@ -395,9 +398,9 @@ if triton is not None:
                                   " mov.u32 $0, 0;", "=r,r", [j * 4], dtype=tl.int32, is_pure=False, pack=1)
         tl.debug_barrier()
         b = tl.minimum(tl.maximum(r - (127 + _LO), 0), _NB - 1)
-        tl.inline_asm_elementwise("{.reg .b32 a; mov.u32 a, fp8mon_erows; add.u32 a, a, $1; red.shared.add.u32 [a], $2;}"
-                                  " mov.u32 $0, 0;", "=r,r,r", [b * 4, tl.where(r < 255, per_row, 0)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise("{.reg .b32 a; mov.u32 a, fp8mon_erows; add.u32 a, a, $1; "
+                                  "red.shared.add.u32 [a], $2;} mov.u32 $0, 0;", "=r,r,r",
+                                  [b * 4, tl.where(r < 255, per_row, 0)], dtype=tl.int32, is_pure=False, pack=1)
         tl.debug_barrier()
         per_bin = tl.inline_asm_elementwise("{.reg .b32 a; mov.u32 a, fp8mon_erows; add.u32 a, a, $1; "
                                             "ld.shared.u32 $0, [a];}", "=r,r", [j * 4], dtype=tl.int32,
@@ -937,7 +940,8 @@ if triton is not None:
         return (m.to(tl.uint32, bitcast=True) >> 15).to(tl.int32, bitcast=True)
 
     @triton.jit
-    def _tile_bf16x2(w, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw, pu, pnz, pout, ht=None, HTF: tl.constexpr = False):
+    def _tile_bf16x2(w, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw, pu, pnz, pout, ht=None, HTF: tl.constexpr = False,
+                     UCOUNT: tl.constexpr = True):
         """One [R, 4] tile of words. ``pu``/``pnz``/``pout``: per-half counts of |x| above the underflow
         threshold, of nonzeros and of outliers; ``amw`` the per-half amax bits (words); with a histogram table
         ``ht`` (the exponent-row table where ``HTF``), both halves' exponents counted in it."""
@@ -954,17 +958,19 @@ if triton is not None:
         we, wo = tl.split(tl.reshape(w, [R, 2, 2]))  # words 0, 2 and 1, 3 of each row
         w0, w2 = tl.split(we)
         w1, w3 = tl.split(wo)
-        s1, s2, s3, s4, pu, pnz, pout = _word(w0, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, pu, pnz, pout)
-        s1, s2, s3, s4, pu, pnz, pout = _word(w1, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, pu, pnz, pout)
-        s1, s2, s3, s4, pu, pnz, pout = _word(w2, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, pu, pnz, pout)
-        s1, s2, s3, s4, pu, pnz, pout = _word(w3, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, pu, pnz, pout)
+        s1, s2, s3, s4, pu, pnz, pout = _word(w0, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, pu, pnz, pout, UCOUNT)
+        s1, s2, s3, s4, pu, pnz, pout = _word(w1, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, pu, pnz, pout, UCOUNT)
+        s1, s2, s3, s4, pu, pnz, pout = _word(w2, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, pu, pnz, pout, UCOUNT)
+        s1, s2, s3, s4, pu, pnz, pout = _word(w3, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, pu, pnz, pout, UCOUNT)
         return s1, s2, s3, s4, amw, pu, pnz, pout
 
     @triton.jit
-    def _word(w, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, pu, pnz, pout):
-        """Power sums of the shifted, scaled pair of bf16 in each word of ``w`` and its counts, added in order."""
+    def _word(w, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, pu, pnz, pout, UCOUNT: tl.constexpr = True):
+        """Power sums of the shifted, scaled pair of bf16 in each word of ``w`` and its counts, added in order (the
+        count above the underflow threshold only where ``UCOUNT``)."""
         v = w & 0x7FFF7FFF
-        pu = _count_bit15(pu, v + ku, 0)
+        if UCOUNT:
+            pu = _count_bit15(pu, v + ku, 0)
         pnz = _count_bit15(pnz, v + 0x7FFF7FFF, 0)
         pout = _count_bit15(pout, _bf16x2_sub(hi2, w), _bf16x2_sub(w, lo2))
         dl = tl.fma((w << 16).to(tl.float32, bitcast=True), p, ncp)
@@ -1031,8 +1037,29 @@ if triton is not None:
         return tu, to
 
     @triton.jit
+    def _words(w, wb, woffs, nfull, TILE: tl.constexpr, p, ncp, ku, lo2, hi2, acc, ht, HTF: tl.constexpr,
+               UCOUNT: tl.constexpr):
+        """The word loop over ``nfull`` full tiles, the first (``w``) loaded: ``_tile_bf16x2``'s accumulators ``acc``
+        with every tile's added."""
+        s1, s2, s3, s4, amw, pu, pnz, pout = acc
+        # two tiles per iteration, each loaded into the registers the other is not using: carrying one tile from an
+        # iteration to the next cost a register move per word
+        for k in range(0, nfull // 2):
+            wn = tl.load(wb + (2 * k + 1) * (TILE // 2) + woffs)
+            s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(w, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw, pu, pnz,
+                                                              pout, ht, HTF, UCOUNT)
+            w = tl.load(wb + tl.minimum(2 * k + 2, nfull - 1) * (TILE // 2) + woffs)
+            s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(wn, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw, pu, pnz,
+                                                              pout, ht, HTF, UCOUNT)
+        if nfull % 2 == 1:  # w: the last full tile
+            s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(w, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw, pu, pnz,
+                                                              pout, ht, HTF, UCOUNT)
+        return s1, s2, s3, s4, amw, pu, pnz, pout
+
+    @triton.jit
     def _chunk(base, n, s, smode, uthr, othr, lo, hi, tr, HIST: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
-               TRACE: tl.constexpr, PACKED: tl.constexpr = False, ht=None, HTF: tl.constexpr = False):
+               TRACE: tl.constexpr, PACKED: tl.constexpr = False, ht=None, HTF: tl.constexpr = False,
+               USPLIT: tl.constexpr = True):
         """Statistics of the ``n`` elements at ``base`` (16-byte aligned). Tiles are [R, V]: a thread holds whole
         rows of V contiguous elements (one 16-byte load), so the per-row sums inside the loop are a thread's own
         adds and the accumulators are [R] (no cross-thread work in the hot loop). The first tiles' loads are
@@ -1077,25 +1104,20 @@ if triton is not None:
             # load instead of a per-element mask; read from L2).
             if PACKED:  # bf16 words, two elements each; overflow counted lazily (below)
                 ku, lo2, hi2, amw, pu, pnz, pout = packed_setup(tu, lo, hi, R)
-                # two tiles per iteration, each loaded into the registers the other is not using: carrying one
-                # tile from an iteration to the next cost a register move per word
-                for k in range(0, nfull // 2):
-                    wn = tl.load(wb + (2 * k + 1) * (TILE // 2) + woffs)
-                    s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(w, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw,
-                                                                      pu, pnz, pout, ht, HTF)
-                    w = tl.load(wb + tl.minimum(2 * k + 2, nfull - 1) * (TILE // 2) + woffs)
-                    s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(wn, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw,
-                                                                      pu, pnz, pout, ht, HTF)
-                if nfull % 2 == 1:  # w: the last full tile
-                    s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(w, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw,
-                                                                      pu, pnz, pout, ht, HTF)
+                acc = (s1, s2, s3, s4, amw, pu, pnz, pout)
+                if USPLIT and tu < 0:  # no scale before the read: nothing to count against a threshold
+                    acc = _words(w, wb, woffs, nfull, TILE, p, ncp, ku, lo2, hi2, acc, ht, HTF, False)
+                else:
+                    acc = _words(w, wb, woffs, nfull, TILE, p, ncp, ku, lo2, hi2, acc, ht, HTF, True)
+                s1, s2, s3, s4, amw, pu, pnz, pout = acc
                 am, cu, cz, cout = packed_fold(nfull * V, amw, pu, pnz, pout, am, cu, cz, cout)
             else:
                 x = x0
                 for k in range(0, nfull):
                     xn = tl.load(base + tl.minimum(k + 1, nfull - 1) * TILE + offs)
                     s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
-                        x, m0, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, False, True, ht, HTF)
+                        x, m0, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, False, True, ht,
+                        HTF)
                     x = xn.to(tl.float32)
             _stamp(tr, 2, TRACE)
             if nfull < ntiles:
@@ -1135,12 +1157,12 @@ if triton is not None:
 
     @triton.jit
     def _chunks(addr, start, code, n, s, smode, uthr, othr, lo, hi, tr, HIST: tl.constexpr, R: tl.constexpr,
-                TRACE: tl.constexpr, ht=None, HTF: tl.constexpr = False):
+                TRACE: tl.constexpr, ht=None, HTF: tl.constexpr = False, USPLIT: tl.constexpr = True):
         """``_chunk`` of the tensor's dtype (``code``). bf16 goes through its words unless the histogram needs
         ``tl.histogram`` (no table ``ht``). ``HTF``: ``ht`` is the exponent-row table."""
         if code == 0:
             res = _chunk(tl.multiple_of(addr.to(tl.pointer_type(tl.bfloat16)) + start, 16), n, s, smode, uthr, othr,
-                         lo, hi, tr, HIST, R, 8, TRACE, not HIST or ht is not None, ht, HTF)
+                         lo, hi, tr, HIST, R, 8, TRACE, not HIST or ht is not None, ht, HTF, USPLIT)
         elif code == 1:
             res = _chunk(tl.multiple_of(addr.to(tl.pointer_type(tl.float32)) + start, 16), n, s, smode, uthr, othr,
                          lo, hi, tr, HIST, R, 4, TRACE, False, ht, HTF)
@@ -1151,7 +1173,8 @@ if triton is not None:
 
     @triton.jit
     def _stats_kernel(tab_ptr, ntab, part_ptr, ctr_ptr, dst_ptr, trace_ptr, HIST: tl.constexpr, R: tl.constexpr,
-                      TRACE: tl.constexpr, NARROW: tl.constexpr, LATER: tl.constexpr = False, HTF: tl.constexpr = False):
+                      TRACE: tl.constexpr, NARROW: tl.constexpr, LATER: tl.constexpr = False, HTF: tl.constexpr = False,
+                      USPLIT: tl.constexpr = True):
         w = tl.program_id(0)
         tr = trace_ptr + w * 16
         _stamp(tr, 0, TRACE)
@@ -1195,11 +1218,13 @@ if triton is not None:
                 epoch = tl.load(epoch_ptr + 1)
         n = (end - start).to(tl.int32)  # <= the chunk; the launcher makes every address 16-byte aligned
         if HIST and _SMEM_HIST and HTF:
-            res = _chunks(addr, start, code, n, s, smode, uthr, othr, lo, hi, tr, HIST, R, TRACE, _erows(), True)
+            res = _chunks(addr, start, code, n, s, smode, uthr, othr, lo, hi, tr, HIST, R, TRACE, _erows(), True,
+                          USPLIT)
         elif HIST and _SMEM_HIST:
-            res = _chunks(addr, start, code, n, s, smode, uthr, othr, lo, hi, tr, HIST, R, TRACE, _htab())
+            res = _chunks(addr, start, code, n, s, smode, uthr, othr, lo, hi, tr, HIST, R, TRACE, _htab(), False,
+                          USPLIT)
         else:
-            res = _chunks(addr, start, code, n, s, smode, uthr, othr, lo, hi, tr, HIST, R, TRACE)
+            res = _chunks(addr, start, code, n, s, smode, uthr, othr, lo, hi, tr, HIST, R, TRACE, None, False, USPLIT)
         nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = res
         _store_partial(part_ptr + w, tl.num_programs(0), end - start, nfin, nonfin, zeros, outl, under, over,
                        amax, mean, m2, m3, m4)
@@ -1457,7 +1482,8 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
     _stats_kernel[(nwork_total,)](tab, len(tensors), part, counters(device), out, part if trace is None else trace,
                                   HIST=bool(hist), R=ROWS, TRACE=trace is not None,
                                   NARROW=chunk * P_BLOCK < 2**31, LATER=later,
-                                  HTF=bool(hist) and SMEM_HIST and EXPONENT_ROWS, num_warps=NUM_WARPS, **opts)
+                                  HTF=bool(hist) and SMEM_HIST and EXPONENT_ROWS, USPLIT=SPLIT_UNSCALED,
+                                  num_warps=NUM_WARPS, **opts)
     if trace is not None:
         _trace.append(trace)
     del keep

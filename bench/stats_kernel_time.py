@@ -63,6 +63,8 @@ def copy_tbs(x: torch.Tensor) -> float:
 
 
 def _partials(x, scale, center, hist):
+    if scale is None:  # no format: no scale before the read, as a bf16 model's rows
+        return lambda: ts.partials(x, center=center, hist=hist)
     return lambda: ts.partials(x, fmt="e4m3", scale=scale, center=center, hist=hist)
 
 
@@ -196,6 +198,9 @@ def main() -> None:
                    help="a 124M step's small cast tensors: amax pass, and timelines at two chunkings")
     p.add_argument("--host", action="store_true",
                    help="host time of rows() calls on 16 MiB of bf16, and their cProfile")
+    p.add_argument("--unscaled", action="store_true",
+                   help="the sizes with no format (no scale before the read, as a bf16 model's rows), not e4m3 at a "
+                        "given scale")
     p.add_argument("--variants", default="default",
                    help="the sizes' kernel times under each variant (bench/variants.py), one after another")
     p.add_argument("--cast-small", action="store_true",
@@ -233,7 +238,7 @@ def main() -> None:
                 label = "" if len(variants) == 1 else f" [{name}]"
                 for hist in (True, False):
                     with applied(assignments):
-                        host, wall, kernel = timed(_partials(x, scale, center, hist))
+                        host, wall, kernel = timed(_partials(x, None if args.unscaled else scale, center, hist))
                     print(f"{str(dtype)[6:]:9} {mib:4} MiB hist={hist!s:5}{label} copy {bw:5.2f} TB/s | kernel "
                           f"{kernel:8.1f} us = {nbytes / (kernel * 1e-6) / 1e12 / bw:.3f} of copy | host/call "
                           f"{host:7.1f} us, wall/call {wall:7.1f} us = {nbytes / (wall * 1e-6) / 1e12 / bw:.3f}",
