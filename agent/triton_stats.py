@@ -1409,6 +1409,24 @@ _trace: list | None = None  # benches: a list to receive each launch's [programs
 
 def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, device, aouts=None,
             later: bool = False) -> None:
+    """``_launch_once`` of the tensors, in as few launches as keep their rows apart: a tensor whose row is already
+    the destination of an earlier tensor of the launch goes to the next launch. (A launch's programs run in any order:
+    two merges into one row in one launch would race, and the second micro-batch's row of a tensor, deferred with the
+    first's, could be read before the first is written.)"""
+    aouts = aouts or [None] * len(tensors)
+    start, seen = 0, set()
+    for i, dst in enumerate(index):
+        if int(dst) in seen:
+            _launch_once(tensors[start:i], fmts[start:i], scales[start:i], centers[start:i], k, ahms[start:i], hist,
+                         out, index[start:i], merges[start:i], device, aouts[start:i], later)
+            start, seen = i, set()
+        seen.add(int(dst))
+    _launch_once(tensors[start:], fmts[start:], scales[start:], centers[start:], k, ahms[start:], hist, out,
+                 index[start:], merges[start:], device, aouts[start:], later)
+
+
+def _launch_once(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, device, aouts=None,
+                 later: bool = False) -> None:
     """One launch of ``_stats_kernel`` (``rows``). ``aouts``: per tensor None, or the fp32 device tensor that
     receives its finite amax; such a tensor's scale is that of its current-scaling cast (``cast_row``). ``later``:
     the rows are merged by the next ``merge_later`` (``CAST_MERGE``), and an amax goes to the ``epoch_words`` given

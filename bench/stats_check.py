@@ -111,6 +111,7 @@ def adversarial(device) -> dict:
 def check_standalone(device) -> None:
     check_bf16_pairs(device)
     check_far_first_partial(device)
+    check_deferred_into_one_row(device)
     cases = adversarial(device)
     for name, x in cases.items():
         for hist in (True, False):
@@ -179,6 +180,27 @@ def check_bf16_pairs(device) -> None:
             got = ts.partials(x, center=center, outlier_k=k, hist=hist, **kw)
             want = ds.partials(x, outlier_center=center, outlier_k=k, hist=hist, **kw)
             report(f"standalone bf16 pairs center {center} k {k} {sorted(kw)} hist={hist}", *rows_close(got, want))
+
+
+def check_deferred_into_one_row(device) -> None:
+    """Two tensors deferred into one row, the second merged into the first (two micro-batches' rows of one site, in
+    one flush): a large one, whose last program finishes late, then a small one. In one launch the small one's merge
+    could read the row before the large one wrote it."""
+    g = torch.Generator(device="cpu").manual_seed(9)
+    a = (torch.randn(48 << 20 if device.type == "cuda" else 100_000, generator=g) * 2).to(torch.bfloat16).to(device)
+    b = (torch.randn(3000, generator=g) * 5 + 1).to(torch.bfloat16).to(device)
+    for later in (False, True):
+        rows = torch.zeros(1, ds.WIDTH, dtype=torch.float64, device=device)
+        ts.defer(a, ts.Target(rows, 0, False, (0.0, 2.0), 6.0, True, None, "e4m3"))
+        ts.defer(b, ts.Target(rows, 0, True, (0.0, 2.0), 6.0, True, None, "e4m3"))
+        if later:  # as a current-scaled cast's launch takes them, its rows merged by the next merge_later
+            ts._launch_items(ts._take_deferred(device), device, later=True)
+        ts.flush_deferred()
+        want = ds.merge(ds.partials(a, fmt="e4m3", outlier_center=(0.0, 2.0))[None],
+                        ds.partials(b, fmt="e4m3", outlier_center=(0.0, 2.0))[None])
+        binade = want[0, ds.HIST:].nan_to_num(0).max().item()  # current scaling's underflow: the histogram's bound
+        report(f"deferred into one row, the second merged{' later' if later else ''}",
+               *rows_close(rows[0], want[0], under_slack=binade))
 
 
 def check_multi(device) -> None:

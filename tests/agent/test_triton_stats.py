@@ -339,3 +339,20 @@ def test_per_tensor_lists_of_two():
     assert _each((0.5, 2.0), 2, pair=True) == [(0.5, 2.0), (0.5, 2.0)]
     assert _each([(0.5, 2.0), (1.0, 3.0)], 2, pair=True) == [(0.5, 2.0), (1.0, 3.0)]
     assert _each(None, 3) == [None, None, None]
+
+
+def test_rows_into_one_row_go_to_launches_in_their_order(monkeypatch):
+    """A launch's programs run in any order on a GPU: the tensors of one launch whose rows are the same row (a
+    deferred micro-batch's tensor and the next one's, merged into it) go to successive launches, in their order, each
+    launch writing a row at most once."""
+    from agent import triton_stats as ts
+
+    launched = []
+    monkeypatch.setattr(ts, "_launch_once", lambda tensors, fmts, scales, centers, k, ahms, hist, out, index, merges,
+                        device, aouts, later: launched.append((list(tensors), list(index), list(merges))))
+    names, index, merges = ["a", "b", "a2", "c", "b2"], [3, 5, 3, 7, 5], [False, False, True, False, True]
+    ts._launch(names, [None] * 5, [None] * 5, [None] * 5, 6.0, [None] * 5, False, None, index, merges, "cpu")
+    assert launched == [(["a", "b"], [3, 5], [False, False]), (["a2", "c", "b2"], [3, 7, 5], [True, False, True])]
+    launched.clear()
+    ts._launch(names[:2], [None] * 2, [None] * 2, [None] * 2, 6.0, [None] * 2, False, None, [3, 5], merges[:2], "cpu")
+    assert launched == [(["a", "b"], [3, 5], [False, False])]
