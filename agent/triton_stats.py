@@ -320,12 +320,20 @@ if triton is not None:
         (a duplicate definition), not a second table."""
         base = tl.inline_asm_elementwise(".shared .align 128 .b32 fp8mon_htab[2048]; mov.u32 $0, fp8mon_htab;",
                                          "=r", [], dtype=tl.int32, is_pure=True, pack=1)
-        q = tl.arange(0, 512)
+        _zero_shared(base, 512)
+        return base + _lane() * 4 - (127 + _LO) * 128
+
+    @triton.jit
+    def _zero_shared(base, WORDS: tl.constexpr):
+        """``WORDS`` 16-byte words of shared memory from ``base`` set to 0 by the program's threads, then a barrier."""
+        q = tl.arange(0, WORDS)
         tl.inline_asm_elementwise("{.reg .b32 z; mov.b32 z, 0; st.shared.v4.b32 [$1], {z, z, z, z};} mov.u32 $0, 0;",
                                   "=r,r", [base + q * 16], dtype=tl.int32, is_pure=False, pack=1)
         tl.debug_barrier()
-        lane = tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
-        return base + lane * 4 - (127 + _LO) * 128
+
+    @triton.jit
+    def _lane():
+        return tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
 
     @triton.jit
     def _htab_cell(e128):
@@ -372,11 +380,8 @@ if triton is not None:
         table's address). Declared once per kernel, as ``_htab``."""
         base = tl.inline_asm_elementwise(".shared .align 128 .b32 fp8mon_erows[8192]; mov.u32 $0, fp8mon_erows;",
                                          "=r", [], dtype=tl.int32, is_pure=True, pack=1)
-        q = tl.arange(0, 2048)
-        tl.inline_asm_elementwise("{.reg .b32 z; mov.b32 z, 0; st.shared.v4.b32 [$1], {z, z, z, z};} mov.u32 $0, 0;",
-                                  "=r,r", [base + q * 16], dtype=tl.int32, is_pure=False, pack=1)
-        tl.debug_barrier()
-        return tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1) * 4
+        _zero_shared(base, 2048)
+        return _lane() * 4
 
     @triton.jit
     def _erow_add(ht, e128):
