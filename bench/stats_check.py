@@ -622,6 +622,7 @@ def check_consumers(device) -> None:
             report(f"swiglu row of dy {shape} {dt} fmt={tgt_dy.fmt} hist={hist}", ok and same,
                    why + ("" if same else " dy differs with the row"))
     check_rope(device)
+    check_heads(device)
     check_rmsnorm(device)
     check_weight_cast(device)
 
@@ -719,6 +720,39 @@ def check_rope(device) -> None:
         ok3, why3 = rows_close(tgt_g.rows[0], want_g, under_slack=want_g[ds.HIST:].nan_to_num(0).max().item())
         report(f"rope {(b, t, nh, hd)} {dt} nan={nan}", ok and ok2 and ok3 and not problems,
                why + why2 + why3 + "; ".join(problems))
+
+
+def check_heads(device) -> None:
+    """trainer/kernels/heads.py: the heads merged for the projection equal torch's copy (and the gradient torch's), from
+    the attention's own output and from a contiguous layout, and the row of the result the fp64 oracle's, with and
+    without the histogram, also with a NaN (the careful path)."""
+    import torch.nn.functional as F
+
+    from trainer.kernels.heads import merge_heads, merge_heads_ref
+
+    g = torch.Generator(device="cpu").manual_seed(13)
+    for (b, nh, t, hd), dt, sdpa, nan in (((16, 12, 1024, 64), torch.bfloat16, True, False),
+                                          ((4, 16, 512, 128), torch.bfloat16, True, True),
+                                          ((3, 5, 77, 32), torch.float32, False, False)):
+        q, k, v = (torch.randn(b, nh, t, hd, generator=g).to(dt).to(device) for _ in range(3))
+        y0 = F.scaled_dot_product_attention(q, k, v, is_causal=True) if sdpa else q * 2 + 0.25
+        if nan:
+            y0[1, 2, 7, 5] = float("nan")
+        for fmt, hist in (("e4m3", True), (None, False)):  # (current scaling's underflow is the histogram's)
+            a, r = y0.clone().requires_grad_(), y0.clone().requires_grad_()
+            tgt = ts.Target.new(device, center=(0.0, 1.0), hist=hist, fmt=fmt)
+            got, ref = merge_heads(a, stats=tgt), merge_heads_ref(r)
+            grad = torch.randn(b, t, nh * hd, generator=g).to(dt).to(device)
+            got.backward(grad)
+            ref.backward(grad)
+            ts.flush_deferred()
+            same = torch.equal(got.detach().nan_to_num(7.0), ref.detach().nan_to_num(7.0)) and \
+                torch.equal(a.grad, r.grad)
+            want = ds.partials(ref.detach(), fmt=fmt, outlier_center=(0.0, 1.0), hist=hist)
+            ok, why = rows_close(tgt.rows[0], want, under_slack=want[ds.HIST:].nan_to_num(0).max().item() if fmt
+                                 else None)
+            report(f"heads {(b, nh, t, hd)} {dt} strides {tuple(y0.stride())} nan={nan} hist={hist}", ok and same,
+                   why + ("" if same else " values or gradient differ from torch's"))
 
 
 def main() -> None:

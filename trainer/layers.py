@@ -96,6 +96,15 @@ class Rotary(nn.Module):
 FUSED_ROPE = os.environ.get("FP8MON_FUSED_ROPE", "1") == "1"
 
 
+# The attention's heads merged back for its projection as one Triton kernel (trainer.kernels.heads) where Triton runs,
+# in place of torch's copy (faster, bench/RESULTS.md); FP8MON_FUSED_HEADS=0 gives torch's copy. With HEADS_ROW it also
+# takes, for the agent, a plain projection's input row from its write of it (marked as the block's at construction; an
+# FP8 projection's cast takes its own) rather than the hooks reading it: off, as in a step it cost what the hooks'
+# read costs (bench/RESULTS.md).
+FUSED_HEADS = os.environ.get("FP8MON_FUSED_HEADS", "1") == "1"
+HEADS_ROW = os.environ.get("FP8MON_HEADS_ROW", "0") == "1"
+
+
 class Attention(nn.Module):
     """Causal multi-head attention; ``qkv`` is one fused GEMM producing [q | k | v].
 
@@ -120,6 +129,10 @@ class Attention(nn.Module):
         self.fused_rope = FUSED_ROPE and not qk_norm and hd >= 16 and not hd & (hd - 1)
         if self.fused_rope:
             mark_reported(self.qkv, "output", "grad_output")
+        self.fused_heads = FUSED_HEADS and hd >= 8 and not hd & (hd - 1)
+        self.heads_row = self.fused_heads and HEADS_ROW
+        if self.heads_row:
+            mark_reported(self.proj, "input")
 
     def heads(self, x: torch.Tensor, rope: Rotary) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as (B, H, T, head_dim), q and k normed (fog) and rotated."""
@@ -142,12 +155,26 @@ class Attention(nn.Module):
         return rope(q), rope(k), v
 
     def forward(self, x: torch.Tensor, rope: Rotary) -> torch.Tensor:
-        b, t, d = x.shape
         q, k, v = self.heads(x, rope)
         if self.track_max_logit:
             self.max_logit = self._max_logit(q, k)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return self.proj(self.merged(y))
+
+    def merged(self, y: torch.Tensor) -> torch.Tensor:
+        """The heads y (B, H, T, head_dim) as the projection's input (B, T, d); with ``heads_row`` (set at construction,
+        which marked a plain projection's input as the block's) its row, taken by the kernel that merges them or apart.
+        In evaluation, no row: the hooks take none either."""
+        b, h, t, hd = y.shape
+        plain = self.heads_row and type(self.proj) is nn.Linear and self.proj.training  # an FP8 one's cast takes it
+        link = getattr(self.proj, "fp8mon_stats", None) if plain else None
+        if self.fused_heads and triton_runs(y.device):
+            from .kernels.heads import merge_heads
+
+            return merge_heads(y, stats=target_of(link, "input", y))
+        out = y.transpose(1, 2).reshape(b, t, h * hd)
+        report_apart(link, "input", out)
+        return out
 
     @torch.no_grad()
     def _max_logit(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

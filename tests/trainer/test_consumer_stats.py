@@ -374,11 +374,16 @@ def _child(names: list[str]) -> None:
         """An attention block of plain linears watched by an agent: with the fused RoPE the hooks read neither qkv's
         output nor its grad_output, and the kernels' rows of them equal the hooks' rows without them; on a device
         without the kernels the block reports them itself."""
+        emit("attention_plain", "; ".join(attention_rows("FUSED_ROPE", 5, [("attn.qkv", s)
+                                                                           for s in ("output", "grad_output")])))
+
+    def attention_rows(flag: str, seed: int, wanted: list) -> list[str]:
+        """``same_rows_by_mode`` of an attention block of plain linears under ``flag`` (``rows_by_mode``)."""
         from trainer import layers
 
         rot = layers.Rotary(16, 16)
 
-        class WithRope(torch.nn.Module):  # agent_rows calls model(x)
+        class WithAttention(torch.nn.Module):  # agent_rows calls model(x)
             def __init__(self):
                 super().__init__()
                 self.attn = layers.Attention(32, 2, lambda i, o: torch.nn.Linear(i, o, bias=False), qk_norm=False)
@@ -386,8 +391,61 @@ def _child(names: list[str]) -> None:
             def forward(self, x):
                 return self.attn(x, rot)
 
-        got = rows_by_mode("FUSED_ROPE", WithRope, 5)
-        emit("attention_plain", "; ".join(same_rows_by_mode(got, [("attn.qkv", s) for s in ("output", "grad_output")])))
+        return same_rows_by_mode(rows_by_mode(flag, WithAttention, seed), wanted)
+
+    def heads():
+        """The heads merged for the projection equal torch's copy (and its gradient, torch's), from the layout the
+        attention returns and from a contiguous one, with a partial tile of positions; the row of the result equals
+        the fp64 oracle's, also with a NaN (the careful path), merged into twice before the rows are merged."""
+        from trainer.kernels import heads as hk
+        from trainer.kernels.heads import merge_heads, merge_heads_ref
+
+        old_tile, hk.STATS_TILE = hk.STATS_TILE, 256  # tiles of a few positions with the row: several a program
+        try:
+            heads_cases(merge_heads, merge_heads_ref)
+        finally:
+            hk.STATS_TILE = old_tile
+
+    def heads_cases(merge_heads, merge_heads_ref):
+        g = torch.Generator().manual_seed(12)
+        slack = (lambda row: float(row[ds.HIST:].nan_to_num(0).max()))
+        for (b, nh, t, hd), dt, bthd, nan in (((2, 3, 50, 16), torch.bfloat16, True, False),
+                                              ((1, 2, 33, 32), torch.float32, False, False),
+                                              ((2, 2, 40, 8), torch.bfloat16, True, True)):
+            y0 = (torch.randn(b, t, nh, hd, generator=g) * 2 + 0.5).to(dt)
+            y0 = y0.transpose(1, 2) if bthd else y0.transpose(1, 2).contiguous()
+            if nan:
+                y0[1, 0, 3, 5] = float("nan")
+            a, r = y0.clone().requires_grad_(), y0.clone().requires_grad_()  # (clone keeps the strides)
+            tgt = ts.Target.new("cpu", center=(0.5, 2.0), hist=True, fmt="e4m3")
+            got, ref = merge_heads(a, stats=tgt), merge_heads_ref(r)
+            grad = torch.randn(b, t, nh * hd, generator=g).to(dt)
+            got.backward(grad)
+            ref.backward(grad)
+            ts.flush_deferred()
+            pairs = (("out", got.detach(), ref.detach()), ("grad", a.grad, r.grad))
+            problems = [f"{what} differs" for what, x, y in pairs
+                        if x.shape != y.shape or not torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0))]
+            if not got.is_contiguous():
+                problems.append("the result is not contiguous")
+            want = ds.partials(ref.detach(), fmt="e4m3", outlier_center=(0.5, 2.0), hist=True)
+            problems.append(row_problems(tgt.rows[0], want, rtol=1e-6, under_slack=slack(want)))
+            tgt.merge = True  # twice into the waiting row: the first merge goes first
+            merge_heads(y0 * 2, stats=tgt)
+            merge_heads(y0 * 3, stats=tgt)
+            ts.flush_deferred()
+            both = want
+            for f in (2, 3):
+                both = ds.merge(both, ds.partials(merge_heads_ref(y0 * f), fmt="e4m3", outlier_center=(0.5, 2.0),
+                                                  hist=True))
+            problems.append(row_problems(tgt.rows[0], both, rtol=1e-6, under_slack=slack(both)))
+            emit(f"heads:{(b, nh, t, hd)}:{dt}:bthd={bthd}:nan={nan}", "; ".join(p for p in problems if p))
+
+    def heads_plain():
+        """An attention block of plain linears watched by an agent: with the heads' kernel taking the projection input's
+        row (``HEADS_ROW``) the hooks read none, and the kernel's rows equal the hooks' rows without it; on a device
+        without the kernel the block reports it itself."""
+        emit("heads_plain", "; ".join(attention_rows("HEADS_ROW", 6, [("attn.proj", "input")])))
 
     def residual_plain():
         """A one-block llama of plain linears (no FP8) watched by an agent: with the fused residual adds the hooks
@@ -571,9 +629,10 @@ def _child(names: list[str]) -> None:
         cfg = get_config("tiny", n_layer=1, d_model=32, n_head=2, d_ff=48, seq_len=8, vocab_size=64)
         got = {}
         for fused in (False, True):
-            old = layers.FUSED_SWIGLU, layers.FUSED_ROPE, model.FUSED_RESIDUAL, fp8_linear.OUTPUT_STATS, ts.defer
+            old = (layers.FUSED_SWIGLU, layers.FUSED_ROPE, model.FUSED_RESIDUAL, fp8_linear.OUTPUT_STATS, ts.defer,
+                   layers.HEADS_ROW)
             deferred = []
-            layers.FUSED_SWIGLU = layers.FUSED_ROPE = model.FUSED_RESIDUAL = fused
+            layers.FUSED_SWIGLU = layers.FUSED_ROPE = model.FUSED_RESIDUAL = layers.HEADS_ROW = fused
             fp8_linear.OUTPUT_STATS = "deferred"
             ts.defer = lambda x, t, real=ts.defer: (deferred.append(x.shape[-1]), real(x, t))
             try:
@@ -586,7 +645,8 @@ def _child(names: list[str]) -> None:
                 got[fused] = agent_rows(net, lambda step, micro: idx[2 * step + micro], 1, "cpu", fused=True,
                                         stats_backend="triton", modules=r"^blocks\.") + (deferred,)
             finally:
-                layers.FUSED_SWIGLU, layers.FUSED_ROPE, model.FUSED_RESIDUAL, fp8_linear.OUTPUT_STATS, ts.defer = old
+                (layers.FUSED_SWIGLU, layers.FUSED_ROPE, model.FUSED_RESIDUAL, fp8_linear.OUTPUT_STATS, ts.defer,
+                 layers.HEADS_ROW) = old
         (plain, keys, d_plain), (rows, keys2, d_fused) = got[False], got[True]
         problems = []
         if sorted(keys) != sorted(keys2):
@@ -602,22 +662,23 @@ def _child(names: list[str]) -> None:
                     problems.append(f"{key}: {p}")
             else:
                 problems.append(f"no row {key}")
-        for name in ("blocks.0.attn.proj", "blocks.0.mlp.fc2", "blocks.0.attn.qkv"):
-            key = (name, "output")
+        for key in [(name, "output") for name in ("blocks.0.attn.proj", "blocks.0.mlp.fc2", "blocks.0.attn.qkv")] + \
+                [("blocks.0.attn.proj", "input")]:  # (the heads' kernel leaves an FP8 projection's input to its cast)
             if key not in keys2 or float(rows[0][keys2.index(key)][ds.PARTS]) != 2:
-                problems.append(f"{key}: not taken from both micro-batches")
+                problems.append(f"{key}: not taken once from each of the two micro-batches")
         emit("agent_model", "; ".join(problems))
 
     checks = dict(forward_backward=forward_backward, forward_stats=forward_stats, words=words, agent_block=agent_block,
                   agent_block_plain=agent_block_plain, residual=residual, rope=rope, backward_stats=backward_stats,
                   attention_plain=attention_plain, residual_plain=residual_plain, rmsnorm=rmsnorm,
-                  norm_plain=norm_plain, weight_plain=weight_plain, agent_model=agent_model)
+                  norm_plain=norm_plain, weight_plain=weight_plain, agent_model=agent_model, heads=heads,
+                  heads_plain=heads_plain)
     run_each(checks, names)
 
 
 GROUPS = ["forward_backward", "forward_stats", "backward_stats", "words", "agent_block", "agent_block_plain",
           "residual", "rope", "attention_plain", "residual_plain", "rmsnorm", "norm_plain", "weight_plain",
-          "agent_model"]
+          "agent_model", "heads", "heads_plain"]
 
 
 @pytest.fixture(scope="module")
