@@ -2,14 +2,15 @@
 can also take the statistics row of what it writes (the projection's ``input``) for the agent.
 
 ``y.transpose(1, 2).reshape(b, t, nh * hd)`` is a copy for the layout the attention returns (torch's, one
-``elementwise_kernel`` a layer), and without this kernel a statistics kernel reads its result once more. Here one
-pass reads y at its strides (the last dimension contiguous) and writes the projection's input contiguous; with
-``stats=`` (an ``agent.triton_stats.Target``) it accumulates the row as ``trainer.kernels.rope`` does
-(``triton_stats.stream_add``, with the careful path of ``triton_stats.careful_tiles``). The values are copied, not
-computed: the result equals torch's bit for bit. The backward is a view of the gradient (the transpose's).
-Reference beside it: ``merge_heads_ref``.
+``elementwise_kernel`` a layer). Here one pass reads y at its strides (the last dimension contiguous) and writes the
+projection's input contiguous, in about half torch's time; with ``stats=`` (an ``agent.triton_stats.Target``) it
+accumulates the row as ``trainer.kernels.rope`` does (``triton_stats.stream_add``, with the careful path of
+``triton_stats.careful_tiles``), in place of a statistics kernel's read of the result (``trainer.layers.HEADS_ROW``;
+off by default: in a step the two cost the same, bench/RESULTS.md). The values are copied, not computed: the result
+equals torch's bit for bit. The backward is a view of the gradient (the transpose's). Reference beside it:
+``merge_heads_ref``.
 
-Persistent programs (a few per SM) loop over tiles of BT positions of one batch row and head.
+Persistent programs (a few per SM) loop over tiles of positions of one batch row and head.
 """
 
 from __future__ import annotations
