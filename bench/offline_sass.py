@@ -162,7 +162,8 @@ def _consumers(ts, built: dict) -> int:
     """Every variant of the consumer kernels: the SwiGLU forward without rows, with y's, with y's and h's, with y's
     through its words; its backward without and with dy's row; the residual add (fp32 stream, bf16 branch) without and
     with the branch's row, and the branch gradient's cast with its row; RoPE on the qkv output (1.5B's heads) without
-    and with its row, and its backward without and with its gradient's row."""
+    and with its row, and its backward without and with its gradient's row; RMSNorm's; the heads merged for the
+    projection without and with its input's row."""
     sw = importlib.import_module("trainer.kernels.swiglu")
     res = importlib.import_module("trainer.kernels.residual")
     cpu = torch.device("cpu")
@@ -207,6 +208,13 @@ def _consumers(ts, built: dict) -> int:
             norm.rms_norm_forward(x, w, 1e-6, stats=ts.Target.new(cpu, fmt="e4m3", hist=hist) if row else None)
         norm._rms_norm_bwd_kernel = _CompileOnly(nbwd, f"rmsnorm bwd (fp32, {d_model})", built)
         norm.rms_norm_backward(x, x, w, torch.zeros(4096))
+    heads = importlib.import_module("trainer.kernels.heads")
+    hk = heads._merge_heads_kernel
+    for hd in (64, 128):
+        y = torch.zeros(2, 16, 1024, hd, dtype=torch.bfloat16)
+        for name, row in (("heads", False), ("heads + row", True)):
+            heads._merge_heads_kernel = _CompileOnly(hk, f"{name} (head size {hd})", built)
+            heads.merge_heads_forward(y, stats=ts.Target.new(cpu, fmt="e4m3", hist=False) if row else None)
     return _report(built, "consumer kernels, bf16, rows without the histogram (but where named)", "LDG")
 
 
