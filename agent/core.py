@@ -764,11 +764,7 @@ class FusedLink:
         agent = self.agent
         if not (self.grad_by_cast and agent.reporting) or agent._history is not None:  # delayed: the hooks' history
             return None
-        try:
-            return agent.fused_target(self.layer, "grad_weight", device)
-        except Exception as exc:
-            agent._error("fused target", exc)
-            return None
+        return self._claimed("grad_weight", device)
 
     def took_grad_weight(self, grad: torch.Tensor, target: "ts.Target") -> None:
         """``grad`` (the gradient the cast returned, written with its row into ``target``) as the step's gradient of the
@@ -778,6 +774,10 @@ class FusedLink:
     def target(self, site: str, device) -> "ts.Target | None":
         if site not in self.sites:
             return None
+        return self._claimed(site, device)
+
+    def _claimed(self, site: str, device) -> "ts.Target | None":
+        """The agent's target for ``site`` (claimed), or None with the failure counted."""
         try:
             return self.agent.fused_target(self.layer, site, device)
         except Exception as exc:

@@ -365,6 +365,12 @@ if triton is not None:
         row0 = ht - (ht & 127) + (127 + _LO) * 128  # lane 0's cell of bin 0 (128-byte rows, 128-byte aligned)
         per_bin = tl.inline_asm_elementwise(_HTAB_ROW_SUM, "=r,r", [row0 + tl.minimum(j, _NB - 1) * 128],
                                             dtype=tl.int32, is_pure=False, pack=1)
+        return _table_hist(j, per_bin, zeros)
+
+    @triton.jit
+    def _table_hist(j, per_bin, zeros):
+        """The 64 bins ``j`` of ``_bins`` from a table's per-bin counts (valid below ``_NB``), ``zeros`` moved from bin 0
+        (with the subnormals) to bin 56."""
         hist = tl.where(j < _NB, per_bin, 0)
         return hist + tl.where(j == _BIN_ZERO, zeros, 0) - tl.where(j == 0, zeros, 0)
 
@@ -410,8 +416,7 @@ if triton is not None:
         per_bin = tl.inline_asm_elementwise("{.reg .b32 a; mov.u32 a, fp8mon_erows; add.u32 a, a, $1; "
                                             "ld.shared.u32 $0, [a];}", "=r,r", [j * 4], dtype=tl.int32,
                                             is_pure=False, pack=1)
-        hist = tl.where(j < _NB, per_bin, 0)
-        return hist + tl.where(j == _BIN_ZERO, zeros, 0) - tl.where(j == 0, zeros, 0)
+        return _table_hist(j, per_bin, zeros)
 
     @triton.jit
     def _tile_fast(x, mask, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, amax, cu, co, cout, cz, hist,
