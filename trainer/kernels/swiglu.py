@@ -3,10 +3,11 @@ in one pass each; the forward can also take the statistics rows of y and of h fo
 writes anyway.
 
 y (M, 2H) in, h (M, H) out, rounded as torch rounds ``F.silu(gate) * up`` in y's dtype: silu in fp32, rounded to the
-dtype, times up in fp32, rounded (the exponential may differ from torch's in the last fp32 bit, so h may differ by
-one unit in the last place of the dtype, rarely). The backward gives dy = [d_gate | d_up] as torch's autograd of that
-expression does: d_up = dh * silu(gate) and d_gate = (dh * up) * sig (1 + gate (1 - sig)), each product rounded to
-the dtype. Reference beside them: ``swiglu_ref``.
+dtype, times up in fp32, rounded (the exponential and the reciprocal are approximations that may differ from torch's
+in the last fp32 bits, so h may differ by one unit in the last place of the dtype, rarely). The backward gives
+dy = [d_gate | d_up] as torch's autograd of that expression does: d_up = dh * silu(gate) and
+d_gate = (dh * up) * sig (1 + gate (1 - sig)), each product rounded to the dtype. Reference beside them:
+``swiglu_ref``.
 
 ``stats=`` (an ``agent.triton_stats.Target``): y's SPEC section-4 row, as the agent's hooks emulate it for a GEMM
 output (``triton_stats.nofmt_consts``), accumulated from the tiles the forward loads as the standalone kernel
@@ -66,12 +67,30 @@ _SOFT_ROUND = tl.constexpr(INTERPRET)  # for the careful path's loaders of h and
 # 18 stores): uncapped there. The backward with dy's row: 182 uncapped, 128 at this cap with 40 bytes of stack outside
 # its tile loop.
 STATS_MAXNREG: int | None = 128
+# sigmoid through flush-to-zero approximations on hardware (``_sigmoid``); FP8MON_FAST_SIGMOID=0 gives Triton's exp and
+# division (read once, at import: a jitted function's globals must not change after it compiles)
+_FAST_SIGMOID = tl.constexpr(os.environ.get("FP8MON_FAST_SIGMOID", "1") == "1")
+
+
+@triton.jit
+def _sigmoid(g, SOFT_ROUND: tl.constexpr):
+    """1 / (1 + exp(-g)), fp32. On hardware (``_FAST_SIGMOID``) as two flush-to-zero approximations: Triton's exp and
+    division (ex2.approx.f32, div.full.f32) guard against subnormal results with compares and scalings, 8 of the
+    words forward's 28 instructions per element of h outside its row (offline sm_90a build, bench/RESULTS.md). A
+    subnormal e is lost in 1 + e anyway; a subnormal reciprocal (e above 2^126: gate below -87.3) becomes 0, so silu
+    gives -0 where torch gives about -5e-37."""
+    if _FAST_SIGMOID and not SOFT_ROUND:
+        e = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [g * -1.4426950408889634],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + e], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    return 1.0 / (1.0 + tl.exp(-g))
 
 
 @triton.jit
 def _silu_rounded(g, DTYPE: tl.constexpr, SOFT_ROUND: tl.constexpr):
     """silu(g) in fp32 (g fp32), rounded to DTYPE and back, as ``F.silu`` returns it; and sigmoid(g)."""
-    sig = 1.0 / (1.0 + tl.exp(-g))
+    sig = _sigmoid(g, SOFT_ROUND)
     return _to_out(g * sig, DTYPE, SOFT_ROUND).to(tl.float32), sig
 
 
@@ -246,10 +265,11 @@ def _swiglu_fwd_words_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_
         tm = tl.minimum(M - (t // n_tn) * BM, BM)
         tn = tl.minimum(H - (t % n_tn) * BN, BN)
         if (tm == BM) & (tn == BN):
+            # no underflow count (UCOUNT): a consumer kernel's row has no scale before the read (``stream_add``)
             s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(tl.reshape(gw, [R, 4]), p, ncp, ku, lo2, hi2, s1, s2, s3,
-                                                              s4, amw, pu, pnz, pout, ht)
+                                                              s4, amw, pu, pnz, pout, ht, UCOUNT=False)
             s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(tl.reshape(uw, [R, 4]), p, ncp, ku, lo2, hi2, s1, s2, s3,
-                                                              s4, amw, pu, pnz, pout, ht)
+                                                              s4, amw, pu, pnz, pout, ht, UCOUNT=False)
             nfull += 1
         else:
             acc = s1, s2, s3, s4, am, cu, co, cout, cz, hist
@@ -368,6 +388,15 @@ def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
     return h.reshape(*y.shape[:-1], H)
 
 
+def _bwd_stages(stats: "ts.Target | None", dtype: torch.dtype) -> int:
+    """The backward's pipelining depth. An fp32 tile's buffer takes exactly the 48 KiB a launch gets without opting in
+    (Triton opts in only above it), so with the histogram's static table (``triton_stats._htab``) the launch failed on
+    an H200 ("invalid argument"): fp32 with the histogram takes no pipelining."""
+    if stats is None or (stats.hist and dtype == torch.float32):
+        return 1
+    return BWD_STATS_STAGES
+
+
 def swiglu_backward(y: torch.Tensor, dh: torch.Tensor, stats: "ts.Target | None" = None) -> torch.Tensor:
     """dy = [d_gate | d_up] of h = silu(gate) * up, from y and dh (h's gradient), in y's dtype; with ``stats``, dy's
     row into that target."""
@@ -382,7 +411,7 @@ def swiglu_backward(y: torch.Tensor, dh: torch.Tensor, stats: "ts.Target | None"
     _swiglu_bwd_kernel[(programs,)](y2, dh2, dy, M, H, y2.stride(0),
                                     **ts.epilogue_args(stats, programs, dy, later=True), BM=BM, BN=BN,
                                     SOFT_ROUND=INTERPRET, num_warps=WARPS,
-                                    STAGES=BWD_STATS_STAGES if stats is not None else 1,
+                                    STAGES=_bwd_stages(stats, y.dtype),
                                     **reg_cap(STATS_MAXNREG if stats is not None else None))
     return dy.reshape(y.shape)
 
