@@ -13,6 +13,13 @@ Triton 3.6 wheel the GPU machines run, unpacked apart from the project's own::
 With ``SASS_OUT=file`` the last kernel's SASS is written to that file; with ``SASS_OUT=dir`` (an existing directory)
 every kernel's, one file each.
 
+``--launch-check`` runs every launcher of a kernel with a statistics row, in bf16 and fp32, with and without the
+histogram, and says whether each kernel it runs would launch. The histogram's tables are static shared memory on top
+of Triton's dynamic shared memory, and Triton opts a kernel into more than the default 48 KiB only when its own part
+is above 48 KiB. A kernel whose own part lies within a table's size under 48 KiB fails its launch with "invalid
+argument" (an fp32 SwiGLU backward did on an H200, bench/RESULTS.md). Exit status 1 when any would fail. The project's
+own Triton (3.9 with torch 2.13) builds for sm_90a too: tests/trainer/test_launch_shared_memory.py runs this in CI.
+
 The driver is replaced by a stand-in that reports an sm_90 device and a CPU torch device, and each launch becomes
 ``JITFunction.warmup`` (compile only). Counts are static: instructions in the loop body, not executed ones.
 """
@@ -133,12 +140,16 @@ def main(argv=None) -> int:
     p.add_argument("--standalone", action="store_true", help="the standalone statistics kernel (a given scale)")
     p.add_argument("--consumers", action="store_true",
                    help="the consumer kernels (trainer/kernels/swiglu.py, residual.py), bf16, with and without rows")
+    p.add_argument("--launch-check", action="store_true",
+                   help="every kernel with a statistics row: would its shared memory launch? (exit 1 if not)")
     args = p.parse_args(argv)
     driver.set_active(_Sm90())
     sys.path.insert(0, str(ROOT))
     qt = importlib.import_module("trainer.kernels.quantize_transpose")
     ts = importlib.import_module("agent.triton_stats")
     built: dict = {}
+    if args.launch_check:
+        return _launch_check(ts)
     if args.consumers:
         return _consumers(ts, built)
     if args.standalone:
@@ -216,6 +227,118 @@ def _consumers(ts, built: dict) -> int:
             heads._merge_heads_kernel = _CompileOnly(hk, f"{name} (head size {hd})", built)
             heads.merge_heads_forward(y, stats=ts.Target.new(cpu, fmt="e4m3", hist=False) if row else None)
     return _report(built, "consumer kernels, bf16, rows without the histogram (but where named)", "LDG")
+
+
+DEFAULT_SMEM = 48 * 1024  # a launch's shared memory without opting in
+OPTIN_SMEM = 227 * 1024  # the most an H100's or H200's block may opt in to (shared_memory_per_block_optin)
+# The 1 KiB that sm_90 reserves for the system in a block that uses shared memory: cuobjdump counts it in SHARED, but
+# it is not the kernel's. (On an H200 a kernel with SHARED 1024 and 49152 bytes of Triton's launched; one with 9216,
+# the histogram's 8 KiB table more, did not: bench/RESULTS.md.)
+RESERVED_SMEM = 1024
+
+
+def launch_verdict(static: int, dynamic: int) -> str:
+    """Whether a kernel with ``static`` bytes of shared memory by cuobjdump and ``dynamic`` of Triton's launches:
+    Triton's driver (``load_binary``) opts in only when the dynamic part is above 48 KiB, and then to the opt-in
+    limit; below it the kernel's own static part and the dynamic one share the default 48 KiB."""
+    if dynamic > DEFAULT_SMEM:
+        return "ok" if static + dynamic <= OPTIN_SMEM else "FAILS: over the opt-in limit"
+    if max(static - RESERVED_SMEM, 0) + dynamic <= DEFAULT_SMEM:
+        return "ok"
+    return "FAILS: over 48 KiB, and Triton does not opt in"
+
+
+def _static_shared(kernel) -> int:
+    """The cubin's static shared memory (cuobjdump's SHARED), bytes."""
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin], capture_output=True, text=True).stdout
+    return int(re.search(r"SHARED:(\d+)", usage).group(1))
+
+
+_STATS_MODULES = ("agent.triton_stats", "trainer.kernels.quantize", "trainer.kernels.quantize_transpose",
+                  "trainer.kernels.swiglu", "trainer.kernels.residual", "trainer.kernels.rope", "trainer.kernels.rmsnorm",
+                  "trainer.kernels.heads")
+
+
+def _stats_builds(ts) -> list:
+    """(name, build) for every launcher that runs a kernel with a statistics row, in each dtype it takes, with and
+    without the histogram; ``build()`` calls the launcher once."""
+    mod = importlib.import_module
+    sw, res, rope, norm = (mod(f"trainer.kernels.{m}") for m in ("swiglu", "residual", "rope", "rmsnorm"))
+    heads, q, qt = mod("trainer.kernels.heads"), mod("trainer.kernels.quantize"), mod("trainer.kernels.quantize_transpose")
+    cpu = torch.device("cpu")
+    out = []
+    for dt in (torch.bfloat16, torch.float32):
+        for hist in (False, True):
+            def tgt(fmt="e4m3", hist=hist):
+                return ts.Target.new(cpu, fmt=fmt, hist=hist)
+
+            def plain_swiglu(y, tgt):
+                words, sw.WORDS = sw.WORDS, False
+                try:
+                    sw.swiglu_forward(y, stats=tgt(), h_stats=tgt())
+                finally:
+                    sw.WORDS = words
+
+            at = f"{str(dt).removeprefix('torch.')}, hist={hist}"
+            y, dh = torch.zeros(4096, 2 * 2048, dtype=dt), torch.zeros(4096, 2048, dtype=dt)
+            x, b = torch.zeros(4096, 2048), torch.zeros(4096, 2048, dtype=dt)
+            qkv, trig = torch.zeros(2, 2048, 3 * 2048, dtype=dt), torch.zeros(2048, 64)
+            d = torch.zeros(2, 16, 2048, 128, dtype=dt)
+            out += [
+                (f"standalone ({at})",
+                 lambda x=torch.zeros(1 << 22, dtype=dt), hist=hist: ts.partials(x, fmt="e4m3", scale=4.0, hist=hist)),
+                (f"cast, current scaling ({at})", lambda x=y, tgt=tgt: q.quantize(x, "e4m3", stats=tgt())),
+                (f"cast and transpose, delayed scaling ({at})",
+                 lambda x=y, tgt=tgt: qt.quantize_transpose(x, "e4m3", torch.tensor(4.0), torch.zeros(()), stats=tgt())),
+                (f"swiglu fwd + y, h rows ({at})", lambda y=y, tgt=tgt: plain_swiglu(y, tgt)),
+                (f"swiglu fwd + y row, words where bf16 ({at})", lambda y=y, tgt=tgt: sw.swiglu_forward(y, stats=tgt())),
+                (f"swiglu bwd + dy row ({at})", lambda y=y, dh=dh, tgt=tgt: sw.swiglu_backward(y, dh, stats=tgt("e5m2"))),
+                (f"residual add + row ({at})", lambda x=x, b=b, tgt=tgt: res.residual_add_forward(x, b, stats=tgt())),
+                (f"residual grad cast + row ({at})", lambda x=x, dt=dt, tgt=tgt: res.branch_grad(x, dt, tgt("e5m2"))),
+                (f"rope fwd + row ({at})",
+                 lambda qkv=qkv, trig=trig, tgt=tgt: rope.rope_qkv_forward(qkv, trig, trig, 16, stats=tgt())),
+                (f"rope bwd + row ({at})",
+                 lambda d=d, trig=trig, dt=dt, tgt=tgt: rope.rope_qkv_backward(d, d, d, trig, trig, dt, stats=tgt("e5m2"))),
+                (f"heads + row ({at})",
+                 lambda y=torch.zeros(2, 16, 1024, 64, dtype=dt), tgt=tgt: heads.merge_heads_forward(y, stats=tgt())),
+            ]
+            for d_model in (768, 2048):
+                out.append((f"rmsnorm fwd + row, {d_model} ({at})",
+                            lambda x=torch.zeros(4096, d_model, dtype=dt), w=torch.zeros(d_model), tgt=tgt:
+                            norm.rms_norm_forward(x, w, 1e-6, stats=tgt())))
+    return out
+
+
+def _launch_check(ts) -> int:
+    """Builds every launcher of ``_stats_builds`` with each of its modules' kernels compiled only, and reports the
+    shared memory of every kernel it ran."""
+    print(f"# triton {triton.__version__}, sm_90a: shared memory of the kernels that launchers with a row run")
+    kernels = {}
+    for name in _STATS_MODULES:
+        module = importlib.import_module(name)
+        kernels.update({(module, attr): fn for attr, fn in vars(module).items()  # launched ones (not the helpers)
+                        if isinstance(fn, triton.runtime.jit.JITFunction) and attr.endswith("_kernel")})
+    failing = 0
+    for name, build in _stats_builds(ts):
+        built: dict = {}
+        for (module, attr), fn in kernels.items():
+            setattr(module, attr, _CompileOnly(fn, attr, built))
+        try:
+            build()
+        finally:
+            for (module, attr), fn in kernels.items():
+                setattr(module, attr, fn)
+        for attr, compiled in built.items():
+            static, dynamic = _static_shared(compiled), compiled.metadata.shared
+            verdict = launch_verdict(static, dynamic)
+            failing += verdict != "ok"
+            print(f"{name}: {attr}: static {static} + dynamic {dynamic} B: {verdict}")
+    print(f"{failing} would fail to launch")
+    return 1 if failing else 0
 
 
 def _report(built: dict, what: str, need: str = "") -> int:

@@ -1,0 +1,40 @@
+"""Every kernel that takes a statistics row must launch on an sm_90 GPU (H100, H200). The histogram's tables are
+static shared memory on top of Triton's own, and Triton opts a launch into more than 48 KiB only when its own part is
+above that: a kernel whose own part lands just under 48 KiB fails with "invalid argument", on a GPU only (an fp32
+SwiGLU backward did on an H200). ``bench/offline_sass.py --launch-check`` builds each such kernel for sm_90a with the
+Triton installed here, no GPU needed, and checks its shared memory."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.offline_sass import launch_verdict
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_launch_rule_is_what_an_h200_did():
+    # (cuobjdump's static bytes, Triton's dynamic bytes), as the H200 ran them (bench/RESULTS.md)
+    assert launch_verdict(1024, 49152) == "ok"  # 1 KiB the system reserves, and Triton's 48 KiB: launched
+    assert launch_verdict(9216, 49152).startswith("FAILS")  # the 8 KiB table on top: "invalid argument"
+    assert launch_verdict(9216, 57344) == "ok"  # above 48 KiB Triton opts in
+    assert launch_verdict(9216, 227 * 1024).startswith("FAILS")  # past what a block may opt in to
+
+
+@pytest.mark.timeout(900)
+def test_every_kernel_with_a_statistics_row_would_launch_on_sm90():
+    triton = pytest.importorskip("triton")
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not (bin_dir / "ptxas").exists() or not (bin_dir / "cuobjdump").exists():
+        pytest.skip(f"Triton {triton.__version__} brings no ptxas/cuobjdump to build for sm_90a")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONWARNINGS"] = "ignore"
+    run = subprocess.run([sys.executable, "bench/offline_sass.py", "--launch-check"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=880)
+    report = run.stdout + run.stderr[-3000:]
+    assert run.returncode == 0, report
+    assert "0 would fail to launch" in run.stdout, report
+    assert run.stdout.count(": ok") >= 50, report  # every launcher built its kernels (none skipped quietly)
