@@ -248,27 +248,25 @@ def launch_verdict(static: int, dynamic: int) -> str:
     return "FAILS: over 48 KiB, and Triton does not opt in"
 
 
-def _static_shared(kernel) -> int:
-    """The cubin's static shared memory (cuobjdump's SHARED), bytes."""
+def _cuobjdump(kernel, flag: str) -> str:
+    """``cuobjdump flag`` of a compiled kernel's cubin (Triton's bundled cuobjdump)."""
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin], capture_output=True, text=True).stdout
-    return int(re.search(r"SHARED:(\d+)", usage).group(1))
+        return subprocess.run([cuobjdump, flag, cubin], capture_output=True, text=True).stdout
 
 
 _STATS_MODULES = ("agent.triton_stats", "trainer.kernels.quantize", "trainer.kernels.quantize_transpose",
-                  "trainer.kernels.swiglu", "trainer.kernels.residual", "trainer.kernels.rope", "trainer.kernels.rmsnorm",
-                  "trainer.kernels.heads")
+                  "trainer.kernels.swiglu", "trainer.kernels.residual", "trainer.kernels.rope",
+                  "trainer.kernels.rmsnorm", "trainer.kernels.heads")
 
 
 def _stats_builds(ts) -> list:
     """(name, build) for every launcher that runs a kernel with a statistics row, in each dtype it takes, with and
     without the histogram; ``build()`` calls the launcher once."""
-    mod = importlib.import_module
-    sw, res, rope, norm = (mod(f"trainer.kernels.{m}") for m in ("swiglu", "residual", "rope", "rmsnorm"))
-    heads, q, qt = mod("trainer.kernels.heads"), mod("trainer.kernels.quantize"), mod("trainer.kernels.quantize_transpose")
+    sw, res, rope, norm, heads, q, qt = (importlib.import_module(f"trainer.kernels.{m}") for m in (
+        "swiglu", "residual", "rope", "rmsnorm", "heads", "quantize", "quantize_transpose"))
     cpu = torch.device("cpu")
     out = []
     for dt in (torch.bfloat16, torch.float32):
@@ -292,17 +290,19 @@ def _stats_builds(ts) -> list:
                 (f"standalone ({at})",
                  lambda x=torch.zeros(1 << 22, dtype=dt), hist=hist: ts.partials(x, fmt="e4m3", scale=4.0, hist=hist)),
                 (f"cast, current scaling ({at})", lambda x=y, tgt=tgt: q.quantize(x, "e4m3", stats=tgt())),
-                (f"cast and transpose, delayed scaling ({at})",
-                 lambda x=y, tgt=tgt: qt.quantize_transpose(x, "e4m3", torch.tensor(4.0), torch.zeros(()), stats=tgt())),
+                (f"cast and transpose, delayed scaling ({at})", lambda x=y, tgt=tgt: qt.quantize_transpose(
+                    x, "e4m3", torch.tensor(4.0), torch.zeros(()), stats=tgt())),
                 (f"swiglu fwd + y, h rows ({at})", lambda y=y, tgt=tgt: plain_swiglu(y, tgt)),
-                (f"swiglu fwd + y row, words where bf16 ({at})", lambda y=y, tgt=tgt: sw.swiglu_forward(y, stats=tgt())),
-                (f"swiglu bwd + dy row ({at})", lambda y=y, dh=dh, tgt=tgt: sw.swiglu_backward(y, dh, stats=tgt("e5m2"))),
+                (f"swiglu fwd + y row, words where bf16 ({at})",
+                 lambda y=y, tgt=tgt: sw.swiglu_forward(y, stats=tgt())),
+                (f"swiglu bwd + dy row ({at})",
+                 lambda y=y, dh=dh, tgt=tgt: sw.swiglu_backward(y, dh, stats=tgt("e5m2"))),
                 (f"residual add + row ({at})", lambda x=x, b=b, tgt=tgt: res.residual_add_forward(x, b, stats=tgt())),
                 (f"residual grad cast + row ({at})", lambda x=x, dt=dt, tgt=tgt: res.branch_grad(x, dt, tgt("e5m2"))),
                 (f"rope fwd + row ({at})",
                  lambda qkv=qkv, trig=trig, tgt=tgt: rope.rope_qkv_forward(qkv, trig, trig, 16, stats=tgt())),
-                (f"rope bwd + row ({at})",
-                 lambda d=d, trig=trig, dt=dt, tgt=tgt: rope.rope_qkv_backward(d, d, d, trig, trig, dt, stats=tgt("e5m2"))),
+                (f"rope bwd + row ({at})", lambda d=d, trig=trig, dt=dt, tgt=tgt: rope.rope_qkv_backward(
+                    d, d, d, trig, trig, dt, stats=tgt("e5m2"))),
                 (f"heads + row ({at})",
                  lambda y=torch.zeros(2, 16, 1024, 64, dtype=dt), tgt=tgt: heads.merge_heads_forward(y, stats=tgt())),
             ]
@@ -333,7 +333,8 @@ def _launch_check(ts) -> int:
             for (module, attr), fn in kernels.items():
                 setattr(module, attr, fn)
         for attr, compiled in built.items():
-            static, dynamic = _static_shared(compiled), compiled.metadata.shared
+            static = int(re.search(r"SHARED:(\d+)", _cuobjdump(compiled, "--dump-resource-usage")).group(1))
+            dynamic = compiled.metadata.shared
             verdict = launch_verdict(static, dynamic)
             failing += verdict != "ok"
             print(f"{name}: {attr}: static {static} + dynamic {dynamic} B: {verdict}")
@@ -342,30 +343,25 @@ def _launch_check(ts) -> int:
 
 
 def _report(built: dict, what: str, need: str = "") -> int:
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     print(f"# triton {triton.__version__}, sm_90a, {what}")
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, kernel in built.items():
-            cubin = Path(tmp) / f"{name}.cubin"
-            cubin.write_bytes(kernel.asm["cubin"])
-            usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin], capture_output=True, text=True).stdout
-            sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True).stdout
-            out = os.environ.get("SASS_OUT")
-            if out and Path(out).is_dir():
-                (Path(out) / f"{re.sub(r'[^a-z0-9]+', '_', name)}.sass").write_text(sass)
-            elif out:
-                Path(out).write_text(sass)
-            n, mix = longest_loop(sass, need)
-            total = len(re.findall(r"^\s*/\*[0-9a-f]+\*/\s+\S", sass, re.M))
-            regs = " ".join(re.findall(r"REG:\d+|STACK:\d+|SHARED:\d+", usage))
-            regs += f" +{kernel.metadata.shared} B dynamic"
-            top = ", ".join(f"{k} {v}" for k, v in mix.most_common(8))
-            print(f"{name}: {regs}, {total} instructions; longest loop {n} (LDL {mix['LDL']}, STL {mix['STL']}, "
-                  f"SHFL {mix['SHFL']}, BAR {mix['BAR']}): {top}")
-            if need:  # the standalone kernel holds one tile loop per dtype path (bf16 words, fp16, fp32, ...)
-                print(f"  loops holding {need}, in program order: " + ", ".join(str(f[0]) for f in loops(sass, need)))
-                print("  branches in the longest loop (at -> to): " + ", ".join(
-                    f"{i} -> {'out' if j is None else j}" for i, j in loop_branches(sass, need)))
+    for name, kernel in built.items():
+        usage, sass = _cuobjdump(kernel, "--dump-resource-usage"), _cuobjdump(kernel, "-sass")
+        out = os.environ.get("SASS_OUT")
+        if out and Path(out).is_dir():
+            (Path(out) / f"{re.sub(r'[^a-z0-9]+', '_', name)}.sass").write_text(sass)
+        elif out:
+            Path(out).write_text(sass)
+        n, mix = longest_loop(sass, need)
+        total = len(re.findall(r"^\s*/\*[0-9a-f]+\*/\s+\S", sass, re.M))
+        regs = " ".join(re.findall(r"REG:\d+|STACK:\d+|SHARED:\d+", usage))
+        regs += f" +{kernel.metadata.shared} B dynamic"
+        top = ", ".join(f"{k} {v}" for k, v in mix.most_common(8))
+        print(f"{name}: {regs}, {total} instructions; longest loop {n} (LDL {mix['LDL']}, STL {mix['STL']}, "
+              f"SHFL {mix['SHFL']}, BAR {mix['BAR']}): {top}")
+        if need:  # the standalone kernel holds one tile loop per dtype path (bf16 words, fp16, fp32, ...)
+            print(f"  loops holding {need}, in program order: " + ", ".join(str(f[0]) for f in loops(sass, need)))
+            print("  branches in the longest loop (at -> to): " + ", ".join(
+                f"{i} -> {'out' if j is None else j}" for i, j in loop_branches(sass, need)))
     return 0
 
 
