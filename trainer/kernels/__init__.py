@@ -6,6 +6,8 @@
   swiglu              silu(gate) * up of y = [gate | up], forward and backward in one pass each, with y's row
   residual            a block's residual add, with the branch's row
   rope                RoPE on the attention's qkv output, forward and backward in one pass each, with its row
+  heads               the attention's heads merged for its projection, with that input's row
+  rmsnorm             RMSNorm forward and backward in one pass each, with the output's row
   words               bf16 tensors as 32-bit words (the consumer kernels' bf16x2 statistics)
 
 Importing this package imports Triton; ``trainer.fp8_linear`` imports it only when it runs the Triton
