@@ -13,6 +13,13 @@ its output, the next linear's input) against torch's ops; RoPE on the qkv output
     python3 bench/consumers.py --stages 1,2,3   # the kernels with rows at each software-pipelining depth
     python3 bench/consumers.py --variants "default;trainer.kernels.residual.BLOCK=4096"   # ... in each setting
     python3 bench/consumers.py --variants "default;agent.triton_stats.FUSED_MERGE='last'"
+
+With ``--ncu [SHAPE]`` each kernel runs once with and once without its row, nothing timed, between
+``cudaProfilerStart`` and ``cudaProfilerStop`` (compiled before), for hardware counters::
+
+    ncu --clock-control none --profile-from-start off --section SpeedOfLight --section ComputeWorkloadAnalysis \
+        --section SchedulerStats --section WarpStateStats --section LaunchStats --metrics smsp__inst_executed.sum \
+        python3 bench/consumers.py --ncu 124m
 """
 
 import argparse
@@ -71,9 +78,14 @@ def main(argv=None) -> None:
                                     "(every module's STATS_STAGES), only that")
     p.add_argument("--variants", help="the kernels with rows under each variant (bench/variants.py), only that")
     p.add_argument("--only-norm", action="store_true", help="the RMSNorm timings only")
+    p.add_argument("--ncu", nargs="?", const="124m", choices=list(SHAPES),
+                   help="each kernel once with and once without its row, for ncu (see above), nothing timed")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name())
+    if args.ncu:
+        for_ncu(args.ncu, dev)
+        return
     if args.stages or args.variants:
         variants = parse_all(args.variants) if args.variants else [(f"STATS_STAGES={d}", [
             (importlib.import_module(f"trainer.kernels.{m}"), a, int(d))
@@ -148,11 +160,15 @@ def sweep(name: str, variants: list[tuple[str, list]], dev: torch.device) -> Non
     b = torch.randn(tokens, d_model, device=dev).to(torch.bfloat16)
     rot, qkv, grads = _rope_inputs(batch, seq, d_model, heads, dev)
     tgt = StepRows(dev)
+    w = torch.randn(d_model, device=dev) + 1.0
     kernels = {
+        "swiglu fwd": lambda: swiglu_forward(y),
         "swiglu fwd + row": lambda: swiglu_forward(y, stats=tgt()),
         "swiglu fwd + row, hist": lambda: swiglu_forward(y, stats=tgt(True)),
         "swiglu fwd + row, fp32 path": lambda: fp32_path(lambda: swiglu_forward(y, stats=tgt())),
+        "swiglu bwd": lambda: swiglu_backward(y, dh),
         "swiglu bwd + row": lambda: swiglu_backward(y, dh, stats=tgt()),
+        "rmsnorm + row": lambda: rms_norm_forward(x, w, 1e-6, stats=tgt()),
         "residual add + row": lambda: residual_add_forward(x, b, stats=tgt()),
         "residual add + row, hist": lambda: residual_add_forward(x, b, stats=tgt(True)),
         "residual grad cast + row": lambda: branch_grad(x, torch.bfloat16, tgt()),
@@ -179,6 +195,45 @@ def sweep(name: str, variants: list[tuple[str, list]], dev: torch.device) -> Non
     for v, _ in variants:
         print(f"  {v}: " + ", ".join(f"{k} {t[(k, v)] * 1e3:.1f}" if (k, v) in t else f"{k} -" for k in kernels),
               flush=True)
+
+
+def for_ncu(name: str, dev: torch.device) -> None:
+    """Each consumer kernel at ``name``'s shape (bf16), without and with its row (no histogram), one launch each
+    inside the profiler's range, in the order printed."""
+    from trainer.kernels.rope import rope_qkv_backward, rope_qkv_forward
+
+    tokens, hidden, d_model = SHAPES[name]
+    batch, seq, heads = ROPE_SHAPES[name]
+    tgt = StepRows(dev)
+    y = torch.randn(tokens, 2 * hidden, device=dev).to(torch.bfloat16)
+    dh = torch.randn(tokens, hidden, device=dev).to(torch.bfloat16)
+    rot, qkv, grads = _rope_inputs(batch, seq, d_model, heads, dev)
+    x = torch.randn(tokens, d_model, device=dev)
+    b = torch.randn(tokens, d_model, device=dev).to(torch.bfloat16)
+    w = torch.randn(d_model, device=dev) + 1.0
+    fns = {
+        "swiglu forward": lambda: swiglu_forward(y),
+        "swiglu forward + y's row (words)": lambda: swiglu_forward(y, stats=tgt()),
+        "swiglu backward": lambda: swiglu_backward(y, dh),
+        "swiglu backward + dy's row": lambda: swiglu_backward(y, dh, stats=tgt()),
+        "rope forward": lambda: rope_qkv_forward(qkv, rot.cos, rot.sin, heads),
+        "rope forward + row": lambda: rope_qkv_forward(qkv, rot.cos, rot.sin, heads, stats=tgt()),
+        "rope backward": lambda: rope_qkv_backward(*grads, rot.cos, rot.sin, torch.bfloat16),
+        "rope backward + row": lambda: rope_qkv_backward(*grads, rot.cos, rot.sin, torch.bfloat16, stats=tgt()),
+        "residual add": lambda: residual_add_forward(x, b),
+        "residual add + row": lambda: residual_add_forward(x, b, stats=tgt()),
+        "rmsnorm": lambda: rms_norm_forward(x, w, 1e-6),
+        "rmsnorm + row": lambda: rms_norm_forward(x, w, 1e-6, stats=tgt()),
+    }
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for label, fn in fns.items():
+        print(label, flush=True)
+        fn()
+        torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
 
 
 def _rope_inputs(batch: int, seq: int, d_model: int, n_head: int, dev: torch.device):
