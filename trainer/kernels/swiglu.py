@@ -44,11 +44,16 @@ from .words import pack, unpack
 
 BM, BN = 32, 128
 PROGRAMS_PER_SM = 4
-# Persistent programs per SM of the kernels with a row: two hold every register at the cap (128 a thread, 8 warps),
-# so two make one wave; more queued a second wave and were slower on an H100 (bench/RESULTS.md). (The uncapped forward
-# with both rows, taken only with WORDS off, fits one.)
-STATS_PROGRAMS_PER_SM = 2
 WARPS = 8
+# The kernels with a row take tiles of STATS_BM rows in programs of STATS_WARPS warps, STATS_PROGRAMS_PER_SM per SM: at
+# the register cap (128 a thread) 16 warps fill an SM's registers either as two programs of 8 warps (BM 32, the plain
+# kernels' shape) or as four of 4. ncu on an H200 found the 8-warp programs issuing in 68% of cycles, their warps
+# waiting together at the software pipeline's barrier and on shared memory; four programs of 4 warps were 10% faster
+# forward and 9% backward there, while the plain kernels in that shape were slower (bench/RESULTS.md). More programs
+# queue a second wave. (The uncapped forward with both rows, taken only with WORDS off, fits fewer.)
+STATS_BM = 16
+STATS_WARPS = 4
+STATS_PROGRAMS_PER_SM = 4
 # a statistics row is a thread's 16-byte load of y: at 16, each row spanned two threads, one shuffle per sum per row
 _V = tl.constexpr(8)
 # y's row through y's 32-bit words (``_swiglu_fwd_words_kernel``) where y is bf16 of even width, h's row then deferred
@@ -354,8 +359,10 @@ def _swiglu_bwd_kernel(y_ptr, dh_ptr, dy_ptr, M, H, stride_y, sp_ptr, ctr_ptr, d
                        outl, under, over, amax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST, SMODE)
 
 
-def _programs(tiles: int, device: torch.device, rows: bool) -> int:
-    return persistent_programs(tiles, STATS_PROGRAMS_PER_SM if rows else PROGRAMS_PER_SM, device)
+def _launch_shape(M: int, H: int, device: torch.device, rows: bool) -> tuple[int, int, int]:
+    """(programs, tile rows, warps) of a launch over h (M, H), with a statistics row or without."""
+    bm, warps, per_sm = (STATS_BM, STATS_WARPS, STATS_PROGRAMS_PER_SM) if rows else (BM, WARPS, PROGRAMS_PER_SM)
+    return persistent_programs(cdiv(M, bm) * cdiv(H, BN), per_sm, device), bm, warps
 
 
 def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
@@ -370,19 +377,19 @@ def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
         y2 = y2.contiguous()
     M, H = y2.shape[0], two_h // 2
     h = torch.empty((M, H), dtype=y.dtype, device=y.device)
-    programs = _programs(cdiv(M, BM) * cdiv(H, BN), y.device, stats is not None or h_stats is not None)
+    programs, bm, warps = _launch_shape(M, H, y.device, stats is not None or h_stats is not None)
     if (WORDS and stats is not None and y.dtype == torch.bfloat16 and H % 2 == 0 and y2.stride(0) % 2 == 0
             and y2.data_ptr() % 4 == 0 and (not stats.hist or ts.SMEM_HIST)):
         _swiglu_fwd_words_kernel[(programs,)](y2, h, M, H, y2.stride(0),
-                                              **ts.epilogue_args(stats, programs, h, later=True), BM=BM, BN=BN,
-                                              SOFT_ROUND=INTERPRET, num_warps=WARPS, STAGES=STATS_STAGES,
+                                              **ts.epilogue_args(stats, programs, h, later=True), BM=bm, BN=BN,
+                                              SOFT_ROUND=INTERPRET, num_warps=warps, STAGES=STATS_STAGES,
                                               **reg_cap(STATS_MAXNREG))
         if h_stats is not None:  # h's row by the next statistics launch: cheaper than a second row here (RESULTS)
             ts.defer(h, h_stats)
         return h.reshape(*y.shape[:-1], H)
     _swiglu_fwd_kernel[(programs,)](y2, h, M, H, y2.stride(0), **ts.epilogue_args(stats, programs, h, later=True),
-                                    **ts.epilogue_args(h_stats, programs, h, "_h", counter_row=1), BM=BM, BN=BN,
-                                    SOFT_ROUND=INTERPRET, num_warps=WARPS,
+                                    **ts.epilogue_args(h_stats, programs, h, "_h", counter_row=1), BM=bm, BN=BN,
+                                    SOFT_ROUND=INTERPRET, num_warps=warps,
                                     STAGES=STATS_STAGES if stats is not None or h_stats is not None else 1,
                                     **reg_cap(STATS_MAXNREG if stats is not None and h_stats is None else None))
     return h.reshape(*y.shape[:-1], H)
@@ -407,10 +414,10 @@ def swiglu_backward(y: torch.Tensor, dh: torch.Tensor, stats: "ts.Target | None"
     M, H = y2.shape[0], two_h // 2
     dh2 = dh.reshape(M, H).to(y.dtype).contiguous()
     dy = torch.empty((M, two_h), dtype=y.dtype, device=y.device)
-    programs = _programs(cdiv(M, BM) * cdiv(H, BN), y.device, stats is not None)
+    programs, bm, warps = _launch_shape(M, H, y.device, stats is not None)
     _swiglu_bwd_kernel[(programs,)](y2, dh2, dy, M, H, y2.stride(0),
-                                    **ts.epilogue_args(stats, programs, dy, later=True), BM=BM, BN=BN,
-                                    SOFT_ROUND=INTERPRET, num_warps=WARPS,
+                                    **ts.epilogue_args(stats, programs, dy, later=True), BM=bm, BN=BN,
+                                    SOFT_ROUND=INTERPRET, num_warps=warps,
                                     STAGES=_bwd_stages(stats, y.dtype),
                                     **reg_cap(STATS_MAXNREG if stats is not None else None))
     return dy.reshape(y.shape)
