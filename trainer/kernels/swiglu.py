@@ -396,9 +396,11 @@ def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
 
 
 def _bwd_stages(stats: "ts.Target | None", dtype: torch.dtype) -> int:
-    """The backward's pipelining depth. An fp32 tile's buffer takes exactly the 48 KiB a launch gets without opting in
-    (Triton opts in only above it), so with the histogram's static table (``triton_stats._htab``) the launch failed on
-    an H200 ("invalid argument"): fp32 with the histogram takes no pipelining."""
+    """The backward's pipelining depth. With tiles of 32 rows an fp32 tile's buffers took exactly the 48 KiB a launch
+    gets without opting in (Triton opts in only above it), so with the histogram's static table
+    (``triton_stats._htab``) the launch failed on an H200 ("invalid argument"). At 16 rows (``STATS_BM``) they take
+    24 KiB, but fp32 with the histogram keeps no pipelining: the depth stays safe for any tile that
+    ``bench/offline_sass.py --launch-check`` has not seen."""
     if stats is None or (stats.hist and dtype == torch.float32):
         return 1
     return BWD_STATS_STAGES
