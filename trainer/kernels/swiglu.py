@@ -61,14 +61,15 @@ _V = tl.constexpr(8)
 WORDS = os.environ.get("FP8MON_SWIGLU_WORDS", "1") == "1"
 # Software-pipelining depth of the tile loops of the kernels with a row (``tl.range``'s num_stages: from 2 on, Triton
 # issues the next tiles' loads into shared memory, cp.async, ahead of this tile's arithmetic, which the rows make long);
-# the forward's and the backward's, by ``bench/consumers.py --stages`` on an H100 (bench/RESULTS.md). Without a row
-# the kernels stream at copy speed and take 1.
+# the forward's and the backward's, by ``bench/consumers.py --stages`` on an H100, and still the best of 1-3 for the
+# 4-warp programs on an H200 (bench/RESULTS.md). Without a row the kernels stream at copy speed and take 1.
 STATS_STAGES = 3
 BWD_STATS_STAGES = 2
 _SOFT_ROUND = tl.constexpr(INTERPRET)  # for the careful path's loaders of h and dy (the kernels take it as an argument)
 # Register cap of the forward with y's row only (ptxas; None: uncapped). In an offline sm_90a build
-# (bench/offline_sass.py --consumers) it took 162 registers uncapped, one program of 8 warps per SM, and 128 with no
-# spill at this cap (two per SM); with h's row too, 213 uncapped, and this cap spilled in the tile loop (14 loads,
+# (bench/offline_sass.py --consumers) of 8-warp programs with 32-row tiles it took 162 registers uncapped, one program
+# per SM, and 128 with no spill at this cap (two per SM; with 4 warps and 16 rows, 128 and 360 bytes of stack after
+# the tile loop, four per SM); with h's row too, 213 uncapped, and this cap spilled in the tile loop (14 loads,
 # 18 stores): uncapped there. The backward with dy's row: 182 uncapped, 128 at this cap with 40 bytes of stack outside
 # its tile loop.
 STATS_MAXNREG: int | None = 128
