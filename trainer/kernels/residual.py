@@ -36,6 +36,10 @@ PROGRAMS_PER_SM = 4
 STATS_PROGRAMS_PER_SM = 2
 STATS_MAXNREG = 128
 WARPS = 8
+# Blocks and warps of the kernels with a row (``trainer.kernels.swiglu.STATS_WARPS`` says why smaller programs can be
+# faster: on an H200 SwiGLU's were)
+STATS_BLOCK = 2048
+STATS_WARPS = 8
 # Software-pipelining depth of the tile loops with a row (``tl.range``'s num_stages: from 2 on, Triton issues the
 # next blocks' loads into shared memory, cp.async, ahead of this block's arithmetic); by ``bench/consumers.py
 # --stages`` on an H100 (bench/RESULTS.md). Without a row the add streams at copy speed and takes 1.
@@ -158,8 +162,10 @@ def _branch_grad_kernel(g_ptr, db_ptr, n, sp_ptr, ctr_ptr, dst_ptr, dst_index, m
                    under, over, amax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST, SMODE)
 
 
-def _programs(n: int, device: torch.device, rows: bool) -> int:
-    return persistent_programs(cdiv(n, BLOCK), STATS_PROGRAMS_PER_SM if rows else PROGRAMS_PER_SM, device)
+def _launch_shape(n: int, device: torch.device, rows: bool) -> tuple[int, int, int]:
+    """(programs, block, warps) of a launch over n elements, with a statistics row or without."""
+    block, warps, per_sm = (STATS_BLOCK, STATS_WARPS, STATS_PROGRAMS_PER_SM) if rows else (BLOCK, WARPS, PROGRAMS_PER_SM)
+    return persistent_programs(cdiv(n, block), per_sm, device), block, warps
 
 
 def branch_grad(g: torch.Tensor, dtype: torch.dtype, stats: "ts.Target", source_row: bool = False) -> torch.Tensor:
@@ -167,9 +173,9 @@ def branch_grad(g: torch.Tensor, dtype: torch.dtype, stats: "ts.Target", source_
     into ``stats``; with ``source_row`` the row of g, not of the result."""
     gc = g.contiguous()
     db = torch.empty(g.shape, dtype=dtype, device=g.device)
-    programs = _programs(db.numel(), g.device, True)
+    programs, block, warps = _launch_shape(db.numel(), g.device, True)
     _branch_grad_kernel[(programs,)](gc, db, db.numel(), **ts.epilogue_args(stats, programs, db, later=True),
-                                     BLOCK=BLOCK, SOFT_ROUND=INTERPRET, num_warps=WARPS, STAGES=STATS_STAGES,
+                                     BLOCK=block, SOFT_ROUND=INTERPRET, num_warps=warps, STAGES=STATS_STAGES,
                                      SOURCE_ROW=source_row, **reg_cap(STATS_MAXNREG))
     return db
 
@@ -209,9 +215,9 @@ def residual_add_forward(x: torch.Tensor, b: torch.Tensor, stats: "ts.Target | N
     xc, bc = x.contiguous(), b.contiguous()
     out = torch.empty(x.shape, dtype=torch.result_type(x, b), device=x.device)
     n = out.numel()
-    programs = _programs(n, x.device, stats is not None)
+    programs, block, warps = _launch_shape(n, x.device, stats is not None)
     _residual_add_kernel[(programs,)](xc, bc, out, n, **ts.epilogue_args(stats, programs, out, later=True),
-                                      BLOCK=BLOCK, SOFT_ROUND=INTERPRET, num_warps=WARPS,
+                                      BLOCK=block, SOFT_ROUND=INTERPRET, num_warps=warps,
                                       STAGES=STATS_STAGES if stats is not None else 1,
                                       **reg_cap(STATS_MAXNREG if stats is not None else None))
     return out

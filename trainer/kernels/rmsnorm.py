@@ -30,6 +30,10 @@ MAX_WIDTH = 16384  # wider rows: torch's ops (a tile holds one whole row)
 # bench/offline_sass.py --consumers), which with the histogram's 8 KiB table passed the 48 KiB a launch gets without
 # opting in, and the launch failed. Programs, warps and the register cap are the residual kernels'.
 STATS_STAGES = 2
+# Tile elements and warps of the forward with a row (``trainer.kernels.swiglu.STATS_WARPS`` says why smaller programs
+# can be faster); rows wider than STATS_TILE take the plain forward's warps
+STATS_TILE = TILE
+STATS_WARPS = WARPS
 # The statistics see a tile as [elements / V, V], summing each row of V in a thread. V = 4, the fp32 elements of a
 # thread's 16-byte load: with 8 (the residual kernels' choice for a flat block) the view crossed the tile's layout and
 # the offline build's tile loop held 56 more shuffles, 916 instructions against 794 (768 wide), and spilled with the
@@ -133,10 +137,10 @@ def _rms_norm_bwd_kernel(x_ptr, w_ptr, g_ptr, rstd_ptr, dx_ptr, dw_ptr, M, D, HA
         tl.store(dw_ptr + pid * D + cols, dw, mask=cols < D)
 
 
-def _shape(d: int) -> tuple[int, int]:
-    """(ROWS, BLOCK_D) of a tile of rows ``d`` wide."""
+def _shape(d: int, tile: int = TILE) -> tuple[int, int]:
+    """(ROWS, BLOCK_D) of a tile of about ``tile`` elements of rows ``d`` wide."""
     block_d = next_power_of_2(d)
-    return max(1, TILE // block_d), block_d
+    return max(1, tile // block_d), block_d
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -152,13 +156,16 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
     m = x.numel() // d
     y = torch.empty_like(x)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
-    rows, block_d = _shape(d)
-    programs = persistent_programs(cdiv(m, rows), STATS_PROGRAMS_PER_SM if stats is not None else PROGRAMS_PER_SM,
-                                   x.device)
+    if stats is None:
+        (rows, block_d), warps, per_sm = _shape(d), WARPS, PROGRAMS_PER_SM
+    else:
+        rows, block_d = _shape(d, STATS_TILE)
+        warps, per_sm = (STATS_WARPS if block_d <= STATS_TILE else WARPS), STATS_PROGRAMS_PER_SM
+    programs = persistent_programs(cdiv(m, rows), per_sm, x.device)
     _rms_norm_fwd_kernel[(programs,)](x, weight, y, rstd, m, d, float(eps),
                                       **ts.epilogue_args(stats, programs, y, later=True), ROWS=rows, BLOCK_D=block_d,
                                       SOFT_ROUND=INTERPRET, STAGES=STATS_STAGES if stats is not None else 1,
-                                      num_warps=WARPS, **reg_cap(STATS_MAXNREG if stats is not None else None))
+                                      num_warps=warps, **reg_cap(STATS_MAXNREG if stats is not None else None))
     return y, rstd
 
 

@@ -33,6 +33,9 @@ from .fp8_gemm import _to_out
 from .quantize import INTERPRET, cdiv, persistent_programs, reg_cap
 
 BT = 32  # positions per tile
+# positions per tile of the kernels with a row (their warps follow: ``_launch_shape``);
+# ``trainer.kernels.swiglu.STATS_WARPS`` says why smaller programs can be faster
+STATS_BT = 32
 PROGRAMS_PER_SM = 4
 # Persistent programs per SM of the kernels with a row: at the register cap (128 a thread) two of 8 warps fill an
 # SM's registers; four (a second wave, or with the 124M heads' 4 warps four resident) were slower on an H100
@@ -249,16 +252,17 @@ def _rope_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, cos_ptr, sin_ptr, T, NH, 
                        outl, under, over, amax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST, SMODE)
 
 
-def _programs(tiles: int, device: torch.device, rows: bool) -> int:
-    return persistent_programs(tiles, STATS_PROGRAMS_PER_SM if rows else PROGRAMS_PER_SM, device)
+def _launch_shape(b: int, t: int, nh: int, hd: int, device: torch.device, rows: bool) -> tuple[int, int, int, int]:
+    """(programs, tiles, positions per tile, warps) of a launch over b x nh heads of t positions, with a statistics
+    row or without. Warps for a tile of bt x hd / 2: 8 elements a thread (one 16-byte load of bf16, a whole statistics
+    row)."""
+    bt = STATS_BT if rows else BT
+    tiles = cdiv(t, bt) * b * nh
+    return (persistent_programs(tiles, STATS_PROGRAMS_PER_SM if rows else PROGRAMS_PER_SM, device), tiles, bt,
+            max(1, min(8, bt * (hd // 2) // (8 * 32))))
 
 
-def _warps(hd2: int) -> int:
-    """Warps for a tile of BT x hd2: 8 elements a thread (one 16-byte load of bf16, a whole statistics row)."""
-    return max(1, min(8, BT * hd2 // (8 * 32)))
-
-
-def _check(qkv: torch.Tensor, cos: torch.Tensor, n_head: int) -> tuple[int, int, int, int]:
+def _check(qkv: torch.Tensor, cos: torch.Tensor, n_head: int) -> tuple[int, int, int]:
     b, t, width = qkv.shape
     if width % (3 * n_head):
         raise ValueError(f"rope_qkv: the last dimension ({width}) is not 3 x {n_head} heads")
@@ -267,21 +271,21 @@ def _check(qkv: torch.Tensor, cos: torch.Tensor, n_head: int) -> tuple[int, int,
         raise ValueError(f"rope_qkv: head size {hd} is not a power of two >= 16")
     if cos.shape != (cos.shape[0], hd // 2) or t > cos.shape[0]:
         raise ValueError(f"rope_qkv: {t} positions of head size {hd} against cos/sin of {tuple(cos.shape)}")
-    return b, t, hd, cdiv(t, BT) * b * n_head
+    return b, t, hd
 
 
 def rope_qkv_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: int,
                      stats: "ts.Target | None" = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, k, v), each (B, NH, T, HD), of qkv (B, T, 3 * NH * HD) with positions 0..T-1 of ``cos``/``sin``
     (max_seq_len, HD / 2, fp32); with ``stats`` qkv's row into that target."""
-    b, t, hd, tiles = _check(qkv, cos, n_head)
+    b, t, hd = _check(qkv, cos, n_head)
     qkv = qkv.contiguous()
     q, k, v = (torch.empty(b, n_head, t, hd, dtype=qkv.dtype, device=qkv.device) for _ in range(3))
-    programs = _programs(tiles, qkv.device, stats is not None)
+    programs, tiles, bt, warps = _launch_shape(b, t, n_head, hd, qkv.device, stats is not None)
     _rope_fwd_kernel[(programs,)](qkv, q, k, v, cos.contiguous(), sin.contiguous(), t, n_head, tiles,
-                                  **ts.epilogue_args(stats, programs, qkv, later=True), BT=BT, HD2=hd // 2,
+                                  **ts.epilogue_args(stats, programs, qkv, later=True), BT=bt, HD2=hd // 2,
                                   SOFT_ROUND=INTERPRET, STAGES=STATS_STAGES if stats is not None else 1,
-                                  num_warps=_warps(hd // 2),
+                                  num_warps=warps,
                                   **reg_cap(STATS_MAXNREG if stats is not None else None))
     return q, k, v
 
@@ -291,13 +295,12 @@ def rope_qkv_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos:
     """qkv's gradient (B, T, 3 * NH * HD) in ``dtype`` from those of q, k and v (B, NH, T, HD); with ``stats`` its row
     into that target."""
     b, nh, t, hd = dv.shape
-    tiles = cdiv(t, BT) * b * nh
     dqkv = torch.empty(b, t, 3 * nh * hd, dtype=dtype, device=dv.device)
-    programs = _programs(tiles, dv.device, stats is not None)
+    programs, tiles, bt, warps = _launch_shape(b, t, nh, hd, dv.device, stats is not None)
     _rope_bwd_kernel[(programs,)](dq.contiguous(), dk.contiguous(), dv.contiguous(), dqkv, cos.contiguous(),
                                   sin.contiguous(), t, nh, tiles, **ts.epilogue_args(stats, programs, dqkv, later=True),
-                                  BT=BT, HD2=hd // 2, SOFT_ROUND=INTERPRET,
-                                  STAGES=STATS_STAGES if stats is not None else 1, num_warps=_warps(hd // 2),
+                                  BT=bt, HD2=hd // 2, SOFT_ROUND=INTERPRET,
+                                  STAGES=STATS_STAGES if stats is not None else 1, num_warps=warps,
                                   **reg_cap(STATS_MAXNREG if stats is not None else None))
     return dqkv
 
