@@ -11,6 +11,7 @@ its output, the next linear's input) against torch's ops; RoPE on the qkv output
     python3 bench/consumers.py
     python3 bench/consumers.py --only-norm         # RMSNorm only
     python3 bench/consumers.py --stages 1,2,3   # the kernels with rows at each software-pipelining depth
+    python3 bench/consumers.py --shapes 124m --variants "default;trainer.kernels.rope.STATS_BT=16"  # one shape
     python3 bench/consumers.py --variants "default;trainer.kernels.residual.BLOCK=4096"   # ... in each setting
     python3 bench/consumers.py --variants "default;agent.triton_stats.FUSED_MERGE='last'"
 
@@ -78,9 +79,14 @@ def main(argv=None) -> None:
                                     "(every module's STATS_STAGES), only that")
     p.add_argument("--variants", help="the kernels with rows under each variant (bench/variants.py), only that")
     p.add_argument("--only-norm", action="store_true", help="the RMSNorm timings only")
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated: the steps' shapes to time, of "
+                                                               f"{', '.join(SHAPES)}")
     p.add_argument("--ncu", nargs="?", const="124m", choices=list(SHAPES),
                    help="each kernel once with and once without its row, for ncu (see above), nothing timed")
     args = p.parse_args(argv)
+    shapes = [name.strip() for name in args.shapes.split(",")]
+    if not set(shapes) <= set(SHAPES):
+        p.error(f"--shapes: {args.shapes!r}: each of {', '.join(SHAPES)}")
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name())
     if args.ncu:
@@ -91,14 +97,16 @@ def main(argv=None) -> None:
             (importlib.import_module(f"trainer.kernels.{m}"), a, int(d))
             for m, a in (("swiglu", "STATS_STAGES"), ("swiglu", "BWD_STATS_STAGES"), ("residual", "STATS_STAGES"),
                          ("rope", "STATS_STAGES"))]) for d in args.stages.split(",")]
-        for name in SHAPES:
+        for name in shapes:
             sweep(name, variants, dev)
         return
     if args.only_norm:
-        for name, (tokens, _, d_model) in SHAPES.items():
+        for name in shapes:
+            tokens, _, d_model = SHAPES[name]
             norm(name, tokens, d_model, dev)
         return
-    for name, (tokens, hidden, d_model) in SHAPES.items():
+    for name in shapes:
+        tokens, hidden, d_model = SHAPES[name]
         norm(name, tokens, d_model, dev)
         residual(name, tokens, d_model, dev)
         batch, seq, heads = ROPE_SHAPES[name]
@@ -161,6 +169,10 @@ def sweep(name: str, variants: list[tuple[str, list]], dev: torch.device) -> Non
     rot, qkv, grads = _rope_inputs(batch, seq, d_model, heads, dev)
     tgt = StepRows(dev)
     w = torch.randn(d_model, device=dev) + 1.0
+    # a llama block's four weights (fp32) and bf16 gradients of them: autocast's casts with their rows
+    weights = [torch.randn(o, i, device=dev) for o, i in ((3 * d_model, d_model), (d_model, d_model),
+                                                          (2 * hidden, d_model), (d_model, hidden))]
+    weight_grads = [wt.to(torch.bfloat16) for wt in weights]
     kernels = {
         "swiglu fwd": lambda: swiglu_forward(y),
         "swiglu fwd + row": lambda: swiglu_forward(y, stats=tgt()),
@@ -172,6 +184,10 @@ def sweep(name: str, variants: list[tuple[str, list]], dev: torch.device) -> Non
         "residual add + row": lambda: residual_add_forward(x, b, stats=tgt()),
         "residual add + row, hist": lambda: residual_add_forward(x, b, stats=tgt(True)),
         "residual grad cast + row": lambda: branch_grad(x, torch.bfloat16, tgt()),
+        "a block's weight casts + rows": lambda: [branch_grad(wt, torch.bfloat16, tgt(), source_row=True)
+                                                  for wt in weights],
+        "a block's weight gradient casts + rows": lambda: [branch_grad(gw, torch.float32, tgt())
+                                                           for gw in weight_grads],
         "rope fwd + row": lambda: rope_qkv_forward(qkv, rot.cos, rot.sin, heads, stats=tgt()),
         "rope bwd + row": lambda: rope_qkv_backward(*grads, rot.cos, rot.sin, torch.bfloat16, stats=tgt()),
     }
