@@ -164,7 +164,8 @@ def _branch_grad_kernel(g_ptr, db_ptr, n, sp_ptr, ctr_ptr, dst_ptr, dst_index, m
 
 def _launch_shape(n: int, device: torch.device, rows: bool) -> tuple[int, int, int]:
     """(programs, block, warps) of a launch over n elements, with a statistics row or without."""
-    block, warps, per_sm = (STATS_BLOCK, STATS_WARPS, STATS_PROGRAMS_PER_SM) if rows else (BLOCK, WARPS, PROGRAMS_PER_SM)
+    block, warps, per_sm = ((STATS_BLOCK, STATS_WARPS, STATS_PROGRAMS_PER_SM) if rows
+                            else (BLOCK, WARPS, PROGRAMS_PER_SM))
     return persistent_programs(cdiv(n, block), per_sm, device), block, warps
 
 

@@ -28,7 +28,7 @@ MAX_WIDTH = 16384  # wider rows: torch's ops (a tile holds one whole row)
 # With a row the tile loop is software-pipelined (the next tiles' loads issued into shared memory ahead of this one's
 # arithmetic) two deep: three took 41 KiB of shared memory for a 768-wide tile (offline sm_90a build,
 # bench/offline_sass.py --consumers), which with the histogram's 8 KiB table passed the 48 KiB a launch gets without
-# opting in, and the launch failed. Programs, warps and the register cap are the residual kernels'.
+# opting in, and the launch failed. Programs and the register cap are the residual kernels'.
 STATS_STAGES = 2
 # Tile elements and warps of the forward with a row (``trainer.kernels.swiglu.STATS_WARPS`` says why smaller programs
 # can be faster); rows wider than STATS_TILE take the plain forward's warps
