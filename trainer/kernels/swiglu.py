@@ -48,9 +48,9 @@ WARPS = 8
 # The kernels with a row take tiles of STATS_BM rows in programs of STATS_WARPS warps, STATS_PROGRAMS_PER_SM per SM: at
 # the register cap (128 a thread) 16 warps fill an SM's registers either as two programs of 8 warps (BM 32, the plain
 # kernels' shape) or as four of 4. ncu on an H200 found the 8-warp programs issuing in 68% of cycles, their warps
-# waiting together at the software pipeline's barrier and on shared memory; four programs of 4 warps were 8-10% faster
-# there, forward and backward, while the plain kernels in that shape were slower (bench/RESULTS.md). More programs
-# queue a second wave. (The uncapped forward with both rows, taken only with WORDS off, fits fewer.)
+# stalled on fixed latencies, the shared-memory queue and the software pipeline's barrier; four programs of 4 warps
+# were 8-10% faster there, forward and backward, while the plain kernels in that shape were slower
+# (bench/RESULTS.md). More programs queue a second wave. (The uncapped forward with both rows, taken only with WORDS off, fits fewer.)
 STATS_BM = 16
 STATS_WARPS = 4
 STATS_PROGRAMS_PER_SM = 4
