@@ -20,7 +20,7 @@ With ``--ncu [SHAPE]`` each kernel runs once with and once without its row, noth
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight --section ComputeWorkloadAnalysis \
         --section SchedulerStats --section WarpStateStats --section LaunchStats --metrics smsp__inst_executed.sum \
-        python3 bench/consumers.py --ncu 124m
+        python3 bench/consumers.py --ncu 124m > REPORT; python3 bench/ncu_table.py REPORT
 """
 
 import argparse
