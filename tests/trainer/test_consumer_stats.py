@@ -672,26 +672,22 @@ def _child(names: list[str]) -> None:
         """The residual, RoPE and RMSNorm groups again, with their row kernels in the smaller programs their knobs
         offer (the 4-warp shape SwiGLU's take by default: residual ``STATS_BLOCK``/``STATS_WARPS``, RoPE ``STATS_BT``,
         RMSNorm ``STATS_TILE``/``STATS_WARPS``), so that a change of their defaults finds that shape checked."""
-        import importlib
+        from bench.variants import applied, parse
 
         nonlocal emit
-        settings = {"trainer.kernels.residual": dict(STATS_BLOCK=1024, STATS_WARPS=4, STATS_PROGRAMS_PER_SM=4),
-                    "trainer.kernels.rope": dict(STATS_BT=16, STATS_PROGRAMS_PER_SM=4),
-                    "trainer.kernels.rmsnorm": dict(STATS_TILE=2048, STATS_WARPS=4, STATS_PROGRAMS_PER_SM=4)}
-        old = [(m, a, getattr(m, a)) for m, kv in ((importlib.import_module(n), kv) for n, kv in settings.items())
-               for a in kv]
         plain_emit = emit
-        for m, a, _ in old:
-            setattr(m, a, settings[m.__name__][a])
         emit = lambda name, problem: plain_emit(f"row_shapes:{name}", problem)  # noqa: E731
+        settings = ", ".join(f"trainer.kernels.{m}.{a}={v}" for m, a, v in (
+            ("residual", "STATS_BLOCK", 1024), ("residual", "STATS_WARPS", 4), ("residual", "STATS_PROGRAMS_PER_SM", 4),
+            ("rope", "STATS_BT", 16), ("rope", "STATS_PROGRAMS_PER_SM", 4), ("rmsnorm", "STATS_TILE", 2048),
+            ("rmsnorm", "STATS_WARPS", 4), ("rmsnorm", "STATS_PROGRAMS_PER_SM", 4)))
         try:
-            residual()
-            rope()
-            rmsnorm()
+            with applied(parse(settings)):
+                residual()
+                rope()
+                rmsnorm()
         finally:
             emit = plain_emit
-            for m, a, v in old:
-                setattr(m, a, v)
 
     checks = dict(forward_backward=forward_backward, forward_stats=forward_stats, words=words, agent_block=agent_block,
                   agent_block_plain=agent_block_plain, residual=residual, rope=rope, backward_stats=backward_stats,
