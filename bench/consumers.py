@@ -160,15 +160,9 @@ def sweep(name: str, variants: list[tuple[str, list]], dev: torch.device) -> Non
     ``bench.variants``), interleaved in one timing."""
     from trainer.kernels.rope import rope_qkv_backward, rope_qkv_forward
 
-    tokens, hidden, d_model = SHAPES[name]
-    batch, seq, heads = ROPE_SHAPES[name]
-    y = torch.randn(tokens, 2 * hidden, device=dev).to(torch.bfloat16)
-    dh = torch.randn(tokens, hidden, device=dev).to(torch.bfloat16)
-    x = torch.randn(tokens, d_model, device=dev)
-    b = torch.randn(tokens, d_model, device=dev).to(torch.bfloat16)
-    rot, qkv, grads = _rope_inputs(batch, seq, d_model, heads, dev)
+    y, dh, x, b, w, (rot, qkv, grads), heads = _step_inputs(name, dev)
+    _, hidden, d_model = SHAPES[name]
     tgt = StepRows(dev)
-    w = torch.randn(d_model, device=dev) + 1.0
     # a llama block's four weights (fp32) and bf16 gradients of them: autocast's casts with their rows
     weights = [torch.randn(o, i, device=dev) for o, i in ((3 * d_model, d_model), (d_model, d_model),
                                                           (2 * hidden, d_model), (d_model, hidden))]
@@ -218,15 +212,8 @@ def for_ncu(name: str, dev: torch.device) -> None:
     inside the profiler's range, in the order printed."""
     from trainer.kernels.rope import rope_qkv_backward, rope_qkv_forward
 
-    tokens, hidden, d_model = SHAPES[name]
-    batch, seq, heads = ROPE_SHAPES[name]
+    y, dh, x, b, w, (rot, qkv, grads), heads = _step_inputs(name, dev)
     tgt = StepRows(dev)
-    y = torch.randn(tokens, 2 * hidden, device=dev).to(torch.bfloat16)
-    dh = torch.randn(tokens, hidden, device=dev).to(torch.bfloat16)
-    rot, qkv, grads = _rope_inputs(batch, seq, d_model, heads, dev)
-    x = torch.randn(tokens, d_model, device=dev)
-    b = torch.randn(tokens, d_model, device=dev).to(torch.bfloat16)
-    w = torch.randn(d_model, device=dev) + 1.0
     fns = {
         "swiglu forward": lambda: swiglu_forward(y),
         "swiglu forward + y's row (words)": lambda: swiglu_forward(y, stats=tgt()),
@@ -250,6 +237,19 @@ def for_ncu(name: str, dev: torch.device) -> None:
         fn()
         torch.cuda.synchronize()
     torch.cuda.profiler.stop()
+
+
+def _step_inputs(name: str, dev: torch.device):
+    """The inputs of a step's consumer kernels at ``name``'s shape: SwiGLU's y and h's gradient (bf16), the fp32
+    residual stream x and a bf16 branch b, a norm weight w, RoPE's inputs (``_rope_inputs``) and its heads."""
+    tokens, hidden, d_model = SHAPES[name]
+    batch, seq, heads = ROPE_SHAPES[name]
+    y = torch.randn(tokens, 2 * hidden, device=dev).to(torch.bfloat16)
+    dh = torch.randn(tokens, hidden, device=dev).to(torch.bfloat16)
+    x = torch.randn(tokens, d_model, device=dev)
+    b = torch.randn(tokens, d_model, device=dev).to(torch.bfloat16)
+    w = torch.randn(d_model, device=dev) + 1.0
+    return y, dh, x, b, w, _rope_inputs(batch, seq, d_model, heads, dev), heads
 
 
 def _rope_inputs(batch: int, seq: int, d_model: int, n_head: int, dev: torch.device):

@@ -50,7 +50,8 @@ WARPS = 8
 # kernels' shape) or as four of 4. ncu on an H200 found the 8-warp programs issuing in 68% of cycles, their warps
 # stalled on fixed latencies, the shared-memory queue and the software pipeline's barrier; four programs of 4 warps
 # were 8-10% faster there, forward and backward, while the plain kernels in that shape were slower
-# (bench/RESULTS.md). More programs queue a second wave. (The uncapped forward with both rows, taken only with WORDS off, fits fewer.)
+# (bench/RESULTS.md). More programs queue a second wave. (The uncapped forward with both rows, taken only with WORDS
+# off, fits fewer.)
 STATS_BM = 16
 STATS_WARPS = 4
 STATS_PROGRAMS_PER_SM = 4
