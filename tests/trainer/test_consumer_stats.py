@@ -669,18 +669,18 @@ def _child(names: list[str]) -> None:
         emit("agent_model", "; ".join(problems))
 
     def row_shapes():
-        """The residual, RoPE and RMSNorm groups again, with their row kernels in the smaller programs their knobs
-        offer (the 4-warp shape SwiGLU's take by default: residual ``STATS_BLOCK``/``STATS_WARPS``, RoPE ``STATS_BT``,
-        RMSNorm ``STATS_TILE``/``STATS_WARPS``), so that a change of their defaults finds that shape checked."""
+        """The residual, RoPE and RMSNorm groups again, with their row kernels in the other shape their knobs offer
+        (programs of 8 warps for the residual kernels, ``STATS_BLOCK``/``STATS_WARPS``, and RMSNorm, ``STATS_TILE``/
+        ``STATS_WARPS``; of 4 for RoPE, ``STATS_BT``), so that a change of their defaults finds that shape checked."""
         from bench.variants import applied, parse
 
         nonlocal emit
         plain_emit = emit
         emit = lambda name, problem: plain_emit(f"row_shapes:{name}", problem)  # noqa: E731
         settings = ", ".join(f"trainer.kernels.{m}.{a}={v}" for m, a, v in (
-            ("residual", "STATS_BLOCK", 1024), ("residual", "STATS_WARPS", 4), ("residual", "STATS_PROGRAMS_PER_SM", 4),
-            ("rope", "STATS_BT", 16), ("rope", "STATS_PROGRAMS_PER_SM", 4), ("rmsnorm", "STATS_TILE", 2048),
-            ("rmsnorm", "STATS_WARPS", 4), ("rmsnorm", "STATS_PROGRAMS_PER_SM", 4)))
+            ("residual", "STATS_BLOCK", 2048), ("residual", "STATS_WARPS", 8), ("residual", "STATS_PROGRAMS_PER_SM", 2),
+            ("rope", "STATS_BT", 16), ("rope", "STATS_PROGRAMS_PER_SM", 4), ("rmsnorm", "STATS_TILE", 4096),
+            ("rmsnorm", "STATS_WARPS", 8), ("rmsnorm", "STATS_PROGRAMS_PER_SM", 2)))
         try:
             with applied(parse(settings)):
                 residual()

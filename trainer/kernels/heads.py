@@ -31,7 +31,7 @@ BT = 32  # positions per tile
 # (bench/heads.py on an H100, bench/RESULTS.md).
 STATS_TILE = 4096
 PROGRAMS_PER_SM = 4
-STATS_PROGRAMS_PER_SM = 2  # as rope's: two programs of 8 warps at the register cap fill an SM's registers
+STATS_PROGRAMS_PER_SM = 2  # two programs of 8 warps at the register cap fill an SM's registers
 STATS_MAXNREG = 128
 STATS_STAGES = 1  # software-pipelining depth of the tile loop with a row (``tl.range``'s num_stages)
 

@@ -29,17 +29,18 @@ from .quantize import INTERPRET, cdiv, persistent_programs, reg_cap
 
 BLOCK = 2048
 PROGRAMS_PER_SM = 4
-# Persistent programs per SM of the kernels with a row, and their register cap (ptxas). Uncapped, the add with a row
-# took 156 registers in an offline sm_90a build (bench/offline_sass.py --consumers): one program of 8 warps per SM, the
-# second of each SM a second wave. At 128 (no spill; 96 neither) two fit, one wave, and the add and the cast took 10%
-# and 17% less time on an H100; fewer registers with more programs gained nothing more (bench/RESULTS.md).
-STATS_PROGRAMS_PER_SM = 2
+# Persistent programs per SM of the kernels with a row, their register cap (ptxas), blocks and warps. Uncapped, the add
+# with a row took 156 registers in an offline sm_90a build (bench/offline_sass.py --consumers): one program of 8 warps
+# per SM, the second of each SM a second wave. At 128 (no spill in the tile loops) 16 warps fill an SM's registers, as
+# two programs of 8 warps or four of 4; on an H100 two of 8 made the add and the cast 10% and 17% faster than one, and
+# on an H200 four of 4 with half the block (``trainer.kernels.swiglu.STATS_WARPS`` says why smaller programs can be
+# faster) made them 2-5% faster again, the weight casts too (bench/RESULTS.md). The careful loop (a block with NaN or
+# Inf) spills at 4 warps; it runs only on such blocks.
+STATS_PROGRAMS_PER_SM = 4
 STATS_MAXNREG = 128
 WARPS = 8
-# Blocks and warps of the kernels with a row (``trainer.kernels.swiglu.STATS_WARPS`` says why smaller programs can be
-# faster: on an H200 SwiGLU's were)
-STATS_BLOCK = 2048
-STATS_WARPS = 8
+STATS_BLOCK = 1024
+STATS_WARPS = 4
 # Software-pipelining depth of the tile loops with a row (``tl.range``'s num_stages: from 2 on, Triton issues the
 # next blocks' loads into shared memory, cp.async, ahead of this block's arithmetic); by ``bench/consumers.py
 # --stages`` on an H100 (bench/RESULTS.md). Without a row the add streams at copy speed and takes 1.

@@ -30,10 +30,11 @@ MAX_WIDTH = 16384  # wider rows: torch's ops (a tile holds one whole row)
 # bench/offline_sass.py --consumers), which with the histogram's 8 KiB table passed the 48 KiB a launch gets without
 # opting in, and the launch failed. Programs and the register cap are the residual kernels'.
 STATS_STAGES = 2
-# Tile elements and warps of the forward with a row (``trainer.kernels.swiglu.STATS_WARPS`` says why smaller programs
-# can be faster); rows wider than STATS_TILE take the plain forward's warps
-STATS_TILE = TILE
-STATS_WARPS = WARPS
+# Tile elements and warps of the forward with a row: four programs of 4 warps per SM (the residual kernels'
+# STATS_PROGRAMS_PER_SM) took 12% (124M) and 6% (1.5B) less time than two of 8 with 4096-element tiles on an H200
+# (bench/RESULTS.md). Rows wider than STATS_TILE take the plain forward's warps, in as many fewer programs.
+STATS_TILE = 2048
+STATS_WARPS = 4
 # The statistics see a tile as [elements / V, V], summing each row of V in a thread. V = 4, the fp32 elements of a
 # thread's 16-byte load: with 8 (the residual kernels' choice for a flat block) the view crossed the tile's layout and
 # the offline build's tile loop held 56 more shuffles, 916 instructions against 794 (768 wide), and spilled with the
@@ -160,7 +161,8 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
         (rows, block_d), warps, per_sm = _shape(d), WARPS, PROGRAMS_PER_SM
     else:
         rows, block_d = _shape(d, STATS_TILE)
-        warps, per_sm = (STATS_WARPS if block_d <= STATS_TILE else WARPS), STATS_PROGRAMS_PER_SM
+        warps = STATS_WARPS if block_d <= STATS_TILE else WARPS
+        per_sm = max(1, STATS_PROGRAMS_PER_SM * STATS_WARPS // warps)  # the same registers per SM
     programs = persistent_programs(cdiv(m, rows), per_sm, x.device)
     _rms_norm_fwd_kernel[(programs,)](x, weight, y, rstd, m, d, float(eps),
                                       **ts.epilogue_args(stats, programs, y, later=True), ROWS=rows, BLOCK_D=block_d,

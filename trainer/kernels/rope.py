@@ -37,14 +37,14 @@ BT = 32  # positions per tile
 # ``trainer.kernels.swiglu.STATS_WARPS`` says why smaller programs can be faster
 STATS_BT = 32
 PROGRAMS_PER_SM = 4
-# Persistent programs per SM of the kernels with a row: at the register cap (128 a thread) two of 8 warps fill an
-# SM's registers; four (a second wave, or with the 124M heads' 4 warps four resident) were slower on an H100
-# (bench/RESULTS.md).
-STATS_PROGRAMS_PER_SM = 2
-# Register cap of the kernels with a row (ptxas): in an offline sm_90a build (bench/offline_sass.py --consumers) the
-# forward took 166 registers uncapped, one program of 8 warps per SM, and 126 with no spill at this cap, two; the
-# backward 128 at this cap, with 80 bytes of stack outside its tile loop.
-STATS_MAXNREG = 128
+# Persistent programs per SM of the kernels with a row, and their register cap (ptxas). In an offline sm_90a build
+# (bench/offline_sass.py --consumers) the forward took 166 registers uncapped: one program of 8 warps per SM. At 128
+# (the forward without spill, the backward with 80 bytes of stack outside its tile loop) two fit; four (a second wave)
+# were slower on an H100. At 80 three fit, 24 warps against 16; the forward then spills 9 words in its tile loop (the
+# backward none in its own), and both took 5-9% less time than at 128 on an H100 and an H200, at the 124M and the 1.5B
+# shapes (bench/consumers.py, bench/RESULTS.md).
+STATS_PROGRAMS_PER_SM = 3
+STATS_MAXNREG = 80
 # Software-pipelining depth of the tile loops with a row (``tl.range``'s num_stages). Deeper spilled at the register
 # cap and was slower on an H100 (``bench/consumers.py --stages``, bench/RESULTS.md).
 STATS_STAGES = 1
