@@ -19,6 +19,8 @@ of Triton's dynamic shared memory, and Triton opts a kernel into more than the d
 is above 48 KiB. A kernel whose own part lies within a table's size under 48 KiB fails its launch with "invalid
 argument" (an fp32 SwiGLU backward did on an H200, bench/RESULTS.md). Exit status 1 when any would fail. The project's
 own Triton (3.9 with torch 2.13) builds for sm_90a too: tests/trainer/test_launch_shared_memory.py runs this in CI.
+``--launch-check --widths`` does the same for the launchers whose tiles follow the width (RMSNorm's rows, RoPE's and
+the head merge's heads) at every width they take (ten minutes); ``--widths 4096,8192`` for RMSNorm at those widths.
 
 The driver is replaced by a stand-in that reports an sm_90 device and a CPU torch device, and each launch becomes
 ``JITFunction.warmup`` (compile only). Counts are static: instructions in the loop body, not executed ones.
@@ -142,6 +144,10 @@ def main(argv=None) -> int:
                    help="the consumer kernels (trainer/kernels/swiglu.py, residual.py), bf16, with and without rows")
     p.add_argument("--launch-check", action="store_true",
                    help="every kernel with a statistics row: would its shared memory launch? (exit 1 if not)")
+    p.add_argument("--widths", nargs="?", const="all",
+                   help="with --launch-check: the kernels whose tiles follow the tensor's width instead, at every "
+                        "width they take (RMSNorm rows of 16..MAX_WIDTH, RoPE and head-merge heads of 16..512), or "
+                        "RMSNorm only, at these comma-separated widths")
     args = p.parse_args(argv)
     driver.set_active(_Sm90())
     sys.path.insert(0, str(ROOT))
@@ -149,7 +155,9 @@ def main(argv=None) -> int:
     ts = importlib.import_module("agent.triton_stats")
     built: dict = {}
     if args.launch_check:
-        return _launch_check(ts)
+        builds = _stats_builds(ts) if args.widths is None else _width_builds(
+            None if args.widths == "all" else [int(w) for w in args.widths.split(",")])
+        return _launch_check(ts, builds)
     if args.consumers:
         return _consumers(ts, built)
     if args.standalone:
@@ -313,9 +321,44 @@ def _stats_builds(ts) -> list:
     return out
 
 
-def _launch_check(ts) -> int:
-    """Builds every launcher of ``_stats_builds`` with each of its modules' kernels compiled only, and reports the
-    shared memory of every kernel it ran."""
+def _width_builds(norm_widths: list[int] | None = None) -> list:
+    """(name, build) for the launchers with a row whose tiles, and so their shared memory, follow the tensor's width:
+    RMSNorm (a tile holds whole rows of the next power of two of the width) at every power of two it takes, RoPE and
+    the head merge at every power-of-two head size from 16 to 512, in each dtype, with and without the histogram; with
+    ``norm_widths``, RMSNorm at those widths only. (RoPE and the head merge do not pipeline their tile loops: in
+    Triton 3.6 their dynamic shared memory stayed at 768 B or less up to heads of 512, bench/RESULTS.md.)"""
+    from agent.triton_stats import Target
+
+    rope, norm, heads = (importlib.import_module(f"trainer.kernels.{m}") for m in ("rope", "rmsnorm", "heads"))
+    cpu = torch.device("cpu")
+    out = []
+    for dt in (torch.bfloat16, torch.float32):
+        for hist in (False, True):
+            def tgt(fmt="e4m3", hist=hist):
+                return Target.new(cpu, fmt=fmt, hist=hist)
+
+            at = f"{str(dt).removeprefix('torch.')}, hist={hist}"
+            widths = norm_widths or [1 << e for e in range(4, norm.MAX_WIDTH.bit_length())]
+            for width in widths:
+                out.append((f"rmsnorm fwd + row, {width} ({at})",
+                            lambda x=torch.zeros(64, width, dtype=dt), w=torch.zeros(width), tgt=tgt:
+                            norm.rms_norm_forward(x, w, 1e-6, stats=tgt())))
+            for hd in () if norm_widths else (16, 32, 64, 128, 256, 512):
+                trig, nh = torch.zeros(256, hd // 2), 2
+                d = torch.zeros(1, nh, 256, hd, dtype=dt)
+                out += [
+                    (f"rope fwd + row, head {hd} ({at})", lambda qkv=torch.zeros(1, 256, 3 * nh * hd, dtype=dt),
+                     trig=trig, nh=nh, tgt=tgt: rope.rope_qkv_forward(qkv, trig, trig, nh, stats=tgt())),
+                    (f"rope bwd + row, head {hd} ({at})", lambda d=d, trig=trig, dt=dt, tgt=tgt:
+                     rope.rope_qkv_backward(d, d, d, trig, trig, dt, stats=tgt("e5m2"))),
+                    (f"heads + row, head {hd} ({at})", lambda y=d, tgt=tgt: heads.merge_heads_forward(y, stats=tgt())),
+                ]
+    return out
+
+
+def _launch_check(ts, builds: list) -> int:
+    """Builds every launcher of ``builds`` (``_stats_builds``, ``_width_builds``) with each of its modules' kernels
+    compiled only, and reports the shared memory of every kernel it ran."""
     print(f"# triton {triton.__version__}, sm_90a: shared memory of the kernels that launchers with a row run")
     kernels = {}
     for name in _STATS_MODULES:
@@ -323,7 +366,7 @@ def _launch_check(ts) -> int:
         kernels.update({(module, attr): fn for attr, fn in vars(module).items()  # launched ones (not the helpers)
                         if isinstance(fn, triton.runtime.jit.JITFunction) and attr.endswith("_kernel")})
     failing = 0
-    for name, build in _stats_builds(ts):
+    for name, build in builds:
         built: dict = {}
         for (module, attr), fn in kernels.items():
             setattr(module, attr, _CompileOnly(fn, attr, built))

@@ -25,17 +25,32 @@ def test_the_launch_rule_is_what_an_h200_did():
     assert launch_verdict(9216, 227 * 1024).startswith("FAILS")  # past what a block may opt in to
 
 
-@pytest.mark.timeout(900)
-def test_every_kernel_with_a_statistics_row_would_launch_on_sm90():
+def _launch_check(*args: str, timeout: int) -> tuple[str, str]:
+    """(stdout, report) of ``bench/offline_sass.py --launch-check ARGS``, asserted to find no failing launch."""
     triton = pytest.importorskip("triton")
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     if not (bin_dir / "ptxas").exists() or not (bin_dir / "cuobjdump").exists():
         pytest.skip(f"Triton {triton.__version__} brings no ptxas/cuobjdump to build for sm_90a")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONWARNINGS"] = "ignore"
-    run = subprocess.run([sys.executable, "bench/offline_sass.py", "--launch-check"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=880)
+    run = subprocess.run([sys.executable, "bench/offline_sass.py", "--launch-check", *args], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=timeout)
     report = run.stdout + run.stderr[-3000:]
     assert run.returncode == 0, report
     assert "0 would fail to launch" in run.stdout, report
-    assert run.stdout.count(": ok") >= 50, report  # every launcher built its kernels (none skipped quietly)
+    return run.stdout, report
+
+
+@pytest.mark.timeout(900)
+def test_every_kernel_with_a_statistics_row_would_launch_on_sm90():
+    stdout, report = _launch_check(timeout=880)
+    assert stdout.count(": ok") >= 50, report  # every launcher built its kernels (none skipped quietly)
+
+
+@pytest.mark.timeout(300)
+def test_rmsnorm_rows_whose_tiles_come_near_48_kib_would_launch_on_sm90():
+    """RMSNorm's tile, and so its pipelined buffers, grows with the row: at 4096 and 8192 elements Triton's own part
+    lies between 24 and 64 KiB, where the histogram's table could push it past 48 KiB without an opt-in. (Every width
+    and head size: ``bench/offline_sass.py --launch-check --widths``, ten minutes.)"""
+    stdout, report = _launch_check("--widths", "4096,8192", timeout=280)
+    assert stdout.count(": ok") == 8, report  # two widths x bf16/fp32 x with and without the histogram
