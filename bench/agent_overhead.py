@@ -172,8 +172,11 @@ def paired(offs: list[list[float]], ons: list[list[float]]) -> float:
 
 def lower_bound(model, tokens: int, precision: str, device: torch.device) -> None:
     """The time a separate read of every watched tensor takes at the device's copy bandwidth (measured
-    here): what statistics that are not fused into a kernel already reading the tensor cost at least. In
-    bf16 all five sites need that read; in fp8 only grad_weight does (Fp8Linear's kernels fuse the other four)."""
+    here): what statistics that are not fused into a kernel already reading the tensor cost at least. In fp8 only
+    grad_weight needs that read (Fp8Linear's kernels fuse the other four sites). bf16 linears have no cast to fuse
+    into: the figure is all five sites, what the rows would cost with none of them fused, though llama's consumer
+    kernels (SwiGLU, the residual adds, RoPE, RMSNorm) and the weights' casts take most of them from reads they do
+    anyway (README)."""
     import re
 
     rx = re.compile(r"^blocks\.")
@@ -198,8 +201,8 @@ def lower_bound(model, tokens: int, precision: str, device: torch.device) -> Non
     torch.cuda.synchronize()
     bw = 2 * src.numel() * 10 / (time.perf_counter() - t0)  # read + write
     del src, dst
-    read = total if precision != "fp8" else unfused
-    print(f"# {precision}: watched tensors {total / 1e9:.2f} GB per step, {read / 1e9:.2f} GB of them read apart; "
+    read, what = (unfused, "of them read apart") if precision == "fp8" else (total, "with no row fused")
+    print(f"# {precision}: watched tensors {total / 1e9:.2f} GB per step, {read / 1e9:.2f} GB {what}; "
           f"one read at copy bandwidth ({bw / 1e12:.2f} TB/s) >= {read / bw * 1e3:.2f} ms", flush=True)
 
 
