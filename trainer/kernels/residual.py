@@ -33,9 +33,9 @@ PROGRAMS_PER_SM = 4
 # with a row took 156 registers in an offline sm_90a build (bench/offline_sass.py --consumers): one program of 8 warps
 # per SM, the second of each SM a second wave. At 128 (no spill in the tile loops) 16 warps fill an SM's registers, as
 # two programs of 8 warps or four of 4; on an H100 two of 8 made the add and the cast 10% and 17% faster than one, and
-# on an H200 four of 4 with half the block (``trainer.kernels.swiglu.STATS_WARPS`` says why smaller programs can be
-# faster) made them 2-5% faster again, the weight casts too (bench/RESULTS.md). The careful loop (a block with NaN or
-# Inf) spills at 4 warps; it runs only on such blocks.
+# four of 4 with half the block (``trainer.kernels.swiglu.STATS_WARPS`` says why smaller programs can be faster) made
+# them and the weight casts up to 5% faster again on an H100 and an H200, the add with the histogram unchanged
+# (bench/RESULTS.md). The careful loop (a block with NaN or Inf) spills at 4 warps; it runs only on such blocks.
 STATS_PROGRAMS_PER_SM = 4
 STATS_MAXNREG = 128
 WARPS = 8
