@@ -32,7 +32,8 @@ MAX_WIDTH = 16384  # wider rows: torch's ops (a tile holds one whole row)
 STATS_STAGES = 2
 # Tile elements and warps of the forward with a row: four programs of 4 warps per SM (the residual kernels'
 # STATS_PROGRAMS_PER_SM) took 12% and 6% (124M, 1.5B) less time than two of 8 with 4096-element tiles on an H200,
-# 8% and 5% on an H100 (bench/RESULTS.md). Rows wider than STATS_TILE take the plain forward's warps, in as many fewer programs.
+# 8% and 5% on an H100 (bench/RESULTS.md). Rows wider than STATS_TILE take the plain forward's warps, in as many
+# fewer programs.
 STATS_TILE = 2048
 STATS_WARPS = 4
 # The statistics see a tile as [elements / V, V], summing each row of V in a thread. V = 4, the fp32 elements of a
