@@ -41,7 +41,7 @@ PROGRAMS_PER_SM = 4
 # (bench/offline_sass.py --consumers) the forward took 166 registers uncapped: one program of 8 warps per SM. At 128
 # (the forward without spill, the backward with 80 bytes of stack outside its tile loop) two fit; four (a second wave)
 # were slower on an H100. At 80 three fit, 24 warps against 16; the forward's tile loop then holds 9 spill loads
-# and 9 stores (the backward's none), and both took 5-9% less time than at 128 on an H100 and an H200, at the 124M
+# and 9 stores (the backward's none), and both took 5-8% less time than at 128 on an H100 and an H200, at the 124M
 # and the 1.5B shapes (bench/consumers.py, bench/RESULTS.md).
 STATS_PROGRAMS_PER_SM = 3
 STATS_MAXNREG = 80
