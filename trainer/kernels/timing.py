@@ -9,11 +9,14 @@ Python host time exceeds its kernel (an fp8_gemm call: 67-187 us of host time, a
 ``torch._scaled_mm``; bench/gemm.py --host on an H200 machine), that measures the host. ``device_medians``
 measures the device alone: the stream is held by a sleep kernel while ``calls`` launches are queued behind it, so
 the GPU runs them back to back with no host gap (inputs stay in L2 between calls, as in a CUDA graph replay).
+Where the sleep ends before the host has queued them all, the timing is taken again behind a longer sleep, and after
+three tries it is returned with a warning: it may include the host's time.
 Tuning picks by device time: in training the host runs ahead of the GPU, so a launch's host time is hidden and
 its kernel time is what the step pays."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Hashable
 
 import torch
@@ -37,17 +40,28 @@ def interleaved_medians(fns: dict[Hashable, Callable[[], object]], rounds: int =
     return _medians(fns, rounds, lambda fn: triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
-def _queued_ms(fn, calls: int) -> float:
-    """Device time per call (ms) of ``calls`` calls queued behind a sleep kernel."""
+def _queued_ms(fn, calls: int, tries: int = 3) -> float:
+    """Device time per call (ms) of ``calls`` calls queued behind a sleep kernel. Where the sleep has ended before
+    the host has queued them all, the GPU may have waited on the host between calls: the timing is taken again
+    behind a sleep twice as long, and after ``tries`` such timings it is returned with a warning."""
     fn()  # warm: compiles and first-call tuning stay out of the timing
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    torch.cuda._sleep(SLEEP_CYCLES)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
+    cycles = SLEEP_CYCLES
+    for _ in range(tries):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
+        start.record()
+        for _ in range(calls):
+            fn()
+        host_behind = start.query()  # the queued calls had begun before the last was queued
+        end.record()
+        end.synchronize()
+        if not host_behind:
+            break
+        cycles *= 2
+    else:
+        warnings.warn(f"timing: queueing {calls} calls outlasted a sleep of {cycles // 2} cycles {tries} times; "
+                      f"the time per call may include the host's", stacklevel=2)
     return start.elapsed_time(end) / calls
 
 
