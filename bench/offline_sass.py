@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     built: dict = {}
     if args.launch_check:
         builds = _stats_builds(ts) if args.widths is None else _width_builds(
-            None if args.widths == "all" else [int(w) for w in args.widths.split(",")])
+            ts, None if args.widths == "all" else [int(w) for w in args.widths.split(",")])
         return _launch_check(ts, builds)
     if args.consumers:
         return _consumers(ts, built)
@@ -270,89 +270,90 @@ _STATS_MODULES = ("agent.triton_stats", "trainer.kernels.quantize", "trainer.ker
                   "trainer.kernels.rmsnorm", "trainer.kernels.heads")
 
 
-def _stats_builds(ts) -> list:
-    """(name, build) for every launcher that runs a kernel with a statistics row, in each dtype it takes, with and
-    without the histogram; ``build()`` calls the launcher once."""
-    sw, res, rope, norm, heads, q, qt = (importlib.import_module(f"trainer.kernels.{m}") for m in (
-        "swiglu", "residual", "rope", "rmsnorm", "heads", "quantize", "quantize_transpose"))
+def _targets(ts):
+    """(label, dtype, hist, tgt) for bf16 and fp32, each with and without the histogram; ``tgt(fmt)`` makes a CPU
+    target."""
     cpu = torch.device("cpu")
-    out = []
     for dt in (torch.bfloat16, torch.float32):
         for hist in (False, True):
             def tgt(fmt="e4m3", hist=hist):
                 return ts.Target.new(cpu, fmt=fmt, hist=hist)
 
-            def plain_swiglu(y, tgt):
-                words, sw.WORDS = sw.WORDS, False
-                try:
-                    sw.swiglu_forward(y, stats=tgt(), h_stats=tgt())
-                finally:
-                    sw.WORDS = words
+            yield f"{str(dt).removeprefix('torch.')}, hist={hist}", dt, hist, tgt
 
-            at = f"{str(dt).removeprefix('torch.')}, hist={hist}"
-            y, dh = torch.zeros(4096, 2 * 2048, dtype=dt), torch.zeros(4096, 2048, dtype=dt)
-            x, b = torch.zeros(4096, 2048), torch.zeros(4096, 2048, dtype=dt)
-            qkv, trig = torch.zeros(2, 2048, 3 * 2048, dtype=dt), torch.zeros(2048, 64)
-            d = torch.zeros(2, 16, 2048, 128, dtype=dt)
-            out += [
-                (f"standalone ({at})",
-                 lambda x=torch.zeros(1 << 22, dtype=dt), hist=hist: ts.partials(x, fmt="e4m3", scale=4.0, hist=hist)),
-                (f"cast, current scaling ({at})", lambda x=y, tgt=tgt: q.quantize(x, "e4m3", stats=tgt())),
-                (f"cast and transpose, delayed scaling ({at})", lambda x=y, tgt=tgt: qt.quantize_transpose(
-                    x, "e4m3", torch.tensor(4.0), torch.zeros(()), stats=tgt())),
-                (f"swiglu fwd + y, h rows ({at})", lambda y=y, tgt=tgt: plain_swiglu(y, tgt)),
-                (f"swiglu fwd + y row, words where bf16 ({at})",
-                 lambda y=y, tgt=tgt: sw.swiglu_forward(y, stats=tgt())),
-                (f"swiglu bwd + dy row ({at})",
-                 lambda y=y, dh=dh, tgt=tgt: sw.swiglu_backward(y, dh, stats=tgt("e5m2"))),
-                (f"residual add + row ({at})", lambda x=x, b=b, tgt=tgt: res.residual_add_forward(x, b, stats=tgt())),
-                (f"residual grad cast + row ({at})", lambda x=x, dt=dt, tgt=tgt: res.branch_grad(x, dt, tgt("e5m2"))),
-                (f"rope fwd + row ({at})",
-                 lambda qkv=qkv, trig=trig, tgt=tgt: rope.rope_qkv_forward(qkv, trig, trig, 16, stats=tgt())),
-                (f"rope bwd + row ({at})", lambda d=d, trig=trig, dt=dt, tgt=tgt: rope.rope_qkv_backward(
-                    d, d, d, trig, trig, dt, stats=tgt("e5m2"))),
-                (f"heads + row ({at})",
-                 lambda y=torch.zeros(2, 16, 1024, 64, dtype=dt), tgt=tgt: heads.merge_heads_forward(y, stats=tgt())),
-            ]
-            for d_model in (768, 2048):
-                out.append((f"rmsnorm fwd + row, {d_model} ({at})",
-                            lambda x=torch.zeros(4096, d_model, dtype=dt), w=torch.zeros(d_model), tgt=tgt:
-                            norm.rms_norm_forward(x, w, 1e-6, stats=tgt())))
+
+def _norm_build(norm, rows: int, width: int, dt: torch.dtype, tgt):
+    """RMSNorm's forward with a row over ``rows`` rows ``width`` wide."""
+    return lambda: norm.rms_norm_forward(torch.zeros(rows, width, dtype=dt), torch.zeros(width), 1e-6, stats=tgt())
+
+
+def _head_builds(b: int, nh: int, t: int, hd: int, dt: torch.dtype, tgt) -> tuple:
+    """RoPE's forward and backward with a row over b x nh heads of t positions of size hd, and the head merge's."""
+    rope, heads = (importlib.import_module(f"trainer.kernels.{m}") for m in ("rope", "heads"))
+    trig = torch.zeros(t, hd // 2)
+
+    def rope_bwd():
+        d = torch.zeros(b, nh, t, hd, dtype=dt)
+        rope.rope_qkv_backward(d, d, d, trig, trig, dt, stats=tgt("e5m2"))
+
+    return (lambda: rope.rope_qkv_forward(torch.zeros(b, t, 3 * nh * hd, dtype=dt), trig, trig, nh, stats=tgt()),
+            rope_bwd, lambda: heads.merge_heads_forward(torch.zeros(b, nh, t, hd, dtype=dt), stats=tgt()))
+
+
+def _stats_builds(ts) -> list:
+    """(name, build) for every launcher that runs a kernel with a statistics row, in each dtype it takes, with and
+    without the histogram; ``build()`` calls the launcher once."""
+    sw, res, norm, q, qt = (importlib.import_module(f"trainer.kernels.{m}") for m in (
+        "swiglu", "residual", "rmsnorm", "quantize", "quantize_transpose"))
+    out = []
+    for at, dt, hist, tgt in _targets(ts):
+        def plain_swiglu(y, tgt):
+            words, sw.WORDS = sw.WORDS, False
+            try:
+                sw.swiglu_forward(y, stats=tgt(), h_stats=tgt())
+            finally:
+                sw.WORDS = words
+
+        y, dh = torch.zeros(4096, 2 * 2048, dtype=dt), torch.zeros(4096, 2048, dtype=dt)
+        x, b = torch.zeros(4096, 2048), torch.zeros(4096, 2048, dtype=dt)
+        rope_fwd, rope_bwd, _ = _head_builds(2, 16, 2048, 128, dt, tgt)
+        out += [
+            (f"standalone ({at})",
+             lambda x=torch.zeros(1 << 22, dtype=dt), hist=hist: ts.partials(x, fmt="e4m3", scale=4.0, hist=hist)),
+            (f"cast, current scaling ({at})", lambda x=y, tgt=tgt: q.quantize(x, "e4m3", stats=tgt())),
+            (f"cast and transpose, delayed scaling ({at})", lambda x=y, tgt=tgt: qt.quantize_transpose(
+                x, "e4m3", torch.tensor(4.0), torch.zeros(()), stats=tgt())),
+            (f"swiglu fwd + y, h rows ({at})", lambda y=y, tgt=tgt: plain_swiglu(y, tgt)),
+            (f"swiglu fwd + y row, words where bf16 ({at})",
+             lambda y=y, tgt=tgt: sw.swiglu_forward(y, stats=tgt())),
+            (f"swiglu bwd + dy row ({at})",
+             lambda y=y, dh=dh, tgt=tgt: sw.swiglu_backward(y, dh, stats=tgt("e5m2"))),
+            (f"residual add + row ({at})", lambda x=x, b=b, tgt=tgt: res.residual_add_forward(x, b, stats=tgt())),
+            (f"residual grad cast + row ({at})", lambda x=x, dt=dt, tgt=tgt: res.branch_grad(x, dt, tgt("e5m2"))),
+            (f"rope fwd + row ({at})", rope_fwd),
+            (f"rope bwd + row ({at})", rope_bwd),
+            (f"heads + row ({at})", _head_builds(2, 16, 1024, 64, dt, tgt)[2]),
+        ]
+        out += [(f"rmsnorm fwd + row, {d_model} ({at})", _norm_build(norm, 4096, d_model, dt, tgt))
+                for d_model in (768, 2048)]
     return out
 
 
-def _width_builds(norm_widths: list[int] | None = None) -> list:
+def _width_builds(ts, norm_widths: list[int] | None = None) -> list:
     """(name, build) for the launchers with a row whose tiles, and so their shared memory, follow the tensor's width:
     RMSNorm (a tile holds whole rows of the next power of two of the width) at every power of two it takes, RoPE and
     the head merge at every power-of-two head size from 16 to 512, in each dtype, with and without the histogram; with
     ``norm_widths``, RMSNorm at those widths only. (RoPE and the head merge do not pipeline their tile loops: in
     Triton 3.6 their dynamic shared memory stayed at 768 B or less up to heads of 512, bench/RESULTS.md.)"""
-    from agent.triton_stats import Target
-
-    rope, norm, heads = (importlib.import_module(f"trainer.kernels.{m}") for m in ("rope", "rmsnorm", "heads"))
-    cpu = torch.device("cpu")
+    norm = importlib.import_module("trainer.kernels.rmsnorm")
     out = []
-    for dt in (torch.bfloat16, torch.float32):
-        for hist in (False, True):
-            def tgt(fmt="e4m3", hist=hist):
-                return Target.new(cpu, fmt=fmt, hist=hist)
-
-            at = f"{str(dt).removeprefix('torch.')}, hist={hist}"
-            widths = norm_widths or [1 << e for e in range(4, norm.MAX_WIDTH.bit_length())]
-            for width in widths:
-                out.append((f"rmsnorm fwd + row, {width} ({at})",
-                            lambda x=torch.zeros(64, width, dtype=dt), w=torch.zeros(width), tgt=tgt:
-                            norm.rms_norm_forward(x, w, 1e-6, stats=tgt())))
-            for hd in () if norm_widths else (16, 32, 64, 128, 256, 512):
-                trig, nh = torch.zeros(256, hd // 2), 2
-                d = torch.zeros(1, nh, 256, hd, dtype=dt)
-                out += [
-                    (f"rope fwd + row, head {hd} ({at})", lambda qkv=torch.zeros(1, 256, 3 * nh * hd, dtype=dt),
-                     trig=trig, nh=nh, tgt=tgt: rope.rope_qkv_forward(qkv, trig, trig, nh, stats=tgt())),
-                    (f"rope bwd + row, head {hd} ({at})", lambda d=d, trig=trig, dt=dt, tgt=tgt:
-                     rope.rope_qkv_backward(d, d, d, trig, trig, dt, stats=tgt("e5m2"))),
-                    (f"heads + row, head {hd} ({at})", lambda y=d, tgt=tgt: heads.merge_heads_forward(y, stats=tgt())),
-                ]
+    for at, dt, _, tgt in _targets(ts):
+        widths = norm_widths or [1 << e for e in range(4, norm.MAX_WIDTH.bit_length())]
+        out += [(f"rmsnorm fwd + row, {width} ({at})", _norm_build(norm, 64, width, dt, tgt)) for width in widths]
+        for hd in () if norm_widths else (16, 32, 64, 128, 256, 512):
+            fwd, bwd, merge = _head_builds(1, 2, 256, hd, dt, tgt)
+            out += [(f"rope fwd + row, head {hd} ({at})", fwd), (f"rope bwd + row, head {hd} ({at})", bwd),
+                    (f"heads + row, head {hd} ({at})", merge)]
     return out
 
 
