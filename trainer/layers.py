@@ -272,17 +272,25 @@ def own_weight_row(linear: nn.Linear) -> nn.Linear:
 
 def _linear_with_weight_row(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     link, w = self.fp8mon_stats, self.weight
-    if link is not None and self.training and link.due("weight"):  # (the hooks skip evaluation passes too)
-        kind = x.device.type
-        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else w.dtype
-        if dtype != w.dtype and w.dtype == torch.float32 and w.is_contiguous() and triton_runs(w.device):
+    if link is None or not self.training:  # (the hooks skip evaluation passes too)
+        return F.linear(x, w, self.bias)
+    kind = x.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else w.dtype
+    castable = dtype != w.dtype and w.dtype == torch.float32 and w.is_contiguous() and triton_runs(w.device)
+    if castable:
+        from . import weight_rows
+        from .kernels.residual import weight_cast
+
+        weight_rows.register_cast(self, link)
+        cast = weight_rows.take_cast(self, link, dtype)  # this step's batch of weight casts (weight_rows)
+        if cast is not None:
+            return F.linear(x, weight_cast(w, dtype, None, link, cast), self.bias)
+        if link.due("weight"):
             target = link.target("weight", w.device)
             if target is not None:
-                from .kernels.residual import weight_cast
-
                 return F.linear(x, weight_cast(w, dtype, target, link), self.bias)
-        else:
-            report_apart(link, "weight", w)
+    elif link.due("weight"):
+        report_apart(link, "weight", w)
     return F.linear(x, w, self.bias)
 
 

@@ -12,6 +12,11 @@ launch.
 A layer registers itself when an agent attaches to it (``register``, from ``Fp8Linear.fp8mon_stats``). A layer that
 the batch covered but whose forward did not run that step keeps a row without its underflow count, and drops the
 prepared amax at its next cast (the step or the weight no longer match).
+
+A bf16 model's plain linears (``trainer.layers.own_weight_row``) cast their fp32 weights for autocast, each cast taking
+the weight's row: there the first cast of a reporting step casts every due weight of the agent's such linears, rows
+included, in one launch (``take_cast``, ``trainer.kernels.weight_casts``), and each linear's forward takes its cast
+from it. Such a linear registers itself at its first forward with a link (``register_cast``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from agent import triton_stats
 BATCH = os.environ.get("FP8MON_BATCH_WEIGHT_ROWS", "1") != "0"  # "0": each weight cast takes its own row (benches)
 
 _layers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # agent -> WeakSet of its Fp8Linear layers
+_cast_layers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # agent -> WeakSet of its own_weight_row linears
 
 
 def register(module) -> None:
@@ -84,3 +90,64 @@ def _launch(agent, device: torch.device) -> None:
         module.fp8_weight_ready[0] = (agent.current_step, (weight.data_ptr(), weight._version), target, amax)
     if items:
         triton_stats.cast_rows(items, device)
+
+
+def register_cast(module, link) -> None:
+    """Count ``module`` (a plain linear of ``own_weight_row`` whose ``fp8mon_stats`` is ``link``) in its agent's batches
+    of weight casts."""
+    agent = getattr(link, "agent", None)
+    if agent is not None:
+        layers = _cast_layers.get(agent)
+        if layers is None:
+            layers = _cast_layers[agent] = weakref.WeakSet()
+        if module not in layers:
+            layers.add(module)
+
+
+def take_cast(module, link, dtype: torch.dtype) -> torch.Tensor | None:
+    """This step's cast of ``module``'s weight to ``dtype`` from the batch (its row already taken), or None. The first
+    call of a reporting step that finds its weight due launches the batch: every registered linear of the agent whose
+    weight is due, fp32, contiguous and on the same device, cast to ``dtype``."""
+    agent = getattr(link, "agent", None)
+    if not BATCH or agent is None:
+        return None
+    weight = module.weight
+    got = _pop_cast(module, agent, weight, dtype)
+    if got is None and link.due("weight"):
+        _launch_casts(agent, weight.device, dtype)
+        got = _pop_cast(module, agent, weight, dtype)
+    return got
+
+
+def _pop_cast(module, agent, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    got = module.__dict__.pop("fp8mon_cast_ready", None)
+    if got is None:
+        return None
+    step, key, cast = got
+    if step != agent.current_step or key != (weight.data_ptr(), weight._version) or cast.dtype != dtype:
+        return None
+    return cast
+
+
+def _launch_casts(agent, device: torch.device, dtype: torch.dtype) -> None:
+    from agent import triton_stats as ts
+
+    from .kernels.weight_casts import weight_casts
+
+    if ts.FUSED_MERGE != "later":  # the batch leaves every row to merge_later
+        return
+    items: dict = {}
+    for module in list(_cast_layers.get(agent, ())):
+        link, weight = getattr(module, "fp8mon_stats", None), module.weight
+        if getattr(link, "agent", None) is not agent or not module.training or weight.device != device or \
+                weight.dtype != torch.float32 or not weight.is_contiguous() or weight.numel() == 0 or \
+                not link.due("weight"):
+            continue
+        target = link.target("weight", device)  # claims the row: the layer's own forward will not ask again
+        if target is not None:
+            key = (target.rows.data_ptr(), bool(target.hist), float(target.outlier_k), target.fmt)
+            items.setdefault(key, []).append((module, weight, target))
+    for group in items.values():
+        casts = weight_casts([w for _, w, _ in group], dtype, [t for _, _, t in group])
+        for (module, weight, _), cast in zip(group, casts):
+            module.fp8mon_cast_ready = (agent.current_step, (weight.data_ptr(), weight._version), cast)

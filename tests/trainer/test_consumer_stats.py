@@ -538,18 +538,48 @@ def _child(names: list[str]) -> None:
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     return self.net(idx)
 
+        from trainer.kernels import weight_casts as casts_module
+
         old = layers.FUSED_SWIGLU, layers.FUSED_ROPE, layers.FUSED_NORM, model.FUSED_RESIDUAL
         # torch's ops around the linears in every mode: the interpreter runs the weights' casts alone
         layers.FUSED_SWIGLU = layers.FUSED_ROPE = layers.FUSED_NORM = model.FUSED_RESIDUAL = False
+        batches, one_launch = [], casts_module.weight_casts
+        casts_module.weight_casts = lambda ws, *a: (batches.append(len(ws)), one_launch(ws, *a))[1]
         try:
             got = rows_by_mode("FUSED_WEIGHT", lambda: Autocast("llama"), 9, inputs=lambda i: torch.randint(0, 64, (2, 8)))
             names = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
             keys = [(f"net.blocks.0.{n}", s) for n in names for s in ("weight", "grad_weight")]
             emit("weight_plain", "; ".join(same_rows_by_mode(got, keys)))
+            # the first step registers the linears one by one; the second casts the four weights in one launch
+            emit("weight_plain:one_launch", "" if batches == [1, 1, 1, 1, 4] else f"launches of {batches} weights")
             emit("weight_plain:one_micro_batch", "; ".join(grad_rows_from_casts(Autocast, names)))
             emit("weight_plain:cast", "; ".join(weight_cast_values()))
+            emit("weight_plain:casts", "; ".join(weight_casts_values(one_launch)))
         finally:
             layers.FUSED_SWIGLU, layers.FUSED_ROPE, layers.FUSED_NORM, model.FUSED_RESIDUAL = old
+            casts_module.weight_casts = one_launch
+
+    def weight_casts_values(weight_casts) -> list[str]:
+        """``weight_casts`` of weights of several sizes in one launch (one with a NaN: the careful path) equal
+        ``w.to(bf16)``, and each row the fp64 oracle's of the fp32 values, about its own center (given, on the device,
+        none)."""
+        problems, g = [], torch.Generator().manual_seed(3)
+        ws = [torch.randn(48, 32, generator=g) * 0.02 + 0.003, torch.randn(3000, generator=g),
+              torch.randn(5, generator=g) * 7, torch.randn(2500, generator=g)]
+        ws[3][1234] = float("nan")
+        centers = [(0.0, 0.02), torch.tensor([0.0, 1.0], dtype=torch.float64), None, (0.1, 1.0)]
+        rows = torch.zeros(len(ws), ds.WIDTH, dtype=torch.float64)
+        casts = weight_casts(ws, torch.bfloat16, [ts.Target(rows, i, False, c, 6.0, True, None, "e4m3")
+                                                  for i, c in enumerate(centers)])
+        ts.flush_deferred()
+        for i, (w, c, wb) in enumerate(zip(ws, centers, casts)):
+            if not (wb.dtype == torch.bfloat16 and torch.equal(wb.float().nan_to_num(9), w.to(torch.bfloat16).float()
+                                                                .nan_to_num(9))):
+                problems.append(f"weight {i}: values differ from torch's cast")
+            c = tuple(c.tolist()) if isinstance(c, torch.Tensor) else c
+            want = ds.partials(w, fmt="e4m3", outlier_center=c)
+            problems.append(row_problems(rows[i], want, rtol=1e-6, under_slack=float(want[ds.HIST:].nan_to_num(0).max())))
+        return [p for p in problems if p]
 
     def weight_cast_values() -> list[str]:
         """``weight_cast`` equals ``w.to(bf16)`` (its gradient ``g.float()``), with w's own row (the fp64 oracle's of

@@ -184,10 +184,10 @@ def branch_grad(g: torch.Tensor, dtype: torch.dtype, stats: "ts.Target", source_
 
 class _WeightCastFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, w, dtype, stats, link):
+    def forward(ctx, w, dtype, stats, link, cast):
         ctx.dtype, ctx.link = w.dtype, link
         ctx.weight = weakref.ref(w) if link is not None else None
-        return branch_grad(w.detach(), dtype, stats, source_row=True)
+        return branch_grad(w.detach(), dtype, stats, source_row=True) if cast is None else cast[0]
 
     @staticmethod
     def backward(ctx, g):
@@ -195,19 +195,22 @@ class _WeightCastFn(torch.autograd.Function):
         # the cast back becomes w.grad as it is only while no gradient is accumulated yet: then it takes the row
         target = ctx.link.grad_weight_target(g.device) if w is not None and w.grad is None else None
         if target is None:
-            return g.to(ctx.dtype), None, None, None
+            return g.to(ctx.dtype), None, None, None, None
         grad = branch_grad(g, ctx.dtype, target)
         ctx.link.took_grad_weight(grad, target)
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 @torch.compiler.disable
-def weight_cast(w: torch.Tensor, dtype: torch.dtype, stats: "ts.Target", link=None) -> torch.Tensor:
+def weight_cast(w: torch.Tensor, dtype: torch.dtype, stats: "ts.Target | None", link=None,
+                cast: torch.Tensor | None = None) -> torch.Tensor:
     """``w.to(dtype)``, differentiable as that (the gradient cast back to w's dtype), in one pass that takes the row
     of w's own values into ``stats``: autocast's cast of a weight, with the weight's row for the agent from the same
     read. ``link`` (the layer's ``agent.core.FusedLink``): the backward's cast takes the row of w's gradient where it
-    asks for it (``grad_weight_target``). Reference: ``w.to(dtype)``."""
-    return _WeightCastFn.apply(w, dtype, stats, link)
+    asks for it (``grad_weight_target``). ``cast``: w's cast made already, row included (``weight_casts``, a batch of
+    a step's weights), which this returns as w's, differentiable. Reference: ``w.to(dtype)``."""
+    # (a tensor argument returned as it is would come back as a view of it: handed over in a tuple, it is an output)
+    return _WeightCastFn.apply(w, dtype, stats, link, None if cast is None else (cast,))
 
 
 def residual_add_forward(x: torch.Tensor, b: torch.Tensor, stats: "ts.Target | None" = None) -> torch.Tensor:
