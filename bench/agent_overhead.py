@@ -250,7 +250,7 @@ def device_profile(phase, device, args) -> dict:
     off, on = per[None], per["triton"]
     print("agent on - off, per kernel (ms per step): " + ", ".join(
         f"{k[:40]} {on.get(k, 0) - off.get(k, 0):+.2f}" for k in sorted(set(on) | set(off),
-                                                                         key=lambda k: -abs(on.get(k, 0) - off.get(k, 0)))[:8]),
+                                                                         key=lambda k: -abs(on.get(k, 0) - off.get(k, 0)))[:12]),
         flush=True)
     return {}
 

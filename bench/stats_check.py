@@ -629,12 +629,14 @@ def check_consumers(device) -> None:
 
 def check_weight_cast(device) -> None:
     """trainer/kernels/residual.py's ``weight_cast``: w.to(bf16) and the gradient cast back equal torch's, the row of w's
-    own fp32 values against the fp64 oracle's; and a bf16 llama under autocast whose linears take their weights' rows
+    own fp32 values against the fp64 oracle's; the same of ``weight_casts``, several weights in one launch; and a bf16
+    llama under autocast whose linears take their weights' rows
     and (one micro-batch a step) their gradients' rows from those casts (``trainer.layers.FUSED_WEIGHT``) ships the
     rows the hooks ship without them, with one micro-batch a step and with two."""
     from trainer import layers, model as tm
     from trainer.config import get_config
     from trainer.kernels.residual import weight_cast
+    from trainer.kernels.weight_casts import weight_casts
 
     g = torch.Generator(device="cpu").manual_seed(11)
     for shape in ((3072, 768), (2048, 2048), (77, 33)):
@@ -649,6 +651,19 @@ def check_weight_cast(device) -> None:
         ok, why = rows_close(tgt.rows[0], want, under_slack=want[ds.HIST:].nan_to_num(0).max().item())
         same = torch.equal(wb.detach(), w0.to(torch.bfloat16)) and torch.equal(w.grad, gy.float())
         report(f"weight cast {shape}", ok and same, why + ("" if same else " values differ from torch's"))
+    shapes = ((3072, 768), (768, 768), (2048, 2048), (77, 33))
+    ws = [(torch.randn(*shape, generator=g) * 0.02 + 0.001).to(device) for shape in shapes]
+    ws[2][5, 7] = float("nan")  # that weight's programs take the careful path
+    rows = torch.zeros(len(ws), ds.WIDTH, dtype=torch.float64, device=device)
+    casts = weight_casts(ws, torch.bfloat16, [ts.Target(rows, i, False, (0.0, 0.02), 6.0, True, None, "e4m3")
+                                              for i in range(len(ws))])
+    ts.flush_deferred()
+    for i, (w, wb) in enumerate(zip(ws, casts)):
+        want = ds.partials(w, fmt="e4m3", outlier_center=(0.0, 0.02), hist=True)
+        ok, why = rows_close(rows[i], want, under_slack=want[ds.HIST:].nan_to_num(0).max().item())
+        same = torch.equal(wb.float().nan_to_num(9), w.to(torch.bfloat16).float().nan_to_num(9))
+        report(f"weight casts in one launch, {tuple(w.shape)}", ok and same,
+               why + ("" if same else " values differ from torch's"))
     cfg = get_config("tiny", n_layer=2, d_model=256, n_head=4, d_ff=512, seq_len=128, vocab_size=512)
     idx = [torch.randint(0, 512, (4, 128), generator=g).to(device) for _ in range(4)]
     for micro_batches in (1, 2):

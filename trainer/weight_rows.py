@@ -132,7 +132,7 @@ def _pop_cast(module, agent, weight: torch.Tensor, dtype: torch.dtype) -> torch.
 def _launch_casts(agent, device: torch.device, dtype: torch.dtype) -> None:
     from agent import triton_stats as ts
 
-    from .kernels.weight_casts import weight_casts
+    from .kernels.weight_casts import castable, weight_casts
 
     if ts.FUSED_MERGE != "later":  # the batch leaves every row to merge_later
         return
@@ -140,8 +140,7 @@ def _launch_casts(agent, device: torch.device, dtype: torch.dtype) -> None:
     for module in list(_cast_layers.get(agent, ())):
         link, weight = getattr(module, "fp8mon_stats", None), module.weight
         if getattr(link, "agent", None) is not agent or not module.training or weight.device != device or \
-                weight.dtype != torch.float32 or not weight.is_contiguous() or weight.numel() == 0 or \
-                not link.due("weight"):
+                not castable(weight) or not link.due("weight"):
             continue
         target = link.target("weight", device)  # claims the row: the layer's own forward will not ask again
         if target is not None:

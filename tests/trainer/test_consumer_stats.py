@@ -763,5 +763,26 @@ def test_rms_norm_refuses_what_its_kernels_cannot_take_and_the_module_falls_back
     assert not norm.fused(x) and torch.equal(norm(x), rms_norm_torch(x, norm.weight, norm.eps))
 
 
+def test_weight_casts_names_the_weights_it_cannot_take_and_launches_nothing():
+    """A weight that is not contiguous, 16-byte aligned, non-empty fp32, or targets that do not share one row buffer:
+    a clear error before any launch (the batch of ``trainer.weight_rows`` leaves such weights to their own casts)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from agent import triton_stats as ts
+    from trainer.kernels.weight_casts import castable, weight_casts
+
+    target = ts.Target.new("cpu", fmt="e4m3")
+    flat = torch.randn(1001)
+    for w in (torch.randn(6, 4).t(), flat[1:], torch.zeros(0, 4), torch.randn(6, 4, dtype=torch.float64)):
+        assert not castable(w)
+        with pytest.raises(ValueError, match="needs contiguous, non-empty, 16-byte aligned fp32 weights"):
+            weight_casts([torch.randn(6, 4), w], torch.bfloat16, [target, target])
+    with pytest.raises(ValueError, match="must share rows"):
+        weight_casts([torch.randn(6, 4)] * 2, torch.bfloat16, [target, ts.Target.new("cpu", fmt="e4m3")])
+    with pytest.raises(ValueError, match="casts to bf16 or fp16"):
+        weight_casts([torch.randn(6, 4)], torch.float64, [target])
+    assert not target.rows.any()
+
+
 if __name__ == "__main__":
     _child(sys.argv[1:])

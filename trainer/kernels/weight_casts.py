@@ -21,6 +21,7 @@ from agent import triton_stats as ts
 from agent.triton_stats import (_P_AHM, _SMEM_HIST, _htab, _outlier_bounds, fused_epilogue, stream_add, stream_partial,
                                 stream_start)
 
+from .fp8_gemm import _to_out
 from .quantize import INTERPRET, _num_sms, cdiv
 from .residual import _b_part, _grad_block
 
@@ -55,8 +56,9 @@ def _weight_casts_kernel(tab_ptr, ntab, sp_ptr, k, HIST: tl.constexpr, FMAX: tl.
     nprog = tl.num_programs(0)
     t = tl.load(tab_ptr + ntab * _TABW + pid)
     row = tab_ptr + t * _TABW
-    w_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
-    out_ptr = tl.load(row + 1).to(tl.pointer_type(OUT))
+    # 16-byte aligned (the launcher checks): vector loads and stores, as with a tensor argument
+    w_ptr = tl.multiple_of(tl.load(row).to(tl.pointer_type(tl.float32)), 16)
+    out_ptr = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(OUT)), 16)
     n = tl.load(row + 2)
     first = tl.load(row + 3)
     programs = tl.load(row + 4)
@@ -75,12 +77,20 @@ def _weight_casts_kernel(tab_ptr, ntab, sp_ptr, k, HIST: tl.constexpr, FMAX: tl.
     if HIST and _SMEM_HIST:
         ht = _htab()
     ce = tl.zeros([], tl.int32)
-    for blk in tl.range(p, nblk, programs, num_stages=STAGES):
-        w, d, offs, mask = _grad_block(w_ptr, n, blk, OUT, BLOCK, SOFT_ROUND)
+    # the full blocks without masks (n is not known to the compiler: a mask by it would cost the vector accesses)
+    nfull = n // BLOCK
+    everywhere = tl.full([BLOCK], 1, tl.int1)
+    for blk in tl.range(p, nfull, programs, num_stages=STAGES):
+        offs = blk * BLOCK + tl.arange(0, BLOCK)
+        w = tl.load(w_ptr + offs)
+        tl.store(out_ptr + offs, _to_out(w, OUT, SOFT_ROUND))
+        st = stream_add(st, w, everywhere, True, s, ncp, lo, hi, HIST, R, V, ht)
+        ce += BLOCK
+    if nfull < nblk and (nfull - p) % programs == 0:  # the partial last block is this program's
+        w, d, offs, mask = _grad_block(w_ptr, n, nfull, OUT, BLOCK, SOFT_ROUND)
         tl.store(out_ptr + offs, d, mask=mask)
-        inside = tl.minimum(n - (blk + tl.zeros([], tl.int64)) * BLOCK, BLOCK).to(tl.int32)
-        st = stream_add(st, w, mask, inside == BLOCK, s, ncp, lo, hi, HIST, R, V, ht)
-        ce += inside
+        st = stream_add(st, w, mask, False, s, ncp, lo, hi, HIST, R, V, ht)
+        ce += (n - nfull * BLOCK).to(tl.int32)
     mine = pid + nprog * tl.cdiv(nblk - p, programs)  # careful_tiles' bound: as many tiles as this program's blocks
     ce, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = stream_partial(
         st, ce, c, s, ok, _mine_part, (w_ptr, n, pid, nprog, p, programs), mine, 1, lo, hi, HIST, R, BLOCK, V, ht)
@@ -100,6 +110,11 @@ def _shares(numels: list[int], device: torch.device) -> list[int]:
     return [min(b, max(1, cdiv(b, per))) for b in blocks]
 
 
+def castable(w: torch.Tensor) -> bool:
+    """Whether ``weight_casts`` takes w."""
+    return w.dtype == torch.float32 and w.is_contiguous() and w.numel() > 0 and w.data_ptr() % 16 == 0
+
+
 def weight_casts(weights: list[torch.Tensor], dtype: torch.dtype, targets: list["ts.Target"]) -> list[torch.Tensor]:
     """``[w.to(dtype) for w in weights]`` (fp32, contiguous, non-empty, on one device) in one launch, with the row of
     each weight's own values into its target. The targets share one row buffer, histogram setting, outlier k and
@@ -108,8 +123,8 @@ def weight_casts(weights: list[torch.Tensor], dtype: torch.dtype, targets: list[
         return []
     device, t0 = weights[0].device, targets[0]
     for w, t in zip(weights, targets, strict=True):
-        if w.dtype != torch.float32 or not w.is_contiguous() or w.numel() == 0 or w.device != device:
-            raise ValueError("weight_casts: needs contiguous non-empty fp32 weights on one device")
+        if not castable(w) or w.device != device:
+            raise ValueError("weight_casts: needs contiguous, non-empty, 16-byte aligned fp32 weights on one device")
         if (t.rows.data_ptr(), bool(t.hist), float(t.outlier_k), t.fmt) != \
                 (t0.rows.data_ptr(), bool(t0.hist), float(t0.outlier_k), t0.fmt):
             raise ValueError("weight_casts: the targets must share rows, histogram setting, outlier k and format")
