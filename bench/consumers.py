@@ -36,7 +36,7 @@ from bench.variants import applied, parse_all  # noqa: E402
 from trainer.kernels.residual import branch_grad, residual_add_forward  # noqa: E402
 from trainer.kernels.rmsnorm import rms_norm_backward, rms_norm_forward, rms_norm_ref  # noqa: E402
 from trainer.kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_ref  # noqa: E402
-from trainer.kernels.weight_casts import weight_casts  # noqa: E402
+from trainer.kernels.weight_casts import casts_with_rows  # noqa: E402
 from trainer.kernels.timing import device_medians  # noqa: E402
 from trainer.kernels.words import words_path  # noqa: E402
 
@@ -181,10 +181,12 @@ def sweep(name: str, variants: list[tuple[str, list]], dev: torch.device) -> Non
         "residual grad cast + row": lambda: branch_grad(x, torch.bfloat16, tgt()),
         "a block's weight casts + rows": lambda: [branch_grad(wt, torch.bfloat16, tgt(), source_row=True)
                                                   for wt in weights],
-        "a block's weight casts + rows, one launch": lambda: weight_casts(weights, torch.bfloat16,
-                                                                          [tgt() for _ in weights]),
+        "a block's weight casts + rows, one launch": lambda: casts_with_rows(weights, torch.bfloat16,
+                                                                             [tgt() for _ in weights]),
         "a block's weight gradient casts + rows": lambda: [branch_grad(gw, torch.float32, tgt())
                                                            for gw in weight_grads],
+        "a block's weight gradient casts + rows, one launch": lambda: casts_with_rows(weight_grads, torch.float32,
+                                                                                      [tgt() for _ in weight_grads]),
         "rope fwd + row": lambda: rope_qkv_forward(qkv, rot.cos, rot.sin, heads, stats=tgt()),
         "rope bwd + row": lambda: rope_qkv_backward(*grads, rot.cos, rot.sin, torch.bfloat16, stats=tgt()),
     }

@@ -636,7 +636,7 @@ def check_weight_cast(device) -> None:
     from trainer import layers, model as tm
     from trainer.config import get_config
     from trainer.kernels.residual import weight_cast
-    from trainer.kernels.weight_casts import weight_casts
+    from trainer.kernels.weight_casts import casts_with_rows
 
     g = torch.Generator(device="cpu").manual_seed(11)
     for shape in ((3072, 768), (2048, 2048), (77, 33)):
@@ -655,8 +655,8 @@ def check_weight_cast(device) -> None:
     ws = [(torch.randn(*shape, generator=g) * 0.02 + 0.001).to(device) for shape in shapes]
     ws[2][5, 7] = float("nan")  # that weight's programs take the careful path
     rows = torch.zeros(len(ws), ds.WIDTH, dtype=torch.float64, device=device)
-    casts = weight_casts(ws, torch.bfloat16, [ts.Target(rows, i, False, (0.0, 0.02), 6.0, True, None, "e4m3")
-                                              for i in range(len(ws))])
+    casts = casts_with_rows(ws, torch.bfloat16, [ts.Target(rows, i, False, (0.0, 0.02), 6.0, True, None, "e4m3")
+                                                 for i in range(len(ws))])
     ts.flush_deferred()
     for i, (w, wb) in enumerate(zip(ws, casts)):
         want = ds.partials(w, fmt="e4m3", outlier_center=(0.0, 0.02), hist=True)

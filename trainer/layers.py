@@ -284,7 +284,7 @@ def _linear_with_weight_row(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         weight_rows.register_cast(self, link)
         cast = weight_rows.take_cast(self, link, dtype)  # this step's batch of weight casts (weight_rows)
         if cast is not None:
-            return F.linear(x, weight_cast(w, dtype, None, link, cast), self.bias)
+            return F.linear(x, cast, self.bias)
         if link.due("weight"):
             target = link.target("weight", w.device)
             if target is not None:

@@ -16,7 +16,8 @@ prepared amax at its next cast (the step or the weight no longer match).
 A bf16 model's plain linears (``trainer.layers.own_weight_row``) cast their fp32 weights for autocast, each cast taking
 the weight's row: there the first cast of a reporting step casts every due weight of the agent's such linears, rows
 included, in one launch (``take_cast``, ``trainer.kernels.weight_casts``), and each linear's forward takes its cast
-from it. Such a linear registers itself at its first forward with a link (``register_cast``).
+from it; the gradients' casts back, with their rows, take one launch too (``GRADS_TOGETHER``). Such a linear
+registers itself at its first forward with a link (``register_cast``).
 """
 
 from __future__ import annotations
@@ -104,10 +105,23 @@ def register_cast(module, link) -> None:
             layers.add(module)
 
 
+# Whether the batch's weights are one autograd node (``kernels.weight_casts.weight_casts``), whose backward casts all
+# their gradients back in one launch at the end of the backward pass, or each its own (``residual.weight_cast``: a
+# launch per gradient, as it comes). "auto": together unless torch.distributed is initialized, where a data-parallel
+# wrapper reduces each gradient as it comes, overlapping the backward pass.
+GRADS_TOGETHER = os.environ.get("FP8MON_WEIGHT_GRADS_TOGETHER", "auto")
+
+
+def grads_together() -> bool:
+    if str(GRADS_TOGETHER) == "auto":
+        return not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    return str(GRADS_TOGETHER) not in ("0", "False")
+
+
 def take_cast(module, link, dtype: torch.dtype) -> torch.Tensor | None:
-    """This step's cast of ``module``'s weight to ``dtype`` from the batch (its row already taken), or None. The first
-    call of a reporting step that finds its weight due launches the batch: every registered linear of the agent whose
-    weight is due, fp32, contiguous and on the same device, cast to ``dtype``."""
+    """This step's cast of ``module``'s weight to ``dtype`` from the batch (its row already taken), differentiable, or
+    None. The first call of a reporting step that finds its weight due launches the batch: every registered linear of
+    the agent whose weight is due, castable and on the same device, cast to ``dtype``."""
     agent = getattr(link, "agent", None)
     if not BATCH or agent is None:
         return None
@@ -116,37 +130,54 @@ def take_cast(module, link, dtype: torch.dtype) -> torch.Tensor | None:
     if got is None and link.due("weight"):
         _launch_casts(agent, weight.device, dtype)
         got = _pop_cast(module, agent, weight, dtype)
-    return got
+    if got is None:
+        return None
+    cast, differentiable = got
+    if differentiable:
+        return cast
+    from .kernels.residual import weight_cast
+
+    return weight_cast(weight, dtype, None, link, cast)
 
 
-def _pop_cast(module, agent, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+def _pop_cast(module, agent, weight: torch.Tensor, dtype: torch.dtype):
     got = module.__dict__.pop("fp8mon_cast_ready", None)
     if got is None:
         return None
-    step, key, cast = got
+    step, key, cast, differentiable = got
     if step != agent.current_step or key != (weight.data_ptr(), weight._version) or cast.dtype != dtype:
         return None
-    return cast
+    return cast, differentiable
 
 
 def _launch_casts(agent, device: torch.device, dtype: torch.dtype) -> None:
     from agent import triton_stats as ts
 
-    from .kernels.weight_casts import castable, weight_casts
+    from .kernels import weight_casts as wc
 
     if ts.FUSED_MERGE != "later":  # the batch leaves every row to merge_later
         return
-    items: dict = {}
+    modules, weights, targets = [], [], []
     for module in list(_cast_layers.get(agent, ())):
         link, weight = getattr(module, "fp8mon_stats", None), module.weight
         if getattr(link, "agent", None) is not agent or not module.training or weight.device != device or \
-                not castable(weight) or not link.due("weight"):
+                weight.dtype != torch.float32 or not wc.castable(weight) or not link.due("weight"):
             continue
         target = link.target("weight", device)  # claims the row: the layer's own forward will not ask again
         if target is not None:
-            key = (target.rows.data_ptr(), bool(target.hist), float(target.outlier_k), target.fmt)
-            items.setdefault(key, []).append((module, weight, target))
-    for group in items.values():
-        casts = weight_casts([w for _, w, _ in group], dtype, [t for _, _, t in group])
-        for (module, weight, _), cast in zip(group, casts):
-            module.fp8mon_cast_ready = (agent.current_step, (weight.data_ptr(), weight._version), cast)
+            modules.append(module)
+            weights.append(weight)
+            targets.append(target)
+    if not modules:
+        return
+    together = grads_together()
+    if together:
+        casts = wc.weight_casts(weights, dtype, targets, [m.fp8mon_stats for m in modules])
+    else:  # each linear's forward makes its cast differentiable (take_cast)
+        casts = [None] * len(weights)
+        for idx in wc._same_rows(targets).values():
+            for i, cast in zip(idx, wc.casts_with_rows([weights[i].detach() for i in idx], dtype,
+                                                       [targets[i] for i in idx])):
+                casts[i] = cast
+    for module, weight, cast in zip(modules, weights, casts):
+        module.fp8mon_cast_ready = (agent.current_step, (weight.data_ptr(), weight._version), cast, together)

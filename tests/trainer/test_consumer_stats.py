@@ -543,42 +543,47 @@ def _child(names: list[str]) -> None:
         old = layers.FUSED_SWIGLU, layers.FUSED_ROPE, layers.FUSED_NORM, model.FUSED_RESIDUAL
         # torch's ops around the linears in every mode: the interpreter runs the weights' casts alone
         layers.FUSED_SWIGLU = layers.FUSED_ROPE = layers.FUSED_NORM = model.FUSED_RESIDUAL = False
-        batches, one_launch = [], casts_module.weight_casts
-        casts_module.weight_casts = lambda ws, *a: (batches.append(len(ws)), one_launch(ws, *a))[1]
+        batches, one_launch = [], casts_module.casts_with_rows
+        casts_module.casts_with_rows = lambda xs, *a: (batches.append((xs[0].dtype, len(xs))), one_launch(xs, *a))[1]
         try:
             got = rows_by_mode("FUSED_WEIGHT", lambda: Autocast("llama"), 9, inputs=lambda i: torch.randint(0, 64, (2, 8)))
             names = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
             keys = [(f"net.blocks.0.{n}", s) for n in names for s in ("weight", "grad_weight")]
             emit("weight_plain", "; ".join(same_rows_by_mode(got, keys)))
-            # the first step registers the linears one by one; the second casts the four weights in one launch
-            emit("weight_plain:one_launch", "" if batches == [1, 1, 1, 1, 4] else f"launches of {batches} weights")
+            # the first step registers the linears one by one; the second casts the four weights in one launch, and
+            # their gradients back in one (the first micro-batch's: a later one's are added to them)
+            forward = [n for dt, n in batches if dt == torch.float32]
+            backward = [n for dt, n in batches if dt == torch.bfloat16]
+            emit("weight_plain:one_launch", "" if forward == backward == [1, 1, 1, 1, 4] else
+                 f"launches of {forward} weights and {backward} gradients")
             emit("weight_plain:one_micro_batch", "; ".join(grad_rows_from_casts(Autocast, names)))
             emit("weight_plain:cast", "; ".join(weight_cast_values()))
             emit("weight_plain:casts", "; ".join(weight_casts_values(one_launch)))
         finally:
             layers.FUSED_SWIGLU, layers.FUSED_ROPE, layers.FUSED_NORM, model.FUSED_RESIDUAL = old
-            casts_module.weight_casts = one_launch
+            casts_module.casts_with_rows = one_launch
 
-    def weight_casts_values(weight_casts) -> list[str]:
-        """``weight_casts`` of weights of several sizes in one launch (one with a NaN: the careful path) equal
-        ``w.to(bf16)``, and each row the fp64 oracle's of the fp32 values, about its own center (given, on the device,
-        none)."""
+    def weight_casts_values(casts_with_rows) -> list[str]:
+        """``casts_with_rows`` of tensors of several sizes in one launch (one with a NaN: the careful path), fp32 to
+        bf16 (weights) and bf16 to fp32 (their gradients), equal torch's casts, and each row the fp64 oracle's of the
+        values, about its own center (given, on the device, none)."""
         problems, g = [], torch.Generator().manual_seed(3)
         ws = [torch.randn(48, 32, generator=g) * 0.02 + 0.003, torch.randn(3000, generator=g),
               torch.randn(5, generator=g) * 7, torch.randn(2500, generator=g)]
         ws[3][1234] = float("nan")
         centers = [(0.0, 0.02), torch.tensor([0.0, 1.0], dtype=torch.float64), None, (0.1, 1.0)]
-        rows = torch.zeros(len(ws), ds.WIDTH, dtype=torch.float64)
-        casts = weight_casts(ws, torch.bfloat16, [ts.Target(rows, i, False, c, 6.0, True, None, "e4m3")
-                                                  for i, c in enumerate(centers)])
-        ts.flush_deferred()
-        for i, (w, c, wb) in enumerate(zip(ws, centers, casts)):
-            if not (wb.dtype == torch.bfloat16 and torch.equal(wb.float().nan_to_num(9), w.to(torch.bfloat16).float()
-                                                                .nan_to_num(9))):
-                problems.append(f"weight {i}: values differ from torch's cast")
-            c = tuple(c.tolist()) if isinstance(c, torch.Tensor) else c
-            want = ds.partials(w, fmt="e4m3", outlier_center=c)
-            problems.append(row_problems(rows[i], want, rtol=1e-6, under_slack=float(want[ds.HIST:].nan_to_num(0).max())))
+        for xs, dtype in ((ws, torch.bfloat16), ([w.to(torch.bfloat16) for w in ws], torch.float32)):
+            rows = torch.zeros(len(xs), ds.WIDTH, dtype=torch.float64)
+            casts = casts_with_rows(xs, dtype, [ts.Target(rows, i, False, c, 6.0, True, None, "e4m3")
+                                                for i, c in enumerate(centers)])
+            ts.flush_deferred()
+            for i, (x, c, xc) in enumerate(zip(xs, centers, casts)):
+                if not (xc.dtype == dtype and torch.equal(xc.float().nan_to_num(9), x.to(dtype).float().nan_to_num(9))):
+                    problems.append(f"{x.dtype} {i}: values differ from torch's cast")
+                c = tuple(c.tolist()) if isinstance(c, torch.Tensor) else c
+                want = ds.partials(x, fmt="e4m3", outlier_center=c)
+                problems.append(row_problems(rows[i], want, rtol=1e-6,
+                                             under_slack=float(want[ds.HIST:].nan_to_num(0).max())))
         return [p for p in problems if p]
 
     def weight_cast_values() -> list[str]:
@@ -605,15 +610,17 @@ def _child(names: list[str]) -> None:
 
     def grad_rows_from_casts(make, names) -> list[str]:
         """One micro-batch a step: the casts back take the weights' gradient rows (no grad_weight hook reads one), equal
-        to the hooks' rows without them, and clipping gets every block gradient's norm from them."""
+        to the hooks' rows without them, and clipping gets every block gradient's norm from them; with the gradients
+        cast back together (one launch at the end of the backward pass) and each as it comes."""
         from agent import Agent
         from stats_check import NullTransport
-        from trainer import layers
+        from trainer import layers, weight_rows
 
         problems, got = [], {}
         idx = [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(i)) for i in range(2)]
-        for fused in (False, True):
+        for fused, together in ((False, "auto"), (True, "1"), (True, "0")):
             old, layers.FUSED_WEIGHT = layers.FUSED_WEIGHT, fused
+            old_together, weight_rows.GRADS_TOGETHER = weight_rows.GRADS_TOGETHER, together
             try:
                 torch.manual_seed(9)
                 net = make("llama")
@@ -634,16 +641,18 @@ def _child(names: list[str]) -> None:
                 keys = list(agent._slots.keys)
                 agent.close()
             finally:
-                layers.FUSED_WEIGHT = old
-            got[fused] = shipped, keys, sorted(set(r for r in read if r.startswith("net.blocks")))
-        (want_rows, keys, read_plain), (rows, keys2, read_fused) = got[False], got[True]
-        if read_fused or len(read_plain) != len(names):
-            problems.append(f"grad_weight hooks read {read_fused} with the casts, {read_plain} without")
-        for step in range(2):
-            for key in [(f"net.blocks.0.{n}", "grad_weight") for n in names]:
-                p = row_problems(rows[step][keys2.index(key)], want_rows[step][keys.index(key)], rtol=1e-6)
-                if p:
-                    problems.append(f"step {step} {key}: {p}")
+                layers.FUSED_WEIGHT, weight_rows.GRADS_TOGETHER = old, old_together
+            got[fused, together] = shipped, keys, sorted(set(r for r in read if r.startswith("net.blocks")))
+        want_rows, keys, read_plain = got[False, "auto"]
+        for together in ("1", "0"):
+            rows, keys2, read_fused = got[True, together]
+            if read_fused or len(read_plain) != len(names):
+                problems.append(f"grad_weight hooks read {read_fused} with the casts ({together}), {read_plain} without")
+            for step in range(2):
+                for key in [(f"net.blocks.0.{n}", "grad_weight") for n in names]:
+                    p = row_problems(rows[step][keys2.index(key)], want_rows[step][keys.index(key)], rtol=1e-6)
+                    if p:
+                        problems.append(f"GRADS_TOGETHER={together} step {step} {key}: {p}")
         return problems
 
     def agent_model():
@@ -763,24 +772,29 @@ def test_rms_norm_refuses_what_its_kernels_cannot_take_and_the_module_falls_back
     assert not norm.fused(x) and torch.equal(norm(x), rms_norm_torch(x, norm.weight, norm.eps))
 
 
-def test_weight_casts_names_the_weights_it_cannot_take_and_launches_nothing():
-    """A weight that is not contiguous, 16-byte aligned, non-empty fp32, or targets that do not share one row buffer:
-    a clear error before any launch (the batch of ``trainer.weight_rows`` leaves such weights to their own casts)."""
+def test_casts_with_rows_names_the_tensors_it_cannot_take_and_launches_nothing():
+    """A tensor that is not contiguous, 16-byte aligned, non-empty and of one floating dtype with the others, or targets
+    that do not share one row buffer: a clear error before any launch (the batch of ``trainer.weight_rows`` leaves
+    such weights to their own casts)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")
     from agent import triton_stats as ts
-    from trainer.kernels.weight_casts import castable, weight_casts
+    from trainer.kernels.weight_casts import castable, casts_with_rows, weight_casts
 
     target = ts.Target.new("cpu", fmt="e4m3")
     flat = torch.randn(1001)
-    for w in (torch.randn(6, 4).t(), flat[1:], torch.zeros(0, 4), torch.randn(6, 4, dtype=torch.float64)):
-        assert not castable(w)
-        with pytest.raises(ValueError, match="needs contiguous, non-empty, 16-byte aligned fp32 weights"):
-            weight_casts([torch.randn(6, 4), w], torch.bfloat16, [target, target])
+    for x in (torch.randn(6, 4).t(), flat[1:], torch.zeros(0, 4), torch.randn(6, 4, dtype=torch.float64)):
+        assert not castable(x)
+        with pytest.raises(ValueError, match="needs contiguous, non-empty, 16-byte aligned tensors of one floating"):
+            casts_with_rows([torch.randn(6, 4), x], torch.bfloat16, [target, target])
+    with pytest.raises(ValueError, match="of one floating dtype"):
+        casts_with_rows([torch.randn(6, 4), torch.randn(6, 4).bfloat16()], torch.bfloat16, [target, target])
     with pytest.raises(ValueError, match="must share rows"):
-        weight_casts([torch.randn(6, 4)] * 2, torch.bfloat16, [target, ts.Target.new("cpu", fmt="e4m3")])
-    with pytest.raises(ValueError, match="casts to bf16 or fp16"):
-        weight_casts([torch.randn(6, 4)], torch.float64, [target])
+        casts_with_rows([torch.randn(6, 4)] * 2, torch.bfloat16, [target, ts.Target.new("cpu", fmt="e4m3")])
+    with pytest.raises(ValueError, match="casts to fp32, bf16 or fp16"):
+        casts_with_rows([torch.randn(6, 4)], torch.float64, [target])
+    with pytest.raises(ValueError, match="casts fp32 weights"):
+        weight_casts([torch.randn(6, 4).bfloat16()], torch.float16, [target], [None])
     assert not target.rows.any()
 
 

@@ -1,17 +1,19 @@
-"""Many fp32 weights cast to bf16 (or fp16) in one launch, each with the statistics row of its fp32 values: autocast's
-casts of a model's weights on a reporting step (``trainer.weight_rows.take_cast``), done together.
+"""Many tensors cast in one launch, each with the statistics row of its values: autocast's casts of a model's fp32
+weights to bf16 on a reporting step, and the casts of their bf16 gradients back to fp32 (``trainer.weight_rows``),
+done together rather than one launch per linear each way (``residual.weight_cast``).
 
-One cast per weight (``residual.weight_cast``) is one launch per linear, each small at 124M (0.6-3 M elements): the
-launch's ramp, its last wave and its partials cost about as much as the bytes (bench/RESULTS.md). Here the programs
-of one launch are shared out among the weights in proportion to their blocks; a program casts and sums the blocks
-``p, p + programs_t, ...`` of its weight ``t`` as ``residual.branch_grad`` does, and stores its partial at its column of
-one partials buffer, which ``triton_stats.merge_later`` merges into each weight's row. Reference beside it:
-``weight_casts_ref``.
+At 124M each weight is small (0.6-3 M elements): a launch's ramp, its last wave and its partials cost about as much as
+its bytes (bench/RESULTS.md). Here the programs of one launch are shared out among the tensors in proportion to their
+blocks; a program casts and sums the blocks ``p, p + programs_t, ...`` of its tensor ``t`` as ``residual.branch_grad``
+does, and stores its partial at its column of one partials buffer, which ``triton_stats.merge_later`` merges into each
+tensor's row. ``weight_casts`` is the autograd form: the weights' casts as one node whose backward casts all their
+gradients in one launch. Reference beside it: ``weight_casts_ref``.
 """
 
 from __future__ import annotations
 
 import struct
+import weakref
 
 import torch
 import triton
@@ -30,6 +32,7 @@ WARPS = 4
 PROGRAMS_PER_SM = 4
 MAXNREG = 128  # as residual's kernels with a row: 16 warps of 4-warp programs fill an SM's registers
 STAGES = 3
+_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _TAB = struct.Struct("<6q2dq")  # source, cast, elements, first program, programs, center address, center (mean, std), pad
 _TABW = tl.constexpr(_TAB.size // 8)
 
@@ -43,21 +46,22 @@ def _mine_part(src, t, part, BLOCK: tl.constexpr, V: tl.constexpr):
 
 
 @triton.jit
-def _weight_casts_kernel(tab_ptr, ntab, sp_ptr, k, HIST: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr,
-                         SMODE: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr,
-                         STAGES: tl.constexpr):
-    """Program ``pid`` finds its weight in the table's program map (after the ``ntab`` rows), casts its blocks to OUT
-    and leaves its partial of their fp32 values in column pid of ``sp_ptr`` for ``merge_later``; a weight's first
-    program also leaves the (absent) history max in the weight's first column."""
+def _casts_kernel(tab_ptr, ntab, sp_ptr, k, HIST: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr,
+                  SMODE: tl.constexpr, SRC: tl.constexpr, DST: tl.constexpr, BLOCK: tl.constexpr,
+                  SOFT_ROUND: tl.constexpr, STAGES: tl.constexpr):
+    """Program ``pid`` finds its tensor in the table's program map (after the ``ntab`` rows), casts its blocks from
+    SRC to DST (``_CODE``) and leaves its partial of their source values in column pid of ``sp_ptr`` for
+    ``merge_later``; a tensor's first program also leaves the (absent) history max in the tensor's first column."""
     V: tl.constexpr = 8
     R: tl.constexpr = BLOCK // V
-    OUT: tl.constexpr = tl.bfloat16 if OUT_BF16 else tl.float16
+    IN: tl.constexpr = tl.float32 if SRC == 0 else (tl.bfloat16 if SRC == 1 else tl.float16)
+    OUT: tl.constexpr = tl.float32 if DST == 0 else (tl.bfloat16 if DST == 1 else tl.float16)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     t = tl.load(tab_ptr + ntab * _TABW + pid)
     row = tab_ptr + t * _TABW
     # 16-byte aligned (the launcher checks): vector loads and stores, as with a tensor argument
-    w_ptr = tl.multiple_of(tl.load(row).to(tl.pointer_type(tl.float32)), 16)
+    w_ptr = tl.multiple_of(tl.load(row).to(tl.pointer_type(IN)), 16)
     out_ptr = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(OUT)), 16)
     n = tl.load(row + 2)
     first = tl.load(row + 3)
@@ -82,7 +86,7 @@ def _weight_casts_kernel(tab_ptr, ntab, sp_ptr, k, HIST: tl.constexpr, FMAX: tl.
     everywhere = tl.full([BLOCK], 1, tl.int1)
     for blk in tl.range(p, nfull, programs, num_stages=STAGES):
         offs = blk * BLOCK + tl.arange(0, BLOCK)
-        w = tl.load(w_ptr + offs)
+        w = tl.load(w_ptr + offs).to(tl.float32)
         tl.store(out_ptr + offs, _to_out(w, OUT, SOFT_ROUND))
         st = stream_add(st, w, everywhere, True, s, ncp, lo, hi, HIST, R, V, ht)
         ce += BLOCK
@@ -102,7 +106,7 @@ def _weight_casts_kernel(tab_ptr, ntab, sp_ptr, k, HIST: tl.constexpr, FMAX: tl.
 
 
 def _shares(numels: list[int], device: torch.device) -> list[int]:
-    """Programs per weight: about one wave of ``PROGRAMS_PER_SM`` per SM in all, each weight's share in proportion to
+    """Programs per tensor: about one wave of ``PROGRAMS_PER_SM`` per SM in all, each tensor's share in proportion to
     its blocks (at least one, at most one per block)."""
     blocks = [cdiv(n, BLOCK) for n in numels]
     slots = 4 * len(numels) if INTERPRET else PROGRAMS_PER_SM * _num_sms(device)
@@ -110,30 +114,31 @@ def _shares(numels: list[int], device: torch.device) -> list[int]:
     return [min(b, max(1, cdiv(b, per))) for b in blocks]
 
 
-def castable(w: torch.Tensor) -> bool:
-    """Whether ``weight_casts`` takes w."""
-    return w.dtype == torch.float32 and w.is_contiguous() and w.numel() > 0 and w.data_ptr() % 16 == 0
+def castable(x: torch.Tensor) -> bool:
+    """Whether ``casts_with_rows`` takes x."""
+    return x.dtype in _CODE and x.is_contiguous() and x.numel() > 0 and x.data_ptr() % 16 == 0
 
 
-def weight_casts(weights: list[torch.Tensor], dtype: torch.dtype, targets: list["ts.Target"]) -> list[torch.Tensor]:
-    """``[w.to(dtype) for w in weights]`` (fp32, contiguous, non-empty, on one device) in one launch, with the row of
-    each weight's own values into its target. The targets share one row buffer, histogram setting, outlier k and
-    format; the rows are complete after the next ``triton_stats.merge_later``."""
-    if not weights:
+def casts_with_rows(xs: list[torch.Tensor], dtype: torch.dtype, targets: list["ts.Target"]) -> list[torch.Tensor]:
+    """``[x.to(dtype) for x in xs]`` (one dtype, each ``castable``, on one device) in one launch, with the row of each
+    x's own values into its target. The targets share one row buffer, histogram setting, outlier k and format; the
+    rows are complete after the next ``triton_stats.merge_later``."""
+    if not xs:
         return []
-    device, t0 = weights[0].device, targets[0]
-    for w, t in zip(weights, targets, strict=True):
-        if not castable(w) or w.device != device:
-            raise ValueError("weight_casts: needs contiguous, non-empty, 16-byte aligned fp32 weights on one device")
+    device, t0 = xs[0].device, targets[0]
+    for x, t in zip(xs, targets, strict=True):
+        if not castable(x) or x.device != device or x.dtype != xs[0].dtype:
+            raise ValueError("casts_with_rows: needs contiguous, non-empty, 16-byte aligned tensors of one floating "
+                             "dtype (fp32, bf16, fp16) on one device")
         if (t.rows.data_ptr(), bool(t.hist), float(t.outlier_k), t.fmt) != \
                 (t0.rows.data_ptr(), bool(t0.hist), float(t0.outlier_k), t0.fmt):
-            raise ValueError("weight_casts: the targets must share rows, histogram setting, outlier k and format")
-    if dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"weight_casts: casts to bf16 or fp16, not {dtype}")
-    casts = [torch.empty(w.shape, dtype=dtype, device=device) for w in weights]
-    shares = _shares([w.numel() for w in weights], device)
+            raise ValueError("casts_with_rows: the targets must share rows, histogram setting, outlier k and format")
+    if dtype not in _CODE:
+        raise ValueError(f"casts_with_rows: casts to fp32, bf16 or fp16, not {dtype}")
+    casts = [torch.empty(x.shape, dtype=dtype, device=device) for x in xs]
+    shares = _shares([x.numel() for x in xs], device)
     table, keep, firsts, total = bytearray(), [], [], 0
-    for w, out, t, share in zip(weights, casts, targets, shares):
+    for x, out, t, share in zip(xs, casts, targets, shares):
         c_addr, c_mean, c_std = 0, 0.0, float("nan")
         if isinstance(t.center, torch.Tensor):
             c = ts._addressed(t.center, device, torch.float64, (2,))
@@ -141,7 +146,7 @@ def weight_casts(weights: list[torch.Tensor], dtype: torch.dtype, targets: list[
             c_addr = c.data_ptr()
         elif t.center is not None:
             c_mean, c_std = float(t.center[0]), float(t.center[1])
-        table += _TAB.pack(w.data_ptr(), out.data_ptr(), w.numel(), total, share, c_addr, c_mean, c_std, 0)
+        table += _TAB.pack(x.data_ptr(), out.data_ptr(), x.numel(), total, share, c_addr, c_mean, c_std, 0)
         firsts.append(total)
         total += share
     program_map = [i for i, share in enumerate(shares) for _ in range(share)]
@@ -153,14 +158,73 @@ def weight_casts(weights: list[torch.Tensor], dtype: torch.dtype, targets: list[
     consts = ts.nofmt_consts(t0)
     fcode = ts._FMT_CODES[ts.by_name(t0.fmt).name] if t0.fmt is not None else 0
     opts = {} if INTERPRET else {"maxnreg": MAXNREG}
-    _weight_casts_kernel[(total,)](tab, len(weights), part, float(t0.outlier_k), HIST=hist, OUT_BF16=dtype == torch.bfloat16,
-                                   BLOCK=BLOCK, SOFT_ROUND=INTERPRET, STAGES=STAGES, num_warps=WARPS, **consts, **opts)
+    _casts_kernel[(total,)](tab, len(xs), part, float(t0.outlier_k), HIST=hist, SRC=_CODE[xs[0].dtype],
+                            DST=_CODE[dtype], BLOCK=BLOCK, SOFT_ROUND=INTERPRET, STAGES=STAGES, num_warps=WARPS,
+                            **consts, **opts)
     del keep
     for t, first, share in zip(targets, firsts, shares):
         ts._queue_merge(part, total, first, share, t.rows, int(t.index), hist, bool(t.merge), consts["SMODE"], fcode)
     if len(ts._later) >= ts.MAX_LATER:
         ts.merge_later()
     return casts
+
+
+def _same_rows(targets: list) -> dict:
+    """Indices of ``targets`` (None: none) by what one launch must share."""
+    groups: dict = {}
+    for i, t in enumerate(targets):
+        if t is not None:
+            groups.setdefault((t.rows.data_ptr(), bool(t.hist), float(t.outlier_k), t.fmt), []).append(i)
+    return groups
+
+
+class _WeightCastsFn(torch.autograd.Function):
+    """The weights' casts as one node: its backward runs once every cast's gradient is in (the end of the backward
+    pass) and casts them back in one launch, each taking its gradient's row where its link asks for it."""
+
+    @staticmethod
+    def forward(ctx, dtype, targets, links, *weights):
+        ctx.set_materialize_grads(False)
+        ctx.dtype, ctx.links = weights[0].dtype, links
+        ctx.weights = [weakref.ref(w) for w in weights]
+        casts = [None] * len(weights)
+        for idx in _same_rows(targets).values():
+            for i, cast in zip(idx, casts_with_rows([weights[i].detach() for i in idx], dtype,
+                                                    [targets[i] for i in idx])):
+                casts[i] = cast
+        return tuple(casts)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        out = [None] * len(grads)
+        targets = [None] * len(grads)
+        for i, g in enumerate(grads):
+            if g is None or not ctx.needs_input_grad[3 + i]:
+                continue
+            w = ctx.weights[i]()
+            # the cast back becomes w.grad as it is only while no gradient is accumulated yet: then it takes the row
+            if w is not None and w.grad is None and castable(g):
+                targets[i] = ctx.links[i].grad_weight_target(g.device)
+            if targets[i] is None:
+                out[i] = g.to(ctx.dtype)
+        for idx in _same_rows(targets).values():
+            for i, grad in zip(idx, casts_with_rows([grads[i] for i in idx], ctx.dtype, [targets[i] for i in idx])):
+                out[i] = grad
+                ctx.links[i].took_grad_weight(grad, targets[i])
+        return (None, None, None, *out)
+
+
+@torch.compiler.disable
+def weight_casts(weights: list[torch.Tensor], dtype: torch.dtype, targets: list["ts.Target"],
+                 links: list) -> list[torch.Tensor]:
+    """``[w.to(dtype) for w in weights]`` (fp32 weights, each ``castable``), differentiable as that, in one launch
+    that takes each weight's row into its target. The backward casts the gradients back in one launch once all are
+    in, each taking its gradient's row where its link (``agent.core.FusedLink``) asks for it (``grad_weight_target``).
+    One node for all: a gradient is ready only at the end of the backward pass, which a distributed data-parallel
+    wrapper's overlap of communication with the backward does not want (``trainer.weight_rows.GRADS_TOGETHER``)."""
+    if any(w.dtype != torch.float32 for w in weights):
+        raise ValueError("weight_casts: casts fp32 weights")
+    return list(_WeightCastsFn.apply(dtype, targets, links, *weights))
 
 
 def weight_casts_ref(weights: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
