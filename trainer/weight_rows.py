@@ -105,6 +105,12 @@ def register_cast(module, link) -> None:
             layers.add(module)
 
 
+# The batch takes weights of at most this many elements. Small weights' casts are bound by their launches: at 124M
+# (0.6-3.1 M elements each) the batch took 0.2 ms of device time off an H200's step. A large weight's own cast, just
+# before its GEMM, leaves the result in L2 for it: at 1.5B (4.2-22 M) the batch took 0.47 ms off the casts, but the
+# GEMMs ran 0.8 ms longer (bench/RESULTS.md; the L2 is the inferred cause).
+BATCH_MAX_ELEMENTS = int(os.environ.get("FP8MON_BATCH_CAST_MAX_ELEMENTS", str(1 << 22)))
+
 # Whether the batch's weights are one autograd node (``kernels.weight_casts.weight_casts``), whose backward casts all
 # their gradients back in one launch at the end of the backward pass, or each its own (``residual.weight_cast``: a
 # launch per gradient, as it comes). "auto": together unless torch.distributed is initialized, where a data-parallel
@@ -121,11 +127,12 @@ def grads_together() -> bool:
 def take_cast(module, link, dtype: torch.dtype) -> torch.Tensor | None:
     """This step's cast of ``module``'s weight to ``dtype`` from the batch (its row already taken), differentiable, or
     None. The first call of a reporting step that finds its weight due launches the batch: every registered linear of
-    the agent whose weight is due, castable and on the same device, cast to ``dtype``."""
+    the agent whose weight is due, castable, on the same device and of at most ``BATCH_MAX_ELEMENTS``, cast to
+    ``dtype``."""
     agent = getattr(link, "agent", None)
-    if not BATCH or agent is None:
-        return None
     weight = module.weight
+    if not BATCH or agent is None or weight.numel() > BATCH_MAX_ELEMENTS:
+        return None
     got = _pop_cast(module, agent, weight, dtype)
     if got is None and link.due("weight"):
         _launch_casts(agent, weight.device, dtype)
@@ -161,7 +168,8 @@ def _launch_casts(agent, device: torch.device, dtype: torch.dtype) -> None:
     for module in list(_cast_layers.get(agent, ())):
         link, weight = getattr(module, "fp8mon_stats", None), module.weight
         if getattr(link, "agent", None) is not agent or not module.training or weight.device != device or \
-                weight.dtype != torch.float32 or not wc.castable(weight) or not link.due("weight"):
+                weight.dtype != torch.float32 or not wc.castable(weight) or weight.numel() > BATCH_MAX_ELEMENTS or \
+                not link.due("weight"):
             continue
         target = link.target("weight", device)  # claims the row: the layer's own forward will not ask again
         if target is not None:
