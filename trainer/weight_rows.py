@@ -107,7 +107,7 @@ def register_cast(module, link) -> None:
 
 # The batch takes weights of at most this many elements. Small weights' casts are bound by their launches: at 124M
 # (0.6-3.1 M elements each) the batch took 0.2 ms of device time off an H200's step. A large weight's own cast, just
-# before its GEMM, leaves the result in L2 for it: at 1.5B (4.2-22 M) the batch took 0.47 ms off the casts, but the
+# before its GEMM, leaves the result in L2 for it: at 1.5B (4.2-34 M) the batch took 0.47 ms off the casts, but the
 # GEMMs ran 0.8 ms longer (bench/RESULTS.md; the L2 is the inferred cause).
 BATCH_MAX_ELEMENTS = int(os.environ.get("FP8MON_BATCH_CAST_MAX_ELEMENTS", str(1 << 22)))
 

@@ -556,7 +556,7 @@ def _child(names: list[str]) -> None:
             backward = [n for dt, n in batches if dt == torch.bfloat16]
             emit("weight_plain:one_launch", "" if forward == backward == [1, 1, 1, 1, 4] else
                  f"launches of {forward} weights and {backward} gradients")
-            emit("weight_plain:one_micro_batch", "; ".join(grad_rows_from_casts(Autocast, names)))
+            emit("weight_plain:one_micro_batch", "; ".join(grad_rows_from_casts(Autocast, names, batches)))
             emit("weight_plain:cast", "; ".join(weight_cast_values()))
             emit("weight_plain:casts", "; ".join(weight_casts_values(one_launch)))
         finally:
@@ -608,19 +608,25 @@ def _child(names: list[str]) -> None:
                                          under_slack=float(want[ds.HIST:].nan_to_num(0).max())))
         return [p for p in problems if p]
 
-    def grad_rows_from_casts(make, names) -> list[str]:
+    def grad_rows_from_casts(make, names, batches: list) -> list[str]:
         """One micro-batch a step: the casts back take the weights' gradient rows (no grad_weight hook reads one), equal
         to the hooks' rows without them, and clipping gets every block gradient's norm from them; with the gradients
-        cast back together (one launch at the end of the backward pass) and each as it comes."""
+        cast back together (one launch at the end of the backward pass), and each as it comes with the batch left to
+        the weights of at most 2000 elements (proj's and fc2's: qkv and fc1 cast their own). ``batches``: (dtype,
+        tensors) of each ``casts_with_rows`` launch, as they come."""
         from agent import Agent
         from stats_check import NullTransport
         from trainer import layers, weight_rows
 
         problems, got = [], {}
         idx = [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+        launches = {"1": ([1, 1, 1, 1, 4], [1, 1, 1, 1, 4]), "0": ([1, 1, 2], [])}  # (weights, gradients) per launch
         for fused, together in ((False, "auto"), (True, "1"), (True, "0")):
             old, layers.FUSED_WEIGHT = layers.FUSED_WEIGHT, fused
             old_together, weight_rows.GRADS_TOGETHER = weight_rows.GRADS_TOGETHER, together
+            old_most = weight_rows.BATCH_MAX_ELEMENTS
+            weight_rows.BATCH_MAX_ELEMENTS = 2000 if together == "0" else old_most
+            batches.clear()
             try:
                 torch.manual_seed(9)
                 net = make("llama")
@@ -642,7 +648,11 @@ def _child(names: list[str]) -> None:
                 agent.close()
             finally:
                 layers.FUSED_WEIGHT, weight_rows.GRADS_TOGETHER = old, old_together
+                weight_rows.BATCH_MAX_ELEMENTS = old_most
             got[fused, together] = shipped, keys, sorted(set(r for r in read if r.startswith("net.blocks")))
+            seen = ([n for dt, n in batches if dt == torch.float32], [n for dt, n in batches if dt == torch.bfloat16])
+            if fused and seen != launches[together]:
+                problems.append(f"GRADS_TOGETHER={together}: launches of {seen[0]} weights and {seen[1]} gradients")
         want_rows, keys, read_plain = got[False, "auto"]
         for together in ("1", "0"):
             rows, keys2, read_fused = got[True, together]
