@@ -181,8 +181,8 @@ def _consumers(ts, built: dict) -> int:
     """Every variant of the consumer kernels: the SwiGLU forward without rows, with y's, with y's and h's, with y's
     through its words; its backward without and with dy's row; the residual add (fp32 stream, bf16 branch) without and
     with the branch's row, and the branch gradient's cast with its row; RoPE on the qkv output (1.5B's heads) without
-    and with its row, and its backward without and with its gradient's row; RMSNorm's; the heads merged for the
-    projection without and with its input's row."""
+    and with its row, and its backward without and with its gradient's row; RMSNorm's; the weights' casts in one
+    launch; the heads merged for the projection without and with its input's row."""
     sw = importlib.import_module("trainer.kernels.swiglu")
     res = importlib.import_module("trainer.kernels.residual")
     cpu = torch.device("cpu")
@@ -227,6 +227,9 @@ def _consumers(ts, built: dict) -> int:
             norm.rms_norm_forward(x, w, 1e-6, stats=ts.Target.new(cpu, fmt="e4m3", hist=hist) if row else None)
         norm._rms_norm_bwd_kernel = _CompileOnly(nbwd, f"rmsnorm bwd (fp32, {d_model})", built)
         norm.rms_norm_backward(x, x, w, torch.zeros(4096))
+    wc = importlib.import_module("trainer.kernels.weight_casts")
+    wc._casts_kernel = _CompileOnly(wc._casts_kernel, "weight casts + rows, one launch (fp32 to bf16)", built)
+    wc.casts_with_rows([torch.zeros(3072, 768)], torch.bfloat16, [ts.Target.new(cpu, fmt="e4m3", hist=False)])
     heads = importlib.import_module("trainer.kernels.heads")
     hk = heads._merge_heads_kernel
     for hd in (64, 128):
@@ -267,7 +270,7 @@ def _cuobjdump(kernel, flag: str) -> str:
 
 _STATS_MODULES = ("agent.triton_stats", "trainer.kernels.quantize", "trainer.kernels.quantize_transpose",
                   "trainer.kernels.swiglu", "trainer.kernels.residual", "trainer.kernels.rope",
-                  "trainer.kernels.rmsnorm", "trainer.kernels.heads")
+                  "trainer.kernels.rmsnorm", "trainer.kernels.heads", "trainer.kernels.weight_casts")
 
 
 def _targets(ts):
@@ -303,8 +306,8 @@ def _head_builds(b: int, nh: int, t: int, hd: int, dt: torch.dtype, tgt) -> tupl
 def _stats_builds(ts) -> list:
     """(name, build) for every launcher that runs a kernel with a statistics row, in each dtype it takes, with and
     without the histogram; ``build()`` calls the launcher once."""
-    sw, res, norm, q, qt = (importlib.import_module(f"trainer.kernels.{m}") for m in (
-        "swiglu", "residual", "rmsnorm", "quantize", "quantize_transpose"))
+    sw, res, norm, q, qt, wc = (importlib.import_module(f"trainer.kernels.{m}") for m in (
+        "swiglu", "residual", "rmsnorm", "quantize", "quantize_transpose", "weight_casts"))
     out = []
     for at, dt, hist, tgt in _targets(ts):
         def plain_swiglu(y, tgt):
@@ -333,6 +336,9 @@ def _stats_builds(ts) -> list:
             (f"rope fwd + row ({at})", rope_fwd),
             (f"rope bwd + row ({at})", rope_bwd),
             (f"heads + row ({at})", _head_builds(2, 16, 1024, 64, dt, tgt)[2]),
+            (f"casts + rows, one launch, to {'fp32' if dt == torch.bfloat16 else 'bf16'} ({at})",
+             lambda x=x.to(dt), dt=dt, tgt=tgt: wc.casts_with_rows(
+                 [x], torch.float32 if dt == torch.bfloat16 else torch.bfloat16, [tgt()])),
         ]
         out += [(f"rmsnorm fwd + row, {d_model} ({at})", _norm_build(norm, 4096, d_model, dt, tgt))
                 for d_model in (768, 2048)]
