@@ -255,8 +255,9 @@ def target_of(link, site: str, like: torch.Tensor):
 # on a reporting step (trainer.kernels.residual.weight_cast), so no hook reads the weight again; where that cast does not
 # happen or the kernel cannot run (no autocast, no Triton), the linear reports the row apart. Its backward, the cast of
 # the weight's gradient back to fp32, takes the gradient's row too where that becomes .grad as it is (the step's
-# first micro-batch; a later one's is added to it, and the hook reads the sum). FP8MON_FUSED_WEIGHT=0 leaves both to
-# the hooks.
+# first micro-batch; a later one's is added to it, and the hook reads the sum). On a reporting step the first such
+# linear casts all their small weights in one launch, and their gradients go back in one (``trainer.weight_rows``).
+# FP8MON_FUSED_WEIGHT=0 leaves both to the hooks.
 FUSED_WEIGHT = os.environ.get("FP8MON_FUSED_WEIGHT", "1") == "1"
 
 
