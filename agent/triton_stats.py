@@ -1564,6 +1564,32 @@ def _wait_for_merge(part: torch.Tensor, rows: torch.Tensor, index: int, hist: bo
     _queue_merge(part, programs, 0, programs, rows, index, hist, merge, smode, fcode)
 
 
+def partials_merged_later(targets: list["Target"], spans: list[tuple[int, int]], device) -> torch.Tensor:
+    """The partials buffer of one launch whose programs leave partials for many rows, one column each: target i's
+    ``spans[i]`` = (first column, programs). Each row is queued for ``merge_later`` (a row already waiting is merged
+    first), so the launch must follow at once. The targets share one histogram setting and format."""
+    t0 = targets[0]
+    total = sum(n for _, n in spans)
+    if any((t.rows.data_ptr(), int(t.index)) in _later_dsts for t in targets) or \
+            len(_later) + len(targets) > MAX_LATER:  # (never after queuing: their launch comes next)
+        merge_later()
+    part = torch.empty(PW + (64 if t0.hist else 0), max(1, total), dtype=torch.float64, device=device)
+    smode = nofmt_consts(t0)["SMODE"]
+    fcode = _FMT_CODES[by_name(t0.fmt).name] if t0.fmt is not None else 0
+    for t, (first, n) in zip(targets, spans, strict=True):
+        _queue_merge(part, total, first, n, t.rows, int(t.index), bool(t.hist), bool(t.merge), smode, fcode)
+    return part
+
+
+def center_fields(target: "Target", device) -> tuple[torch.Tensor | None, float, float]:
+    """(fp64 device tensor of 2 to read by address, or None; mean; std) of ``target``'s outlier center; no center:
+    (None, 0, NaN), which counts no outlier."""
+    c = target.center
+    if isinstance(c, torch.Tensor):
+        return _addressed(c, torch.device(device), torch.float64, (2,)), 0.0, float("nan")
+    return (None, 0.0, float("nan")) if c is None else (None, float(c[0]), float(c[1]))
+
+
 def merge_later() -> None:
     """Merge the rows that launches left in their partials (``CAST_MERGE``, ``FUSED_MERGE``): one launch per device
     and histogram setting."""

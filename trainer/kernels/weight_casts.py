@@ -40,7 +40,7 @@ _TABW = tl.constexpr(_TAB.size // 8)
 @triton.jit
 def _mine_part(src, t, part, BLOCK: tl.constexpr, V: tl.constexpr):
     """``triton_stats.careful_tiles``' loader for a program of a shared launch: careful_tiles counts t = pid, pid +
-    nprog, ... (the launch's grid); the k-th of those is block ``p + k * programs`` of the program's own weight."""
+    nprog, ... (the launch's grid); the k-th of those is block ``p + k * programs`` of the program's own tensor."""
     w_ptr, n, pid, nprog, p, programs = src
     return _b_part((w_ptr, n), p + (t - pid) // nprog * programs, part, BLOCK, V)
 
@@ -137,35 +137,21 @@ def casts_with_rows(xs: list[torch.Tensor], dtype: torch.dtype, targets: list["t
         raise ValueError(f"casts_with_rows: casts to fp32, bf16 or fp16, not {dtype}")
     casts = [torch.empty(x.shape, dtype=dtype, device=device) for x in xs]
     shares = _shares([x.numel() for x in xs], device)
-    table, keep, firsts, total = bytearray(), [], [], 0
-    for x, out, t, share in zip(xs, casts, targets, shares):
-        c_addr, c_mean, c_std = 0, 0.0, float("nan")
-        if isinstance(t.center, torch.Tensor):
-            c = ts._addressed(t.center, device, torch.float64, (2,))
-            keep.append(c)
-            c_addr = c.data_ptr()
-        elif t.center is not None:
-            c_mean, c_std = float(t.center[0]), float(t.center[1])
-        table += _TAB.pack(x.data_ptr(), out.data_ptr(), x.numel(), total, share, c_addr, c_mean, c_std, 0)
-        firsts.append(total)
-        total += share
+    firsts = [sum(shares[:i]) for i in range(len(shares))]
+    table, keep = bytearray(), []
+    for x, out, t, first, share in zip(xs, casts, targets, firsts, shares):
+        c, c_mean, c_std = ts.center_fields(t, device)
+        keep.append(c)
+        table += _TAB.pack(x.data_ptr(), out.data_ptr(), x.numel(), first, share, 0 if c is None else c.data_ptr(),
+                           c_mean, c_std, 0)
     program_map = [i for i, share in enumerate(shares) for _ in range(share)]
-    tab = ts.to_device(bytes(table) + struct.pack(f"<{total}q", *program_map), device)
-    hist = bool(t0.hist)
-    part = torch.empty(ts.PW + (64 if hist else 0), total, dtype=torch.float64, device=device)
-    if any((t.rows.data_ptr(), int(t.index)) in ts._later_dsts for t in targets):  # a row merged into twice: in order
-        ts.merge_later()
-    consts = ts.nofmt_consts(t0)
-    fcode = ts._FMT_CODES[ts.by_name(t0.fmt).name] if t0.fmt is not None else 0
+    tab = ts.to_device(bytes(table) + struct.pack(f"<{len(program_map)}q", *program_map), device)
+    part = ts.partials_merged_later(targets, list(zip(firsts, shares)), device)
     opts = {} if INTERPRET else {"maxnreg": MAXNREG}
-    _casts_kernel[(total,)](tab, len(xs), part, float(t0.outlier_k), HIST=hist, SRC=_CODE[xs[0].dtype],
-                            DST=_CODE[dtype], BLOCK=BLOCK, SOFT_ROUND=INTERPRET, STAGES=STAGES, num_warps=WARPS,
-                            **consts, **opts)
+    _casts_kernel[(len(program_map),)](tab, len(xs), part, float(t0.outlier_k), HIST=bool(t0.hist),
+                                       SRC=_CODE[xs[0].dtype], DST=_CODE[dtype], BLOCK=BLOCK, SOFT_ROUND=INTERPRET,
+                                       STAGES=STAGES, num_warps=WARPS, **ts.nofmt_consts(t0), **opts)
     del keep
-    for t, first, share in zip(targets, firsts, shares):
-        ts._queue_merge(part, total, first, share, t.rows, int(t.index), hist, bool(t.merge), consts["SMODE"], fcode)
-    if len(ts._later) >= ts.MAX_LATER:
-        ts.merge_later()
     return casts
 
 
