@@ -1555,29 +1555,30 @@ def _queue_merge(part: torch.Tensor, stride: int, first: int, nwork: int, rows: 
         _later_dsts.add((rows.data_ptr(), index))
 
 
-def _wait_for_merge(part: torch.Tensor, rows: torch.Tensor, index: int, hist: bool, programs: int, merge: bool,
-                    smode: int, fcode: int) -> None:
-    """``_queue_merge`` of the ``programs`` partials of the launch that follows, for the row ``rows[index]``. A row
-    already waiting is merged first."""
-    if (rows.data_ptr(), index) in _later_dsts or len(_later) >= MAX_LATER:  # (never after: its launch comes next)
+def _wait_for_merges(part: torch.Tensor, targets: list["Target"], spans: list[tuple[int, int]]) -> None:
+    """``_queue_merge`` of the partials of the launch that follows: target i's ``spans[i]`` = (first column, programs)
+    of ``part``. A row already waiting is merged first (never after queuing: the launch comes next)."""
+    if any((t.rows.data_ptr(), int(t.index)) in _later_dsts for t in targets) or \
+            len(_later) + len(targets) > MAX_LATER:
         merge_later()
-    _queue_merge(part, programs, 0, programs, rows, index, hist, merge, smode, fcode)
+    total = sum(n for _, n in spans)
+    for t, (first, n) in zip(targets, spans, strict=True):
+        smode, fcode = _merge_codes(t)
+        _queue_merge(part, total, first, n, t.rows, int(t.index), bool(t.hist), bool(t.merge), smode, fcode)
+
+
+def _merge_codes(target: "Target") -> tuple[int, int]:
+    """(scale mode, format code) with which ``_merge_kernel`` finishes the target's row."""
+    return nofmt_consts(target)["SMODE"], _FMT_CODES[by_name(target.fmt).name] if target.fmt is not None else 0
 
 
 def partials_merged_later(targets: list["Target"], spans: list[tuple[int, int]], device) -> torch.Tensor:
     """The partials buffer of one launch whose programs leave partials for many rows, one column each: target i's
     ``spans[i]`` = (first column, programs). Each row is queued for ``merge_later`` (a row already waiting is merged
-    first), so the launch must follow at once. The targets share one histogram setting and format."""
-    t0 = targets[0]
-    total = sum(n for _, n in spans)
-    if any((t.rows.data_ptr(), int(t.index)) in _later_dsts for t in targets) or \
-            len(_later) + len(targets) > MAX_LATER:  # (never after queuing: their launch comes next)
-        merge_later()
-    part = torch.empty(PW + (64 if t0.hist else 0), max(1, total), dtype=torch.float64, device=device)
-    smode = nofmt_consts(t0)["SMODE"]
-    fcode = _FMT_CODES[by_name(t0.fmt).name] if t0.fmt is not None else 0
-    for t, (first, n) in zip(targets, spans, strict=True):
-        _queue_merge(part, total, first, n, t.rows, int(t.index), bool(t.hist), bool(t.merge), smode, fcode)
+    first), so the launch must follow at once. The targets share one histogram setting."""
+    part = torch.empty(PW + (64 if targets[0].hist else 0), max(1, sum(n for _, n in spans)), dtype=torch.float64,
+                       device=device)
+    _wait_for_merges(part, targets, spans)
     return part
 
 
@@ -1883,9 +1884,7 @@ def epilogue_args(target: Target | None, programs: int, like: torch.Tensor, suff
         consts = nofmt_consts(target)
         if later:
             args["merge"] |= 2
-            smode, fcode = consts["SMODE"], _FMT_CODES[by_name(target.fmt).name] if target.fmt is not None else 0
-            _wait_for_merge(args["sp_ptr"], target.rows, int(target.index), bool(target.hist), programs,
-                            bool(target.merge), smode, fcode)
+            _wait_for_merges(args["sp_ptr"], [target], [(0, programs)])
         args = dict(args, **consts, STATS=True)
     return {(k.upper() + suffix.upper() if k.isupper() else k + suffix): v for k, v in args.items()}
 

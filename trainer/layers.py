@@ -273,7 +273,8 @@ def own_weight_row(linear: nn.Linear) -> nn.Linear:
 
 def _linear_with_weight_row(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     link, w = self.fp8mon_stats, self.weight
-    if link is None or not self.training:  # (the hooks skip evaluation passes too)
+    # (the hooks skip evaluation passes too; a weight not due may still have its cast from this step's batch)
+    if link is None or not self.training or not (link.due("weight") or "fp8mon_cast_ready" in self.__dict__):
         return F.linear(x, w, self.bias)
     kind = x.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else w.dtype

@@ -182,10 +182,6 @@ def _launch_casts(agent, device: torch.device, dtype: torch.dtype) -> None:
     if together:
         casts = wc.weight_casts(weights, dtype, targets, [m.fp8mon_stats for m in modules])
     else:  # each linear's forward makes its cast differentiable (take_cast)
-        casts = [None] * len(weights)
-        for idx in wc._same_rows(targets).values():
-            for i, cast in zip(idx, wc.casts_with_rows([weights[i].detach() for i in idx], dtype,
-                                                       [targets[i] for i in idx])):
-                casts[i] = cast
+        casts = wc.grouped_casts([w.detach() for w in weights], dtype, targets)
     for module, weight, cast in zip(modules, weights, casts):
         module.fp8mon_cast_ready = (agent.current_step, (weight.data_ptr(), weight._version), cast, together)

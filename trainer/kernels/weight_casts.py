@@ -130,8 +130,7 @@ def casts_with_rows(xs: list[torch.Tensor], dtype: torch.dtype, targets: list["t
         if not castable(x) or x.device != device or x.dtype != xs[0].dtype:
             raise ValueError("casts_with_rows: needs contiguous, non-empty, 16-byte aligned tensors of one floating "
                              "dtype (fp32, bf16, fp16) on one device")
-        if (t.rows.data_ptr(), bool(t.hist), float(t.outlier_k), t.fmt) != \
-                (t0.rows.data_ptr(), bool(t0.hist), float(t0.outlier_k), t0.fmt):
+        if _shared(t) != _shared(t0):
             raise ValueError("casts_with_rows: the targets must share rows, histogram setting, outlier k and format")
     if dtype not in _CODE:
         raise ValueError(f"casts_with_rows: casts to fp32, bf16 or fp16, not {dtype}")
@@ -155,13 +154,23 @@ def casts_with_rows(xs: list[torch.Tensor], dtype: torch.dtype, targets: list["t
     return casts
 
 
-def _same_rows(targets: list) -> dict:
-    """Indices of ``targets`` (None: none) by what one launch must share."""
+def _shared(t: "ts.Target") -> tuple:
+    """What the targets of one ``casts_with_rows`` launch share."""
+    return t.rows.data_ptr(), bool(t.hist), float(t.outlier_k), t.fmt
+
+
+def grouped_casts(xs: list, dtype: torch.dtype, targets: list) -> list:
+    """``casts_with_rows`` of the xs whose target is not None, one launch per group of targets that can share one;
+    the casts in xs' order (None where the target is)."""
     groups: dict = {}
     for i, t in enumerate(targets):
         if t is not None:
-            groups.setdefault((t.rows.data_ptr(), bool(t.hist), float(t.outlier_k), t.fmt), []).append(i)
-    return groups
+            groups.setdefault(_shared(t), []).append(i)
+    casts = [None] * len(xs)
+    for idx in groups.values():
+        for i, cast in zip(idx, casts_with_rows([xs[i] for i in idx], dtype, [targets[i] for i in idx])):
+            casts[i] = cast
+    return casts
 
 
 class _WeightCastsFn(torch.autograd.Function):
@@ -173,12 +182,7 @@ class _WeightCastsFn(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.dtype, ctx.links = weights[0].dtype, links
         ctx.weights = [weakref.ref(w) for w in weights]
-        casts = [None] * len(weights)
-        for idx in _same_rows(targets).values():
-            for i, cast in zip(idx, casts_with_rows([weights[i].detach() for i in idx], dtype,
-                                                    [targets[i] for i in idx])):
-                casts[i] = cast
-        return tuple(casts)
+        return tuple(grouped_casts([w.detach() for w in weights], dtype, targets))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -193,8 +197,8 @@ class _WeightCastsFn(torch.autograd.Function):
                 targets[i] = ctx.links[i].grad_weight_target(g.device)
             if targets[i] is None:
                 out[i] = g.to(ctx.dtype)
-        for idx in _same_rows(targets).values():
-            for i, grad in zip(idx, casts_with_rows([grads[i] for i in idx], ctx.dtype, [targets[i] for i in idx])):
+        for i, grad in enumerate(grouped_casts(grads, ctx.dtype, targets)):
+            if grad is not None:
                 out[i] = grad
                 ctx.links[i].took_grad_weight(grad, targets[i])
         return (None, None, None, *out)
