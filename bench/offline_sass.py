@@ -19,6 +19,7 @@ of Triton's dynamic shared memory, and Triton opts a kernel into more than the d
 is above 48 KiB. A kernel whose own part lies within a table's size under 48 KiB fails its launch with "invalid
 argument" (an fp32 SwiGLU backward did on an H200, bench/RESULTS.md). Exit status 1 when any would fail. The project's
 own Triton (3.9 with torch 2.13) builds for sm_90a too: tests/trainer/test_launch_shared_memory.py runs this in CI.
+``--launch-check --histogram-only`` leaves out the builds without the histogram (half the time; CI runs it).
 ``--launch-check --widths`` does the same for the launchers whose tiles follow the width (RMSNorm's rows, RoPE's and
 the head merge's heads) at every width they take (ten minutes); ``--widths 4096,8192`` for RMSNorm at those widths.
 
@@ -148,6 +149,9 @@ def main(argv=None) -> int:
                    help="with --launch-check: the kernels whose tiles follow the tensor's width instead, at every "
                         "width they take (RMSNorm rows of 16..MAX_WIDTH, RoPE and head-merge heads of 16..512), or "
                         "RMSNorm only, at these comma-separated widths")
+    p.add_argument("--histogram-only", action="store_true",
+                   help="with --launch-check: only the builds with the histogram, whose tables are the static shared "
+                        "memory that can fail a launch (without it a kernel's is the 1 KiB the system reserves)")
     args = p.parse_args(argv)
     driver.set_active(_Sm90())
     sys.path.insert(0, str(ROOT))
@@ -155,8 +159,9 @@ def main(argv=None) -> int:
     ts = importlib.import_module("agent.triton_stats")
     built: dict = {}
     if args.launch_check:
-        builds = _stats_builds(ts) if args.widths is None else _width_builds(
-            ts, None if args.widths == "all" else [int(w) for w in args.widths.split(",")])
+        hists = (True,) if args.histogram_only else (False, True)
+        builds = _stats_builds(ts, hists) if args.widths is None else _width_builds(
+            ts, None if args.widths == "all" else [int(w) for w in args.widths.split(",")], hists)
         return _launch_check(ts, builds)
     if args.consumers:
         return _consumers(ts, built)
@@ -273,12 +278,12 @@ _STATS_MODULES = ("agent.triton_stats", "trainer.kernels.quantize", "trainer.ker
                   "trainer.kernels.rmsnorm", "trainer.kernels.heads", "trainer.kernels.weight_casts")
 
 
-def _targets(ts):
-    """(label, dtype, hist, tgt) for bf16 and fp32, each with and without the histogram; ``tgt(fmt)`` makes a CPU
-    target."""
+def _targets(ts, hists: tuple = (False, True)):
+    """(label, dtype, hist, tgt) for bf16 and fp32, each with and without the histogram (``hists``); ``tgt(fmt)``
+    makes a CPU target."""
     cpu = torch.device("cpu")
     for dt in (torch.bfloat16, torch.float32):
-        for hist in (False, True):
+        for hist in hists:
             def tgt(fmt="e4m3", hist=hist):
                 return ts.Target.new(cpu, fmt=fmt, hist=hist)
 
@@ -303,13 +308,13 @@ def _head_builds(b: int, nh: int, t: int, hd: int, dt: torch.dtype, tgt) -> tupl
             rope_bwd, lambda: heads.merge_heads_forward(torch.zeros(b, nh, t, hd, dtype=dt), stats=tgt()))
 
 
-def _stats_builds(ts) -> list:
-    """(name, build) for every launcher that runs a kernel with a statistics row, in each dtype it takes, with and
-    without the histogram; ``build()`` calls the launcher once."""
+def _stats_builds(ts, hists: tuple = (False, True)) -> list:
+    """(name, build) for every launcher that runs a kernel with a statistics row, in each dtype it takes, with the
+    histogram and without (``hists``); ``build()`` calls the launcher once."""
     sw, res, norm, q, qt, wc = (importlib.import_module(f"trainer.kernels.{m}") for m in (
         "swiglu", "residual", "rmsnorm", "quantize", "quantize_transpose", "weight_casts"))
     out = []
-    for at, dt, hist, tgt in _targets(ts):
+    for at, dt, hist, tgt in _targets(ts, hists):
         def plain_swiglu(y, tgt):
             words, sw.WORDS = sw.WORDS, False
             try:
@@ -345,7 +350,7 @@ def _stats_builds(ts) -> list:
     return out
 
 
-def _width_builds(ts, norm_widths: list[int] | None = None) -> list:
+def _width_builds(ts, norm_widths: list[int] | None = None, hists: tuple = (False, True)) -> list:
     """(name, build) for the launchers with a row whose tiles, and so their shared memory, follow the tensor's width:
     RMSNorm (a tile holds whole rows of the next power of two of the width) at every power of two it takes, RoPE and
     the head merge at every power-of-two head size from 16 to 512, in each dtype, with and without the histogram; with
@@ -353,7 +358,7 @@ def _width_builds(ts, norm_widths: list[int] | None = None) -> list:
     Triton 3.6 their dynamic shared memory stayed at 768 B or less up to heads of 512, bench/RESULTS.md.)"""
     norm = importlib.import_module("trainer.kernels.rmsnorm")
     out = []
-    for at, dt, _, tgt in _targets(ts):
+    for at, dt, _, tgt in _targets(ts, hists):
         widths = norm_widths or [1 << e for e in range(4, norm.MAX_WIDTH.bit_length())]
         out += [(f"rmsnorm fwd + row, {width} ({at})", _norm_build(norm, 64, width, dt, tgt)) for width in widths]
         for hd in () if norm_widths else (16, 32, 64, 128, 256, 512):

@@ -21,7 +21,9 @@ log "pytest with $("$VENV/bin/python" -V); PostgreSQL: ${FP8MON_TEST_DATABASE_UR
 report="$(mktemp -d)"
 trap 'rm -rf "$report"' EXIT
 set +e
-"$VENV/bin/python" -m pytest --junitxml="$report/junit.xml" "$@"
+# One worker per CPU (FP8MON_TEST_WORKERS, or -n in the arguments, overrides it; 0 runs in this process), each taking
+# whole files: a module's fixtures (a server, an interpreter child's checks) are set up once, not once per worker.
+"$VENV/bin/python" -m pytest -n "${FP8MON_TEST_WORKERS:-auto}" --dist loadfile --junitxml="$report/junit.xml" "$@"
 rc=$?
 set -e
 

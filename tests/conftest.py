@@ -20,6 +20,21 @@ def pytest_report_header(config):
     return f"fp8mon storage backends: {', '.join(BACKENDS)}"
 
 
+# The modules that take minutes of one CPU (sm_90a builds, Triton's interpreter), started first: scripts/test.sh runs
+# the suite on every CPU with whole files to a worker (pytest-xdist's loadfile), and a long file started last would run
+# alone at the end.
+_SLOW_FIRST = ("trainer/test_launch_shared_memory.py", "trainer/test_consumer_stats.py", "trainer/test_fused_stats.py",
+               "agent/test_triton_stats.py", "trainer/test_kernels.py", "trainer/test_gemm_stats.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        path = item.path.as_posix()
+        return next((i for i, slow in enumerate(_SLOW_FIRST) if path.endswith(slow)), len(_SLOW_FIRST))
+
+    items.sort(key=rank)  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session")
 def _postgres_admin():
     """Fails loudly when a PostgreSQL URL was given but the server cannot be reached."""
