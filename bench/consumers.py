@@ -14,6 +14,7 @@ its output, the next linear's input) against torch's ops; RoPE on the qkv output
     python3 bench/consumers.py --shapes 124m --variants "default;trainer.kernels.rope.STATS_BT=16"  # one shape
     python3 bench/consumers.py --variants "default;trainer.kernels.residual.BLOCK=4096"   # ... in each setting
     python3 bench/consumers.py --variants "default;agent.triton_stats.FUSED_MERGE='last'"
+    python3 bench/consumers.py --swiglu-y-row    # SwiGLU's forward with y's row: each way, setting and input
 
 With ``--ncu [SHAPE]`` each kernel runs once with and once without its row, nothing timed, between
 ``cudaProfilerStart`` and ``cudaProfilerStop`` (compiled before), for hardware counters::
@@ -66,6 +67,46 @@ def fp32_path(fn):
         return fn()
 
 
+def swiglu_y_row(name: str, dev: torch.device) -> None:
+    """SwiGLU's forward with y's row alone (no h row: an FP8 fc2 takes its input's): plain, through y's words (the
+    default), through fp32 values, and y read apart by the statistics kernel; the words path with the outlier center
+    as a device tensor (as the agent passes it), without a format, with the histogram; and the plain and words
+    forwards on inputs with outliers or with small values and zeros (the row's counts depend on the values)."""
+    tokens, hidden, _ = SHAPES[name]
+    base = torch.randn(tokens, 2 * hidden, device=dev)
+    y = base.to(torch.bfloat16)
+    center = torch.tensor([0.01, 1.3], dtype=torch.float64, device=dev)
+    step, apart = StepRows(dev), torch.zeros(2, ts.ds.WIDTH, dtype=torch.float64, device=dev)
+
+    def tgt(hist=False, center=(0.0, 1.0), fmt="e4m3"):
+        step.calls += 1
+        return ts.Target(step.rows, step.calls % STEP_ROWS, False, center, 6.0, hist, None, fmt)
+
+    def timed(fns: dict, what: str) -> None:
+        for fn in fns.values():
+            fn()
+        ts.merge_later()
+        torch.cuda.synchronize()
+        t = device_medians(fns, rounds=5, calls=10)
+        print(f"{name} {what}: " + " | ".join(f"{k} {v * 1e3:.1f} us" for k, v in t.items()), flush=True)
+
+    timed({"plain": lambda: swiglu_forward(y),
+           "words + row": lambda: swiglu_forward(y, stats=tgt()),
+           "fp32 path + row": lambda: fp32_path(lambda: swiglu_forward(y, stats=tgt())),
+           "plain + y read apart": lambda: (swiglu_forward(y), ts.rows(
+               [y], fmt="e4m3", center=[(0.0, 1.0)], hist=False, out=apart, index=[1])),
+           "words + row, center tensor": lambda: swiglu_forward(y, stats=tgt(center=center)),
+           "words + row, no format": lambda: swiglu_forward(y, stats=tgt(fmt=None)),
+           "words + row, hist": lambda: swiglu_forward(y, stats=tgt(hist=True))}, f"y {tuple(y.shape)}")
+    inputs = {"outliers to ~1e3": base.clone(), "outliers to ~1e5": base.clone(),
+              "1e-3 with a tenth zeros": base * 1e-3 * (torch.rand_like(base) > 0.1)}
+    for (what, x), amax in zip(list(inputs.items())[:2], (1e3, 1e5)):
+        x[::97, ::13] *= amax / 5
+    for what, x in inputs.items():
+        x = x.to(torch.bfloat16)
+        timed({"plain": lambda: swiglu_forward(x), "words + row": lambda: swiglu_forward(x, stats=tgt())}, what)
+
+
 def torch_backward(y: torch.Tensor, dh: torch.Tensor):
     """torch's forward and autograd backward of silu(gate) * up (a backward needs its forward's graph: the backward's
     own time is this minus the forward's)."""
@@ -82,6 +123,9 @@ def main(argv=None) -> None:
     p.add_argument("--only-norm", action="store_true", help="the RMSNorm timings only")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated: the steps' shapes to time, of "
                                                                f"{', '.join(SHAPES)}")
+    p.add_argument("--swiglu-y-row", action="store_true",
+                   help="SwiGLU's forward with y's row (an FP8 fc1's output) only: each way of taking it, each setting "
+                        "of its target, and inputs with outliers or small values")
     p.add_argument("--ncu", nargs="?", const="124m", choices=list(SHAPES),
                    help="each kernel once with and once without its row, for ncu (see above), nothing timed")
     args = p.parse_args(argv)
@@ -100,6 +144,10 @@ def main(argv=None) -> None:
                          ("rope", "STATS_STAGES"))]) for d in args.stages.split(",")]
         for name in shapes:
             sweep(name, variants, dev)
+        return
+    if args.swiglu_y_row:
+        for name in shapes:
+            swiglu_y_row(name, dev)
         return
     if args.only_norm:
         for name in shapes:

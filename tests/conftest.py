@@ -21,8 +21,8 @@ def pytest_report_header(config):
 
 
 # The modules that take minutes of one CPU (sm_90a builds, Triton's interpreter), started first: scripts/test.sh runs
-# the suite on every CPU with whole files to a worker (pytest-xdist's loadfile), and a long file started last would run
-# alone at the end.
+# the suite on every CPU, whole files to a worker in this order (pytest-xdist's loadfile, --no-loadscope-reorder), and
+# a long file started last would run alone at the end.
 _SLOW_FIRST = ("trainer/test_launch_shared_memory.py", "trainer/test_consumer_stats.py", "trainer/test_fused_stats.py",
                "agent/test_triton_stats.py", "trainer/test_kernels.py", "trainer/test_gemm_stats.py")
 
