@@ -28,11 +28,14 @@ def skip_if_interpreter_broken() -> None:
 
 
 def run_checks(module_file: str, groups: list[str]) -> dict[str, str]:
-    """Every check of ``groups``, the groups dealt round-robin to one child per CPU (at most 4; the children use one
-    thread each), which run at once: the interpreter is slow and the pytest process only waits."""
+    """Every check of ``groups``, the groups dealt round-robin to one child per CPU this pytest process may take (at
+    most 4; the children use one thread each), which run at once: the interpreter is slow and the pytest process only
+    waits. Under pytest-xdist the CPUs are shared out among its workers: more children would only slow the tests that
+    time something (a hung server's queue, a webhook's send) on the other workers."""
     skip_if_interpreter_broken()
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    n = max(1, min(len(groups), len(os.sched_getaffinity(0)), 4))
+    cpus = len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    n = max(1, min(len(groups), cpus, 4))
     children = [subprocess.Popen([sys.executable, module_file, *groups[i::n]], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for i in range(n)]
     results = {}
