@@ -353,9 +353,10 @@ def _stats_builds(ts, hists: tuple = (False, True)) -> list:
 def _width_builds(ts, norm_widths: list[int] | None = None, hists: tuple = (False, True)) -> list:
     """(name, build) for the launchers with a row whose tiles, and so their shared memory, follow the tensor's width:
     RMSNorm (a tile holds whole rows of the next power of two of the width) at every power of two it takes, RoPE and
-    the head merge at every power-of-two head size from 16 to 512, in each dtype, with and without the histogram; with
-    ``norm_widths``, RMSNorm at those widths only. (RoPE and the head merge do not pipeline their tile loops: in
-    Triton 3.6 their dynamic shared memory stayed at 768 B or less up to heads of 512, bench/RESULTS.md.)"""
+    the head merge at every power-of-two head size from 16 to 512, in each dtype, with the histogram and without
+    (``hists``); with ``norm_widths``, RMSNorm at those widths only. (RoPE and the head merge do not pipeline their
+    tile loops: in Triton 3.6 their dynamic shared memory stayed at 768 B or less up to heads of 512,
+    bench/RESULTS.md.)"""
     norm = importlib.import_module("trainer.kernels.rmsnorm")
     out = []
     for at, dt, _, tgt in _targets(ts, hists):
