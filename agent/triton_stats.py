@@ -1485,14 +1485,9 @@ def _launch_once(tensors, fmts, scales, centers, k, ahms, hist, out, index, merg
                 smode, s_val = SCALE_GIVEN, _f32(s)
         elif s is not None:
             raise ValueError("a scale needs an FP8 format (fmt='e4m3' or 'e5m2')")
-        c = centers[i]
-        c_addr, c_mean, c_std = 0, 0.0, float("nan")
-        if isinstance(c, torch.Tensor):
-            c = _addressed(c, device, torch.float64, (2,))
-            keep.append(c)
-            c_addr = c.data_ptr()
-        elif c is not None:
-            c_mean, c_std = float(c[0]), float(c[1])
+        c, c_mean, c_std = center_fields(centers[i], device)
+        keep.append(c)
+        c_addr = 0 if c is None else c.data_ptr()
         fcode = _FMT_CODES.get(fmt.name, 0) if fmt is not None else 0
         _ROW.pack_into(table, i * _ROW.size, x.data_ptr(), numel, _DTYPE_CODE[x.dtype], first, nwork, int(index[i]),
                        int(bool(merges[i])), smode, s_addr, s_val, c_addr, c_mean, c_std, ahm_addr, ahm_val,
@@ -1582,10 +1577,9 @@ def partials_merged_later(targets: list["Target"], spans: list[tuple[int, int]],
     return part
 
 
-def center_fields(target: "Target", device) -> tuple[torch.Tensor | None, float, float]:
-    """(fp64 device tensor of 2 to read by address, or None; mean; std) of ``target``'s outlier center; no center:
-    (None, 0, NaN), which counts no outlier."""
-    c = target.center
+def center_fields(c, device) -> tuple[torch.Tensor | None, float, float]:
+    """(fp64 device tensor of 2 to read by address, or None; mean; std) of an outlier center (a ``Target``'s: (mean,
+    std), a device tensor of 2, or None); no center: (None, 0, NaN), which counts no outlier."""
     if isinstance(c, torch.Tensor):
         return _addressed(c, torch.device(device), torch.float64, (2,)), 0.0, float("nan")
     return (None, 0.0, float("nan")) if c is None else (None, float(c[0]), float(c[1]))

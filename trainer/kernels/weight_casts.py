@@ -139,7 +139,7 @@ def casts_with_rows(xs: list[torch.Tensor], dtype: torch.dtype, targets: list["t
     firsts = [sum(shares[:i]) for i in range(len(shares))]
     table, keep = bytearray(), []
     for x, out, t, first, share in zip(xs, casts, targets, firsts, shares):
-        c, c_mean, c_std = ts.center_fields(t, device)
+        c, c_mean, c_std = ts.center_fields(t.center, device)
         keep.append(c)
         table += _TAB.pack(x.data_ptr(), out.data_ptr(), x.numel(), first, share, 0 if c is None else c.data_ptr(),
                            c_mean, c_std, 0)
