@@ -186,7 +186,7 @@ def _consumers(ts, built: dict) -> int:
     """Every variant of the consumer kernels: the SwiGLU forward without rows, with y's, with y's and h's, with y's
     through its words; its backward without and with dy's row; the residual add (fp32 stream, bf16 branch) without and
     with the branch's row, and the branch gradient's cast with its row; RoPE on the qkv output (1.5B's heads) without
-    and with its row, and its backward without and with its gradient's row; RMSNorm's; the weights' casts in one
+    and with its row, and with it through qkv's words, and its backward without and with its gradient's row; RMSNorm's; the weights' casts in one
     launch; the heads merged for the projection without and with its input's row."""
     sw = importlib.import_module("trainer.kernels.swiglu")
     res = importlib.import_module("trainer.kernels.residual")
@@ -217,6 +217,10 @@ def _consumers(ts, built: dict) -> int:
     for name, row in (("rope fwd", False), ("rope fwd + row", True)):
         rope._rope_fwd_kernel = _CompileOnly(rfwd, name, built)
         rope.rope_qkv_forward(qkv, trig, trig, 16, stats=ts.Target.new(cpu, fmt="e4m3", hist=False) if row else None)
+    rope.WORDS, rope._rope_fwd_words_kernel = True, _CompileOnly(rope._rope_fwd_words_kernel, "rope fwd + row (words)",
+                                                                 built)
+    rope.rope_qkv_forward(qkv, trig, trig, 16, stats=ts.Target.new(cpu, fmt="e4m3", hist=False))
+    rope.WORDS = False
     d = torch.zeros(2, 16, 2048, 128, dtype=torch.bfloat16)
     for name, row in (("rope bwd", False), ("rope bwd + row", True)):
         rope._rope_bwd_kernel = _CompileOnly(rbwd, name, built)
