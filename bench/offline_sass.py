@@ -184,7 +184,7 @@ def main(argv=None) -> int:
 
 def _consumers(ts, built: dict) -> int:
     """Every variant of the consumer kernels: the SwiGLU forward without rows, with y's, with y's and h's, with y's
-    through its words; its backward without and with dy's row; the residual add (fp32 stream, bf16 branch) without and
+    through its words; its backward without and with dy's row, and with it through dy's words; the residual add (fp32 stream, bf16 branch) without and
     with the branch's row, and the branch gradient's cast with its row; RoPE on the qkv output (1.5B's heads) without
     and with its row, and with it through qkv's words, and its backward without and with its gradient's row; RMSNorm's; the weights' casts in one
     launch; the heads merged for the projection without and with its input's row."""
@@ -205,6 +205,10 @@ def _consumers(ts, built: dict) -> int:
         sw._swiglu_bwd_kernel = _CompileOnly(bwd, name, built)
         sw.swiglu_backward(y, torch.zeros(4096, 2048, dtype=torch.bfloat16),
                            stats=ts.Target.new(cpu, fmt="e5m2", hist=False) if row else None)
+    sw.BWD_WORDS, sw._swiglu_bwd_words_kernel = True, _CompileOnly(sw._swiglu_bwd_words_kernel,
+                                                                   "swiglu bwd + dy row (words)", built)
+    sw.swiglu_backward(y, torch.zeros(4096, 2048, dtype=torch.bfloat16), stats=ts.Target.new(cpu, fmt="e5m2", hist=False))
+    sw.BWD_WORDS = False
     x, b = torch.zeros(4096, 2048), torch.zeros(4096, 2048, dtype=torch.bfloat16)
     for name, row in (("residual add", False), ("residual add + row", True)):
         res._residual_add_kernel = _CompileOnly(add, name, built)

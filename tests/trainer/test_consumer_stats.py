@@ -128,11 +128,9 @@ def _child(names: list[str]) -> None:
                     problems.append("dy differs with statistics on")
                 emit(f"backward_stats:{tuple(y0.shape)}:{y0.dtype}:{fmt}", "; ".join(p for p in problems if p))
 
-    from trainer.kernels.words import words_path
-
-    def with_words(module, kernel: str, fn):
-        """``fn()`` with ``module.WORDS`` on, and how many times ``module.<kernel>`` (its words kernel) launched."""
-        launched, real = [], getattr(module, kernel)
+    def with_words(module, kernel: str, fn, switch: str = "WORDS"):
+        """``fn()`` with ``module.<switch>`` on, and how many times ``module.<kernel>`` (its words kernel) launched."""
+        launched, real, old = [], getattr(module, kernel), getattr(module, switch)
 
         class Spy:
             def __getitem__(self, grid):
@@ -140,11 +138,12 @@ def _child(names: list[str]) -> None:
                 return real[grid]
 
         setattr(module, kernel, Spy())
+        setattr(module, switch, True)
         try:
-            with words_path(module):
-                return fn(), len(launched)
+            return fn(), len(launched)
         finally:
             setattr(module, kernel, real)
+            setattr(module, switch, old)
 
     def words():
         """y's row through y's 32-bit words (``swiglu.WORDS``; the histogram needs the GPU's shared-memory table, so
@@ -174,6 +173,33 @@ def _child(names: list[str]) -> None:
                 if not torch.equal(h.nan_to_num(7.0), swiglu(y).nan_to_num(7.0)):
                     problems.append("h differs from the fp32 kernel's")
                 emit(f"words:{tuple(y.shape)}:{fmt}", "; ".join(p for p in problems if p))
+
+    def bwd_words():
+        """dy's row through dy's words (``swiglu.BWD_WORDS``; without the histogram, as ``words``): the words kernel
+        runs, dy is the fp32 kernel's to the bit, and the row equals the fp64 oracle's, on full tiles (the bf16x2
+        path), partial ones (fp32) and with a NaN in y (the careful path)."""
+        import importlib
+
+        sw = importlib.import_module("trainer.kernels.swiglu")
+        g = torch.Generator().manual_seed(14)
+        for shape, nan in (((64, 2 * 256), False), ((3, 70, 2 * 150), False), ((50, 2 * 90), True)):
+            y = (torch.randn(*shape, generator=g) * 3 + 1.0).to(torch.bfloat16)
+            dh = torch.randn(*shape[:-1], shape[-1] // 2, generator=g).to(torch.bfloat16)
+            if nan:
+                y[7, 3] = float("nan")
+            for fmt in ("e5m2", None):
+                tgt = ts.Target.new("cpu", center=(0.0, 2.0), hist=False, fmt=fmt)
+                dy, launched = with_words(sw, "_swiglu_bwd_words_kernel",
+                                          lambda: sw.swiglu_backward(y, dh, stats=tgt), switch="BWD_WORDS")
+                ts.flush_deferred()  # the row is merged later (triton_stats.FUSED_MERGE)
+                want = ds.partials(dy, fmt=fmt, outlier_center=(0.0, 2.0), hist=False)
+                slack = float(want[ds.HIST:].nan_to_num(0).max()) if fmt else None
+                problems = [row_problems(tgt.rows[0], want, rtol=1e-6, under_slack=slack)]
+                if not launched:
+                    problems.append("the words kernel did not run")
+                if not torch.equal(dy.nan_to_num(7.0), sw.swiglu_backward(y, dh).nan_to_num(7.0)):
+                    problems.append("dy differs from the fp32 kernel's")
+                emit(f"bwd_words:{tuple(y.shape)}:{fmt}", "; ".join(p for p in problems if p))
 
     def rope_words():
         """The qkv row through qkv's words (``rope.WORDS``; without the histogram, as ``words``): the words kernel
@@ -769,7 +795,7 @@ def _child(names: list[str]) -> None:
             emit = plain_emit
 
     checks = dict(forward_backward=forward_backward, forward_stats=forward_stats, words=words, agent_block=agent_block,
-                  agent_block_plain=agent_block_plain, residual=residual, rope=rope, rope_words=rope_words,
+                  agent_block_plain=agent_block_plain, residual=residual, rope=rope, rope_words=rope_words, bwd_words=bwd_words,
                   backward_stats=backward_stats,
                   attention_plain=attention_plain, residual_plain=residual_plain, rmsnorm=rmsnorm,
                   norm_plain=norm_plain, weight_plain=weight_plain, agent_model=agent_model, heads=heads,
@@ -778,7 +804,7 @@ def _child(names: list[str]) -> None:
 
 
 GROUPS = ["forward_backward", "forward_stats", "backward_stats", "words", "agent_block", "agent_block_plain",
-          "residual", "rope", "rope_words", "attention_plain", "residual_plain", "rmsnorm", "norm_plain", "weight_plain",
+          "bwd_words", "residual", "rope", "rope_words", "attention_plain", "residual_plain", "rmsnorm", "norm_plain", "weight_plain",
           "agent_model", "heads", "heads_plain", "row_shapes"]
 
 

@@ -66,6 +66,10 @@ WORDS = os.environ.get("FP8MON_SWIGLU_WORDS", "1") == "1"
 # 4-warp programs on an H200 (bench/RESULTS.md). Without a row the kernels stream at copy speed and take 1.
 STATS_STAGES = 3
 BWD_STATS_STAGES = 2
+# dy's row through dy's 32-bit words (``_swiglu_bwd_words_kernel``) where y is bf16 of even width: the forward's words
+# path for the backward, fewer instructions an element than the fp32 row; opt-in (FP8MON_SWIGLU_BWD_WORDS=1, or the
+# attribute) until ``bench/power_cap.py --variants`` has timed it at a step's capped clock (bench/RESULTS.md)
+BWD_WORDS = os.environ.get("FP8MON_SWIGLU_BWD_WORDS", "0") == "1"
 _SOFT_ROUND = tl.constexpr(INTERPRET)  # for the careful path's loaders of h and dy (the kernels take it as an argument)
 # Register cap of the forward with y's row only (ptxas; None: uncapped). In an offline sm_90a build
 # (bench/offline_sass.py --consumers) of 8-warp programs with 32-row tiles it took 162 registers uncapped, one program
@@ -292,11 +296,18 @@ def _swiglu_fwd_words_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_
 
 
 @triton.jit
-def _dy_of(g, u, dh, DTYPE: tl.constexpr, SOFT_ROUND: tl.constexpr):
-    """d_gate and d_up (DTYPE) of gate, up and dh (fp32), as torch's autograd rounds them."""
+def _dy_unrounded(g, u, dh, DTYPE: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """d_gate and d_up of gate, up and dh (fp32) in fp32, each the product torch's autograd then rounds to DTYPE."""
     s, sig = _silu_rounded(g, DTYPE, SOFT_ROUND)
     d_silu = _to_out(dh * u, DTYPE, SOFT_ROUND).to(tl.float32)
-    return _to_out(d_silu * sig * (1.0 + g * (1.0 - sig)), DTYPE, SOFT_ROUND), _to_out(dh * s, DTYPE, SOFT_ROUND)
+    return d_silu * sig * (1.0 + g * (1.0 - sig)), dh * s
+
+
+@triton.jit
+def _dy_of(g, u, dh, DTYPE: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """d_gate and d_up (DTYPE) of gate, up and dh (fp32), as torch's autograd rounds them."""
+    d_gate, d_up = _dy_unrounded(g, u, dh, DTYPE, SOFT_ROUND)
+    return _to_out(d_gate, DTYPE, SOFT_ROUND), _to_out(d_up, DTYPE, SOFT_ROUND)
 
 
 @triton.jit
@@ -361,6 +372,79 @@ def _swiglu_bwd_kernel(y_ptr, dh_ptr, dy_ptr, M, H, stride_y, sp_ptr, ctr_ptr, d
                        outl, under, over, amax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST, SMODE)
 
 
+@triton.jit(do_not_specialize=["dst_index", "merge"])
+def _swiglu_bwd_words_kernel(y_ptr, dh_ptr, dy_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, cen_ptr,
+                             c_mean, c_std, k, ahm_ptr, ahm_val, STATS: tl.constexpr, C_PTR: tl.constexpr,
+                             AHM_PTR: tl.constexpr, HIST: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr,
+                             SMODE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SOFT_ROUND: tl.constexpr,
+                             STAGES: tl.constexpr):
+    """The backward with dy's row (``BWD_WORDS``), for bf16 y of even H, through 32-bit words: y's and dh's words
+    unpacked, each half's d_gate and d_up packed into dy's words (one rounding each, as ``_dy_of``'s), and on a full
+    tile the row's counts and amax a word at a time (``triton_stats._tile_bf16x2``, as the forward's words kernel); a
+    partial tile takes the fp32 path. The histogram needs the shared-memory table (the launcher checks)."""
+    dtype = dy_ptr.dtype.element_ty
+    BW: tl.constexpr = BN // 2
+    R: tl.constexpr = BM * BW // 4
+    n_tn = tl.cdiv(H, BN)
+    tiles = tl.cdiv(M, BM) * n_tn
+    hw = H // 2
+    sw = stride_y // 2
+    word: tl.constexpr = tl.pointer_type(tl.int32)
+    yw_ptr = y_ptr.to(word, bitcast=True)
+    dhw_ptr = dh_ptr.to(word, bitcast=True)
+    dyw_ptr = dy_ptr.to(word, bitcast=True)
+    pid = tl.program_id(0)
+    dg0, du0, m0, _, _ = _dy_tile(y_ptr, dh_ptr, pid, n_tn, M, H, stride_y, BM, BN, SOFT_ROUND)
+    lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
+    c, p, ok, ncp = _y_shift(dg0.to(tl.float32), du0.to(tl.float32), tl.reshape(m0, [BM * BN]))
+    s1, s2, s3, s4, am, cu, co, cout, cz, hist = stream_zero(R)
+    ku, lo2, hi2, amw, pu, pnz, pout = packed_setup(tl.full([], -1, tl.int32), lo, hi, R)
+    ht = None
+    if HIST and _SMEM_HIST:
+        ht = _htab()
+    ce = tl.zeros([], tl.int32)
+    nfull = tl.zeros([], tl.int32)
+    for t in tl.range(pid, tiles, tl.num_programs(0), num_stages=STAGES):
+        rows = (t // n_tn) * BM + tl.arange(0, BM)
+        cw = (t % n_tn) * BW + tl.arange(0, BW)
+        mw = (rows[:, None] < M) & (cw[None, :] < hw)
+        src = yw_ptr + rows[:, None].to(tl.int64) * sw + cw[None, :]
+        g_lo, g_hi = unpack(tl.load(src, mask=mw, other=0))
+        u_lo, u_hi = unpack(tl.load(src + hw, mask=mw, other=0))
+        dh_lo, dh_hi = unpack(tl.load(dhw_ptr + rows[:, None].to(tl.int64) * hw + cw[None, :], mask=mw, other=0))
+        dg_lo, du_lo = _dy_unrounded(g_lo, u_lo, dh_lo, dtype, SOFT_ROUND)
+        dg_hi, du_hi = _dy_unrounded(g_hi, u_hi, dh_hi, dtype, SOFT_ROUND)
+        dgw = pack(dg_lo, dg_hi, SOFT_ROUND)
+        duw = pack(du_lo, du_hi, SOFT_ROUND)
+        dst = dyw_ptr + rows[:, None].to(tl.int64) * H + cw[None, :]  # dy's rows: 2H elements, H words
+        tl.store(dst, dgw, mask=mw)
+        tl.store(dst + hw, duw, mask=mw)
+        tm = tl.minimum(M - (t // n_tn) * BM, BM)
+        tn = tl.minimum(H - (t % n_tn) * BN, BN)
+        if (tm == BM) & (tn == BN):
+            s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(tl.reshape(dgw, [R, 4]), p, ncp, ku, lo2, hi2, s1, s2,
+                                                              s3, s4, amw, pu, pnz, pout, ht, UCOUNT=False)
+            s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(tl.reshape(duw, [R, 4]), p, ncp, ku, lo2, hi2, s1, s2,
+                                                              s3, s4, amw, pu, pnz, pout, ht, UCOUNT=False)
+            nfull += 1
+        else:
+            dg_lo, dg_hi = unpack(dgw)  # the rounded values, as stored
+            du_lo, du_hi = unpack(duw)
+            acc = s1, s2, s3, s4, am, cu, co, cout, cz, hist
+            acc = stream_add(acc, dg_lo, mw, False, p, ncp, lo, hi, HIST, R, 4, ht)
+            acc = stream_add(acc, dg_hi, mw, False, p, ncp, lo, hi, HIST, R, 4, ht)
+            acc = stream_add(acc, du_lo, mw, False, p, ncp, lo, hi, HIST, R, 4, ht)
+            s1, s2, s3, s4, am, cu, co, cout, cz, hist = stream_add(acc, du_hi, mw, False, p, ncp, lo, hi, HIST, R, 4,
+                                                                     ht)
+        ce += tm * tn
+    am, cu, cz, cout = packed_fold(nfull * 16, amw, pu, pnz, pout, am, cu, cz, cout)  # 2 x 8 elements a lane a tile
+    n, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = stream_partial(
+        (s1, s2, s3, s4, am, cu, co, cout, cz, hist), 2 * ce, c, p, ok, _dy_part, (y_ptr, dh_ptr, M, H, stride_y),
+        tiles, 2, lo, hi, HIST, R, BM, BN, ht)
+    fused_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, 1.0, n, nfin, nonfin, zeros, outl,
+                   under, over, amax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST, SMODE)
+
+
 def _launch_shape(M: int, H: int, device: torch.device, rows: bool) -> tuple[int, int, int]:
     """(programs, tile rows, warps) of a launch over h (M, H), with a statistics row or without."""
     bm, warps, per_sm = (STATS_BM, STATS_WARPS, STATS_PROGRAMS_PER_SM) if rows else (BM, WARPS, PROGRAMS_PER_SM)
@@ -419,6 +503,13 @@ def swiglu_backward(y: torch.Tensor, dh: torch.Tensor, stats: "ts.Target | None"
     dh2 = dh.reshape(M, H).to(y.dtype).contiguous()
     dy = torch.empty((M, two_h), dtype=y.dtype, device=y.device)
     programs, bm, warps = _launch_shape(M, H, y.device, stats is not None)
+    if (BWD_WORDS and stats is not None and y.dtype == torch.bfloat16 and H % 2 == 0 and y2.stride(0) % 2 == 0
+            and y2.data_ptr() % 4 == 0 and dh2.data_ptr() % 4 == 0 and (not stats.hist or ts.SMEM_HIST)):
+        _swiglu_bwd_words_kernel[(programs,)](y2, dh2, dy, M, H, y2.stride(0),
+                                              **ts.epilogue_args(stats, programs, dy, later=True), BM=bm, BN=BN,
+                                              SOFT_ROUND=INTERPRET, num_warps=warps,
+                                              STAGES=_bwd_stages(stats, y.dtype), **reg_cap(STATS_MAXNREG))
+        return dy.reshape(y.shape)
     _swiglu_bwd_kernel[(programs,)](y2, dh2, dy, M, H, y2.stride(0),
                                     **ts.epilogue_args(stats, programs, dy, later=True), BM=bm, BN=BN,
                                     SOFT_ROUND=INTERPRET, num_warps=warps,
