@@ -128,9 +128,11 @@ def _child(names: list[str]) -> None:
                     problems.append("dy differs with statistics on")
                 emit(f"backward_stats:{tuple(y0.shape)}:{y0.dtype}:{fmt}", "; ".join(p for p in problems if p))
 
+    from trainer.kernels.words import words_path
+
     def with_words(module, kernel: str, fn, switch: str = "WORDS"):
         """``fn()`` with ``module.<switch>`` on, and how many times ``module.<kernel>`` (its words kernel) launched."""
-        launched, real, old = [], getattr(module, kernel), getattr(module, switch)
+        launched, real = [], getattr(module, kernel)
 
         class Spy:
             def __getitem__(self, grid):
@@ -138,12 +140,11 @@ def _child(names: list[str]) -> None:
                 return real[grid]
 
         setattr(module, kernel, Spy())
-        setattr(module, switch, True)
         try:
-            return fn(), len(launched)
+            with words_path(module, switch=switch):
+                return fn(), len(launched)
         finally:
             setattr(module, kernel, real)
-            setattr(module, switch, old)
 
     def words():
         """y's row through y's 32-bit words (``swiglu.WORDS``; the histogram needs the GPU's shared-memory table, so

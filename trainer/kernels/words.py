@@ -32,14 +32,14 @@ def pack(lo, hi, SOFT_ROUND: tl.constexpr):
 
 
 @contextlib.contextmanager
-def words_path(*modules, on: bool = True):
-    """The kernel modules' ``WORDS`` switches (their rows through the words) set to ``on`` for the block, restored
-    after."""
-    old = [m.WORDS for m in modules]
+def words_path(*modules, on: bool = True, switch: str = "WORDS"):
+    """The kernel modules' ``WORDS`` switches (their rows through the words; ``switch`` names another, as swiglu's
+    ``BWD_WORDS``) set to ``on`` for the block, restored after."""
+    old = [getattr(m, switch) for m in modules]
     try:
         for m in modules:
-            m.WORDS = on
+            setattr(m, switch, on)
         yield
     finally:
         for m, v in zip(modules, old):
-            m.WORDS = v
+            setattr(m, switch, v)
