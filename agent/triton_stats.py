@@ -1996,6 +1996,57 @@ if triton is not None:
                                                                  co, cout, cz, h, HIST, True, True, ht)
         return s1, s2, s3, s4, am, cu, co, cout, cz, h
 
+    # ---- the same through bf16 words (trainer/kernels/swiglu.py, rope.py) ----------------------------------------
+    # A consumer kernel that holds its bf16 tensor as 32-bit words (it loads or packs them anyway) takes the row a word
+    # at a time on its full tiles (``_tile_bf16x2``: the counts and the amax of both halves at once) and through
+    # ``stream_add``'s fp32 path on the partial ones.
+
+    @triton.jit
+    def bf16_halves(w):
+        """The two bf16 of each 32-bit word, as fp32: the low half (the element at the lower address), then the high."""
+        return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def words_zero(lo, hi, R: tl.constexpr):
+        """Empty ``words_add`` accumulators of R rows: ``stream_zero``'s, the word loop's (``packed_setup`` with no
+        underflow threshold) and the elements a row took a word at a time."""
+        return stream_zero(R), packed_setup(tl.full([], -1, tl.int32), lo, hi, R), tl.zeros([], tl.int32)
+
+    @triton.jit
+    def words_add(wacc, wa, wb, full, mask, p, ncp, lo, hi, HIST: tl.constexpr, R: tl.constexpr, ht=None):
+        """``wacc`` (``words_zero``) with two tiles of words ``wa`` and ``wb`` added (R x 4 words each, any shape;
+        ``mask`` theirs): where ``full`` a word at a time (no underflow count: the row has no scale), else their fp32
+        halves through ``stream_add``."""
+        acc, packed, nw = wacc
+        s1, s2, s3, s4, am, cu, co, cout, cz, hist = acc
+        ku, lo2, hi2, amw, pu, pnz, pout = packed
+        if full:
+            s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(tl.reshape(wa, [R, 4]), p, ncp, ku, lo2, hi2, s1, s2, s3,
+                                                              s4, amw, pu, pnz, pout, ht, UCOUNT=False)
+            s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(tl.reshape(wb, [R, 4]), p, ncp, ku, lo2, hi2, s1, s2, s3,
+                                                              s4, amw, pu, pnz, pout, ht, UCOUNT=False)
+            nw += 16  # two tiles of 4 words of 2 elements a row
+        else:
+            a_lo, a_hi = bf16_halves(wa)
+            b_lo, b_hi = bf16_halves(wb)
+            acc = s1, s2, s3, s4, am, cu, co, cout, cz, hist
+            acc = stream_add(acc, a_lo, mask, False, p, ncp, lo, hi, HIST, R, 4, ht)
+            acc = stream_add(acc, a_hi, mask, False, p, ncp, lo, hi, HIST, R, 4, ht)
+            acc = stream_add(acc, b_lo, mask, False, p, ncp, lo, hi, HIST, R, 4, ht)
+            s1, s2, s3, s4, am, cu, co, cout, cz, hist = stream_add(acc, b_hi, mask, False, p, ncp, lo, hi, HIST, R, 4,
+                                                                     ht)
+        return (s1, s2, s3, s4, am, cu, co, cout, cz, hist), (ku, lo2, hi2, amw, pu, pnz, pout), nw
+
+    @triton.jit
+    def words_fold(wacc):
+        """``words_add``'s accumulators as ``stream_add``'s (for ``stream_partial``): the word loop's counts and amax
+        folded in."""
+        acc, packed, nw = wacc
+        s1, s2, s3, s4, am, cu, co, cout, cz, hist = acc
+        ku, lo2, hi2, amw, pu, pnz, pout = packed
+        am, cu, cz, cout = packed_fold(nw, amw, pu, pnz, pout, am, cu, cz, cout)
+        return s1, s2, s3, s4, am, cu, co, cout, cz, hist
+
     @triton.jit
     def careful_tiles(LOAD: tl.constexpr, src, tiles, PARTS: tl.constexpr, lo, hi, HIST: tl.constexpr,
                       R: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr):

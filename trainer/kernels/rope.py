@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from agent import triton_stats as ts
-from agent.triton_stats import (_SMEM_HIST, _htab, _tile_bf16x2, fused_bounds, fused_epilogue, packed_fold,
-                                packed_setup, stream_add, stream_partial, stream_start)
+from agent.triton_stats import (_SMEM_HIST, _htab, fused_bounds, fused_epilogue, stream_add, stream_partial,
+                                stream_start, words_add, words_fold, words_zero)
 
 from .fp8_gemm import _to_out
 from .quantize import INTERPRET, cdiv, persistent_programs, reg_cap
@@ -203,9 +203,8 @@ def _rope_fwd_words_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, T, NH
                            SOFT_ROUND: tl.constexpr, STAGES: tl.constexpr):
     """The forward with the qkv row (``WORDS``), for bf16 qkv, through 32-bit words (``trainer.kernels.words``): a word
     holds channels 2j and 2j + 1 of a half-head, rotated as two fp32 tensors (the even and the odd channels); on a full
-    tile the row's counts and amax take a word at a time (``triton_stats._tile_bf16x2``, no underflow count: the row
-    has no scale), on a partial one the fp32 path. The histogram needs the shared-memory table (the launcher
-    checks)."""
+    tile the row's counts and amax take a word at a time, on a partial one the fp32 path (``triton_stats.words_add``).
+    The histogram needs the shared-memory table (the launcher checks)."""
     HW: tl.constexpr = HD2 // 2
     R: tl.constexpr = BT * HW // 4
     pid = tl.program_id(0)
@@ -213,9 +212,8 @@ def _rope_fwd_words_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, T, NH
     b0, h0, pos0, pm0 = _where(pid, T, NH, BT)
     m0 = pm0[:, None] & (tl.arange(0, HD2)[None, :] < HD2)
     x0 = tl.load(_in_ptrs(qkv_ptr, b0, h0, pos0, 0, T, NH, HD2), mask=m0, other=0.0).to(tl.float32)
-    c, p, ok, ncp, acc = stream_start(x0, m0, R)
-    s1, s2, s3, s4, am, cu, co, cout, cz, hist = acc
-    ku, lo2, hi2, amw, pu, pnz, pout = packed_setup(tl.full([], -1, tl.int32), lo, hi, R)
+    c, p, ok, ncp, _ = stream_start(x0, m0, R)
+    wacc = words_zero(lo, hi, R)
     ht = None
     if HIST and _SMEM_HIST:
         ht = _htab()
@@ -223,7 +221,6 @@ def _rope_fwd_words_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, T, NH
     qkv_w = qkv_ptr.to(word, bitcast=True)
     q_w, k_w, v_w = q_ptr.to(word, bitcast=True), k_ptr.to(word, bitcast=True), v_ptr.to(word, bitcast=True)
     ce = tl.zeros([], tl.int32)
-    nfull = tl.zeros([], tl.int32)
     for t in tl.range(pid, tiles, tl.num_programs(0), num_stages=STAGES):
         b, h, pos, pm = _where(t, T, NH, BT)
         cos_lo, cos_hi, sin_lo, sin_hi, mw = _trig_words(cos_ptr, sin_ptr, pos, pm, HW)
@@ -245,24 +242,10 @@ def _rope_fwd_words_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, T, NH
             else:
                 tl.store(dst, w1, mask=mw)
                 tl.store(dst + HW, w2, mask=mw)
-            if inside == BT:
-                s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(tl.reshape(w1, [R, 4]), p, ncp, ku, lo2, hi2, s1,
-                                                                  s2, s3, s4, amw, pu, pnz, pout, ht, UCOUNT=False)
-                s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(tl.reshape(w2, [R, 4]), p, ncp, ku, lo2, hi2, s1,
-                                                                  s2, s3, s4, amw, pu, pnz, pout, ht, UCOUNT=False)
-            else:
-                acc = s1, s2, s3, s4, am, cu, co, cout, cz, hist
-                acc = stream_add(acc, x1_lo, mw, False, p, ncp, lo, hi, HIST, R, 4, ht)
-                acc = stream_add(acc, x1_hi, mw, False, p, ncp, lo, hi, HIST, R, 4, ht)
-                acc = stream_add(acc, x2_lo, mw, False, p, ncp, lo, hi, HIST, R, 4, ht)
-                s1, s2, s3, s4, am, cu, co, cout, cz, hist = stream_add(acc, x2_hi, mw, False, p, ncp, lo, hi, HIST,
-                                                                         R, 4, ht)
-        nfull += (inside == BT).to(tl.int32)
+            wacc = words_add(wacc, w1, w2, inside == BT, mw, p, ncp, lo, hi, HIST, R, ht)
         ce += inside * (6 * HD2)
-    am, cu, cz, cout = packed_fold(nfull * 48, amw, pu, pnz, pout, am, cu, cz, cout)  # 6 x 8 elements a lane a tile
     n, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = stream_partial(
-        (s1, s2, s3, s4, am, cu, co, cout, cz, hist), ce, c, p, ok, _part, (qkv_ptr, T, NH), tiles, 6, lo, hi, HIST,
-        BT * HD2 // 8, BT, HD2, ht)
+        words_fold(wacc), ce, c, p, ok, _part, (qkv_ptr, T, NH), tiles, 6, lo, hi, HIST, BT * HD2 // 8, BT, HD2, ht)
     fused_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, 1.0, n, nfin, nonfin, zeros, outl,
                    under, over, amax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST, SMODE)
 

@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 
 from agent import triton_stats as ts
-from agent.triton_stats import (_SMEM_HIST, _htab, _shift_of, _tile_bf16x2, fused_bounds, fused_epilogue, packed_fold,
-                                packed_setup, stream_add, stream_partial, stream_zero)
+from agent.triton_stats import (_SMEM_HIST, _htab, _shift_of, fused_bounds, fused_epilogue, stream_add, stream_partial,
+                                stream_zero, words_add, words_fold, words_zero)
 
 from .fp8_gemm import _to_out
 from .quantize import INTERPRET, cdiv, persistent_programs, reg_cap
@@ -254,13 +254,11 @@ def _swiglu_fwd_words_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_
     m1 = tl.reshape(m0, [BM * BN])
     lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
     c, p, ok, ncp = _y_shift(g0, u0, m1)
-    s1, s2, s3, s4, am, cu, co, cout, cz, hist = stream_zero(R)
-    ku, lo2, hi2, amw, pu, pnz, pout = packed_setup(tl.full([], -1, tl.int32), lo, hi, R)
+    wacc = words_zero(lo, hi, R)
     ht = None
     if HIST and _SMEM_HIST:
         ht = _htab()
     ce = tl.zeros([], tl.int32)
-    nfull = tl.zeros([], tl.int32)
     for t in tl.range(pid, tiles, tl.num_programs(0), num_stages=STAGES):
         rows = (t // n_tn) * BM + tl.arange(0, BM)
         cw = (t % n_tn) * BW + tl.arange(0, BW)
@@ -275,24 +273,10 @@ def _swiglu_fwd_words_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_
         tl.store(hw_ptr + rows[:, None].to(tl.int64) * hw + cw[None, :], h, mask=mw)
         tm = tl.minimum(M - (t // n_tn) * BM, BM)
         tn = tl.minimum(H - (t % n_tn) * BN, BN)
-        if (tm == BM) & (tn == BN):
-            # no underflow count (UCOUNT): a consumer kernel's row has no scale before the read (``stream_add``)
-            s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(tl.reshape(gw, [R, 4]), p, ncp, ku, lo2, hi2, s1, s2, s3,
-                                                              s4, amw, pu, pnz, pout, ht, UCOUNT=False)
-            s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(tl.reshape(uw, [R, 4]), p, ncp, ku, lo2, hi2, s1, s2, s3,
-                                                              s4, amw, pu, pnz, pout, ht, UCOUNT=False)
-            nfull += 1
-        else:
-            acc = s1, s2, s3, s4, am, cu, co, cout, cz, hist
-            acc = stream_add(acc, g_lo, mw, False, p, ncp, lo, hi, HIST, R, 4, ht)
-            acc = stream_add(acc, g_hi, mw, False, p, ncp, lo, hi, HIST, R, 4, ht)
-            acc = stream_add(acc, u_lo, mw, False, p, ncp, lo, hi, HIST, R, 4, ht)
-            s1, s2, s3, s4, am, cu, co, cout, cz, hist = stream_add(acc, u_hi, mw, False, p, ncp, lo, hi, HIST, R, 4,
-                                                                     ht)
+        wacc = words_add(wacc, gw, uw, (tm == BM) & (tn == BN), mw, p, ncp, lo, hi, HIST, R, ht)
         ce += tm * tn
-    am, cu, cz, cout = packed_fold(nfull * 16, amw, pu, pnz, pout, am, cu, cz, cout)  # 2 x 8 elements a lane a tile
-    _row_of((s1, s2, s3, s4, am, cu, co, cout, cz, hist), 2 * ce, c, p, ok, y_ptr, M, H, stride_y, lo, hi, sp_ptr,
-            ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, HIST, AHM_PTR, FMAX, UTHR, SMODE, False, BM, BN, ht)
+    _row_of(words_fold(wacc), 2 * ce, c, p, ok, y_ptr, M, H, stride_y, lo, hi, sp_ptr, ctr_ptr, dst_ptr, dst_index,
+            merge, ahm_ptr, ahm_val, HIST, AHM_PTR, FMAX, UTHR, SMODE, False, BM, BN, ht)
 
 
 @triton.jit
@@ -379,9 +363,9 @@ def _swiglu_bwd_words_kernel(y_ptr, dh_ptr, dy_ptr, M, H, stride_y, sp_ptr, ctr_
                              SMODE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SOFT_ROUND: tl.constexpr,
                              STAGES: tl.constexpr):
     """The backward with dy's row (``BWD_WORDS``), for bf16 y of even H, through 32-bit words: y's and dh's words
-    unpacked, each half's d_gate and d_up packed into dy's words (one rounding each, as ``_dy_of``'s), and on a full
-    tile the row's counts and amax a word at a time (``triton_stats._tile_bf16x2``, as the forward's words kernel); a
-    partial tile takes the fp32 path. The histogram needs the shared-memory table (the launcher checks)."""
+    unpacked, each half's d_gate and d_up packed into dy's words (one rounding each, as ``_dy_of``'s), and the row
+    taken from those words as the forward's words kernel takes y's (``triton_stats.words_add``). The histogram needs
+    the shared-memory table (the launcher checks)."""
     dtype = dy_ptr.dtype.element_ty
     BW: tl.constexpr = BN // 2
     R: tl.constexpr = BM * BW // 4
@@ -397,13 +381,11 @@ def _swiglu_bwd_words_kernel(y_ptr, dh_ptr, dy_ptr, M, H, stride_y, sp_ptr, ctr_
     dg0, du0, m0, _, _ = _dy_tile(y_ptr, dh_ptr, pid, n_tn, M, H, stride_y, BM, BN, SOFT_ROUND)
     lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
     c, p, ok, ncp = _y_shift(dg0.to(tl.float32), du0.to(tl.float32), tl.reshape(m0, [BM * BN]))
-    s1, s2, s3, s4, am, cu, co, cout, cz, hist = stream_zero(R)
-    ku, lo2, hi2, amw, pu, pnz, pout = packed_setup(tl.full([], -1, tl.int32), lo, hi, R)
+    wacc = words_zero(lo, hi, R)
     ht = None
     if HIST and _SMEM_HIST:
         ht = _htab()
     ce = tl.zeros([], tl.int32)
-    nfull = tl.zeros([], tl.int32)
     for t in tl.range(pid, tiles, tl.num_programs(0), num_stages=STAGES):
         rows = (t // n_tn) * BM + tl.arange(0, BM)
         cw = (t % n_tn) * BW + tl.arange(0, BW)
@@ -421,26 +403,11 @@ def _swiglu_bwd_words_kernel(y_ptr, dh_ptr, dy_ptr, M, H, stride_y, sp_ptr, ctr_
         tl.store(dst + hw, duw, mask=mw)
         tm = tl.minimum(M - (t // n_tn) * BM, BM)
         tn = tl.minimum(H - (t % n_tn) * BN, BN)
-        if (tm == BM) & (tn == BN):
-            s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(tl.reshape(dgw, [R, 4]), p, ncp, ku, lo2, hi2, s1, s2,
-                                                              s3, s4, amw, pu, pnz, pout, ht, UCOUNT=False)
-            s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(tl.reshape(duw, [R, 4]), p, ncp, ku, lo2, hi2, s1, s2,
-                                                              s3, s4, amw, pu, pnz, pout, ht, UCOUNT=False)
-            nfull += 1
-        else:
-            dg_lo, dg_hi = unpack(dgw)  # the rounded values, as stored
-            du_lo, du_hi = unpack(duw)
-            acc = s1, s2, s3, s4, am, cu, co, cout, cz, hist
-            acc = stream_add(acc, dg_lo, mw, False, p, ncp, lo, hi, HIST, R, 4, ht)
-            acc = stream_add(acc, dg_hi, mw, False, p, ncp, lo, hi, HIST, R, 4, ht)
-            acc = stream_add(acc, du_lo, mw, False, p, ncp, lo, hi, HIST, R, 4, ht)
-            s1, s2, s3, s4, am, cu, co, cout, cz, hist = stream_add(acc, du_hi, mw, False, p, ncp, lo, hi, HIST, R, 4,
-                                                                     ht)
+        wacc = words_add(wacc, dgw, duw, (tm == BM) & (tn == BN), mw, p, ncp, lo, hi, HIST, R, ht)
         ce += tm * tn
-    am, cu, cz, cout = packed_fold(nfull * 16, amw, pu, pnz, pout, am, cu, cz, cout)  # 2 x 8 elements a lane a tile
     n, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = stream_partial(
-        (s1, s2, s3, s4, am, cu, co, cout, cz, hist), 2 * ce, c, p, ok, _dy_part, (y_ptr, dh_ptr, M, H, stride_y),
-        tiles, 2, lo, hi, HIST, R, BM, BN, ht)
+        words_fold(wacc), 2 * ce, c, p, ok, _dy_part, (y_ptr, dh_ptr, M, H, stride_y), tiles, 2, lo, hi, HIST, R, BM,
+        BN, ht)
     fused_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, 1.0, n, nfin, nonfin, zeros, outl,
                    under, over, amax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST, SMODE)
 

@@ -9,13 +9,13 @@ import contextlib
 import triton
 import triton.language as tl
 
+from agent.triton_stats import bf16_halves
+
 from .fp8_gemm import _to_out
 
 
-@triton.jit
-def unpack(w):
-    """The two bf16 of each word, as fp32: the low half (the element at the lower address), then the high."""
-    return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
+# the two bf16 of each word, as fp32: the low half (the element at the lower address), then the high
+unpack = bf16_halves
 
 
 @triton.jit
