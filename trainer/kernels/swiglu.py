@@ -230,6 +230,16 @@ def _swiglu_fwd_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, d
                 dst_index_h, merge_h, ahm_ptr_h, ahm_val_h, HIST_H, AHM_PTR_H, FMAX_H, UTHR_H, SMODE_H, True, BM, BN)
 
 
+@triton.jit
+def _word_tile(yw_ptr, t, n_tn, M, hw, sw, BM: tl.constexpr, BW: tl.constexpr):
+    """Tile t of h as 32-bit words (BW a row, ``hw`` in all): its rows, word columns and mask, and the addresses of its
+    gate words in y (``sw`` words a row; the up words lie ``hw`` further)."""
+    rows = (t // n_tn) * BM + tl.arange(0, BM)
+    cw = (t % n_tn) * BW + tl.arange(0, BW)
+    mw = (rows[:, None] < M) & (cw[None, :] < hw)
+    return rows, cw, mw, yw_ptr + rows[:, None].to(tl.int64) * sw + cw[None, :]
+
+
 @triton.jit(do_not_specialize=["dst_index", "merge"])
 def _swiglu_fwd_words_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, cen_ptr, c_mean,
                              c_std, k, ahm_ptr, ahm_val, STATS: tl.constexpr, C_PTR: tl.constexpr,
@@ -260,10 +270,7 @@ def _swiglu_fwd_words_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_
         ht = _htab()
     ce = tl.zeros([], tl.int32)
     for t in tl.range(pid, tiles, tl.num_programs(0), num_stages=STAGES):
-        rows = (t // n_tn) * BM + tl.arange(0, BM)
-        cw = (t % n_tn) * BW + tl.arange(0, BW)
-        mw = (rows[:, None] < M) & (cw[None, :] < hw)
-        src = yw_ptr + rows[:, None].to(tl.int64) * sw + cw[None, :]
+        rows, cw, mw, src = _word_tile(yw_ptr, t, n_tn, M, hw, sw, BM, BW)
         gw = tl.load(src, mask=mw, other=0)
         uw = tl.load(src + hw, mask=mw, other=0)
         g_lo, g_hi = unpack(gw)
@@ -387,10 +394,7 @@ def _swiglu_bwd_words_kernel(y_ptr, dh_ptr, dy_ptr, M, H, stride_y, sp_ptr, ctr_
         ht = _htab()
     ce = tl.zeros([], tl.int32)
     for t in tl.range(pid, tiles, tl.num_programs(0), num_stages=STAGES):
-        rows = (t // n_tn) * BM + tl.arange(0, BM)
-        cw = (t % n_tn) * BW + tl.arange(0, BW)
-        mw = (rows[:, None] < M) & (cw[None, :] < hw)
-        src = yw_ptr + rows[:, None].to(tl.int64) * sw + cw[None, :]
+        rows, cw, mw, src = _word_tile(yw_ptr, t, n_tn, M, hw, sw, BM, BW)
         g_lo, g_hi = unpack(tl.load(src, mask=mw, other=0))
         u_lo, u_hi = unpack(tl.load(src + hw, mask=mw, other=0))
         dh_lo, dh_hi = unpack(tl.load(dhw_ptr + rows[:, None].to(tl.int64) * hw + cw[None, :], mask=mw, other=0))
