@@ -52,8 +52,8 @@ STATS_MAXNREG = 80
 # cap and was slower on an H100 (``bench/consumers.py --stages``, bench/RESULTS.md).
 STATS_STAGES = 1
 _SOFT_ROUND = tl.constexpr(INTERPRET)  # for the careful path's loader of the gradient (kernels take it as an argument)
-# The forward's row through qkv's 32-bit words (``_rope_fwd_words_kernel``) where qkv is bf16: fewer instructions an
-# element than the fp32 path (958 against 1141 a full tile in an offline build), but slower alone on an H100, at full
+# The forward's row through qkv's 32-bit words (``_rope_fwd_words_kernel``) where qkv is bf16: fewer instructions than
+# the fp32 path (873 against 1242 on a full tile's path, offline sm_90a build), but slower alone on an H100, at full
 # clock. A step's power cap lowers the clock, where instructions count for more (bench/RESULTS.md): opt-in
 # (FP8MON_ROPE_WORDS=1, or the attribute) until ``bench/power_cap.py --variants`` has timed it there.
 WORDS = os.environ.get("FP8MON_ROPE_WORDS", "0") == "1"
