@@ -8,6 +8,9 @@ of each 20 calls keeps their launches queued (none waits for the host); between 
     python3 bench/power_cap.py --shapes 1.5b,124m
     python3 bench/power_cap.py --shapes 1.5b --kernels swiglu_fwd \\
         --variants "default;trainer.kernels.swiglu.STATS_BM=8,trainer.kernels.swiglu.STATS_MAXNREG=96"
+    python3 bench/power_cap.py --kernels rope_fwd --variants "default;trainer.kernels.rope.WORDS=True"
+    python3 bench/power_cap.py --kernels swiglu_bwd --variants "default;trainer.kernels.swiglu.BWD_WORDS=True"
+    python3 bench/power_cap.py --kernels swiglu_fwd_yh --variants "default;trainer.kernels.swiglu.WORDS=False"
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from bench.consumers import SHAPES, StepRows, _step_inputs  # noqa: E402
 from bench.variants import applied, parse_all  # noqa: E402
 from trainer.kernels.residual import residual_add_forward  # noqa: E402
 from trainer.kernels.rmsnorm import rms_norm_forward  # noqa: E402
-from trainer.kernels.rope import rope_qkv_forward  # noqa: E402
+from trainer.kernels.rope import rope_qkv_backward, rope_qkv_forward  # noqa: E402
 from trainer.kernels.swiglu import swiglu_backward, swiglu_forward  # noqa: E402
 
 CALLS = 20  # calls per batch: one spin kernel or 20 GEMMs ahead of them
@@ -61,14 +64,24 @@ class ClockSampler:
 
 
 def kernels(name: str, dev: torch.device) -> dict:
-    """(plain, with its row) of each consumer kernel at ``name``'s shape (bf16, no histogram)."""
-    y, dh, x, b, w, (rot, qkv, _), heads = _step_inputs(name, dev)
+    """(plain, with its row) of each consumer kernel at ``name``'s shape (bf16, no histogram). ``swiglu_fwd_yh``: the
+    forward with the rows of y and of h (a plain fc2's input), which the words path defers to a statistics launch,
+    here flushed at once, inside the call's timing."""
+    y, dh, x, b, w, (rot, qkv, grads), heads = _step_inputs(name, dev)
     tgt = StepRows(dev)
+
+    def both_rows():
+        swiglu_forward(y, stats=tgt(), h_stats=tgt())
+        ts.flush_deferred()
+
     return {
         "swiglu_fwd": (lambda: swiglu_forward(y), lambda: swiglu_forward(y, stats=tgt())),
+        "swiglu_fwd_yh": (lambda: swiglu_forward(y), both_rows),
         "swiglu_bwd": (lambda: swiglu_backward(y, dh), lambda: swiglu_backward(y, dh, stats=tgt())),
         "rope_fwd": (lambda: rope_qkv_forward(qkv, rot.cos, rot.sin, heads),
                      lambda: rope_qkv_forward(qkv, rot.cos, rot.sin, heads, stats=tgt())),
+        "rope_bwd": (lambda: rope_qkv_backward(*grads, rot.cos, rot.sin, torch.bfloat16),
+                     lambda: rope_qkv_backward(*grads, rot.cos, rot.sin, torch.bfloat16, stats=tgt())),
         "residual_add": (lambda: residual_add_forward(x, b), lambda: residual_add_forward(x, b, stats=tgt())),
         "rmsnorm_fwd": (lambda: rms_norm_forward(x, w, 1e-6), lambda: rms_norm_forward(x, w, 1e-6, stats=tgt())),
     }
@@ -100,8 +113,8 @@ def timed(fn, gemm, clock: ClockSampler) -> tuple[float, float]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="1.5b,124m", help=f"comma-separated, of {', '.join(SHAPES)}")
-    p.add_argument("--kernels", help="comma-separated, of swiglu_fwd, swiglu_bwd, rope_fwd, residual_add, rmsnorm_fwd "
-                                     "(default: all)")
+    p.add_argument("--kernels", help="comma-separated, of swiglu_fwd, swiglu_fwd_yh, swiglu_bwd, rope_fwd, rope_bwd, "
+                                     "residual_add, rmsnorm_fwd (default: all)")
     p.add_argument("--variants", default="default", help="settings measured one after another (bench/variants.py)")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
