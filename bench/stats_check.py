@@ -542,8 +542,8 @@ def check_consumers(device) -> None:
     """The consumer kernels on the GPU. trainer/kernels/swiglu.py: forward and backward against torch's autograd of
     F.silu(gate) * up (bf16: at most one unit in the last place, on under 1% of the elements; fp32 close), the
     forward's rows of y and h (bf16: the words path and the fp32 one) and the backward's of dy (bf16: both paths too)
-    against the fp64 oracle's. trainer/kernels/residual.py: x + b and its gradients equal torch's, its rows of b and of b's gradient
-    the oracle's. trainer/kernels/rope.py: ``check_rope``."""
+    against the fp64 oracle's. trainer/kernels/residual.py: x + b and its gradients equal torch's, its rows of b and of
+    b's gradient the oracle's. trainer/kernels/rope.py: ``check_rope``."""
     import importlib
 
     from trainer.kernels.residual import residual_add

@@ -175,6 +175,15 @@ def _child(names: list[str]) -> None:
                     problems.append("h differs from the fp32 kernel's")
                 emit(f"words:{tuple(y.shape)}:{fmt}", "; ".join(p for p in problems if p))
 
+    def words_row_problems(tgt, x, center, fmt, launched: int) -> list[str]:
+        """The problems of ``tgt``'s row of ``x`` (no histogram) against the fp64 oracle's, and whether a words kernel
+        launched."""
+        ts.flush_deferred()  # the row is merged later (triton_stats.FUSED_MERGE)
+        want = ds.partials(x, fmt=fmt, outlier_center=center, hist=False)
+        slack = float(want[ds.HIST:].nan_to_num(0).max()) if fmt else None
+        return [row_problems(tgt.rows[0], want, rtol=1e-6, under_slack=slack),
+                "" if launched else "the words kernel did not run"]
+
     def bwd_words():
         """dy's row through dy's words (``swiglu.BWD_WORDS``; without the histogram, as ``words``): the words kernel
         runs, dy is the fp32 kernel's to the bit, and the row equals the fp64 oracle's, on full tiles (the bf16x2
@@ -192,12 +201,7 @@ def _child(names: list[str]) -> None:
                 tgt = ts.Target.new("cpu", center=(0.0, 2.0), hist=False, fmt=fmt)
                 dy, launched = with_words(sw, "_swiglu_bwd_words_kernel",
                                           lambda: sw.swiglu_backward(y, dh, stats=tgt), switch="BWD_WORDS")
-                ts.flush_deferred()  # the row is merged later (triton_stats.FUSED_MERGE)
-                want = ds.partials(dy, fmt=fmt, outlier_center=(0.0, 2.0), hist=False)
-                slack = float(want[ds.HIST:].nan_to_num(0).max()) if fmt else None
-                problems = [row_problems(tgt.rows[0], want, rtol=1e-6, under_slack=slack)]
-                if not launched:
-                    problems.append("the words kernel did not run")
+                problems = words_row_problems(tgt, dy, (0.0, 2.0), fmt, launched)
                 if not torch.equal(dy.nan_to_num(7.0), sw.swiglu_backward(y, dh).nan_to_num(7.0)):
                     problems.append("dy differs from the fp32 kernel's")
                 emit(f"bwd_words:{tuple(y.shape)}:{fmt}", "; ".join(p for p in problems if p))
@@ -221,12 +225,7 @@ def _child(names: list[str]) -> None:
                 tgt = ts.Target.new("cpu", center=(0.5, 2.0), hist=False, fmt=fmt)
                 got, launched = with_words(rp, "_rope_fwd_words_kernel",
                                            lambda: rp.rope_qkv_forward(qkv, rot.cos, rot.sin, nh, stats=tgt))
-                ts.flush_deferred()  # the row is merged later (triton_stats.FUSED_MERGE)
-                want = ds.partials(qkv, fmt=fmt, outlier_center=(0.5, 2.0), hist=False)
-                slack = float(want[ds.HIST:].nan_to_num(0).max()) if fmt else None
-                problems = [row_problems(tgt.rows[0], want, rtol=1e-6, under_slack=slack)]
-                if not launched:
-                    problems.append("the words kernel did not run")
+                problems = words_row_problems(tgt, qkv, (0.5, 2.0), fmt, launched)
                 ref = rp.rope_qkv_ref(qkv, rot.cos, rot.sin, nh)
                 if not all(torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)) for x, y in zip(got, ref)):
                     problems.append("q, k or v differs from torch's")
