@@ -201,6 +201,7 @@ def _consumers(ts, built: dict) -> int:
     sw.WORDS, words = True, sw._swiglu_fwd_words_kernel
     sw._swiglu_fwd_words_kernel = _CompileOnly(words, "swiglu fwd + y row (words)", built)
     sw.swiglu_forward(y, stats=ts.Target.new(cpu, fmt="e4m3", hist=False))
+    sw.BWD_WORDS = False
     for name, row in (("swiglu bwd", False), ("swiglu bwd + dy row", True)):
         sw._swiglu_bwd_kernel = _CompileOnly(bwd, name, built)
         sw.swiglu_backward(y, torch.zeros(4096, 2048, dtype=torch.bfloat16),
@@ -208,7 +209,6 @@ def _consumers(ts, built: dict) -> int:
     sw.BWD_WORDS, sw._swiglu_bwd_words_kernel = True, _CompileOnly(sw._swiglu_bwd_words_kernel,
                                                                    "swiglu bwd + dy row (words)", built)
     sw.swiglu_backward(y, torch.zeros(4096, 2048, dtype=torch.bfloat16), stats=ts.Target.new(cpu, fmt="e5m2", hist=False))
-    sw.BWD_WORDS = False
     x, b = torch.zeros(4096, 2048), torch.zeros(4096, 2048, dtype=torch.bfloat16)
     for name, row in (("residual add", False), ("residual add + row", True)):
         res._residual_add_kernel = _CompileOnly(add, name, built)

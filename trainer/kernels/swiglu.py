@@ -67,9 +67,10 @@ WORDS = os.environ.get("FP8MON_SWIGLU_WORDS", "1") == "1"
 STATS_STAGES = 3
 BWD_STATS_STAGES = 2
 # dy's row through dy's 32-bit words (``_swiglu_bwd_words_kernel``) where y is bf16 of even width: the forward's words
-# path for the backward, fewer instructions an element than the fp32 row; opt-in (FP8MON_SWIGLU_BWD_WORDS=1, or the
-# attribute) until ``bench/power_cap.py --variants`` has timed it at a step's capped clock (bench/RESULTS.md)
-BWD_WORDS = os.environ.get("FP8MON_SWIGLU_BWD_WORDS", "0") == "1"
+# path for the backward, fewer instructions an element than the fp32 row, and cheaper on an H200 both at full clock and
+# at a step's power-capped clock (``bench/power_cap.py --variants``, bench/RESULTS.md); FP8MON_SWIGLU_BWD_WORDS=0 turns
+# it off
+BWD_WORDS = os.environ.get("FP8MON_SWIGLU_BWD_WORDS", "1") == "1"
 _SOFT_ROUND = tl.constexpr(INTERPRET)  # for the careful path's loaders of h and dy (the kernels take it as an argument)
 # Register cap of the forward with y's row only (ptxas; None: uncapped). In an offline sm_90a build
 # (bench/offline_sass.py --consumers) of 8-warp programs with 32-row tiles it took 162 registers uncapped, one program
