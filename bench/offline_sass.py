@@ -221,10 +221,6 @@ def _consumers(ts, built: dict) -> int:
     for name, row in (("rope fwd", False), ("rope fwd + row", True)):
         rope._rope_fwd_kernel = _CompileOnly(rfwd, name, built)
         rope.rope_qkv_forward(qkv, trig, trig, 16, stats=ts.Target.new(cpu, fmt="e4m3", hist=False) if row else None)
-    rope.WORDS, rope._rope_fwd_words_kernel = True, _CompileOnly(rope._rope_fwd_words_kernel, "rope fwd + row (words)",
-                                                                 built)
-    rope.rope_qkv_forward(qkv, trig, trig, 16, stats=ts.Target.new(cpu, fmt="e4m3", hist=False))
-    rope.WORDS = False
     d = torch.zeros(2, 16, 2048, 128, dtype=torch.bfloat16)
     for name, row in (("rope bwd", False), ("rope bwd + row", True)):
         rope._rope_bwd_kernel = _CompileOnly(rbwd, name, built)

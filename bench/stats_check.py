@@ -611,7 +611,7 @@ def check_consumers(device) -> None:
                 same = torch.equal(h, hs[0])
                 report(f"swiglu rows of y and h {shape} {dt} fmt={fmt} hist={hist}{' words' if words else ''}",
                        ok and ok_h and same, why + why_h + ("" if same else " h differs between the paths"))
-            # dy's row (fc1's grad_output, a plain fc1's) from the backward; bf16 also through dy's words (opt-in)
+            # dy's row (fc1's grad_output, a plain fc1's) from the backward; bf16 also through dy's words (the default)
             for words in paths:
                 tgt_dy = ts.Target.new(device, center=(0.0, 1.0), hist=hist, fmt="e5m2" if fmt else None)
                 y3 = y0.clone().requires_grad_()
@@ -698,14 +698,9 @@ def check_weight_cast(device) -> None:
 def check_rope(device) -> None:
     """trainer/kernels/rope.py: q, k, v and qkv's gradient equal torch's (``rope_qkv_ref`` and its autograd), the
     forward's row of qkv and the backward's of its gradient against the fp64 oracle's, also with a NaN (the careful
-    path), the first merged into on a second call; for bf16 on a GPU, the forward's row through qkv's words too."""
-    import importlib
-
-    from trainer.kernels.rope import rope_qkv, rope_qkv_forward, rope_qkv_ref
-    from trainer.kernels.words import words_path
+    path), the first merged into on a second call."""
+    from trainer.kernels.rope import rope_qkv, rope_qkv_ref
     from trainer.layers import Rotary
-
-    rp = importlib.import_module("trainer.kernels.rope")
 
     g = torch.Generator(device="cpu").manual_seed(10)
     for (b, t, nh, hd), dt, nan in (((2, 1000, 16, 128), torch.bfloat16, False), ((3, 77, 4, 64), torch.float32, False),
@@ -742,15 +737,6 @@ def check_rope(device) -> None:
         ok3, why3 = rows_close(tgt_g.rows[0], want_g, under_slack=want_g[ds.HIST:].nan_to_num(0).max().item())
         report(f"rope {(b, t, nh, hd)} {dt} nan={nan}", ok and ok2 and ok3 and not problems,
                why + why2 + why3 + "; ".join(problems))
-        if dt == torch.bfloat16 and device.type == "cuda":  # the forward's row through qkv's words (opt-in)
-            tgt_w = ts.Target.new(device, center=(0.25, 2.0), hist=True, fmt="e4m3")
-            with words_path(rp, on=True):
-                got_w = rope_qkv_forward(qkv0, rot.cos, rot.sin, nh, stats=tgt_w)
-            ts.flush_deferred()
-            ok_w, why_w = rows_close(tgt_w.rows[0], want, under_slack=want[ds.HIST:].nan_to_num(0).max().item())
-            same = all(torch.equal(x.nan_to_num(7.0), y.detach().nan_to_num(7.0)) for x, y in zip(got_w, got))
-            report(f"rope words {(b, t, nh, hd)} nan={nan}", ok_w and same,
-                   why_w + ("" if same else " q, k or v differs from the fp32 path's"))
 
 
 def check_heads(device) -> None:

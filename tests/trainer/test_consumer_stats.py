@@ -206,31 +206,6 @@ def _child(names: list[str]) -> None:
                     problems.append("dy differs from the fp32 kernel's")
                 emit(f"bwd_words:{tuple(y.shape)}:{fmt}", "; ".join(p for p in problems if p))
 
-    def rope_words():
-        """The qkv row through qkv's words (``rope.WORDS``; without the histogram, as ``words``): the words kernel
-        runs, q, k and v are torch's to the bit, and the row equals the fp64 oracle's on full and partial tiles and
-        with a NaN (the careful path)."""
-        import importlib
-
-        from trainer.layers import Rotary
-
-        rp = importlib.import_module("trainer.kernels.rope")
-        g = torch.Generator().manual_seed(13)
-        for (b, t, nh, hd), nan in (((2, 64, 2, 32), False), ((1, 50, 3, 16), False), ((1, 40, 2, 64), True)):
-            rot = Rotary(hd, 64)
-            qkv = (torch.randn(b, t, 3 * nh * hd, generator=g) * 2 + 0.5).to(torch.bfloat16)
-            if nan:
-                qkv[0, 3, 5] = float("nan")
-            for fmt in ("e4m3", None):
-                tgt = ts.Target.new("cpu", center=(0.5, 2.0), hist=False, fmt=fmt)
-                got, launched = with_words(rp, "_rope_fwd_words_kernel",
-                                           lambda: rp.rope_qkv_forward(qkv, rot.cos, rot.sin, nh, stats=tgt))
-                problems = words_row_problems(tgt, qkv, (0.5, 2.0), fmt, launched)
-                ref = rp.rope_qkv_ref(qkv, rot.cos, rot.sin, nh)
-                if not all(torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)) for x, y in zip(got, ref)):
-                    problems.append("q, k or v differs from torch's")
-                emit(f"rope_words:{(b, t, nh, hd)}:{fmt}", "; ".join(p for p in problems if p))
-
     def agent_block():
         """A SwiGLU block of FP8 linears watched by an agent, two steps of two micro-batches: with the fused kernel,
         fc1's output row comes from it (fc1's output is not deferred to a statistics read), and fc1's rows equal
@@ -795,7 +770,7 @@ def _child(names: list[str]) -> None:
             emit = plain_emit
 
     checks = dict(forward_backward=forward_backward, forward_stats=forward_stats, words=words, agent_block=agent_block,
-                  agent_block_plain=agent_block_plain, residual=residual, rope=rope, rope_words=rope_words, bwd_words=bwd_words,
+                  agent_block_plain=agent_block_plain, residual=residual, rope=rope, bwd_words=bwd_words,
                   backward_stats=backward_stats,
                   attention_plain=attention_plain, residual_plain=residual_plain, rmsnorm=rmsnorm,
                   norm_plain=norm_plain, weight_plain=weight_plain, agent_model=agent_model, heads=heads,
@@ -804,7 +779,7 @@ def _child(names: list[str]) -> None:
 
 
 GROUPS = ["forward_backward", "forward_stats", "backward_stats", "words", "agent_block", "agent_block_plain",
-          "bwd_words", "residual", "rope", "rope_words", "attention_plain", "residual_plain", "rmsnorm", "norm_plain", "weight_plain",
+          "bwd_words", "residual", "rope", "attention_plain", "residual_plain", "rmsnorm", "norm_plain", "weight_plain",
           "agent_model", "heads", "heads_plain", "row_shapes"]
 
 

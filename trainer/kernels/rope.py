@@ -11,8 +11,9 @@ dk, dv copied. Reference beside them: ``rope_qkv_ref``.
 ``stats=`` (an ``agent.triton_stats.Target``): the qkv output's SPEC section-4 row, accumulated as
 ``trainer.kernels.swiglu`` accumulates y's (``triton_stats.stream_add``), with the careful path of
 ``triton_stats.careful_tiles``. Without it a statistics kernel reads the qkv output once more (under CUDA graphs the
-FP8 linear's deferred output read). With ``WORDS`` (opt-in) the forward takes the row through qkv's 32-bit words, as
-``swiglu``'s does. The backward's ``grad_stats`` likewise gives the row of qkv's gradient (a plain qkv linear's
+FP8 linear's deferred output read). A path through qkv's 32-bit words, as ``swiglu``'s, issued fewer instructions
+but was 3-5 times as slow on an H200, alone and at a step's power-capped clock, so it was removed (bench/RESULTS.md).
+The backward's ``grad_stats`` likewise gives the row of qkv's gradient (a plain qkv linear's
 ``grad_output``; an FP8 linear's backward cast takes its own) from the halves it stores.
 
 Persistent programs (a few per SM) loop over tiles of BT positions of one batch row and head.
@@ -20,7 +21,6 @@ Persistent programs (a few per SM) loop over tiles of BT positions of one batch 
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
@@ -29,11 +29,10 @@ import triton.language as tl
 
 from agent import triton_stats as ts
 from agent.triton_stats import (_SMEM_HIST, _htab, fused_bounds, fused_epilogue, stream_add, stream_partial,
-                                stream_start, words_add, words_fold, words_zero)
+                                stream_start)
 
 from .fp8_gemm import _to_out
 from .quantize import INTERPRET, cdiv, persistent_programs, reg_cap
-from .words import pack, unpack
 
 BT = 32  # positions per tile
 # positions per tile of the kernels with a row (their warps follow: ``_launch_shape``);
@@ -52,11 +51,7 @@ STATS_MAXNREG = 80
 # cap and was slower on an H100 (``bench/consumers.py --stages``, bench/RESULTS.md).
 STATS_STAGES = 1
 _SOFT_ROUND = tl.constexpr(INTERPRET)  # for the careful path's loader of the gradient (kernels take it as an argument)
-# The forward's row through qkv's 32-bit words (``_rope_fwd_words_kernel``) where qkv is bf16: fewer instructions than
-# the fp32 path (873 against 1242 on a full tile's path, offline sm_90a build), but slower alone on an H100, at full
-# clock. A step's power cap lowers the clock, where instructions count for more (bench/RESULTS.md): opt-in
-# (FP8MON_ROPE_WORDS=1, or the attribute) until ``bench/power_cap.py --variants`` has timed it there.
-WORDS = os.environ.get("FP8MON_ROPE_WORDS", "0") == "1"
+
 
 
 def supported(head_dim: int) -> bool:
@@ -185,72 +180,6 @@ def _rope_fwd_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, T, NH, tile
 
 
 @triton.jit
-def _trig_words(cos_ptr, sin_ptr, pos, pm, HW: tl.constexpr):
-    """cos and sin at the positions ``pos`` for the even channels (a word's low elements) and the odd ones (high), and
-    the [BT, HW] mask of words."""
-    jw = tl.arange(0, HW)
-    mw = pm[:, None] & (jw[None, :] < HW)
-    ev = pos[:, None] * (2 * HW) + 2 * jw[None, :]
-    return (tl.load(cos_ptr + ev, mask=mw, other=0.0), tl.load(cos_ptr + ev + 1, mask=mw, other=0.0),
-            tl.load(sin_ptr + ev, mask=mw, other=0.0), tl.load(sin_ptr + ev + 1, mask=mw, other=0.0), mw)
-
-
-@triton.jit(do_not_specialize=["dst_index", "merge"])
-def _rope_fwd_words_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, T, NH, tiles, sp_ptr, ctr_ptr, dst_ptr,
-                           dst_index, merge, cen_ptr, c_mean, c_std, k, ahm_ptr, ahm_val, STATS: tl.constexpr,
-                           C_PTR: tl.constexpr, AHM_PTR: tl.constexpr, HIST: tl.constexpr, FMAX: tl.constexpr,
-                           UTHR: tl.constexpr, SMODE: tl.constexpr, BT: tl.constexpr, HD2: tl.constexpr,
-                           SOFT_ROUND: tl.constexpr, STAGES: tl.constexpr):
-    """The forward with the qkv row (``WORDS``), for bf16 qkv, through 32-bit words (``trainer.kernels.words``): a word
-    holds channels 2j and 2j + 1 of a half-head, rotated as two fp32 tensors (the even and the odd channels); on a full
-    tile the row's counts and amax take a word at a time, on a partial one the fp32 path (``triton_stats.words_add``).
-    The histogram needs the shared-memory table (the launcher checks)."""
-    HW: tl.constexpr = HD2 // 2
-    R: tl.constexpr = BT * HW // 4
-    pid = tl.program_id(0)
-    lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
-    b0, h0, pos0, pm0 = _where(pid, T, NH, BT)
-    m0 = pm0[:, None] & (tl.arange(0, HD2)[None, :] < HD2)
-    x0 = tl.load(_in_ptrs(qkv_ptr, b0, h0, pos0, 0, T, NH, HD2), mask=m0, other=0.0).to(tl.float32)
-    c, p, ok, ncp, _ = stream_start(x0, m0, R)
-    wacc = words_zero(lo, hi, R)
-    ht = None
-    if HIST and _SMEM_HIST:
-        ht = _htab()
-    word: tl.constexpr = tl.pointer_type(tl.int32)
-    qkv_w = qkv_ptr.to(word, bitcast=True)
-    q_w, k_w, v_w = q_ptr.to(word, bitcast=True), k_ptr.to(word, bitcast=True), v_ptr.to(word, bitcast=True)
-    ce = tl.zeros([], tl.int32)
-    for t in tl.range(pid, tiles, tl.num_programs(0), num_stages=STAGES):
-        b, h, pos, pm = _where(t, T, NH, BT)
-        cos_lo, cos_hi, sin_lo, sin_hi, mw = _trig_words(cos_ptr, sin_ptr, pos, pm, HW)
-        inside = tl.sum(pm.to(tl.int32), 0)
-        for slot in tl.static_range(3):
-            src = _in_ptrs(qkv_w, b, h, pos, slot, T, NH, HW)
-            w1 = tl.load(src, mask=mw, other=0)
-            w2 = tl.load(src + HW, mask=mw, other=0)
-            dst = _head_ptrs(slot, q_w, k_w, v_w, b, h, pos, T, NH, HW)
-            x1_lo, x1_hi = unpack(w1)
-            x2_lo, x2_hi = unpack(w2)
-            if slot < 2:
-                y1 = pack(_mul(x1_lo, cos_lo, SOFT_ROUND) - _mul(x2_lo, sin_lo, SOFT_ROUND),
-                          _mul(x1_hi, cos_hi, SOFT_ROUND) - _mul(x2_hi, sin_hi, SOFT_ROUND), SOFT_ROUND)
-                y2 = pack(_mul(x1_lo, sin_lo, SOFT_ROUND) + _mul(x2_lo, cos_lo, SOFT_ROUND),
-                          _mul(x1_hi, sin_hi, SOFT_ROUND) + _mul(x2_hi, cos_hi, SOFT_ROUND), SOFT_ROUND)
-                tl.store(dst, y1, mask=mw)
-                tl.store(dst + HW, y2, mask=mw)
-            else:
-                tl.store(dst, w1, mask=mw)
-                tl.store(dst + HW, w2, mask=mw)
-            wacc = words_add(wacc, w1, w2, inside == BT, mw, p, ncp, lo, hi, HIST, R, ht)
-        ce += inside * (6 * HD2)
-    n, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = stream_partial(
-        words_fold(wacc), ce, c, p, ok, _part, (qkv_ptr, T, NH), tiles, 6, lo, hi, HIST, BT * HD2 // 8, BT, HD2, ht)
-    fused_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, 1.0, n, nfin, nonfin, zeros, outl,
-                   under, over, amax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST, SMODE)
-
-
-@triton.jit
 def _grad_halves(slot: tl.constexpr, dq_ptr, dk_ptr, dv_ptr, b, h, pos, m, cos, sin, T, NH, HD2: tl.constexpr,
                  DTYPE: tl.constexpr, SOFT_ROUND: tl.constexpr):
     """The two halves of head h's ``slot`` of qkv's gradient at ``pos``, in DTYPE: dq and dk rotated back
@@ -356,10 +285,7 @@ def rope_qkv_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_
     qkv = qkv.contiguous()
     q, k, v = (torch.empty(b, n_head, t, hd, dtype=qkv.dtype, device=qkv.device) for _ in range(3))
     programs, tiles, bt, warps = _launch_shape(b, t, n_head, hd, qkv.device, stats is not None)
-    words = (WORDS and stats is not None and qkv.dtype == torch.bfloat16 and qkv.data_ptr() % 4 == 0
-             and (not stats.hist or ts.SMEM_HIST))
-    kernel = _rope_fwd_words_kernel if words else _rope_fwd_kernel
-    kernel[(programs,)](qkv, q, k, v, cos.contiguous(), sin.contiguous(), t, n_head, tiles,
+    _rope_fwd_kernel[(programs,)](qkv, q, k, v, cos.contiguous(), sin.contiguous(), t, n_head, tiles,
                         **ts.epilogue_args(stats, programs, qkv, later=True), BT=bt, HD2=hd // 2,
                         SOFT_ROUND=INTERPRET, STAGES=STATS_STAGES if stats is not None else 1, num_warps=warps,
                         **reg_cap(STATS_MAXNREG if stats is not None else None))
