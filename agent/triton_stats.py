@@ -2015,26 +2015,29 @@ if triton is not None:
     @triton.jit
     def words_add(wacc, wa, wb, full, mask, p, ncp, lo, hi, HIST: tl.constexpr, R: tl.constexpr, ht=None):
         """``wacc`` (``words_zero``) with two tiles of words ``wa`` and ``wb`` added (R x 4 words each, any shape;
-        ``mask`` theirs): where ``full`` a word at a time (no underflow count: the row has no scale), else their fp32
-        halves through ``stream_add``."""
+        ``mask`` theirs; ``wb`` None: ``wa`` alone): where ``full`` a word at a time (no underflow count: the row has
+        no scale), else their fp32 halves through ``stream_add``."""
         acc, packed, nw = wacc
         s1, s2, s3, s4, am, cu, co, cout, cz, hist = acc
         ku, lo2, hi2, amw, pu, pnz, pout = packed
         if full:
             s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(tl.reshape(wa, [R, 4]), p, ncp, ku, lo2, hi2, s1, s2, s3,
                                                               s4, amw, pu, pnz, pout, ht, UCOUNT=False)
-            s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(tl.reshape(wb, [R, 4]), p, ncp, ku, lo2, hi2, s1, s2, s3,
-                                                              s4, amw, pu, pnz, pout, ht, UCOUNT=False)
-            nw += 16  # two tiles of 4 words of 2 elements a row
+            nw += 8  # 4 words of 2 elements a row
+            if wb is not None:
+                s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(tl.reshape(wb, [R, 4]), p, ncp, ku, lo2, hi2, s1, s2,
+                                                                  s3, s4, amw, pu, pnz, pout, ht, UCOUNT=False)
+                nw += 8
         else:
             a_lo, a_hi = bf16_halves(wa)
-            b_lo, b_hi = bf16_halves(wb)
             acc = s1, s2, s3, s4, am, cu, co, cout, cz, hist
             acc = stream_add(acc, a_lo, mask, False, p, ncp, lo, hi, HIST, R, 4, ht)
             acc = stream_add(acc, a_hi, mask, False, p, ncp, lo, hi, HIST, R, 4, ht)
-            acc = stream_add(acc, b_lo, mask, False, p, ncp, lo, hi, HIST, R, 4, ht)
-            s1, s2, s3, s4, am, cu, co, cout, cz, hist = stream_add(acc, b_hi, mask, False, p, ncp, lo, hi, HIST, R, 4,
-                                                                     ht)
+            if wb is not None:
+                b_lo, b_hi = bf16_halves(wb)
+                acc = stream_add(acc, b_lo, mask, False, p, ncp, lo, hi, HIST, R, 4, ht)
+                acc = stream_add(acc, b_hi, mask, False, p, ncp, lo, hi, HIST, R, 4, ht)
+            s1, s2, s3, s4, am, cu, co, cout, cz, hist = acc
         return (s1, s2, s3, s4, am, cu, co, cout, cz, hist), (ku, lo2, hi2, amw, pu, pnz, pout), nw
 
     @triton.jit

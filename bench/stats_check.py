@@ -597,10 +597,11 @@ def check_consumers(device) -> None:
             # lane's fp32 sums, M4 1.1e-6 off here, bench/RESULTS.md) and the fp32 one; h the same to the bit
             paths = (True, False) if dt == torch.bfloat16 and device.type == "cuda" else (False,)
             hs = []
-            for words in paths:
+            # on the words path also h's row in the kernel (opt-in WORDS_H; with the histogram it stays deferred)
+            for words, words_h in ((True, False), (True, True), (False, False)) if paths[0] else ((False, False),):
                 tgt = ts.Target.new(device, center=(0.0, 3.0), hist=hist, fmt=fmt)
                 tgt_h = ts.Target.new(device, center=(0.0, 1.0), hist=hist, fmt=fmt)
-                with words_path(sw, on=words):
+                with words_path(sw, on=words), words_path(sw, on=words_h, switch="WORDS_H"):
                     h = swiglu(y0, stats=tgt, h_stats=tgt_h)
                 ts.flush_deferred()  # the words path defers h's row to the next statistics launch
                 hs.append(h)
@@ -609,7 +610,8 @@ def check_consumers(device) -> None:
                 ok, why = rows_close(tgt.rows[0], want, under_slack=slack(want))
                 ok_h, why_h = rows_close(tgt_h.rows[0], want_h, under_slack=slack(want_h))
                 same = torch.equal(h, hs[0])
-                report(f"swiglu rows of y and h {shape} {dt} fmt={fmt} hist={hist}{' words' if words else ''}",
+                report(f"swiglu rows of y and h {shape} {dt} fmt={fmt} hist={hist}{' words' if words else ''}"
+                       f"{' + h' if words_h else ''}",
                        ok and ok_h and same, why + why_h + ("" if same else " h differs between the paths"))
             # dy's row (fc1's grad_output, a plain fc1's) from the backward; bf16 also through dy's words (the default)
             for words in paths:

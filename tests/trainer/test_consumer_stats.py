@@ -150,20 +150,29 @@ def _child(names: list[str]) -> None:
         """y's row through y's 32-bit words (``swiglu.WORDS``; the histogram needs the GPU's shared-memory table, so
         here without it): the words kernel runs, h is the fp32 kernel's to the bit, and the row equals the fp64
         oracle's, on full tiles (the bf16x2 path), partial ones (fp32) and with a NaN (the careful path); h's row,
-        deferred to the next statistics launch on this path, equals the oracle's after it."""
+        deferred to the next statistics launch on this path, equals the oracle's after it, and so does h's row taken
+        in the kernel from h's words (``WORDS_H``), which defers nothing."""
         import importlib
 
         sw = importlib.import_module("trainer.kernels.swiglu")
         g = torch.Generator().manual_seed(12)
+        deferred, real_defer = [], ts.defer
         for shape, nan in (((64, 2 * 256), False), ((3, 70, 2 * 150), False), ((50, 2 * 90), True)):
             y = (torch.randn(*shape, generator=g) * 3 + 1.0).to(torch.bfloat16)
             if nan:
                 y[7, 3] = float("nan")
-            for fmt in ("e4m3", None):
+            for fmt, words_h in (("e4m3", False), (None, False), ("e4m3", True), (None, True)):
                 tgt = ts.Target.new("cpu", center=(0.0, 3.0), hist=False, fmt=fmt)
                 tgt_h = ts.Target.new("cpu", center=(0.0, 1.0), hist=False, fmt=fmt)
-                h, launched = with_words(sw, "_swiglu_fwd_words_kernel", lambda: sw.swiglu(y, stats=tgt, h_stats=tgt_h))
-                ts.flush_deferred()  # h's row: deferred on this path
+                deferred.clear()
+                ts.defer = lambda x, target: deferred.append(target) or real_defer(x, target)
+                try:
+                    with words_path(sw, on=words_h, switch="WORDS_H"):
+                        h, launched = with_words(sw, "_swiglu_fwd_words_kernel",
+                                                 lambda: sw.swiglu(y, stats=tgt, h_stats=tgt_h))
+                finally:
+                    ts.defer = real_defer
+                ts.flush_deferred()  # h's row: deferred on this path unless WORDS_H
                 want = ds.partials(y, fmt=fmt, outlier_center=(0.0, 3.0), hist=False)
                 want_h = ds.partials(h, fmt=fmt, outlier_center=(0.0, 1.0), hist=False)
                 slack = (lambda row: float(row[ds.HIST:].nan_to_num(0).max()) if fmt else None)
@@ -171,9 +180,11 @@ def _child(names: list[str]) -> None:
                             row_problems(tgt_h.rows[0], want_h, rtol=1e-6, under_slack=slack(want_h))]
                 if not launched:
                     problems.append("the words kernel did not run")
+                if (tgt_h in deferred) == words_h:
+                    problems.append(f"h's row {'was' if deferred else 'was not'} deferred")
                 if not torch.equal(h.nan_to_num(7.0), swiglu(y).nan_to_num(7.0)):
                     problems.append("h differs from the fp32 kernel's")
-                emit(f"words:{tuple(y.shape)}:{fmt}", "; ".join(p for p in problems if p))
+                emit(f"words:{tuple(y.shape)}:{fmt}{':words_h' if words_h else ''}", "; ".join(p for p in problems if p))
 
     def words_row_problems(tgt, x, center, fmt, launched: int) -> list[str]:
         """The problems of ``tgt``'s row of ``x`` (no histogram) against the fp64 oracle's, and whether a words kernel

@@ -60,6 +60,13 @@ _V = tl.constexpr(8)
 # y's row through y's 32-bit words (``_swiglu_fwd_words_kernel``) where y is bf16 of even width, h's row then deferred
 # to a statistics launch; on by default (bench/RESULTS.md: faster on an H100), FP8MON_SWIGLU_WORDS=0 turns it off
 WORDS = os.environ.get("FP8MON_SWIGLU_WORDS", "1") == "1"
+# On that path, h's row (without the histogram) from the words of h the kernel stores, in the same kernel, rather than
+# deferred; opt-in (FP8MON_SWIGLU_WORDS_H=1, or the attribute) until timed at a step's capped clock
+WORDS_H = os.environ.get("FP8MON_SWIGLU_WORDS_H", "0") == "1"
+# Its register cap and programs per SM: at the 128 cap it spilled 36 loads and stores in its loop (offline sm_90a build,
+# Triton 3.6), uncapped two programs of 4 warps fit (bench/RESULTS.md)
+WORDS_H_MAXNREG: int | None = None
+WORDS_H_PROGRAMS_PER_SM = 2
 # Software-pipelining depth of the tile loops of the kernels with a row (``tl.range``'s num_stages: from 2 on, Triton
 # issues the next tiles' loads into shared memory, cp.async, ahead of this tile's arithmetic, which the rows make long);
 # the forward's and the backward's, by ``bench/consumers.py --stages`` on an H100, and still the best of 1-3 for the
@@ -241,16 +248,20 @@ def _word_tile(yw_ptr, t, n_tn, M, hw, sw, BM: tl.constexpr, BW: tl.constexpr):
     return rows, cw, mw, yw_ptr + rows[:, None].to(tl.int64) * sw + cw[None, :]
 
 
-@triton.jit(do_not_specialize=["dst_index", "merge"])
+@triton.jit(do_not_specialize=["dst_index", "merge", "dst_index_h", "merge_h"])
 def _swiglu_fwd_words_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, cen_ptr, c_mean,
-                             c_std, k, ahm_ptr, ahm_val, STATS: tl.constexpr, C_PTR: tl.constexpr,
-                             AHM_PTR: tl.constexpr, HIST: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr,
-                             SMODE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SOFT_ROUND: tl.constexpr,
-                             STAGES: tl.constexpr):
+                             c_std, k, ahm_ptr, ahm_val, sp_ptr_h, ctr_ptr_h, dst_ptr_h, dst_index_h, merge_h,
+                             cen_ptr_h, c_mean_h, c_std_h, k_h, ahm_ptr_h, ahm_val_h, STATS: tl.constexpr,
+                             C_PTR: tl.constexpr, AHM_PTR: tl.constexpr, HIST: tl.constexpr, FMAX: tl.constexpr,
+                             UTHR: tl.constexpr, SMODE: tl.constexpr, STATS_H: tl.constexpr, C_PTR_H: tl.constexpr,
+                             AHM_PTR_H: tl.constexpr, HIST_H: tl.constexpr, FMAX_H: tl.constexpr,
+                             UTHR_H: tl.constexpr, SMODE_H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                             SOFT_ROUND: tl.constexpr, STAGES: tl.constexpr):
     """The forward with y's row, for bf16 y of even H, through y's and h's 32-bit words: on a full tile the two
     elements of a word share the counts' and the amax's integer and bf16x2 operations (``triton_stats._tile_bf16x2``,
     the standalone kernel's bf16 path); a partial tile takes the fp32 path (``stream_add``). The histogram needs the
-    shared-memory table (the launcher checks)."""
+    shared-memory table (the launcher checks). With STATS_H (``WORDS_H``) h's row too, the same way from the words
+    of h it stores, without a histogram (the kernel has one table, y's; the launcher checks)."""
     dtype = h_ptr.dtype.element_ty
     BW: tl.constexpr = BN // 2
     R: tl.constexpr = BM * BW // 4
@@ -266,6 +277,11 @@ def _swiglu_fwd_words_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_
     lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
     c, p, ok, ncp = _y_shift(g0, u0, m1)
     wacc = words_zero(lo, hi, R)
+    if STATS_H:
+        lo_h, hi_h = fused_bounds(cen_ptr_h, c_mean_h, c_std_h, k_h, C_PTR_H)
+        c_h, p_h, ok_h = _shift_of(tl.reshape(_h_of(g0, u0, dtype, SOFT_ROUND).to(tl.float32), [BM * BN]), m1)
+        ncp_h = -(c_h * p_h)
+        wacc_h = words_zero(lo_h, hi_h, R)
     ht = None
     if HIST and _SMEM_HIST:
         ht = _htab()
@@ -282,9 +298,15 @@ def _swiglu_fwd_words_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_
         tm = tl.minimum(M - (t // n_tn) * BM, BM)
         tn = tl.minimum(H - (t % n_tn) * BN, BN)
         wacc = words_add(wacc, gw, uw, (tm == BM) & (tn == BN), mw, p, ncp, lo, hi, HIST, R, ht)
+        if STATS_H:
+            wacc_h = words_add(wacc_h, h, None, (tm == BM) & (tn == BN), mw, p_h, ncp_h, lo_h, hi_h, False, R)
         ce += tm * tn
     _row_of(words_fold(wacc), 2 * ce, c, p, ok, y_ptr, M, H, stride_y, lo, hi, sp_ptr, ctr_ptr, dst_ptr, dst_index,
             merge, ahm_ptr, ahm_val, HIST, AHM_PTR, FMAX, UTHR, SMODE, False, BM, BN, ht)
+    if STATS_H:
+        _row_of(words_fold(wacc_h), ce, c_h, p_h, ok_h, y_ptr, M, H, stride_y, lo_h, hi_h, sp_ptr_h, ctr_ptr_h,
+                dst_ptr_h, dst_index_h, merge_h, ahm_ptr_h, ahm_val_h, False, AHM_PTR_H, FMAX_H, UTHR_H, SMODE_H, True,
+                BM, BN)
 
 
 @triton.jit
@@ -438,11 +460,16 @@ def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
     programs, bm, warps = _launch_shape(M, H, y.device, stats is not None or h_stats is not None)
     if (WORDS and stats is not None and y.dtype == torch.bfloat16 and H % 2 == 0 and y2.stride(0) % 2 == 0
             and y2.data_ptr() % 4 == 0 and (not stats.hist or ts.SMEM_HIST)):
+        # h's row in this kernel (``WORDS_H``) without a histogram, else by the next statistics launch
+        h_here = h_stats if WORDS_H and h_stats is not None and not h_stats.hist else None
+        if h_here is not None:
+            programs = persistent_programs(cdiv(M, bm) * cdiv(H, BN), WORDS_H_PROGRAMS_PER_SM, y.device)
         _swiglu_fwd_words_kernel[(programs,)](y2, h, M, H, y2.stride(0),
-                                              **ts.epilogue_args(stats, programs, h, later=True), BM=bm, BN=BN,
-                                              SOFT_ROUND=INTERPRET, num_warps=warps, STAGES=STATS_STAGES,
-                                              **reg_cap(STATS_MAXNREG))
-        if h_stats is not None:  # h's row by the next statistics launch: cheaper than a second row here (RESULTS)
+                                              **ts.epilogue_args(stats, programs, h, later=True),
+                                              **ts.epilogue_args(h_here, programs, h, "_h", counter_row=1), BM=bm,
+                                              BN=BN, SOFT_ROUND=INTERPRET, num_warps=warps, STAGES=STATS_STAGES,
+                                              **reg_cap(STATS_MAXNREG if h_here is None else WORDS_H_MAXNREG))
+        if h_stats is not None and h_here is None:
             ts.defer(h, h_stats)
         return h.reshape(*y.shape[:-1], H)
     _swiglu_fwd_kernel[(programs,)](y2, h, M, H, y2.stride(0), **ts.epilogue_args(stats, programs, h, later=True),
