@@ -201,10 +201,9 @@ def _consumers(ts, built: dict) -> int:
     sw.WORDS, words = True, sw._swiglu_fwd_words_kernel
     sw._swiglu_fwd_words_kernel = _CompileOnly(words, "swiglu fwd + y row (words)", built)
     sw.swiglu_forward(y, stats=ts.Target.new(cpu, fmt="e4m3", hist=False))
-    sw.WORDS_H, sw._swiglu_fwd_words_kernel = True, _CompileOnly(words, "swiglu fwd + y, h rows (words)", built)
+    sw._swiglu_fwd_words_kernel = _CompileOnly(words, "swiglu fwd + y, h rows (words)", built)
     sw.swiglu_forward(y, stats=ts.Target.new(cpu, fmt="e4m3", hist=False), h_stats=ts.Target.new(cpu, fmt="e4m3",
                                                                                                 hist=False))
-    sw.WORDS_H = False
     sw.BWD_WORDS = False
     for name, row in (("swiglu bwd", False), ("swiglu bwd + dy row", True)):
         sw._swiglu_bwd_kernel = _CompileOnly(bwd, name, built)

@@ -13,9 +13,9 @@ d_gate = (dh * up) * sig (1 + gate (1 - sig)), each product rounded to the dtype
 output (``triton_stats.nofmt_consts``), accumulated from the tiles the forward loads as the standalone kernel
 accumulates (``_tile_fast``; the kernel's docstring; where that does not hold, ``triton_stats.careful_tiles``) and
 merged by the next ``triton_stats.merge_later`` (``flush_deferred``; ``triton_stats.FUSED_MERGE``); ``h_stats=``
-likewise h's, from the tiles it stores (on the words path, below, deferred to the next statistics launch instead).
-For bf16 y the forward takes y's row through y's 32-bit words (``WORDS``). The backward's ``dy_stats`` gives dy's
-row from the tiles it stores. They are the rows of fc1's ``output``, fc2's ``input`` and fc1's ``grad_output``
+likewise h's, from the tiles it stores. For bf16 y the forward takes y's row through y's 32-bit words (``WORDS``),
+and h's through the words of h it stores (``WORDS_H``; with the histogram, deferred to the next statistics launch).
+The backward's ``dy_stats`` gives dy's row from the tiles it stores, for bf16 through dy's words (``BWD_WORDS``). They are the rows of fc1's ``output``, fc2's ``input`` and fc1's ``grad_output``
 (``trainer.layers.SwiGLU``; the last two for plain linears, an FP8 linear's casts take them): without them a
 statistics kernel reads y once more (with an FP8 fc1, the deferred output read; y is the largest tensor of a Llama
 block), and with plain linears, h and dy too.
@@ -57,14 +57,15 @@ STATS_WARPS = 4
 STATS_PROGRAMS_PER_SM = 4
 # a statistics row is a thread's 16-byte load of y: at 16, each row spanned two threads, one shuffle per sum per row
 _V = tl.constexpr(8)
-# y's row through y's 32-bit words (``_swiglu_fwd_words_kernel``) where y is bf16 of even width, h's row then deferred
-# to a statistics launch; on by default (bench/RESULTS.md: faster on an H100), FP8MON_SWIGLU_WORDS=0 turns it off
+# y's row through y's 32-bit words (``_swiglu_fwd_words_kernel``) where y is bf16 of even width; on by default
+# (bench/RESULTS.md: faster on an H100), FP8MON_SWIGLU_WORDS=0 turns it off
 WORDS = os.environ.get("FP8MON_SWIGLU_WORDS", "1") == "1"
-# On that path, h's row (without the histogram) from the words of h the kernel stores, in the same kernel, rather than
-# deferred; opt-in (FP8MON_SWIGLU_WORDS_H=1, or the attribute) until timed at a step's capped clock
-WORDS_H = os.environ.get("FP8MON_SWIGLU_WORDS_H", "0") == "1"
-# Its register cap and programs per SM: at the 128 cap it spilled 36 loads and stores in its loop (offline sm_90a build,
-# Triton 3.6), uncapped two programs of 4 warps fit (bench/RESULTS.md)
+# On that path, h's row (without the histogram: h's row then waits for a statistics launch) from the words of h the
+# kernel stores, rather than a statistics launch reading h again: 8-17 us a call cheaper on an H200 and an H100 at a
+# step's capped clock, 15-45 us alone (bench/power_cap.py, bench/RESULTS.md); FP8MON_SWIGLU_WORDS_H=0 defers it
+WORDS_H = os.environ.get("FP8MON_SWIGLU_WORDS_H", "1") == "1"
+# Its register cap and programs per SM: at the 128 cap it spilled 36 loads and 36 stores in its loop (offline sm_90a
+# build, Triton 3.6) and cost more than the deferred read; uncapped, two programs of 4 warps fit an SM
 WORDS_H_MAXNREG: int | None = None
 WORDS_H_PROGRAMS_PER_SM = 2
 # Software-pipelining depth of the tile loops of the kernels with a row (``tl.range``'s num_stages: from 2 on, Triton
@@ -448,7 +449,8 @@ def _launch_shape(M: int, H: int, device: torch.device, rows: bool) -> tuple[int
 def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
                    h_stats: "ts.Target | None" = None) -> torch.Tensor:
     """h = silu(gate) * up of y = [gate | up] along the last dimension (even), in y's dtype; with ``stats``, y's row
-    into that target, with ``h_stats`` h's row (on the words path, deferred: ``triton_stats.defer``)."""
+    into that target, with ``h_stats`` h's row (on the words path with the histogram, or without ``WORDS_H``,
+    deferred: ``triton_stats.defer``)."""
     two_h = y.shape[-1]
     if two_h % 2:
         raise ValueError(f"swiglu: the last dimension ({two_h}) must be even: [gate | up]")
