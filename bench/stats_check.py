@@ -597,13 +597,13 @@ def check_consumers(device) -> None:
             # lane's fp32 sums, M4 1.1e-6 off here, bench/RESULTS.md) and the fp32 one; h the same to the bit
             paths = (True, False) if dt == torch.bfloat16 and device.type == "cuda" else (False,)
             hs = []
-            # on the words path also h's row in the kernel (opt-in WORDS_H; with the histogram it stays deferred)
+            # on the words path h's row in the kernel (WORDS_H, the default; with the histogram deferred) and deferred
             for words, words_h in ((True, False), (True, True), (False, False)) if paths[0] else ((False, False),):
                 tgt = ts.Target.new(device, center=(0.0, 3.0), hist=hist, fmt=fmt)
                 tgt_h = ts.Target.new(device, center=(0.0, 1.0), hist=hist, fmt=fmt)
                 with words_path(sw, on=words), words_path(sw, on=words_h, switch="WORDS_H"):
                     h = swiglu(y0, stats=tgt, h_stats=tgt_h)
-                ts.flush_deferred()  # the words path defers h's row to the next statistics launch
+                ts.flush_deferred()  # a deferred row of h waits for the next statistics launch
                 hs.append(h)
                 # against the fp64 oracle: on heavy-tailed h the standalone kernel's fp32 sums were 1.4e-6 off in M4
                 want_h = ds.partials(h, fmt=fmt, outlier_center=(0.0, 1.0), hist=hist)

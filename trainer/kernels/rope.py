@@ -53,7 +53,6 @@ STATS_STAGES = 1
 _SOFT_ROUND = tl.constexpr(INTERPRET)  # for the careful path's loader of the gradient (kernels take it as an argument)
 
 
-
 def supported(head_dim: int) -> bool:
     """Whether the kernels take this head size: a power of two from 16 (half a head is a tile's row, 8 elements a
     thread's statistics row)."""
@@ -286,9 +285,9 @@ def rope_qkv_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_
     q, k, v = (torch.empty(b, n_head, t, hd, dtype=qkv.dtype, device=qkv.device) for _ in range(3))
     programs, tiles, bt, warps = _launch_shape(b, t, n_head, hd, qkv.device, stats is not None)
     _rope_fwd_kernel[(programs,)](qkv, q, k, v, cos.contiguous(), sin.contiguous(), t, n_head, tiles,
-                        **ts.epilogue_args(stats, programs, qkv, later=True), BT=bt, HD2=hd // 2,
-                        SOFT_ROUND=INTERPRET, STAGES=STATS_STAGES if stats is not None else 1, num_warps=warps,
-                        **reg_cap(STATS_MAXNREG if stats is not None else None))
+                                  **ts.epilogue_args(stats, programs, qkv, later=True), BT=bt, HD2=hd // 2,
+                                  SOFT_ROUND=INTERPRET, STAGES=STATS_STAGES if stats is not None else 1,
+                                  num_warps=warps, **reg_cap(STATS_MAXNREG if stats is not None else None))
     return q, k, v
 
 
