@@ -65,7 +65,8 @@ WORDS = os.environ.get("FP8MON_SWIGLU_WORDS", "1") == "1"
 # step's capped clock, 15-45 us alone (bench/power_cap.py, bench/RESULTS.md); FP8MON_SWIGLU_WORDS_H=0 defers it
 WORDS_H = os.environ.get("FP8MON_SWIGLU_WORDS_H", "1") == "1"
 # Its register cap and programs per SM: at the 128 cap it spilled 36 loads and 36 stores in its loop (offline sm_90a
-# build, Triton 3.6) and cost more than the deferred read; uncapped, two programs of 4 warps fit an SM
+# build, Triton 3.6) and cost more than the deferred read; uncapped it takes 245 (no spill), and two programs of 4
+# warps fit an SM
 WORDS_H_MAXNREG: int | None = None
 WORDS_H_PROGRAMS_PER_SM = 2
 # Software-pipelining depth of the tile loops of the kernels with a row (``tl.range``'s num_stages: from 2 on, Triton
