@@ -184,7 +184,8 @@ def _child(names: list[str]) -> None:
                     problems.append(f"h's row {'was' if deferred else 'was not'} deferred")
                 if not torch.equal(h.nan_to_num(7.0), swiglu(y).nan_to_num(7.0)):
                     problems.append("h differs from the fp32 kernel's")
-                emit(f"words:{tuple(y.shape)}:{fmt}{':words_h' if words_h else ''}", "; ".join(p for p in problems if p))
+                name = f"words:{tuple(y.shape)}:{fmt}{':words_h' if words_h else ''}"
+                emit(name, "; ".join(p for p in problems if p))
 
     def words_row_problems(tgt, x, center, fmt, launched: int) -> list[str]:
         """The problems of ``tgt``'s row of ``x`` (no histogram) against the fp64 oracle's, and whether a words kernel

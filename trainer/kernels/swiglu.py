@@ -15,10 +15,11 @@ accumulates (``_tile_fast``; the kernel's docstring; where that does not hold, `
 merged by the next ``triton_stats.merge_later`` (``flush_deferred``; ``triton_stats.FUSED_MERGE``); ``h_stats=``
 likewise h's, from the tiles it stores. For bf16 y the forward takes y's row through y's 32-bit words (``WORDS``),
 and h's through the words of h it stores (``WORDS_H``; with the histogram, deferred to the next statistics launch).
-The backward's ``dy_stats`` gives dy's row from the tiles it stores, for bf16 through dy's words (``BWD_WORDS``). They are the rows of fc1's ``output``, fc2's ``input`` and fc1's ``grad_output``
-(``trainer.layers.SwiGLU``; the last two for plain linears, an FP8 linear's casts take them): without them a
-statistics kernel reads y once more (with an FP8 fc1, the deferred output read; y is the largest tensor of a Llama
-block), and with plain linears, h and dy too.
+The backward's ``dy_stats`` gives dy's row from the tiles it stores, for bf16 through dy's words (``BWD_WORDS``).
+They are the rows of fc1's ``output``, fc2's ``input`` and fc1's ``grad_output`` (``trainer.layers.SwiGLU``; the
+last two for plain linears, an FP8 linear's casts take them): without them a statistics kernel reads y once more
+(with an FP8 fc1, the deferred output read; y is the largest tensor of a Llama block), and with plain linears, h and
+dy too.
 
 Persistent programs (a few per SM) loop over (BM, BN) tiles of h, so the statistics have a few hundred partials
 to merge, not one per tile. (An earlier form took the rows with the GEMM epilogues' ``rows_add``: about 70
