@@ -1996,7 +1996,7 @@ if triton is not None:
                                                                  co, cout, cz, h, HIST, True, True, ht)
         return s1, s2, s3, s4, am, cu, co, cout, cz, h
 
-    # ---- the same through bf16 words (trainer/kernels/swiglu.py, rope.py) ----------------------------------------
+    # ---- the same through bf16 words (trainer/kernels/swiglu.py) -------------------------------------------------
     # A consumer kernel that holds its bf16 tensor as 32-bit words (it loads or packs them anyway) takes the row a word
     # at a time on its full tiles (``_tile_bf16x2``: the counts and the amax of both halves at once) and through
     # ``stream_add``'s fp32 path on the partial ones.

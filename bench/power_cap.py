@@ -8,8 +8,8 @@ of each 20 calls keeps their launches queued (none waits for the host); between 
     python3 bench/power_cap.py --shapes 1.5b,124m
     python3 bench/power_cap.py --shapes 1.5b --kernels swiglu_fwd \\
         --variants "default;trainer.kernels.swiglu.STATS_BM=8,trainer.kernels.swiglu.STATS_MAXNREG=96"
-    python3 bench/power_cap.py --kernels swiglu_bwd --variants "default;trainer.kernels.swiglu.BWD_WORDS=True"
-    python3 bench/power_cap.py --kernels swiglu_fwd_yh --variants "default;trainer.kernels.swiglu.WORDS=False"
+    python3 bench/power_cap.py --kernels swiglu_bwd --variants "default;trainer.kernels.swiglu.BWD_WORDS=False"
+    python3 bench/power_cap.py --kernels swiglu_fwd_yh --variants "default;trainer.kernels.swiglu.WORDS_H=False"
 """
 
 from __future__ import annotations

@@ -129,6 +129,14 @@ def _tile(y_ptr, t, n_tn, M, H, stride_y, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
+def _tile_extent(t, n_tn, M, H, BM: tl.constexpr, BN: tl.constexpr):
+    """How many elements of h tile t holds (fewer at the last rows and columns), and whether it is full."""
+    tm = tl.minimum(M - (t // n_tn) * BM, BM)
+    tn = tl.minimum(H - (t % n_tn) * BN, BN)
+    return tm * tn, (tm == BM) & (tn == BN)
+
+
+@triton.jit
 def _h_of(g, u, DTYPE: tl.constexpr, SOFT_ROUND: tl.constexpr):
     s, _ = _silu_rounded(g, DTYPE, SOFT_ROUND)
     return _to_out(s * u, DTYPE, SOFT_ROUND)
@@ -224,15 +232,13 @@ def _swiglu_fwd_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, d
         g, u, mask, rows, cols = _tile(y_ptr, t, n_tn, M, H, stride_y, BM, BN)
         h = _h_of(g, u, dtype, SOFT_ROUND)
         tl.store(h_ptr + rows[:, None].to(tl.int64) * H + cols[None, :], h, mask=mask)
-        tm = tl.minimum(M - (t // n_tn) * BM, BM)
-        tn = tl.minimum(H - (t % n_tn) * BN, BN)
-        full = (tm == BM) & (tn == BN)
+        elems, full = _tile_extent(t, n_tn, M, H, BM, BN)
         if STATS:  # both halves are elements of y
             acc = stream_add(acc, g, mask, full, p, ncp, lo, hi, HIST, R, V, ht)
             acc = stream_add(acc, u, mask, full, p, ncp, lo, hi, HIST, R, V, ht)
         if STATS_H:
             acc_h = stream_add(acc_h, h.to(tl.float32), mask, full, p_h, ncp_h, lo_h, hi_h, HIST_H, R, V)
-        ce += tm * tn
+        ce += elems
     if STATS:
         _row_of(acc, 2 * ce, c, p, ok, y_ptr, M, H, stride_y, lo, hi, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge,
                 ahm_ptr, ahm_val, HIST, AHM_PTR, FMAX, UTHR, SMODE, False, BM, BN, ht)
@@ -298,12 +304,11 @@ def _swiglu_fwd_words_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_
         h = pack(_silu_rounded(g_lo, dtype, SOFT_ROUND)[0] * u_lo, _silu_rounded(g_hi, dtype, SOFT_ROUND)[0] * u_hi,
                   SOFT_ROUND)
         tl.store(hw_ptr + rows[:, None].to(tl.int64) * hw + cw[None, :], h, mask=mw)
-        tm = tl.minimum(M - (t // n_tn) * BM, BM)
-        tn = tl.minimum(H - (t % n_tn) * BN, BN)
-        wacc = words_add(wacc, gw, uw, (tm == BM) & (tn == BN), mw, p, ncp, lo, hi, HIST, R, ht)
+        elems, full = _tile_extent(t, n_tn, M, H, BM, BN)
+        wacc = words_add(wacc, gw, uw, full, mw, p, ncp, lo, hi, HIST, R, ht)
         if STATS_H:
-            wacc_h = words_add(wacc_h, h, None, (tm == BM) & (tn == BN), mw, p_h, ncp_h, lo_h, hi_h, False, R)
-        ce += tm * tn
+            wacc_h = words_add(wacc_h, h, None, full, mw, p_h, ncp_h, lo_h, hi_h, False, R)
+        ce += elems
     _row_of(words_fold(wacc), 2 * ce, c, p, ok, y_ptr, M, H, stride_y, lo, hi, sp_ptr, ctr_ptr, dst_ptr, dst_index,
             merge, ahm_ptr, ahm_val, HIST, AHM_PTR, FMAX, UTHR, SMODE, False, BM, BN, ht)
     if STATS_H:
@@ -376,12 +381,10 @@ def _swiglu_bwd_kernel(y_ptr, dh_ptr, dy_ptr, M, H, stride_y, sp_ptr, ctr_ptr, d
         tl.store(dp, d_gate, mask=mask)
         tl.store(dp + H, d_up, mask=mask)
         if STATS:
-            tm = tl.minimum(M - (t // n_tn) * BM, BM)
-            tn = tl.minimum(H - (t % n_tn) * BN, BN)
-            full = (tm == BM) & (tn == BN)
+            elems, full = _tile_extent(t, n_tn, M, H, BM, BN)
             acc = stream_add(acc, d_gate.to(tl.float32), mask, full, p, ncp, lo, hi, HIST, R, V, ht)
             acc = stream_add(acc, d_up.to(tl.float32), mask, full, p, ncp, lo, hi, HIST, R, V, ht)
-            ce += tm * tn
+            ce += elems
     if STATS:
         n, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = stream_partial(
             acc, 2 * ce, c, p, ok, _dy_part, (y_ptr, dh_ptr, M, H, stride_y), tiles, 2, lo, hi, HIST, R, BM, BN, ht)
@@ -431,10 +434,9 @@ def _swiglu_bwd_words_kernel(y_ptr, dh_ptr, dy_ptr, M, H, stride_y, sp_ptr, ctr_
         dst = dyw_ptr + rows[:, None].to(tl.int64) * H + cw[None, :]  # dy's rows: 2H elements, H words
         tl.store(dst, dgw, mask=mw)
         tl.store(dst + hw, duw, mask=mw)
-        tm = tl.minimum(M - (t // n_tn) * BM, BM)
-        tn = tl.minimum(H - (t % n_tn) * BN, BN)
-        wacc = words_add(wacc, dgw, duw, (tm == BM) & (tn == BN), mw, p, ncp, lo, hi, HIST, R, ht)
-        ce += tm * tn
+        elems, full = _tile_extent(t, n_tn, M, H, BM, BN)
+        wacc = words_add(wacc, dgw, duw, full, mw, p, ncp, lo, hi, HIST, R, ht)
+        ce += elems
     n, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = stream_partial(
         words_fold(wacc), 2 * ce, c, p, ok, _dy_part, (y_ptr, dh_ptr, M, H, stride_y), tiles, 2, lo, hi, HIST, R, BM,
         BN, ht)
