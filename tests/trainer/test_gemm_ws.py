@@ -268,3 +268,73 @@ def test_sk_exact_and_deterministic(case, config):
                        outs[1].view(torch.int16 if od == torch.bfloat16 else torch.int32)), "not deterministic"
     flags = W._SK_BUFFERS[(a.device, torch.cuda.current_stream().cuda_stream)][1]
     assert not bool(flags.any()), "every flag a tail raised is reset by its head, for the next launch"
+
+
+# ---------------------------------------------------------------------------------------------------
+# the statistics epilogue (fp8_gemm_ws_stats): C's row, merged by merge_later, against device_stats.partials of C
+
+STATS_CASES = [  # M, N, K, A dtype, out dtype, bias, fmt, a NaN in A's row (None: none), scale_a
+    (1000, 520, 272, E5, torch.bfloat16, True, None, None, 0.05),  # edge tiles, bias, rounding to bf16
+    (512, 768, 640, E5, torch.float32, False, "e5m2", None, 0.05),  # full tiles: the fast path only
+    (4096, 2048, 384, E5, torch.float32, False, "e5m2", None, 0.05),  # more tiles than SMs: buckets over tiles
+    (384, 512, 256, E4, torch.float32, False, None, 130, 0.05),  # NaN rows: the masked path inside full tiles
+    (256, 384, 256, E5, torch.float32, False, None, None, 1e-12),  # tiny values: no fp32 power underflows
+]
+
+
+@needs_sm90
+@pytest.mark.parametrize("config", [c for c in W.CONFIGS if not W._sched(c)], ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("case", STATS_CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}-{c[6]}-nan{c[7]}")
+def test_statistics_epilogue_row_equals_the_reference(case, config):
+    """The row equals ``device_stats.partials`` of the C it stored (counts, amax exactly, moments to 1e-6); C is the
+    same bits as without statistics; outliers about a center on the device."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from stats_check import row_problems
+
+    from agent import device_stats as ds
+    from agent import triton_stats as ts
+
+    M, N, K, da, od, has_bias, fmt, nan_row, sa = case
+    a, b = _operands(M, N, K, da, E4, 7)
+    if nan_row is not None:
+        a[nan_row, 3] = float("nan")
+    sa, sb = torch.tensor(sa, device="cuda"), torch.tensor(0.02, device="cuda")
+    bias = torch.randn(N, device="cuda") if has_bias else None
+    center = torch.tensor([0.0, 0.5], dtype=torch.float64, device="cuda")
+    sms = _num_sms()
+    plain = torch.empty(M, N, dtype=od, device="cuda")
+    W.launch(a, b, plain, None, sa, sb, bias, 1, sms, config)
+    c = torch.empty_like(plain)
+    tgt = ts.Target.new("cuda", center=center, fmt=fmt, hist=False)
+    assert W.stats_ok(tgt)
+    args = ts.epilogue_args(tgt, 2 * W.grid_size(config, M, N, 1, sms), sa, later=True)
+    W.launch(a, b, c, None, sa, sb, bias, 1, sms, config, stats=args)
+    ts.merge_later()
+    assert torch.equal(c.view(torch.uint8), plain.view(torch.uint8))
+    want = ds.partials(c, fmt=fmt, outlier_center=(0.0, 0.5), hist=False).to(tgt.rows)
+    assert want[ds.NONFINITE] == (N if nan_row is not None else 0)
+    problems = row_problems(tgt.rows[0], want)
+    assert not problems, problems
+    assert want[ds.OUTLIERS] > 0 or sa.item() < 1e-6
+
+
+@needs_sm90
+def test_run_with_statistics_tunes_apart_and_queues_the_merge():
+    """``run(stats=)`` times the data-parallel configs with statistics into a scratch row and writes the row of C
+    into the target at the next ``merge_later``; the plain and statistics picks are kept apart."""
+    from agent import device_stats as ds
+    from agent import triton_stats as ts
+
+    a, b = _operands(640, 384, 512, E5, E4, 3)
+    sa, sb = torch.tensor(0.05, device="cuda"), torch.tensor(0.02, device="cuda")
+    c = torch.empty(640, 384, device="cuda")
+    tgt = ts.Target.new("cuda", hist=False)
+    W.run(a, b, c, None, sa, sb, None, 1, _num_sms(), stats=tgt)
+    key = W._tune_key(a, b, c, None, 1)
+    assert not W._sched(W._BEST[key + (True,)])
+    ts.merge_later()
+    want = ds.partials(c, hist=False).to(tgt.rows)
+    assert tgt.rows[0, ds.N] == c.numel() and torch.allclose(tgt.rows[0, ds.M2], want[ds.M2], rtol=1e-6)

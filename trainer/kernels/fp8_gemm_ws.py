@@ -55,6 +55,8 @@ import warnings
 
 import torch
 
+from agent import triton_stats as ts
+
 from .quantize import cdiv
 from .timing import fastest
 
@@ -65,6 +67,7 @@ try:
                                                                        warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     AVAILABLE = hasattr(gl, "warp_specialize")
+    from .fp8_gemm_ws_stats import bounds, rows_add, rows_zero, store_partial
 except Exception:  # pragma: no cover - Triton without Gluon's Hopper API
     AVAILABLE = False
 
@@ -229,12 +232,28 @@ if AVAILABLE:
             _store_tile(acc, c_ptr, ws_ptr, scale, bias_ptr, M, N, ks, row0, col0, HAS_BIAS, SPLIT, layout)
 
     @gluon.jit
+    def _tile_stats(st, acc, scale, bias_ptr, M, N, row0, col0, lo, hi, HAS_BIAS: gl.constexpr,
+                    OUT_DTYPE: gl.constexpr, layout: gl.constexpr):
+        """The row state ``st`` with C's tile added as it is stored: scaled, biased, rounded to C's dtype."""
+        rows = row0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+        cols = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+        x = acc * scale
+        if HAS_BIAS:
+            x = x + gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)[None, :]
+        x = x.to(OUT_DTYPE).to(gl.float32)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        full = (row0 + acc.shape[0] <= M) & (col0 + acc.shape[1] <= N)
+        return rows_add(st, x, mask, full, lo, hi)
+
+    @gluon.jit
     def _consumer(a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid, nprog,
-                  num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, WG: gl.constexpr, HAS_BIAS: gl.constexpr,
-                  SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, EPI_BUFS: gl.constexpr):
+                  num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, sp_ptr, cen_ptr, c_mean, c_std, out_k, ahm_val,
+                  WG: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
+                  GROUP: gl.constexpr, EPI_BUFS: gl.constexpr, STATS: gl.constexpr, C_PTR: gl.constexpr,
+                  OUT_DTYPE: gl.constexpr):
         """Consumer warpgroup WG: rows [64 WG, 64 WG + 64) of every tile. With BN = 256 the columns run as two
         128-wide wgmma chains into one temporary (acc0/acc1 + temporary = 192 registers; two 256-wide sets would
-        not fit)."""
+        not fit). STATS: also the statistics row of C (``fp8_gemm_ws_stats``), a partial per consumer."""
         BM: gl.constexpr = a_smem.shape[1]
         BN: gl.constexpr = b_smem.shape[1]
         HALF: gl.constexpr = BM // 2
@@ -245,18 +264,31 @@ if AVAILABLE:
         scale = gl.load(sa_ptr) * gl.load(sb_ptr)
         # the wgmma temporary: loop-carried so that it keeps its registers (use_acc=False ignores its value)
         part = gl.zeros((HALF, SUB), gl.float32, layout)
+        if STATS:
+            lo, hi = bounds(cen_ptr, c_mean, c_std, out_k, C_PTR)
+            st = rows_zero(HALF, gl.SliceLayout(1, layout))
         c = 0
         for item in range(pid, num_items, nprog):
             pid_m, pid_n, ks, k0, nk = _work_item(item, num_pid_m, num_pid_n, num_tiles, per, k_tiles, GROUP)
+            if STATS:  # a temporary of this tile's only: its registers are free for the statistics after the K loop
+                part = gl.zeros((HALF, SUB), gl.float32, layout)
             acc0, acc1, part, c = _kloop_plain(a_smem, b_smem, ready, empty, gl.zeros((HALF, SUB), gl.float32, layout),
                                                gl.zeros((HALF, SUB), gl.float32, layout), part, c, nk, WG, STAGES)
             row0 = pid_m * BM + WG * HALF
+            if STATS:
+                st = _tile_stats(st, acc0, scale, bias_ptr, M, N, row0, pid_n * BN, lo, hi, HAS_BIAS, OUT_DTYPE,
+                                 layout)
+                if BN > SUB:
+                    st = _tile_stats(st, acc1, scale, bias_ptr, M, N, row0, pid_n * BN + SUB, lo, hi, HAS_BIAS,
+                                     OUT_DTYPE, layout)
             # with EPI_BUFS > 0, c_ptr is C's TMA descriptor, block (HALF, SUB)
             _store_sub(acc0, c_ptr, ws_ptr, c_smem, WG * EPI_BUFS, scale, bias_ptr, M, N, ks, row0, pid_n * BN,
                        HAS_BIAS, SPLIT, EPI_BUFS, layout)
             if BN > SUB:
                 _store_sub(acc1, c_ptr, ws_ptr, c_smem, WG * EPI_BUFS + EPI_BUFS - 1, scale, bias_ptr, M, N, ks, row0,
                            pid_n * BN + SUB, HAS_BIAS, SPLIT, EPI_BUFS, layout)
+        if STATS:
+            store_partial(st, sp_ptr, 2 * pid + WG, 2 * nprog, ahm_val)
         if EPI_BUFS > 0:
             tma.store_wait(0)  # the buffers must outlive the stores reading them
 
@@ -306,9 +338,10 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer_pipe(a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid,
-                       nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, WG: gl.constexpr,
-                       HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
-                       EPI_BUFS: gl.constexpr):
+                       nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, sp_ptr, cen_ptr, c_mean,
+                       c_std, out_k, ahm_val, WG: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
+                       STAGES: gl.constexpr, GROUP: gl.constexpr, EPI_BUFS: gl.constexpr, STATS: gl.constexpr,
+                       C_PTR: gl.constexpr, OUT_DTYPE: gl.constexpr):
         """Pipelined consumer ("pipe" configs, BN = 128): a wgmma chain of its own always stays in flight while the
         warpgroup promotes the previous one (``warpgroup_mma_wait(num_outstanding=1)``), so the tensor cores never
         wait for this warpgroup's adds, whatever the other consumer does. One 64 x 128 chain per K block, into the
@@ -325,15 +358,25 @@ if AVAILABLE:
         # the wgmma temporaries: loop-carried so that they keep their registers (use_acc=False ignores the value)
         t0 = gl.zeros((HALF, BN), gl.float32, lay)
         t1 = gl.zeros((HALF, BN), gl.float32, lay)
+        if STATS:
+            lo, hi = bounds(cen_ptr, c_mean, c_std, out_k, C_PTR)
+            st = rows_zero(HALF, gl.SliceLayout(1, lay))
         c = 0
         for item in range(pid, num_items, nprog):
             pid_m, pid_n, ks, k0, nk = _work_item(item, num_pid_m, num_pid_n, num_tiles, per, k_tiles, GROUP)
             # (a last K slice can be empty: zero partial)
+            if STATS:  # temporaries of this tile's only: their registers are free for the statistics after the K loop
+                t0 = gl.zeros((HALF, BN), gl.float32, lay)
+                t1 = gl.zeros((HALF, BN), gl.float32, lay)
             acc0, t0, t1, c = _kloop_pipe(a_smem, b_smem, ready, empty, gl.zeros((HALF, BN), gl.float32, lay), t0,
                                           t1, c, nk, WG, STAGES)
             row0 = pid_m * BM + WG * HALF
+            if STATS:
+                st = _tile_stats(st, acc0, scale, bias_ptr, M, N, row0, pid_n * BN, lo, hi, HAS_BIAS, OUT_DTYPE, lay)
             _store_sub(acc0, c_ptr, ws_ptr, c_smem, WG * EPI_BUFS, scale, bias_ptr, M, N, ks, row0, pid_n * BN,
                        HAS_BIAS, SPLIT, EPI_BUFS, lay)
+        if STATS:
+            store_partial(st, sp_ptr, 2 * pid + WG, 2 * nprog, ahm_val)
         if EPI_BUFS > 0:
             tma.store_wait(0)  # the buffers must outlive the stores reading them
 
@@ -526,16 +569,21 @@ if AVAILABLE:
 
     @gluon.jit
     def _fp8_gemm_ws_kernel(a_desc, b_desc, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, split_k,
-                            dp_tiles, sk_x, sk_tails, sk_base, sk_rem, flags_ptr,
-                            HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
+                            dp_tiles, sk_x, sk_tails, sk_base, sk_rem, flags_ptr, sp_ptr, cen_ptr, c_mean, c_std,
+                            out_k, ahm_val, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
                             EPI_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                             num_warps: gl.constexpr, PIPE: gl.constexpr = False, SK: gl.constexpr = False,
-                            TRACE: gl.constexpr = False):
+                            TRACE: gl.constexpr = False, STATS: gl.constexpr = False, C_PTR: gl.constexpr = False,
+                            OUT_DTYPE: gl.constexpr = gl.float32):
         """EPI_BUFS > 0: TMA epilogue with EPI_BUFS shared-memory buffers per consumer and ``c_ptr`` C's tensor
         descriptor (block BM // 2 x min(BN, 128)); EPI_BUFS == 0: masked pointer stores. PIPE: ``_consumer_pipe``
         (BN = 128), else ``_consumer`` (BN 64, 128 or 256). SK: stream-K (``_consumer_sk``; ws_ptr: nprog x BM x
         BN fp32 slots, flags_ptr: 2 nprog int32 zeros; dp_tiles / sk_x / sk_tails / sk_base / sk_rem as in the
-        comment above ``_sk_lo``); else dp_tiles, sk_x, sk_tails, sk_base, sk_rem and flags_ptr are unused."""
+        comment above ``_sk_lo``); else dp_tiles, sk_x, sk_tails, sk_base, sk_rem and flags_ptr are unused. STATS
+        (not SK, not SPLIT): C's statistics row, one partial per consumer into the field-major ``sp_ptr`` (2 nprog
+        columns), outliers about the center (c_mean, c_std) or ``cen_ptr``'s two fp64 (C_PTR), OUT_DTYPE C's dtype
+        (the values are taken as stored); sp_ptr, cen_ptr, c_mean, c_std, out_k, ahm_val are unused otherwise."""
+        gl.static_assert(not (STATS and (SK or SPLIT)), "statistics: data-parallel, whole K")
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -577,21 +625,25 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_consumer_pipe, (a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr,
                                   bias_ptr, M, N, pid, nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles,
-                                  WG0, HAS_BIAS, SPLIT, STAGES, GROUP, EPI_BUFS)),
+                                  sp_ptr, cen_ptr, c_mean, c_std, out_k, ahm_val, WG0, HAS_BIAS, SPLIT, STAGES, GROUP,
+                                  EPI_BUFS, STATS, C_PTR, OUT_DTYPE)),
                 (_consumer_pipe, (a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr,
                                   bias_ptr, M, N, pid, nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles,
-                                  WG1, HAS_BIAS, SPLIT, STAGES, GROUP, EPI_BUFS)),
+                                  sp_ptr, cen_ptr, c_mean, c_std, out_k, ahm_val, WG1, HAS_BIAS, SPLIT, STAGES, GROUP,
+                                  EPI_BUFS, STATS, C_PTR, OUT_DTYPE)),
                 (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n, num_tiles,
                              num_items, per, k_tiles, STAGES, GROUP)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer, (a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid,
-                             nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, WG0, HAS_BIAS, SPLIT,
-                             STAGES, GROUP, EPI_BUFS)),
+                             nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, sp_ptr, cen_ptr, c_mean,
+                             c_std, out_k, ahm_val, WG0, HAS_BIAS, SPLIT, STAGES, GROUP, EPI_BUFS, STATS, C_PTR,
+                             OUT_DTYPE)),
                 (_consumer, (a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid,
-                             nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, WG1, HAS_BIAS, SPLIT,
-                             STAGES, GROUP, EPI_BUFS)),
+                             nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, sp_ptr, cen_ptr, c_mean,
+                             c_std, out_k, ahm_val, WG1, HAS_BIAS, SPLIT, STAGES, GROUP, EPI_BUFS, STATS, C_PTR,
+                             OUT_DTYPE)),
                 (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n, num_tiles,
                              num_items, per, k_tiles, STAGES, GROUP)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -656,12 +708,14 @@ def _epilogue(config, c, split_k: int) -> int:
 
 
 def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, config=CONFIGS[0],
-           sk_tails: int | None = None, trace: bool = False):
+           sk_tails: int | None = None, trace: bool = False, stats: dict | None = None):
     """Runs the kernel: C (split_k == 1) or the (split_k, M, N) fp32 workspace ``ws`` (split_k > 1, unscaled,
     no bias) from a (M, K) and b (N, K); ``config`` is one of ``CONFIGS``. Stream-K configs (``_sched``) need
     split_k == 1 and use a workspace (grid BM x BN fp32 slots) and flags kept per device and stream; ``sk_tails``
     overrides their tail count (``_sk_params``). ``trace`` (stream-K only; benches): returns a (grid, 16) int32
-    tensor of per-CTA GPU timer stamps in ns (``_TRACE_POINTS``), from a launch with its own flags."""
+    tensor of per-CTA GPU timer stamps in ns (``_TRACE_POINTS``), from a launch with its own flags. ``stats``
+    (data-parallel configs, split_k == 1): ``triton_stats.epilogue_args`` of C's row for 2 ``grid`` programs
+    (``grid``), no histogram, no history pointer: the consumers store their partials there."""
     BM, BN, BK, stages = config[:4]
     M, K = a.shape
     N = b.shape[0]
@@ -679,21 +733,37 @@ def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, conf
             flags = torch.zeros(2 * grid + 16 * grid, dtype=torch.int32, device=c.device)
         _fp8_gemm_ws_kernel[(grid,)](
             a_desc, b_desc, c, ws_arg, scale_a, scale_b, bias if bias is not None else scale_a, M, N, K, 1,
-            dp_tiles, sk_x, sk_tails, sk_base, sk_rem, flags, HAS_BIAS=bias is not None, SPLIT=False, STAGES=stages,
+            dp_tiles, sk_x, sk_tails, sk_base, sk_rem, flags, *_no_stats(scale_a), HAS_BIAS=bias is not None, SPLIT=False, STAGES=stages,
             GROUP=GROUP_M, EPI_BUFS=0, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
             maxnreg=MAXNREG, PIPE=_pipe(config), SK=True, TRACE=trace)
         return flags[2 * grid:].view(grid, 16) if trace else None
-    items = tiles * split_k
     split = split_k > 1
     epi_bufs = _epilogue(config, c, split_k)
     c_arg = c
     if epi_bufs:
         c_arg = _descriptor(c, (BM // 2, min(BN, 128)))
-    _fp8_gemm_ws_kernel[(min(items, num_sms),)](
+    if stats is None:
+        st_args, st_flags = _no_stats(scale_a), {}
+    else:
+        if split or stats["HIST"] or stats["AHM_PTR"]:
+            raise ValueError("fp8_gemm_ws: statistics need split_k == 1, no histogram and no history pointer")
+        st_args = (stats["sp_ptr"], stats["cen_ptr"], stats["c_mean"], stats["c_std"], stats["k"], stats["ahm_val"])
+        st_flags = dict(STATS=True, C_PTR=stats["C_PTR"], OUT_DTYPE=_GL_OUT_DTYPE[c.dtype])
+    _fp8_gemm_ws_kernel[(grid_size(config, M, N, split_k, num_sms),)](
         a_desc, b_desc, c_arg, ws if split else c, scale_a, scale_b, bias if bias is not None else scale_a, M, N, K,
-        split_k, 0, 0, 0, 0, 0, _dummy_i32(c.device), HAS_BIAS=bias is not None and not split, SPLIT=split,
-        STAGES=stages, GROUP=GROUP_M, EPI_BUFS=epi_bufs, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-        num_warps=4, maxnreg=MAXNREG, PIPE=_pipe(config))
+        split_k, 0, 0, 0, 0, 0, _dummy_i32(c.device), *st_args, HAS_BIAS=bias is not None and not split,
+        SPLIT=split, STAGES=stages, GROUP=GROUP_M, EPI_BUFS=epi_bufs, CONSUMER_REGS=CONSUMER_REGS,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG, PIPE=_pipe(config), **st_flags)
+
+
+def grid_size(config, M: int, N: int, split_k: int, num_sms: int) -> int:
+    """The grid of a data-parallel (not stream-K) launch: one CTA per work item, at most one per SM."""
+    return min(cdiv(M, config[0]) * cdiv(N, config[1]) * split_k, num_sms)
+
+
+def _no_stats(like):
+    """The statistics arguments of a launch without them (never read)."""
+    return like, like, 0.0, 0.0, 0.0, 0.0
 
 
 # What ``launch(trace=True)`` stamps per CTA (consumer 0): slot 0 its start; per work item i (items past the third
@@ -821,18 +891,26 @@ def _tune_key(a, b, c, bias, split_k):
     return (tuple(a.shape), tuple(b.shape), a.dtype, b.dtype, c.dtype, bias is not None, split_k, a.device)
 
 
-def run(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, config=None) -> None:
+def run(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, config=None,
+        stats: "ts.Target | None" = None) -> None:
     """``launch`` with ``config``, or with the fastest of ``TUNED_CONFIGS`` for this shape (timed on the first call of
-    each shape / dtype / flag combination, like Triton's autotuner: that call synchronizes)."""
+    each shape / dtype / flag combination, like Triton's autotuner: that call synchronizes). ``stats``: also C's row
+    into that target (``stats_ok``), merged by the next ``triton_stats.merge_later``; the configs are then timed
+    with the statistics, into a scratch target."""
     if config is None:
-        key = _tune_key(a, b, c, bias, split_k)
+        key = _tune_key(a, b, c, bias, split_k) + (stats is not None,)
         config = _BEST.get(key)
         if config is None:
             fns = {}
             for cfg in TUNED_CONFIGS:
-                if _sched(cfg) and split_k != 1:  # stream-K: split_k == 1 only
+                if _sched(cfg) and (split_k != 1 or stats is not None):  # stream-K: split_k == 1, no statistics
                     continue
-                fn = functools.partial(launch, a, b, c, ws, scale_a, scale_b, bias, split_k, num_sms, cfg)
+                scratch = None
+                if stats is not None:
+                    programs = 2 * grid_size(cfg, a.shape[0], b.shape[0], split_k, num_sms)
+                    scratch = ts.epilogue_args(ts.Target.new(c.device, hist=False), programs, scale_a)
+                fn = functools.partial(launch, a, b, c, ws, scale_a, scale_b, bias, split_k, num_sms, cfg,
+                                       stats=scratch)
                 try:
                     fn()
                 except Exception as exc:  # e.g. out of shared memory on a smaller part
@@ -842,4 +920,15 @@ def run(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, config=
             if not fns:
                 raise RuntimeError("fp8_gemm_ws: no config runs")
             config = _BEST[key] = fastest(fns)
-    launch(a, b, c, ws, scale_a, scale_b, bias, split_k, num_sms, config)
+    args = None
+    if stats is not None:  # queues the row's merge: the launch must follow
+        programs = 2 * grid_size(config, a.shape[0], b.shape[0], split_k, num_sms)
+        args = ts.epilogue_args(stats, programs, scale_a, later=True)
+    launch(a, b, c, ws, scale_a, scale_b, bias, split_k, num_sms, config, stats=args)
+
+
+def stats_ok(stats: "ts.Target", split_k: int = 1) -> bool:
+    """Whether ``run`` can take the row of ``stats``: no histogram (this epilogue has none), no history max on the
+    device, whole K, and rows merged by ``merge_later`` (``triton_stats.FUSED_MERGE``)."""
+    return (split_k == 1 and not stats.hist and not isinstance(stats.amax_history_max, torch.Tensor)
+            and ts.FUSED_MERGE == "later")
