@@ -23,6 +23,7 @@ queued back to back, median of ``--rounds`` rounds, interleaved): what each cost
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 
@@ -91,6 +92,7 @@ def main(argv=None) -> int:
         fns = {"plain": run, "tma": lambda: run("tma"), "st+hist": lambda: run(hist=True),
                "stats": lambda: run(hist=False), "read+hist": lambda: read(True), "read": lambda: read(False)}
         if args.ws:
+            importlib.import_module("trainer.kernels.fp8_gemm").WS_STATS = True  # (opt-in in the trainer)
             fmt = "e5m2" if kind == "wgrad" else None  # grad_weight's format (the agent's default), none for outputs
 
             def ws(stats: bool):
