@@ -107,6 +107,11 @@ GROUP_M = 8
 MAXNREG = 168
 CONSUMER_REGS = 232
 PRODUCER_REGS = 40
+# With the statistics worker (STATS), four warpgroups under a 128-register launch limit: 184 + 184 + 40 + 104 = 4 * 128
+# (the BN = 128 consumers hold 64 accumulator and 64 temporary registers).
+STATS_MAXNREG = 128
+STATS_CONSUMER_REGS = 184
+STATS_WORKER_REGS = 104
 
 
 def supported(a: torch.Tensor) -> bool:
@@ -232,28 +237,14 @@ if AVAILABLE:
             _store_tile(acc, c_ptr, ws_ptr, scale, bias_ptr, M, N, ks, row0, col0, HAS_BIAS, SPLIT, layout)
 
     @gluon.jit
-    def _tile_stats(st, acc, scale, bias_ptr, M, N, row0, col0, lo, hi, HAS_BIAS: gl.constexpr,
-                    OUT_DTYPE: gl.constexpr, layout: gl.constexpr):
-        """The row state ``st`` with C's tile added as it is stored: scaled, biased, rounded to C's dtype."""
-        rows = row0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
-        cols = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
-        x = acc * scale
-        if HAS_BIAS:
-            x = x + gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)[None, :]
-        x = x.to(OUT_DTYPE).to(gl.float32)
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        full = (row0 + acc.shape[0] <= M) & (col0 + acc.shape[1] <= N)
-        return rows_add(st, x, mask, full, lo, hi)
-
-    @gluon.jit
     def _consumer(a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid, nprog,
-                  num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, sp_ptr, cen_ptr, c_mean, c_std, out_k, ahm_val,
-                  WG: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                  GROUP: gl.constexpr, EPI_BUFS: gl.constexpr, STATS: gl.constexpr, C_PTR: gl.constexpr,
-                  OUT_DTYPE: gl.constexpr):
+                  num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, full, free, WG: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
+                  EPI_BUFS: gl.constexpr, STATS: gl.constexpr):
         """Consumer warpgroup WG: rows [64 WG, 64 WG + 64) of every tile. With BN = 256 the columns run as two
         128-wide wgmma chains into one temporary (acc0/acc1 + temporary = 192 registers; two 256-wide sets would
-        not fit). STATS: also the statistics row of C (``fp8_gemm_ws_stats``), a partial per consumer."""
+        not fit). STATS (BN = 128, one TMA buffer): each tile's buffer is handed to ``_stats_worker`` (``full``) and
+        written again only once it has read it (``free``)."""
         BM: gl.constexpr = a_smem.shape[1]
         BN: gl.constexpr = b_smem.shape[1]
         HALF: gl.constexpr = BM // 2
@@ -264,33 +255,62 @@ if AVAILABLE:
         scale = gl.load(sa_ptr) * gl.load(sb_ptr)
         # the wgmma temporary: loop-carried so that it keeps its registers (use_acc=False ignores its value)
         part = gl.zeros((HALF, SUB), gl.float32, layout)
-        if STATS:
-            lo, hi = bounds(cen_ptr, c_mean, c_std, out_k, C_PTR)
-            st = rows_zero(HALF, gl.SliceLayout(1, layout))
         c = 0
+        t = 0
         for item in range(pid, num_items, nprog):
             pid_m, pid_n, ks, k0, nk = _work_item(item, num_pid_m, num_pid_n, num_tiles, per, k_tiles, GROUP)
-            if STATS:  # a temporary of this tile's only: its registers are free for the statistics after the K loop
-                part = gl.zeros((HALF, SUB), gl.float32, layout)
             acc0, acc1, part, c = _kloop_plain(a_smem, b_smem, ready, empty, gl.zeros((HALF, SUB), gl.float32, layout),
                                                gl.zeros((HALF, SUB), gl.float32, layout), part, c, nk, WG, STAGES)
             row0 = pid_m * BM + WG * HALF
-            if STATS:
-                st = _tile_stats(st, acc0, scale, bias_ptr, M, N, row0, pid_n * BN, lo, hi, HAS_BIAS, OUT_DTYPE,
-                                 layout)
-                if BN > SUB:
-                    st = _tile_stats(st, acc1, scale, bias_ptr, M, N, row0, pid_n * BN + SUB, lo, hi, HAS_BIAS,
-                                     OUT_DTYPE, layout)
+            if STATS:  # the statistics worker has read this buffer's last tile
+                mbarrier.wait(free.index(WG), (t & 1) ^ 1)
             # with EPI_BUFS > 0, c_ptr is C's TMA descriptor, block (HALF, SUB)
             _store_sub(acc0, c_ptr, ws_ptr, c_smem, WG * EPI_BUFS, scale, bias_ptr, M, N, ks, row0, pid_n * BN,
                        HAS_BIAS, SPLIT, EPI_BUFS, layout)
+            if STATS:
+                gl.thread_barrier()  # every thread's part of the tile is in the buffer
+                mbarrier.arrive(full.index(WG), count=1)
+                t += 1
             if BN > SUB:
                 _store_sub(acc1, c_ptr, ws_ptr, c_smem, WG * EPI_BUFS + EPI_BUFS - 1, scale, bias_ptr, M, N, ks, row0,
                            pid_n * BN + SUB, HAS_BIAS, SPLIT, EPI_BUFS, layout)
-        if STATS:
-            store_partial(st, sp_ptr, 2 * pid + WG, 2 * nprog, ahm_val)
         if EPI_BUFS > 0:
             tma.store_wait(0)  # the buffers must outlive the stores reading them
+
+    @gluon.jit
+    def _stats_worker(c_smem, full, free, sp_ptr, cen_ptr, c_mean, c_std, out_k, ahm_val, M, N, pid, nprog,
+                      num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, C_PTR: gl.constexpr,
+                      GROUP: gl.constexpr):
+        """The statistics partition (STATS): for each tile of the CTA, C's values as the consumers stored them, read
+        from their TMA buffers once handed over (``full``), 32 rows at a time (a thread takes 32 values of one row),
+        into one bucket per row (``fp8_gemm_ws_stats.rows_add``); each buffer is handed back (``free``) once read. It
+        runs while the consumers run the next tile's K loop, on warps of its own. One partial per CTA."""
+        HALF: gl.constexpr = c_smem.shape[1]
+        BN: gl.constexpr = c_smem.shape[2]
+        CH: gl.constexpr = 32
+        gl.static_assert(BN == 128, "statistics: BN = 128")
+        layout: gl.constexpr = gl.BlockedLayout([1, 32], [8, 4], [4, 1], [1, 0])
+        lo, hi = bounds(cen_ptr, c_mean, c_std, out_k, C_PTR)
+        st = rows_zero(CH, gl.SliceLayout(1, layout))
+        r = gl.arange(0, CH, layout=gl.SliceLayout(1, layout))
+        cc = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+        i = 0
+        for item in range(pid, num_items, nprog):
+            pid_m, pid_n, ks, k0, nk = _work_item(item, num_pid_m, num_pid_n, num_tiles, per, k_tiles, GROUP)
+            cols = pid_n * BN + cc
+            for wg in gl.static_range(2):
+                mbarrier.wait(full.index(wg), i & 1)
+                for ch in gl.static_range(HALF // CH):
+                    row0 = pid_m * (2 * HALF) + wg * HALF + ch * CH
+                    x = c_smem.index(wg).slice(ch * CH, CH).load(layout).to(gl.float32)
+                    rows = row0 + r
+                    mask = (rows[:, None] < M) & (cols[None, :] < N)
+                    whole = (row0 + CH <= M) & (pid_n * BN + BN <= N)
+                    st = rows_add(st, x, mask, whole, lo, hi)
+                gl.thread_barrier()  # every thread has read the buffer
+                mbarrier.arrive(free.index(wg), count=1)
+            i += 1
+        store_partial(st, sp_ptr, pid, nprog, ahm_val)
 
     @gluon.jit
     def _pipe_step(a_smem, b_smem, ready, empty, acc0, pending, into, s, c, WG: gl.constexpr, STAGES: gl.constexpr):
@@ -338,10 +358,9 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer_pipe(a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid,
-                       nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, sp_ptr, cen_ptr, c_mean,
-                       c_std, out_k, ahm_val, WG: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
-                       STAGES: gl.constexpr, GROUP: gl.constexpr, EPI_BUFS: gl.constexpr, STATS: gl.constexpr,
-                       C_PTR: gl.constexpr, OUT_DTYPE: gl.constexpr):
+                       nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, WG: gl.constexpr,
+                       HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
+                       EPI_BUFS: gl.constexpr):
         """Pipelined consumer ("pipe" configs, BN = 128): a wgmma chain of its own always stays in flight while the
         warpgroup promotes the previous one (``warpgroup_mma_wait(num_outstanding=1)``), so the tensor cores never
         wait for this warpgroup's adds, whatever the other consumer does. One 64 x 128 chain per K block, into the
@@ -358,25 +377,15 @@ if AVAILABLE:
         # the wgmma temporaries: loop-carried so that they keep their registers (use_acc=False ignores the value)
         t0 = gl.zeros((HALF, BN), gl.float32, lay)
         t1 = gl.zeros((HALF, BN), gl.float32, lay)
-        if STATS:
-            lo, hi = bounds(cen_ptr, c_mean, c_std, out_k, C_PTR)
-            st = rows_zero(HALF, gl.SliceLayout(1, lay))
         c = 0
         for item in range(pid, num_items, nprog):
             pid_m, pid_n, ks, k0, nk = _work_item(item, num_pid_m, num_pid_n, num_tiles, per, k_tiles, GROUP)
             # (a last K slice can be empty: zero partial)
-            if STATS:  # temporaries of this tile's only: their registers are free for the statistics after the K loop
-                t0 = gl.zeros((HALF, BN), gl.float32, lay)
-                t1 = gl.zeros((HALF, BN), gl.float32, lay)
             acc0, t0, t1, c = _kloop_pipe(a_smem, b_smem, ready, empty, gl.zeros((HALF, BN), gl.float32, lay), t0,
                                           t1, c, nk, WG, STAGES)
             row0 = pid_m * BM + WG * HALF
-            if STATS:
-                st = _tile_stats(st, acc0, scale, bias_ptr, M, N, row0, pid_n * BN, lo, hi, HAS_BIAS, OUT_DTYPE, lay)
             _store_sub(acc0, c_ptr, ws_ptr, c_smem, WG * EPI_BUFS, scale, bias_ptr, M, N, ks, row0, pid_n * BN,
                        HAS_BIAS, SPLIT, EPI_BUFS, lay)
-        if STATS:
-            store_partial(st, sp_ptr, 2 * pid + WG, 2 * nprog, ahm_val)
         if EPI_BUFS > 0:
             tma.store_wait(0)  # the buffers must outlive the stores reading them
 
@@ -570,24 +579,26 @@ if AVAILABLE:
     @gluon.jit
     def _fp8_gemm_ws_kernel(a_desc, b_desc, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, split_k,
                             dp_tiles, sk_x, sk_tails, sk_base, sk_rem, flags_ptr, sp_ptr, cen_ptr, c_mean, c_std,
-                            out_k, ahm_val, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
-                            EPI_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                            num_warps: gl.constexpr, PIPE: gl.constexpr = False, SK: gl.constexpr = False,
-                            TRACE: gl.constexpr = False, STATS: gl.constexpr = False, C_PTR: gl.constexpr = False,
-                            OUT_DTYPE: gl.constexpr = gl.float32):
+                            out_k, ahm_val, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
+                            GROUP: gl.constexpr, EPI_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                            PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, PIPE: gl.constexpr = False,
+                            SK: gl.constexpr = False, TRACE: gl.constexpr = False, STATS: gl.constexpr = False,
+                            C_PTR: gl.constexpr = False, STATS_REGS: gl.constexpr = 0):
         """EPI_BUFS > 0: TMA epilogue with EPI_BUFS shared-memory buffers per consumer and ``c_ptr`` C's tensor
         descriptor (block BM // 2 x min(BN, 128)); EPI_BUFS == 0: masked pointer stores. PIPE: ``_consumer_pipe``
         (BN = 128), else ``_consumer`` (BN 64, 128 or 256). SK: stream-K (``_consumer_sk``; ws_ptr: nprog x BM x
         BN fp32 slots, flags_ptr: 2 nprog int32 zeros; dp_tiles / sk_x / sk_tails / sk_base / sk_rem as in the
         comment above ``_sk_lo``); else dp_tiles, sk_x, sk_tails, sk_base, sk_rem and flags_ptr are unused. STATS
-        (not SK, not SPLIT): C's statistics row, one partial per consumer into the field-major ``sp_ptr`` (2 nprog
-        columns), outliers about the center (c_mean, c_std) or ``cen_ptr``'s two fp64 (C_PTR), OUT_DTYPE C's dtype
-        (the values are taken as stored); sp_ptr, cen_ptr, c_mean, c_std, out_k, ahm_val are unused otherwise."""
-        gl.static_assert(not (STATS and (SK or SPLIT)), "statistics: data-parallel, whole K")
+        (``_consumer``, BN = 128, EPI_BUFS == 1, whole K): a fourth partition, ``_stats_worker`` (4 warps, STATS_REGS
+        registers), takes C's statistics row from the consumers' TMA buffers, one partial per CTA into the
+        field-major ``sp_ptr`` (nprog columns), outliers about the center (c_mean, c_std) or ``cen_ptr``'s two fp64
+        (C_PTR); sp_ptr, cen_ptr, c_mean, c_std, out_k and ahm_val are unused otherwise."""
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         BN: gl.constexpr = b_desc.block_type.shape[0]
         gl.static_assert(BM == 128 and num_warps == 4, "two 64-row consumer warpgroups")
+        gl.static_assert(not STATS or (not SK and not SPLIT and not PIPE and EPI_BUFS == 1 and BN == 128),
+                         "statistics: the plain consumer, BN = 128, one TMA buffer each, whole K")
         a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
         b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -599,6 +610,15 @@ if AVAILABLE:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+        if STATS:  # per consumer: its TMA buffer holds a tile for the statistics worker / the worker has read it
+            full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(2):
+                mbarrier.init(full.index(i), count=1)
+                mbarrier.init(free.index(i), count=1)
+        else:
+            full = ready  # unused
+            free = empty
 
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
@@ -625,25 +645,34 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_consumer_pipe, (a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr,
                                   bias_ptr, M, N, pid, nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles,
-                                  sp_ptr, cen_ptr, c_mean, c_std, out_k, ahm_val, WG0, HAS_BIAS, SPLIT, STAGES, GROUP,
-                                  EPI_BUFS, STATS, C_PTR, OUT_DTYPE)),
+                                  WG0, HAS_BIAS, SPLIT, STAGES, GROUP, EPI_BUFS)),
                 (_consumer_pipe, (a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr,
                                   bias_ptr, M, N, pid, nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles,
-                                  sp_ptr, cen_ptr, c_mean, c_std, out_k, ahm_val, WG1, HAS_BIAS, SPLIT, STAGES, GROUP,
-                                  EPI_BUFS, STATS, C_PTR, OUT_DTYPE)),
+                                  WG1, HAS_BIAS, SPLIT, STAGES, GROUP, EPI_BUFS)),
                 (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n, num_tiles,
                              num_items, per, k_tiles, STAGES, GROUP)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        elif STATS:
+            gl.warp_specialize([
+                (_consumer, (a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid,
+                             nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, full, free, WG0,
+                             HAS_BIAS, SPLIT, STAGES, GROUP, EPI_BUFS, True)),
+                (_consumer, (a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid,
+                             nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, full, free, WG1,
+                             HAS_BIAS, SPLIT, STAGES, GROUP, EPI_BUFS, True)),
+                (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n, num_tiles,
+                             num_items, per, k_tiles, STAGES, GROUP)),
+                (_stats_worker, (c_smem, full, free, sp_ptr, cen_ptr, c_mean, c_std, out_k, ahm_val, M, N, pid, nprog,
+                                 num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, C_PTR, GROUP)),
+            ], [4, 1, 4], [CONSUMER_REGS, PRODUCER_REGS, STATS_REGS])
         else:
             gl.warp_specialize([
                 (_consumer, (a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid,
-                             nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, sp_ptr, cen_ptr, c_mean,
-                             c_std, out_k, ahm_val, WG0, HAS_BIAS, SPLIT, STAGES, GROUP, EPI_BUFS, STATS, C_PTR,
-                             OUT_DTYPE)),
+                             nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, full, free, WG0,
+                             HAS_BIAS, SPLIT, STAGES, GROUP, EPI_BUFS, False)),
                 (_consumer, (a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid,
-                             nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, sp_ptr, cen_ptr, c_mean,
-                             c_std, out_k, ahm_val, WG1, HAS_BIAS, SPLIT, STAGES, GROUP, EPI_BUFS, STATS, C_PTR,
-                             OUT_DTYPE)),
+                             nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, full, free, WG1,
+                             HAS_BIAS, SPLIT, STAGES, GROUP, EPI_BUFS, False)),
                 (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n, num_tiles,
                              num_items, per, k_tiles, STAGES, GROUP)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -714,8 +743,8 @@ def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, conf
     split_k == 1 and use a workspace (grid BM x BN fp32 slots) and flags kept per device and stream; ``sk_tails``
     overrides their tail count (``_sk_params``). ``trace`` (stream-K only; benches): returns a (grid, 16) int32
     tensor of per-CTA GPU timer stamps in ns (``_TRACE_POINTS``), from a launch with its own flags. ``stats``
-    (data-parallel configs, split_k == 1): ``triton_stats.epilogue_args`` of C's row for 2 ``grid`` programs
-    (``grid``), no histogram, no history pointer: the consumers store their partials there."""
+    (``stats_config``, split_k == 1): ``triton_stats.epilogue_args`` of C's row for ``grid_size`` programs, no
+    histogram, no history pointer: the statistics worker of each CTA stores its partial there."""
     BM, BN, BK, stages = config[:4]
     M, K = a.shape
     N = b.shape[0]
@@ -745,15 +774,17 @@ def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, conf
     if stats is None:
         st_args, st_flags = _no_stats(scale_a), {}
     else:
-        if split or stats["HIST"] or stats["AHM_PTR"]:
-            raise ValueError("fp8_gemm_ws: statistics need split_k == 1, no histogram and no history pointer")
+        if not stats_config(config) or epi_bufs != 1 or stats["HIST"] or stats["AHM_PTR"]:
+            raise ValueError(f"fp8_gemm_ws: statistics need a stats_config ({config} is not), one TMA buffer per "
+                             "consumer, split_k == 1, no histogram and no history pointer")
         st_args = (stats["sp_ptr"], stats["cen_ptr"], stats["c_mean"], stats["c_std"], stats["k"], stats["ahm_val"])
-        st_flags = dict(STATS=True, C_PTR=stats["C_PTR"], OUT_DTYPE=_GL_OUT_DTYPE[c.dtype])
+        st_flags = dict(STATS=True, C_PTR=stats["C_PTR"], STATS_REGS=STATS_WORKER_REGS)
+    regs, maxnreg = (STATS_CONSUMER_REGS, STATS_MAXNREG) if stats is not None else (CONSUMER_REGS, MAXNREG)
     _fp8_gemm_ws_kernel[(grid_size(config, M, N, split_k, num_sms),)](
         a_desc, b_desc, c_arg, ws if split else c, scale_a, scale_b, bias if bias is not None else scale_a, M, N, K,
         split_k, 0, 0, 0, 0, 0, _dummy_i32(c.device), *st_args, HAS_BIAS=bias is not None and not split,
-        SPLIT=split, STAGES=stages, GROUP=GROUP_M, EPI_BUFS=epi_bufs, CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG, PIPE=_pipe(config), **st_flags)
+        SPLIT=split, STAGES=stages, GROUP=GROUP_M, EPI_BUFS=epi_bufs, CONSUMER_REGS=regs,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=maxnreg, PIPE=_pipe(config), **st_flags)
 
 
 def grid_size(config, M: int, N: int, split_k: int, num_sms: int) -> int:
@@ -903,11 +934,11 @@ def run(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, config=
         if config is None:
             fns = {}
             for cfg in TUNED_CONFIGS:
-                if _sched(cfg) and (split_k != 1 or stats is not None):  # stream-K: split_k == 1, no statistics
-                    continue
+                if (_sched(cfg) and split_k != 1) or (stats is not None and not stats_config(cfg)):
+                    continue  # stream-K: split_k == 1 only
                 scratch = None
                 if stats is not None:
-                    programs = 2 * grid_size(cfg, a.shape[0], b.shape[0], split_k, num_sms)
+                    programs = grid_size(cfg, a.shape[0], b.shape[0], split_k, num_sms)
                     scratch = ts.epilogue_args(ts.Target.new(c.device, hist=False), programs, scale_a)
                 fn = functools.partial(launch, a, b, c, ws, scale_a, scale_b, bias, split_k, num_sms, cfg,
                                        stats=scratch)
@@ -922,9 +953,15 @@ def run(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, config=
             config = _BEST[key] = fastest(fns)
     args = None
     if stats is not None:  # queues the row's merge: the launch must follow
-        programs = 2 * grid_size(config, a.shape[0], b.shape[0], split_k, num_sms)
+        programs = grid_size(config, a.shape[0], b.shape[0], split_k, num_sms)
         args = ts.epilogue_args(stats, programs, scale_a, later=True)
     launch(a, b, c, ws, scale_a, scale_b, bias, split_k, num_sms, config, stats=args)
+
+
+def stats_config(config) -> bool:
+    """Whether ``config`` can take a statistics row (the statistics worker reads the plain consumers' TMA buffers,
+    one of 64 x 128 per consumer)."""
+    return config[1] == 128 and len(config) > 4 and config[4] == "tma" and not _pipe(config) and not _sched(config)
 
 
 def stats_ok(stats: "ts.Target", split_k: int = 1) -> bool:

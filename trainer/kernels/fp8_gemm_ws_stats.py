@@ -1,14 +1,13 @@
-"""The statistics row of the warp-specialized FP8 GEMM's output (``fp8_gemm_ws``), taken in its consumers' epilogue.
+"""The statistics row of the warp-specialized FP8 GEMM's output (``fp8_gemm_ws``), for its statistics worker.
 
 Gluon cannot call ``triton.jit`` functions, so this is ``agent.triton_stats``' register-tile row state (``rows_zero``,
-``rows_add``, ``rows_partial``) written again in Gluon, for a consumer warpgroup's [64, SUB] tiles in the wgmma
-accumulator's layout: one bucket per tile row (row r of every tile the warpgroup stores), each tile row taken in two
-passes over the registers (its mean, then the sums of (x - mean)^k), shifted into its bucket's fp64 power sums. At the
-end each consumer reduces its buckets to one partial and stores it, field-major as ``triton_stats._store_partial``
-does, at column 2 pid + WG: ``triton_stats.merge_later`` merges the 2 x grid partials into the row (the launcher
-queues that merge with ``triton_stats.epilogue_args(later=True)``). No histogram: a step that wants one takes the row
-apart (``fp8_gemm``). Semantics are ``rows_add``'s: the fast path (a full tile whose row sums are finite) has no masks;
-edges, NaN / Inf or sums past fp32 take the masked path.
+``rows_add``, ``rows_partial``) written again in Gluon: one bucket per tile row (row r of every chunk of rows the worker
+reads), each chunk row taken in two passes over the registers (its mean, then the sums of (x - mean)^k), shifted into
+its bucket's fp64 power sums. At the end the worker reduces its buckets to one partial and stores it, field-major as
+``triton_stats._store_partial`` does, at column pid: ``triton_stats.merge_later`` merges the grid's partials into the
+row (the launcher queues that merge with ``triton_stats.epilogue_args(later=True)``). No histogram: a step that wants
+one takes the row apart (``fp8_gemm``). Semantics are ``rows_add``'s: the fast path (a full chunk whose row sums are
+finite) has no masks; edges, NaN / Inf or sums past fp32 take the masked path.
 """
 
 from __future__ import annotations
