@@ -282,31 +282,36 @@ if AVAILABLE:
                       num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, C_PTR: gl.constexpr,
                       GROUP: gl.constexpr):
         """The statistics partition (STATS): for each tile of the CTA, C's values as the consumers stored them, read
-        from their TMA buffers once handed over (``full``), 32 rows at a time (a thread takes 32 values of one row),
-        into one bucket per row (``fp8_gemm_ws_stats.rows_add``); each buffer is handed back (``free``) once read. It
-        runs while the consumers run the next tile's K loop, on warps of its own. One partial per CTA."""
+        from their TMA buffers once handed over (``full``), 16 rows at a time, each thread's 16 values of a row into
+        its own bucket (``fp8_gemm_ws_stats.rows_add``); each buffer is handed back (``free``) once read. It runs
+        while the consumers run the next tile's K loop, on warps of its own. One partial per CTA."""
         HALF: gl.constexpr = c_smem.shape[1]
         BN: gl.constexpr = c_smem.shape[2]
-        CH: gl.constexpr = 32
+        CH: gl.constexpr = 16  # rows per read: a thread takes V = 16 values of a row, G = 8 threads a row
+        G: gl.constexpr = 8
+        V: gl.constexpr = BN // G
         gl.static_assert(BN == 128, "statistics: BN = 128")
-        layout: gl.constexpr = gl.BlockedLayout([1, 32], [8, 4], [4, 1], [1, 0])
+        lay: gl.constexpr = gl.BlockedLayout([1, 1, V], [32 // G, G, 1], [4, 1, 1], [2, 1, 0])
+        seg: gl.constexpr = gl.SliceLayout(2, lay)
         lo, hi = bounds(cen_ptr, c_mean, c_std, out_k, C_PTR)
-        st = rows_zero(CH, gl.SliceLayout(1, layout))
-        r = gl.arange(0, CH, layout=gl.SliceLayout(1, layout))
-        cc = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+        st = rows_zero(CH, G, seg)
+        r = gl.arange(0, CH, layout=gl.SliceLayout(1, seg))[:, None, None]
+        cg = gl.arange(0, G, layout=gl.SliceLayout(0, seg))[None, :, None]
+        cv = gl.arange(0, V, layout=gl.SliceLayout(0, gl.SliceLayout(1, lay)))[None, None, :]
+        cc = cg * V + cv
         i = 0
         for item in range(pid, num_items, nprog):
             pid_m, pid_n, ks, k0, nk = _work_item(item, num_pid_m, num_pid_n, num_tiles, per, k_tiles, GROUP)
-            cols = pid_n * BN + cc
+            colmask = (pid_n * BN + cc) < N
             for wg in gl.static_range(2):
                 mbarrier.wait(full.index(wg), i & 1)
                 for ch in gl.static_range(HALF // CH):
                     row0 = pid_m * (2 * HALF) + wg * HALF + ch * CH
-                    x = c_smem.index(wg).slice(ch * CH, CH).load(layout).to(gl.float32)
-                    rows = row0 + r
-                    mask = (rows[:, None] < M) & (cols[None, :] < N)
-                    whole = (row0 + CH <= M) & (pid_n * BN + BN <= N)
-                    st = rows_add(st, x, mask, whole, lo, hi)
+                    x = c_smem.index(wg).reshape([HALF, G, V]).slice(ch * CH, CH).load(lay).to(gl.float32)
+                    if (row0 + CH <= M) & (pid_n * BN + BN <= N):
+                        st = rows_add(st, x, x, lo, hi, False)
+                    else:
+                        st = rows_add(st, x, ((row0 + r) < M) & colmask, lo, hi, True)
                 gl.thread_barrier()  # every thread has read the buffer
                 mbarrier.arrive(free.index(wg), count=1)
             i += 1

@@ -64,12 +64,12 @@ if AVAILABLE:
         return _round_up32(cm - lim), _round_down32(cm + lim)
 
     @gluon.jit
-    def rows_zero(ROWS: gl.constexpr, layout: gl.constexpr):
-        """The empty state of ROWS buckets in ``layout`` (a tile layout's ``SliceLayout(1, ...)``): (n, c, A1, A2,
-        A3, A4, amax, zeros, outliers, nonfinite)."""
-        zi = gl.zeros([ROWS], gl.int32, layout)
-        zd = gl.zeros([ROWS], gl.float64, layout)
-        return zi, zd, zd, zd, zd, zd, gl.zeros([ROWS], gl.float32, layout), zi, zi, zi
+    def rows_zero(R: gl.constexpr, G: gl.constexpr, layout: gl.constexpr):
+        """The empty state of R x G buckets in ``layout`` (one per thread: a [R, G, V] tile layout's
+        ``SliceLayout(2, ...)``): (n, c, A1, A2, A3, A4, amax, zeros, outliers, nonfinite)."""
+        zi = gl.zeros([R, G], gl.int32, layout)
+        zd = gl.zeros([R, G], gl.float64, layout)
+        return zi, zd, zd, zd, zd, zd, gl.zeros([R, G], gl.float32, layout), zi, zi, zi
 
     @gluon.jit
     def _inv_binade(am):
@@ -84,41 +84,38 @@ if AVAILABLE:
         return ((e.to(gl.int64) + 1023) << 52).to(gl.float64, bitcast=True)
 
     @gluon.jit
-    def rows_add(st, x, mask, full, lo, hi):
-        """The state ``st`` with the [ROWS, W] fp32 tile ``x`` added (lanes outside ``mask`` excluded; ``full``: a
-        scalar, True when every lane is inside)."""
+    def rows_add(st, x, mask, lo, hi, MASKED: gl.constexpr):
+        """The state ``st`` with the [R, G, V] fp32 tile ``x`` added, each thread's V values of a bucket at a time
+        (with MASKED, lanes outside ``mask`` excluded; NaN / Inf counted, not summed): their mean and amax first,
+        then the sums of the deviations scaled by a power of two from that amax (exact: no 4th power under- or
+        overflows fp32), shifted into the bucket's fp64 sums. Reductions stay inside a thread: no shuffles, no
+        branch."""
         n, c, A1, A2, A3, A4, amax, zeros, outl, nonfin = st
         a = gl.abs(x)
-        rs = gl.sum(x, 1)
-        ra = gl.max(a, 1)
-        if full & (gl.max(gl.where(gl.abs(rs) < float("inf"), 0, 1), 0) == 0):
-            p, e = _inv_binade(ra)
-            nr = gl.zeros_like(e) + x.shape[1]
-            ms = (rs / x.shape[1]) * p  # the row mean, scaled (exactly) as the deviations are
-            d = x * p[:, None] - ms[:, None]
-            am = ra
-            zr = gl.sum((x == 0.0).to(gl.int32), 1)
-            orr = gl.sum(((x > hi) | (x < lo)).to(gl.int32), 1)
-            nfr = gl.zeros_like(zr)
+        fin = a < float("inf")
+        if MASKED:
+            fin = fin & mask
+            nfr = gl.sum((mask & (a != a) | (mask & (a == float("inf")))).to(gl.int32), 2)
+            nr = gl.sum(fin.to(gl.int32), 2)
+            zr = gl.sum((mask & (x == 0.0)).to(gl.int32), 2)
         else:
-            fin = mask & (a < float("inf"))
-            am = gl.max(gl.where(fin, a, 0.0), 1)
-            p, e = _inv_binade(am)
-            xs = gl.where(fin, x * p[:, None], 0.0)  # |xs| < 2: no sum overflows
-            nr = gl.sum(fin.to(gl.int32), 1)
-            ms = gl.sum(xs, 1) / gl.maximum(nr, 1).to(gl.float32)
-            d = gl.where(fin, xs - ms[:, None], 0.0)
-            zr = gl.sum((mask & (x == 0.0)).to(gl.int32), 1)
-            orr = gl.sum((fin & ((x > hi) | (x < lo))).to(gl.int32), 1)
-            nfr = gl.sum((mask & ~fin).to(gl.int32), 1)
+            nfr = gl.sum((~fin).to(gl.int32), 2)
+            nr = x.shape[2] - nfr
+            zr = gl.sum((x == 0.0).to(gl.int32), 2)
+        am = gl.max(gl.where(fin, a, 0.0), 2)
+        p, e = _inv_binade(am)
+        xs = gl.where(fin, x * p[:, :, None], 0.0)
+        ms = gl.sum(xs, 2) / gl.maximum(nr, 1).to(gl.float32)
+        d = gl.where(fin, xs - ms[:, :, None], 0.0)
+        orr = gl.sum((fin & ((x > hi) | (x < lo))).to(gl.int32), 2)
         d2 = d * d
         pd = _pow2_f64(e)  # 1 / p, exactly
         mr = ms.to(gl.float64) * pd
-        r1 = gl.sum(d, 1).to(gl.float64) * pd
-        q2 = gl.sum(d2, 1).to(gl.float64) * (pd * pd)
-        q3 = gl.sum(d2 * d, 1).to(gl.float64) * (pd * pd * pd)
-        q4 = gl.sum(d2 * d2, 1).to(gl.float64) * (pd * pd * pd * pd)
-        c = gl.where(n == 0, mr, c)  # a bucket's shift: the mean of its first non-empty row
+        r1 = gl.sum(d, 2).to(gl.float64) * pd
+        q2 = gl.sum(d2, 2).to(gl.float64) * (pd * pd)
+        q3 = gl.sum(d2 * d, 2).to(gl.float64) * (pd * pd * pd)
+        q4 = gl.sum(d2 * d2, 2).to(gl.float64) * (pd * pd * pd * pd)
+        c = gl.where(n == 0, mr, c)  # a bucket's shift: the mean of its first non-empty values
         f = mr - c  # x - c = (x - mr) + f, in fp64
         k = nr.to(gl.float64)
         f2 = f * f
@@ -129,36 +126,40 @@ if AVAILABLE:
         return n + nr, c, A1, A2, A3, A4, gl.maximum(amax, am), zeros + zr, outl + orr, nonfin + nfr
 
     @gluon.jit
+    def _total(v):
+        return gl.sum(gl.sum(v, 1), 0)
+
+    @gluon.jit
     def store_partial(st, sp_ptr, col, ncols, ahm_val):
         """Reduce the buckets to one partial (their power sums moved to the common mean in fp64) and store it at
         column ``col`` of the field-major partials ``sp_ptr`` (``ncols`` columns); column 0 also holds the history
         max ``ahm_val`` (``triton_stats._merge_kernel`` reads it there)."""
         n, c, A1, A2, A3, A4, amax, zeros, outl, nonfin = st
         k = n.to(gl.float64)
-        nf = gl.sum(k, 0)
-        mu = gl.sum(k * c + A1, 0) / gl.maximum(nf, 1.0)
+        nf = _total(k)
+        mu = _total(k * c + A1) / gl.maximum(nf, 1.0)
         e = c - mu  # x - mu = (x - c) + e
         e2 = e * e
-        s1 = gl.sum(A1 + k * e, 0)
-        s2 = gl.sum(A2 + 2.0 * e * A1 + k * e2, 0)
-        s3 = gl.sum(A3 + 3.0 * e * A2 + 3.0 * e2 * A1 + k * e2 * e, 0)
-        s4 = gl.sum(A4 + 4.0 * e * A3 + 6.0 * e2 * A2 + 4.0 * e2 * e * A1 + k * e2 * e2, 0)
+        s1 = _total(A1 + k * e)
+        s2 = _total(A2 + 2.0 * e * A1 + k * e2)
+        s3 = _total(A3 + 3.0 * e * A2 + 3.0 * e2 * A1 + k * e2 * e)
+        s4 = _total(A4 + 4.0 * e * A3 + 6.0 * e2 * A2 + 4.0 * e2 * e * A1 + k * e2 * e2)
         n1 = gl.maximum(nf, 1.0)
         m = s1 / n1  # the central moments from the power sums (``triton_stats._central``)
         m2 = gl.maximum(s2 - m * s1, 0.0)
         m3 = s3 - 3.0 * m * s2 + 2.0 * nf * m * m * m
         m4 = gl.maximum(s4 - 4.0 * m * s3 + 6.0 * m * m * s2 - 3.0 * nf * m * m * m * m, 0.0)
-        nfin = gl.sum(n, 0).to(gl.float64)
-        nonf = gl.sum(nonfin, 0).to(gl.float64)
+        nfin = _total(n).to(gl.float64)
+        nonf = _total(nonfin).to(gl.float64)
         pp = sp_ptr + col
         gl.store(pp + _P_N * ncols, nfin)
         gl.store(pp + _P_NUMEL * ncols, nfin + nonf)
         gl.store(pp + _P_NONFIN * ncols, nonf)
-        gl.store(pp + _P_ZEROS * ncols, gl.sum(zeros, 0).to(gl.float64))
-        gl.store(pp + _P_OUTL * ncols, gl.sum(outl, 0).to(gl.float64))
+        gl.store(pp + _P_ZEROS * ncols, _total(zeros).to(gl.float64))
+        gl.store(pp + _P_OUTL * ncols, _total(outl).to(gl.float64))
         gl.store(pp + _P_UNDER * ncols, nfin * 0.0)
         gl.store(pp + _P_OVER * ncols, nfin * 0.0)
-        gl.store(pp + _P_AMAX * ncols, gl.max(amax, 0).to(gl.float64))
+        gl.store(pp + _P_AMAX * ncols, gl.max(gl.max(amax, 1), 0).to(gl.float64))
         gl.store(pp + _P_MEAN * ncols, mu + m)
         gl.store(pp + _P_M2 * ncols, m2)
         gl.store(pp + _P_M3 * ncols, m3)
