@@ -67,7 +67,7 @@ try:
                                                                        warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     AVAILABLE = hasattr(gl, "warp_specialize")
-    from .fp8_gemm_ws_stats import bounds, rows_add, rows_zero, store_partial
+    from .fp8_gemm_ws_stats import all_finite, bounds, rows_add, rows_zero, store_partial
 except Exception:  # pragma: no cover - Triton without Gluon's Hopper API
     AVAILABLE = False
 
@@ -110,8 +110,8 @@ PRODUCER_REGS = 40
 # With the statistics worker (STATS), four warpgroups under a 128-register launch limit: 184 + 184 + 40 + 104 = 4 * 128
 # (the BN = 128 consumers hold 64 accumulator and 64 temporary registers).
 STATS_MAXNREG = 128
-STATS_CONSUMER_REGS = 184
-STATS_WORKER_REGS = 104
+STATS_CONSUMER_REGS = 168
+STATS_WORKER_REGS = 136
 
 
 def supported(a: torch.Tensor) -> bool:
@@ -308,9 +308,9 @@ if AVAILABLE:
                 for ch in gl.static_range(HALF // CH):
                     row0 = pid_m * (2 * HALF) + wg * HALF + ch * CH
                     x = c_smem.index(wg).reshape([HALF, G, V]).slice(ch * CH, CH).load(lay).to(gl.float32)
-                    if (row0 + CH <= M) & (pid_n * BN + BN <= N):
+                    if (row0 + CH <= M) & (pid_n * BN + BN <= N) & all_finite(x):
                         st = rows_add(st, x, x, lo, hi, False)
-                    else:
+                    else:  # edges, NaN / Inf
                         st = rows_add(st, x, ((row0 + r) < M) & colmask, lo, hi, True)
                 gl.thread_barrier()  # every thread has read the buffer
                 mbarrier.arrive(free.index(wg), count=1)

@@ -84,30 +84,35 @@ if AVAILABLE:
         return ((e.to(gl.int64) + 1023) << 52).to(gl.float64, bitcast=True)
 
     @gluon.jit
-    def rows_add(st, x, mask, lo, hi, MASKED: gl.constexpr):
-        """The state ``st`` with the [R, G, V] fp32 tile ``x`` added, each thread's V values of a bucket at a time
-        (with MASKED, lanes outside ``mask`` excluded; NaN / Inf counted, not summed): their mean and amax first,
-        then the sums of the deviations scaled by a power of two from that amax (exact: no 4th power under- or
-        overflows fp32), shifted into the bucket's fp64 sums. Reductions stay inside a thread: no shuffles, no
-        branch."""
+    def rows_add(st, x, mask, lo, hi, CAREFUL: gl.constexpr):
+        """The state ``st`` with the [R, G, V] fp32 tile ``x`` added, each thread's V values of a bucket at a time:
+        their mean and amax first, then the sums of the deviations scaled by a power of two from that amax (exact: no
+        4th power under- or overflows fp32), shifted into the bucket's fp64 sums. Reductions stay inside a thread.
+        CAREFUL: lanes outside ``mask`` excluded, NaN / Inf counted and not summed; else every value is inside and
+        finite (``all_finite``) and ``mask`` is unused."""
         n, c, A1, A2, A3, A4, amax, zeros, outl, nonfin = st
-        a = gl.abs(x)
-        fin = a < float("inf")
-        if MASKED:
-            fin = fin & mask
-            nfr = gl.sum((mask & (a != a) | (mask & (a == float("inf")))).to(gl.int32), 2)
+        if CAREFUL:
+            a = gl.abs(x)
+            fin = mask & (a < float("inf"))
+            nfr = gl.sum((mask & ~(a < float("inf"))).to(gl.int32), 2)
             nr = gl.sum(fin.to(gl.int32), 2)
             zr = gl.sum((mask & (x == 0.0)).to(gl.int32), 2)
+            am = gl.max(gl.where(fin, a, 0.0), 2)
+            p, e = _inv_binade(am)
+            xs = gl.where(fin, x * p[:, :, None], 0.0)
+            ms = gl.sum(xs, 2) / gl.maximum(nr, 1).to(gl.float32)
+            d = gl.where(fin, xs - ms[:, :, None], 0.0)
+            orr = gl.sum((fin & ((x > hi) | (x < lo))).to(gl.int32), 2)
         else:
-            nfr = gl.sum((~fin).to(gl.int32), 2)
-            nr = x.shape[2] - nfr
+            nr = gl.full(amax.shape, x.shape[2], gl.int32, amax.type.layout)
+            nfr = nr * 0
             zr = gl.sum((x == 0.0).to(gl.int32), 2)
-        am = gl.max(gl.where(fin, a, 0.0), 2)
-        p, e = _inv_binade(am)
-        xs = gl.where(fin, x * p[:, :, None], 0.0)
-        ms = gl.sum(xs, 2) / gl.maximum(nr, 1).to(gl.float32)
-        d = gl.where(fin, xs - ms[:, :, None], 0.0)
-        orr = gl.sum((fin & ((x > hi) | (x < lo))).to(gl.int32), 2)
+            am = gl.max(gl.abs(x), 2)
+            p, e = _inv_binade(am)
+            xs = x * p[:, :, None]
+            ms = gl.sum(xs, 2) * (1.0 / x.shape[2])  # exact: V is a power of two
+            d = xs - ms[:, :, None]
+            orr = gl.sum(((x > hi) | (x < lo)).to(gl.int32), 2)
         d2 = d * d
         pd = _pow2_f64(e)  # 1 / p, exactly
         mr = ms.to(gl.float64) * pd
@@ -124,6 +129,13 @@ if AVAILABLE:
         A2 += q2 + 2.0 * f * r1 + k * f2
         A1 += r1 + k * f
         return n + nr, c, A1, A2, A3, A4, gl.maximum(amax, am), zeros + zr, outl + orr, nonfin + nfr
+
+    @gluon.jit
+    def all_finite(x):
+        """Whether every value of the tile ``x`` (all of the calling partition's threads) is finite: x * 0 is 0 for
+        finite x and NaN for NaN / Inf, so one sum per thread, then one reduction across the partition."""
+        bad = gl.where(gl.sum(x * 0.0, 2) == 0.0, 0, 1)
+        return gl.max(gl.max(bad, 1), 0) == 0
 
     @gluon.jit
     def _total(v):
