@@ -12,11 +12,7 @@ rows), device time of eager launches queued back to back (``trainer.kernels.timi
   read+hist   ``plain``, then the standalone kernel reads the result (``triton_stats.rows``): what
               ``Fp8Linear`` does with ``OUTPUT_STATS = "read"``
   read        the same without the histogram
-and each statistics time as a multiple of ``plain``. ``--ws``: instead, the warp-specialized kernel (``impl="ws"``, what
-the wgrads run), without statistics (ws), with its statistics epilogue (ws+stats, ``fp8_gemm_ws_stats``) and followed by
-the standalone kernel's read of C (ws+read, what the agent's grad_weight hook does), all without the histogram and
-with the merge of the row (``triton_stats.merge_later``) in each call; and ws@cfg, the config the statistics variant
-was tuned to, without statistics. The compiled statistics kernel's registers and spills are
+and each statistics time as a multiple of ``plain``. The compiled statistics kernel's registers and spills are
 printed where Triton reports them. ``--host``: instead, the host time per call of plain, stats and read (200 calls
 queued back to back, median of ``--rounds`` rounds, interleaved): what each costs a host-bound step.
 """
@@ -24,7 +20,6 @@ queued back to back, median of ``--rounds`` rounds, interleaved): what each cost
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from pathlib import Path
 
@@ -62,7 +57,6 @@ def main(argv=None) -> int:
     p.add_argument("--kinds", default="fwd,wgrad")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--host", action="store_true", help="host time per call instead of device time")
-    p.add_argument("--ws", action="store_true", help="the warp-specialized kernel's epilogue against a read of C")
     args = p.parse_args(argv)
     from agent import triton_stats as ts
     from trainer.kernels import fp8_gemm
@@ -92,39 +86,6 @@ def main(argv=None) -> int:
 
         fns = {"plain": run, "tma": lambda: run("tma"), "st+hist": lambda: run(hist=True),
                "stats": lambda: run(hist=False), "read+hist": lambda: read(True), "read": lambda: read(False)}
-        if args.ws:
-            importlib.import_module("trainer.kernels.fp8_gemm").WS_STATS = True  # (opt-in in the trainer)
-            fmt = "e5m2" if kind == "wgrad" else None  # grad_weight's format (the agent's default), none for outputs
-
-            def ws(stats: bool):
-                tgt = ts.Target(rows, 0, False, center, hist=False, fmt=fmt) if stats else None
-                y = fp8_gemm(a, b, sa, sb, out_dtype=od, fast_accum=False, impl="ws", stats=tgt)
-                ts.merge_later()
-                return y
-
-            def ws_read():
-                y = ws(False)
-                ts.rows([y], fmt=fmt, center=[center], hist=False, out=rows, index=[0], merge=[False])
-                ts.merge_later()
-                return y
-
-            ws(True)  # tunes the statistics variant: its config, also timed without statistics (ws@cfg)
-            W = importlib.import_module("trainer.kernels.fp8_gemm_ws")
-            cfg = W._BEST[W._tune_key(a, b, ws(False), None, 1) + (True,)]
-            sms = torch.cuda.get_device_properties(dev).multi_processor_count
-
-            def ws_at_cfg():
-                c = torch.empty(M, N, dtype=od, device=dev)
-                W.launch(a, b, c, None, sa, sb, None, 1, sms, cfg)
-                return c
-
-            t = device_medians({"ws": lambda: ws(False), "ws@cfg": ws_at_cfg, "ws+stats": lambda: ws(True),
-                                "ws+read": ws_read}, rounds=args.rounds)
-            base = t["ws"]
-            print(f"{label:12s} {kind:5s} {M:6d}x{N:6d}x{K:6d} ws {base * 1e3:6.1f} us, " + ", ".join(
-                f"{k} {t[k] * 1e3:6.1f} ({t[k] / base:.3f}x)" for k in ("ws@cfg", "ws+stats", "ws+read"))
-                  + f"  stats config {cfg}", flush=True)
-            continue
         if args.host:
             # host microseconds per call (200 calls queued back to back), median over interleaved rounds
             t = _medians({k: fns[k] for k in ("plain", "stats", "read")}, args.rounds, host_us)

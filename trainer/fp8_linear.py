@@ -262,33 +262,6 @@ class _State:
             self.side_stats(site, y)
         return y
 
-    def wgrad(self, qg_t, qx_t, sg, sx, w_dtype) -> torch.Tensor:
-        """dW = Gᵀ x in the weight's dtype. Where it becomes weight.grad as it is (fp32, no gradient accumulated yet this
-        step) and the warp-specialized GEMM can take its row, its epilogue writes the agent's grad_weight row
-        (``FusedLink.grad_weight_target``); otherwise the agent's hook reads weight.grad (see the module docstring)."""
-        link = self.link
-        target = None
-        if self.backend == "triton" and link is not None and link.grad_by_cast and w_dtype == torch.float32 and \
-                self.weight.grad is None and _GEMM_STATS["ok"]:
-            from .kernels.fp8_gemm import ws_stats_runs
-
-            if ws_stats_runs(qg_t, qx_t, torch.float32, link.hist):
-                target = link.grad_weight_target(qg_t.device)
-        if target is None:
-            dw = self.gemm(qg_t, qx_t, sg, sx, torch.float32, False)
-            return dw if w_dtype == torch.float32 else dw.to(w_dtype)
-        from .kernels import fp8_gemm
-
-        try:
-            dw = fp8_gemm(qg_t, qx_t, sg, sx, out_dtype=torch.float32, fast_accum=False, impl="ws", stats=target)
-        except Exception as exc:  # must not stop training: the hook reads weight.grad, replacing the row
-            _GEMM_STATS["ok"] = False
-            log.error("FP8 wgrad with fused statistics failed (%r); computing grad_weight statistics apart from now on",
-                      exc)
-            return self.gemm(qg_t, qx_t, sg, sx, torch.float32, False)
-        link.took_grad_weight(dw, target)
-        return dw
-
     def side_stats(self, site: str, value: torch.Tensor, defer: bool = False) -> None:
         """The row of ``value`` for the agent, computed apart from any kernel of the layer (``defer``: by the next
         statistics launch, ``triton_stats.defer``)."""
@@ -351,7 +324,7 @@ class _Fp8LinearFn(torch.autograd.Function):
                 if need_dx:  # (M, N) @ (N, K): B = Wᵀ stored (K, N)
                     dx = state.gemm(qg, qw_t, sg, sw, ctx.x_dtype, False).reshape(*ctx.lead, -1)
                 if need_dw:  # (N, M) @ (M, K): A = Gᵀ (N, M), B = xᵀ stored (K, M)
-                    dw = state.wgrad(qg_t, qx_t, sg, sx, ctx.w_dtype)
+                    dw = _wgrad(state, qg_t, qx_t, sg, sx, ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g2.to(torch.float32).sum(0).to(ctx.b_dtype)
         return dx, dw, db, None, None, None, None
@@ -368,6 +341,12 @@ def _unsaturated(x2d: torch.Tensor, r, fmt: Fp8Format, want_t: bool):
     return r._replace(data=data, data_t=data.t() if want_t else None)
 
 
+def _wgrad(state: _State, qg_t, qx_t, sg, sx, w_dtype) -> torch.Tensor:
+    """dW in the weight's dtype (its grad_weight row comes from the agent's hook: see the module docstring)."""
+    dw = state.gemm(qg_t, qx_t, sg, sx, torch.float32, False)
+    return dw if w_dtype == torch.float32 else dw.to(w_dtype)
+
+
 class Fp8Linear(nn.Module):
     """Drop-in for ``nn.Linear`` (weight (out, in), optional bias) with FP8 GEMMs (see module docstring).
 
@@ -378,7 +357,6 @@ class Fp8Linear(nn.Module):
 
     fp8mon_linear = True
     fp8mon_reported_sites = SITES + GEMM_SITES  # by the quantize kernels and the layer's own output row (docstring)
-    fp8mon_grad_weight_by_cast = True  # the wgrad GEMM's epilogue may take grad_weight's row (``_State.wgrad``)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, recipe: Fp8Recipe = Fp8Recipe(),
                  device=None, dtype=None):

@@ -385,25 +385,8 @@ AUTO_CANDIDATES = ["ptr", "tma"]  # timed by impl="auto"; "tma_ws" (Triton warp 
 
 
 def _ws_ok(a, b, out_dtype, fast_accum: bool, stats) -> bool:
-    """Where impl "ws" (fp8_gemm_ws, Gluon, sm90) runs: precise accumulation, TMA alignment, and a statistics row
-    only as its epilogue takes one (``ws_stats_ok``)."""
-    return not fast_accum and (stats is None or ws_stats_ok(stats)) and _ws.supported(a) and _tma_ok(a, b, out_dtype)
-
-
-# Whether the warp-specialized kernel takes a statistics row in its epilogue (fp8_gemm_ws_stats); off: a GEMM asked for
-# one runs on the TMA kernel's epilogue.
-WS_STATS = os.environ.get("FP8MON_WS_STATS", "0") == "1"
-
-
-def ws_stats_ok(stats: "ts.Target") -> bool:
-    """Whether impl "ws" takes ``stats``' row in its epilogue (``WS_STATS``, ``fp8_gemm_ws.stats_ok``)."""
-    return WS_STATS and _ws.stats_ok(stats)
-
-
-def ws_stats_runs(a: torch.Tensor, b: torch.Tensor, out_dtype, hist: bool) -> bool:
-    """Whether ``fp8_gemm(a, b, ..., fast_accum=False, impl="ws", stats=t)``, for a target t with ``hist`` and no
-    history max, runs on the warp-specialized kernel with its statistics epilogue (the row costs no read of C)."""
-    return WS_STATS and not hist and ts.FUSED_MERGE == "later" and _ws.supported(a) and _tma_ok(a, b, out_dtype)
+    """Where impl "ws" (fp8_gemm_ws, Gluon, sm90) runs: precise accumulation, no statistics epilogue, TMA alignment."""
+    return not fast_accum and stats is None and _ws.supported(a) and _tma_ok(a, b, out_dtype)
 
 
 def _pick_impl(a, b, scale_a, scale_b, out_dtype, bias, fast_accum) -> str:
@@ -494,7 +477,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
         raise ValueError(f"unknown impl {impl!r}")
     if impl == "ws" and not _ws_ok(a, b, out_dtype, fast_accum, stats):
         impl = "tma" if _tma_ok(a, b, out_dtype) else "ptr"
-    if impl == "ws" and (split_k is None or stats is not None):  # stream-K fills the GPU (no workspace split)
+    if impl == "ws" and split_k is None:  # few tiles: its stream-K configs fill the GPU (no workspace split)
         split_k = 1
     if impl == "tma_ws" and stats is not None:  # the statistics' loop-carried partial: no warp specialization
         impl = "tma"
@@ -509,12 +492,11 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
         fp8_gemm(a, b, scale_a, scale_b, out_dtype, bias, fast_accum, impl, None, 1)
     flags = dict(KEY=key, HAS_BIAS=has_bias, FAST_ACC=fast_accum, SOFT_ROUND=INTERPRET, SPLIT_K=split_k)
     num_sms = _num_sms(a.device)
-    if impl == "ws":
-        _ws.run(a, b, c, ws, scale_a, scale_b, bias, split_k, num_sms, stats=stats)
-        return c
     programs = _max_programs(M, N, impl, config, num_sms) if stats is not None and ws is None else 0
     flags.update(_stats_args(stats if ws is None else None, programs, scale_a))
-    if impl == "ptr":
+    if impl == "ws":
+        _ws.run(a, b, c, ws, scale_a, scale_b, bias, split_k, num_sms)
+    elif impl == "ptr":
         args = (a, b, c if ws is None else ws, scale_a, scale_b, bias_arg, M, N, K, a.stride(0), b.stride(0),
                 c.stride(0))
         if config is None:

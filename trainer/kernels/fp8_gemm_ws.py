@@ -55,8 +55,6 @@ import warnings
 
 import torch
 
-from agent import triton_stats as ts
-
 from .quantize import cdiv
 from .timing import fastest
 
@@ -67,7 +65,6 @@ try:
                                                                        warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     AVAILABLE = hasattr(gl, "warp_specialize")
-    from .fp8_gemm_ws_stats import all_finite, bounds, rows_add, rows_zero, store_partial
 except Exception:  # pragma: no cover - Triton without Gluon's Hopper API
     AVAILABLE = False
 
@@ -107,11 +104,6 @@ GROUP_M = 8
 MAXNREG = 168
 CONSUMER_REGS = 232
 PRODUCER_REGS = 40
-# With the statistics worker (STATS), four warpgroups under a 128-register launch limit: 184 + 184 + 40 + 104 = 4 * 128
-# (the BN = 128 consumers hold 64 accumulator and 64 temporary registers).
-STATS_MAXNREG = 128
-STATS_CONSUMER_REGS = 168
-STATS_WORKER_REGS = 136
 
 
 def supported(a: torch.Tensor) -> bool:
@@ -238,13 +230,11 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer(a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid, nprog,
-                  num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, full, free, WG: gl.constexpr,
-                  HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
-                  EPI_BUFS: gl.constexpr, STATS: gl.constexpr):
+                  num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, WG: gl.constexpr, HAS_BIAS: gl.constexpr,
+                  SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, EPI_BUFS: gl.constexpr):
         """Consumer warpgroup WG: rows [64 WG, 64 WG + 64) of every tile. With BN = 256 the columns run as two
         128-wide wgmma chains into one temporary (acc0/acc1 + temporary = 192 registers; two 256-wide sets would
-        not fit). STATS (BN = 128, one TMA buffer): each tile's buffer is handed to ``_stats_worker`` (``full``) and
-        written again only once it has read it (``free``)."""
+        not fit)."""
         BM: gl.constexpr = a_smem.shape[1]
         BN: gl.constexpr = b_smem.shape[1]
         HALF: gl.constexpr = BM // 2
@@ -256,66 +246,19 @@ if AVAILABLE:
         # the wgmma temporary: loop-carried so that it keeps its registers (use_acc=False ignores its value)
         part = gl.zeros((HALF, SUB), gl.float32, layout)
         c = 0
-        t = 0
         for item in range(pid, num_items, nprog):
             pid_m, pid_n, ks, k0, nk = _work_item(item, num_pid_m, num_pid_n, num_tiles, per, k_tiles, GROUP)
             acc0, acc1, part, c = _kloop_plain(a_smem, b_smem, ready, empty, gl.zeros((HALF, SUB), gl.float32, layout),
                                                gl.zeros((HALF, SUB), gl.float32, layout), part, c, nk, WG, STAGES)
             row0 = pid_m * BM + WG * HALF
-            if STATS:  # the statistics worker has read this buffer's last tile
-                mbarrier.wait(free.index(WG), (t & 1) ^ 1)
             # with EPI_BUFS > 0, c_ptr is C's TMA descriptor, block (HALF, SUB)
             _store_sub(acc0, c_ptr, ws_ptr, c_smem, WG * EPI_BUFS, scale, bias_ptr, M, N, ks, row0, pid_n * BN,
                        HAS_BIAS, SPLIT, EPI_BUFS, layout)
-            if STATS:
-                gl.thread_barrier()  # every thread's part of the tile is in the buffer
-                mbarrier.arrive(full.index(WG), count=1)
-                t += 1
             if BN > SUB:
                 _store_sub(acc1, c_ptr, ws_ptr, c_smem, WG * EPI_BUFS + EPI_BUFS - 1, scale, bias_ptr, M, N, ks, row0,
                            pid_n * BN + SUB, HAS_BIAS, SPLIT, EPI_BUFS, layout)
         if EPI_BUFS > 0:
             tma.store_wait(0)  # the buffers must outlive the stores reading them
-
-    @gluon.jit
-    def _stats_worker(c_smem, full, free, sp_ptr, cen_ptr, c_mean, c_std, out_k, ahm_val, M, N, pid, nprog,
-                      num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, C_PTR: gl.constexpr,
-                      GROUP: gl.constexpr):
-        """The statistics partition (STATS): for each tile of the CTA, C's values as the consumers stored them, read
-        from their TMA buffers once handed over (``full``), 16 rows at a time, each thread's 16 values of a row into
-        its own bucket (``fp8_gemm_ws_stats.rows_add``); each buffer is handed back (``free``) once read. It runs
-        while the consumers run the next tile's K loop, on warps of its own. One partial per CTA."""
-        HALF: gl.constexpr = c_smem.shape[1]
-        BN: gl.constexpr = c_smem.shape[2]
-        CH: gl.constexpr = 16  # rows per read: a thread takes V = 16 values of a row, G = 8 threads a row
-        G: gl.constexpr = 8
-        V: gl.constexpr = BN // G
-        gl.static_assert(BN == 128, "statistics: BN = 128")
-        lay: gl.constexpr = gl.BlockedLayout([1, 1, V], [32 // G, G, 1], [4, 1, 1], [2, 1, 0])
-        seg: gl.constexpr = gl.SliceLayout(2, lay)
-        lo, hi = bounds(cen_ptr, c_mean, c_std, out_k, C_PTR)
-        st = rows_zero(CH, G, seg)
-        r = gl.arange(0, CH, layout=gl.SliceLayout(1, seg))[:, None, None]
-        cg = gl.arange(0, G, layout=gl.SliceLayout(0, seg))[None, :, None]
-        cv = gl.arange(0, V, layout=gl.SliceLayout(0, gl.SliceLayout(1, lay)))[None, None, :]
-        cc = cg * V + cv
-        i = 0
-        for item in range(pid, num_items, nprog):
-            pid_m, pid_n, ks, k0, nk = _work_item(item, num_pid_m, num_pid_n, num_tiles, per, k_tiles, GROUP)
-            colmask = (pid_n * BN + cc) < N
-            for wg in gl.static_range(2):
-                mbarrier.wait(full.index(wg), i & 1)
-                for ch in gl.static_range(HALF // CH):
-                    row0 = pid_m * (2 * HALF) + wg * HALF + ch * CH
-                    x = c_smem.index(wg).reshape([HALF, G, V]).slice(ch * CH, CH).load(lay).to(gl.float32)
-                    if (row0 + CH <= M) & (pid_n * BN + BN <= N) & all_finite(x):
-                        st = rows_add(st, x, x, lo, hi, False)
-                    else:  # edges, NaN / Inf
-                        st = rows_add(st, x, ((row0 + r) < M) & colmask, lo, hi, True)
-                gl.thread_barrier()  # every thread has read the buffer
-                mbarrier.arrive(free.index(wg), count=1)
-            i += 1
-        store_partial(st, sp_ptr, pid, nprog, ahm_val)
 
     @gluon.jit
     def _pipe_step(a_smem, b_smem, ready, empty, acc0, pending, into, s, c, WG: gl.constexpr, STAGES: gl.constexpr):
@@ -583,27 +526,20 @@ if AVAILABLE:
 
     @gluon.jit
     def _fp8_gemm_ws_kernel(a_desc, b_desc, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, split_k,
-                            dp_tiles, sk_x, sk_tails, sk_base, sk_rem, flags_ptr, sp_ptr, cen_ptr, c_mean, c_std,
-                            out_k, ahm_val, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr,
-                            GROUP: gl.constexpr, EPI_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                            PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, PIPE: gl.constexpr = False,
-                            SK: gl.constexpr = False, TRACE: gl.constexpr = False, STATS: gl.constexpr = False,
-                            C_PTR: gl.constexpr = False, STATS_REGS: gl.constexpr = 0):
+                            dp_tiles, sk_x, sk_tails, sk_base, sk_rem, flags_ptr,
+                            HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
+                            EPI_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                            num_warps: gl.constexpr, PIPE: gl.constexpr = False, SK: gl.constexpr = False,
+                            TRACE: gl.constexpr = False):
         """EPI_BUFS > 0: TMA epilogue with EPI_BUFS shared-memory buffers per consumer and ``c_ptr`` C's tensor
         descriptor (block BM // 2 x min(BN, 128)); EPI_BUFS == 0: masked pointer stores. PIPE: ``_consumer_pipe``
         (BN = 128), else ``_consumer`` (BN 64, 128 or 256). SK: stream-K (``_consumer_sk``; ws_ptr: nprog x BM x
         BN fp32 slots, flags_ptr: 2 nprog int32 zeros; dp_tiles / sk_x / sk_tails / sk_base / sk_rem as in the
-        comment above ``_sk_lo``); else dp_tiles, sk_x, sk_tails, sk_base, sk_rem and flags_ptr are unused. STATS
-        (``_consumer``, BN = 128, EPI_BUFS == 1, whole K): a fourth partition, ``_stats_worker`` (4 warps, STATS_REGS
-        registers), takes C's statistics row from the consumers' TMA buffers, one partial per CTA into the
-        field-major ``sp_ptr`` (nprog columns), outliers about the center (c_mean, c_std) or ``cen_ptr``'s two fp64
-        (C_PTR); sp_ptr, cen_ptr, c_mean, c_std, out_k and ahm_val are unused otherwise."""
+        comment above ``_sk_lo``); else dp_tiles, sk_x, sk_tails, sk_base, sk_rem and flags_ptr are unused."""
         BM: gl.constexpr = a_desc.block_type.shape[0]
         BK: gl.constexpr = a_desc.block_type.shape[1]
         BN: gl.constexpr = b_desc.block_type.shape[0]
         gl.static_assert(BM == 128 and num_warps == 4, "two 64-row consumer warpgroups")
-        gl.static_assert(not STATS or (not SK and not SPLIT and not PIPE and EPI_BUFS == 1 and BN == 128),
-                         "statistics: the plain consumer, BN = 128, one TMA buffer each, whole K")
         a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
         b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -615,15 +551,6 @@ if AVAILABLE:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
-        if STATS:  # per consumer: its TMA buffer holds a tile for the statistics worker / the worker has read it
-            full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(2):
-                mbarrier.init(full.index(i), count=1)
-                mbarrier.init(free.index(i), count=1)
-        else:
-            full = ready  # unused
-            free = empty
 
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
@@ -657,27 +584,14 @@ if AVAILABLE:
                 (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n, num_tiles,
                              num_items, per, k_tiles, STAGES, GROUP)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-        elif STATS:
-            gl.warp_specialize([
-                (_consumer, (a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid,
-                             nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, full, free, WG0,
-                             HAS_BIAS, SPLIT, STAGES, GROUP, EPI_BUFS, True)),
-                (_consumer, (a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid,
-                             nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, full, free, WG1,
-                             HAS_BIAS, SPLIT, STAGES, GROUP, EPI_BUFS, True)),
-                (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n, num_tiles,
-                             num_items, per, k_tiles, STAGES, GROUP)),
-                (_stats_worker, (c_smem, full, free, sp_ptr, cen_ptr, c_mean, c_std, out_k, ahm_val, M, N, pid, nprog,
-                                 num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, C_PTR, GROUP)),
-            ], [4, 1, 4], [CONSUMER_REGS, PRODUCER_REGS, STATS_REGS])
         else:
             gl.warp_specialize([
                 (_consumer, (a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid,
-                             nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, full, free, WG0,
-                             HAS_BIAS, SPLIT, STAGES, GROUP, EPI_BUFS, False)),
+                             nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, WG0, HAS_BIAS, SPLIT,
+                             STAGES, GROUP, EPI_BUFS)),
                 (_consumer, (a_smem, b_smem, c_smem, ready, empty, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid,
-                             nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, full, free, WG1,
-                             HAS_BIAS, SPLIT, STAGES, GROUP, EPI_BUFS, False)),
+                             nprog, num_pid_m, num_pid_n, num_tiles, num_items, per, k_tiles, WG1, HAS_BIAS, SPLIT,
+                             STAGES, GROUP, EPI_BUFS)),
                 (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n, num_tiles,
                              num_items, per, k_tiles, STAGES, GROUP)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -742,14 +656,12 @@ def _epilogue(config, c, split_k: int) -> int:
 
 
 def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, config=CONFIGS[0],
-           sk_tails: int | None = None, trace: bool = False, stats: dict | None = None):
+           sk_tails: int | None = None, trace: bool = False):
     """Runs the kernel: C (split_k == 1) or the (split_k, M, N) fp32 workspace ``ws`` (split_k > 1, unscaled,
     no bias) from a (M, K) and b (N, K); ``config`` is one of ``CONFIGS``. Stream-K configs (``_sched``) need
     split_k == 1 and use a workspace (grid BM x BN fp32 slots) and flags kept per device and stream; ``sk_tails``
     overrides their tail count (``_sk_params``). ``trace`` (stream-K only; benches): returns a (grid, 16) int32
-    tensor of per-CTA GPU timer stamps in ns (``_TRACE_POINTS``), from a launch with its own flags. ``stats``
-    (``stats_config``, split_k == 1): ``triton_stats.epilogue_args`` of C's row for ``grid_size`` programs, no
-    histogram, no history pointer: the statistics worker of each CTA stores its partial there."""
+    tensor of per-CTA GPU timer stamps in ns (``_TRACE_POINTS``), from a launch with its own flags."""
     BM, BN, BK, stages = config[:4]
     M, K = a.shape
     N = b.shape[0]
@@ -767,39 +679,21 @@ def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, conf
             flags = torch.zeros(2 * grid + 16 * grid, dtype=torch.int32, device=c.device)
         _fp8_gemm_ws_kernel[(grid,)](
             a_desc, b_desc, c, ws_arg, scale_a, scale_b, bias if bias is not None else scale_a, M, N, K, 1,
-            dp_tiles, sk_x, sk_tails, sk_base, sk_rem, flags, *_no_stats(scale_a), HAS_BIAS=bias is not None, SPLIT=False, STAGES=stages,
+            dp_tiles, sk_x, sk_tails, sk_base, sk_rem, flags, HAS_BIAS=bias is not None, SPLIT=False, STAGES=stages,
             GROUP=GROUP_M, EPI_BUFS=0, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
             maxnreg=MAXNREG, PIPE=_pipe(config), SK=True, TRACE=trace)
         return flags[2 * grid:].view(grid, 16) if trace else None
+    items = tiles * split_k
     split = split_k > 1
     epi_bufs = _epilogue(config, c, split_k)
     c_arg = c
     if epi_bufs:
         c_arg = _descriptor(c, (BM // 2, min(BN, 128)))
-    if stats is None:
-        st_args, st_flags = _no_stats(scale_a), {}
-    else:
-        if not stats_config(config) or epi_bufs != 1 or stats["HIST"] or stats["AHM_PTR"]:
-            raise ValueError(f"fp8_gemm_ws: statistics need a stats_config ({config} is not), one TMA buffer per "
-                             "consumer, split_k == 1, no histogram and no history pointer")
-        st_args = (stats["sp_ptr"], stats["cen_ptr"], stats["c_mean"], stats["c_std"], stats["k"], stats["ahm_val"])
-        st_flags = dict(STATS=True, C_PTR=stats["C_PTR"], STATS_REGS=STATS_WORKER_REGS)
-    regs, maxnreg = (STATS_CONSUMER_REGS, STATS_MAXNREG) if stats is not None else (CONSUMER_REGS, MAXNREG)
-    _fp8_gemm_ws_kernel[(grid_size(config, M, N, split_k, num_sms),)](
+    _fp8_gemm_ws_kernel[(min(items, num_sms),)](
         a_desc, b_desc, c_arg, ws if split else c, scale_a, scale_b, bias if bias is not None else scale_a, M, N, K,
-        split_k, 0, 0, 0, 0, 0, _dummy_i32(c.device), *st_args, HAS_BIAS=bias is not None and not split,
-        SPLIT=split, STAGES=stages, GROUP=GROUP_M, EPI_BUFS=epi_bufs, CONSUMER_REGS=regs,
-        PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=maxnreg, PIPE=_pipe(config), **st_flags)
-
-
-def grid_size(config, M: int, N: int, split_k: int, num_sms: int) -> int:
-    """The grid of a data-parallel (not stream-K) launch: one CTA per work item, at most one per SM."""
-    return min(cdiv(M, config[0]) * cdiv(N, config[1]) * split_k, num_sms)
-
-
-def _no_stats(like):
-    """The statistics arguments of a launch without them (never read)."""
-    return like, like, 0.0, 0.0, 0.0, 0.0
+        split_k, 0, 0, 0, 0, 0, _dummy_i32(c.device), HAS_BIAS=bias is not None and not split, SPLIT=split,
+        STAGES=stages, GROUP=GROUP_M, EPI_BUFS=epi_bufs, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=4, maxnreg=MAXNREG, PIPE=_pipe(config))
 
 
 # What ``launch(trace=True)`` stamps per CTA (consumer 0): slot 0 its start; per work item i (items past the third
@@ -927,26 +821,18 @@ def _tune_key(a, b, c, bias, split_k):
     return (tuple(a.shape), tuple(b.shape), a.dtype, b.dtype, c.dtype, bias is not None, split_k, a.device)
 
 
-def run(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, config=None,
-        stats: "ts.Target | None" = None) -> None:
+def run(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, config=None) -> None:
     """``launch`` with ``config``, or with the fastest of ``TUNED_CONFIGS`` for this shape (timed on the first call of
-    each shape / dtype / flag combination, like Triton's autotuner: that call synchronizes). ``stats``: also C's row
-    into that target (``stats_ok``), merged by the next ``triton_stats.merge_later``; the configs are then timed
-    with the statistics, into a scratch target."""
+    each shape / dtype / flag combination, like Triton's autotuner: that call synchronizes)."""
     if config is None:
-        key = _tune_key(a, b, c, bias, split_k) + (stats is not None,)
+        key = _tune_key(a, b, c, bias, split_k)
         config = _BEST.get(key)
         if config is None:
             fns = {}
             for cfg in TUNED_CONFIGS:
-                if (_sched(cfg) and split_k != 1) or (stats is not None and not stats_config(cfg)):
-                    continue  # stream-K: split_k == 1 only
-                scratch = None
-                if stats is not None:
-                    programs = grid_size(cfg, a.shape[0], b.shape[0], split_k, num_sms)
-                    scratch = ts.epilogue_args(ts.Target.new(c.device, hist=False), programs, scale_a)
-                fn = functools.partial(launch, a, b, c, ws, scale_a, scale_b, bias, split_k, num_sms, cfg,
-                                       stats=scratch)
+                if _sched(cfg) and split_k != 1:  # stream-K: split_k == 1 only
+                    continue
+                fn = functools.partial(launch, a, b, c, ws, scale_a, scale_b, bias, split_k, num_sms, cfg)
                 try:
                     fn()
                 except Exception as exc:  # e.g. out of shared memory on a smaller part
@@ -956,21 +842,4 @@ def run(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, config=
             if not fns:
                 raise RuntimeError("fp8_gemm_ws: no config runs")
             config = _BEST[key] = fastest(fns)
-    args = None
-    if stats is not None:  # queues the row's merge: the launch must follow
-        programs = grid_size(config, a.shape[0], b.shape[0], split_k, num_sms)
-        args = ts.epilogue_args(stats, programs, scale_a, later=True)
-    launch(a, b, c, ws, scale_a, scale_b, bias, split_k, num_sms, config, stats=args)
-
-
-def stats_config(config) -> bool:
-    """Whether ``config`` can take a statistics row (the statistics worker reads the plain consumers' TMA buffers,
-    one of 64 x 128 per consumer)."""
-    return config[1] == 128 and len(config) > 4 and config[4] == "tma" and not _pipe(config) and not _sched(config)
-
-
-def stats_ok(stats: "ts.Target", split_k: int = 1) -> bool:
-    """Whether ``run`` can take the row of ``stats``: no histogram (this epilogue has none), no history max on the
-    device, whole K, and rows merged by ``merge_later`` (``triton_stats.FUSED_MERGE``)."""
-    return (split_k == 1 and not stats.hist and not isinstance(stats.amax_history_max, torch.Tensor)
-            and ts.FUSED_MERGE == "later")
+    launch(a, b, c, ws, scale_a, scale_b, bias, split_k, num_sms, config)
