@@ -49,12 +49,13 @@ layer would be). On the H200 (2026-11-25), eagerly, it ran 2.8 ms less kernel ti
 epilogue, the same whole steps there (+14.7% both) and slower ones at 124M, whose step is host-bound (+38.6% against
 +24.1%): not the eager default. No hook reads y in any of these.
 ``grad_weight`` is left to the agent's hook, whose row is read from ``weight.grad`` by the standalone statistics
-kernel, once per backward pass for all layers together (``Agent.observe_after_backward``). A wgrad epilogue could
-take it (the row of weight.grad + dW, given weight.grad), but on the H200 at 1.5B that cost the four wgrads
-1.7-2.1x their plain time (the Gluon ws kernel has no statistics epilogue, so they also fell back to the slower TMA
-kernel), ~580 us per layer, where one read of the fp32 gradient (268 MB per layer) was ~130 us at the standalone
-kernel's ~0.5 of copy bandwidth then, and ~80 us at the 0.84-0.86 it reached on 256 MiB of fp32 since (arithmetic
-from bench/RESULTS.md, not timed per layer).
+kernel, once per backward pass for all layers together (``Agent.observe_after_backward``); that read also gives
+gradient clipping its norms (``trainer.clip``). A wgrad epilogue could take it (the row of weight.grad + dW, given
+weight.grad), but on the H200 at 1.5B the TMA kernel's cost the four wgrads 1.7-2.1x their plain time, ~580 us per
+layer, where one read of the fp32 gradient (268 MB per layer) was ~130 us at the standalone kernel's ~0.5 of copy
+bandwidth then, and ~80 us at the 0.84-0.86 it reached on 256 MiB of fp32 since (arithmetic from bench/RESULTS.md, not
+timed per layer). The warp-specialized kernel's, built later in its consumers' registers and then as a partition of
+its own (commit a590aff), cost at best what a read of C per GEMM costs (bench/RESULTS.md, 2026-11-27), and was removed.
 
 For the statistics fusion, after a forward (and backward) ``module.fp8_amax`` and ``module.fp8_scale``
 map site -> fp32 0-d device tensor: "input", "weight" (forward), "grad_output" (backward). amax is
