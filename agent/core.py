@@ -71,13 +71,6 @@ LATER_MERGE = True
 # output). The weights do not change within a step, so the rows are the same; a layer whose forward does not run that
 # step still gets its weight's row, as FP8 layers do (trainer.weight_rows).
 WEIGHTS_TOGETHER = True
-# A linear's input that its forward hook reads waits for the next statistics launch on its device
-# (``triton_stats.defer``: at most 8 wait, then one launch for them, the rest at the step's end), where nothing can
-# write it before then: a training forward whose weight takes a gradient keeps its input for that gradient, and
-# autograd refuses a backward after an in-place change of it. One launch per layer ran these reads far below the copy
-# bandwidth: a 124M bf16 step's 12 attention-projection inputs, 25 MB each, took about 18 us apiece on an H100
-# (bench/RESULTS.md). FP8MON_DEFER_INPUTS=0 reads each at once.
-DEFER_INPUTS = os.environ.get("FP8MON_DEFER_INPUTS", "1") == "1"
 _RUN_NAME = re.compile(wire.RUN_NAME_PATTERN)
 _SCALAR_NAME = re.compile(wire.SCALAR_NAME_PATTERN)
 _MAX_LAYER, _MAX_NAME, _MAX_RUN = wire.MAX_LAYER_NAME, wire.MAX_SCALAR_NAME, wire.MAX_RUN_NAME
@@ -172,9 +165,6 @@ class Agent:
         # backward pass (FusedLink.grad_weight_target): its hook then leaves that gradient alone. (The cast's result
         # becomes .grad as it is, but not as the same Python object: its memory tells it.)
         self._cast_grads: dict[str, tuple[int, int, int]] = {}
-        # the devices on which a hooks' statistics launch has run: only there may an input's row wait for a later
-        # launch (``DEFER_INPUTS``), whose failure would come after the hook (where "auto" can no longer fall back)
-        self._launched: set[torch.device] = set()
         self._closed = False
         self.reporting = False
 
@@ -476,15 +466,10 @@ class Agent:
     def observe(self, layer: str, site: str, x: torch.Tensor, once: bool = False, replace: bool = False) -> None:
         self.observe_many(layer, [(site, x, once, replace)])
 
-    def observe_many(self, layer: str, items, stable_input: bool = False) -> None:
+    def observe_many(self, layer: str, items) -> None:
         """Tensors of one layer, ``(site, tensor, once, replace)`` each, with the grad_weights waiting for a launch:
         on the Triton path one launch. A failure is counted (and logged once) per site, as if each had been
-        observed alone. ``stable_input``: nothing writes the "input" tensor before the step's end (a training forward
-        keeps it for its weight's gradient), so its row may wait for a later launch (``DEFER_INPUTS``)."""
-        if stable_input and DEFER_INPUTS:
-            items = [it for it in items if not (it[0] == "input" and self._deferred_input(layer, it[1]))]
-            if not items:
-                return
+        observed alone."""
         if self._waiting is not None and any(it[0] == "grad_weight" for it in items):
             grad = self._take_waiting(layer)
             if grad is not None:
@@ -495,26 +480,6 @@ class Agent:
             if weight is not None and self._slots.get(layer, "weight") not in self._seen:
                 todo += self._due_weights(layer, weight.device)
         self._observe(todo + self._take_after(items[0][1].device if items else None))
-
-    def _deferred_input(self, layer: str, x: torch.Tensor) -> bool:
-        """Whether ``layer``'s input x went to the next statistics launch on its device (``triton_stats.defer``): on
-        the Triton path, once a launch of the hooks has run on that device, on a reporting step, where no scale or
-        history decides its row now."""
-        try:
-            if not self.reporting or x.device not in self._launched or not self._triton_for(x):
-                return False
-            slot = self._slots.get(layer, "input")
-            fmt = self.formats.get("input")
-            scale, ahm, emulated = self._scale_for(layer, "input", slot, fmt, x.device)
-            if scale is not None or ahm is not None or emulated:
-                return False
-            rows, merge, centers = self._claim([slot], [False], x.device)
-            ts.defer(x, ts.Target(rows, slot, merge[0], centers[slot], self.outlier_k, self.hist_now, None,
-                                  None if fmt is None else fmt.name))
-            return True
-        except Exception as exc:
-            self._error("hook input", exc)
-            return True  # counted as the hook's failure: not read again
 
     def _due_weights(self, layer: str, device) -> list:
         """``_observe`` items of the hooked weights on ``device`` of the layers other than ``layer``, in training mode,
@@ -639,7 +604,6 @@ class Agent:
                 center=[centers[s] for s in slots], outlier_k=self.outlier_k,
                 amax_history_max=[t[4] for t in todo], hist=self.hist_now, out=rows, index=slots, merge=merge,
                 later=later)
-        self._launched.add(device)
         for slot, x, fmt, scale, ahm, emulated, replace, site in todo:
             if emulated:
                 self._history.observe(slot, rows[slot, ds.AMAX])

@@ -59,8 +59,7 @@ class Sink:
 
     def active(self) -> bool: ...
     def observe(self, layer: str, site: str, x: torch.Tensor, once: bool = False, replace: bool = False) -> None: ...
-    # optional: observe_many(layer, [(site, tensor, once, replace), ...], stable_input=False), several tensors at once;
-    # stable_input: nothing writes the "input" tensor before the step's end
+    # optional: observe_many(layer, [(site, tensor, once, replace), ...]), several tensors at once
     # optional: observe_after_backward(layer, site, param): param.grad (replacing), read later in the same
     # backward pass, when its value is final
     def grad_hook(self, layer: str) -> Callable[[torch.Tensor], None] | None: ...
@@ -113,9 +112,7 @@ class LayerHooks:
         if items:
             many = getattr(sink, "observe_many", None)
             if many is not None:
-                # a training forward keeps x for its weight's gradient: nothing may write it before the backward
-                stable = torch.is_grad_enabled() and isinstance(weight, torch.Tensor) and weight.requires_grad
-                many(name, items, **({"stable_input": True} if stable and x is not None else {}))
+                many(name, items)
             else:
                 for site, t, once, replace in items:
                     sink.observe(name, site, t, once=once, replace=replace)

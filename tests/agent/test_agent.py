@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from agent import Agent, core
+from agent import Agent
 from agent import device_stats as ds
 from agent.formats import by_name, delayed_scale
 from agent.stats import Moments, merge_moments
@@ -477,7 +477,6 @@ def test_a_layers_backward_sites_share_one_launch_and_a_frozen_weight_loses_no_g
     model, ref, cap, agent = _tiny_lm_watched_every_step(seed=5)
     launches = []
     monkeypatch.setattr(ts, "rows", _rows_counting(launches))
-    monkeypatch.setattr(core, "DEFER_INPUTS", False)  # every hook read in its own launch, counted
     monkeypatch.setattr(agent, "_triton_for", lambda x: True)  # as on a GPU
     frozen = "blocks.1.mlp.fc2"
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -524,7 +523,6 @@ def test_a_steps_weights_are_read_in_the_first_forwards_launch_even_of_a_layer_t
         agent = Agent(transport=cap, every=1, sites=("weight",)).watch(model)
         launches = []
         monkeypatch.setattr(ts, "rows", _rows_counting(launches))
-        monkeypatch.setattr(core, "DEFER_INPUTS", False)  # every hook read in its own launch, counted
         monkeypatch.setattr(agent, "_triton_for", lambda x: True)
         x = torch.randn(4, 8)
         model["b"](model["a"](x))  # "skipped" and "frozen_eval" do not run
@@ -554,7 +552,6 @@ def test_grad_weights_of_a_backward_pass_are_one_launch_and_the_last_pass_wins(m
     agent = Agent(transport=cap, every=1, sites=("grad_weight",)).watch(model)
     launches = []
     monkeypatch.setattr(ts, "rows", _rows_counting(launches))
-    monkeypatch.setattr(core, "DEFER_INPUTS", False)  # every hook read in its own launch, counted
     monkeypatch.setattr(agent, "_triton_for", lambda x: True)  # as on a GPU
     for _ in range(2):
         model(torch.randn(8, 16)).square().sum().backward()

@@ -436,26 +436,6 @@ def _child(names: list[str]) -> None:
 
         return same_rows_by_mode(rows_by_mode(flag, WithAttention, seed), wanted)
 
-    def deferred_inputs():
-        """The inputs the hooks read wait for a later launch (``agent.core.DEFER_INPUTS``), and their rows equal those
-        read at once: ten linears (a launch when eight wait, the rest at the step's end), two micro-batches a step
-        (each second row merged into the first), and an attention block of plain linears (qkv's and the projection's
-        inputs)."""
-        class Stack(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.fcs = torch.nn.ModuleList(torch.nn.Linear(32, 32, bias=False) for _ in range(10))
-
-            def forward(self, x):
-                for fc in self.fcs:
-                    x = torch.tanh(fc(x))
-                return x
-
-        flag = "agent.core.DEFER_INPUTS"
-        problems = same_rows_by_mode(rows_by_mode(flag, Stack, 11), [(f"fcs.{i}", "input") for i in range(10)])
-        problems += attention_rows(flag, 12, [("attn.qkv", "input"), ("attn.proj", "input")])
-        emit("deferred_inputs", "; ".join(problems))
-
     def heads():
         """The heads merged for the projection equal torch's copy (and its gradient, torch's), from the layout the
         attention returns and from a contiguous one, with a partial tile of positions; the row of the result equals
@@ -806,13 +786,13 @@ def _child(names: list[str]) -> None:
                   backward_stats=backward_stats,
                   attention_plain=attention_plain, residual_plain=residual_plain, rmsnorm=rmsnorm,
                   norm_plain=norm_plain, weight_plain=weight_plain, agent_model=agent_model, heads=heads,
-                  heads_plain=heads_plain, row_shapes=row_shapes, deferred_inputs=deferred_inputs)
+                  heads_plain=heads_plain, row_shapes=row_shapes)
     run_each(checks, names)
 
 
 GROUPS = ["forward_backward", "forward_stats", "backward_stats", "words", "agent_block", "agent_block_plain",
           "bwd_words", "residual", "rope", "attention_plain", "residual_plain", "rmsnorm", "norm_plain", "weight_plain",
-          "agent_model", "heads", "heads_plain", "row_shapes", "deferred_inputs"]
+          "agent_model", "heads", "heads_plain", "row_shapes"]
 
 
 @pytest.fixture(scope="module")
