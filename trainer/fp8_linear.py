@@ -51,8 +51,8 @@ epilogue, the same whole steps there (+14.7% both) and slower ones at 124M, whos
 ``grad_weight`` is left to the agent's hook, whose row is read from ``weight.grad`` by the standalone statistics
 kernel, once per backward pass for all layers together (``Agent.observe_after_backward``); that read also gives
 gradient clipping its norms (``trainer.clip``). A wgrad epilogue could take it (the row of weight.grad + dW, given
-weight.grad), but on the H200 at 1.5B the TMA kernel's cost the four wgrads 1.7-2.1x their plain time, ~580 us per
-layer, where one read of the fp32 gradient (268 MB per layer) was ~130 us at the standalone kernel's ~0.5 of copy
+weight.grad), but on the H200 at 1.5B the TMA kernel's epilogue cost the four wgrads 1.7-2.1x their plain time, ~580 us
+per layer, where one read of the fp32 gradient (268 MB per layer) was ~130 us at the standalone kernel's ~0.5 of copy
 bandwidth then, and ~80 us at the 0.84-0.86 it reached on 256 MiB of fp32 since (arithmetic from bench/RESULTS.md, not
 timed per layer). The warp-specialized kernel's, built later in its consumers' registers and then as a partition of
 its own (commit a590aff), cost at best what a read of C per GEMM costs (bench/RESULTS.md, 2026-11-27), and was removed.
