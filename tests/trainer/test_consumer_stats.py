@@ -803,8 +803,8 @@ def results() -> dict:
 
 
 # The module's checks run in one interpreter child per CPU the worker may take: one under CI's two workers on two
-# CPUs, about 4.5 minutes on one machine and 7.5 on another (2026-11-27), past pytest's 300 s default. Its own limit is
-# the child's (interpreter_child.run_checks).
+# CPUs. It fit pytest's 300 s default on earlier sessions' machines and took 7.5 minutes on a slower one (2026-11-27),
+# so this test's limit is the child's own (interpreter_child.run_checks).
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("group", GROUPS)
 def test_consumer_statistics(results, group):
