@@ -452,15 +452,18 @@ def _child(names: list[str]) -> None:
     def heads_cases(merge_heads, merge_heads_ref):
         g = torch.Generator().manual_seed(12)
         slack = (lambda row: float(row[ds.HIST:].nan_to_num(0).max()))
-        for (b, nh, t, hd), dt, bthd, nan in (((2, 3, 50, 16), torch.bfloat16, True, False),
-                                              ((1, 2, 33, 32), torch.float32, False, False),
-                                              ((2, 2, 40, 8), torch.bfloat16, True, True)):
+        # without the histogram a bf16 y takes the words path (``heads.WORDS``; with it the interpreter's fp32 row)
+        for (b, nh, t, hd), dt, bthd, nan, hist in (((2, 3, 50, 16), torch.bfloat16, True, False, True),
+                                                    ((2, 3, 50, 16), torch.bfloat16, True, False, False),
+                                                    ((1, 2, 33, 32), torch.float32, False, False, True),
+                                                    ((2, 2, 40, 8), torch.bfloat16, True, True, True),
+                                                    ((2, 2, 40, 8), torch.bfloat16, False, True, False)):
             y0 = (torch.randn(b, t, nh, hd, generator=g) * 2 + 0.5).to(dt)
             y0 = y0.transpose(1, 2) if bthd else y0.transpose(1, 2).contiguous()
             if nan:
                 y0[1, 0, 3, 5] = float("nan")
             a, r = y0.clone().requires_grad_(), y0.clone().requires_grad_()  # (clone keeps the strides)
-            tgt = ts.Target.new("cpu", center=(0.5, 2.0), hist=True, fmt="e4m3")
+            tgt = ts.Target.new("cpu", center=(0.5, 2.0), hist=hist, fmt="e4m3")
             got, ref = merge_heads(a, stats=tgt), merge_heads_ref(r)
             grad = torch.randn(b, t, nh * hd, generator=g).to(dt)
             got.backward(grad)
@@ -471,7 +474,7 @@ def _child(names: list[str]) -> None:
                         if x.shape != y.shape or not torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0))]
             if not got.is_contiguous():
                 problems.append("the result is not contiguous")
-            want = ds.partials(ref.detach(), fmt="e4m3", outlier_center=(0.5, 2.0), hist=True)
+            want = ds.partials(ref.detach(), fmt="e4m3", outlier_center=(0.5, 2.0), hist=hist)
             problems.append(row_problems(tgt.rows[0], want, rtol=1e-6, under_slack=slack(want)))
             tgt.merge = True  # twice into the waiting row: the first merge goes first
             merge_heads(y0 * 2, stats=tgt)
@@ -480,9 +483,9 @@ def _child(names: list[str]) -> None:
             both = want
             for f in (2, 3):
                 both = ds.merge(both, ds.partials(merge_heads_ref(y0 * f), fmt="e4m3", outlier_center=(0.5, 2.0),
-                                                  hist=True))
+                                                  hist=hist))
             problems.append(row_problems(tgt.rows[0], both, rtol=1e-6, under_slack=slack(both)))
-            emit(f"heads:{(b, nh, t, hd)}:{dt}:bthd={bthd}:nan={nan}", "; ".join(p for p in problems if p))
+            emit(f"heads:{(b, nh, t, hd)}:{dt}:bthd={bthd}:nan={nan}:hist={hist}", "; ".join(p for p in problems if p))
 
     def heads_plain():
         """An attention block of plain linears watched by an agent: with the heads' kernel taking the projection input's
