@@ -32,7 +32,7 @@ def main() -> None:
     print(torch.cuda.get_device_name())
     dev = torch.device("cuda")
     rows = torch.zeros(4, ts.ds.WIDTH, dtype=torch.float64, device=dev)
-    for name, (b, nh, t, hd) in (("124M", (16, 12, 1024, 64)), ("1.5B", (4, 16, 2048, 128))):
+    for name, (b, nh, t, hd) in (("124M", (16, 6, 1024, 128)), ("1.5B", (4, 16, 2048, 128))):
         q, k, v = (torch.randn(b, nh, t, hd, device=dev, dtype=torch.bfloat16) for _ in range(3))
         y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         tgt = ts.Target(rows, 0, False, (0.0, 1.0), 6.0, False, None, "e4m3")

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agent import triton_stats as ts  # noqa: E402
 from bench.consumers import SHAPES, StepRows, _step_inputs  # noqa: E402
 from bench.variants import applied, parse_all  # noqa: E402
+from trainer.kernels.heads import merge_heads_forward  # noqa: E402
 from trainer.kernels.residual import residual_add_forward  # noqa: E402
 from trainer.kernels.rmsnorm import rms_norm_forward  # noqa: E402
 from trainer.kernels.rope import rope_qkv_backward, rope_qkv_forward  # noqa: E402
@@ -65,13 +66,21 @@ class ClockSampler:
 def kernels(name: str, dev: torch.device) -> dict:
     """(plain, with its row) of each consumer kernel at ``name``'s shape (bf16, no histogram). ``swiglu_fwd_yh``: the
     forward with the rows of y and of h (a plain fc2's input), which the words path defers to a statistics launch,
-    here flushed at once, inside the call's timing."""
+    here flushed at once, inside the call's timing. ``heads``: the head merge with the projection input's row;
+    ``heads_read``: the merge, then a statistics launch reading its result (what the agent's hooks do without
+    ``trainer.layers.HEADS_ROW``)."""
     y, dh, x, b, w, (rot, qkv, grads), heads = _step_inputs(name, dev)
     tgt = StepRows(dev)
+    att = grads[0]  # (batch, heads, seq, head size), the attention output's layout
 
     def both_rows():
         swiglu_forward(y, stats=tgt(), h_stats=tgt())
         ts.flush_deferred()
+
+    def merged_then_read():
+        t = tgt()
+        ts.rows([merge_heads_forward(att)], fmt="e4m3", center=(0.0, 1.0), hist=False, out=t.rows, index=[t.index],
+                later=True)
 
     return {
         "swiglu_fwd": (lambda: swiglu_forward(y), lambda: swiglu_forward(y, stats=tgt())),
@@ -83,6 +92,8 @@ def kernels(name: str, dev: torch.device) -> dict:
                      lambda: rope_qkv_backward(*grads, rot.cos, rot.sin, torch.bfloat16, stats=tgt())),
         "residual_add": (lambda: residual_add_forward(x, b), lambda: residual_add_forward(x, b, stats=tgt())),
         "rmsnorm_fwd": (lambda: rms_norm_forward(x, w, 1e-6), lambda: rms_norm_forward(x, w, 1e-6, stats=tgt())),
+        "heads": (lambda: merge_heads_forward(att), lambda: merge_heads_forward(att, stats=tgt())),
+        "heads_read": (lambda: merge_heads_forward(att), merged_then_read),
     }
 
 
@@ -113,7 +124,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="1.5b,124m", help=f"comma-separated, of {', '.join(SHAPES)}")
     p.add_argument("--kernels", help="comma-separated, of swiglu_fwd, swiglu_fwd_yh, swiglu_bwd, rope_fwd, rope_bwd, "
-                                     "residual_add, rmsnorm_fwd (default: all)")
+                                     "residual_add, rmsnorm_fwd, heads, heads_read (default: all)")
     p.add_argument("--variants", default="default", help="settings measured one after another (bench/variants.py)")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
