@@ -248,9 +248,9 @@ def device_profile(phase, device, args) -> dict:
         for k, t, c in rows[:12]:
             print(f"  {t:8.2f} ms  {c:6.1f} calls  {k[:90]}", flush=True)
     off, on = per[None], per["triton"]
-    print("agent on - off, per kernel (ms per step): " + ", ".join(
-        f"{k[:40]} {on.get(k, 0) - off.get(k, 0):+.2f}" for k in sorted(set(on) | set(off),
-                                                                         key=lambda k: -abs(on.get(k, 0) - off.get(k, 0)))[:12]),
+    delta = {k: on.get(k, 0) - off.get(k, 0) for k in set(on) | set(off)}
+    print("agent on - off, per kernel (ms per step, every change of 0.01 or more): " + ", ".join(
+        f"{k[:40]} {d:+.2f}" for k, d in sorted(delta.items(), key=lambda kd: -abs(kd[1])) if abs(d) >= 0.005),
         flush=True)
     return {}
 
