@@ -452,7 +452,6 @@ def _child(names: list[str]) -> None:
     def heads_cases(merge_heads, merge_heads_ref):
         g = torch.Generator().manual_seed(12)
         slack = (lambda row: float(row[ds.HIST:].nan_to_num(0).max()))
-        # without the histogram a bf16 y takes the words path (``heads.WORDS``; with it the interpreter's fp32 row)
         for (b, nh, t, hd), dt, bthd, nan, hist in (((2, 3, 50, 16), torch.bfloat16, True, False, True),
                                                     ((2, 3, 50, 16), torch.bfloat16, True, False, False),
                                                     ((1, 2, 33, 32), torch.float32, False, False, True),

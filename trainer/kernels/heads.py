@@ -15,15 +15,12 @@ Persistent programs (a few per SM) loop over tiles of positions of one batch row
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from agent import triton_stats as ts
-from agent.triton_stats import (_SMEM_HIST, _htab, fused_bounds, fused_epilogue, stream_add, stream_partial,
-                                stream_start, words_add, words_fold, words_zero)
+from agent.triton_stats import _SMEM_HIST, _htab, fused_bounds, fused_epilogue, stream_add, stream_partial, stream_start
 
 from .quantize import cdiv, persistent_programs, reg_cap
 from .rope import _where
@@ -37,10 +34,6 @@ PROGRAMS_PER_SM = 4
 STATS_PROGRAMS_PER_SM = 2  # two programs of 8 warps at the register cap fill an SM's registers
 STATS_MAXNREG = 128
 STATS_STAGES = 1  # software-pipelining depth of the tile loop with a row (``tl.range``'s num_stages)
-# With a row, a bf16 y is copied as 32-bit words and the row taken a word at a time on full tiles
-# (``triton_stats.words_add``, as SwiGLU's forward takes y's): the fp32 row issues about twice the instructions an
-# element (bench/RESULTS.md). FP8MON_HEADS_WORDS=0 keeps the fp32 row.
-WORDS = os.environ.get("FP8MON_HEADS_WORDS", "1") == "1"
 
 
 def supported(head_dim: int) -> bool:
@@ -80,14 +73,12 @@ def _part(src, t, part, BT: tl.constexpr, HD: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["dst_index", "merge"])
-def _merge_heads_kernel(y_ptr, out_ptr, T, NH, sb, sh, st, swb, swh, swt, tiles, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, cen_ptr,
+def _merge_heads_kernel(y_ptr, out_ptr, T, NH, sb, sh, st, tiles, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, cen_ptr,
                         c_mean, c_std, k, ahm_ptr, ahm_val, STATS: tl.constexpr, C_PTR: tl.constexpr,
                         AHM_PTR: tl.constexpr, HIST: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr,
-                        SMODE: tl.constexpr, BT: tl.constexpr, HD: tl.constexpr, STAGES: tl.constexpr,
-                        WORDS: tl.constexpr):
+                        SMODE: tl.constexpr, BT: tl.constexpr, HD: tl.constexpr, STAGES: tl.constexpr):
     """The heads of y copied into (B, T, NH * HD), persistent over tiles; with STATS the result's row (the shift from
-    the program's first tile). WORDS: y is bf16 with even strides (swb, swh, swt, in words), copied as 32-bit words, its
-    row taken from them."""
+    the program's first tile)."""
     R: tl.constexpr = BT * HD // 8
     pid = tl.program_id(0)
     if STATS:
@@ -99,31 +90,17 @@ def _merge_heads_kernel(y_ptr, out_ptr, T, NH, sb, sh, st, swb, swh, swt, tiles,
         ht = None
         if HIST and _SMEM_HIST:
             ht = _htab()
-        if WORDS:
-            wacc = words_zero(lo, hi, R)
     ce = tl.zeros([], tl.int32)
     for t in tl.range(pid, tiles, tl.num_programs(0), num_stages=STAGES):
         b, h, pos, pm = _where(t, T, NH, BT)
-        if WORDS:  # the same copy a word (two elements) at a time; the strides are even (the launcher checks)
-            HW: tl.constexpr = HD // 2
-            m = _tile_mask(pm, HW)
-            x = tl.load(_src(y_ptr.to(tl.pointer_type(tl.int32), bitcast=True), b, h, pos, swb, swh, swt, HW), mask=m,
-                        other=0)
-            tl.store(_dst(out_ptr.to(tl.pointer_type(tl.int32), bitcast=True), b, h, pos, T, NH, HW), x, mask=m)
-        else:
-            m = _tile_mask(pm, HD)
-            x = tl.load(_src(y_ptr, b, h, pos, sb, sh, st, HD), mask=m, other=0.0)
-            tl.store(_dst(out_ptr, b, h, pos, T, NH, HD), x, mask=m)
+        m = _tile_mask(pm, HD)
+        x = tl.load(_src(y_ptr, b, h, pos, sb, sh, st, HD), mask=m, other=0.0)
+        tl.store(_dst(out_ptr, b, h, pos, T, NH, HD), x, mask=m)
         if STATS:
             inside = tl.sum(pm.to(tl.int32), 0)
-            if WORDS:
-                wacc = words_add(wacc, x, None, inside == BT, m, p, ncp, lo, hi, HIST, R, ht)
-            else:
-                acc = stream_add(acc, x.to(tl.float32), m, inside == BT, p, ncp, lo, hi, HIST, R, 8, ht)
+            acc = stream_add(acc, x.to(tl.float32), m, inside == BT, p, ncp, lo, hi, HIST, R, 8, ht)
             ce += inside * HD
     if STATS:
-        if WORDS:
-            acc = words_fold(wacc)
         n, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = stream_partial(
             acc, ce, c, p, ok, _part, (y_ptr, T, NH, sb, sh, st), tiles, 1, lo, hi, HIST, R, BT, HD, ht)
         fused_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, 1.0, n, nfin, nonfin, zeros,
@@ -143,13 +120,9 @@ def merge_heads_forward(y: torch.Tensor, stats: "ts.Target | None" = None) -> to
     if tiles == 0:
         return out
     programs = persistent_programs(tiles, STATS_PROGRAMS_PER_SM if stats is not None else PROGRAMS_PER_SM, y.device)
-    # the words path's histogram needs the shared-memory table (not the interpreter's)
-    words = (WORDS and stats is not None and y.dtype == torch.bfloat16 and y.data_ptr() % 4 == 0
-             and all(s % 2 == 0 for s in y.stride()[:3]) and (not stats.hist or ts.SMEM_HIST))
-    _merge_heads_kernel[(programs,)](y, out, t, nh, y.stride(0), y.stride(1), y.stride(2), y.stride(0) // 2,
-                                     y.stride(1) // 2, y.stride(2) // 2, tiles,
+    _merge_heads_kernel[(programs,)](y, out, t, nh, y.stride(0), y.stride(1), y.stride(2), tiles,
                                      **ts.epilogue_args(stats, programs, out, later=True), BT=bt, HD=hd,
-                                     STAGES=STATS_STAGES if stats is not None else 1, WORDS=words,
+                                     STAGES=STATS_STAGES if stats is not None else 1,
                                      num_warps=max(1, min(8, bt * hd // (8 * 32))),
                                      **reg_cap(STATS_MAXNREG if stats is not None else None))
     return out
