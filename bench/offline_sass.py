@@ -186,8 +186,9 @@ def _consumers(ts, built: dict) -> int:
     """Every variant of the consumer kernels: the SwiGLU forward without rows, with y's, with y's and h's, with y's
     through its words; its backward without and with dy's row, and with it through dy's words; the residual add (fp32 stream, bf16 branch) without and
     with the branch's row, and the branch gradient's cast with its row; RoPE on the qkv output (1.5B's heads) without
-    and with its row, and with it through qkv's words, and its backward without and with its gradient's row; RMSNorm's; the weights' casts in one
-    launch; the heads merged for the projection without and with its input's row."""
+    and with its row, and with it through qkv's words, and its backward without and with its gradient's row; RMSNorm's
+    (and its bf16 forward with a row without and with its words); the weights' casts in one launch; the heads merged
+    for the projection without and with its input's row."""
     sw = importlib.import_module("trainer.kernels.swiglu")
     res = importlib.import_module("trainer.kernels.residual")
     cpu = torch.device("cpu")
@@ -237,6 +238,11 @@ def _consumers(ts, built: dict) -> int:
                                 ("rmsnorm fwd + row + hist", True, True)):
             norm._rms_norm_fwd_kernel = _CompileOnly(nfwd, f"{name} (fp32, {d_model})", built)
             norm.rms_norm_forward(x, w, 1e-6, stats=ts.Target.new(cpu, fmt="e4m3", hist=hist) if row else None)
+        for name, on in (("rmsnorm fwd + row", False), ("rmsnorm fwd + row (words)", True)):  # a bf16 stream's
+            norm.WORDS, words = on, norm.WORDS
+            norm._rms_norm_fwd_kernel = _CompileOnly(nfwd, f"{name} (bf16, {d_model})", built)
+            norm.rms_norm_forward(x.bfloat16(), w, 1e-6, stats=ts.Target.new(cpu, fmt="e4m3", hist=False))
+            norm.WORDS = words
         norm._rms_norm_bwd_kernel = _CompileOnly(nbwd, f"rmsnorm bwd (fp32, {d_model})", built)
         norm.rms_norm_backward(x, x, w, torch.zeros(4096))
     wc = importlib.import_module("trainer.kernels.weight_casts")

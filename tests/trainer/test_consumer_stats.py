@@ -515,24 +515,40 @@ def _child(names: list[str]) -> None:
         in the last place: the sum of squares goes in another order), for fp32 and bf16 rows, widths that are and are
         not a power of two, a partial last tile and a frozen weight; the row of y equals the fp64 oracle's of y as
         returned, merged later, with a NaN by the careful path, and merged into by a second call."""
+        from trainer.kernels import rmsnorm as norm_module
         from trainer.kernels.rmsnorm import rms_norm, rms_norm_ref
+        from trainer.kernels.words import words_path
 
         g = torch.Generator().manual_seed(13)
-        for shape, dt, nan, learn in (((3, 50, 48), torch.float32, False, True), ((7, 64), torch.bfloat16, False, True),
-                                      ((300, 40), torch.float32, True, False),
-                                      ((5, 3, 96), torch.bfloat16, True, True)):
+        # widths 48, 40 and 96 are cut into 3, 5 and 3 chunks (``rmsnorm.CHUNKS``), over full tiles and a partial last
+        # one; without the histogram a bf16 y takes the words path (``rmsnorm.WORDS``; with it the interpreter's fp32
+        # row), whose y must equal the fp32 row's
+        for shape, dt, nan, learn, hist in (((3, 50, 48), torch.float32, False, True, True),
+                                            ((7, 64), torch.bfloat16, False, True, True),
+                                            ((7, 64), torch.bfloat16, False, True, False),
+                                            ((300, 40), torch.float32, True, False, True),
+                                            ((5, 3, 96), torch.bfloat16, True, True, True),
+                                            ((2, 40, 96), torch.bfloat16, False, True, False),
+                                            ((2, 40, 96), torch.bfloat16, True, False, False),
+                                            ((2, 40, 96), torch.bfloat16, False, False, True)):
             x0 = (torch.randn(*shape, generator=g) * 3 + 0.5).to(dt)
             if nan:
                 x0.view(-1)[17] = float("nan")
             w0 = torch.randn(shape[-1], generator=g) + 1.0
             gy = torch.randn(*shape, generator=g).to(dt)
             (x1, w1), (x2, w2) = [(x0.clone().requires_grad_(), w0.clone().requires_grad_(learn)) for _ in range(2)]
-            tgt = ts.Target.new("cpu", center=(0.5, 3.0), fmt="e4m3")
+            tgt = ts.Target.new("cpu", center=(0.5, 3.0), fmt="e4m3", hist=hist)
             y1, y2 = rms_norm(x1, w1, 1e-6, stats=tgt), rms_norm_ref(x2, w2, 1e-6)
             y1.backward(gy)
             y2.backward(gy)
             ts.flush_deferred()  # the row is merged later (triton_stats.FUSED_MERGE)
             problems = []
+            if dt == torch.bfloat16:
+                with words_path(norm_module, on=not norm_module.WORDS):
+                    other = rms_norm(x0, w0, 1e-6, stats=ts.Target.new("cpu", center=(0.5, 3.0), fmt="e4m3",
+                                                                        hist=hist))
+                if not torch.equal(y1.detach().nan_to_num(7.0), other.nan_to_num(7.0)):
+                    problems.append("y differs with the words path switched")
             tol = dict(rtol=2e-2, atol=2e-2) if dt == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
             for what, a, b in (("y", y1.detach(), y2.detach()), ("dx", x1.grad, x2.grad), ("dw", w1.grad, w2.grad)):
                 if a is None or b is None:
@@ -540,15 +556,15 @@ def _child(names: list[str]) -> None:
                         problems.append(f"{what}: {a is None} vs {b is None}")
                 elif a.dtype != b.dtype or not torch.allclose(a.float(), b.float(), equal_nan=True, **tol):
                     problems.append(f"{what} ({a.dtype} vs {b.dtype}): max difference {float((a - b).abs().max())}")
-            want = ds.partials(y1.detach(), fmt="e4m3", outlier_center=(0.5, 3.0))
+            want = ds.partials(y1.detach(), fmt="e4m3", outlier_center=(0.5, 3.0), hist=hist)
             slack = (lambda row: float(row[ds.HIST:].nan_to_num(0).max()))
             problems.append(row_problems(tgt.rows[0], want, rtol=1e-6, under_slack=slack(want)))
             tgt.merge = True
             y3 = rms_norm(x0 * 2, w0, 1e-6, stats=tgt)
             ts.flush_deferred()
-            both = ds.merge(want, ds.partials(y3, fmt="e4m3", outlier_center=(0.5, 3.0)))
+            both = ds.merge(want, ds.partials(y3, fmt="e4m3", outlier_center=(0.5, 3.0), hist=hist))
             problems.append(row_problems(tgt.rows[0], both, rtol=1e-6, under_slack=slack(both)))
-            emit(f"rmsnorm:{shape}:{dt}:nan={nan}", "; ".join(p for p in problems if p))
+            emit(f"rmsnorm:{shape}:{dt}:nan={nan}:hist={hist}", "; ".join(p for p in problems if p))
 
     def norm_plain():
         """A one-block llama of plain linears watched by an agent: with the fused pre-norms the hooks read neither

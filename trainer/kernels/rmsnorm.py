@@ -1,7 +1,9 @@
 """RMSNorm over the last dimension, y = x / sqrt(mean(x^2) + eps) * w, forward and backward as one Triton kernel
 each, the forward optionally taking y's statistics row for the agent from the registers it stores y from: the row of
 the ``input`` of the linear that y feeds (llama's pre-norms feed qkv and fc1), which that linear then leaves to the
-block (``trainer.model.Block``) instead of a statistics kernel reading y once more.
+block (``trainer.model.Block``) instead of a statistics kernel reading y once more. With a row, a width that is not a
+power of two is taken as chunks of its largest power-of-two divisor (``CHUNKS``: no padded lanes, full tiles), and a
+bf16 y is stored as 32-bit words whose row is taken a word at a time (``WORDS``).
 
 y has x's dtype, as ``trainer.layers.rms_norm_torch`` (the reference; under autocast the next linear casts y). Its
 values are that computation's in fp32 with the sum of squares in another order: a few units in the last place apart.
@@ -11,17 +13,21 @@ g * n, per-program partials in fp32 that torch sums.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from agent import triton_stats as ts
-from agent.triton_stats import _SMEM_HIST, _htab, fused_bounds, fused_epilogue, stream_add, stream_partial, stream_start
+from agent.triton_stats import (_SMEM_HIST, _htab, _shift_of, fused_bounds, fused_epilogue, stream_add, stream_partial,
+                                stream_zero, words_add, words_fold, words_zero)
 
 from ..layers import rms_norm_torch as rms_norm_ref  # noqa: F401  (the reference, beside the kernels)
 from .fp8_gemm import _to_out
 from .quantize import INTERPRET, cdiv, next_power_of_2, persistent_programs, reg_cap
 from .residual import PROGRAMS_PER_SM, STATS_MAXNREG, STATS_PROGRAMS_PER_SM, WARPS
+from .words import pack
 
 TILE = 4096  # elements of a tile: rows of the next power of two of the width, as many as fit
 MAX_WIDTH = 16384  # wider rows: torch's ops (a tile holds one whole row)
@@ -36,80 +42,189 @@ STATS_STAGES = 2
 # fewer programs.
 STATS_TILE = 2048
 STATS_WARPS = 4
+# With a row, a width that is not a power of two is cut into chunks of its largest power-of-two divisor (768: three of
+# 256) where that makes at most MAX_CHUNKS: a tile then holds no padding and, with all its rows inside, takes the
+# statistics' unmasked path (``stream_add``'s ``full``). Else (and for powers of two) a tile row is the next power of
+# two of the width, its padding masked. FP8MON_RMSNORM_CHUNKS=0 pads every width.
+CHUNKS = os.environ.get("FP8MON_RMSNORM_CHUNKS", "1") == "1"
+MAX_CHUNKS = 8
+# With a row, a bf16 y of whole chunks (no padding) is stored as 32-bit words packed from the rounded chunks
+# (``words.pack``) and its row taken a word at a time on full tiles (``triton_stats.words_add``, as SwiGLU's forward
+# takes y's). FP8MON_RMSNORM_WORDS=0 keeps the fp32 row.
+WORDS = os.environ.get("FP8MON_RMSNORM_WORDS", "1") == "1"
 # The statistics see a tile as [elements / V, V], summing each row of V in a thread. V = 4, the fp32 elements of a
 # thread's 16-byte load: with 8 (the residual kernels' choice for a flat block) the view crossed the tile's layout and
 # the offline build's tile loop held 56 more shuffles, 916 instructions against 794 (768 wide), and spilled with the
-# histogram (56 bytes of stack against 8).
+# histogram (56 bytes of stack against 8). The words path's view is [words / 4, 4]: 8 elements a row.
 _V = tl.constexpr(4)
 _SOFT_ROUND = tl.constexpr(INTERPRET)  # for the careful path's loader (kernels take it as an argument)
 
 
 @triton.jit
-def _tile(x_ptr, w_ptr, M, D, eps, tile, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rows ``tile * ROWS ...`` of x (fp32), their offsets, mask, rows and 1 / rms, and y = x * rstd * w (fp32)."""
+def _tile(x_ptr, M, D, eps, tile, ROWS: tl.constexpr, DW: tl.constexpr):
+    """Rows ``tile * ROWS ...`` of x as NC chunks of CW = DW & -DW columns (fp32, a tuple), their rows and mask, and
+    1 / rms. DW: D itself, NC = D / CW chunks; or the next power of two of D, one chunk whose padding the mask leaves
+    out."""
+    CW: tl.constexpr = DW & -DW
+    NC: tl.constexpr = DW // CW
     rows = (tile + tl.zeros([], tl.int64)) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_D)
-    mask = (rows < M)[:, None] & (cols < D)[None, :]
-    offs = rows[:, None] * D + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, 1) / D + eps)
-    return x, offs, mask, rows, rstd, (x * rstd[:, None]) * w[None, :]
+    cols = tl.arange(0, CW)
+    if NC == 1:
+        mask = (rows < M)[:, None] & (cols < D)[None, :]
+    else:
+        mask = tl.broadcast_to((rows < M)[:, None], [ROWS, CW])
+    x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    xs = (x,)
+    sq = x * x
+    for c in tl.static_range(1, NC):  # the chunks' squares summed in place: one reduction over the threads, not NC
+        x = tl.load(x_ptr + rows[:, None] * D + (c * CW + cols)[None, :], mask=mask, other=0.0).to(tl.float32)
+        sq = tl.fma(x, x, sq)
+        xs = xs + (x,)
+    return xs, rows, mask, 1.0 / tl.sqrt_rn(tl.sum(sq, 1) / D + eps)
 
 
 @triton.jit
-def _y_part(src, tile, part, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The careful path's loader (``triton_stats.careful_tiles``): tile ``tile`` of y recomputed from x (not re-read:
-    other threads of the program stored it), as stored, in fp32, as the statistics' [R, V] view, with its mask."""
+def _weights(w_ptr, D, DW: tl.constexpr):
+    """w as the tiles' NC chunks (fp32, a tuple)."""
+    CW: tl.constexpr = DW & -DW
+    NC: tl.constexpr = DW // CW
+    cols = tl.arange(0, CW)
+    if NC == 1:
+        return (tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32),)
+    ws = ()
+    for c in tl.static_range(NC):
+        ws = ws + (tl.load(w_ptr + c * CW + cols).to(tl.float32),)
+    return ws
+
+
+@triton.jit
+def _y(x, w, rstd):
+    """y = x * rstd * w of a chunk (fp32)."""
+    return (x * rstd[:, None]) * w[None, :]
+
+
+@triton.jit
+def _y_view(src, tile, part: tl.constexpr, ROWS: tl.constexpr, DW: tl.constexpr, V: tl.constexpr):
+    """Chunk ``part`` of tile ``tile`` of y recomputed from x (not re-read: other threads of the program stored it), as
+    stored, in fp32, as an [R, V] view, with its mask."""
     x_ptr, w_ptr, y_ptr, M, D, eps = src
-    _, _, mask, _, _, y = _tile(x_ptr, w_ptr, M, D, eps, tile, ROWS, BLOCK_D)
-    y = _to_out(y, y_ptr.dtype.element_ty, _SOFT_ROUND).to(tl.float32)
-    return tl.reshape(y, [ROWS * BLOCK_D // _V, _V]), tl.reshape(mask, [ROWS * BLOCK_D // _V, _V])
+    xs, _, mask, rstd = _tile(x_ptr, M, D, eps, tile, ROWS, DW)
+    y = _to_out(_y(xs[part], _weights(w_ptr, D, DW)[part], rstd), y_ptr.dtype.element_ty,
+                _SOFT_ROUND).to(tl.float32)
+    R: tl.constexpr = y.numel // V
+    return tl.reshape(y, [R, V]), tl.reshape(mask, [R, V])
 
 
 @triton.jit
-def _store_tile(x_ptr, w_ptr, y_ptr, rstd_ptr, M, D, eps, tile, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-                SOFT_ROUND: tl.constexpr):
-    """Normalizes a tile into y and 1 / rms into rstd; returns y as stored (fp32) and its mask."""
-    _, offs, mask, rows, rstd, y = _tile(x_ptr, w_ptr, M, D, eps, tile, ROWS, BLOCK_D)
-    yq = _to_out(y, y_ptr.dtype.element_ty, SOFT_ROUND)
-    tl.store(y_ptr + offs, yq, mask=mask)
+def _y_part(src, tile, part: tl.constexpr, ROWS: tl.constexpr, DW: tl.constexpr):
+    """The careful path's loader (``triton_stats.careful_tiles``, a chunk a part): ``_y_view`` as the fp32 row's
+    [R, V]."""
+    return _y_view(src, tile, part, ROWS, DW, _V)
+
+
+@triton.jit
+def _y_part_words(src, tile, part: tl.constexpr, ROWS: tl.constexpr, DW: tl.constexpr):
+    """The same as the words path's [R, 8] (R rows of 4 words)."""
+    return _y_view(src, tile, part, ROWS, DW, 8)
+
+
+@triton.jit
+def _first_shift(src, tile, ROWS: tl.constexpr, DW: tl.constexpr):
+    """(c, p, ok) of ``triton_stats._shift_of`` over a program's first tile of y: the chunks' mean shift (they hold as
+    many elements) and smallest scale."""
+    CW: tl.constexpr = DW & -DW
+    NC: tl.constexpr = DW // CW
+    x_ptr, w_ptr, y_ptr, M, D, eps = src
+    xs, _, mask, rstd = _tile(x_ptr, M, D, eps, tile, ROWS, DW)
+    ws = _weights(w_ptr, D, DW)
+    m1 = tl.reshape(mask, [mask.numel])
+    c, p, ok = _shift_of(tl.reshape(_to_out(_y(xs[0], ws[0], rstd), y_ptr.dtype.element_ty,
+                                            _SOFT_ROUND).to(tl.float32), [m1.numel]), m1)
+    for part in tl.static_range(1, NC):
+        y = _to_out(_y(xs[part], ws[part], rstd), y_ptr.dtype.element_ty, _SOFT_ROUND).to(tl.float32)
+        ci, pi, oki = _shift_of(tl.reshape(y, [m1.numel]), m1)
+        c, p, ok = c + ci, tl.minimum(p, pi), ok & oki
+    return c / NC, p, ok
+
+
+@triton.jit
+def _store_tile(x_ptr, w_ptr, y_ptr, rstd_ptr, M, D, eps, tile, ROWS: tl.constexpr, DW: tl.constexpr,
+                SOFT_ROUND: tl.constexpr, WORDS: tl.constexpr = False):
+    """Normalizes a tile into y and 1 / rms into rstd; returns its chunks of y as stored (fp32, a tuple; WORDS: y is
+    bf16 without padding, stored as 32-bit words, returned as those) and their mask."""
+    CW: tl.constexpr = DW & -DW
+    NC: tl.constexpr = DW // CW
+    xs, rows, mask, rstd = _tile(x_ptr, M, D, eps, tile, ROWS, DW)
+    ws = _weights(w_ptr, D, DW)
     tl.store(rstd_ptr + rows, rstd, mask=rows < M)
-    return yq.to(tl.float32), mask
+    ys = ()
+    if WORDS:
+        HW: tl.constexpr = CW // 2
+        yw_ptr = y_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        mask = tl.broadcast_to((rows < M)[:, None], [ROWS, HW])
+        for c in tl.static_range(NC):
+            lo, hi = tl.split(tl.reshape(_y(xs[c], ws[c], rstd), [ROWS, HW, 2]))
+            yw = pack(lo, hi, SOFT_ROUND)
+            tl.store(yw_ptr + rows[:, None] * (D // 2) + (c * HW + tl.arange(0, HW))[None, :], yw, mask=mask)
+            ys = ys + (yw,)
+    else:
+        cols = tl.arange(0, CW)
+        for c in tl.static_range(NC):
+            yq = _to_out(_y(xs[c], ws[c], rstd), y_ptr.dtype.element_ty, SOFT_ROUND)
+            tl.store(y_ptr + rows[:, None] * D + (c * CW + cols)[None, :], yq, mask=mask)
+            ys = ys + (yq.to(tl.float32),)
+    return ys, mask
 
 
 @triton.jit(do_not_specialize=["dst_index", "merge"])
 def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, M, D, eps, sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, cen_ptr,
                          c_mean, c_std, k, ahm_ptr, ahm_val, STATS: tl.constexpr, C_PTR: tl.constexpr,
                          AHM_PTR: tl.constexpr, HIST: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr,
-                         SMODE: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, SOFT_ROUND: tl.constexpr,
-                         STAGES: tl.constexpr):
-    """Persistent programs over tiles of ROWS rows. With STATS, y's statistics as the standalone kernel takes them
-    (``triton_stats.stream_add``, about a shift from the program's first tile), and its careful path (two exact fp64
-    passes over y recomputed) where the shift was poor or y holds NaN/Inf."""
+                         SMODE: tl.constexpr, ROWS: tl.constexpr, DW: tl.constexpr, SOFT_ROUND: tl.constexpr,
+                         STAGES: tl.constexpr, WORDS: tl.constexpr):
+    """Persistent programs over tiles of ROWS rows, each NC chunks of CW = DW & -DW columns (``_tile``). With STATS,
+    y's statistics as the standalone kernel takes them (``triton_stats.stream_add``, about a shift from the program's
+    first tile), and its careful path (two exact fp64 passes over y recomputed, a chunk a part) where the shift was poor
+    or y holds NaN/Inf. WORDS: y is bf16 without padding, stored as 32-bit words and its row taken from them
+    (``triton_stats.words_add``)."""
+    CW: tl.constexpr = DW & -DW
+    NC: tl.constexpr = DW // CW
     pid = tl.program_id(0)
     tiles = tl.cdiv(M, ROWS)
     if not STATS:
         for tile in tl.range(pid, tiles, tl.num_programs(0), num_stages=STAGES):
-            _store_tile(x_ptr, w_ptr, y_ptr, rstd_ptr, M, D, eps, tile, ROWS, BLOCK_D, SOFT_ROUND)
+            _store_tile(x_ptr, w_ptr, y_ptr, rstd_ptr, M, D, eps, tile, ROWS, DW, SOFT_ROUND)
     else:
-        V: tl.constexpr = _V
-        R: tl.constexpr = ROWS * BLOCK_D // V
+        V: tl.constexpr = 8 if WORDS else _V
+        R: tl.constexpr = ROWS * CW // V
         src = (x_ptr, w_ptr, y_ptr, M, D, eps)
         lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
-        y0, m0 = _y_part(src, pid, 0, ROWS, BLOCK_D)
-        c, p, ok, ncp, st = stream_start(y0, m0, R)
+        c, p, ok = _first_shift(src, pid, ROWS, DW)
+        ncp = -(c * p)
+        if WORDS:
+            wacc = words_zero(lo, hi, R)
+        else:
+            st = stream_zero(R)
         ht = None
         if HIST and _SMEM_HIST:
             ht = _htab()
         ce = tl.zeros([], tl.int32)
         for tile in tl.range(pid, tiles, tl.num_programs(0), num_stages=STAGES):
-            y, mask = _store_tile(x_ptr, w_ptr, y_ptr, rstd_ptr, M, D, eps, tile, ROWS, BLOCK_D, SOFT_ROUND)
+            ys, mask = _store_tile(x_ptr, w_ptr, y_ptr, rstd_ptr, M, D, eps, tile, ROWS, DW, SOFT_ROUND, WORDS)
             inside = (tl.minimum(M - (tile + tl.zeros([], tl.int64)) * ROWS, ROWS) * D).to(tl.int32)
-            st = stream_add(st, y, mask, inside == ROWS * BLOCK_D, p, ncp, lo, hi, HIST, R, V, ht)
+            full = inside == ROWS * DW
+            for part in tl.static_range(NC):
+                if WORDS:
+                    wacc = words_add(wacc, ys[part], None, full, mask, p, ncp, lo, hi, HIST, R, ht)
+                else:
+                    st = stream_add(st, ys[part], mask, full, p, ncp, lo, hi, HIST, R, V, ht)
             ce += inside
-        ce, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = stream_partial(
-            st, ce, c, p, ok, _y_part, src, tiles, 1, lo, hi, HIST, R, ROWS, BLOCK_D, ht)
+        if WORDS:
+            ce, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = stream_partial(
+                words_fold(wacc), ce, c, p, ok, _y_part_words, src, tiles, NC, lo, hi, HIST, R, ROWS, DW, ht)
+        else:
+            ce, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = stream_partial(
+                st, ce, c, p, ok, _y_part, src, tiles, NC, lo, hi, HIST, R, ROWS, DW, ht)
         fused_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, 1.0, ce, nfin, nonfin, zeros,
                        outl, under, over, amax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST, SMODE)
 
@@ -145,6 +260,17 @@ def _shape(d: int, tile: int = TILE) -> tuple[int, int]:
     return max(1, tile // block_d), block_d
 
 
+def _stats_shape(d: int, element_size: int, warps: int) -> tuple[int, int]:
+    """(ROWS, DW) of the forward with a row (``_tile``): D itself where CHUNKS cuts it into at most MAX_CHUNKS chunks,
+    with rows enough that a chunk gives each thread a 16-byte load of x (the statistics' views and, for bf16, the words
+    take whole loads: a view across threads converts the layout through shared memory); else ``_shape``'s."""
+    rows, block_d = _shape(d, STATS_TILE)
+    cw = d & -d
+    if not CHUNKS or d == cw or d // cw > MAX_CHUNKS:
+        return rows, block_d
+    return max(rows, 16 // element_size * 32 * warps // cw), d
+
+
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether these kernels take x (contiguous, float, rows of at most MAX_WIDTH) and weight (its row's width)."""
     return (x.is_contiguous() and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.numel() > 0
@@ -158,17 +284,22 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
     m = x.numel() // d
     y = torch.empty_like(x)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    words = False
     if stats is None:
-        (rows, block_d), warps, per_sm = _shape(d), WARPS, PROGRAMS_PER_SM
+        (rows, dw), warps, per_sm = _shape(d), WARPS, PROGRAMS_PER_SM
     else:
-        rows, block_d = _shape(d, STATS_TILE)
-        warps = STATS_WARPS if block_d <= STATS_TILE else WARPS
+        warps = STATS_WARPS if next_power_of_2(d) <= STATS_TILE else WARPS
         per_sm = max(1, STATS_PROGRAMS_PER_SM * STATS_WARPS // warps)  # the same registers per SM
+        rows, dw = _stats_shape(d, x.element_size(), warps)
+        # as SwiGLU's words path: no padding (whole words, full tiles); the histogram needs the shared-memory table
+        words = (WORDS and x.dtype == torch.bfloat16 and dw == d and d % 2 == 0 and y.data_ptr() % 4 == 0
+                 and (not stats.hist or ts.SMEM_HIST))
     programs = persistent_programs(cdiv(m, rows), per_sm, x.device)
     _rms_norm_fwd_kernel[(programs,)](x, weight, y, rstd, m, d, float(eps),
-                                      **ts.epilogue_args(stats, programs, y, later=True), ROWS=rows, BLOCK_D=block_d,
+                                      **ts.epilogue_args(stats, programs, y, later=True), ROWS=rows, DW=dw,
                                       SOFT_ROUND=INTERPRET, STAGES=STATS_STAGES if stats is not None else 1,
-                                      num_warps=warps, **reg_cap(STATS_MAXNREG if stats is not None else None))
+                                      WORDS=words, num_warps=warps,
+                                      **reg_cap(STATS_MAXNREG if stats is not None else None))
     return y, rstd
 
 
