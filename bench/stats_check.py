@@ -512,19 +512,26 @@ def check_gemm(device) -> None:
 
 def check_rmsnorm(device) -> None:
     """trainer/kernels/rmsnorm.py on the GPU: y, dx and dw against torch's ops (``rms_norm_torch``), and the row of y
-    against the fp64 oracle's of y as returned, at the 124M and 1.5B pre-norms' shapes, in bf16, and with a NaN."""
+    against the fp64 oracle's of y as returned, at the 124M and 1.5B pre-norms' shapes, in bf16 (at 768 through y's
+    words, with and without the histogram), and with a NaN."""
     from trainer.kernels.rmsnorm import rms_norm, rms_norm_ref
 
     g = torch.Generator(device="cpu").manual_seed(10)
-    for shape, dt, nan in (((16, 1024, 768), torch.float32, False), ((4, 2048, 2048), torch.float32, False),
-                           ((4, 1000, 1600), torch.bfloat16, False), ((3, 77, 768), torch.float32, True)):
+    for shape, dt, nan, hist in (((16, 1024, 768), torch.float32, False, True),
+                                 ((16, 1024, 768), torch.float32, False, False),
+                                 ((4, 2048, 2048), torch.float32, False, True),
+                                 ((4, 1000, 1600), torch.bfloat16, False, True),
+                                 ((16, 1024, 768), torch.bfloat16, False, False),
+                                 ((16, 1024, 768), torch.bfloat16, False, True),
+                                 ((3, 77, 768), torch.bfloat16, True, False),
+                                 ((3, 77, 768), torch.float32, True, True)):
         x0 = (torch.randn(*shape, generator=g) * 3 + 0.5).to(dt)
         if nan:
             x0[1, 5, 7] = float("nan")
         x0, w0 = x0.to(device), (torch.randn(shape[-1], generator=g) + 1.0).to(device)
         gy = torch.randn(*shape, generator=g).to(dt).to(device)
         (x1, w1), (x2, w2) = [(x0.clone().requires_grad_(), w0.clone().requires_grad_()) for _ in range(2)]
-        tgt = ts.Target.new(device, center=(0.5, 3.0), fmt="e4m3")
+        tgt = ts.Target.new(device, center=(0.5, 3.0), fmt="e4m3", hist=hist)
         y1, y2 = rms_norm(x1, w1, 1e-6, stats=tgt), rms_norm_ref(x2, w2, 1e-6)
         y1.backward(gy)
         y2.backward(gy)
@@ -533,9 +540,9 @@ def check_rmsnorm(device) -> None:
         bad = [f"{w} max difference {float((a.float() - b.float()).abs().max())}"
                for w, a, b in (("y", y1.detach(), y2.detach()), ("dx", x1.grad, x2.grad), ("dw", w1.grad, w2.grad))
                if not torch.allclose(a.float(), b.float(), equal_nan=True, **tol)]
-        want = ds.partials(y1.detach(), fmt="e4m3", outlier_center=(0.5, 3.0))
+        want = ds.partials(y1.detach(), fmt="e4m3", outlier_center=(0.5, 3.0), hist=hist)
         ok, why = rows_close(tgt.rows[0], want, under_slack=want[ds.HIST:].nan_to_num(0).max().item())
-        report(f"rmsnorm {shape} {dt} nan={nan}", ok and not bad, why + "; ".join(bad))
+        report(f"rmsnorm {shape} {dt} nan={nan} hist={hist}", ok and not bad, why + "; ".join(bad))
 
 
 def check_consumers(device) -> None:
