@@ -32,10 +32,12 @@ from .words import pack
 TILE = 4096  # elements of a tile: rows of the next power of two of the width, as many as fit
 MAX_WIDTH = 16384  # wider rows: torch's ops (a tile holds one whole row)
 # With a row the tile loop is software-pipelined (the next tiles' loads issued into shared memory ahead of this one's
-# arithmetic) two deep: three took 41 KiB of shared memory for a 768-wide tile (offline sm_90a build,
-# bench/offline_sass.py --consumers), which with the histogram's 8 KiB table passed the 48 KiB a launch gets without
-# opting in, and the launch failed. Programs and the register cap are the residual kernels'.
-STATS_STAGES = 2
+# arithmetic) three deep: at the 124M width (768, in chunks) the row cost 7.7 us a call between GEMMs against 12.3 at
+# two (bench/power_cap.py on an H100, bench/RESULTS.md). Padded to 1024, three had taken 41 KiB of shared memory, which
+# with the histogram's 8 KiB table passed the 48 KiB a launch gets without opting in, and the launch failed;
+# ``bench/offline_sass.py --launch-check --widths`` checks every width. Programs and the register cap are the residual
+# kernels'.
+STATS_STAGES = 3
 # Tile elements and warps of the forward with a row: four programs of 4 warps per SM (the residual kernels'
 # STATS_PROGRAMS_PER_SM) took 12% and 6% (124M, 1.5B) less time than two of 8 with 4096-element tiles on an H200,
 # 8% and 5% on an H100 (bench/RESULTS.md). Rows wider than STATS_TILE take the plain forward's warps, in as many
