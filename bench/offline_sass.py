@@ -238,11 +238,8 @@ def _consumers(ts, built: dict) -> int:
                                 ("rmsnorm fwd + row + hist", True, True)):
             norm._rms_norm_fwd_kernel = _CompileOnly(nfwd, f"{name} (fp32, {d_model})", built)
             norm.rms_norm_forward(x, w, 1e-6, stats=ts.Target.new(cpu, fmt="e4m3", hist=hist) if row else None)
-        for name, on in (("rmsnorm fwd + row", False), ("rmsnorm fwd + row (words)", True)):  # a bf16 stream's
-            norm.WORDS, words = on, norm.WORDS
-            norm._rms_norm_fwd_kernel = _CompileOnly(nfwd, f"{name} (bf16, {d_model})", built)
-            norm.rms_norm_forward(x.bfloat16(), w, 1e-6, stats=ts.Target.new(cpu, fmt="e4m3", hist=False))
-            norm.WORDS = words
+        norm._rms_norm_fwd_kernel = _CompileOnly(nfwd, f"rmsnorm fwd + row (bf16, {d_model})", built)
+        norm.rms_norm_forward(x.bfloat16(), w, 1e-6, stats=ts.Target.new(cpu, fmt="e4m3", hist=False))
         norm._rms_norm_bwd_kernel = _CompileOnly(nbwd, f"rmsnorm bwd (fp32, {d_model})", built)
         norm.rms_norm_backward(x, x, w, torch.zeros(4096))
     wc = importlib.import_module("trainer.kernels.weight_casts")

@@ -512,8 +512,8 @@ def check_gemm(device) -> None:
 
 def check_rmsnorm(device) -> None:
     """trainer/kernels/rmsnorm.py on the GPU: y, dx and dw against torch's ops (``rms_norm_torch``), and the row of y
-    against the fp64 oracle's of y as returned, at the 124M and 1.5B pre-norms' shapes, in bf16 (at 768 through y's
-    words, with and without the histogram), and with a NaN."""
+    against the fp64 oracle's of y as returned, at the 124M and 1.5B pre-norms' shapes (768 in chunks:
+    ``rmsnorm.CHUNKS``), in bf16 (at 768 with and without the histogram), and with a NaN."""
     from trainer.kernels.rmsnorm import rms_norm, rms_norm_ref
 
     g = torch.Generator(device="cpu").manual_seed(10)

@@ -2,8 +2,7 @@
 each, the forward optionally taking y's statistics row for the agent from the registers it stores y from: the row of
 the ``input`` of the linear that y feeds (llama's pre-norms feed qkv and fc1), which that linear then leaves to the
 block (``trainer.model.Block``) instead of a statistics kernel reading y once more. With a row, a width that is not a
-power of two is taken as chunks of its largest power-of-two divisor (``CHUNKS``: no padded lanes, full tiles), and a
-bf16 y is stored as 32-bit words whose row is taken a word at a time (``WORDS``).
+power of two is taken as chunks of its largest power-of-two divisor (``CHUNKS``: no padded lanes, full tiles).
 
 y has x's dtype, as ``trainer.layers.rms_norm_torch`` (the reference; under autocast the next linear casts y). Its
 values are that computation's in fp32 with the sum of squares in another order: a few units in the last place apart.
@@ -21,13 +20,12 @@ import triton.language as tl
 
 from agent import triton_stats as ts
 from agent.triton_stats import (_SMEM_HIST, _htab, _shift_of, fused_bounds, fused_epilogue, stream_add, stream_partial,
-                                stream_zero, words_add, words_fold, words_zero)
+                                stream_zero)
 
 from ..layers import rms_norm_torch as rms_norm_ref  # noqa: F401  (the reference, beside the kernels)
 from .fp8_gemm import _to_out
 from .quantize import INTERPRET, cdiv, next_power_of_2, persistent_programs, reg_cap
 from .residual import PROGRAMS_PER_SM, STATS_MAXNREG, STATS_PROGRAMS_PER_SM, WARPS
-from .words import pack
 
 TILE = 4096  # elements of a tile: rows of the next power of two of the width, as many as fit
 MAX_WIDTH = 16384  # wider rows: torch's ops (a tile holds one whole row)
@@ -50,14 +48,10 @@ STATS_WARPS = 4
 # two of the width, its padding masked. FP8MON_RMSNORM_CHUNKS=0 pads every width.
 CHUNKS = os.environ.get("FP8MON_RMSNORM_CHUNKS", "1") == "1"
 MAX_CHUNKS = 8
-# With a row, a bf16 y of whole chunks (no padding) is stored as 32-bit words packed from the rounded chunks
-# (``words.pack``) and its row taken a word at a time on full tiles (``triton_stats.words_add``, as SwiGLU's forward
-# takes y's). FP8MON_RMSNORM_WORDS=0 keeps the fp32 row.
-WORDS = os.environ.get("FP8MON_RMSNORM_WORDS", "1") == "1"
 # The statistics see a tile as [elements / V, V], summing each row of V in a thread. V = 4, the fp32 elements of a
 # thread's 16-byte load: with 8 (the residual kernels' choice for a flat block) the view crossed the tile's layout and
 # the offline build's tile loop held 56 more shuffles, 916 instructions against 794 (768 wide), and spilled with the
-# histogram (56 bytes of stack against 8). The words path's view is [words / 4, 4]: 8 elements a row.
+# histogram (56 bytes of stack against 8).
 _V = tl.constexpr(4)
 _SOFT_ROUND = tl.constexpr(INTERPRET)  # for the careful path's loader (kernels take it as an argument)
 
@@ -106,28 +100,16 @@ def _y(x, w, rstd):
 
 
 @triton.jit
-def _y_view(src, tile, part: tl.constexpr, ROWS: tl.constexpr, DW: tl.constexpr, V: tl.constexpr):
-    """Chunk ``part`` of tile ``tile`` of y recomputed from x (not re-read: other threads of the program stored it), as
-    stored, in fp32, as an [R, V] view, with its mask."""
+def _y_part(src, tile, part: tl.constexpr, ROWS: tl.constexpr, DW: tl.constexpr):
+    """The careful path's loader (``triton_stats.careful_tiles``, a chunk a part): chunk ``part`` of tile ``tile`` of y
+    recomputed from x (not re-read: other threads of the program stored it), as stored, in fp32, as the statistics'
+    [R, V] view, with its mask."""
     x_ptr, w_ptr, y_ptr, M, D, eps = src
     xs, _, mask, rstd = _tile(x_ptr, M, D, eps, tile, ROWS, DW)
     y = _to_out(_y(xs[part], _weights(w_ptr, D, DW)[part], rstd), y_ptr.dtype.element_ty,
                 _SOFT_ROUND).to(tl.float32)
-    R: tl.constexpr = y.numel // V
-    return tl.reshape(y, [R, V]), tl.reshape(mask, [R, V])
-
-
-@triton.jit
-def _y_part(src, tile, part: tl.constexpr, ROWS: tl.constexpr, DW: tl.constexpr):
-    """The careful path's loader (``triton_stats.careful_tiles``, a chunk a part): ``_y_view`` as the fp32 row's
-    [R, V]."""
-    return _y_view(src, tile, part, ROWS, DW, _V)
-
-
-@triton.jit
-def _y_part_words(src, tile, part: tl.constexpr, ROWS: tl.constexpr, DW: tl.constexpr):
-    """The same as the words path's [R, 8] (R rows of 4 words)."""
-    return _y_view(src, tile, part, ROWS, DW, 8)
+    R: tl.constexpr = y.numel // _V
+    return tl.reshape(y, [R, _V]), tl.reshape(mask, [R, _V])
 
 
 @triton.jit
@@ -151,30 +133,20 @@ def _first_shift(src, tile, ROWS: tl.constexpr, DW: tl.constexpr):
 
 @triton.jit
 def _store_tile(x_ptr, w_ptr, y_ptr, rstd_ptr, M, D, eps, tile, ROWS: tl.constexpr, DW: tl.constexpr,
-                SOFT_ROUND: tl.constexpr, WORDS: tl.constexpr = False):
-    """Normalizes a tile into y and 1 / rms into rstd; returns its chunks of y as stored (fp32, a tuple; WORDS: y is
-    bf16 without padding, stored as 32-bit words, returned as those) and their mask."""
+                SOFT_ROUND: tl.constexpr):
+    """Normalizes a tile into y and 1 / rms into rstd; returns its chunks of y as stored (fp32, a tuple) and their
+    mask."""
     CW: tl.constexpr = DW & -DW
     NC: tl.constexpr = DW // CW
     xs, rows, mask, rstd = _tile(x_ptr, M, D, eps, tile, ROWS, DW)
     ws = _weights(w_ptr, D, DW)
     tl.store(rstd_ptr + rows, rstd, mask=rows < M)
     ys = ()
-    if WORDS:
-        HW: tl.constexpr = CW // 2
-        yw_ptr = y_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-        mask = tl.broadcast_to((rows < M)[:, None], [ROWS, HW])
-        for c in tl.static_range(NC):
-            lo, hi = tl.split(tl.reshape(_y(xs[c], ws[c], rstd), [ROWS, HW, 2]))
-            yw = pack(lo, hi, SOFT_ROUND)
-            tl.store(yw_ptr + rows[:, None] * (D // 2) + (c * HW + tl.arange(0, HW))[None, :], yw, mask=mask)
-            ys = ys + (yw,)
-    else:
-        cols = tl.arange(0, CW)
-        for c in tl.static_range(NC):
-            yq = _to_out(_y(xs[c], ws[c], rstd), y_ptr.dtype.element_ty, SOFT_ROUND)
-            tl.store(y_ptr + rows[:, None] * D + (c * CW + cols)[None, :], yq, mask=mask)
-            ys = ys + (yq.to(tl.float32),)
+    cols = tl.arange(0, CW)
+    for c in tl.static_range(NC):
+        yq = _to_out(_y(xs[c], ws[c], rstd), y_ptr.dtype.element_ty, SOFT_ROUND)
+        tl.store(y_ptr + rows[:, None] * D + (c * CW + cols)[None, :], yq, mask=mask)
+        ys = ys + (yq.to(tl.float32),)
     return ys, mask
 
 
@@ -183,12 +155,11 @@ def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, M, D, eps, sp_ptr, ctr_p
                          c_mean, c_std, k, ahm_ptr, ahm_val, STATS: tl.constexpr, C_PTR: tl.constexpr,
                          AHM_PTR: tl.constexpr, HIST: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr,
                          SMODE: tl.constexpr, ROWS: tl.constexpr, DW: tl.constexpr, SOFT_ROUND: tl.constexpr,
-                         STAGES: tl.constexpr, WORDS: tl.constexpr):
+                         STAGES: tl.constexpr):
     """Persistent programs over tiles of ROWS rows, each NC chunks of CW = DW & -DW columns (``_tile``). With STATS,
     y's statistics as the standalone kernel takes them (``triton_stats.stream_add``, about a shift from the program's
     first tile), and its careful path (two exact fp64 passes over y recomputed, a chunk a part) where the shift was poor
-    or y holds NaN/Inf. WORDS: y is bf16 without padding, stored as 32-bit words and its row taken from them
-    (``triton_stats.words_add``)."""
+    or y holds NaN/Inf."""
     CW: tl.constexpr = DW & -DW
     NC: tl.constexpr = DW // CW
     pid = tl.program_id(0)
@@ -197,36 +168,26 @@ def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, M, D, eps, sp_ptr, ctr_p
         for tile in tl.range(pid, tiles, tl.num_programs(0), num_stages=STAGES):
             _store_tile(x_ptr, w_ptr, y_ptr, rstd_ptr, M, D, eps, tile, ROWS, DW, SOFT_ROUND)
     else:
-        V: tl.constexpr = 8 if WORDS else _V
+        V: tl.constexpr = _V
         R: tl.constexpr = ROWS * CW // V
         src = (x_ptr, w_ptr, y_ptr, M, D, eps)
         lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
         c, p, ok = _first_shift(src, pid, ROWS, DW)
         ncp = -(c * p)
-        if WORDS:
-            wacc = words_zero(lo, hi, R)
-        else:
-            st = stream_zero(R)
+        st = stream_zero(R)
         ht = None
         if HIST and _SMEM_HIST:
             ht = _htab()
         ce = tl.zeros([], tl.int32)
         for tile in tl.range(pid, tiles, tl.num_programs(0), num_stages=STAGES):
-            ys, mask = _store_tile(x_ptr, w_ptr, y_ptr, rstd_ptr, M, D, eps, tile, ROWS, DW, SOFT_ROUND, WORDS)
+            ys, mask = _store_tile(x_ptr, w_ptr, y_ptr, rstd_ptr, M, D, eps, tile, ROWS, DW, SOFT_ROUND)
             inside = (tl.minimum(M - (tile + tl.zeros([], tl.int64)) * ROWS, ROWS) * D).to(tl.int32)
             full = inside == ROWS * DW
             for part in tl.static_range(NC):
-                if WORDS:
-                    wacc = words_add(wacc, ys[part], None, full, mask, p, ncp, lo, hi, HIST, R, ht)
-                else:
-                    st = stream_add(st, ys[part], mask, full, p, ncp, lo, hi, HIST, R, V, ht)
+                st = stream_add(st, ys[part], mask, full, p, ncp, lo, hi, HIST, R, V, ht)
             ce += inside
-        if WORDS:
-            ce, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = stream_partial(
-                words_fold(wacc), ce, c, p, ok, _y_part_words, src, tiles, NC, lo, hi, HIST, R, ROWS, DW, ht)
-        else:
-            ce, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = stream_partial(
-                st, ce, c, p, ok, _y_part, src, tiles, NC, lo, hi, HIST, R, ROWS, DW, ht)
+        ce, nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = stream_partial(
+            st, ce, c, p, ok, _y_part, src, tiles, NC, lo, hi, HIST, R, ROWS, DW, ht)
         fused_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, 1.0, ce, nfin, nonfin, zeros,
                        outl, under, over, amax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST, SMODE)
 
@@ -264,8 +225,8 @@ def _shape(d: int, tile: int = TILE) -> tuple[int, int]:
 
 def _stats_shape(d: int, element_size: int, warps: int) -> tuple[int, int]:
     """(ROWS, DW) of the forward with a row (``_tile``): D itself where CHUNKS cuts it into at most MAX_CHUNKS chunks,
-    with rows enough that a chunk gives each thread a 16-byte load of x (the statistics' views and, for bf16, the words
-    take whole loads: a view across threads converts the layout through shared memory); else ``_shape``'s."""
+    with rows enough that a chunk gives each thread a 16-byte load of x (the statistics' view takes whole loads: a view
+    across threads converts the layout through shared memory); else ``_shape``'s."""
     rows, block_d = _shape(d, STATS_TILE)
     cw = d & -d
     if not CHUNKS or d == cw or d // cw > MAX_CHUNKS:
@@ -286,21 +247,17 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
     m = x.numel() // d
     y = torch.empty_like(x)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
-    words = False
     if stats is None:
         (rows, dw), warps, per_sm = _shape(d), WARPS, PROGRAMS_PER_SM
     else:
         warps = STATS_WARPS if next_power_of_2(d) <= STATS_TILE else WARPS
         per_sm = max(1, STATS_PROGRAMS_PER_SM * STATS_WARPS // warps)  # the same registers per SM
         rows, dw = _stats_shape(d, x.element_size(), warps)
-        # as SwiGLU's words path: no padding (whole words, full tiles); the histogram needs the shared-memory table
-        words = (WORDS and x.dtype == torch.bfloat16 and dw == d and d % 2 == 0 and y.data_ptr() % 4 == 0
-                 and (not stats.hist or ts.SMEM_HIST))
     programs = persistent_programs(cdiv(m, rows), per_sm, x.device)
     _rms_norm_fwd_kernel[(programs,)](x, weight, y, rstd, m, d, float(eps),
                                       **ts.epilogue_args(stats, programs, y, later=True), ROWS=rows, DW=dw,
                                       SOFT_ROUND=INTERPRET, STAGES=STATS_STAGES if stats is not None else 1,
-                                      WORDS=words, num_warps=warps,
+                                      num_warps=warps,
                                       **reg_cap(STATS_MAXNREG if stats is not None else None))
     return y, rstd
 
