@@ -51,9 +51,10 @@ def test_every_kernel_with_a_statistics_row_and_the_histogram_would_launch_on_sm
 
 
 @pytest.mark.timeout(300)
-def test_rmsnorm_rows_whose_tiles_come_near_48_kib_would_launch_on_sm90():
-    """RMSNorm's tile, and so its pipelined buffers, grows with the row: at 4096 and 8192 elements Triton's own part
-    lies between 24 and 64 KiB, where the histogram's table could push it past 48 KiB without an opt-in. (Every width
-    and head size: ``bench/offline_sass.py --launch-check --widths``, ten minutes.)"""
-    stdout, report = _launch_check("--widths", "4096,8192", "--histogram-only", timeout=280)
-    assert stdout.count(": ok") == 4, report  # two widths x bf16/fp32, with the histogram
+def test_rmsnorm_rows_whose_tiles_come_near_a_limit_would_launch_on_sm90():
+    """RMSNorm's tile, and so its pipelined buffers, grows with the row: at 3072 (in chunks), 4096 and 8192 elements
+    Triton's own part lies between 24 and 64 KiB, where the histogram's table could push it past 48 KiB without an
+    opt-in; at 16384 three stages would pass the 227 KiB a block may opt in to (``rmsnorm.STAGE3_BYTES``). (Every
+    power-of-two width and head size: ``bench/offline_sass.py --launch-check --widths``, ten minutes.)"""
+    stdout, report = _launch_check("--widths", "3072,4096,8192,16384", "--histogram-only", timeout=280)
+    assert stdout.count(": ok") == 8, report  # four widths x bf16/fp32, with the histogram

@@ -33,9 +33,11 @@ MAX_WIDTH = 16384  # wider rows: torch's ops (a tile holds one whole row)
 # arithmetic) three deep: at the 124M width (768, in chunks) the row cost 7.7 us a call between GEMMs against 12.3 at
 # two (bench/power_cap.py on an H100, bench/RESULTS.md). Padded to 1024, three had taken 41 KiB of shared memory, which
 # with the histogram's 8 KiB table passed the 48 KiB a launch gets without opting in, and the launch failed;
-# ``bench/offline_sass.py --launch-check --widths`` checks every width. Programs and the register cap are the residual
-# kernels'.
+# ``bench/offline_sass.py --launch-check --widths`` checks every width. A tile of more than STAGE3_BYTES takes two:
+# three took 256 KiB for a 16384-wide fp32 row, over the 227 KiB a block may opt in to. Programs and the register cap
+# are the residual kernels'.
 STATS_STAGES = 3
+STAGE3_BYTES = 32 * 1024
 # Tile elements and warps of the forward with a row: four programs of 4 warps per SM (the residual kernels'
 # STATS_PROGRAMS_PER_SM) took 12% and 6% (124M, 1.5B) less time than two of 8 with 4096-element tiles on an H200,
 # 8% and 5% on an H100 (bench/RESULTS.md). Rows wider than STATS_TILE take the plain forward's warps, in as many
@@ -234,6 +236,13 @@ def _stats_shape(d: int, element_size: int, warps: int) -> tuple[int, int]:
     return max(rows, 16 // element_size * 32 * warps // cw), d
 
 
+def _stages(stats: "ts.Target | None", tile_bytes: int) -> int:
+    """The forward's pipelining depth: none without a row, else ``STATS_STAGES``, at most two above STAGE3_BYTES."""
+    if stats is None:
+        return 1
+    return STATS_STAGES if tile_bytes <= STAGE3_BYTES else min(STATS_STAGES, 2)
+
+
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether these kernels take x (contiguous, float, rows of at most MAX_WIDTH) and weight (its row's width)."""
     return (x.is_contiguous() and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.numel() > 0
@@ -256,7 +265,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
     programs = persistent_programs(cdiv(m, rows), per_sm, x.device)
     _rms_norm_fwd_kernel[(programs,)](x, weight, y, rstd, m, d, float(eps),
                                       **ts.epilogue_args(stats, programs, y, later=True), ROWS=rows, DW=dw,
-                                      SOFT_ROUND=INTERPRET, STAGES=STATS_STAGES if stats is not None else 1,
+                                      SOFT_ROUND=INTERPRET, STAGES=_stages(stats, rows * dw * x.element_size()),
                                       num_warps=warps,
                                       **reg_cap(STATS_MAXNREG if stats is not None else None))
     return y, rstd
