@@ -187,7 +187,7 @@ def _consumers(ts, built: dict) -> int:
     through its words; its backward without and with dy's row, and with it through dy's words; the residual add (fp32 stream, bf16 branch) without and
     with the branch's row, and the branch gradient's cast with its row; RoPE on the qkv output (1.5B's heads) without
     and with its row, and with it through qkv's words, and its backward without and with its gradient's row; RMSNorm's
-    (and its bf16 forward with a row without and with its words); the weights' casts in one launch; the heads merged
+    (and its bf16 forward with a row); the weights' casts in one launch; the heads merged
     for the projection without and with its input's row."""
     sw = importlib.import_module("trainer.kernels.swiglu")
     res = importlib.import_module("trainer.kernels.residual")
