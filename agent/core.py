@@ -50,6 +50,7 @@ from torch import nn
 
 from . import device_stats as ds
 from . import distributed
+from . import side_stream
 from . import triton_stats as ts
 from .collector import Collector, Job
 from .formats import Fp8Format, by_name
@@ -600,10 +601,15 @@ class Agent:
         rows, merge, centers = self._claim(slots, [t[6] for t in todo], device)
         # rows no scale decides and no history reads now are merged by the launch that ends the step (_launch_pending)
         later = LATER_MERGE and all(t[3] is None and t[4] is None and not t[5] for t in todo)
-        ts.rows([t[1] for t in todo], fmt=[t[2] for t in todo], scale=[t[3] for t in todo],
-                center=[centers[s] for s in slots], outlier_k=self.outlier_k,
-                amax_history_max=[t[4] for t in todo], hist=self.hist_now, out=rows, index=slots, merge=merge,
-                later=later)
+        # such rows of activations may be read beside the step's kernels (side_stream); not the weights, which the
+        # optimizer may change before the step's end, nor their gradients (accumulated into in place; read at the
+        # backward pass's end, where no kernel runs beside them)
+        side = later and side_stream.wanted(device) and all(t[7] in _SIDE_SITES for t in todo)
+        with side_stream.forked(device, [t[1] for t in todo]) if side else contextlib.nullcontext():
+            ts.rows([t[1] for t in todo], fmt=[t[2] for t in todo], scale=[t[3] for t in todo],
+                    center=[centers[s] for s in slots], outlier_k=self.outlier_k,
+                    amax_history_max=[t[4] for t in todo], hist=self.hist_now, out=rows, index=slots, merge=merge,
+                    later=later, programs=side_stream.PROGRAMS if side else None)
         for slot, x, fmt, scale, ahm, emulated, replace, site in todo:
             if emulated:
                 self._history.observe(slot, rows[slot, ds.AMAX])
@@ -726,6 +732,9 @@ class Agent:
 # sites whose row of a step is the last one written, not a merge: grad_weight is the accumulated gradient
 # (the hooks observe param.grad after each accumulation), the layers report it as such
 _REPLACED = ("grad_weight",)
+
+
+_SIDE_SITES = ("input", "output", "grad_output")
 
 
 def _no_centers(k: int, device) -> torch.Tensor:
