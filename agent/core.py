@@ -499,12 +499,17 @@ class Agent:
     def observe_after_backward(self, layer: str, site: str, param: torch.Tensor) -> None:
         """``param.grad`` as ``site`` of ``layer`` (replacing), observed with the next launch of this backward pass
         or at its end, whichever comes first. A layer whose grad_output the hooks observe (a pair) is observed now,
-        in one launch with its waiting grad_output (the same backward node produced both)."""
+        in one launch with its waiting grad_output (the same backward node produced both). With ``side_stream`` on, a
+        gradient is read now on the side stream, beside the rest of the backward pass, which waits for it at its end."""
         if layer in self._pairs:
             self.observe_many(layer, [(site, param.grad, False, True)])
             return
+        if side_stream.wanted(param.device) and self._triton_for(param.grad):
+            self._observe([(layer, site, param.grad, False, True)])
+            param = None
         with self._after_lock:
-            self._after[(layer, site)] = param
+            if param is not None:
+                self._after[(layer, site)] = param
             if self._after_queued:
                 return
             self._after_queued = True
@@ -524,13 +529,15 @@ class Agent:
         return [(layer, site, p.grad, False, True) for (layer, site), p in taken if p.grad is not None]
 
     def _observe_after(self) -> None:
-        """The end of a backward pass (autograd calls this; it must not raise): the grad_weights still waiting."""
+        """The end of a backward pass (autograd calls this; it must not raise): the grad_weights still waiting; then
+        the pass's stream waits for the reads on the side stream (the gradients may be changed in place next)."""
         try:
             with self._after_lock:
                 self._after_queued = False
             items = self._take_after(None)
             if items:
                 self._observe(items)
+            side_stream.join()
         except Exception as exc:
             self._error("hook grad_weight", exc)
 
@@ -601,9 +608,8 @@ class Agent:
         rows, merge, centers = self._claim(slots, [t[6] for t in todo], device)
         # rows no scale decides and no history reads now are merged by the launch that ends the step (_launch_pending)
         later = LATER_MERGE and all(t[3] is None and t[4] is None and not t[5] for t in todo)
-        # such rows of activations may be read beside the step's kernels (side_stream); not the weights, which the
-        # optimizer may change before the step's end, nor their gradients (accumulated into in place; read at the
-        # backward pass's end, where no kernel runs beside them)
+        # such rows may be read beside the step's kernels (side_stream); not the weights, which the optimizer may
+        # change before the step's end (their gradients: observe_after_backward)
         side = later and side_stream.wanted(device) and all(t[7] in _SIDE_SITES for t in todo)
         with side_stream.forked(device, [t[1] for t in todo]) if side else contextlib.nullcontext():
             ts.rows([t[1] for t in todo], fmt=[t[2] for t in todo], scale=[t[3] for t in todo],
@@ -734,7 +740,7 @@ class Agent:
 _REPLACED = ("grad_weight",)
 
 
-_SIDE_SITES = ("input", "output", "grad_output")
+_SIDE_SITES = ("input", "output", "grad_output", "grad_weight")
 
 
 def _no_centers(k: int, device) -> torch.Tensor:
