@@ -504,7 +504,7 @@ class Agent:
         if layer in self._pairs:
             self.observe_many(layer, [(site, param.grad, False, True)])
             return
-        if side_stream.wanted(param.device) and self._triton_for(param.grad):
+        if side_stream.GRADS and side_stream.wanted(param.device) and self._triton_for(param.grad):
             self._observe([(layer, site, param.grad, False, True)])
             param = None
         with self._after_lock:
