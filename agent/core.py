@@ -536,12 +536,12 @@ class Agent:
                 self._after_queued = False
             items = self._take_after(None)
             if items:
-                self._observe(items)
+                self._observe(items, side=False)  # nothing runs beside them now
             side_stream.join()
         except Exception as exc:
             self._error("hook grad_weight", exc)
 
-    def _observe(self, items) -> None:
+    def _observe(self, items, side: bool = True) -> None:
         """``(layer, site, tensor, once, replace)`` items: on the Triton path one launch (per device)."""
         todo = []
         for layer, site, x, once, replace in items:
@@ -564,7 +564,7 @@ class Agent:
             return
         if self._triton_for(todo[0][1]) and all(t[1].device == todo[0][1].device for t in todo):
             try:
-                self._observe_triton(todo)
+                self._observe_triton(todo, side)
                 return
             except Exception as exc:
                 if self.stats_backend != "auto":
@@ -602,7 +602,7 @@ class Agent:
             self._centers = _grown(self._centers, len(self._slots), device, _no_centers)
             return pack.rows, merge, self._centers
 
-    def _observe_triton(self, todo) -> None:
+    def _observe_triton(self, todo, side: bool = True) -> None:
         slots = [t[0] for t in todo]
         device = todo[0][1].device
         rows, merge, centers = self._claim(slots, [t[6] for t in todo], device)
@@ -610,7 +610,7 @@ class Agent:
         later = LATER_MERGE and all(t[3] is None and t[4] is None and not t[5] for t in todo)
         # such rows may be read beside the step's kernels (side_stream); not the weights, which the optimizer may
         # change before the step's end (their gradients: observe_after_backward)
-        side = later and side_stream.wanted(device) and all(t[7] in _SIDE_SITES for t in todo)
+        side = side and later and side_stream.wanted(device) and all(t[7] in _SIDE_SITES for t in todo)
         with side_stream.forked(device, [t[1] for t in todo]) if side else contextlib.nullcontext():
             ts.rows([t[1] for t in todo], fmt=[t[2] for t in todo], scale=[t[3] for t in todo],
                     center=[centers[s] for s in slots], outlier_k=self.outlier_k,
