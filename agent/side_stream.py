@@ -24,7 +24,7 @@ import torch
 
 ENABLED = os.environ.get("FP8MON_SIDE_READS", "0") == "1"
 # The weights' gradients too, each read as it comes (``Agent.observe_after_backward``), not at the backward's end.
-GRADS = os.environ.get("FP8MON_SIDE_GRADS", "1") == "1"
+GRADS = os.environ.get("FP8MON_SIDE_GRADS", "0") == "1"
 # Programs of a launch on the side stream (about: its chunks are sized for it; ``triton_stats._chunk_elems``).
 PROGRAMS = int(os.environ.get("FP8MON_SIDE_PROGRAMS", "16"))
 
