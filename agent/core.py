@@ -50,7 +50,6 @@ from torch import nn
 
 from . import device_stats as ds
 from . import distributed
-from . import side_stream
 from . import triton_stats as ts
 from .collector import Collector, Job
 from .formats import Fp8Format, by_name
@@ -499,17 +498,12 @@ class Agent:
     def observe_after_backward(self, layer: str, site: str, param: torch.Tensor) -> None:
         """``param.grad`` as ``site`` of ``layer`` (replacing), observed with the next launch of this backward pass
         or at its end, whichever comes first. A layer whose grad_output the hooks observe (a pair) is observed now,
-        in one launch with its waiting grad_output (the same backward node produced both). With ``side_stream`` on, a
-        gradient is read now on the side stream, beside the rest of the backward pass, which waits for it at its end."""
+        in one launch with its waiting grad_output (the same backward node produced both)."""
         if layer in self._pairs:
             self.observe_many(layer, [(site, param.grad, False, True)])
             return
-        if side_stream.GRADS and side_stream.wanted(param.device) and self._triton_for(param.grad):
-            self._observe([(layer, site, param.grad, False, True)])
-            param = None
         with self._after_lock:
-            if param is not None:
-                self._after[(layer, site)] = param
+            self._after[(layer, site)] = param
             if self._after_queued:
                 return
             self._after_queued = True
@@ -529,19 +523,17 @@ class Agent:
         return [(layer, site, p.grad, False, True) for (layer, site), p in taken if p.grad is not None]
 
     def _observe_after(self) -> None:
-        """The end of a backward pass (autograd calls this; it must not raise): the grad_weights still waiting; then
-        the pass's stream waits for the reads on the side stream (the gradients may be changed in place next)."""
+        """The end of a backward pass (autograd calls this; it must not raise): the grad_weights still waiting."""
         try:
             with self._after_lock:
                 self._after_queued = False
             items = self._take_after(None)
             if items:
-                self._observe(items, side=False)  # nothing runs beside them now
-            side_stream.join()
+                self._observe(items)
         except Exception as exc:
             self._error("hook grad_weight", exc)
 
-    def _observe(self, items, side: bool = True) -> None:
+    def _observe(self, items) -> None:
         """``(layer, site, tensor, once, replace)`` items: on the Triton path one launch (per device)."""
         todo = []
         for layer, site, x, once, replace in items:
@@ -564,7 +556,7 @@ class Agent:
             return
         if self._triton_for(todo[0][1]) and all(t[1].device == todo[0][1].device for t in todo):
             try:
-                self._observe_triton(todo, side)
+                self._observe_triton(todo)
                 return
             except Exception as exc:
                 if self.stats_backend != "auto":
@@ -602,20 +594,16 @@ class Agent:
             self._centers = _grown(self._centers, len(self._slots), device, _no_centers)
             return pack.rows, merge, self._centers
 
-    def _observe_triton(self, todo, side: bool = True) -> None:
+    def _observe_triton(self, todo) -> None:
         slots = [t[0] for t in todo]
         device = todo[0][1].device
         rows, merge, centers = self._claim(slots, [t[6] for t in todo], device)
         # rows no scale decides and no history reads now are merged by the launch that ends the step (_launch_pending)
         later = LATER_MERGE and all(t[3] is None and t[4] is None and not t[5] for t in todo)
-        # such rows may be read beside the step's kernels (side_stream); not the weights, which the optimizer may
-        # change before the step's end (their gradients: observe_after_backward)
-        side = side and later and side_stream.wanted(device) and all(t[7] in _SIDE_SITES for t in todo)
-        with side_stream.forked(device, [t[1] for t in todo]) if side else contextlib.nullcontext():
-            ts.rows([t[1] for t in todo], fmt=[t[2] for t in todo], scale=[t[3] for t in todo],
-                    center=[centers[s] for s in slots], outlier_k=self.outlier_k,
-                    amax_history_max=[t[4] for t in todo], hist=self.hist_now, out=rows, index=slots, merge=merge,
-                    later=later, programs=side_stream.PROGRAMS if side else None)
+        ts.rows([t[1] for t in todo], fmt=[t[2] for t in todo], scale=[t[3] for t in todo],
+                center=[centers[s] for s in slots], outlier_k=self.outlier_k,
+                amax_history_max=[t[4] for t in todo], hist=self.hist_now, out=rows, index=slots, merge=merge,
+                later=later)
         for slot, x, fmt, scale, ahm, emulated, replace, site in todo:
             if emulated:
                 self._history.observe(slot, rows[slot, ds.AMAX])
@@ -738,9 +726,6 @@ class Agent:
 # sites whose row of a step is the last one written, not a merge: grad_weight is the accumulated gradient
 # (the hooks observe param.grad after each accumulation), the layers report it as such
 _REPLACED = ("grad_weight",)
-
-
-_SIDE_SITES = ("input", "output", "grad_output", "grad_weight")
 
 
 def _no_centers(k: int, device) -> torch.Tensor:

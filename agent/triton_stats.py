@@ -72,7 +72,6 @@ import numpy as np
 import torch
 
 from . import device_stats as ds
-from . import side_stream
 from .formats import by_name
 from .wire import LOG2_HIST_BINS, LOG2_HIST_LO
 
@@ -1335,8 +1334,7 @@ def _scale_of_history(ahm: float, fmt) -> float:
 
 def rows(tensors: Sequence[torch.Tensor], *, fmt=None, scale=None, center=None, outlier_k: float = 6.0,
          amax_history_max=None, hist: bool = True, out: torch.Tensor | None = None,
-         index: Sequence[int] | None = None, merge: Sequence[bool] | bool = False, later: bool = False,
-         programs: int | None = None) -> torch.Tensor:
+         index: Sequence[int] | None = None, merge: Sequence[bool] | bool = False, later: bool = False) -> torch.Tensor:
     """The ``device_stats`` row of each tensor, all computed by one launch (per MAX_TENSORS tensors).
 
     Per-tensor arguments take one value for all or a list: ``fmt`` ("e4m3" | "e5m2" | None), ``scale``
@@ -1348,8 +1346,7 @@ def rows(tensors: Sequence[torch.Tensor], *, fmt=None, scale=None, center=None, 
 
     ``later``: the rows are merged by the next ``merge_later`` (``flush_deferred``), not by the launch's last program,
     as ``FUSED_MERGE`` says; only for rows with no scale known before the read (no ``scale``, no
-    ``amax_history_max``: the merge launch knows none). ``programs``: about that many programs on a GPU (bigger
-    chunks), for a launch beside other kernels (``side_stream``)."""
+    ``amax_history_max``: the merge launch knows none)."""
     n = len(tensors)
     if n == 0:
         return out if out is not None else ds.empty(0)
@@ -1367,7 +1364,7 @@ def rows(tensors: Sequence[torch.Tensor], *, fmt=None, scale=None, center=None, 
     for lo in range(0, n, MAX_TENSORS):
         hi = min(n, lo + MAX_TENSORS)
         _launch(tensors[lo:hi], fmts[lo:hi], scales[lo:hi], centers[lo:hi], float(outlier_k), ahms[lo:hi], hist,
-                out, index[lo:hi], merges[lo:hi], device, later=later, programs=programs)
+                out, index[lo:hi], merges[lo:hi], device, later=later)
     return out
 
 
@@ -1401,31 +1398,27 @@ def _slots(device: torch.device, cap: int) -> int:
     return _slot_count[key]
 
 
-def _chunk_elems(numels: list[int], device: torch.device, cap: int, programs: int | None = None) -> int:
+def _chunk_elems(numels: list[int], device: torch.device, cap: int) -> int:
     """Elements per program: CHUNK, or on a GPU (WAVES set) the chunk that cuts tensors of ``numels`` elements into
     at most WAVES programs per slot, a whole number of [ROWS, 8] tiles (so every start stays 16-byte aligned).
     Each tensor's last chunk may be partial, so k tensors need up to k programs more than total / chunk: the
     chunk is sized for target - k programs. (Sized for target, 20 mixed tensors with the histogram took 1346 us
     against 1160 us with fixed 64k-element chunks on an H200; a second wave of a few programs is the inferred
-    cause. This sizing was not measured on a GPU.) ``programs``: sized for about that many programs instead, in
-    chunks of up to SIDE_CHUNK elements (``side_stream``)."""
-    if device.type != "cuda" or (WAVES is None and programs is None):
+    cause. This sizing was not measured on a GPU.)"""
+    if device.type != "cuda" or WAVES is None:
         return CHUNK
     tile = ROWS * 8
-    target = programs or max(1, int(_slots(device, cap) * WAVES))
+    target = max(1, int(_slots(device, cap) * WAVES))
     k = len(numels)
     per = -(-sum(numels) // (target - k if 2 * k <= target else target))
-    return max(tile, min(SIDE_CHUNK if programs else CHUNK, -(-per // tile) * tile))
-
-
-SIDE_CHUNK = 1 << 25  # 8192 tiles, within the bf16 words path's 16383
+    return max(tile, min(CHUNK, -(-per // tile) * tile))
 
 
 _trace: list | None = None  # benches: a list to receive each launch's [programs, 16] int32 timer stamps
 
 
 def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, device, aouts=None,
-            later: bool = False, programs: int | None = None) -> None:
+            later: bool = False) -> None:
     """``_launch_once`` of the tensors, in as few launches as keep their rows apart: a tensor whose row is already
     the destination of an earlier tensor of the launch goes to the next launch. (A launch's programs run in any order:
     two merges into one row in one launch would race, and the second micro-batch's row of a tensor, deferred with the
@@ -1435,15 +1428,15 @@ def _launch(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, d
     for i, dst in enumerate(index):
         if int(dst) in seen:
             _launch_once(tensors[start:i], fmts[start:i], scales[start:i], centers[start:i], k, ahms[start:i], hist,
-                         out, index[start:i], merges[start:i], device, aouts[start:i], later, programs)
+                         out, index[start:i], merges[start:i], device, aouts[start:i], later)
             start, seen = i, set()
         seen.add(int(dst))
     _launch_once(tensors[start:], fmts[start:], scales[start:], centers[start:], k, ahms[start:], hist, out,
-                 index[start:], merges[start:], device, aouts[start:], later, programs)
+                 index[start:], merges[start:], device, aouts[start:], later)
 
 
 def _launch_once(tensors, fmts, scales, centers, k, ahms, hist, out, index, merges, device, aouts=None,
-                 later: bool = False, programs: int | None = None) -> None:
+                 later: bool = False) -> None:
     """One launch of ``_stats_kernel`` (``rows``). ``aouts``: per tensor None, or the fp32 device tensor that
     receives its finite amax; such a tensor's scale is that of its current-scaling cast (``cast_row``). ``later``:
     the rows are merged by the next ``merge_later`` (``CAST_MERGE``), and an amax goes to the ``epoch_words`` given
@@ -1454,7 +1447,7 @@ def _launch_once(tensors, fmts, scales, centers, k, ahms, hist, out, index, merg
     nwork_total = 0
     # other dtypes are read as fp32 (below): a launch without 16-bit tensors is an fp32 launch
     cap = MAXNREG if any(x.dtype in (torch.bfloat16, torch.float16) for x in tensors) else MAXNREG_FP32
-    chunk = _chunk_elems([x.numel() for x in tensors], device, cap, programs)
+    chunk = _chunk_elems([x.numel() for x in tensors], device, cap)
     for i, x in enumerate(tensors):
         if x.device != device:
             raise ValueError("rows(): all tensors must be on one device")
@@ -1594,8 +1587,7 @@ def center_fields(c, device) -> tuple[torch.Tensor | None, float, float]:
 
 def merge_later() -> None:
     """Merge the rows that launches left in their partials (``CAST_MERGE``, ``FUSED_MERGE``): one launch per device
-    and histogram setting. The current stream first waits for the reads on the side streams (``side_stream``)."""
-    side_stream.join()
+    and histogram setting."""
     if not _later:
         return
     with _later_lock:
@@ -1740,11 +1732,11 @@ _deferred_lock = threading.Lock()
 MAX_DEFERRED = 8  # tensors waiting at most (they are kept alive until their launch): then a launch of their own
 
 
-def _launch_items(items: list, device, later: bool = False, programs: int | None = None) -> None:
+def _launch_items(items: list, device, later: bool = False) -> None:
     """(tensor, Target, fmt, amax_out) items, each row into its target with the current scaling of ``fmt``
     (the cast's, with x's amax into ``amax_out``, where that is not None: ``cast_row``): one launch per
     histogram setting, outlier k and row buffer (launch-wide), in one launch the usual case. ``later``: see
-    ``_launch`` (an ``amax_out`` is then the ``epoch_words``). ``programs``: as ``rows``'."""
+    ``_launch`` (an ``amax_out`` is then the ``epoch_words``)."""
     groups: dict = {}
     for item in items:
         t = item[1]
@@ -1754,7 +1746,7 @@ def _launch_items(items: list, device, later: bool = False, programs: int | None
         _launch([x for x, _, _, _ in group], [f for _, _, f, _ in group], [None] * len(group),
                 [t.center for t in ts_], k, [t.amax_history_max for t in ts_], hist, ts_[0].rows,
                 [int(t.index) for t in ts_], [bool(t.merge) for t in ts_], device,
-                aouts=[a for _, _, _, a in group], later=later, programs=programs)
+                aouts=[a for _, _, _, a in group], later=later)
 
 
 def defer(x: torch.Tensor, target: "Target") -> None:
@@ -1762,15 +1754,7 @@ def defer(x: torch.Tensor, target: "Target") -> None:
     statistics launch on x's device: ``cast_row``'s (a current-scaled cast that follows), or ``flush_deferred``'s,
     which the agent calls before it takes a step's rows; once MAX_DEFERRED tensors wait, at once, in one launch.
     Saves the launch (host time) of a tensor that no kernel reads for statistics anyway (Fp8Linear's output with
-    ``OUTPUT_STATS = "deferred"``). x is kept alive until then and must not be written in place.
-
-    With ``side_stream.ENABLED`` (and no amax history to scale by) x is read at once on the side stream instead, off
-    the path of the step's kernels; its row is merged with the step's; x must not be written in place before then."""
-    if side_stream.wanted(x.device) and target.amax_history_max is None and FUSED_MERGE == "later":
-        with side_stream.forked(x.device, [x]):
-            _launch_items([(x.detach(), target, target.fmt, None)], x.device, later=True,
-                          programs=side_stream.PROGRAMS)
-        return
+    ``OUTPUT_STATS = "deferred"``). x is kept alive until then and must not be written in place."""
     key = (x.device.type, x.device.index)
     with _deferred_lock:
         pending = _deferred.setdefault(key, [])

@@ -457,7 +457,7 @@ def _rows_counting(launches: list):
     """A torch stand-in for ``triton_stats.rows`` that records each launch's tensor count."""
     from agent import device_stats as ds
 
-    def rows(tensors, *, fmt, scale, center, outlier_k, amax_history_max, hist, out, index, merge, later=False, programs=None):
+    def rows(tensors, *, fmt, scale, center, outlier_k, amax_history_max, hist, out, index, merge, later=False):
         launches.append(len(tensors))
         for i, x in enumerate(tensors):
             row = ds.partials(x, fmt=fmt[i], scale=scale[i], amax_history_max=amax_history_max[i],

@@ -349,7 +349,7 @@ def test_rows_into_one_row_go_to_launches_in_their_order(monkeypatch):
 
     launched = []
     monkeypatch.setattr(ts, "_launch_once", lambda tensors, fmts, scales, centers, k, ahms, hist, out, index, merges,
-                        device, aouts, later, programs: launched.append((list(tensors), list(index), list(merges))))
+                        device, aouts, later: launched.append((list(tensors), list(index), list(merges))))
     names, index, merges = ["a", "b", "a2", "c", "b2"], [3, 5, 3, 7, 5], [False, False, True, False, True]
     ts._launch(names, [None] * 5, [None] * 5, [None] * 5, 6.0, [None] * 5, False, None, index, merges, "cpu")
     assert launched == [(["a", "b"], [3, 5], [False, False]), (["a2", "c", "b2"], [3, 7, 5], [True, False, True])]
