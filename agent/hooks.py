@@ -7,7 +7,9 @@ tuple), weight = ``module.weight``. A module that computes some sites' statistic
 quantize kernel) lists them in ``fp8mon_reported_sites`` and calls ``Agent.report``; the hooks skip them.
 
 Sites and when they are read:
-  input, output   forward hook, every call (micro-batches and repeated calls are merged)
+  input, output   forward hook, every call (micro-batches and repeated calls are merged); the input in a
+                  forward pre-hook instead, before the layer runs, where the hooks read no output
+                  (``INPUT_BEFORE``)
   weight          forward hook, first call of the step (the weight does not change within a step)
   grad_output     tensor hook on the output, registered in the forward; every backward through it
   grad_weight     post-accumulate-grad hook on the weight: the accumulated ``.grad`` after each
@@ -30,6 +32,11 @@ import torch
 from torch import nn
 
 from .wire import SITES
+
+# Where the hooks read a layer's input and not its output, they read it before the layer runs, right after the kernel
+# that wrote it, while much of it is still in the GPU's L2 cache; read after the layer, it follows the layer's own
+# output through the cache. (Where they read both, one launch after the layer takes both.)
+INPUT_BEFORE = True
 
 
 def is_linear(module: nn.Module) -> bool:
@@ -73,6 +80,7 @@ class LayerHooks:
         self.name, self.module, self.sink = name, module, sink
         self.sites = tuple(s for s in SITES if s in set(sites) and s not in skip)
         self._handles: list = []
+        self._input_before = False
 
     @property
     def installed(self) -> bool:
@@ -81,7 +89,10 @@ class LayerHooks:
     def install(self) -> None:
         if self._handles or not self.sites:
             return
-        if {"input", "output", "weight", "grad_output"} & set(self.sites):
+        self._input_before = INPUT_BEFORE and "input" in self.sites and "output" not in self.sites
+        if self._input_before:
+            self._handles.append(self.module.register_forward_pre_hook(self._forward_pre, with_kwargs=True))
+        if {"output", "weight", "grad_output"} & set(self.sites) or ("input" in self.sites and not self._input_before):
             self._handles.append(self.module.register_forward_hook(self._forward, with_kwargs=True))
         weight = getattr(self.module, "weight", None)
         if "grad_weight" in self.sites and isinstance(weight, torch.Tensor) and weight.requires_grad:
@@ -95,6 +106,13 @@ class LayerHooks:
             handle.remove()
         self._handles = []
 
+    def _forward_pre(self, module, args, kwargs) -> None:
+        if not module.training or not self.sink.active():
+            return
+        x = _first_tensor(args[0] if args else kwargs.get("input"))
+        if x is not None:
+            self.sink.observe(self.name, "input", x)
+
     def _forward(self, module, args, kwargs, output) -> None:
         sink, name, sites = self.sink, self.name, self.sites
         if not module.training or not sink.active():
@@ -102,7 +120,7 @@ class LayerHooks:
         x = _first_tensor(args[0] if args else kwargs.get("input"))
         y = _first_tensor(output)
         items = []  # one call: the agent computes them in one launch
-        if x is not None and "input" in sites:
+        if x is not None and "input" in sites and not self._input_before:
             items.append(("input", x, False, False))
         if y is not None and "output" in sites:
             items.append(("output", y, False, False))

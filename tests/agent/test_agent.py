@@ -254,6 +254,28 @@ def test_modules_regex_sites_and_formats():
         Agent(transport=cap, sites=("input", "activations"))
 
 
+class _DoublesItsInputInPlace(nn.Linear):
+    def forward(self, x):
+        return super().forward(x.mul_(2))
+
+
+@pytest.mark.parametrize("sites", [("input",), ("input", "output")])
+def test_an_input_watched_without_its_output_is_read_before_the_layer_runs(sites):
+    """Read before the layer (right after the kernel that wrote it, on a GPU), a layer's input is the tensor it was
+    given; read with its output in one launch after the layer, it is as the layer left it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_DoublesItsInputInPlace(8, 8))
+    cap = CaptureTransport()
+    agent = Agent(transport=cap, every=1, sites=sites, hist=False).watch(model)
+    x = torch.randn(16, 8)
+    given = x.square().mean().sqrt().item()
+    model(x).square().mean().backward()
+    agent.log(0)
+    agent.close()
+    rec = next(r for k, r in cap.records().items() if k[1:3] == ("0", "input"))
+    assert rec["rms"] == pytest.approx(given if sites == ("input",) else 2 * given, rel=1e-6)
+
+
 def test_hooks_exist_only_on_reporting_steps_and_eval_passes_are_ignored():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     cap = CaptureTransport()
