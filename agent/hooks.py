@@ -10,7 +10,8 @@ Sites and when they are read:
   input, output   forward hook, every call (micro-batches and repeated calls are merged); the input in a
                   forward pre-hook instead, before the layer runs, where the hooks read no output
                   (``INPUT_BEFORE``)
-  weight          forward hook, first call of the step (the weight does not change within a step)
+  weight          with the input or the output, first call of the step (the weight does not change within
+                  a step)
   grad_output     tensor hook on the output, registered in the forward; every backward through it
   grad_weight     post-accumulate-grad hook on the weight: the accumulated ``.grad`` after each
                   backward, last one wins, i.e. with gradient accumulation the summed gradient the
@@ -35,7 +36,8 @@ from .wire import SITES
 
 # Where the hooks read a layer's input and not its output, they read it before the layer runs, right after the kernel
 # that wrote it, while much of it is still in the GPU's L2 cache; read after the layer, it follows the layer's own
-# output through the cache. (Where they read both, one launch after the layer takes both.)
+# output through the cache. (Where they read both, one launch after the layer takes both.) The weight, where watched,
+# is read in the same launch as the input.
 INPUT_BEFORE = True
 
 
@@ -92,7 +94,8 @@ class LayerHooks:
         self._input_before = INPUT_BEFORE and "input" in self.sites and "output" not in self.sites
         if self._input_before:
             self._handles.append(self.module.register_forward_pre_hook(self._forward_pre, with_kwargs=True))
-        if {"output", "weight", "grad_output"} & set(self.sites) or ("input" in self.sites and not self._input_before):
+        if {"output", "grad_output"} & set(self.sites) or (
+                {"input", "weight"} & set(self.sites) and not self._input_before):
             self._handles.append(self.module.register_forward_hook(self._forward, with_kwargs=True))
         weight = getattr(self.module, "weight", None)
         if "grad_weight" in self.sites and isinstance(weight, torch.Tensor) and weight.requires_grad:
@@ -107,37 +110,41 @@ class LayerHooks:
         self._handles = []
 
     def _forward_pre(self, module, args, kwargs) -> None:
+        """``_input_before``: the input, with the weight, before the layer runs."""
         if not module.training or not self.sink.active():
             return
         x = _first_tensor(args[0] if args else kwargs.get("input"))
-        if x is not None:
-            self.sink.observe(self.name, "input", x)
+        self._observe(module, [("input", x, False, False)] if x is not None else [])
 
     def _forward(self, module, args, kwargs, output) -> None:
         sink, name, sites = self.sink, self.name, self.sites
         if not module.training or not sink.active():
             return  # evaluation passes between two steps are not training statistics
-        x = _first_tensor(args[0] if args else kwargs.get("input"))
         y = _first_tensor(output)
-        items = []  # one call: the agent computes them in one launch
-        if x is not None and "input" in sites and not self._input_before:
-            items.append(("input", x, False, False))
-        if y is not None and "output" in sites:
-            items.append(("output", y, False, False))
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, torch.Tensor) and "weight" in sites:
-            items.append(("weight", weight, True, False))
-        if items:
-            many = getattr(sink, "observe_many", None)
-            if many is not None:
-                many(name, items)
-            else:
-                for site, t, once, replace in items:
-                    sink.observe(name, site, t, once=once, replace=replace)
+        if not self._input_before:
+            x = _first_tensor(args[0] if args else kwargs.get("input"))
+            items = [("input", x, False, False)] if x is not None and "input" in sites else []
+            if y is not None and "output" in sites:
+                items.append(("output", y, False, False))
+            self._observe(module, items)
         if y is not None and "grad_output" in sites and y.requires_grad:
             hook = sink.grad_hook(name)
             if hook is not None:
                 y.register_hook(hook)
+
+    def _observe(self, module, items: list) -> None:
+        """The forward's ``items`` and the weight (where watched), in one call: the agent reads them in one launch."""
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and "weight" in self.sites:
+            items = [*items, ("weight", weight, True, False)]
+        if not items:
+            return
+        many = getattr(self.sink, "observe_many", None)
+        if many is not None:
+            many(self.name, items)
+        else:
+            for site, t, once, replace in items:
+                self.sink.observe(self.name, site, t, once=once, replace=replace)
 
     def _grad_weight(self, param: torch.Tensor) -> None:
         took = getattr(self.sink, "cast_took", None)

@@ -259,10 +259,11 @@ class _DoublesItsInputInPlace(nn.Linear):
         return super().forward(x.mul_(2))
 
 
-@pytest.mark.parametrize("sites", [("input",), ("input", "output")])
+@pytest.mark.parametrize("sites", [("input",), ("input", "weight"), ("input", "output")])
 def test_an_input_watched_without_its_output_is_read_before_the_layer_runs(sites):
     """Read before the layer (right after the kernel that wrote it, on a GPU), a layer's input is the tensor it was
-    given; read with its output in one launch after the layer, it is as the layer left it."""
+    given; read with its output in one launch after the layer, it is as the layer left it. The weight goes with
+    either."""
     torch.manual_seed(0)
     model = nn.Sequential(_DoublesItsInputInPlace(8, 8))
     cap = CaptureTransport()
@@ -273,7 +274,10 @@ def test_an_input_watched_without_its_output_is_read_before_the_layer_runs(sites
     agent.log(0)
     agent.close()
     rec = next(r for k, r in cap.records().items() if k[1:3] == ("0", "input"))
-    assert rec["rms"] == pytest.approx(given if sites == ("input",) else 2 * given, rel=1e-6)
+    assert rec["rms"] == pytest.approx(2 * given if "output" in sites else given, rel=1e-6)
+    if "weight" in sites:
+        rec = next(r for k, r in cap.records().items() if k[1:3] == ("0", "weight"))
+        assert rec["rms"] == pytest.approx(model[0].weight.detach().square().mean().sqrt().item(), rel=1e-6)
 
 
 def test_hooks_exist_only_on_reporting_steps_and_eval_passes_are_ignored():
