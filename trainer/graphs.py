@@ -29,16 +29,14 @@ from agent import triton_stats
 
 class StepGraphs:
     """``graphs(kind)`` runs one step of ``kind``: eagerly for its first ``warmup`` steps, then captured once and
-    replayed. Returns ``step_fn``'s outputs (a replay's are the capture's tensors, refilled). ``share``: another
-    ``StepGraphs`` (of the same model, replayed one step at a time with these) whose memory pool these graphs share."""
+    replayed. Returns ``step_fn``'s outputs (a replay's are the capture's tensors, refilled)."""
 
-    def __init__(self, step_fn: Callable[[], Any], *, agent=None, warmup: int = 2, share: "StepGraphs | None" = None):
+    def __init__(self, step_fn: Callable[[], Any], *, agent=None, warmup: int = 2):
         if warmup < 1:
             raise ValueError("warmup must be >= 1: a capture needs the step's kernels compiled and its buffers grown")
         self.step_fn, self.agent, self.warmup = step_fn, agent, warmup
         self._graphs: dict[Hashable, tuple] = {}  # kind -> (graph, outputs, agent record)
         self._eager: dict[Hashable, int] = {}
-        self._share = share
         self._pool = None
 
     @property
@@ -65,8 +63,6 @@ class StepGraphs:
     def _capture(self) -> tuple:
         graph = torch.cuda.CUDAGraph()
         record = None
-        if self._pool is None and self._share is not None:
-            self._pool = self._share._pool
         # thread_local: the agent's collector thread polls its copies' events while this thread captures; in the
         # default global mode captures with the agent were invalidated, which that polling explains (not traced)
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
