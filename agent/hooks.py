@@ -63,6 +63,11 @@ def _first_tensor(value):
     return None
 
 
+def _input_of(args, kwargs) -> torch.Tensor | None:
+    """A forward's input: its first positional argument, or ``input=``."""
+    return _first_tensor(args[0] if args else kwargs.get("input"))
+
+
 class Sink:
     """What the hooks call (the agent implements it; every method must be safe to call and not raise)."""
 
@@ -94,8 +99,10 @@ class LayerHooks:
         self._input_before = INPUT_BEFORE and "input" in self.sites and "output" not in self.sites
         if self._input_before:
             self._handles.append(self.module.register_forward_pre_hook(self._forward_pre, with_kwargs=True))
-        if {"output", "grad_output"} & set(self.sites) or (
-                {"input", "weight"} & set(self.sites) and not self._input_before):
+        after = {"input", "output", "weight", "grad_output"} & set(self.sites)
+        if self._input_before:
+            after -= {"input", "weight"}  # the pre-hook's
+        if after:
             self._handles.append(self.module.register_forward_hook(self._forward, with_kwargs=True))
         weight = getattr(self.module, "weight", None)
         if "grad_weight" in self.sites and isinstance(weight, torch.Tensor) and weight.requires_grad:
@@ -113,7 +120,7 @@ class LayerHooks:
         """``_input_before``: the input, with the weight, before the layer runs."""
         if not module.training or not self.sink.active():
             return
-        x = _first_tensor(args[0] if args else kwargs.get("input"))
+        x = _input_of(args, kwargs)
         self._observe(module, [("input", x, False, False)] if x is not None else [])
 
     def _forward(self, module, args, kwargs, output) -> None:
@@ -122,7 +129,7 @@ class LayerHooks:
             return  # evaluation passes between two steps are not training statistics
         y = _first_tensor(output)
         if not self._input_before:
-            x = _first_tensor(args[0] if args else kwargs.get("input"))
+            x = _input_of(args, kwargs)
             items = [("input", x, False, False)] if x is not None and "input" in sites else []
             if y is not None and "output" in sites:
                 items.append(("output", y, False, False))
