@@ -13,6 +13,7 @@ COPY agent ./agent
 COPY monitor ./monitor
 COPY migrations ./migrations
 COPY trainer ./trainer
+COPY fp8mon ./fp8mon
 RUN pip install ".[monitor]" && rm -rf /src/build
 
 RUN useradd --system --create-home --home-dir /data --uid 10001 fp8mon

@@ -1,4 +1,4 @@
-"""fp8mon's in-trainer agent: ``from agent import Agent``.
+"""fp8mon's in-trainer agent: ``from fp8mon import Agent``.
 
 Imported lazily, so that ``agent.wire`` (the wire contract the monitor shares) does not pull in torch.
 """
@@ -11,4 +11,4 @@ def __getattr__(name):
         from .core import Agent
 
         return Agent
-    raise AttributeError(f"module 'agent' has no attribute {name!r}")
+    raise AttributeError(f"module 'fp8mon.agent' has no attribute {name!r}")

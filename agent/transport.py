@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import msgpack
 
-from agent.spool import Spool, default_spool_dir
-from agent.wire import WIRE_VERSION
+from fp8mon.agent.spool import Spool, default_spool_dir
+from fp8mon.agent.wire import WIRE_VERSION
 
 log = logging.getLogger("fp8mon.agent")
 

@@ -55,11 +55,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from agent import Agent  # noqa: E402
-from agent.wire import SITES  # noqa: E402
+from fp8mon.agent import Agent  # noqa: E402
+from fp8mon.agent.wire import SITES  # noqa: E402
 from bench.train_step import BATCH, build, optimizer_step  # noqa: E402
 from bench.variants import applied, parse_all  # noqa: E402
-from trainer.graphs import StepGraphs, tensor_lr  # noqa: E402
+from fp8mon.trainer.graphs import StepGraphs, tensor_lr  # noqa: E402
 
 def measure(config: str, precision: str, args, device: torch.device, url: str) -> dict:
     model, optimizer, cfg = build(config, "llama", precision, args.vocab, "current", device)
@@ -345,11 +345,11 @@ def main(argv=None) -> int:
             p.error("--cuda-graph needs a CUDA device")
         warnings.filterwarnings("ignore", message="This instance was constructed with capturable=True")
     if args.output_stats is not None:
-        from trainer import fp8_linear
+        from fp8mon.trainer import fp8_linear
 
         fp8_linear.OUTPUT_STATS = args.output_stats
     if args.current_stats is not None:
-        importlib.import_module("trainer.kernels.quantize_transpose").CURRENT_STATS = args.current_stats
+        importlib.import_module("fp8mon.trainer.kernels.quantize_transpose").CURRENT_STATS = args.current_stats
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True

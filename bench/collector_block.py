@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from agent import device_stats as ds  # noqa: E402
-from agent.collector import Collector, Job  # noqa: E402
+from fp8mon.agent import device_stats as ds  # noqa: E402
+from fp8mon.agent.collector import Collector, Job  # noqa: E402
 
 SITES = ("input", "weight", "output", "grad_output", "grad_weight")
 

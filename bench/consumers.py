@@ -32,14 +32,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from agent import triton_stats as ts  # noqa: E402
+from fp8mon.agent import triton_stats as ts  # noqa: E402
 from bench.variants import applied, parse_all  # noqa: E402
-from trainer.kernels.residual import branch_grad, residual_add_forward  # noqa: E402
-from trainer.kernels.rmsnorm import rms_norm_backward, rms_norm_forward, rms_norm_ref  # noqa: E402
-from trainer.kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_ref  # noqa: E402
-from trainer.kernels.weight_casts import casts_with_rows  # noqa: E402
-from trainer.kernels.timing import device_medians  # noqa: E402
-from trainer.kernels.words import words_path  # noqa: E402
+from fp8mon.trainer.kernels.residual import branch_grad, residual_add_forward  # noqa: E402
+from fp8mon.trainer.kernels.rmsnorm import rms_norm_backward, rms_norm_forward, rms_norm_ref  # noqa: E402
+from fp8mon.trainer.kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_ref  # noqa: E402
+from fp8mon.trainer.kernels.weight_casts import casts_with_rows  # noqa: E402
+from fp8mon.trainer.kernels.timing import device_medians  # noqa: E402
+from fp8mon.trainer.kernels.words import words_path  # noqa: E402
 
 STEP_ROWS = 48  # the rows a 124M FP8 step's consumer kernels take: SwiGLU, RoPE and two residual adds in 12 layers
 SHAPES = {"124m": (16 * 1024, 2048, 768), "1.5b": (4 * 2048, 8192, 2048)}  # (tokens, SwiGLU hidden width, d_model)
@@ -63,7 +63,7 @@ class StepRows:
 def fp32_path(fn):
     """``fn()`` with SwiGLU's ``WORDS`` off: y's row through fp32 values, not y's 32-bit words (the default for bf16),
     and h's row in the same kernel, not deferred."""
-    with words_path(importlib.import_module("trainer.kernels.swiglu"), on=False):
+    with words_path(importlib.import_module("fp8mon.trainer.kernels.swiglu"), on=False):
         return fn()
 
 
@@ -139,7 +139,7 @@ def main(argv=None) -> None:
         return
     if args.stages or args.variants:
         variants = parse_all(args.variants) if args.variants else [(f"STATS_STAGES={d}", [
-            (importlib.import_module(f"trainer.kernels.{m}"), a, int(d))
+            (importlib.import_module(f"fp8mon.trainer.kernels.{m}"), a, int(d))
             for m, a in (("swiglu", "STATS_STAGES"), ("swiglu", "BWD_STATS_STAGES"), ("residual", "STATS_STAGES"),
                          ("rope", "STATS_STAGES"))]) for d in args.stages.split(",")]
         for name in shapes:
@@ -207,7 +207,7 @@ def main(argv=None) -> None:
 def sweep(name: str, variants: list[tuple[str, list]], dev: torch.device) -> None:
     """Device time of each fused kernel with its row under each variant (module attributes set around each call,
     ``bench.variants``), interleaved in one timing."""
-    from trainer.kernels.rope import rope_qkv_backward, rope_qkv_forward
+    from fp8mon.trainer.kernels.rope import rope_qkv_backward, rope_qkv_forward
 
     y, dh, x, b, w, (rot, qkv, grads), heads = _step_inputs(name, dev)
     _, hidden, d_model = SHAPES[name]
@@ -263,7 +263,7 @@ def sweep(name: str, variants: list[tuple[str, list]], dev: torch.device) -> Non
 def for_ncu(name: str, dev: torch.device) -> None:
     """Each consumer kernel at ``name``'s shape (bf16), without and with its row (no histogram), one launch each
     inside the profiler's range, in the order printed."""
-    from trainer.kernels.rope import rope_qkv_backward, rope_qkv_forward
+    from fp8mon.trainer.kernels.rope import rope_qkv_backward, rope_qkv_forward
 
     y, dh, x, b, w, (rot, qkv, grads), heads = _step_inputs(name, dev)
     tgt = StepRows(dev)
@@ -307,7 +307,7 @@ def _step_inputs(name: str, dev: torch.device):
 
 def _rope_inputs(batch: int, seq: int, d_model: int, n_head: int, dev: torch.device):
     """The rotary tables, a bf16 qkv output (batch, seq, 3 * d_model) and the gradients of q, k and v."""
-    from trainer.layers import Rotary
+    from fp8mon.trainer.layers import Rotary
 
     hd = d_model // n_head
     qkv = torch.randn(batch, seq, 3 * d_model, device=dev).to(torch.bfloat16)
@@ -319,7 +319,7 @@ def rope(name: str, batch: int, seq: int, d_model: int, n_head: int, dev: torch.
     """RoPE on the qkv output: torch's (Rotary on the permuted q and k views, autograd's backward) against
     trainer/kernels/rope.py, and the forward with the qkv row and the backward with its gradient's row against the
     row read apart (a tensor of the same shape)."""
-    from trainer.kernels.rope import rope_qkv_backward, rope_qkv_forward, rope_qkv_ref
+    from fp8mon.trainer.kernels.rope import rope_qkv_backward, rope_qkv_forward, rope_qkv_ref
 
     rot, qkv, grads = _rope_inputs(batch, seq, d_model, n_head, dev)
     rows = torch.zeros(2, ts.ds.WIDTH, dtype=torch.float64, device=dev)  # the rows read apart

@@ -19,19 +19,19 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from agent import Agent  # noqa: E402
-from agent import triton_stats as ts  # noqa: E402
+from fp8mon.agent import Agent  # noqa: E402
+from fp8mon.agent import triton_stats as ts  # noqa: E402
 from bench.agent_host import NoLaunch  # noqa: E402
 from bench.stats_check import NullTransport  # noqa: E402
-from trainer.fp8_linear import Fp8Linear  # noqa: E402
+from fp8mon.trainer.fp8_linear import Fp8Linear  # noqa: E402
 
 KERNELS = {
-    "trainer.kernels.quantize": ("_amax_partials_kernel", "_delayed_update_kernel", "_quantize_stats_kernel",
+    "fp8mon.trainer.kernels.quantize": ("_amax_partials_kernel", "_delayed_update_kernel", "_quantize_stats_kernel",
                                  "_quantize_kernel"),
-    "trainer.kernels.quantize_transpose": ("_quantize_transpose_stats_kernel", "_quantize_transpose_kernel"),
-    "trainer.kernels.fp8_gemm": ("_fp8_gemm_ptr_kernel", "_fp8_gemm_tma_kernel", "_splitk_reduce_kernel",
+    "fp8mon.trainer.kernels.quantize_transpose": ("_quantize_transpose_stats_kernel", "_quantize_transpose_kernel"),
+    "fp8mon.trainer.kernels.fp8_gemm": ("_fp8_gemm_ptr_kernel", "_fp8_gemm_tma_kernel", "_splitk_reduce_kernel",
                                  "_ptr_tuned", "_tma_tuned"),
-    "agent.triton_stats": ("_stats_kernel",),
+    "fp8mon.agent.triton_stats": ("_stats_kernel",),
 }
 
 

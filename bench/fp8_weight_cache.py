@@ -14,9 +14,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.train_step import optimizer_step  # noqa: E402
-from trainer.config import get_config  # noqa: E402
-from trainer.fp8_linear import Fp8Linear, Fp8Recipe, cache_fp8_weights  # noqa: E402
-from trainer.model import Transformer  # noqa: E402
+from fp8mon.trainer.config import get_config  # noqa: E402
+from fp8mon.trainer.fp8_linear import Fp8Linear, Fp8Recipe, cache_fp8_weights  # noqa: E402
+from fp8mon.trainer.model import Transformer  # noqa: E402
 
 
 def losses(mode: str, steps: int, micro: int, device: torch.device) -> list[float]:

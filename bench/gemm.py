@@ -87,7 +87,7 @@ def same_fp8(a, b) -> bool:
 
 def diagnose(x, fmt, q, r, parts):
     """Which outputs differ, and a few elements: x, s*x, ours, torch on the GPU, torch on the CPU."""
-    from trainer.kernels import quantize_ref
+    from fp8mon.trainer.kernels import quantize_ref
 
     rc = quantize_ref(x.cpu(), fmt, scale=r.meta[1].cpu())
     qd, rd = (q.data, r.data) if not parts.get("q", True) or parts.get("qT", True) else (q.data_t.t(), r.data)
@@ -109,8 +109,8 @@ def diagnose(x, fmt, q, r, parts):
 
 
 def check_quantize(dev):
-    from agent.formats import E4M3, E5M2
-    from trainer.kernels import (delayed_update, delayed_update_ref, quantize, quantize_ref, quantize_transpose,
+    from fp8mon.agent.formats import E4M3, E5M2
+    from fp8mon.trainer.kernels import (delayed_update, delayed_update_ref, quantize, quantize_ref, quantize_transpose,
                                  quantize_transpose_ref)
 
     bad = 0
@@ -159,7 +159,7 @@ def check_quantize(dev):
 
 
 def check_gemm(dev):
-    from trainer.kernels import fp8_gemm
+    from fp8mon.trainer.kernels import fp8_gemm
 
     bad = 0
     worst = {}
@@ -203,7 +203,7 @@ def precise_accumulation_errors(dev):
     our kernels (promotion into fp32 every 128 products) and of _scaled_mm with and without fast accumulation,
     on the operands where the reverted Gluon kernel (9420403) had 8.8e-5 against _scaled_mm's 2.9e-8: was that
     its bug, or what promoting every 128 products costs on these operands? Printed, not judged."""
-    from trainer.kernels import fp8_gemm
+    from fp8mon.trainer.kernels import fp8_gemm
 
     g = torch.Generator().manual_seed(384 + 8192)
     a = (torch.randn(384, 8192, generator=g) * 4).to(E5).to(dev)
@@ -222,7 +222,7 @@ def precise_accumulation_errors(dev):
 def check_linear(dev):
     from torch import nn
 
-    from trainer.fp8_linear import Fp8Linear, Fp8Recipe
+    from fp8mon.trainer.fp8_linear import Fp8Linear, Fp8Recipe
 
     bad = 0
     for recipe in (Fp8Recipe(), Fp8Recipe(scaling="delayed", amax_history_len=16)):
@@ -313,7 +313,7 @@ def timed(fn) -> float:
     rounds of 20 eager calls queued behind a sleep kernel (``trainer.kernels.timing.device_medians``)."""
     import triton
     if QUEUED:
-        from trainer.kernels.timing import device_medians
+        from fp8mon.trainer.kernels.timing import device_medians
         return device_medians({0: fn}, rounds=5)[0]
     if GRAPH:
         return triton.testing.do_bench_cudagraph(fn, return_mode="median")
@@ -321,7 +321,7 @@ def timed(fn) -> float:
 
 
 def bench_one(dev, label, M, N, K, kind, impls):
-    from trainer.kernels import fp8_gemm
+    from fp8mon.trainer.kernels import fp8_gemm
 
     def tflops(ms):
         return 2.0 * M * N * K / (ms * 1e-3) / 1e12
@@ -393,7 +393,7 @@ def profile_calls(fn, n: int = 200, top: int = 25) -> str:
 def host_profile(dev, which: str):
     """Host time per call (200 calls queued back to back) of fp8_gemm(impl="auto") and _scaled_mm per shape, then a
     cProfile of fp8_gemm on the first shape: where a launch's Python time goes."""
-    from trainer.kernels import fp8_gemm
+    from fp8mon.trainer.kernels import fp8_gemm
 
     def calls(M, N, K, kind):
         da, db, od, fast = KINDS[kind]
@@ -418,7 +418,7 @@ def bench_linear(dev):
     import triton
     from torch import nn
 
-    from trainer.fp8_linear import Fp8Linear
+    from fp8mon.trainer.fp8_linear import Fp8Linear
 
     say("Fp8Linear fwd+bwd vs bf16-autocast nn.Linear, ms (eager | CUDA graph), speedup = bf16 / fp8:")
     for model, (T, lins) in MODELS.items():
@@ -460,7 +460,7 @@ def bench_precise_bk256(dev):
     (BK = 256 tiles): time and error at 8192^3 dgrad (E5M2 x E4M3 -> bf16) and a K=8192 fp32 case."""
     import triton
 
-    from trainer.kernels import fp8_gemm
+    from fp8mon.trainer.kernels import fp8_gemm
 
     a = torch.randn(8192, 8192, device=dev).to(E5)
     b = torch.randn(8192, 8192, device=dev).to(E4)
@@ -486,8 +486,8 @@ def bench_precise_bk256(dev):
 def bench_quantize(dev):
     import triton
 
-    from agent.formats import E4M3
-    from trainer.kernels import quantize_ref, quantize_transpose
+    from fp8mon.agent.formats import E4M3
+    from fp8mon.trainer.kernels import quantize_ref, quantize_transpose
 
     say("quantize_transpose (current scaling: amax pass + cast pass writing q and qT), bf16 input:")
     for M, N in ((16384, 768), (8192, 2048), (8192, 16384)):
@@ -559,7 +559,7 @@ def main(argv=None):
                 say(f"{fn.__name__}: ERROR\n" + traceback.format_exc(limit=6))
     if rows:
         try:  # the autotuners' picks, for the record
-            fg = sys.modules["trainer.kernels.fp8_gemm"]  # the module (the package exports the function)
+            fg = sys.modules["fp8mon.trainer.kernels.fp8_gemm"]  # the module (the package exports the function)
 
             for name, tuner in (("tma", fg._tma_tuned), ("ptr", fg._ptr_tuned)):
                 for key, cfg in tuner.cache.items():

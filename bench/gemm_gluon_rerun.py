@@ -21,7 +21,7 @@ sys.path.insert(0, _KERNEL_DIR)
 sys.path.insert(0, str(ROOT))
 import torch, triton
 import fp8_gemm_gluon as G
-from trainer.kernels.fp8_gemm import fp8_gemm, fp8_gemm_ref
+from fp8mon.trainer.kernels.fp8_gemm import fp8_gemm, fp8_gemm_ref
 from bench.gemm_ws import E4, E5, ops, rel  # the same operands (seeded, x4) and relative error
 
 mode = sys.argv[1]

@@ -58,10 +58,10 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--host", action="store_true", help="host time per call instead of device time")
     args = p.parse_args(argv)
-    from agent import triton_stats as ts
-    from trainer.kernels import fp8_gemm
-    from trainer.kernels.fp8_gemm import _fp8_gemm_tma_kernel
-    from trainer.kernels.timing import _medians, device_medians
+    from fp8mon.agent import triton_stats as ts
+    from fp8mon.trainer.kernels import fp8_gemm
+    from fp8mon.trainer.kernels.fp8_gemm import _fp8_gemm_tma_kernel
+    from fp8mon.trainer.kernels.timing import _medians, device_medians
 
     dev = torch.device("cuda")
     print(f"# {torch.cuda.get_device_name(dev)}, torch {torch.__version__}", flush=True)

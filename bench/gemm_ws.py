@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from trainer.kernels import fp8_gemm_ws as W  # noqa: E402
-from trainer.kernels.fp8_gemm import _splitk_reduce_kernel, _stats_args, fp8_gemm  # noqa: E402
-from trainer.kernels.timing import device_medians, interleaved_medians  # noqa: E402
+from fp8mon.trainer.kernels import fp8_gemm_ws as W  # noqa: E402
+from fp8mon.trainer.kernels.fp8_gemm import _splitk_reduce_kernel, _stats_args, fp8_gemm  # noqa: E402
+from fp8mon.trainer.kernels.timing import device_medians, interleaved_medians  # noqa: E402
 from bench.gemm import MODELS, host_us, profile_calls  # noqa: E402
 
 if os.environ.get("FP8MON_WS_SKIP_SK") == "1":  # stream-K configs left out (e.g. after a failed smoke test)

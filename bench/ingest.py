@@ -32,7 +32,7 @@ import uuid
 import msgpack
 import numpy as np
 
-from monitor.localserver import ServerProcess
+from fp8mon.monitor.localserver import ServerProcess
 
 STATS = ("amax", "rms", "mean", "std", "kurtosis", "kurtosis_central", "crest", "underflow_frac",
          "overflow_frac", "outlier_frac", "zero_frac", "scale")
@@ -137,7 +137,7 @@ def client(index: int, args, port: int, n_bodies: int, ready, start, results) ->
 
 def fp8mon_command() -> list[str]:
     exe = shutil.which("fp8mon")
-    return [exe] if exe else [sys.executable, "-m", "monitor.cli"]
+    return [exe] if exe else [sys.executable, "-m", "fp8mon"]
 
 
 class Database:
@@ -146,7 +146,7 @@ class Database:
     def __init__(self, backend: str, pg_url: str | None):
         from sqlalchemy import create_engine, text
 
-        from monitor.db import normalise_url
+        from fp8mon.monitor.db import normalise_url
         self.backend = backend
         if backend == "sqlite":
             self.tmp = tempfile.mkdtemp(prefix="fp8mon-bench-")
@@ -165,7 +165,7 @@ class Database:
         """(batches, tensor records, statistic values) stored."""
         from sqlalchemy import create_engine, text
 
-        from agent.wire import TENSOR_STATS
+        from fp8mon.agent.wire import TENSOR_STATS
         engine = create_engine(self.url)
         try:
             with engine.connect() as conn:

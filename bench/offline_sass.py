@@ -155,8 +155,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     driver.set_active(_Sm90())
     sys.path.insert(0, str(ROOT))
-    qt = importlib.import_module("trainer.kernels.quantize_transpose")
-    ts = importlib.import_module("agent.triton_stats")
+    qt = importlib.import_module("fp8mon.trainer.kernels.quantize_transpose")
+    ts = importlib.import_module("fp8mon.agent.triton_stats")
     built: dict = {}
     if args.launch_check:
         hists = (True,) if args.histogram_only else (False, True)
@@ -189,8 +189,8 @@ def _consumers(ts, built: dict) -> int:
     and with its row, and with it through qkv's words, and its backward without and with its gradient's row; RMSNorm's
     (and its bf16 forward with a row); the weights' casts in one launch; the heads merged
     for the projection without and with its input's row."""
-    sw = importlib.import_module("trainer.kernels.swiglu")
-    res = importlib.import_module("trainer.kernels.residual")
+    sw = importlib.import_module("fp8mon.trainer.kernels.swiglu")
+    res = importlib.import_module("fp8mon.trainer.kernels.residual")
     cpu = torch.device("cpu")
     y = torch.zeros(4096, 2 * 2048, dtype=torch.bfloat16)
     fwd, bwd, add = sw._swiglu_fwd_kernel, sw._swiglu_bwd_kernel, res._residual_add_kernel
@@ -219,7 +219,7 @@ def _consumers(ts, built: dict) -> int:
         res.residual_add_forward(x, b, stats=ts.Target.new(cpu, fmt="e4m3", hist=False) if row else None)
     res._branch_grad_kernel = _CompileOnly(res._branch_grad_kernel, "residual grad cast + row", built)
     res.branch_grad(x, torch.bfloat16, ts.Target.new(cpu, fmt="e5m2", hist=False))
-    rope = importlib.import_module("trainer.kernels.rope")
+    rope = importlib.import_module("fp8mon.trainer.kernels.rope")
     rfwd, rbwd = rope._rope_fwd_kernel, rope._rope_bwd_kernel
     qkv, trig = torch.zeros(2, 2048, 3 * 2048, dtype=torch.bfloat16), torch.zeros(2048, 64)
     for name, row in (("rope fwd", False), ("rope fwd + row", True)):
@@ -230,7 +230,7 @@ def _consumers(ts, built: dict) -> int:
         rope._rope_bwd_kernel = _CompileOnly(rbwd, name, built)
         rope.rope_qkv_backward(d, d, d, trig, trig, torch.bfloat16,
                                stats=ts.Target.new(cpu, fmt="e5m2", hist=False) if row else None)
-    norm = importlib.import_module("trainer.kernels.rmsnorm")
+    norm = importlib.import_module("fp8mon.trainer.kernels.rmsnorm")
     nfwd, nbwd = norm._rms_norm_fwd_kernel, norm._rms_norm_bwd_kernel
     for d_model in (768, 2048):
         x, w = torch.zeros(4096, d_model), torch.zeros(d_model)
@@ -242,10 +242,10 @@ def _consumers(ts, built: dict) -> int:
         norm.rms_norm_forward(x.bfloat16(), w, 1e-6, stats=ts.Target.new(cpu, fmt="e4m3", hist=False))
         norm._rms_norm_bwd_kernel = _CompileOnly(nbwd, f"rmsnorm bwd (fp32, {d_model})", built)
         norm.rms_norm_backward(x, x, w, torch.zeros(4096))
-    wc = importlib.import_module("trainer.kernels.weight_casts")
+    wc = importlib.import_module("fp8mon.trainer.kernels.weight_casts")
     wc._casts_kernel = _CompileOnly(wc._casts_kernel, "weight casts + rows, one launch (fp32 to bf16)", built)
     wc.casts_with_rows([torch.zeros(3072, 768)], torch.bfloat16, [ts.Target.new(cpu, fmt="e4m3", hist=False)])
-    heads = importlib.import_module("trainer.kernels.heads")
+    heads = importlib.import_module("fp8mon.trainer.kernels.heads")
     hk = heads._merge_heads_kernel
     for hd in (64, 128):
         y = torch.zeros(2, 16, 1024, hd, dtype=torch.bfloat16)
@@ -283,9 +283,9 @@ def _cuobjdump(kernel, flag: str) -> str:
         return subprocess.run([cuobjdump, flag, cubin], capture_output=True, text=True).stdout
 
 
-_STATS_MODULES = ("agent.triton_stats", "trainer.kernels.quantize", "trainer.kernels.quantize_transpose",
-                  "trainer.kernels.swiglu", "trainer.kernels.residual", "trainer.kernels.rope",
-                  "trainer.kernels.rmsnorm", "trainer.kernels.heads", "trainer.kernels.weight_casts")
+_STATS_MODULES = ("fp8mon.agent.triton_stats", "fp8mon.trainer.kernels.quantize", "fp8mon.trainer.kernels.quantize_transpose",
+                  "fp8mon.trainer.kernels.swiglu", "fp8mon.trainer.kernels.residual", "fp8mon.trainer.kernels.rope",
+                  "fp8mon.trainer.kernels.rmsnorm", "fp8mon.trainer.kernels.heads", "fp8mon.trainer.kernels.weight_casts")
 
 
 def _targets(ts, hists: tuple = (False, True)):
@@ -307,7 +307,7 @@ def _norm_build(norm, rows: int, width: int, dt: torch.dtype, tgt):
 
 def _head_builds(b: int, nh: int, t: int, hd: int, dt: torch.dtype, tgt) -> tuple:
     """RoPE's forward and backward with a row over b x nh heads of t positions of size hd, and the head merge's."""
-    rope, heads = (importlib.import_module(f"trainer.kernels.{m}") for m in ("rope", "heads"))
+    rope, heads = (importlib.import_module(f"fp8mon.trainer.kernels.{m}") for m in ("rope", "heads"))
     trig = torch.zeros(t, hd // 2)
 
     def rope_bwd():
@@ -321,7 +321,7 @@ def _head_builds(b: int, nh: int, t: int, hd: int, dt: torch.dtype, tgt) -> tupl
 def _stats_builds(ts, hists: tuple = (False, True)) -> list:
     """(name, build) for every launcher that runs a kernel with a statistics row, in each dtype it takes, with the
     histogram and without (``hists``); ``build()`` calls the launcher once."""
-    sw, res, norm, q, qt, wc = (importlib.import_module(f"trainer.kernels.{m}") for m in (
+    sw, res, norm, q, qt, wc = (importlib.import_module(f"fp8mon.trainer.kernels.{m}") for m in (
         "swiglu", "residual", "rmsnorm", "quantize", "quantize_transpose", "weight_casts"))
     out = []
     for at, dt, hist, tgt in _targets(ts, hists):
@@ -367,7 +367,7 @@ def _width_builds(ts, norm_widths: list[int] | None = None, hists: tuple = (Fals
     (``hists``); with ``norm_widths``, RMSNorm at those widths only. (RoPE and the head merge do not pipeline their
     tile loops: in Triton 3.6 their dynamic shared memory stayed at 768 B or less up to heads of 512,
     bench/RESULTS.md.)"""
-    norm = importlib.import_module("trainer.kernels.rmsnorm")
+    norm = importlib.import_module("fp8mon.trainer.kernels.rmsnorm")
     out = []
     for at, dt, _, tgt in _targets(ts, hists):
         widths = norm_widths or [1 << e for e in range(4, norm.MAX_WIDTH.bit_length())]

@@ -25,14 +25,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from agent import triton_stats as ts  # noqa: E402
+from fp8mon.agent import triton_stats as ts  # noqa: E402
 from bench.consumers import SHAPES, StepRows, _step_inputs  # noqa: E402
 from bench.variants import applied, parse_all  # noqa: E402
-from trainer.kernels.heads import merge_heads_forward  # noqa: E402
-from trainer.kernels.residual import residual_add_forward  # noqa: E402
-from trainer.kernels.rmsnorm import rms_norm_forward  # noqa: E402
-from trainer.kernels.rope import rope_qkv_backward, rope_qkv_forward  # noqa: E402
-from trainer.kernels.swiglu import swiglu_backward, swiglu_forward  # noqa: E402
+from fp8mon.trainer.kernels.heads import merge_heads_forward  # noqa: E402
+from fp8mon.trainer.kernels.residual import residual_add_forward  # noqa: E402
+from fp8mon.trainer.kernels.rmsnorm import rms_norm_forward  # noqa: E402
+from fp8mon.trainer.kernels.rope import rope_qkv_backward, rope_qkv_forward  # noqa: E402
+from fp8mon.trainer.kernels.swiglu import swiglu_backward, swiglu_forward  # noqa: E402
 
 CALLS = 20  # calls per batch: one spin kernel or 20 GEMMs ahead of them
 SPIN_CYCLES = 20_000_000  # about 10 ms at 2 GHz, far longer than the host takes to queue a batch

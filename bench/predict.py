@@ -33,11 +33,11 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from monitor.alerting.lifecycle import ESCALATED, FIRED, RESOLVED, AlertEvent, AlertTracker
-from monitor.assessment import Finding
-from monitor.fixtures import EARLY_BEFORE, TARGET_LEAD, Fixture, fixture_paths, load_fixture
-from monitor.predictors import PredictorParams, RunPredictor
-from monitor.schemas import IngestBatch
+from fp8mon.monitor.alerting.lifecycle import ESCALATED, FIRED, RESOLVED, AlertEvent, AlertTracker
+from fp8mon.monitor.assessment import Finding
+from fp8mon.monitor.fixtures import EARLY_BEFORE, TARGET_LEAD, Fixture, fixture_paths, load_fixture
+from fp8mon.monitor.predictors import PredictorParams, RunPredictor
+from fp8mon.monitor.schemas import IngestBatch
 
 TARGET_RATIO = 5.0
 BASELINE_WINDOW = 30
@@ -157,7 +157,7 @@ def step_cost_ms(layers: int = 100, steps: int = 300) -> float:
     """Time per evaluated step of RunPredictor on a synthetic healthy stream of layers x 5 sites."""
     import numpy as np
 
-    from agent.wire import SITES
+    from fp8mon.agent.wire import SITES
 
     rng = np.random.default_rng(0)
     names = [f"blocks.{i}.mlp.fc1" for i in range(layers)]

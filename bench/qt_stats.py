@@ -34,9 +34,9 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent import triton_stats as ts  # noqa: E402
+from fp8mon.agent import triton_stats as ts  # noqa: E402
 import importlib  # noqa: E402
-QT = importlib.import_module("trainer.kernels.quantize_transpose")
+QT = importlib.import_module("fp8mon.trainer.kernels.quantize_transpose")
 
 CASES = [("activation 16384x2048 bf16, current", (16384, 2048), torch.bfloat16, False),
          ("grad_output 16384x8192 bf16, current", (16384, 8192), torch.bfloat16, False),
@@ -54,7 +54,7 @@ SWEEP_V = [(False, 128, 1, 8), (False, 128, 2, 8), (False, 128, 1, 16), (False, 
 def step_cases(config: str) -> list:
     """(label, shape, dtype, delayed) of the casts of one layer of an FP8 step of ``config`` (see the docstring)."""
     from bench.train_step import BATCH
-    from trainer.config import get_config
+    from fp8mon.trainer.config import get_config
 
     cfg = get_config(config)
     t, d, f = BATCH[config] * cfg.seq_len, cfg.d_model, cfg.d_ff
@@ -67,7 +67,7 @@ def step_cases(config: str) -> list:
 
 def packed_ab(cases: list) -> None:
     """``--packed-ab`` (the module docstring)."""
-    from trainer.kernels.timing import device_medians
+    from fp8mon.trainer.kernels.timing import device_medians
 
     dev = torch.device("cuda")
     for label, shape, dtype, _ in cases:
@@ -105,7 +105,7 @@ def _host_ms(fn, calls: int = 20) -> float:
 
 def current_ab(cases: list) -> None:
     """``--current-ab`` (the module docstring)."""
-    from trainer.kernels.timing import _medians, device_medians
+    from fp8mon.trainer.kernels.timing import _medians, device_medians
 
     dev = torch.device("cuda")
     totals: dict = {}
@@ -150,7 +150,7 @@ def current_ab(cases: list) -> None:
 def variants_ab(cases: list, variants: list) -> None:
     """``--variants`` (the module docstring)."""
     from bench.variants import applied
-    from trainer.kernels.timing import device_medians
+    from fp8mon.trainer.kernels.timing import device_medians
 
     dev = torch.device("cuda")
     totals = {}

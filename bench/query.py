@@ -30,13 +30,13 @@ import httpx
 import numpy as np
 from sqlalchemy import create_engine, insert, text
 
-from agent.wire import TENSOR_STATS
-from monitor import queries, rollup
-from monitor.db import create_db_engine, normalise_url
-from monitor.localserver import ServerProcess
-from monitor.migrate import upgrade
-from monitor.models import Run
-from monitor.store import Store
+from fp8mon.agent.wire import TENSOR_STATS
+from fp8mon.monitor import queries, rollup
+from fp8mon.monitor.db import create_db_engine, normalise_url
+from fp8mon.monitor.localserver import ServerProcess
+from fp8mon.monitor.migrate import upgrade
+from fp8mon.monitor.models import Run
+from fp8mon.monitor.store import Store
 
 RUN = "bench-heatmap"
 SITE = "input"

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from agent import device_stats as ds  # noqa: E402
-from agent import triton_stats as ts  # noqa: E402
+from fp8mon.agent import device_stats as ds  # noqa: E402
+from fp8mon.agent import triton_stats as ts  # noqa: E402
 
 FAILS = []
 SYNC_MODELS = True  # --no-sync-models: the sync check skips the agent step on a small model
@@ -257,7 +257,7 @@ def sync_free(name: str, fn) -> None:
 def check_no_sync(device) -> None:
     if device.type != "cuda":
         return
-    from trainer.kernels import quantize, quantize_transpose
+    from fp8mon.trainer.kernels import quantize, quantize_transpose
 
     xs = [torch.randn(1000 + 70_000 * i, device=device).to((torch.bfloat16, torch.float32)[i % 2]) for i in range(5)]
     scale = torch.tensor(2.0, device=device)
@@ -289,7 +289,7 @@ def check_no_sync(device) -> None:
     fused()
     sync_free("fused quantize / quantize_transpose statistics", fused)
 
-    from trainer.kernels import fp8_gemm
+    from fp8mon.trainer.kernels import fp8_gemm
 
     qa, qb = x.to(torch.float8_e4m3fn), x[:512].to(torch.float8_e5m2)
     qt = qa.t().contiguous()  # a wgrad-like (768, 768, K=4096) product, split in 4
@@ -307,9 +307,9 @@ def check_no_sync(device) -> None:
 
     # a full agent reporting step of a small real model (trainer/model.py, tiny) in fp8 and bf16: hooks,
     # fused rows, the step buffer, centers, the device-to-host copy and the collector job
-    from agent import Agent
-    from trainer.config import get_config
-    from trainer.model import Transformer, autocast
+    from fp8mon.agent import Agent
+    from fp8mon.trainer.config import get_config
+    from fp8mon.trainer.model import Transformer, autocast
 
     cfg = get_config("tiny", vocab_size=512)
     for precision in ("fp8", "bf16"):
@@ -337,9 +337,9 @@ def check_no_sync(device) -> None:
 def check_fused(device) -> None:
     import importlib
 
-    from trainer.kernels import quantize, quantize_transpose
+    from fp8mon.trainer.kernels import quantize, quantize_transpose
 
-    QT = importlib.import_module("trainer.kernels.quantize_transpose")
+    QT = importlib.import_module("fp8mon.trainer.kernels.quantize_transpose")
 
     g = torch.Generator(device="cpu").manual_seed(3)
     shapes = [(256, 384), (1000, 777), (4096, 768), (1, 5)]
@@ -400,7 +400,7 @@ def agent_rows(model, make_input, steps: int, device, watch=None, micro_batches:
                **agent_kw) -> list[torch.Tensor]:
     """The packed rows the agent ships at each step (training ``micro_batches`` per step); ``watch``: the module
     watched, when ``make_input`` runs the model itself (``model`` is then applied to its output)."""
-    from agent import Agent
+    from fp8mon.agent import Agent
 
     agent = Agent(transport=NullTransport(), every=1, **{"hist_every": 1, **agent_kw}).watch(watch or model)
     shipped = []
@@ -418,7 +418,7 @@ def agent_rows(model, make_input, steps: int, device, watch=None, micro_batches:
 
 
 def check_fp8_linear_agent(device) -> None:
-    from trainer.fp8_linear import Fp8Linear, Fp8Recipe
+    from fp8mon.trainer.fp8_linear import Fp8Linear, Fp8Recipe
 
     for recipe in (Fp8Recipe(),):  # (the hooks cannot see a delayed scale as it was before the call)
         torch.manual_seed(4)
@@ -486,7 +486,7 @@ def check_agent_backends(device) -> None:
 
 
 def check_gemm(device) -> None:
-    from trainer.kernels import fp8_gemm
+    from fp8mon.trainer.kernels import fp8_gemm
 
     g = torch.Generator(device="cpu").manual_seed(6)
     center = (0.05, 3.0)
@@ -514,7 +514,7 @@ def check_rmsnorm(device) -> None:
     """trainer/kernels/rmsnorm.py on the GPU: y, dx and dw against torch's ops (``rms_norm_torch``), and the row of y
     against the fp64 oracle's of y as returned, at the 124M and 1.5B pre-norms' shapes (768 in chunks:
     ``rmsnorm.CHUNKS``), in bf16 (at 768 with and without the histogram), and with a NaN."""
-    from trainer.kernels.rmsnorm import rms_norm, rms_norm_ref
+    from fp8mon.trainer.kernels.rmsnorm import rms_norm, rms_norm_ref
 
     g = torch.Generator(device="cpu").manual_seed(10)
     for shape, dt, nan, hist in (((16, 1024, 768), torch.float32, False, True),
@@ -553,11 +553,11 @@ def check_consumers(device) -> None:
     b's gradient the oracle's. trainer/kernels/rope.py: ``check_rope``."""
     import importlib
 
-    from trainer.kernels.residual import residual_add
-    from trainer.kernels.swiglu import swiglu, swiglu_ref
-    from trainer.kernels.words import words_path
+    from fp8mon.trainer.kernels.residual import residual_add
+    from fp8mon.trainer.kernels.swiglu import swiglu, swiglu_ref
+    from fp8mon.trainer.kernels.words import words_path
 
-    sw = importlib.import_module("trainer.kernels.swiglu")  # the module (trainer.kernels.swiglu is the function)
+    sw = importlib.import_module("fp8mon.trainer.kernels.swiglu")  # the module (trainer.kernels.swiglu is the function)
 
     g = torch.Generator(device="cpu").manual_seed(9)
     for xd in (torch.float32, torch.bfloat16):
@@ -644,10 +644,10 @@ def check_weight_cast(device) -> None:
     llama under autocast whose linears take their weights' rows
     and (one micro-batch a step) their gradients' rows from those casts (``trainer.layers.FUSED_WEIGHT``) ships the
     rows the hooks ship without them, with one micro-batch a step and with two."""
-    from trainer import layers, model as tm
-    from trainer.config import get_config
-    from trainer.kernels.residual import weight_cast
-    from trainer.kernels.weight_casts import casts_with_rows
+    from fp8mon.trainer import layers, model as tm
+    from fp8mon.trainer.config import get_config
+    from fp8mon.trainer.kernels.residual import weight_cast
+    from fp8mon.trainer.kernels.weight_casts import casts_with_rows
 
     g = torch.Generator(device="cpu").manual_seed(11)
     for shape in ((3072, 768), (2048, 2048), (77, 33)):
@@ -708,8 +708,8 @@ def check_rope(device) -> None:
     """trainer/kernels/rope.py: q, k, v and qkv's gradient equal torch's (``rope_qkv_ref`` and its autograd), the
     forward's row of qkv and the backward's of its gradient against the fp64 oracle's, also with a NaN (the careful
     path), the first merged into on a second call."""
-    from trainer.kernels.rope import rope_qkv, rope_qkv_ref
-    from trainer.layers import Rotary
+    from fp8mon.trainer.kernels.rope import rope_qkv, rope_qkv_ref
+    from fp8mon.trainer.layers import Rotary
 
     g = torch.Generator(device="cpu").manual_seed(10)
     for (b, t, nh, hd), dt, nan in (((2, 1000, 16, 128), torch.bfloat16, False), ((3, 77, 4, 64), torch.float32, False),
@@ -754,7 +754,7 @@ def check_heads(device) -> None:
     without the histogram, also with a NaN (the careful path)."""
     import torch.nn.functional as F
 
-    from trainer.kernels.heads import merge_heads, merge_heads_ref
+    from fp8mon.trainer.kernels.heads import merge_heads, merge_heads_ref
 
     g = torch.Generator(device="cpu").manual_seed(13)
     for (b, nh, t, hd), dt, sdpa, nan in (((16, 12, 1024, 64), torch.bfloat16, True, False),

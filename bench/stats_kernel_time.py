@@ -30,7 +30,7 @@ import triton
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from agent import triton_stats as ts  # noqa: E402
+from fp8mon.agent import triton_stats as ts  # noqa: E402
 from bench.variants import applied, parse_all  # noqa: E402
 
 MiB = 1 << 20
@@ -118,7 +118,7 @@ def trace_small(scale, center) -> None:
     """``--trace-small``: tensors of a 124M step's casts (a weight, an activation, fc1's weight, fc2's input), the
     amax pass that a cast's statistics launch replaces, and the statistics kernel's timeline at one wave of
     programs (the default) and at fixed chunks (fewer, longer programs)."""
-    from trainer.kernels.quantize import amax_partials
+    from fp8mon.trainer.kernels.quantize import amax_partials
 
     for dtype, shape in ((torch.float32, (768, 768)), (torch.bfloat16, (8192, 768)), (torch.float32, (3072, 768)),
                          (torch.bfloat16, (8192, 3072))):
@@ -137,7 +137,7 @@ def cast_small() -> None:
     48 rows then ``flush_deferred``: plain (amax pass + cast), and with the row from the statistics launch in place
     of the amax pass, merged by that launch's last program (``CAST_MERGE = "last"``) or by one merge launch for the
     48 rows at the flush ("later"). Per kernel name, from torch.profiler; with and without the histogram."""
-    from trainer.kernels.quantize_transpose import quantize_transpose
+    from fp8mon.trainer.kernels.quantize_transpose import quantize_transpose
 
     rows, calls, reps = torch.zeros(48, ts.ds.WIDTH, dtype=torch.float64, device="cuda"), 48, 5
     for shape in ((8192, 768), (8192, 3072)):

@@ -3,7 +3,7 @@
 from alembic import context
 from sqlalchemy import create_engine
 
-from monitor.models import Base
+from fp8mon.monitor.models import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -5,14 +5,14 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from monitor.alerting.webhooks import WebhookSender
-from monitor.metrics import Metrics
-from monitor.migrate import check_schema
-from monitor.pipeline import Pipeline
-from monitor.rollup import Compactor, interval_from_env
-from monitor.routers import alerts, dashboard, ingest, metrics, predictions, runs, series
-from monitor.settings import Settings
-from monitor.store import Store
+from fp8mon.monitor.alerting.webhooks import WebhookSender
+from fp8mon.monitor.metrics import Metrics
+from fp8mon.monitor.migrate import check_schema
+from fp8mon.monitor.pipeline import Pipeline
+from fp8mon.monitor.rollup import Compactor, interval_from_env
+from fp8mon.monitor.routers import alerts, dashboard, ingest, metrics, predictions, runs, series
+from fp8mon.monitor.settings import Settings
+from fp8mon.monitor.store import Store
 
 API_PREFIX = "/api/v1"
 log = logging.getLogger("fp8mon.app")

@@ -12,7 +12,7 @@ import numpy as np
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
-from agent.wire import TENSOR_STATS
+from fp8mon.agent.wire import TENSOR_STATS
 
 TENSOR_COLUMNS = ("series_id", "rank", "step", *TENSOR_STATS, "log2_hist")
 SCALAR_COLUMNS = ("series_id", "rank", "step", "value")

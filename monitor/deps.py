@@ -6,8 +6,8 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from monitor.settings import Settings
-from monitor.store import Store
+from fp8mon.monitor.settings import Settings
+from fp8mon.monitor.store import Store
 
 _bearer = HTTPBearer(auto_error=False)
 

@@ -9,9 +9,9 @@ from collections import defaultdict
 import numpy as np
 from sqlalchemy import select
 
-from agent.wire import TENSOR_STATS, WIRE_VERSION
-from monitor.models import Run
-from monitor.queries import NotFound, fetch, reading, to_float
+from fp8mon.agent.wire import TENSOR_STATS, WIRE_VERSION
+from fp8mon.monitor.models import Run
+from fp8mon.monitor.queries import NotFound, fetch, reading, to_float
 
 
 def export_run(store, name: str, *, steps_per_batch: int = 10, stats: tuple[str, ...] = TENSOR_STATS,

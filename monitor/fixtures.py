@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from monitor.predictors.params import PredictorParams
+from fp8mon.monitor.predictors.params import PredictorParams
 
 TARGET_LEAD = 100  # steps of warning before the divergence step (SPEC section 7)
 # a run diverging earlier cannot be warned TARGET_LEAD steps ahead by predictors that first learn its normal

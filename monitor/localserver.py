@@ -41,7 +41,7 @@ class ServerProcess:
         """Start it and return once /healthz answers 200; RuntimeError if it exits or stays silent."""
         self._log_file = open(self.log, "ab") if self.log else subprocess.DEVNULL
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "monitor.cli", "serve", "--database-url", self.database_url,
+            [sys.executable, "-m", "fp8mon", "serve", "--database-url", self.database_url,
              "--port", str(self.port), *self.args, "--no-access-log", "--log-level", "warning"],
             env={**os.environ, **self.env}, stdout=self._log_file, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout

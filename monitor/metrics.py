@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from monitor.assessment import SEVERITIES
+from fp8mon.monitor.assessment import SEVERITIES
 
 # exported name -> (help, the key of RunState.values)
 RUN_GAUGES = {

@@ -8,7 +8,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine
 
-import migrations
+from fp8mon import migrations
 
 MIGRATIONS_DIR = Path(migrations.__file__).parent
 

@@ -25,7 +25,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from agent.wire import TENSOR_STATS
+from fp8mon.agent.wire import TENSOR_STATS
 
 # Buckets of the downsampling pyramid, in steps. Every bucket keeps min, max, sum, count and last per
 # statistic, so a spike survives at any zoom level.

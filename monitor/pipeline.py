@@ -48,16 +48,16 @@ import numpy as np
 from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from monitor.alerting.lifecycle import (DROPPED, ESCALATED, FIRED, FIRING, PENDING, RESOLVED, Alert,
+from fp8mon.monitor.alerting.lifecycle import (DROPPED, ESCALATED, FIRED, FIRING, PENDING, RESOLVED, Alert,
                                         AlertEvent, AlertTracker)
-from monitor.alerting.webhooks import WebhookSender, slack_payload
-from monitor.assessment import Assessment
-from monitor.metrics import Metrics
-from monitor.models import Alert as AlertRow
-from monitor.models import Prediction, Run
-from monitor.queries import json_safe, reading, writing
-from monitor.schemas import IngestBatch, IngestResult
-from monitor.settings import DEFAULT_PREDICTOR
+from fp8mon.monitor.alerting.webhooks import WebhookSender, slack_payload
+from fp8mon.monitor.assessment import Assessment
+from fp8mon.monitor.metrics import Metrics
+from fp8mon.monitor.models import Alert as AlertRow
+from fp8mon.monitor.models import Prediction, Run
+from fp8mon.monitor.queries import json_safe, reading, writing
+from fp8mon.monitor.schemas import IngestBatch, IngestResult
+from fp8mon.monitor.settings import DEFAULT_PREDICTOR
 
 log = logging.getLogger("fp8mon.pipeline")
 
@@ -78,7 +78,7 @@ def load_factory(spec: str):
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if spec == DEFAULT_PREDICTOR and exc.name in ("monitor.predictors", module_name):
+        if spec == DEFAULT_PREDICTOR and exc.name in ("fp8mon.monitor.predictors", module_name):
             log.warning("no predictors installed (%s): ingest and /metrics work, no predictions or alerts", exc)
             return None
         raise

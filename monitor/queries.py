@@ -28,10 +28,10 @@ from datetime import UTC, datetime
 import numpy as np
 from sqlalchemy import Connection, delete, func, select, text, update
 
-from agent.wire import SITES, TENSOR_STATS
-from monitor.models import ROLLUP_WIDTHS, Run, ScalarSeries, TensorSeries
-from monitor.rollup import KINDS, effective_horizon, level_cover, series_ranks, sql_is_nan, sql_nan
-from monitor.schemas import finite_or_none
+from fp8mon.agent.wire import SITES, TENSOR_STATS
+from fp8mon.monitor.models import ROLLUP_WIDTHS, Run, ScalarSeries, TensorSeries
+from fp8mon.monitor.rollup import KINDS, effective_horizon, level_cover, series_ranks, sql_is_nan, sql_nan
+from fp8mon.monitor.schemas import finite_or_none
 
 FINAL_STATUSES = ("finished", "failed", "diverged")
 AGGS = ("min", "max", "mean", "last")

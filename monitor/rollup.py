@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 from sqlalchemy import Connection, text
 
-from agent.wire import TENSOR_STATS
-from monitor.models import ROLLUP_WIDTHS
+from fp8mon.agent.wire import TENSOR_STATS
+from fp8mon.monitor.models import ROLLUP_WIDTHS
 
 log = logging.getLogger("fp8mon.rollup")
 

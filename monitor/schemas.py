@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from agent.wire import (LOG2_HIST_BINS, MAX_LAYER_NAME, MAX_RUN_NAME, MAX_SCALAR_NAME, RUN_NAME_PATTERN,
+from fp8mon.agent.wire import (LOG2_HIST_BINS, MAX_LAYER_NAME, MAX_RUN_NAME, MAX_SCALAR_NAME, RUN_NAME_PATTERN,
                         SCALAR_NAME_PATTERN, SITES, TENSOR_STATS, WIRE_VERSION)
 
 RunName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_RUN_NAME, pattern=RUN_NAME_PATTERN)]

@@ -8,7 +8,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_DB_PATH = Path(".fp8mon") / "fp8mon.db"
-DEFAULT_PREDICTOR = "monitor.predictors:RunPredictor"
+DEFAULT_PREDICTOR = "fp8mon.monitor.predictors:RunPredictor"
 
 
 class Settings(BaseSettings):

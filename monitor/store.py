@@ -17,11 +17,11 @@ import numpy as np
 from sqlalchemy import BigInteger, Connection, Engine, bindparam, case, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from monitor import bulk
-from monitor.db import create_db_engine
-from monitor.models import IngestBatch as BatchRow
-from monitor.models import Run, ScalarSeries, TensorSeries
-from monitor.schemas import IngestBatch, IngestResult, RunMeta, ScalarBlock, TensorBlock
+from fp8mon.monitor import bulk
+from fp8mon.monitor.db import create_db_engine
+from fp8mon.monitor.models import IngestBatch as BatchRow
+from fp8mon.monitor.models import Run, ScalarSeries, TensorSeries
+from fp8mon.monitor.schemas import IngestBatch, IngestResult, RunMeta, ScalarBlock, TensorBlock
 
 FINAL_STATUSES = ("finished", "failed", "diverged")
 SQLITE_MAX_GROUP = 8  # batches per group commit at most, which bounds the wait of its first batch

@@ -10,8 +10,8 @@
 FP8MON_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${FP8MON_VENV:-$FP8MON_ROOT/.venv}"
 FP8MON_EXTRAS="${FP8MON_EXTRAS:-monitor,agent,trainer,dev}"
-# The torch pin of pyproject.toml's agent extra (one place to change it).
-TORCH_VERSION="$(grep -o 'torch==[0-9][0-9a-z.]*' "$FP8MON_ROOT/pyproject.toml" | head -n1 | cut -d= -f3)"
+# The torch these scripts install (the CPU build of a fresh machine; pyproject.toml accepts a range).
+TORCH_VERSION=2.13.0
 
 log() { printf '[fp8mon] %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -120,7 +120,7 @@ _ensure_venv_locked() {
   _venv_usable || _create_venv
   stamp="$(_install_stamp)"
   if [ "$(cat "$VENV/.fp8mon-installed" 2>/dev/null)" = "$stamp" ] \
-     && "$VENV/bin/python" -c "import sys, monitor; sys.exit(not monitor.__file__.startswith('$FP8MON_ROOT/'))" 2>/dev/null; then
+     && "$VENV/bin/python" -c "import sys, fp8mon.monitor as m; sys.exit(not m.__file__.startswith('$FP8MON_ROOT/'))" 2>/dev/null; then
     return 0
   fi
   log "installing fp8mon[$FP8MON_EXTRAS] (editable) into $VENV"

@@ -31,9 +31,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from monitor.fixtures import FIXTURE_DIR, write_fixture  # noqa: E402
-from monitor.localserver import ServerProcess  # noqa: E402
-from monitor.predictors.divergence import RULE, divergence_step  # noqa: E402
+from fp8mon.monitor.fixtures import FIXTURE_DIR, write_fixture  # noqa: E402
+from fp8mon.monitor.localserver import ServerProcess  # noqa: E402
+from fp8mon.monitor.predictors.divergence import RULE, divergence_step  # noqa: E402
 
 # What a fixture keeps of each tensor record (the predictors read a subset of these).
 FIXTURE_STATS = ("numel", "amax", "rms", "kurtosis", "underflow_frac", "overflow_frac", "outlier_frac",
@@ -377,7 +377,7 @@ def train(spec: RunSpec, base: tuple[str, ...], url: str, tmp: Path,
     t0 = time.monotonic()
     with (tmp / f"{spec.name}.log").open("wb") as log:
         try:
-            rc = subprocess.run([sys.executable, "-m", "trainer.train", *argv], cwd=ROOT, stdout=log,
+            rc = subprocess.run([sys.executable, "-m", "fp8mon.trainer.train", *argv], cwd=ROOT, stdout=log,
                                 stderr=subprocess.STDOUT, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = -1
@@ -395,7 +395,7 @@ def rounded(value, digits: int = 5):
 
 
 def fixture_of(store, spec: RunSpec, argv: list[str], profile: str) -> dict:
-    from monitor.export import export_run
+    from fp8mon.monitor.export import export_run
 
     batches = export_run(store, spec.name, steps_per_batch=10, stats=FIXTURE_STATS, hist=False)
     for batch in batches:
@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
                         "far as it got); default 900 cpu, 235 gpu")
     args = parser.parse_args(argv)
 
-    from monitor.store import Store
+    from fp8mon.monitor.store import Store
 
     base, runs = PROFILES[args.profile]
     if args.only:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from agent import triton_stats
+from fp8mon.agent import triton_stats
 
 
 class StepGraphs:

@@ -1,7 +1,7 @@
-"""Training loop: ``python -m trainer.train`` or ``fp8mon train`` (``--help`` lists the flags).
+"""Training loop: ``python -m fp8mon.trainer.train`` or ``fp8mon train`` (``--help`` lists the flags).
 
     fp8mon train --arch fog --precision fp8 --config tiny --steps 200 --monitor-url http://127.0.0.1:8080
-    torchrun --nproc_per_node 8 -m trainer.train --arch llama --precision fp8 --config 1.5b --data tokens.bin
+    torchrun --nproc_per_node 8 -m fp8mon.trainer.train --arch llama --precision fp8 --config 1.5b --data tokens.bin
 
 One optimizer step: ``--grad-accum`` micro-batches of ``--batch-size`` sequences per rank (forward under
 autocast for bf16/fp8, backward), gradients averaged over ranks by DDP, clipped to ``--clip``, AdamW
@@ -300,7 +300,7 @@ def _default_run_name(args, world: int) -> str:
 
 
 def make_agent(args, model: Transformer, run_name: str, rank: int, world: int, start_step: int):
-    from agent import Agent  # the agent only when asked for
+    from fp8mon.agent import Agent  # the agent only when asked for
 
     tags = {"arch": args.arch, "precision": args.precision, "config": args.config, "world_size": str(world)}
     for item in args.tag:
@@ -515,4 +515,4 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(prog="python -m trainer.train"))
+    sys.exit(main(prog="python -m fp8mon.trainer.train"))

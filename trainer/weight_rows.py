@@ -28,7 +28,7 @@ import weakref
 
 import torch
 
-from agent import triton_stats
+from fp8mon.agent import triton_stats
 
 BATCH = os.environ.get("FP8MON_BATCH_WEIGHT_ROWS", "1") != "0"  # "0": each weight cast takes its own row (benches)
 
@@ -158,7 +158,7 @@ def _pop_cast(module, agent, weight: torch.Tensor, dtype: torch.dtype):
 
 
 def _launch_casts(agent, device: torch.device, dtype: torch.dtype) -> None:
-    from agent import triton_stats as ts
+    from fp8mon.agent import triton_stats as ts
 
     from .kernels import weight_casts as wc
 

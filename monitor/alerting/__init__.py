@@ -1,5 +1,5 @@
 """Alerting: the alert lifecycle (pure), webhooks, and the alert/prediction storage of the pipeline."""
 
-from monitor.alerting.lifecycle import Alert, AlertEvent, AlertTracker, fingerprint
+from fp8mon.monitor.alerting.lifecycle import Alert, AlertEvent, AlertTracker, fingerprint
 
 __all__ = ["Alert", "AlertEvent", "AlertTracker", "fingerprint"]

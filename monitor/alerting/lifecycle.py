@@ -28,7 +28,7 @@ import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from monitor.assessment import RESOLVE_AFTER_STEPS, SEVERITIES, Finding
+from fp8mon.monitor.assessment import RESOLVE_AFTER_STEPS, SEVERITIES, Finding
 
 PENDING, FIRED, ESCALATED, RESOLVED, DROPPED = "pending", "fired", "escalated", "resolved", "dropped"
 FIRING = "firing"  # the state of a fired alert

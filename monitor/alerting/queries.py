@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from sqlalchemy import func, select, update
 
-from monitor.models import Alert, Prediction, Run
-from monitor.queries import BadParameter, NotFound, _iso, json_safe, reading, run_ref, writing
-from monitor.store import utcnow
+from fp8mon.monitor.models import Alert, Prediction, Run
+from fp8mon.monitor.queries import BadParameter, NotFound, _iso, json_safe, reading, run_ref, writing
+from fp8mon.monitor.store import utcnow
 
 _ALERT_COLUMNS = (Alert.id, Run.name, Alert.fingerprint, Alert.rule, Alert.severity, Alert.state, Alert.layer,
                   Alert.site, Alert.message, Alert.details, Alert.first_step, Alert.fired_step, Alert.escalated_step,

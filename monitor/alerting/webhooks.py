@@ -16,7 +16,7 @@ from urllib.parse import quote
 
 import httpx
 
-from monitor.alerting.lifecycle import AlertEvent
+from fp8mon.monitor.alerting.lifecycle import AlertEvent
 
 log = logging.getLogger("fp8mon.webhooks")
 

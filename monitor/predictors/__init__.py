@@ -6,8 +6,8 @@
             ...                               # monitor.assessment.Assessment, one per evaluated step
 """
 
-from monitor.predictors.divergence import DivergenceDetector, divergence_step
-from monitor.predictors.params import PredictorParams
-from monitor.predictors.run import RunPredictor
+from fp8mon.monitor.predictors.divergence import DivergenceDetector, divergence_step
+from fp8mon.monitor.predictors.params import PredictorParams
+from fp8mon.monitor.predictors.run import RunPredictor
 
 __all__ = ["DivergenceDetector", "PredictorParams", "RunPredictor", "divergence_step"]

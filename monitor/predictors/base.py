@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from monitor.assessment import Finding
+from fp8mon.monitor.assessment import Finding
 
 MAX_CULPRITS = 5  # per signal
 

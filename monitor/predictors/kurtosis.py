@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from monitor.assessment import Finding
-from monitor.predictors.base import INFO_RATIO_CAP, SignalOutput, score_of, top_culprits
-from monitor.predictors.frames import SlotTable, StepFrame
-from monitor.predictors.params import PredictorParams
-from monitor.predictors.series import LevelTracker
+from fp8mon.monitor.assessment import Finding
+from fp8mon.monitor.predictors.base import INFO_RATIO_CAP, SignalOutput, score_of, top_culprits
+from fp8mon.monitor.predictors.frames import SlotTable, StepFrame
+from fp8mon.monitor.predictors.params import PredictorParams
+from fp8mon.monitor.predictors.series import LevelTracker
 
 RULE = "kurtosis_growth"
 # Gradient kurtosis is heavy-tailed and jumps from batch to batch (small runs: 50-400, minimum by luck), so

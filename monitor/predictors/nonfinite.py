@@ -8,9 +8,9 @@ import math
 
 import numpy as np
 
-from monitor.assessment import Finding
-from monitor.predictors.base import SignalOutput
-from monitor.predictors.frames import BAD, SlotTable, StepFrame
+from fp8mon.monitor.assessment import Finding
+from fp8mon.monitor.predictors.base import SignalOutput
+from fp8mon.monitor.predictors.frames import BAD, SlotTable, StepFrame
 
 RULE = "nonfinite"
 WATCHED_SCALARS = ("loss", "grad_norm")

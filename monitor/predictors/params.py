@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from monitor.predictors.divergence import MARGIN, M
+from fp8mon.monitor.predictors.divergence import MARGIN, M
 
 
 @dataclass(frozen=True)

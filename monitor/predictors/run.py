@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from monitor.assessment import Assessment
-from monitor.predictors.base import SignalOutput
-from monitor.predictors.frames import SlotTable, StepFrame, split_steps
-from monitor.predictors.kurtosis import KurtosisGrowth
-from monitor.predictors.nonfinite import NonFinite
-from monitor.predictors.params import PredictorParams
-from monitor.predictors.saturation import AmaxSaturation, UnderflowRise
-from monitor.predictors.scalars import Growth, LossDivergence, Spike
-from monitor.schemas import IngestBatch
+from fp8mon.monitor.assessment import Assessment
+from fp8mon.monitor.predictors.base import SignalOutput
+from fp8mon.monitor.predictors.frames import SlotTable, StepFrame, split_steps
+from fp8mon.monitor.predictors.kurtosis import KurtosisGrowth
+from fp8mon.monitor.predictors.nonfinite import NonFinite
+from fp8mon.monitor.predictors.params import PredictorParams
+from fp8mon.monitor.predictors.saturation import AmaxSaturation, UnderflowRise
+from fp8mon.monitor.predictors.scalars import Growth, LossDivergence, Spike
+from fp8mon.monitor.schemas import IngestBatch
 
 
 class RunPredictor:

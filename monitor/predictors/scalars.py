@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import math
 
-from monitor.assessment import Finding
-from monitor.predictors.base import INFO_RATIO_CAP, SignalOutput, scalar_score
-from monitor.predictors.divergence import DivergenceDetector
-from monitor.predictors.params import PredictorParams
-from monitor.predictors.series import RobustZ, ScalarLevel
+from fp8mon.monitor.assessment import Finding
+from fp8mon.monitor.predictors.base import INFO_RATIO_CAP, SignalOutput, scalar_score
+from fp8mon.monitor.predictors.divergence import DivergenceDetector
+from fp8mon.monitor.predictors.params import PredictorParams
+from fp8mon.monitor.predictors.series import RobustZ, ScalarLevel
 
 
 class Spike:

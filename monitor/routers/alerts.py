@@ -4,10 +4,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
 
-from monitor.alerting import queries
-from monitor.deps import StoreDep, require_read, require_write
-from monitor.routers.common import ERRORS, RunPath, SafeJSONResponse, http_errors
-from monitor.schemas import AlertAcked, AlertList, AlertState, Severity
+from fp8mon.monitor.alerting import queries
+from fp8mon.monitor.deps import StoreDep, require_read, require_write
+from fp8mon.monitor.routers.common import ERRORS, RunPath, SafeJSONResponse, http_errors
+from fp8mon.monitor.schemas import AlertAcked, AlertList, AlertState, Severity
 
 router = APIRouter(tags=["alerts"])
 

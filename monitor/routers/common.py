@@ -8,7 +8,7 @@ from fastapi import HTTPException, Path
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import SQLAlchemyError
 
-from monitor.queries import QueryError, json_safe
+from fp8mon.monitor.queries import QueryError, json_safe
 
 # Run names may contain '/', so the path parameter takes the rest of the path; routes with a suffix
 # (/runs/{run}/series, ...) are registered before the bare /runs/{run}.

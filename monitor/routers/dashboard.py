@@ -16,7 +16,7 @@ from fastapi.responses import HTMLResponse, Response
 
 router = APIRouter(include_in_schema=False)
 
-STATIC = files("monitor") / "static"
+STATIC = files("fp8mon.monitor") / "static"
 OWN_ASSETS = {"dashboard.js": "text/javascript; charset=utf-8", "dashboard.css": "text/css; charset=utf-8"}
 # The page asks for plotly.min.js?v=<version>, so a plotly upgrade changes the URL and a year's cache is safe.
 PLOTLY_CACHE = "public, max-age=31536000, immutable"

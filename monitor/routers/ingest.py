@@ -6,9 +6,9 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.exc import SQLAlchemyError
 
-from monitor.codec import BodyError, inflate, parse_batch
-from monitor.deps import SettingsDep, StoreDep, require_write
-from monitor.schemas import IngestResult
+from fp8mon.monitor.codec import BodyError, inflate, parse_batch
+from fp8mon.monitor.deps import SettingsDep, StoreDep, require_write
+from fp8mon.monitor.schemas import IngestResult
 
 router = APIRouter(tags=["ingest"], dependencies=[require_write])
 

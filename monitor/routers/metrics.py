@@ -4,7 +4,7 @@ data): give Prometheus a read token (`authorization: {credentials: ...}` in its 
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from monitor.deps import require_read
+from fp8mon.monitor.deps import require_read
 
 router = APIRouter(tags=["metrics"], dependencies=[require_read])
 

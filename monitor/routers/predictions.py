@@ -4,10 +4,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from monitor.alerting import queries
-from monitor.deps import StoreDep, require_read
-from monitor.routers.common import ERRORS, RunPath, SafeJSONResponse, http_errors
-from monitor.schemas import PredictionList, PredictionOut, Step
+from fp8mon.monitor.alerting import queries
+from fp8mon.monitor.deps import StoreDep, require_read
+from fp8mon.monitor.routers.common import ERRORS, RunPath, SafeJSONResponse, http_errors
+from fp8mon.monitor.schemas import PredictionList, PredictionOut, Step
 
 router = APIRouter(tags=["predictions"], dependencies=[require_read])
 

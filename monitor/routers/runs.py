@@ -5,10 +5,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
-from monitor import queries
-from monitor.deps import StoreDep, require_read, require_write
-from monitor.routers.common import ERRORS, RunPath, SafeJSONResponse, http_errors
-from monitor.schemas import Catalogue, LatestOut, RunDeleted, RunDetail, RunList, RunPatch, RunStatus
+from fp8mon.monitor import queries
+from fp8mon.monitor.deps import StoreDep, require_read, require_write
+from fp8mon.monitor.routers.common import ERRORS, RunPath, SafeJSONResponse, http_errors
+from fp8mon.monitor.schemas import Catalogue, LatestOut, RunDeleted, RunDetail, RunList, RunPatch, RunStatus
 
 router = APIRouter(tags=["runs"])
 

@@ -4,11 +4,11 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
 
-from agent.wire import SITES, TENSOR_STATS
-from monitor import queries
-from monitor.deps import StoreDep, require_read
-from monitor.routers.common import ERRORS, RunPath, SafeJSONResponse, http_errors
-from monitor.schemas import HeatmapOut, SeriesOut
+from fp8mon.agent.wire import SITES, TENSOR_STATS
+from fp8mon.monitor import queries
+from fp8mon.monitor.deps import StoreDep, require_read
+from fp8mon.monitor.routers.common import ERRORS, RunPath, SafeJSONResponse, http_errors
+from fp8mon.monitor.schemas import HeatmapOut, SeriesOut
 
 router = APIRouter(tags=["series"], dependencies=[require_read])
 

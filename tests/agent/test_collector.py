@@ -6,9 +6,9 @@ import math
 
 import torch
 
-from agent import device_stats as ds
-from agent.collector import tensors_block
-from agent.wire import TENSOR_STATS
+from fp8mon.agent import device_stats as ds
+from fp8mon.agent.collector import tensors_block
+from fp8mon.agent.wire import TENSOR_STATS
 
 
 def _rows():

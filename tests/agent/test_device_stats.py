@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from agent import device_stats as ds
-from agent.formats import E4M3, E5M2, delayed_scale
-from agent.stats import Moments, merge_moments, tensor_stats
-from agent.wire import LOG2_HIST_BINS, TENSOR_STATS
+from fp8mon.agent import device_stats as ds
+from fp8mon.agent.formats import E4M3, E5M2, delayed_scale
+from fp8mon.agent.stats import Moments, merge_moments, tensor_stats
+from fp8mon.agent.wire import LOG2_HIST_BINS, TENSOR_STATS
 
 NAN = float("nan")
 RTOL = 1e-9

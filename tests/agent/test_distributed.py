@@ -11,11 +11,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from agent import Agent
-from agent import distributed
-from agent.stats import Moments, merge_moments
-from agent.wire import SITES, TENSOR_STATS
-from monitor.localserver import free_port
+from fp8mon.agent import Agent
+from fp8mon.agent import distributed
+from fp8mon.agent.stats import Moments, merge_moments
+from fp8mon.agent.wire import SITES, TENSOR_STATS
+from fp8mon.monitor.localserver import free_port
 
 WORLD = 2
 STEPS = 4

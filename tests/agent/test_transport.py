@@ -6,8 +6,8 @@ import time
 import pytest
 from sqlalchemy import text
 
-from agent.transport import Transport, merge_blocks
-from monitor.store import Store
+from fp8mon.agent.transport import Transport, merge_blocks
+from fp8mon.monitor.store import Store
 
 LAYERS = [f"blocks.{i}.mlp.fc1" for i in range(4)]
 

@@ -59,9 +59,9 @@ def _child(names: list[str]) -> None:
     import torch
     from torch import nn
 
-    from agent import Agent
-    from agent import device_stats as ds
-    from agent import triton_stats as ts
+    from fp8mon.agent import Agent
+    from fp8mon.agent import device_stats as ds
+    from fp8mon.agent import triton_stats as ts
     from stats_check import bf16_pairs as bf16_pairs_cases
     from stats_check import row_problems
 
@@ -314,7 +314,7 @@ def test_table_row_is_packed_in_the_kernel_field_order():
 
     import numpy as np
 
-    from agent import triton_stats as ts
+    from fp8mon.agent import triton_stats as ts
 
     buf = bytearray(ts._ROW.size)
     ts._ROW.pack_into(buf, 0, 101, 102, 1, 104, 105, 106, 1, 2, 109, 0.5, 111, -1.25, 3.5, 113, 7.0, 2, 6.0, 117, 0, 0)
@@ -332,7 +332,7 @@ def test_table_row_is_packed_in_the_kernel_field_order():
 def test_per_tensor_lists_of_two():
     """Two tensors, two per-tensor values: a list of two merge flags or scales is one value per tensor; only
     ``center`` reads two numbers as one (mean, std) for all (a replaced grad_weight row was once merged)."""
-    from agent.triton_stats import _each
+    from fp8mon.agent.triton_stats import _each
 
     assert _each([True, False], 2) == [True, False]
     assert _each([2.0, 3.0], 2) == [2.0, 3.0]
@@ -345,7 +345,7 @@ def test_rows_into_one_row_go_to_launches_in_their_order(monkeypatch):
     """A launch's programs run in any order on a GPU: the tensors of one launch whose rows are the same row (a
     deferred micro-batch's tensor and the next one's, merged into it) go to successive launches, in their order, each
     launch writing a row at most once."""
-    from agent import triton_stats as ts
+    from fp8mon.agent import triton_stats as ts
 
     launched = []
     monkeypatch.setattr(ts, "_launch_once", lambda tensors, fmts, scales, centers, k, ahms, hist, out, index, merges,

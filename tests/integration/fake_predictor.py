@@ -8,7 +8,7 @@ that must hold 5 steps; a non-finite loss is an immediate critical `nonfinite` f
 
 import math
 
-from monitor.assessment import Assessment, Finding
+from fp8mon.monitor.assessment import Assessment, Finding
 
 WARN, CRIT, FOR_STEPS = 20.0, 50.0, 5
 

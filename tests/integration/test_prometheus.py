@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from monitor.localserver import free_port
+from fp8mon.monitor.localserver import free_port
 from tests.integration.streams import fake_predictor_env, kurtosis_stream
 
 PROMETHEUS = shutil.which("prometheus") or ("/usr/bin/prometheus" if Path("/usr/bin/prometheus").exists() else None)
@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.skipif(PROMETHEUS is None, reason="prometheus server n
 def streams():
     """(diverging run, its batches), (stable run, its batches), server env, source description."""
     try:
-        from monitor.fixtures import fixture_paths, load_fixture
+        from fp8mon.monitor.fixtures import fixture_paths, load_fixture
 
         diverging = stable = None
         for path in fixture_paths(profile="cpu"):

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from monitor.schemas import IngestBatch
+from fp8mon.monitor.schemas import IngestBatch
 
 
 def _value(x):

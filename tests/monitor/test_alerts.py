@@ -2,8 +2,8 @@
 
 import pytest
 
-from monitor.alerting.lifecycle import AlertTracker, fingerprint
-from monitor.assessment import RESOLVE_AFTER_STEPS, Finding
+from fp8mon.monitor.alerting.lifecycle import AlertTracker, fingerprint
+from fp8mon.monitor.assessment import RESOLVE_AFTER_STEPS, Finding
 
 
 def f(rule="kurtosis_growth", severity="warning", step=0, layer="blocks.0.mlp.fc1", site="input", for_steps=0,

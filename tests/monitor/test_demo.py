@@ -13,9 +13,9 @@ import time
 import httpx
 from sqlalchemy import text
 
-from agent.wire import SITES
-from monitor.localserver import free_port
-from monitor.store import Store
+from fp8mon.agent.wire import SITES
+from fp8mon.monitor.localserver import free_port
+from fp8mon.monitor.store import Store
 
 # A smaller model than the demo's default, so the test trains in seconds on two cores.
 SMALL = ["--", "--n-layer", "2", "--d-model", "64", "--n-head", "2", "--d-ff", "128", "--seq-len", "32",
@@ -25,7 +25,7 @@ SMALL = ["--", "--n-layer", "2", "--d-model", "64", "--n-head", "2", "--d-ff", "
 
 def demo(database_url: str, cwd, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "monitor.cli", "demo", "--database-url", database_url, *args],
+        [sys.executable, "-m", "fp8mon", "demo", "--database-url", database_url, *args],
         capture_output=True, text=True, timeout=timeout, cwd=cwd, stdin=subprocess.DEVNULL)
 
 
@@ -72,7 +72,7 @@ def test_demo_trains_in_fp8_and_streams_the_statistics_through_the_api(database_
 def test_demo_serves_until_interrupted_and_its_links_work(tmp_path):
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "monitor.cli", "demo", "--database-url", f"sqlite:///{tmp_path / 'd.db'}",
+        [sys.executable, "-m", "fp8mon", "demo", "--database-url", f"sqlite:///{tmp_path / 'd.db'}",
          "--port", str(port), "--steps", "2", "--device", "cpu", "--run", "team/demo-1", *SMALL],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, stdin=subprocess.DEVNULL)
     lines = []

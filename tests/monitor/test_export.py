@@ -1,12 +1,12 @@
-"""monitor.export: a stored run, exported as wire batches and ingested into an empty store, reads back
+"""fp8mon.monitor.export: a stored run, exported as wire batches and ingested into an empty store, reads back
 the same (statistics with NaN, nulls, histograms, several ranks, scalars, config, tags and status)."""
 
 import math
 
-from agent.wire import LOG2_HIST_BINS, TENSOR_STATS
-from monitor.export import export_run
-from monitor.queries import fetch, reading
-from monitor.schemas import IngestBatch
+from fp8mon.agent.wire import LOG2_HIST_BINS, TENSOR_STATS
+from fp8mon.monitor.export import export_run
+from fp8mon.monitor.queries import fetch, reading
+from fp8mon.monitor.schemas import IngestBatch
 
 NAN = float("nan")
 
@@ -88,7 +88,7 @@ def test_fp8mon_export_writes_the_batches(store, database_url, tmp_path, capsys)
     import gzip
     import json
 
-    from monitor.cli import main
+    from fp8mon.cli import main
 
     for batch in _batches():
         store.ingest(IngestBatch.model_validate(batch))

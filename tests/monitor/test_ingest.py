@@ -9,7 +9,7 @@ import msgpack
 import pytest
 from sqlalchemy import text
 
-from monitor.store import Store
+from fp8mon.monitor.store import Store
 
 
 def batch(batch_id="b1", run="run-a", steps=(1, 2), layers=("blocks.0.attn.qkv", "blocks.0.mlp.fc1"), **extra):
@@ -150,7 +150,7 @@ def test_tokens_gate_ingest(server_factory):
 def test_server_refuses_unmigrated_database(tmp_path):
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-m", "monitor.cli", "serve", "--database-url",
+    out = subprocess.run([sys.executable, "-m", "fp8mon", "serve", "--database-url",
                           f"sqlite:///{tmp_path / 'empty.db'}", "--port", "1"], capture_output=True, text=True)
     assert out.returncode == 2
     assert "fp8mon db upgrade" in out.stderr

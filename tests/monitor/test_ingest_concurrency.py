@@ -13,9 +13,9 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
-from agent.wire import LOG2_HIST_BINS
-from monitor.schemas import IngestBatch
-from monitor.store import Store, _Job
+from fp8mon.agent.wire import LOG2_HIST_BINS
+from fp8mon.monitor.schemas import IngestBatch
+from fp8mon.monitor.store import Store, _Job
 
 SITES = ("input", "weight", "output", "grad_output", "grad_weight")
 LAYERS = tuple(f"blocks.{i}.mlp.fc1" for i in range(8))

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from monitor.metrics import Metrics
+from fp8mon.monitor.metrics import Metrics
 from tests.integration.streams import fake_predictor_env, kurtosis_stream
 
 

@@ -10,9 +10,9 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, insert, select, text
 
-from monitor.db import create_db_engine
-from monitor.migrate import SchemaError, alembic_config, check_schema, current_revision, head_revision, upgrade
-from monitor.models import Alert, Base, Run
+from fp8mon.monitor.db import create_db_engine
+from fp8mon.monitor.migrate import SchemaError, alembic_config, check_schema, current_revision, head_revision, upgrade
+from fp8mon.monitor.models import Alert, Base, Run
 
 
 def test_migrated_schema_matches_the_models(database_url):
@@ -71,7 +71,7 @@ def test_server_refuses_a_schema_newer_than_itself(database_url):
 def test_db_upgrade_command_is_idempotent(tmp_path):
     url = f"sqlite:///{tmp_path / 'cli.db'}"
     for _ in range(2):
-        out = subprocess.run([sys.executable, "-m", "monitor.cli", "db", "upgrade", "--database-url", url],
+        out = subprocess.run([sys.executable, "-m", "fp8mon", "db", "upgrade", "--database-url", url],
                              capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
         assert f"at revision {head_revision()}" in out.stdout

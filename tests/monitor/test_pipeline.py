@@ -7,13 +7,13 @@ import time
 import pytest
 from sqlalchemy import select
 
-from monitor import queries
-from monitor.alerting import queries as alert_queries
-from monitor.assessment import RESOLVE_AFTER_STEPS, Assessment, Finding
-from monitor.metrics import Metrics
-from monitor.models import Alert, Prediction
-from monitor.pipeline import Pipeline, batch_gauges
-from monitor.schemas import IngestBatch
+from fp8mon.monitor import queries
+from fp8mon.monitor.alerting import queries as alert_queries
+from fp8mon.monitor.assessment import RESOLVE_AFTER_STEPS, Assessment, Finding
+from fp8mon.monitor.metrics import Metrics
+from fp8mon.monitor.models import Alert, Prediction
+from fp8mon.monitor.pipeline import Pipeline, batch_gauges
+from fp8mon.monitor.schemas import IngestBatch
 
 
 class Scripted:
@@ -257,16 +257,16 @@ def test_batch_gauges_take_the_worst_layer_at_the_last_step():
 
 
 def test_predictor_setting_resolution():
-    from monitor.pipeline import load_factory
-    from monitor.settings import DEFAULT_PREDICTOR
+    from fp8mon.monitor.pipeline import load_factory
+    from fp8mon.monitor.settings import DEFAULT_PREDICTOR
     from tests.integration.fake_predictor import ThresholdPredictor
 
     assert load_factory("") is None
     assert load_factory("tests.integration.fake_predictor:ThresholdPredictor") is ThresholdPredictor
     with pytest.raises(ModuleNotFoundError):
-        load_factory("monitor.no_such_module:Predictor")
+        load_factory("fp8mon.monitor.no_such_module:Predictor")
     try:
-        from monitor.predictors import RunPredictor
+        from fp8mon.monitor.predictors import RunPredictor
     except ImportError:  # the default predictors are optional: without them, no predictions (and no error)
         assert load_factory(DEFAULT_PREDICTOR) is None
     else:

@@ -5,8 +5,8 @@ import dataclasses
 import math
 
 from bench.predict import Outcome, baseline, lead, standing_lead
-from monitor.assessment import RESOLVE_AFTER_STEPS
-from monitor.fixtures import Fixture
+from fp8mon.monitor.assessment import RESOLVE_AFTER_STEPS
+from fp8mon.monitor.fixtures import Fixture
 
 
 def diverging_at(step: int) -> Fixture:

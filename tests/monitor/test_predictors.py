@@ -7,11 +7,11 @@ import math
 import numpy as np
 import pytest
 
-from monitor.alerting.lifecycle import ESCALATED, FIRED, AlertTracker
-from monitor.fixtures import EARLY_BEFORE, fixture_paths, load_fixture
-from monitor.predictors import PredictorParams, RunPredictor, divergence_step
-from monitor.predictors.divergence import MARGIN, M
-from monitor.schemas import IngestBatch
+from fp8mon.monitor.alerting.lifecycle import ESCALATED, FIRED, AlertTracker
+from fp8mon.monitor.fixtures import EARLY_BEFORE, fixture_paths, load_fixture
+from fp8mon.monitor.predictors import PredictorParams, RunPredictor, divergence_step
+from fp8mon.monitor.predictors.divergence import MARGIN, M
+from fp8mon.monitor.schemas import IngestBatch
 
 LAYERS = [f"blocks.{i}.{m}" for i in range(4) for m in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")]
 SITES = ("input", "weight", "output", "grad_output", "grad_weight")
@@ -137,7 +137,7 @@ def test_a_fast_kurtosis_rise_below_the_10x_warning_warns_but_the_same_rise_spre
 
 
 def test_kurtosis_is_smoothed_over_training_steps_whatever_the_reporting_interval():
-    from monitor.predictors.series import LevelTracker
+    from fp8mon.monitor.predictors.series import LevelTracker
 
     levels = {}
     for every in (1, 2, 5):
@@ -309,7 +309,7 @@ def test_attention_max_logit_growth_is_a_finding():
 
 
 def test_a_trailing_baseline_forgets_slow_drift_but_keeps_a_fast_rise():
-    from monitor.predictors.series import LevelTracker
+    from fp8mon.monitor.predictors.series import LevelTracker
 
     drift, since_warmup = LevelTracker(1.0, 4, 0, baseline_steps=400), LevelTracker(1.0, 4, 0)
     for step in range(1200):  # +3 over 1200 steps: 0.1 per 40 steps

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from sqlalchemy import text
 
-from monitor import queries, rollup
-from monitor.models import ROLLUP_WIDTHS
-from monitor.queries import BadParameter, NotFound, decompose, plan_buckets
+from fp8mon.monitor import queries, rollup
+from fp8mon.monitor.models import ROLLUP_WIDTHS
+from fp8mon.monitor.queries import BadParameter, NotFound, decompose, plan_buckets
 
 LAYERS = ["blocks.2.mlp", "blocks.0.attn", "blocks.1.attn"]  # model order is not alphabetical
 

@@ -9,7 +9,7 @@ import msgpack
 import pytest
 from sqlalchemy import text
 
-from monitor.store import Store
+from fp8mon.monitor.store import Store
 
 API = "/api/v1"
 
@@ -154,7 +154,7 @@ def test_patch_and_delete_over_http(live_server):
 
     store = Store(live_server.database_url)
     try:
-        from monitor import rollup
+        from fp8mon.monitor import rollup
         rollup.compact(store, lag=0)
 
         def count(table):

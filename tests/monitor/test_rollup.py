@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from sqlalchemy import text
 
-from monitor import rollup
-from monitor.models import ROLLUP_WIDTHS
-from monitor.store import Store
+from fp8mon.monitor import rollup
+from fp8mon.monitor.models import ROLLUP_WIDTHS
+from fp8mon.monitor.store import Store
 
 LAYERS = ["blocks.1.mlp", "blocks.0.attn"]
 

@@ -29,10 +29,10 @@ def _child(names: list[str]) -> None:
     from interpreter_child import emit, run_each
     import torch
 
-    from agent import device_stats as ds
-    from agent import triton_stats as ts
+    from fp8mon.agent import device_stats as ds
+    from fp8mon.agent import triton_stats as ts
     from stats_check import row_problems
-    from trainer.kernels.swiglu import swiglu, swiglu_ref
+    from fp8mon.trainer.kernels.swiglu import swiglu, swiglu_ref
 
     torch.set_num_threads(1)
 
@@ -128,7 +128,7 @@ def _child(names: list[str]) -> None:
                     problems.append("dy differs with statistics on")
                 emit(f"backward_stats:{tuple(y0.shape)}:{y0.dtype}:{fmt}", "; ".join(p for p in problems if p))
 
-    from trainer.kernels.words import words_path
+    from fp8mon.trainer.kernels.words import words_path
 
     def with_words(module, kernel: str, fn, switch: str = "WORDS"):
         """``fn()`` with ``module.<switch>`` on, and how many times ``module.<kernel>`` (its words kernel) launched."""
@@ -154,7 +154,7 @@ def _child(names: list[str]) -> None:
         in the kernel from h's words (``WORDS_H``), which defers nothing."""
         import importlib
 
-        sw = importlib.import_module("trainer.kernels.swiglu")
+        sw = importlib.import_module("fp8mon.trainer.kernels.swiglu")
         g = torch.Generator().manual_seed(12)
         deferred, real_defer = [], ts.defer
         for shape, nan in (((64, 2 * 256), False), ((3, 70, 2 * 150), False), ((50, 2 * 90), True)):
@@ -202,7 +202,7 @@ def _child(names: list[str]) -> None:
         path), partial ones (fp32) and with a NaN in y (the careful path)."""
         import importlib
 
-        sw = importlib.import_module("trainer.kernels.swiglu")
+        sw = importlib.import_module("fp8mon.trainer.kernels.swiglu")
         g = torch.Generator().manual_seed(14)
         for shape, nan in (((64, 2 * 256), False), ((3, 70, 2 * 150), False), ((50, 2 * 90), True)):
             y = (torch.randn(*shape, generator=g) * 3 + 1.0).to(torch.bfloat16)
@@ -224,8 +224,8 @@ def _child(names: list[str]) -> None:
         those without it (its input, weight and output are the same tensors either way; fc2's see h, which may
         differ in the last place)."""
         from stats_check import agent_rows
-        from trainer import fp8_linear, layers
-        from trainer.fp8_linear import Fp8Linear
+        from fp8mon.trainer import fp8_linear, layers
+        from fp8mon.trainer.fp8_linear import Fp8Linear
 
         got = {}
         for fused in (False, True):
@@ -269,7 +269,7 @@ def _child(names: list[str]) -> None:
         import importlib
 
         from stats_check import agent_rows
-        from trainer import layers, model
+        from fp8mon.trainer import layers, model
 
         module, _, flag = flag.rpartition(".")
         module = importlib.import_module(module) if module else layers
@@ -322,7 +322,7 @@ def _child(names: list[str]) -> None:
         """The same with plain linears (no FP8): the hooks read neither fc1's output and grad_output nor fc2's input,
         the fused kernels' rows of them are the hooks' rows without them (fc2's input h and fc1's grad_output dy to the
         last place), and on a device without the kernels the block reports them itself."""
-        from trainer import layers
+        from fp8mon.trainer import layers
 
         got = rows_by_mode("FUSED_SWIGLU", lambda: layers.SwiGLU(32, 48, lambda i, o: torch.nn.Linear(i, o, bias=False)),
                            7)
@@ -334,7 +334,7 @@ def _child(names: list[str]) -> None:
         """The fused add equals torch's x + b, values (one rounding) and gradients (b's cast by the kernel that takes
         its row), for an fp32 residual stream plus a bf16 branch and for two bf16 tensors; its rows of b and of b's
         gradient equal the fp64 oracle's, merged by a later launch and (the NaN case) by the kernels' last program."""
-        from trainer.kernels.residual import residual_add, residual_add_ref
+        from fp8mon.trainer.kernels.residual import residual_add, residual_add_ref
 
         g = torch.Generator().manual_seed(9)
         for xd, bd, nan in ((torch.float32, torch.bfloat16, False), (torch.bfloat16, torch.bfloat16, False),
@@ -374,8 +374,8 @@ def _child(names: list[str]) -> None:
         contract into FMAs), with a partial tile of positions and heads of 16 and 32; its rows of qkv and of qkv's
         gradient equal the fp64 oracle's, also with a NaN (the careful path), the first merged into by two more calls
         before the rows are merged (the first merge goes first)."""
-        from trainer.kernels.rope import rope_qkv, rope_qkv_ref
-        from trainer.layers import Rotary
+        from fp8mon.trainer.kernels.rope import rope_qkv, rope_qkv_ref
+        from fp8mon.trainer.layers import Rotary
 
         g = torch.Generator().manual_seed(11)
         for (b, t, nh, hd), dt, nan in (((2, 50, 2, 32), torch.bfloat16, False), ((1, 33, 3, 16), torch.float32, False),
@@ -422,7 +422,7 @@ def _child(names: list[str]) -> None:
 
     def attention_rows(flag: str, seed: int, wanted: list) -> list[str]:
         """``same_rows_by_mode`` of an attention block of plain linears under ``flag`` (``rows_by_mode``)."""
-        from trainer import layers
+        from fp8mon.trainer import layers
 
         rot = layers.Rotary(16, 16)
 
@@ -440,8 +440,8 @@ def _child(names: list[str]) -> None:
         """The heads merged for the projection equal torch's copy (and its gradient, torch's), from the layout the
         attention returns and from a contiguous one, with a partial tile of positions; the row of the result equals
         the fp64 oracle's, also with a NaN (the careful path), merged into twice before the rows are merged."""
-        from trainer.kernels import heads as hk
-        from trainer.kernels.heads import merge_heads, merge_heads_ref
+        from fp8mon.trainer.kernels import heads as hk
+        from fp8mon.trainer.kernels.heads import merge_heads, merge_heads_ref
 
         old_tile, hk.STATS_TILE = hk.STATS_TILE, 256  # tiles of a few positions with the row: several a program
         try:
@@ -496,14 +496,14 @@ def _child(names: list[str]) -> None:
         """A one-block llama of plain linears (no FP8) watched by an agent: with the fused residual adds the hooks
         read neither proj's nor fc2's output and grad_output, and the kernels' rows of them equal the hooks' rows
         without them; on a device without the kernels the block reports them itself."""
-        from trainer import layers, model
-        from trainer.config import get_config
+        from fp8mon.trainer import layers, model
+        from fp8mon.trainer.config import get_config
 
         cfg = get_config("tiny", n_layer=1, d_model=32, n_head=2, d_ff=48, seq_len=8, vocab_size=64)
         old = layers.FUSED_SWIGLU, layers.FUSED_ROPE, layers.FUSED_NORM
         layers.FUSED_SWIGLU = layers.FUSED_ROPE = layers.FUSED_NORM = False  # torch's ops in every mode: the adds alone
         try:
-            got = rows_by_mode("trainer.model.FUSED_RESIDUAL", lambda: model.Transformer(cfg, "llama", "fp32"), 6,
+            got = rows_by_mode("fp8mon.trainer.model.FUSED_RESIDUAL", lambda: model.Transformer(cfg, "llama", "fp32"), 6,
                                inputs=lambda i: torch.randint(0, 64, (2, 8)))
         finally:
             layers.FUSED_SWIGLU, layers.FUSED_ROPE, layers.FUSED_NORM = old
@@ -515,7 +515,7 @@ def _child(names: list[str]) -> None:
         in the last place: the sum of squares goes in another order), for fp32 and bf16 rows, widths that are and are
         not a power of two, a partial last tile and a frozen weight; the row of y equals the fp64 oracle's of y as
         returned, merged later, with a NaN by the careful path, and merged into by a second call."""
-        from trainer.kernels.rmsnorm import rms_norm, rms_norm_ref
+        from fp8mon.trainer.kernels.rmsnorm import rms_norm, rms_norm_ref
 
         g = torch.Generator().manual_seed(13)
         # widths 48, 40 and 96 are cut into 3, 5 and 3 chunks (``rmsnorm.CHUNKS``), over full tiles and a partial last
@@ -561,8 +561,8 @@ def _child(names: list[str]) -> None:
         """A one-block llama of plain linears watched by an agent: with the fused pre-norms the hooks read neither
         qkv's nor fc1's input, and the norm kernels' rows of them equal the hooks' rows without them; on a device
         without the kernels the block reports them itself."""
-        from trainer import layers, model
-        from trainer.config import get_config
+        from fp8mon.trainer import layers, model
+        from fp8mon.trainer.config import get_config
 
         cfg = get_config("tiny", n_layer=1, d_model=32, n_head=2, d_ff=48, seq_len=8, vocab_size=64)
         got = rows_by_mode("FUSED_NORM", lambda: model.Transformer(cfg, "llama", "fp32"), 8,
@@ -576,8 +576,8 @@ def _child(names: list[str]) -> None:
         weight takes the weight's row (the hooks read no weight), equal to the hooks' rows of the fp32 weights without
         it; on a device without the kernels the linears report them apart. (FOG's linears come from the same
         factory.)"""
-        from trainer import layers, model
-        from trainer.config import get_config
+        from fp8mon.trainer import layers, model
+        from fp8mon.trainer.config import get_config
 
         cfg = get_config("tiny", n_layer=1, d_model=32, n_head=2, d_ff=48, seq_len=8, vocab_size=64)
 
@@ -590,7 +590,7 @@ def _child(names: list[str]) -> None:
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     return self.net(idx)
 
-        from trainer.kernels import weight_casts as casts_module
+        from fp8mon.trainer.kernels import weight_casts as casts_module
 
         old = layers.FUSED_SWIGLU, layers.FUSED_ROPE, layers.FUSED_NORM, model.FUSED_RESIDUAL
         # torch's ops around the linears in every mode: the interpreter runs the weights' casts alone
@@ -641,7 +641,7 @@ def _child(names: list[str]) -> None:
     def weight_cast_values() -> list[str]:
         """``weight_cast`` equals ``w.to(bf16)`` (its gradient ``g.float()``), with w's own row (the fp64 oracle's of
         the fp32 values, not the cast's), also across a partial last block."""
-        from trainer.kernels.residual import weight_cast
+        from fp8mon.trainer.kernels.residual import weight_cast
 
         problems, g = [], torch.Generator().manual_seed(21)
         for shape in ((48, 32), (3000,)):
@@ -666,9 +666,9 @@ def _child(names: list[str]) -> None:
         cast back together (one launch at the end of the backward pass), and each as it comes with the batch left to
         the weights of at most 2000 elements (proj's and fc2's: qkv and fc1 cast their own). ``batches``: (dtype,
         tensors) of each ``casts_with_rows`` launch, as they come."""
-        from agent import Agent
+        from fp8mon.agent import Agent
         from stats_check import NullTransport
-        from trainer import layers, weight_rows
+        from fp8mon.trainer import layers, weight_rows
 
         problems, got = [], {}
         idx = [torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(i)) for i in range(2)]
@@ -723,9 +723,9 @@ def _child(names: list[str]) -> None:
         linears take without them (those outputs are the same tensors either way: the first step's only, as later
         inputs pass through h, which may differ in the last place)."""
         from stats_check import agent_rows
-        from trainer import fp8_linear, layers, model
-        from trainer.config import get_config
-        from trainer.fp8_linear import Fp8Linear
+        from fp8mon.trainer import fp8_linear, layers, model
+        from fp8mon.trainer.config import get_config
+        from fp8mon.trainer.fp8_linear import Fp8Linear
 
         cfg = get_config("tiny", n_layer=1, d_model=32, n_head=2, d_ff=48, seq_len=8, vocab_size=64)
         got = {}
@@ -778,7 +778,7 @@ def _child(names: list[str]) -> None:
         nonlocal emit
         plain_emit = emit
         emit = lambda name, problem: plain_emit(f"row_shapes:{name}", problem)  # noqa: E731
-        settings = ", ".join(f"trainer.kernels.{m}.{a}={v}" for m, a, v in (
+        settings = ", ".join(f"fp8mon.trainer.kernels.{m}.{a}={v}" for m, a, v in (
             ("residual", "STATS_BLOCK", 2048), ("residual", "STATS_WARPS", 8), ("residual", "STATS_PROGRAMS_PER_SM", 2),
             ("rope", "STATS_BT", 16), ("rope", "STATS_PROGRAMS_PER_SM", 4), ("rmsnorm", "STATS_TILE", 4096),
             ("rmsnorm", "STATS_WARPS", 8), ("rmsnorm", "STATS_PROGRAMS_PER_SM", 2)))
@@ -827,8 +827,8 @@ def test_rms_norm_refuses_what_its_kernels_cannot_take_and_the_module_falls_back
     gives torch's result for such an x instead of calling it."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")
-    from trainer.kernels.rmsnorm import rms_norm
-    from trainer.layers import RMSNorm, rms_norm_torch
+    from fp8mon.trainer.kernels.rmsnorm import rms_norm
+    from fp8mon.trainer.layers import RMSNorm, rms_norm_torch
 
     for x, w in ((torch.randn(6, 4).t(), torch.ones(6)), (torch.randn(4, 6), torch.ones(5)),
                  (torch.zeros(0, 6), torch.ones(6))):
@@ -845,8 +845,8 @@ def test_casts_with_rows_names_the_tensors_it_cannot_take_and_launches_nothing()
     such weights to their own casts)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")
-    from agent import triton_stats as ts
-    from trainer.kernels.weight_casts import castable, casts_with_rows, weight_casts
+    from fp8mon.agent import triton_stats as ts
+    from fp8mon.trainer.kernels.weight_casts import castable, casts_with_rows, weight_casts
 
     target = ts.Target.new("cpu", fmt="e4m3")
     flat = torch.randn(1001)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.data import CORPUS, TokenData, decode, encode, load_tokens
+from fp8mon.trainer.data import CORPUS, TokenData, decode, encode, load_tokens
 
 
 def test_built_in_corpus_is_small_utf8_text_and_the_default():

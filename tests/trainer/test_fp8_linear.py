@@ -16,10 +16,10 @@ import pytest
 import torch
 from torch import nn
 
-from agent.formats import E4M3, E5M2, current_scale, delayed_scale
-from agent.hooks import is_linear
-from trainer.fp8_linear import Fp8Linear, Fp8Recipe, cache_fp8_weights
-from trainer.kernels import fp8_gemm_ref
+from fp8mon.agent.formats import E4M3, E5M2, current_scale, delayed_scale
+from fp8mon.agent.hooks import is_linear
+from fp8mon.trainer.fp8_linear import Fp8Linear, Fp8Recipe, cache_fp8_weights
+from fp8mon.trainer.kernels import fp8_gemm_ref
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -206,7 +206,7 @@ def test_a_frozen_delayed_scale_stops_following_the_history_after_n_steps():
 
 
 def test_recipes_the_triton_kernels_cannot_run_are_refused_there_and_validated():
-    from trainer.fp8_linear import _resolve_backend
+    from fp8mon.trainer.fp8_linear import _resolve_backend
 
     with pytest.raises(ValueError, match="delayed scaling only"):
         Fp8Recipe(freeze_scale_after=10)

@@ -27,11 +27,11 @@ def _child(names: list[str]) -> None:
     from interpreter_child import emit, run_each
     import torch
 
-    from agent import device_stats as ds
-    from agent import triton_stats as ts
+    from fp8mon.agent import device_stats as ds
+    from fp8mon.agent import triton_stats as ts
     from stats_check import row_problems
-    from trainer.kernels import quantize, quantize_transpose
-    from trainer.kernels.quantize import stats_ref
+    from fp8mon.trainer.kernels import quantize, quantize_transpose
+    from fp8mon.trainer.kernels.quantize import stats_ref
 
     qt_module = sys.modules[quantize_transpose.__module__]
 
@@ -139,7 +139,7 @@ def _child(names: list[str]) -> None:
             emit(f"fused_merge:{kernel}", problem)
 
     def agent_hooks(model):
-        from agent import Agent
+        from fp8mon.agent import Agent
         from stats_check import NullTransport
 
         agent = Agent(transport=NullTransport(), every=1).watch(model)
@@ -152,8 +152,8 @@ def _child(names: list[str]) -> None:
         # agent's rows must be the hooks' rows either way
         sys.path.insert(0, str(ROOT / "bench"))
         from stats_check import agent_rows
-        from trainer import fp8_linear
-        from trainer.fp8_linear import Fp8Linear
+        from fp8mon.trainer import fp8_linear
+        from fp8mon.trainer.fp8_linear import Fp8Linear
 
         name = "fp8_linear_agent" + ("" if output_stats == "epilogue" else f"_{output_stats}")
 
@@ -167,7 +167,7 @@ def _child(names: list[str]) -> None:
         # merge into one row per slot
         xs = [torch.randn(2, 16, 32) * (1 + i) for i in range(4)]
         make = lambda step, micro: xs[2 * step + micro]  # noqa: E731
-        import trainer.kernels as kernels
+        import fp8mon.trainer.kernels as kernels
 
         real, fused_calls = kernels.fp8_gemm, []
         real_defer, deferred, real_launch, launches = ts.defer, [], ts._launch, []
@@ -227,10 +227,10 @@ def _child(names: list[str]) -> None:
         # A GEMM with fused statistics that fails (a variant that cannot compile or launch on some GPU) must not
         # stop training: Fp8Linear computes the output row apart, and the agent gets the same rows.
         sys.path.insert(0, str(ROOT / "bench"))
-        import trainer.kernels as kernels
+        import fp8mon.trainer.kernels as kernels
         from stats_check import agent_rows
-        from trainer import fp8_linear
-        from trainer.fp8_linear import Fp8Linear
+        from fp8mon.trainer import fp8_linear
+        from fp8mon.trainer.fp8_linear import Fp8Linear
 
         real = kernels.fp8_gemm
 
@@ -270,7 +270,7 @@ def _child(names: list[str]) -> None:
         # a weight whose row the step's batch took still casts once, adding its underflow count to that row
         sys.path.insert(0, str(ROOT / "bench"))
         from stats_check import agent_rows
-        from trainer.fp8_linear import Fp8Linear, cache_fp8_weights
+        from fp8mon.trainer.fp8_linear import Fp8Linear, cache_fp8_weights
 
         torch.manual_seed(5)
         model = torch.nn.Sequential(Fp8Linear(32, 64), torch.nn.GELU(), Fp8Linear(64, 32))
@@ -299,7 +299,7 @@ def _child(names: list[str]) -> None:
         # waiting for their merge must land before the buffer moves
         sys.path.insert(0, str(ROOT / "bench"))
         from stats_check import agent_rows
-        from trainer.fp8_linear import Fp8Linear
+        from fp8mon.trainer.fp8_linear import Fp8Linear
 
         got = {}
         for merge in ("later", "last"):
@@ -329,9 +329,9 @@ def _child(names: list[str]) -> None:
         """Gradient clipping with the watched gradients' norms from the agent's grad_weight rows (trainer.clip)
         equals torch's clip_grad_norm_ (norm and clipped gradients), takes those rows only on reporting steps and for
         gradients unchanged since, and gives NaN for a NaN gradient."""
-        from agent import Agent
+        from fp8mon.agent import Agent
         from stats_check import NullTransport
-        from trainer.clip import clip_grad_norm
+        from fp8mon.trainer.clip import clip_grad_norm
 
         torch.manual_seed(5)
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))

@@ -27,10 +27,10 @@ def _child() -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     import torch
 
-    from agent import device_stats as ds
-    from agent import triton_stats as ts
+    from fp8mon.agent import device_stats as ds
+    from fp8mon.agent import triton_stats as ts
     from stats_check import row_problems
-    from trainer.kernels import fp8_gemm, fp8_gemm_ref
+    from fp8mon.trainer.kernels import fp8_gemm, fp8_gemm_ref
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
@@ -100,7 +100,7 @@ if __name__ == "__main__":
 def test_statistics_variant_is_tuned_among_the_plain_best_and_one_spare_of_small_tiles(monkeypatch):
     import importlib
 
-    fg = importlib.import_module("trainer.kernels.fp8_gemm")  # the module (the package exports the function)
+    fg = importlib.import_module("fp8mon.trainer.kernels.fp8_gemm")  # the module (the package exports the function)
     # a fresh table: GPU tests earlier in the same process may have left their real choices in it
     monkeypatch.setattr(fg, "_PLAIN_BEST", {})
 

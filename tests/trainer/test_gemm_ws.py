@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.kernels import fp8_gemm_ws as W
+from fp8mon.trainer.kernels import fp8_gemm_ws as W
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and W.AVAILABLE

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from agent import Agent
-from agent.wire import SITES, TENSOR_STATS
+from fp8mon.agent import Agent
+from fp8mon.agent.wire import SITES, TENSOR_STATS
 from tests.agent.capture import CaptureTransport
-from trainer.train import build_parser, run
+from fp8mon.trainer.train import build_parser, run
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -93,10 +93,10 @@ def test_fp8mon_train_refuses_cuda_graphs_without_a_cuda_device():
 def _tiny_transformer_run(precision: str, graphed: bool, steps: int = 6):
     """Six AdamW steps of the trainer's tiny Llama with the agent at every step (histogram every 2nd): losses
     and records."""
-    from trainer.config import get_config
-    from trainer.fp8_linear import Fp8Recipe, cache_fp8_weights
-    from trainer.graphs import StepGraphs, tensor_lr
-    from trainer.model import Transformer, autocast
+    from fp8mon.trainer.config import get_config
+    from fp8mon.trainer.fp8_linear import Fp8Recipe, cache_fp8_weights
+    from fp8mon.trainer.graphs import StepGraphs, tensor_lr
+    from fp8mon.trainer.model import Transformer, autocast
 
     dev = torch.device("cuda")
     cfg = get_config("tiny", vocab_size=256)
@@ -155,8 +155,8 @@ def _assert_close_records(got: dict, want: dict, rtol: float):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("precision", ["fp8", "bf16"])
 def test_a_graphed_run_equals_the_eager_run_rows_and_histograms_included(precision, monkeypatch):
-    from agent import triton_stats as ts
-    from trainer import layers
+    from fp8mon.agent import triton_stats as ts
+    from fp8mon.trainer import layers
 
     if precision == "fp8":  # torch's RoPE: qkv's output row is then the FP8 linear's own (deferred when captured)
         monkeypatch.setattr(layers, "FUSED_ROPE", False)
@@ -190,7 +190,7 @@ def test_a_graphed_run_equals_the_eager_run_rows_and_histograms_included(precisi
 def test_fp8mon_train_with_cuda_graphs_sends_what_the_eager_run_sends(monkeypatch):
     """Three kinds of step (reporting with and without the histogram, not reporting), two micro-batches, a
     schedule, the model's diagnostics: the graphed run's losses, statistics and scalars are the eager run's."""
-    from agent.core import Agent
+    from fp8mon.agent.core import Agent
 
     sinks = []
     monkeypatch.setattr(Agent, "_make_transport", lambda self, *a: sinks.append(CaptureTransport()) or sinks[-1])
@@ -214,7 +214,7 @@ def test_fp8mon_train_with_cuda_graphs_sends_what_the_eager_run_sends(monkeypatc
 
 
 def test_the_output_row_is_taken_by_the_epilogue_unless_a_graph_captures(monkeypatch):
-    from trainer import fp8_linear
+    from fp8mon.trainer import fp8_linear
 
     assert fp8_linear.OUTPUT_STATS == "auto"
     assert fp8_linear.output_stats_mode() == "epilogue"  # no capture here (the GPU test above runs "deferred")
@@ -229,7 +229,7 @@ def test_the_output_row_is_taken_by_the_epilogue_unless_a_graph_captures(monkeyp
 
 
 def test_tensor_lr_makes_one_rate_tensor_and_refuses_groups_with_different_rates():
-    from trainer.graphs import tensor_lr
+    from fp8mon.trainer.graphs import tensor_lr
 
     a, b = nn.Linear(2, 2), nn.Linear(2, 2)
     opt = torch.optim.AdamW([{"params": a.parameters()}, {"params": b.parameters(), "weight_decay": 0.0}], lr=0.5)

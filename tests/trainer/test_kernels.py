@@ -63,10 +63,10 @@ def _rel(a, b) -> float:
 def _child_checks():
     import torch
 
-    from agent.formats import E4M3, E5M2, current_scale
-    from trainer.kernels import (delayed_update, delayed_update_ref, fp8_gemm, fp8_gemm_ref, quantize, quantize_ref,
+    from fp8mon.agent.formats import E4M3, E5M2, current_scale
+    from fp8mon.trainer.kernels import (delayed_update, delayed_update_ref, fp8_gemm, fp8_gemm_ref, quantize, quantize_ref,
                                  quantize_transpose, quantize_transpose_ref)
-    from trainer.kernels.quantize import INTERPRET
+    from fp8mon.trainer.kernels.quantize import INTERPRET
 
     assert INTERPRET, "the child must run with TRITON_INTERPRET=1"
     fmts = (E4M3, E5M2)
@@ -183,7 +183,7 @@ def _child_checks():
         return "E5M2 x E5M2 (which _scaled_mm on CUDA rejects) works"
 
     def fp8_linear_triton_vs_torch():
-        from trainer.fp8_linear import Fp8Linear, Fp8Recipe
+        from fp8mon.trainer.fp8_linear import Fp8Linear, Fp8Recipe
 
         out = []
         for recipe in (Fp8Recipe(), Fp8Recipe(scaling="delayed", amax_history_len=4, margin=1)):

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from agent.hooks import select_modules
-from trainer.config import CONFIGS, ModelConfig, get_config
-from trainer.layers import XIELU, Attention, RMSNorm, Rotary, SwiGLU, XIELUMLP
-from trainer.model import Transformer
+from fp8mon.agent.hooks import select_modules
+from fp8mon.trainer.config import CONFIGS, ModelConfig, get_config
+from fp8mon.trainer.layers import XIELU, Attention, RMSNorm, Rotary, SwiGLU, XIELUMLP
+from fp8mon.trainer.model import Transformer
 
 SMALL = ModelConfig(n_layer=3, d_model=64, n_head=2, d_ff=96, seq_len=32)  # head_dim 32, FOG MLP 144
 
@@ -287,7 +287,7 @@ def test_module_names_read_well_in_the_monitor_and_the_agent_watches_the_block_g
 
 
 def test_fp8_precision_puts_every_block_gemm_in_fp8_and_keeps_head_and_embedding_high_precision():
-    fp8 = pytest.importorskip("trainer.fp8_linear")
+    fp8 = pytest.importorskip("fp8mon.trainer.fp8_linear")
     model = Transformer(SMALL, "llama", "fp8", fp8.Fp8Recipe(scaling="delayed", amax_history_len=16))
     gemms = {n for n, m in model.named_modules() if isinstance(m, fp8.Fp8Linear)}
     assert gemms == {f"blocks.{i}.{m}" for i in range(SMALL.n_layer)

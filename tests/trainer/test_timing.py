@@ -10,7 +10,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def test_calls_the_host_queues_faster_than_the_gpu_runs_them_are_timed_without_a_warning():
-    from trainer.kernels.timing import device_medians
+    from fp8mon.trainer.kernels.timing import device_medians
 
     x = torch.zeros(1 << 20, device="cuda")
     with warnings.catch_warnings():
@@ -20,7 +20,7 @@ def test_calls_the_host_queues_faster_than_the_gpu_runs_them_are_timed_without_a
 
 
 def test_calls_the_host_cannot_queue_within_the_sleep_are_flagged():
-    from trainer.kernels.timing import device_medians
+    from fp8mon.trainer.kernels.timing import device_medians
 
     x = torch.zeros(1024, device="cuda")
 

@@ -13,9 +13,9 @@ import httpx
 import pytest
 import torch
 
-from monitor.cli import main as fp8mon
-from monitor.localserver import free_port
-from trainer.train import EXIT_DIVERGED, build_parser, lr_at, main, run
+from fp8mon.cli import main as fp8mon
+from fp8mon.monitor.localserver import free_port
+from fp8mon.trainer.train import EXIT_DIVERGED, build_parser, lr_at, main, run
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = ["--config", "tiny", "--batch-size", "8", "--seq-len", "64", "--threads", "1", "--device", "cpu",
@@ -89,7 +89,7 @@ def test_fp8mon_train_command_forwards_its_arguments(capsys):
 
 DDP_SCRIPT = """
 import json, os, sys
-from trainer.train import build_parser, run
+from fp8mon.trainer.train import build_parser, run
 result = run(build_parser().parse_args(sys.argv[2:]))
 params = {n: p.detach().double().sum().item() for n, p in result.model.named_parameters()}
 with open(os.path.join(sys.argv[1], f"rank{result.rank}.json"), "w") as f:
@@ -167,7 +167,7 @@ def test_agent_streams_a_training_run_to_a_live_monitor(live_server, tmp_path):
 
 @pytest.mark.parametrize("arch", ["llama", "fog"])
 def test_fp8_loss_tracks_fp32_on_the_cpu(arch):
-    pytest.importorskip("trainer.fp8_linear")
+    pytest.importorskip("fp8mon.trainer.fp8_linear")
     common = ["--arch", arch, "--steps", 30, "--seed", 1, "--eval-batches", 4]
     ref = train(*common, "--precision", "fp32")
     fp8 = train(*common, "--precision", "fp8")  # FP8 block GEMMs (E4M3/E5M2, current scaling), bf16 elsewhere
@@ -186,7 +186,7 @@ def test_fp8_loss_tracks_fp32_on_the_cpu(arch):
 @pytest.mark.parametrize("arch", ["llama", "fog"])
 def test_fp8_on_cuda_tracks_bf16(arch):
     """The CUDA path (Triton kernels on sm89+): FP8 training follows bf16 on the tiny config."""
-    pytest.importorskip("trainer.fp8_linear")
+    pytest.importorskip("fp8mon.trainer.fp8_linear")
     common = ["--arch", arch, "--steps", 40, "--seed", 1, "--eval-batches", 4, "--device", "cuda",
               "--batch-size", 16, "--seq-len", 128]
     ref = train(*common, "--precision", "bf16")

@@ -4,9 +4,9 @@ and `--no-qk-norm`; the defaults are unchanged."""
 import pytest
 import torch
 
-from trainer.config import get_config
-from trainer.model import Transformer
-from trainer.train import build_parser, lr_at
+from fp8mon.trainer.config import get_config
+from fp8mon.trainer.model import Transformer
+from fp8mon.trainer.train import build_parser, lr_at
 
 
 def test_constant_schedule_holds_the_peak_after_the_warm_up():

@@ -16,7 +16,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from monitor.fixtures import FIXTURE_DIR, load_fixture
+from fp8mon.monitor.fixtures import FIXTURE_DIR, load_fixture
 
 try:
     from playwright.sync_api import expect, sync_playwright

@@ -49,11 +49,11 @@ import torch
 import triton
 import triton.language as tl
 
-from agent import device_stats as ds
-from agent import triton_stats as ts
-from agent.formats import Fp8Format, by_name, current_scale, delayed_scale
-from agent.formats import quantize as _quantize_cast
-from agent.triton_stats import (_SMEM_HIST, _careful_result, _fast_result, _htab, _shift_of, _tile_careful, _tile_fast,
+from fp8mon.agent import device_stats as ds
+from fp8mon.agent import triton_stats as ts
+from fp8mon.agent.formats import Fp8Format, by_name, current_scale, delayed_scale
+from fp8mon.agent.formats import quantize as _quantize_cast
+from fp8mon.agent.triton_stats import (_SMEM_HIST, _careful_result, _fast_result, _htab, _shift_of, _tile_careful, _tile_fast,
                                 _tile_sum, fused_epilogue, fused_prologue)
 
 MAX_PARTIALS = 1024
@@ -137,7 +137,7 @@ def _finite_abs(x):
 
 @triton.jit
 def _scale_from_amax(amax, FMAX: tl.constexpr):
-    """agent.formats.current_scale exactly: reciprocal(amax) * max in fp32; 1.0 if amax <= 0 (or s inf)."""
+    """fp8mon.agent.formats.current_scale exactly: reciprocal(amax) * max in fp32; 1.0 if amax <= 0 (or s inf)."""
     s = tl.math.div_rn(1.0, tl.where(amax > 0, amax, 1.0)) * FMAX
     return tl.where((amax > 0) & (s < float("inf")), s, 1.0)
 

@@ -26,11 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
-from agent import device_stats as ds
-from agent.formats import Fp8Format, by_name
+from fp8mon.agent import device_stats as ds
+from fp8mon.agent.formats import Fp8Format, by_name
 
-from agent import triton_stats as ts
-from agent.triton_stats import (_SMEM_HIST, _careful_result, _fast_result, _htab, _shift_of, _tile_bf16x2,
+from fp8mon.agent import triton_stats as ts
+from fp8mon.agent.triton_stats import (_SMEM_HIST, _careful_result, _fast_result, _htab, _shift_of, _tile_bf16x2,
                                 _tile_careful, _tile_fast, _tile_sum, fused_epilogue, fused_prologue, packed_fold,
                                 packed_setup)
 

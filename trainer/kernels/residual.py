@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from agent import triton_stats as ts
-from agent.triton_stats import (_SMEM_HIST, _htab, fused_bounds, fused_epilogue, stream_add, stream_partial,
+from fp8mon.agent import triton_stats as ts
+from fp8mon.agent.triton_stats import (_SMEM_HIST, _htab, fused_bounds, fused_epilogue, stream_add, stream_partial,
                                 stream_start)
 
 from .fp8_gemm import _to_out

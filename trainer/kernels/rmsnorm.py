@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from agent import triton_stats as ts
-from agent.triton_stats import (_SMEM_HIST, _htab, _shift_of, fused_bounds, fused_epilogue, stream_add, stream_partial,
+from fp8mon.agent import triton_stats as ts
+from fp8mon.agent.triton_stats import (_SMEM_HIST, _htab, _shift_of, fused_bounds, fused_epilogue, stream_add, stream_partial,
                                 stream_zero)
 
 from ..layers import rms_norm_torch as rms_norm_ref  # noqa: F401  (the reference, beside the kernels)

@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from agent import triton_stats as ts
-from agent.triton_stats import (_SMEM_HIST, _htab, _shift_of, fused_bounds, fused_epilogue, stream_add, stream_partial,
+from fp8mon.agent import triton_stats as ts
+from fp8mon.agent.triton_stats import (_SMEM_HIST, _htab, _shift_of, fused_bounds, fused_epilogue, stream_add, stream_partial,
                                 stream_zero, words_add, words_fold, words_zero)
 
 from .fp8_gemm import _to_out

@@ -1,11 +1,21 @@
-"""The `fp8mon` command: serve, db upgrade/current, demo (and the trainer once it lands)."""
+"""The `fp8mon` command: serve, db, demo, export, train.
+
+Each command imports what it needs when it runs, so `fp8mon --help` and `fp8mon --version` work in an install
+with the agent only (no server packages).
+"""
+
+from __future__ import annotations
 
 import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
-from monitor.settings import Settings
+from fp8mon import __version__
+
+if TYPE_CHECKING:
+    from fp8mon.monitor.settings import Settings
 
 
 def _add_db_flag(parser: argparse.ArgumentParser) -> None:
@@ -15,6 +25,8 @@ def _add_db_flag(parser: argparse.ArgumentParser) -> None:
 
 def _settings(args: argparse.Namespace) -> Settings:
     """FP8MON_* environment variables, overridden by the flags that were given."""
+    from fp8mon.monitor.settings import Settings
+
     overrides = {key: value for key, value in vars(args).items()
                  if key in Settings.model_fields and value is not None}
     return Settings(**overrides)
@@ -29,8 +41,8 @@ def _export(settings: Settings) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from monitor.db import create_db_engine
-    from monitor.migrate import SchemaError, check_schema, upgrade
+    from fp8mon.monitor.db import create_db_engine
+    from fp8mon.monitor.migrate import SchemaError, check_schema, upgrade
 
     settings = _settings(args)
     engine = create_db_engine(settings.database_url)
@@ -44,14 +56,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         engine.dispose()
     _export(settings)
-    uvicorn.run("monitor.app:create_app", factory=True, host=settings.host, port=settings.port,
+    uvicorn.run("fp8mon.monitor.app:create_app", factory=True, host=settings.host, port=settings.port,
                 workers=settings.workers, log_level=args.log_level, access_log=args.access_log)
     return 0
 
 
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
-    from monitor.db import create_db_engine
-    from monitor.migrate import current_revision, upgrade
+    from fp8mon.monitor.db import create_db_engine
+    from fp8mon.monitor.migrate import current_revision, upgrade
 
     settings = _settings(args)
     engine = create_db_engine(settings.database_url)
@@ -64,8 +76,8 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
 
 
 def cmd_db_current(args: argparse.Namespace) -> int:
-    from monitor.db import create_db_engine
-    from monitor.migrate import current_revision, head_revision
+    from fp8mon.monitor.db import create_db_engine
+    from fp8mon.monitor.migrate import current_revision, head_revision
 
     engine = create_db_engine(_settings(args).database_url)
     try:
@@ -76,7 +88,7 @@ def cmd_db_current(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from monitor.demo import run_demo
+    from fp8mon.demo import run_demo
 
     return run_demo(args, _settings(args))
 
@@ -84,9 +96,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     import gzip
 
-    from monitor.export import export_run
-    from monitor.queries import NotFound
-    from monitor.store import Store
+    from fp8mon.monitor.export import export_run
+    from fp8mon.monitor.queries import NotFound
+    from fp8mon.monitor.store import Store
 
     store = Store(_settings(args).database_url)
     try:
@@ -105,13 +117,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from trainer.train import main as train_main  # torch only for this command
+    from fp8mon.trainer.train import main as train_main  # torch only for this command
 
     return train_main(args.train_args, prog="fp8mon train")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fp8mon", description="Training-health monitoring for FP8 training.")
+    parser.add_argument("--version", action="version", version=f"fp8mon {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the monitor server")
@@ -133,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_db_flag(current)
     current.set_defaults(func=cmd_db_current)
 
-    from monitor.demo import add_arguments as add_demo_arguments
+    from fp8mon.demo import add_arguments as add_demo_arguments
 
     demo = commands.add_parser("demo", help="serve a SQLite monitor and run a short FP8 training with the agent attached")
     add_demo_arguments(demo)
@@ -155,9 +168,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The extra that provides each top-level package a command may miss.
+_EXTRA_OF = {"fastapi": "monitor", "uvicorn": "monitor", "sqlalchemy": "monitor", "alembic": "monitor",
+             "pydantic": "monitor", "pydantic_settings": "monitor", "prometheus_client": "monitor",
+             "torch": "trainer", "triton": "trainer", "tqdm": "trainer"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ModuleNotFoundError as exc:
+        top = (exc.name or "").split(".")[0]
+        if top not in _EXTRA_OF:
+            raise
+        print(f"fp8mon {args.command}: needs {top}, which this install lacks: pip install 'fp8mon[{_EXTRA_OF[top]}]'",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -16,11 +16,13 @@ import socket
 import sys
 import threading
 from datetime import datetime
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 import httpx
 
-from monitor.settings import Settings
+if TYPE_CHECKING:
+    from fp8mon.monitor.settings import Settings
 
 DEMO_TRAIN_DEFAULTS = {"--arch": "llama", "--precision": "fp8", "--config": "tiny", "--batch-size": "8",
                        "--monitor-every": "5", "--log-every": "10"}
@@ -99,11 +101,11 @@ def _links(app, client: httpx.Client | None, base: str, run: str, run_id: int | 
 def run_demo(args: argparse.Namespace, settings: Settings) -> int:
     import uvicorn
 
-    from monitor.app import create_app
-    from monitor.db import create_db_engine
-    from monitor.migrate import current_revision, upgrade
-    from trainer.train import build_parser as train_parser
-    from trainer.train import run as train
+    from fp8mon.monitor.app import create_app
+    from fp8mon.monitor.db import create_db_engine
+    from fp8mon.monitor.migrate import current_revision, upgrade
+    from fp8mon.trainer.train import build_parser as train_parser
+    from fp8mon.trainer.train import run as train
 
     run = args.run or f"demo-fp8-{datetime.now():%Y%m%d-%H%M%S}"
     if args.steps < 1:

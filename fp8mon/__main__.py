@@ -1,0 +1,5 @@
+import sys
+
+from fp8mon.cli import main
+
+sys.exit(main())
