@@ -1,4 +1,4 @@
-"""What the statistics epilogue costs an FP8 GEMM (issue 5): ``fp8_gemm(stats=)`` against the same GEMM without.
+"""What the statistics epilogue costs an FP8 GEMM: ``fp8_gemm(stats=)`` against the same GEMM without.
 
     PYTHONPATH=$PWD python3 bench/gemm_stats.py                  # 124m and 1.5b fwd + wgrad, on a GPU
     PYTHONPATH=$PWD python3 bench/gemm_stats.py --shapes 1.5b --kinds fwd
@@ -9,8 +9,8 @@ rows), device time of eager launches queued back to back (``trainer.kernels.timi
   tma         the TMA kernel without statistics (the kernel the statistics variant runs on)
   stats+hist  ``fp8_gemm(stats=Target(hist=True))`` (the agent's default row, outlier center given)
   stats       the same without the log2 histogram
-  read+hist   ``plain``, then the standalone kernel reads the result (``triton_stats.rows``): what
-              ``Fp8Linear`` does with ``OUTPUT_STATS = "read"``
+  read+hist   ``plain``, then the standalone kernel reads the result (``triton_stats.rows``): the output row
+              read apart instead of taken in the epilogue
   read        the same without the histogram
 and each statistics time as a multiple of ``plain``. The compiled statistics kernel's registers and spills are
 printed where Triton reports them. ``--host``: instead, the host time per call of plain, stats and read (200 calls
