@@ -19,14 +19,13 @@ behind a sleep kernel (no host gaps, no graph: the trainer launches eagerly). Ea
 against _scaled_mm before it is timed. ``--check`` first runs the kernel correctness checks (bit
 exactness of the quantizers, GEMM errors against an fp64 product, Fp8Linear against nn.Linear, and no
 host sync in Fp8Linear's forward + backward). The last lines are a summary table; with $OUT set the
-report is also written, line by line, to $OUT/gemm.txt, and the timed figures are appended to
+report is also written, line by line, to the file ``--log`` names, and the timed figures are appended to
 bench/results/gemm.csv (bench/record.py; ``--no-record`` skips it).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 import traceback
@@ -533,6 +532,7 @@ def main(argv=None):
     p.add_argument("--host", action="store_true", help="host time per call and a cProfile of fp8_gemm, no timing")
     p.add_argument("--no-record", dest="record", action="store_false",
                    help="do not append the figures to bench/results/gemm.csv")
+    p.add_argument("--log", metavar="FILE", help="also write the report, line by line, to FILE")
     args = p.parse_args(argv)
     global GRAPH, QUEUED
     GRAPH, QUEUED = args.graph, args.queued
@@ -543,8 +543,8 @@ def main(argv=None):
     import triton
 
     global LOG
-    if os.environ.get("OUT"):
-        LOG = open(os.path.join(os.environ["OUT"], "gemm.txt"), "w")
+    if args.log:
+        LOG = open(args.log, "w")
 
     say(f"device {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}")
     torch.manual_seed(0)
