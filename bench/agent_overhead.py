@@ -10,10 +10,9 @@ Per config and precision one model is built and stepped by bench/train_step.py's
 takes the norms of the gradients it watches from its rows, as ``fp8mon train`` does, unless ``--clip-reads``) and the
 phases run in the order ``off, on, on-torch, off, on, ...`` (``--rounds``
 repetitions of ``off`` + each backend): the agent on the one-pass Triton path (``stats_backend="triton"``:
-in fp8 the rows of input/weight/grad_output come from the FP8 quantize kernels of Fp8Linear, output as
-``--output-stats`` says (Fp8Linear's ``OUTPUT_STATS``: by default the GEMM's statistics epilogue, or the standalone
-kernel reading the GEMM's result), grad_weight from the standalone kernel on weight.grad; in bf16 all five sites
-from the standalone kernel), and the naive
+in fp8 the rows of input/weight/grad_output come from the FP8 quantize kernels of Fp8Linear, output from its GEMM,
+grad_weight from the standalone kernel on weight.grad; in bf16 the sites no fused kernel reports come from the
+standalone kernel), and the naive
 torch path (``stats_backend="torch"``) for comparison. Each phase: its own warm-up steps, then ``--steps``
 timed steps (host clock around a synchronised step); the figure is the median step time of each phase,
 printed beside the median host time until the step's Python returned (a step whose host time is close to its
@@ -28,13 +27,11 @@ whole cycles (``--steps`` a multiple of it) is the amortized cost.
 --cuda-graph``), each kind of step captured in the phase's warm-up: the launches' host cost leaves the step, so
 the overhead is the agent's device time.
 
-``--variants "default;trainer.kernels.swiglu.WORDS=False"`` measures settings one after another in one process: the
-kernels compiled for the first are the later ones' too, so a first process's compile time (minutes on a fresh GPU
-machine) does not cut one setting short, and the settings share the machine's state.
-
 The agent posts to --url (a real ``fp8mon serve``), or by default to bench/sink.py, a stdlib endpoint in a
 subprocess that acknowledges every batch: the agent's whole client side (statistics, device-to-host copy,
 encoding, gzip, HTTP) is in the measurement.
+
+The summary's figures are appended to bench/results/agent_overhead.csv (bench/record.py; ``--no-record`` skips it).
 """
 
 from __future__ import annotations
@@ -42,8 +39,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import importlib
-import os
 import statistics
 import subprocess
 import sys
@@ -57,8 +52,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fp8mon.agent import Agent  # noqa: E402
 from fp8mon.agent.wire import SITES  # noqa: E402
+from bench.record import Recorder  # noqa: E402
 from bench.train_step import BATCH, build, optimizer_step  # noqa: E402
-from bench.variants import applied, parse_all  # noqa: E402
 from fp8mon.trainer.graphs import StepGraphs, tensor_lr  # noqa: E402
 
 def measure(config: str, precision: str, args, device: torch.device, url: str) -> dict:
@@ -164,7 +159,7 @@ def paired(offs: list[list[float]], ons: list[list[float]]) -> float:
     """The overhead (%) as the median over rounds of each on-phase's median step against the mean of the medians of
     the off-phases on either side of it (the same round's and the next one's; the same round's alone after the last
     round). A drift of the machine's clocks over the run cancels within each pair, where the pooled medians mix it
-    in (a first off-phase faster than the rest made two settings of a 2-round 124M run look equal, bench/RESULTS.md)."""
+    in."""
     offs_m = [statistics.median(t) for t in offs]
     return statistics.median(statistics.median(t) / statistics.mean(offs_m[r:r + 2]) - 1
                              for r, t in enumerate(ons)) * 100
@@ -217,7 +212,7 @@ def _warm(phase, backend, args) -> None:
 def device_profile(phase, device, args) -> dict:
     """``--profile device``: per phase (off, on), the kernels' device time per step (torch.profiler, CUDA
     activity only, over the phase's ``--steps`` timed steps: with the histogram on every 10th step, ``--steps 10``
-    holds one, the amortized share), in all and for the 12 costliest kernels. With FP8MON_PROFILE_TRACE=DIR, each
+    holds one, the amortized share), in all and for the 12 costliest kernels. With ``--profile-trace DIR``, each
     phase's Chrome trace goes to DIR/off.json and DIR/triton.json. (On a CPU, the operators' own CPU
     time: only to try the bench.)"""
     from torch.profiler import ProfilerActivity, profile as tprofile
@@ -235,8 +230,8 @@ def device_profile(phase, device, args) -> dict:
 
         info = phase(backend, timed)
         prof = profiles[0]
-        if os.environ.get("FP8MON_PROFILE_TRACE"):  # a directory: the profiled steps' Chrome trace per phase
-            prof.export_chrome_trace(str(Path(os.environ["FP8MON_PROFILE_TRACE"]) / f"{backend or 'off'}.json"))
+        if args.profile_trace:  # a directory: the profiled steps' Chrome trace per phase
+            prof.export_chrome_trace(str(Path(args.profile_trace) / f"{backend or 'off'}.json"))
         n = len(info["times"])
         rows = [(e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total) / n / 1e3, e.count / n)
                 for e in prof.key_averages()]
@@ -322,34 +317,16 @@ def main(argv=None) -> int:
     p.add_argument("--cuda-graph", action="store_true",
                    help="every phase replays its steps as CUDA graphs (trainer.graphs.StepGraphs, as fp8mon train "
                         "--cuda-graph), captured in its warm-up: the host's launch costs leave the step")
-    p.add_argument("--output-stats", choices=["auto", "read", "epilogue", "deferred"], default=None,
-                   help="how Fp8Linear takes the output row (trainer.fp8_linear.OUTPUT_STATS; default: its own)")
-    p.add_argument("--variants", default="default",
-                   help="';'-separated settings measured one after another in this process (compiled kernels are "
-                        "shared, so no variant pays the first compiles alone), each a ','-separated list of "
-                        "module.ATTR=value (a Python literal) or 'default', e.g. "
-                        "\"default;trainer.kernels.swiglu.WORDS=False,agent.triton_stats.WAVES=2\"; a flag read at "
-                        "construction (trainer.layers.FUSED_ROPE) works too: each measurement builds its model")
-    p.add_argument("--current-stats", choices=["row", "cast"], default=None,
-                   help="where a current-scaled cast's row is made (trainer.kernels.quantize_transpose.CURRENT_STATS: "
-                        "the standalone kernel in place of the amax pass, or the cast's statistics variant; default: "
-                        "its own)")
+    p.add_argument("--profile-trace", metavar="DIR",
+                   help="with --profile device: write each phase's Chrome trace to DIR/off.json and DIR/triton.json")
+    p.add_argument("--no-record", dest="record", action="store_false",
+                   help="do not append the summary to bench/results/agent_overhead.csv")
     args = p.parse_args(argv)
     args.backends = [b for b in args.backends.split(",") if b]
-    try:
-        variants = parse_all(args.variants)
-    except ValueError as e:
-        p.error(str(e))
     if args.cuda_graph:
         if not args.device.startswith("cuda"):
             p.error("--cuda-graph needs a CUDA device")
         warnings.filterwarnings("ignore", message="This instance was constructed with capturable=True")
-    if args.output_stats is not None:
-        from fp8mon.trainer import fp8_linear
-
-        fp8_linear.OUTPUT_STATS = args.output_stats
-    if args.current_stats is not None:
-        importlib.import_module("fp8mon.trainer.kernels.quantize_transpose").CURRENT_STATS = args.current_stats
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -362,29 +339,31 @@ def main(argv=None) -> int:
         url = f"http://127.0.0.1:{sink.stdout.readline().strip()}"
     summary = []
     try:
-        for name, assignments in variants:
-            with applied(assignments):
-                for config in args.configs.split(","):
-                    for precision in args.precisions.split(","):
-                        if len(variants) > 1:
-                            print(f"# variant {name}", flush=True)
-                        r = measure(config, precision, args, device, url)
-                        summary.append((name, config, precision, r))
+        for config in args.configs.split(","):
+            for precision in args.precisions.split(","):
+                summary.append((config, precision, measure(config, precision, args, device, url)))
     finally:
         if sink is not None:
             sink.terminate()
     if args.profile:
         return 0
     print("\nconfig precision   off ms "
-          + "".join(f"{b + ' ms':>12}{b + ' %':>10}{'mean %':>9}{'paired %':>10}" for b in args.backends)
-          + "  variant")
-    for name, config, precision, r in summary:
+          + "".join(f"{b + ' ms':>12}{b + ' %':>10}{'mean %':>9}{'paired %':>10}" for b in args.backends))
+    rec = Recorder("agent_overhead")
+    for config, precision, r in summary:
         print(f"{config:>6} {precision:>9} {r['off_ms']:8.2f} "
               + "".join(f"{r[f'{b}_ms']:12.2f}{r[b]:+10.2f}{r[f'{b}_mean']:+9.2f}{r[f'{b}_paired']:+10.2f}"
-                        for b in args.backends)
-              + f"  {name}")
+                        for b in args.backends))
+        rec.add(f"step_off_ms/{config}/{precision}", r["off_ms"], "ms")
+        for b in args.backends:
+            rec.add(f"step_on_ms/{config}/{precision}/{b}", r[f"{b}_ms"], "ms")
+            rec.add(f"overhead_median_pct/{config}/{precision}/{b}", r[b], "%")
+            rec.add(f"overhead_mean_pct/{config}/{precision}/{b}", r[f"{b}_mean"], "%")
+            rec.add(f"overhead_paired_pct/{config}/{precision}/{b}", r[f"{b}_paired"], "%")
     print(f"(every=1, every block linear x input/weight/output/grad_output/grad_weight; log2 histogram "
           f"{'every ' + str(args.hist_every) + ' steps' if args.hist else 'off'}; medians of whole steps)")
+    if args.record and summary:
+        rec.write()
     return 0
 
 

@@ -10,10 +10,7 @@ its output, the next linear's input) against torch's ops; RoPE on the qkv output
 
     python3 bench/consumers.py
     python3 bench/consumers.py --only-norm         # RMSNorm only
-    python3 bench/consumers.py --stages 1,2,3   # the kernels with rows at each software-pipelining depth
-    python3 bench/consumers.py --shapes 124m --variants "default;trainer.kernels.rope.STATS_BT=16"  # one shape
-    python3 bench/consumers.py --variants "default;trainer.kernels.residual.BLOCK=4096"   # ... in each setting
-    python3 bench/consumers.py --variants "default;agent.triton_stats.FUSED_MERGE='last'"
+    python3 bench/consumers.py --shapes 124m       # one step's shapes
     python3 bench/consumers.py --swiglu-y-row    # SwiGLU's forward with y's row: each way, setting and input
 
 With ``--ncu [SHAPE]`` each kernel runs once with and once without its row, nothing timed, between
@@ -21,11 +18,10 @@ With ``--ncu [SHAPE]`` each kernel runs once with and once without its row, noth
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight --section ComputeWorkloadAnalysis \
         --section SchedulerStats --section WarpStateStats --section LaunchStats --metrics smsp__inst_executed.sum \
-        python3 bench/consumers.py --ncu 124m > REPORT; python3 bench/ncu_table.py REPORT
+        python3 bench/consumers.py --ncu 124m > REPORT
 """
 
 import argparse
-import importlib
 import sys
 from pathlib import Path
 
@@ -33,13 +29,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fp8mon.agent import triton_stats as ts  # noqa: E402
-from bench.variants import applied, parse_all  # noqa: E402
 from fp8mon.trainer.kernels.residual import branch_grad, residual_add_forward  # noqa: E402
 from fp8mon.trainer.kernels.rmsnorm import rms_norm_backward, rms_norm_forward, rms_norm_ref  # noqa: E402
 from fp8mon.trainer.kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_ref  # noqa: E402
-from fp8mon.trainer.kernels.weight_casts import casts_with_rows  # noqa: E402
 from fp8mon.trainer.kernels.timing import device_medians  # noqa: E402
-from fp8mon.trainer.kernels.words import words_path  # noqa: E402
 
 STEP_ROWS = 48  # the rows a 124M FP8 step's consumer kernels take: SwiGLU, RoPE and two residual adds in 12 layers
 SHAPES = {"124m": (16 * 1024, 2048, 768), "1.5b": (4 * 2048, 8192, 2048)}  # (tokens, SwiGLU hidden width, d_model)
@@ -60,16 +53,9 @@ class StepRows:
         return ts.Target(self.rows, self.calls % STEP_ROWS, False, (0.0, 1.0), 6.0, hist, None, "e4m3")
 
 
-def fp32_path(fn):
-    """``fn()`` with SwiGLU's ``WORDS`` off: y's row through fp32 values, not y's 32-bit words (the default for bf16),
-    and h's row in the same kernel, not deferred."""
-    with words_path(importlib.import_module("fp8mon.trainer.kernels.swiglu"), on=False):
-        return fn()
-
-
 def swiglu_y_row(name: str, dev: torch.device) -> None:
-    """SwiGLU's forward with y's row alone (no h row: an FP8 fc2 takes its input's): plain, through y's words (the
-    default), through fp32 values, and y read apart by the statistics kernel; the words path with the outlier center
+    """SwiGLU's forward with y's row alone (no h row: an FP8 fc2 takes its input's): plain, with the row, and y read
+    apart by the statistics kernel; the words path with the outlier center
     as a device tensor (as the agent passes it), without a format, with the histogram; and the plain and words
     forwards on inputs with outliers or with small values and zeros (the row's counts depend on the values)."""
     tokens, hidden, _ = SHAPES[name]
@@ -92,7 +78,6 @@ def swiglu_y_row(name: str, dev: torch.device) -> None:
 
     timed({"plain": lambda: swiglu_forward(y),
            "words + row": lambda: swiglu_forward(y, stats=tgt()),
-           "fp32 path + row": lambda: fp32_path(lambda: swiglu_forward(y, stats=tgt())),
            "plain + y read apart": lambda: (swiglu_forward(y), ts.rows(
                [y], fmt="e4m3", center=[(0.0, 1.0)], hist=False, out=apart, index=[1])),
            "words + row, center tensor": lambda: swiglu_forward(y, stats=tgt(center=center)),
@@ -117,9 +102,6 @@ def torch_backward(y: torch.Tensor, dh: torch.Tensor):
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--stages", help="comma-separated depths: the kernels with rows at each software-pipelining depth "
-                                    "(every module's STATS_STAGES), only that")
-    p.add_argument("--variants", help="the kernels with rows under each variant (bench/variants.py), only that")
     p.add_argument("--only-norm", action="store_true", help="the RMSNorm timings only")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated: the steps' shapes to time, of "
                                                                f"{', '.join(SHAPES)}")
@@ -136,14 +118,6 @@ def main(argv=None) -> None:
     print(torch.cuda.get_device_name())
     if args.ncu:
         for_ncu(args.ncu, dev)
-        return
-    if args.stages or args.variants:
-        variants = parse_all(args.variants) if args.variants else [(f"STATS_STAGES={d}", [
-            (importlib.import_module(f"fp8mon.trainer.kernels.{m}"), a, int(d))
-            for m, a in (("swiglu", "STATS_STAGES"), ("swiglu", "BWD_STATS_STAGES"), ("residual", "STATS_STAGES"),
-                         ("rope", "STATS_STAGES"))]) for d in args.stages.split(",")]
-        for name in shapes:
-            sweep(name, variants, dev)
         return
     if args.swiglu_y_row:
         for name in shapes:
@@ -177,10 +151,7 @@ def main(argv=None) -> None:
                 "torch forward": lambda: swiglu_ref(y),
                 "fused forward": lambda: swiglu_forward(y),
                 "fused forward + row": lambda: swiglu_forward(y, stats=tgt()),
-                "fused forward + row, fp32 path": lambda: fp32_path(lambda: swiglu_forward(y, stats=tgt())),
                 "fused forward + rows of y and h": both_rows,
-                "fused forward + rows of y and h, one kernel": lambda: fp32_path(
-                    lambda: swiglu_forward(y, stats=tgt(), h_stats=tgt())),
                 "torch forward + row read apart": lambda: (swiglu_ref(y), ts.rows(
                     [y], fmt="e4m3", center=[(0.0, 1.0)], hist=hist, out=rows, index=[1])),
                 "torch forward + backward": lambda: torch_backward(y, dh),
@@ -202,62 +173,6 @@ def main(argv=None) -> None:
                   f"+{(t['torch forward + row read apart'] - t['torch forward']) * 1e3:.1f} us; dy's row: fused "
                   f"+{(t['fused backward + dy' + chr(39) + 's row'] - t['fused backward']) * 1e3:.1f} us, read apart "
                   f"+{t['dy' + chr(39) + 's row read apart'] * 1e3:.1f} us", flush=True)
-
-
-def sweep(name: str, variants: list[tuple[str, list]], dev: torch.device) -> None:
-    """Device time of each fused kernel with its row under each variant (module attributes set around each call,
-    ``bench.variants``), interleaved in one timing."""
-    from fp8mon.trainer.kernels.rope import rope_qkv_backward, rope_qkv_forward
-
-    y, dh, x, b, w, (rot, qkv, grads), heads = _step_inputs(name, dev)
-    _, hidden, d_model = SHAPES[name]
-    tgt = StepRows(dev)
-    # a llama block's four weights (fp32) and bf16 gradients of them: autocast's casts with their rows
-    weights = [torch.randn(o, i, device=dev) for o, i in ((3 * d_model, d_model), (d_model, d_model),
-                                                          (2 * hidden, d_model), (d_model, hidden))]
-    weight_grads = [wt.to(torch.bfloat16) for wt in weights]
-    kernels = {
-        "swiglu fwd": lambda: swiglu_forward(y),
-        "swiglu fwd + row": lambda: swiglu_forward(y, stats=tgt()),
-        "swiglu fwd + row, hist": lambda: swiglu_forward(y, stats=tgt(True)),
-        "swiglu fwd + row, fp32 path": lambda: fp32_path(lambda: swiglu_forward(y, stats=tgt())),
-        "swiglu bwd": lambda: swiglu_backward(y, dh),
-        "swiglu bwd + row": lambda: swiglu_backward(y, dh, stats=tgt()),
-        "rmsnorm + row": lambda: rms_norm_forward(x, w, 1e-6, stats=tgt()),
-        "residual add + row": lambda: residual_add_forward(x, b, stats=tgt()),
-        "residual add + row, hist": lambda: residual_add_forward(x, b, stats=tgt(True)),
-        "residual grad cast + row": lambda: branch_grad(x, torch.bfloat16, tgt()),
-        "a block's weight casts + rows": lambda: [branch_grad(wt, torch.bfloat16, tgt(), source_row=True)
-                                                  for wt in weights],
-        "a block's weight casts + rows, one launch": lambda: casts_with_rows(weights, torch.bfloat16,
-                                                                             [tgt() for _ in weights]),
-        "a block's weight gradient casts + rows": lambda: [branch_grad(gw, torch.float32, tgt())
-                                                           for gw in weight_grads],
-        "a block's weight gradient casts + rows, one launch": lambda: casts_with_rows(weight_grads, torch.float32,
-                                                                                      [tgt() for _ in weight_grads]),
-        "rope fwd + row": lambda: rope_qkv_forward(qkv, rot.cos, rot.sin, heads, stats=tgt()),
-        "rope bwd + row": lambda: rope_qkv_backward(*grads, rot.cos, rot.sin, torch.bfloat16, stats=tgt()),
-    }
-
-    def under(assignments, fn):
-        def call():
-            with applied(assignments):
-                return fn()
-        return call
-
-    fns = {}
-    for k, fn in kernels.items():
-        for v, assignments in variants:
-            try:
-                under(assignments, fn)()  # compiles outside the timing
-                fns[(k, v)] = under(assignments, fn)
-            except Exception as e:  # e.g. more shared memory than a launch gets, or a shape it cannot compile
-                print(f"  {k}, {v}: {str(e).splitlines()[-1]}", flush=True)
-    t = device_medians(fns, rounds=5, calls=10)
-    print(f"{name}, device us:")
-    for v, _ in variants:
-        print(f"  {v}: " + ", ".join(f"{k} {t[(k, v)] * 1e3:.1f}" if (k, v) in t else f"{k} -" for k in kernels),
-              flush=True)
 
 
 def for_ncu(name: str, dev: torch.device) -> None:

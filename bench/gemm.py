@@ -19,18 +19,22 @@ behind a sleep kernel (no host gaps, no graph: the trainer launches eagerly). Ea
 against _scaled_mm before it is timed. ``--check`` first runs the kernel correctness checks (bit
 exactness of the quantizers, GEMM errors against an fp64 product, Fp8Linear against nn.Linear, and no
 host sync in Fp8Linear's forward + backward). The last lines are a summary table; with $OUT set the
-report is also written, line by line, to $OUT/gemm.txt.
+report is also written, line by line, to the file ``--log`` names, and the timed figures are appended to
+bench/results/gemm.csv (bench/record.py; ``--no-record`` skips it).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.record import Recorder  # noqa: E402
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 KINDS = {  # kind: (A dtype, B dtype, out dtype, fast accumulation)
@@ -500,6 +504,19 @@ def bench_quantize(dev):
             f"{t_ref * 1e3:.1f} us, bf16 clone {t_copy * 1e3:.1f} us ({4 * x.numel() / t_copy / 1e6:.0f} GB/s)")
 
 
+def record(rows, which: str, clock: str, geomean: float) -> None:
+    """Appends each shape's TFLOP/s and ratio, and the geometric mean and minimum, to bench/results/gemm.csv."""
+    rec = Recorder("gemm")
+    for label, kind, _M, _N, _K, res, ratio in rows:
+        for impl, tflops in res.items():
+            name = {"_scaled_mm": "scaled_mm"}.get(impl, impl)
+            rec.add(f"tflops_{name}/{label}/{kind}/{clock}", tflops, "TFLOP/s")
+        rec.add(f"ratio_ours_to_scaled_mm/{label}/{kind}/{clock}", ratio, "ratio")
+    rec.add(f"ratio_geomean/{which}/{clock}", geomean, "ratio")
+    rec.add(f"ratio_min/{which}/{clock}", min(r[6] for r in rows), "ratio")
+    rec.write()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="run the GPU correctness checks first")
@@ -513,6 +530,9 @@ def main(argv=None):
     p.add_argument("--queued", action="store_true", help="time GEMMs as eager launches queued back to back (device "
                    "time; cuBLAS may pick other kernels under graph capture)")
     p.add_argument("--host", action="store_true", help="host time per call and a cProfile of fp8_gemm, no timing")
+    p.add_argument("--no-record", dest="record", action="store_false",
+                   help="do not append the figures to bench/results/gemm.csv")
+    p.add_argument("--log", metavar="FILE", help="also write the report, line by line, to FILE")
     args = p.parse_args(argv)
     global GRAPH, QUEUED
     GRAPH, QUEUED = args.graph, args.queued
@@ -523,8 +543,8 @@ def main(argv=None):
     import triton
 
     global LOG
-    if os.environ.get("OUT"):
-        LOG = open(os.path.join(os.environ["OUT"], "gemm.txt"), "w")
+    if args.log:
+        LOG = open(args.log, "w")
 
     say(f"device {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}")
     torch.manual_seed(0)
@@ -578,6 +598,8 @@ def main(argv=None):
             geo *= r[6]
         say(f"geomean ours/_scaled_mm over {len(rows)} shapes: {geo ** (1 / len(rows)):.3f}; "
             f"min {min(r[6] for r in rows):.3f}; total {time.time() - t0:.0f} s")
+        if args.record:
+            record(rows, args.shapes, "queued" if QUEUED else "graph" if GRAPH else "eager", geo ** (1 / len(rows)))
     return 0 if ok else 1
 
 

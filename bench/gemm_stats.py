@@ -1,4 +1,4 @@
-"""What the statistics epilogue costs an FP8 GEMM (issue 5): ``fp8_gemm(stats=)`` against the same GEMM without.
+"""What the statistics epilogue costs an FP8 GEMM: ``fp8_gemm(stats=)`` against the same GEMM without.
 
     PYTHONPATH=$PWD python3 bench/gemm_stats.py                  # 124m and 1.5b fwd + wgrad, on a GPU
     PYTHONPATH=$PWD python3 bench/gemm_stats.py --shapes 1.5b --kinds fwd
@@ -9,12 +9,13 @@ rows), device time of eager launches queued back to back (``trainer.kernels.timi
   tma         the TMA kernel without statistics (the kernel the statistics variant runs on)
   stats+hist  ``fp8_gemm(stats=Target(hist=True))`` (the agent's default row, outlier center given)
   stats       the same without the log2 histogram
-  read+hist   ``plain``, then the standalone kernel reads the result (``triton_stats.rows``): what
-              ``Fp8Linear`` does with ``OUTPUT_STATS = "read"``
+  read+hist   ``plain``, then the standalone kernel reads the result (``triton_stats.rows``): the output row
+              read apart instead of taken in the epilogue
   read        the same without the histogram
 and each statistics time as a multiple of ``plain``. The compiled statistics kernel's registers and spills are
 printed where Triton reports them. ``--host``: instead, the host time per call of plain, stats and read (200 calls
 queued back to back, median of ``--rounds`` rounds, interleaved): what each costs a host-bound step.
+The figures are appended to bench/results/gemm_stats.csv (bench/record.py; ``--no-record`` skips it).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.gemm import KINDS, MODELS, host_us  # noqa: E402
+from bench.record import Recorder  # noqa: E402
 
 
 def shapes(which: str, kinds: list[str]):
@@ -57,7 +59,10 @@ def main(argv=None) -> int:
     p.add_argument("--kinds", default="fwd,wgrad")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--host", action="store_true", help="host time per call instead of device time")
+    p.add_argument("--no-record", dest="record", action="store_false",
+                   help="do not append the figures to bench/results/gemm_stats.csv")
     args = p.parse_args(argv)
+    rec = Recorder("gemm_stats")
     from fp8mon.agent import triton_stats as ts
     from fp8mon.trainer.kernels import fp8_gemm
     from fp8mon.trainer.kernels.fp8_gemm import _fp8_gemm_tma_kernel
@@ -91,12 +96,20 @@ def main(argv=None) -> int:
             t = _medians({k: fns[k] for k in ("plain", "stats", "read")}, args.rounds, host_us)
             print(f"{label:12s} {kind:5s} {M:6d}x{N:6d}x{K:6d} host us per call: "
                   + ", ".join(f"{k} {v:.1f}" for k, v in t.items()), flush=True)
+            for k, v in t.items():
+                rec.add(f"host_us/{label}/{kind}/{k}", v, "us")
             continue
         t = device_medians(fns, rounds=args.rounds)
         base = t["plain"]
         print(f"{label:12s} {kind:5s} {M:6d}x{N:6d}x{K:6d} " + " ".join(f"{t[k] * 1e3:8.1f}" for k in fns)
               + "  " + " ".join(f"{t[k] / base:.2f}x" for k in ("st+hist", "stats", "read+hist", "read")), flush=True)
+        for k, v in t.items():
+            rec.add(f"device_us/{label}/{kind}/{k}", v * 1e3, "us")
+            if k not in ("plain", "tma"):
+                rec.add(f"ratio_to_plain/{label}/{kind}/{k}", v / base, "ratio")
     print(f"# statistics TMA kernel variants compiled: {kernel_info(_fp8_gemm_tma_kernel)}", flush=True)
+    if args.record and rec.rows:
+        rec.write()
     return 0
 
 

@@ -9,7 +9,8 @@ Both precisions use the same code path as `fp8mon train`: the fp8 model's block 
 embeddings, attention, norms and the LM head stay in bf16 autocast in both. Precisions alternate within a
 round (fp8, bf16, then bf16, fp8 in the next round), each measured after its own warm-up (Triton's
 autotuning happens there), and the ratio is taken per round: clock and thermal drift between rounds do
-not enter a ratio. Prints one line per measurement and a summary per config.
+not enter a ratio. Prints one line per measurement and a summary per config, and appends the figures to
+bench/results/train_step.csv (bench/record.py; ``--no-record`` skips it).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.record import Recorder  # noqa: E402
 from fp8mon.trainer.config import get_config  # noqa: E402
 from fp8mon.trainer.fp8_linear import Fp8Recipe, cache_fp8_weights  # noqa: E402
 from fp8mon.trainer.clip import clip_grad_norm  # noqa: E402
@@ -107,6 +109,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="fp8/bf16 pairs per config, order alternating")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (both precisions)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--no-record", dest="record", action="store_false",
+                   help="do not append the figures to bench/results/train_step.csv")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -115,6 +119,7 @@ def main(argv=None) -> int:
     else:
         print(f"# CPU, torch {torch.__version__} (the FP8 reference path: no speed-up expected)", flush=True)
     failed = False
+    rec = Recorder("train_step")
     for config in args.configs.split(","):
         ratios = []
         for r in range(args.rounds):
@@ -127,6 +132,10 @@ def main(argv=None) -> int:
                       f"{m['tokens_per_s']:>10,.0f} tok/s  ({m['tokens']} tokens/step, loss {m['loss']:.3f}, "
                       f"peak {m['peak_gib']:.1f} GiB)", flush=True)
             ratios.append(got["fp8"]["tokens_per_s"] / got["bf16"]["tokens_per_s"])
+            for precision, m in got.items():
+                rec.add(f"step_ms/{config}/{precision}/round{r}", m["step_s"] * 1e3, "ms")
+                rec.add(f"tokens_per_s/{config}/{precision}/round{r}", m["tokens_per_s"], "tokens/s")
+            rec.add(f"tokens_per_s_ratio_fp8_to_bf16/{config}/round{r}", ratios[-1], "ratio")
             # a throughput of an FP8 model that does not learn is no result (the batch repeats: both fit it)
             if not got["fp8"]["loss"] <= 2 * got["bf16"]["loss"] + 0.5:
                 failed = True
@@ -134,6 +143,10 @@ def main(argv=None) -> int:
                       f"{got['bf16']['loss']:.3f}", flush=True)
         print(f"{config:>5} {args.arch}: fp8/bf16 tokens/s = " + ", ".join(f"{q:.3f}" for q in ratios)
               + f" (per round; median {statistics.median(ratios):.3f})", flush=True)
+        for precision, m in got.items():
+            rec.add(f"loss/{config}/{precision}", m["loss"], "nats")
+    if args.record and rec.rows:
+        rec.write()
     return 1 if failed else 0
 
 
