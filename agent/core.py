@@ -15,7 +15,7 @@ collector thread waits for the event and builds the wire blocks. Nothing on the 
 device value. Any exception inside the agent is logged once per kind, counted in ``errors``, and training
 goes on.
 
-Statistics backends (``stats_backend``, or $FP8MON_STATS_BACKEND when "auto"): "triton" computes every
+Statistics backends (``stats_backend``): "triton" computes every
 row with the one-pass kernel of ``triton_stats`` (CUDA; the CPU only under TRITON_INTERPRET=1): the tensors
 a forward hook sees (input, output, weight) in one launch that writes straight into the step buffer, a
 gradient in one launch each. "torch" is ``device_stats.partials``. "auto" takes Triton on CUDA when it is
@@ -62,15 +62,6 @@ from .wire import SITES
 log = logging.getLogger("fp8mon.agent")
 
 DEFAULT_FORMATS = {"input": "e4m3", "weight": "e4m3", "output": None, "grad_output": "e5m2", "grad_weight": "e5m2"}
-# The hooks' statistics launches on the Triton path leave their rows (those with no scale known before the read) to
-# the merge launch that ends the step (``triton_stats.rows``' ``later``): no launch ends in its last program's merge.
-LATER_MERGE = True
-# The first forward of a reporting step that reads a weight through the hooks reads every hooked weight on its device
-# that is due this step, in the same launch: a step's weights then cost one multi-tensor launch, not one small launch
-# per linear (a plain linear's weight is all its forward hook still reads where the block's kernels take its input and
-# output). The weights do not change within a step, so the rows are the same; a layer whose forward does not run that
-# step still gets its weight's row, as FP8 layers do (trainer.weight_rows).
-WEIGHTS_TOGETHER = True
 _RUN_NAME = re.compile(wire.RUN_NAME_PATTERN)
 _SCALAR_NAME = re.compile(wire.SCALAR_NAME_PATTERN)
 _MAX_LAYER, _MAX_NAME, _MAX_RUN = wire.MAX_LAYER_NAME, wire.MAX_SCALAR_NAME, wire.MAX_RUN_NAME
@@ -129,7 +120,7 @@ class Agent:
         self.reduce = bool(reduce_ranks) and self.world > 1
         self.errors = 0
         self.last_error: str | None = None
-        backend = os.environ.get("FP8MON_STATS_BACKEND", stats_backend) if stats_backend == "auto" else stats_backend
+        backend = stats_backend
         if backend not in ("auto", "triton", "torch"):
             raise ValueError("stats_backend must be 'auto', 'triton' or 'torch'")
         self.stats_backend = backend
@@ -475,7 +466,11 @@ class Agent:
             if grad is not None:
                 items = [("grad_output", grad, False, False), *items]
         todo = [(layer, *it) for it in items]
-        if WEIGHTS_TOGETHER and self.reporting:
+        # The first forward of a reporting step that reads a weight reads every due hooked weight on its device in the
+        # same launch: a step's weights cost one multi-tensor launch, not one small launch per linear. The weights do
+        # not change within a step, so the rows are the same; a layer whose forward does not run that step still gets
+        # its weight's row, as FP8 layers do (trainer.weight_rows).
+        if self.reporting:
             weight = next((it[1] for it in items if it[0] == "weight" and it[2]), None)
             if weight is not None and self._slots.get(layer, "weight") not in self._seen:
                 todo += self._due_weights(layer, weight.device)
@@ -483,7 +478,7 @@ class Agent:
 
     def _due_weights(self, layer: str, device) -> list:
         """``_observe`` items of the hooked weights on ``device`` of the layers other than ``layer``, in training mode,
-        not yet read this step (``WEIGHTS_TOGETHER``)."""
+        not yet read this step."""
         out = []
         for hooks in self._layers:
             module, name = hooks.module, hooks.name
@@ -598,8 +593,9 @@ class Agent:
         slots = [t[0] for t in todo]
         device = todo[0][1].device
         rows, merge, centers = self._claim(slots, [t[6] for t in todo], device)
-        # rows no scale decides and no history reads now are merged by the launch that ends the step (_launch_pending)
-        later = LATER_MERGE and all(t[3] is None and t[4] is None and not t[5] for t in todo)
+        # rows no scale decides and no history reads now are merged by the launch that ends the step (_launch_pending):
+        # no launch ends in its last program's merge
+        later = all(t[3] is None and t[4] is None and not t[5] for t in todo)
         ts.rows([t[1] for t in todo], fmt=[t[2] for t in todo], scale=[t[3] for t in todo],
                 center=[centers[s] for s in slots], outlier_k=self.outlier_k,
                 amax_history_max=[t[4] for t in todo], hist=self.hist_now, out=rows, index=slots, merge=merge,

@@ -35,9 +35,9 @@ Scheme (one kernel):
     fp64 (Pebay's formulas applied at once about the first partial's mean, then shifted to the grand mean:
     ``_finalize``) and writes the row. No second launch. Histograms skip the partials: each program adds its
     bins to the tensor's counter row atomically. A current-scaled cast's launch (``cast_row``) leaves that merge
-    to a later launch for many rows instead (``CAST_MERGE``, ``merge_later``): the cast waits for no last program.
+    to a later launch for many rows instead (``merge_later``): the cast waits for no last program.
     So do the consumer kernels of trainer/kernels and the agent's launches of rows with no scale known before the
-    read (``FUSED_MERGE``): their rows are complete after the next ``flush_deferred``.
+    read: their rows are complete after the next ``flush_deferred``.
 
 Underflow/overflow are exact counts of ``fl32(|x| * s) <= fmt.underflow_threshold`` and
 ``> fmt.overflow_threshold`` when the scale ``s`` is known before the read (a scale tensor or number: delayed
@@ -86,26 +86,17 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # The most elements per program of the standalone kernel (a multiple of 8; at most 16383 tiles: the bf16 words
 # path counts in 16-bit halves); on the CPU, the chunk.
 CHUNK = 1 << 20
-# Programs per slot (a slot: a program's place on an SM, at the register cap) that the launcher sizes chunks for on
-# a GPU; None: chunks of CHUNK. A partial last wave left most SMs idle (64 MiB of bf16 in 64k-element chunks made
-# 512 programs for 396 slots), and per-program set-up (table, thresholds, shift) and merge are paid per program.
-# One wave ran best of 1, 2, 3, 4 and 8 on the H200 (bench/stats_kernel_time.py --trace).
-WAVES: float | None = 1
+# On a GPU the launcher sizes chunks so that a launch is one wave of programs, one per slot (a program's place on an
+# SM at the register cap): a partial last wave leaves most SMs idle, and set-up and merge are paid per program.
 NUM_WARPS = 8
 ROWS = 512  # rows of a [ROWS, 16 bytes] tile: ROWS / (32 * NUM_WARPS) 16-byte loads per thread per iteration
 # Register cap (ptxas): uncapped, the cold code (finalize, careful path, threshold bisection) took 153-255
 # registers, one program (8 warps) per SM. At 128 (2 programs per SM) the bf16 words path ran at 0.71 of copy
 # bandwidth on 256 MiB against 0.58 at 80 (3 programs per SM, cold code spilling); fp32 alone ran best at 80
 # (0.83 against 0.76): a launch of fp32 tensors only takes MAXNREG_FP32 (H200, bench/stats_kernel_time.py).
-# The log2 histogram in a shared-memory table (``_htab``) on hardware; FP8MON_STATS_HIST=ballot keeps tl.histogram
-# (benches compare the two; the interpreter always counts with tl.histogram).
-SMEM_HIST = not INTERPRET and os.environ.get("FP8MON_STATS_HIST", "table") != "ballot"
-# The standalone kernel's table: a row per fp32 exponent (32 KiB, no clamp per element) or the consumer kernels' 57
-# clamped rows (8 KiB); benches compare the two.
-EXPONENT_ROWS = True
-# bf16 words of a tensor with no scale before the read (no format, or a current-scaled cast's row) through a loop that
-# counts nothing against the underflow threshold (there is none); False: one loop for every tensor (benches compare)
-SPLIT_UNSCALED = True
+# The log2 histogram in a shared-memory table (``_htab``) on hardware: fewer instructions per element than
+# tl.histogram's ballots. The interpreter has no shared memory and counts with tl.histogram.
+SMEM_HIST = not INTERPRET
 MAXNREG = 128
 MAXNREG_FP32 = 80
 P_BLOCK = 512  # partials the finalize step reads at once (2 per lane with 8 warps); more: blocks of this size
@@ -1068,8 +1059,7 @@ if triton is not None:
 
     @triton.jit
     def _chunk(base, n, s, smode, uthr, othr, lo, hi, tr, HIST: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
-               TRACE: tl.constexpr, PACKED: tl.constexpr = False, ht=None, HTF: tl.constexpr = False,
-               USPLIT: tl.constexpr = True):
+               TRACE: tl.constexpr, PACKED: tl.constexpr = False, ht=None, HTF: tl.constexpr = False):
         """Statistics of the ``n`` elements at ``base`` (16-byte aligned). Tiles are [R, V]: a thread holds whole
         rows of V contiguous elements (one 16-byte load), so the per-row sums inside the loop are a thread's own
         adds and the accumulators are [R] (no cross-thread work in the hot loop). The first tiles' loads are
@@ -1115,7 +1105,7 @@ if triton is not None:
             if PACKED:  # bf16 words, two elements each; overflow counted lazily (below)
                 ku, lo2, hi2, amw, pu, pnz, pout = packed_setup(tu, lo, hi, R)
                 acc = (s1, s2, s3, s4, amw, pu, pnz, pout)
-                if USPLIT and tu < 0:  # no scale before the read: nothing to count against a threshold
+                if tu < 0:  # no scale before the read: a loop that counts nothing against a threshold
                     acc = _words(w, wb, woffs, nfull, TILE, p, ncp, ku, lo2, hi2, acc, ht, HTF, False)
                 else:
                     acc = _words(w, wb, woffs, nfull, TILE, p, ncp, ku, lo2, hi2, acc, ht, HTF, True)
@@ -1167,12 +1157,12 @@ if triton is not None:
 
     @triton.jit
     def _chunks(addr, start, code, n, s, smode, uthr, othr, lo, hi, tr, HIST: tl.constexpr, R: tl.constexpr,
-                TRACE: tl.constexpr, ht=None, HTF: tl.constexpr = False, USPLIT: tl.constexpr = True):
+                TRACE: tl.constexpr, ht=None, HTF: tl.constexpr = False):
         """``_chunk`` of the tensor's dtype (``code``). bf16 goes through its words unless the histogram needs
         ``tl.histogram`` (no table ``ht``). ``HTF``: ``ht`` is the exponent-row table."""
         if code == 0:
             res = _chunk(tl.multiple_of(addr.to(tl.pointer_type(tl.bfloat16)) + start, 16), n, s, smode, uthr, othr,
-                         lo, hi, tr, HIST, R, 8, TRACE, not HIST or ht is not None, ht, HTF, USPLIT)
+                         lo, hi, tr, HIST, R, 8, TRACE, not HIST or ht is not None, ht, HTF)
         elif code == 1:
             res = _chunk(tl.multiple_of(addr.to(tl.pointer_type(tl.float32)) + start, 16), n, s, smode, uthr, othr,
                          lo, hi, tr, HIST, R, 4, TRACE, False, ht, HTF)
@@ -1183,8 +1173,7 @@ if triton is not None:
 
     @triton.jit
     def _stats_kernel(tab_ptr, ntab, part_ptr, ctr_ptr, dst_ptr, trace_ptr, HIST: tl.constexpr, R: tl.constexpr,
-                      TRACE: tl.constexpr, NARROW: tl.constexpr, LATER: tl.constexpr = False, HTF: tl.constexpr = False,
-                      USPLIT: tl.constexpr = True):
+                      TRACE: tl.constexpr, NARROW: tl.constexpr, LATER: tl.constexpr = False):
         w = tl.program_id(0)
         tr = trace_ptr + w * 16
         _stamp(tr, 0, TRACE)
@@ -1227,14 +1216,10 @@ if triton is not None:
             if smode == SCALE_CAST_C:  # loaded now: its latency passes under the read
                 epoch = tl.load(epoch_ptr + 1)
         n = (end - start).to(tl.int32)  # <= the chunk; the launcher makes every address 16-byte aligned
-        if HIST and _SMEM_HIST and HTF:
-            res = _chunks(addr, start, code, n, s, smode, uthr, othr, lo, hi, tr, HIST, R, TRACE, _erows(), True,
-                          USPLIT)
-        elif HIST and _SMEM_HIST:
-            res = _chunks(addr, start, code, n, s, smode, uthr, othr, lo, hi, tr, HIST, R, TRACE, _htab(), False,
-                          USPLIT)
+        if HIST and _SMEM_HIST:  # the standalone kernel's table: a row per fp32 exponent, no clamp per element
+            res = _chunks(addr, start, code, n, s, smode, uthr, othr, lo, hi, tr, HIST, R, TRACE, _erows(), True)
         else:
-            res = _chunks(addr, start, code, n, s, smode, uthr, othr, lo, hi, tr, HIST, R, TRACE, None, False, USPLIT)
+            res = _chunks(addr, start, code, n, s, smode, uthr, othr, lo, hi, tr, HIST, R, TRACE, None, False)
         nfin, nonfin, zeros, outl, under, over, amax, mean, m2, m3, m4, hist = res
         _store_partial(part_ptr + w, tl.num_programs(0), end - start, nfin, nonfin, zeros, outl, under, over,
                        amax, mean, m2, m3, m4)
@@ -1344,8 +1329,8 @@ def rows(tensors: Sequence[torch.Tensor], *, fmt=None, scale=None, center=None, 
     receives tensor i's row at ``index[i]``, merged into the row there where ``merge[i]``; without ``out``
     a new ``[len(tensors), WIDTH]`` tensor is returned (``out`` is returned either way).
 
-    ``later``: the rows are merged by the next ``merge_later`` (``flush_deferred``), not by the launch's last program,
-    as ``FUSED_MERGE`` says; only for rows with no scale known before the read (no ``scale``, no
+    ``later``: the rows are merged by the next ``merge_later`` (``flush_deferred``), not by the launch's last program
+    (no serial merge at the end of the launch); only for rows with no scale known before the read (no ``scale``, no
     ``amax_history_max``: the merge launch knows none)."""
     n = len(tensors)
     if n == 0:
@@ -1358,7 +1343,6 @@ def rows(tensors: Sequence[torch.Tensor], *, fmt=None, scale=None, center=None, 
     index = list(index if index is not None else range(n))
     fmts, scales, centers = _each(fmt, n), _each(scale, n), _each(center, n, pair=True)
     ahms, merges = _each(amax_history_max, n), _each(merge, n)
-    later = later and FUSED_MERGE == "later"
     if later and any(s is not None for s in scales + ahms):
         raise ValueError("rows(later=True) takes no scale and no amax_history_max: the later merge knows no scale")
     for lo in range(0, n, MAX_TENSORS):
@@ -1399,16 +1383,14 @@ def _slots(device: torch.device, cap: int) -> int:
 
 
 def _chunk_elems(numels: list[int], device: torch.device, cap: int) -> int:
-    """Elements per program: CHUNK, or on a GPU (WAVES set) the chunk that cuts tensors of ``numels`` elements into
-    at most WAVES programs per slot, a whole number of [ROWS, 8] tiles (so every start stays 16-byte aligned).
-    Each tensor's last chunk may be partial, so k tensors need up to k programs more than total / chunk: the
-    chunk is sized for target - k programs. (Sized for target, 20 mixed tensors with the histogram took 1346 us
-    against 1160 us with fixed 64k-element chunks on an H200; a second wave of a few programs is the inferred
-    cause. This sizing was not measured on a GPU.)"""
-    if device.type != "cuda" or WAVES is None:
+    """Elements per program: CHUNK, or on a GPU the chunk that cuts tensors of ``numels`` elements into at most one
+    program per slot, a whole number of [ROWS, 8] tiles (so every start stays 16-byte aligned). Each tensor's last
+    chunk may be partial, so k tensors need up to k programs more than total / chunk: the chunk is sized for
+    target - k programs (a second wave of a few programs costs more than smaller chunks)."""
+    if device.type != "cuda":
         return CHUNK
     tile = ROWS * 8
-    target = max(1, int(_slots(device, cap) * WAVES))
+    target = _slots(device, cap)
     k = len(numels)
     per = -(-sum(numels) // (target - k if 2 * k <= target else target))
     return max(tile, min(CHUNK, -(-per // tile) * tile))
@@ -1439,7 +1421,7 @@ def _launch_once(tensors, fmts, scales, centers, k, ahms, hist, out, index, merg
                  later: bool = False) -> None:
     """One launch of ``_stats_kernel`` (``rows``). ``aouts``: per tensor None, or the fp32 device tensor that
     receives its finite amax; such a tensor's scale is that of its current-scaling cast (``cast_row``). ``later``:
-    the rows are merged by the next ``merge_later`` (``CAST_MERGE``), and an amax goes to the ``epoch_words`` given
+    the rows are merged by the next ``merge_later``, and an amax goes to the ``epoch_words`` given
     as its ``aouts``."""
     keep = []  # what the device reads by address: alive until the launch is queued
     table = bytearray(_ROW.size * len(tensors))
@@ -1505,7 +1487,6 @@ def _launch_once(tensors, fmts, scales, centers, k, ahms, hist, out, index, merg
     _stats_kernel[(nwork_total,)](tab, len(tensors), part, counters(device), out, part if trace is None else trace,
                                   HIST=bool(hist), R=ROWS, TRACE=trace is not None,
                                   NARROW=chunk * P_BLOCK < 2**31, LATER=later,
-                                  HTF=bool(hist) and SMEM_HIST and EXPONENT_ROWS, USPLIT=SPLIT_UNSCALED,
                                   num_warps=NUM_WARPS, **opts)
     if trace is not None:
         _trace.append(trace)
@@ -1517,12 +1498,9 @@ def _launch_once(tensors, fmts, scales, centers, k, ahms, hist, out, index, merg
             merge_later()
 
 
-# How a current-scaled cast's row is merged (``cast_row``): "later", by ``merge_later`` (``flush_deferred`` calls it:
-# the agent, before it takes a step's rows), in one launch for all rows waiting; the launch before the cast has no
-# counter and no last program, and hands the cast the amax through the ``epoch_words``. "last", by that launch's
-# last program, which hands the cast the amax (the serial tail of every cast's statistics launch: set-up of the
-# merge, loads of the partials, the reduction, the row; ~5 us of a 124M cast's ~12 us on an H200).
-CAST_MERGE = os.environ.get("FP8MON_CAST_MERGE", "later")
+# A current-scaled cast's row is merged by ``merge_later`` (``flush_deferred`` calls it: the agent, before it takes a
+# step's rows), in one launch for all rows waiting: the statistics launch before the cast has no counter and no last
+# program (whose merge would be a serial tail of every cast), and hands the cast the amax through the ``epoch_words``.
 MAX_LATER = 1024  # rows waiting for ``merge_later`` at most (their partials stay allocated): then merged at once
 _MROW = struct.Struct("<8q")  # part address, its stride, first program, programs, row address, merge, smode, format
 assert _MROW.size == MTABW * 8
@@ -1533,11 +1511,6 @@ _later_dsts: set = set()  # (row buffer address, index) of the rows waiting
 _later_lock = threading.Lock()
 
 
-# How a row is merged where its launcher allows it (``epilogue_args``' ``later``: the consumer kernels of
-# trainer/kernels; ``rows(later=True)``: the agent's launches of rows with no scale known before the read): "later",
-# by ``merge_later`` as a current-scaled cast's (``CAST_MERGE``), or "last", by the launch's last program, whose merge
-# is the launch's serial tail.
-FUSED_MERGE = os.environ.get("FP8MON_FUSED_MERGE", "later")
 
 
 def _queue_merge(part: torch.Tensor, stride: int, first: int, nwork: int, rows: torch.Tensor, index: int, hist: bool,
@@ -1586,7 +1559,7 @@ def center_fields(c, device) -> tuple[torch.Tensor | None, float, float]:
 
 
 def merge_later() -> None:
-    """Merge the rows that launches left in their partials (``CAST_MERGE``, ``FUSED_MERGE``): one launch per device
+    """Merge the rows that launches left in their partials (``later`` launches): one launch per device
     and histogram setting."""
     if not _later:
         return
@@ -1635,10 +1608,9 @@ class _Staging:
         with self.lock:
             if self.arena is None:
                 self.arena = torch.empty(CAPTURE_STAGING_WORDS, dtype=torch.int64, pin_memory=True)
-                if CAPTURED_TABLES == "side":
-                    self.dev_arena = torch.empty(CAPTURE_STAGING_WORDS, dtype=torch.int64, device=self.device)
-                    self.side = torch.cuda.Stream(self.device)
-                    self.side_event = torch.cuda.Event()
+                self.dev_arena = torch.empty(CAPTURE_STAGING_WORDS, dtype=torch.int64, device=self.device)
+                self.side = torch.cuda.Stream(self.device)
+                self.side_event = torch.cuda.Event()
             slot = None
             for j in range(len(self.bufs)):
                 i = (self.next + j) % len(self.bufs)
@@ -1670,10 +1642,6 @@ class _Staging:
             words = slice(self.arena_used, self.arena_used + n)
             self.arena_used += n
             host.numpy()[:] = np.frombuffer(data, dtype="<i8")
-            if self.dev_arena is None:  # CAPTURED_TABLES = "graph": the copy is a node of the graph
-                dev = torch.empty(n, dtype=torch.int64, device=self.device)
-                dev.copy_(host, non_blocking=True)
-                return dev
             dev = self.dev_arena[words]
             with torch.cuda.stream(self.side):
                 dev.copy_(host, non_blocking=True)
@@ -1689,9 +1657,6 @@ class _Staging:
 # launch of T tensors takes 20*T words (``_ROW``); 4 MiB holds ~26k tensors' launches, far more than a few graphs
 # of a whole step.
 CAPTURE_STAGING_WORDS = 1 << 19
-# How a captured launch's table reaches the device: "side", once, by a copy outside the graph (``_Staging``);
-# "graph", by a copy node in the graph at every replay (as before; FP8MON_CAPTURED_TABLES=graph, for benches).
-CAPTURED_TABLES = os.environ.get("FP8MON_CAPTURED_TABLES", "side")
 _staging: dict = {}
 
 
@@ -1786,20 +1751,18 @@ def flush_deferred() -> None:
     merge_later()
 
 
-def cast_row(x: torch.Tensor, fmt, target: "Target", amax_out: torch.Tensor) -> torch.Tensor | None:
+def cast_row(x: torch.Tensor, fmt, target: "Target") -> torch.Tensor:
     """The statistics of x, about to be cast with current scaling, into ``target``'s row, by the standalone
     kernel in place of the cast's amax pass (it reads x once, as that pass does). The row's scale is the one that
     cast computes from x's finite amax (quantize's ``_scale_from_amax``), overflow is 0 (exact under that scale), and
     underflow is left at 0 for the cast, which counts it at that scale and adds it to the row
     (``quantize_transpose``'s ``COUNT``). The rows deferred on x's device (``defer``) are written by the same launch.
 
-    With ``CAST_MERGE = "later"`` the row is complete after the next ``flush_deferred``, and this returns the
-    ``epoch_words`` that hold x's amax for the cast. Else the amax goes into ``amax_out`` (fp32 on x's device, at least
-    one element) and this returns None."""
-    later = CAST_MERGE == "later"
-    word = epoch_words(x.device) if later else amax_out
-    _launch_items([(x, target, by_name(fmt).name, word)] + _take_deferred(x.device), x.device, later=later)
-    return word if later else None
+    The row is complete after the next ``flush_deferred``; this returns the ``epoch_words`` that hold x's amax for
+    the cast."""
+    word = epoch_words(x.device)
+    _launch_items([(x, target, by_name(fmt).name, word)] + _take_deferred(x.device), x.device, later=True)
+    return word
 
 
 _epochs: dict = {}
@@ -1864,14 +1827,13 @@ def epilogue_args(target: Target | None, programs: int, like: torch.Tensor, suff
     last program counts on the device's counter row ``counter_row`` (two targets of one launch need two).
 
     ``later``: ``programs`` is the launch's grid exactly, which is launched next, and the row may be merged by the next
-    ``merge_later`` rather than by the launch's last program (``FUSED_MERGE``). (A launch's second target must not
+    ``merge_later`` rather than by the launch's last program. (A launch's second target must not
     ask: its registration may merge the rows waiting, the first target's among them, before the launch.)"""
     if target is None:
         args = dict(sp_ptr=like, ctr_ptr=like, dst_ptr=like, dst_index=0, merge=0, cen_ptr=like, c_mean=0.0,
                     c_std=0.0, k=0.0, ahm_ptr=like, ahm_val=0.0, STATS=False, C_PTR=False, AHM_PTR=False,
                     HIST=False, SMODE=0, FMAX=448.0, UTHR=0.0)
     else:
-        later = later and FUSED_MERGE == "later"
         args = fused_args(target, programs, like.device, later)
         args["cen_ptr"] = args.pop("c_ptr")
         args["ctr_ptr"] = args["ctr_ptr"][counter_row]

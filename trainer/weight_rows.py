@@ -158,12 +158,8 @@ def _pop_cast(module, agent, weight: torch.Tensor, dtype: torch.dtype):
 
 
 def _launch_casts(agent, device: torch.device, dtype: torch.dtype) -> None:
-    from fp8mon.agent import triton_stats as ts
-
     from .kernels import weight_casts as wc
 
-    if ts.FUSED_MERGE != "later":  # the batch leaves every row to merge_later
-        return
     modules, weights, targets = [], [], []
     for module in list(_cast_layers.get(agent, ())):
         link, weight = getattr(module, "fp8mon_stats", None), module.weight

@@ -515,7 +515,7 @@ def test_a_layers_backward_sites_share_one_launch_and_a_frozen_weight_loses_no_g
         opt.zero_grad(set_to_none=True)
         agent.log(step)
         if step == 0:
-            # 8 forward launches, the first with every layer's weight (agent.core.WEIGHTS_TOGETHER), 8 backward ones
+            # 8 forward launches, the first with every layer's weight, 8 backward ones
             assert launches == [3 + 7] + [2] * 7 + [2] * 8
     ref.step = 4
     lm_loss(model, batches(1, seed=8)[0]).backward()
@@ -533,37 +533,31 @@ def test_a_layers_backward_sites_share_one_launch_and_a_frozen_weight_loses_no_g
 
 
 def test_a_steps_weights_are_read_in_the_first_forwards_launch_even_of_a_layer_that_does_not_run(monkeypatch):
-    """fp8mon.agent.core.WEIGHTS_TOGETHER: the first hooked forward that reads a weight reads every due watched weight in the
-    same launch, a layer whose forward did not run that step included (its weight's row is still that step's), and
-    a layer in eval mode is left out; off, each forward reads its own weight."""
-    from fp8mon.agent import core
+    """The first hooked forward that reads a weight reads every due watched weight in the same launch, a layer whose
+    forward did not run that step included (its weight's row is still that step's), and a layer in eval mode is left
+    out."""
     from fp8mon.agent import device_stats as ds
     from fp8mon.agent import triton_stats as ts
 
-    for together in (True, False):
-        monkeypatch.setattr(core, "WEIGHTS_TOGETHER", together)
-        torch.manual_seed(2)
-        model = torch.nn.ModuleDict({n: torch.nn.Linear(8, 8) for n in ("a", "b", "skipped", "frozen_eval")})
-        model["frozen_eval"].eval()
-        cap = CaptureTransport()
-        agent = Agent(transport=cap, every=1, sites=("weight",)).watch(model)
-        launches = []
-        monkeypatch.setattr(ts, "rows", _rows_counting(launches))
-        monkeypatch.setattr(agent, "_triton_for", lambda x: True)
-        x = torch.randn(4, 8)
-        model["b"](model["a"](x))  # "skipped" and "frozen_eval" do not run
-        agent.log(0)
-        agent.close()
-        rec = cap.records()
-        layers = sorted(layer for (_, layer, site, _) in rec if site == "weight")
-        if together:
-            assert launches == [3] and layers == ["a", "b", "skipped"]
-            w = model["skipped"].weight.detach()
-            rms = float(w.double().pow(2).mean().sqrt())
-            assert math.isclose(rec[(0, "skipped", "weight", 0)]["rms"], rms, rel_tol=1e-9)
-            assert ds.partials(w)[ds.NUMEL] == rec[(0, "skipped", "weight", 0)]["numel"]
-        else:
-            assert launches == [1, 1] and layers == ["a", "b"]
+    torch.manual_seed(2)
+    model = torch.nn.ModuleDict({n: torch.nn.Linear(8, 8) for n in ("a", "b", "skipped", "frozen_eval")})
+    model["frozen_eval"].eval()
+    cap = CaptureTransport()
+    agent = Agent(transport=cap, every=1, sites=("weight",)).watch(model)
+    launches = []
+    monkeypatch.setattr(ts, "rows", _rows_counting(launches))
+    monkeypatch.setattr(agent, "_triton_for", lambda x: True)
+    x = torch.randn(4, 8)
+    model["b"](model["a"](x))  # "skipped" and "frozen_eval" do not run
+    agent.log(0)
+    agent.close()
+    rec = cap.records()
+    layers = sorted(layer for (_, layer, site, _) in rec if site == "weight")
+    assert launches == [3] and layers == ["a", "b", "skipped"]
+    w = model["skipped"].weight.detach()
+    rms = float(w.double().pow(2).mean().sqrt())
+    assert math.isclose(rec[(0, "skipped", "weight", 0)]["rms"], rms, rel_tol=1e-9)
+    assert ds.partials(w)[ds.NUMEL] == rec[(0, "skipped", "weight", 0)]["numel"]
 
 
 def test_grad_weights_of_a_backward_pass_are_one_launch_and_the_last_pass_wins(monkeypatch):

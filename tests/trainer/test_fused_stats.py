@@ -38,20 +38,18 @@ def _child(names: list[str]) -> None:
     def kernels(delayed):
         """(name, function) of the fused kernels; quantize_transpose under current scaling once per way its row is
         made (``CURRENT_STATS``: the standalone kernel in place of the amax pass, or the cast's statistics variant)."""
-        def with_mode(mode, merge="later"):
+        def with_mode(mode):
             def fn(*args, **kw):
                 old, qt_module.CURRENT_STATS = qt_module.CURRENT_STATS, mode
-                old_merge, ts.CAST_MERGE = ts.CAST_MERGE, merge
                 try:
                     return quantize_transpose(*args, **kw)
                 finally:
-                    qt_module.CURRENT_STATS, ts.CAST_MERGE = old, old_merge
+                    qt_module.CURRENT_STATS = old
             return fn
 
         yield "quantize", quantize
         yield "quantize_transpose", with_mode("row")
-        if not delayed:  # the row merged by the statistics launch's last program, which hands the cast the amax
-            yield "quantize_transpose_last", with_mode("row", "last")
+        if not delayed:
             yield "quantize_transpose_cast", with_mode("cast")
 
     torch.set_num_threads(1)
@@ -81,7 +79,7 @@ def _child(names: list[str]) -> None:
                         if not (same_bits(r.data, plain.data) and same_bits(r.data_t, plain.data_t)
                                 and torch.equal(r.meta[int(delayed):], plain.meta[int(delayed):])):
                             problems.append("FP8 data or scale differ with stats on")
-                        ts.flush_deferred()  # a current-scaled cast's row is merged later (ts.CAST_MERGE)
+                        ts.flush_deferred()  # a current-scaled cast's row is merged later
                         standalone = ts.partials(x, fmt=fmt, scale=r.scale, center=center,
                                                  amax_history_max=tgt.amax_history_max)
                         problems.append(row_problems(tgt.rows[0], standalone, rtol=1e-6))
@@ -294,35 +292,26 @@ def _child(names: list[str]) -> None:
         emit("fp8_linear_agent_cached", problem)
 
     def fp8_linear_agent_grown():
-        # rows merged later (ts.CAST_MERGE) equal rows merged by their launch's last program, bit for bit, on a model
-        # whose 20 slots outgrow the agent's first step buffer (16 rows) in the middle of its first step: the rows
-        # waiting for their merge must land before the buffer moves
+        # rows merged later land on a model whose 20 slots outgrow the agent's first step buffer (16 rows) in the
+        # middle of its first step: the rows waiting for their merge must land before the buffer moves
         sys.path.insert(0, str(ROOT / "bench"))
         from stats_check import agent_rows
         from fp8mon.trainer.fp8_linear import Fp8Linear
 
-        got = {}
-        for merge in ("later", "last"):
-            torch.manual_seed(6)
-            model = torch.nn.Sequential(*[m for _ in range(2) for m in (Fp8Linear(32, 48), torch.nn.GELU(),
-                                                                         Fp8Linear(48, 32))])
-            for m in model:
-                if isinstance(m, Fp8Linear):
-                    m.backend = "triton"
-            xs = [torch.randn(2, 8, 32) * (1 + i) for i in range(4)]
-            old, ts.CAST_MERGE = ts.CAST_MERGE, merge
-            try:
-                got[merge] = agent_rows(model, lambda step, micro: xs[2 * step + micro], 2, "cpu", fused=True,
-                                        stats_backend="triton")
-            finally:
-                ts.CAST_MERGE = old
-        (later, keys), (last, keys2) = got["later"], got["last"]
-        problem = "" if sorted(keys) == sorted(keys2) and len(keys) == 20 else f"slots {keys} vs {keys2}"
-        order = [keys2.index(k) for k in keys]  # (the weights' slots may be claimed in another order)
+        torch.manual_seed(6)
+        model = torch.nn.Sequential(*[m for _ in range(2) for m in (Fp8Linear(32, 48), torch.nn.GELU(),
+                                                                     Fp8Linear(48, 32))])
+        for m in model:
+            if isinstance(m, Fp8Linear):
+                m.backend = "triton"
+        xs = [torch.randn(2, 8, 32) * (1 + i) for i in range(4)]
+        rows, keys = agent_rows(model, lambda step, micro: xs[2 * step + micro], 2, "cpu", fused=True,
+                                stats_backend="triton")
+        problem = "" if len(keys) == 20 else f"slots {keys}"
         for step in range(2):
-            a, b = later[step].nan_to_num(-1.0), last[step][order].nan_to_num(-1.0)
-            if not torch.equal(a, b):
-                problem += f" step {step}: rows differ at {(a != b).nonzero().tolist()[:4]}"
+            empty = (rows[step][:, 0] <= 0).nonzero().flatten().tolist()  # a row that never landed counts nothing
+            if empty:
+                problem += f" step {step}: rows {empty} empty"
         emit("fp8_linear_agent_grown", problem)
 
     def clip_from_rows():

@@ -328,10 +328,8 @@ def quantize_transpose(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tenso
     if stats is not None and scale is None and CURRENT_STATS == "row":
         amax_in = meta
         if amax_ready is None:
-            # x's amax into meta[0], read back as the cast's one partial; or, the row merged later, into the
-            # epoch words (triton_stats.CAST_MERGE)
-            amax_in = ts.cast_row(x, fmt, stats, meta)
-            amax_in = meta if amax_in is None else amax_in
+            # x's amax into the epoch words; the row is merged later
+            amax_in = ts.cast_row(x, fmt, stats)
         else:
             meta = amax_in = amax_ready
         # (program (0, 0) stores meta[0] = amax, maybe again while the others read it: the same bits)
