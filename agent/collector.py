@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import device_stats as ds
+from .stats import torch_path as ds
 from .wire import TENSOR_STATS
 
 log = logging.getLogger("fp8mon.agent")

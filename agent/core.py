@@ -48,14 +48,14 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from . import device_stats as ds
+from .stats import torch_path as ds
 from . import distributed
-from . import triton_stats as ts
+from .stats import launch as ts
 from .collector import Collector, Job
 from .formats import Fp8Format, by_name
 from .hooks import LayerHooks, select_modules
 from .pack import AmaxHistory, Slots, StepPack, _grown
-from .stats import Moments
+from .stats.reference import Moments
 from . import wire
 from .wire import SITES
 

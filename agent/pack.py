@@ -7,8 +7,8 @@ import threading
 
 import torch
 
-from . import device_stats as ds
-from . import triton_stats
+from .stats import torch_path as ds
+from .stats import launch as triton_stats
 
 
 class Slots:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from fp8mon.agent import device_stats as ds  # noqa: E402
+from fp8mon.agent.stats import torch_path as ds  # noqa: E402
 from fp8mon.agent.collector import Collector, Job  # noqa: E402
 
 SITES = ("input", "weight", "output", "grad_output", "grad_weight")

@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--host", action="store_true", help="host time per call instead of device time")
     args = p.parse_args(argv)
-    from fp8mon.agent import triton_stats as ts
+    from fp8mon.agent.stats import launch as ts
     from fp8mon.trainer.kernels import fp8_gemm
     from fp8mon.trainer.kernels.fp8_gemm import _fp8_gemm_tma_kernel
     from fp8mon.trainer.kernels.timing import _medians, device_medians

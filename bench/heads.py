@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from fp8mon.agent import triton_stats as ts  # noqa: E402
+from fp8mon.agent.stats import launch as ts  # noqa: E402
 from bench.stats_kernel_time import timed  # noqa: E402
 from bench.variants import applied, parse_all  # noqa: E402
 from fp8mon.trainer.kernels import heads  # noqa: E402

@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     driver.set_active(_Sm90())
     sys.path.insert(0, str(ROOT))
     qt = importlib.import_module("fp8mon.trainer.kernels.quantize_transpose")
-    ts = importlib.import_module("fp8mon.agent.triton_stats")
+    ts = importlib.import_module("fp8mon.agent.stats.launch")
     built: dict = {}
     if args.launch_check:
         hists = (True,) if args.histogram_only else (False, True)

@@ -34,7 +34,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fp8mon.agent import triton_stats as ts  # noqa: E402
+from fp8mon.agent.stats import launch as ts  # noqa: E402
 import importlib  # noqa: E402
 QT = importlib.import_module("fp8mon.trainer.kernels.quantize_transpose")
 

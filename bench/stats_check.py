@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from fp8mon.agent import device_stats as ds  # noqa: E402
-from fp8mon.agent import triton_stats as ts  # noqa: E402
+from fp8mon.agent.stats import torch_path as ds  # noqa: E402
+from fp8mon.agent.stats import launch as ts  # noqa: E402
 
 FAILS = []
 SYNC_MODELS = True  # --no-sync-models: the sync check skips the agent step on a small model

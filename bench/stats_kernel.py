@@ -19,8 +19,8 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from fp8mon.agent import device_stats as ds  # noqa: E402
-from fp8mon.agent import triton_stats as ts  # noqa: E402
+from fp8mon.agent.stats import torch_path as ds  # noqa: E402
+from fp8mon.agent.stats import launch as ts  # noqa: E402
 
 MiB = 1 << 20
 

@@ -30,7 +30,7 @@ import triton
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from fp8mon.agent import triton_stats as ts  # noqa: E402
+from fp8mon.agent.stats import launch as ts  # noqa: E402
 from bench.variants import applied, parse_all  # noqa: E402
 
 MiB = 1 << 20

@@ -28,7 +28,7 @@ import weakref
 
 import torch
 
-from fp8mon.agent import triton_stats
+from fp8mon.agent.stats import launch as triton_stats
 
 BATCH = os.environ.get("FP8MON_BATCH_WEIGHT_ROWS", "1") != "0"  # "0": each weight cast takes its own row (benches)
 

@@ -13,9 +13,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp8mon.agent import Agent
-from fp8mon.agent import device_stats as ds
+from fp8mon.agent.stats import torch_path as ds
 from fp8mon.agent.formats import by_name, delayed_scale
-from fp8mon.agent.stats import Moments, merge_moments
+from fp8mon.agent.stats.reference import Moments, merge_moments
 from fp8mon.agent.wire import LOG2_HIST_LO, SITES, TENSOR_STATS
 from tests.agent.capture import CaptureTransport
 
@@ -459,7 +459,7 @@ def _tiny_lm_watched_every_step(seed: int):
 def test_auto_backend_falls_back_to_torch_when_the_triton_statistics_fail(monkeypatch):
     """stats_backend="auto": a Triton statistics launch that fails (say, a kernel that does not compile on
     this GPU) is one counted error, and that step's rows and all later ones come from the torch path."""
-    from fp8mon.agent import triton_stats as ts
+    from fp8mon.agent.stats import launch as ts
 
     model, ref, cap, agent = _tiny_lm_watched_every_step(seed=3)
     calls = []
@@ -481,7 +481,7 @@ def test_auto_backend_falls_back_to_torch_when_the_triton_statistics_fail(monkey
 
 def _rows_counting(launches: list):
     """A torch stand-in for ``triton_stats.rows`` that records each launch's tensor count."""
-    from fp8mon.agent import device_stats as ds
+    from fp8mon.agent.stats import torch_path as ds
 
     def rows(tensors, *, fmt, scale, center, outlier_k, amax_history_max, hist, out, index, merge, later=False):
         launches.append(len(tensors))
@@ -498,7 +498,7 @@ def test_a_layers_backward_sites_share_one_launch_and_a_frozen_weight_loses_no_g
     produces it next): the five sites cost two statistics launches per layer and step, not three. A weight
     frozen after watch() sends no grad_weight; its layer's waiting grad_output is then observed alone, in
     its own step."""
-    from fp8mon.agent import triton_stats as ts
+    from fp8mon.agent.stats import launch as ts
 
     model, ref, cap, agent = _tiny_lm_watched_every_step(seed=5)
     launches = []
@@ -536,8 +536,8 @@ def test_a_steps_weights_are_read_in_the_first_forwards_launch_even_of_a_layer_t
     """The first hooked forward that reads a weight reads every due watched weight in the same launch, a layer whose
     forward did not run that step included (its weight's row is still that step's), and a layer in eval mode is left
     out."""
-    from fp8mon.agent import device_stats as ds
-    from fp8mon.agent import triton_stats as ts
+    from fp8mon.agent.stats import torch_path as ds
+    from fp8mon.agent.stats import launch as ts
 
     torch.manual_seed(2)
     model = torch.nn.ModuleDict({n: torch.nn.Linear(8, 8) for n in ("a", "b", "skipped", "frozen_eval")})
@@ -564,7 +564,7 @@ def test_grad_weights_of_a_backward_pass_are_one_launch_and_the_last_pass_wins(m
     """Only grad_weight watched (an FP8 model's other sites come from its fused kernels): each backward pass
     observes every layer's .grad in one launch at its end (outside a pass, at once), and with two micro-batches the
     step's row is the summed gradient the optimizer sees."""
-    from fp8mon.agent import triton_stats as ts
+    from fp8mon.agent.stats import launch as ts
 
     torch.manual_seed(7)
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])

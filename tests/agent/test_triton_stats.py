@@ -1,4 +1,4 @@
-"""The one-pass Triton statistics (agent/triton_stats.py) against the torch path (device_stats.partials,
+"""The one-pass Triton statistics (fp8mon.agent.stats.launch) against the torch path (stats.torch_path.partials,
 itself tested against the fp64 oracle), on the CPU in Triton's interpreter.
 
 ``TRITON_INTERPRET=1`` only takes effect for kernels defined after it is set, so the checks run in one
@@ -53,20 +53,22 @@ def _cases(torch):
 def _child(names: list[str]) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(ROOT / "tests" / "agent"))
     sys.path.insert(0, str(ROOT / "tests"))
     from interpreter_child import emit, run_each
     import torch
     from torch import nn
 
     from fp8mon.agent import Agent
-    from fp8mon.agent import device_stats as ds
-    from fp8mon.agent import triton_stats as ts
-    from stats_check import bf16_pairs as bf16_pairs_cases
-    from stats_check import row_problems
+    from fp8mon.agent.stats import torch_path as ds
+    from fp8mon.agent.stats import launch as ts
+    from fp8mon.agent.stats.engine import engine
+    from rowcheck import bf16_pairs as bf16_pairs_cases
+    from rowcheck import row_problems
 
     torch.set_num_threads(1)
-    ts.CHUNK, ts.ROWS = 4096, 128  # several programs per tensor (5000 elements: 2), several tiles per program
+    cpu = engine("cpu")
+    cpu.chunk, cpu.tile_rows = 4096, 128  # several programs per tensor (5000 elements: 2), several tiles per program
 
     def rows_vs_torch():
         for i, (case, x) in enumerate(_cases(torch).items()):
@@ -169,8 +171,8 @@ def _child(names: list[str]) -> None:
         g = torch.Generator().manual_seed(2)
         x = (torch.randn(30011, generator=g) * 3 + 1).to(torch.bfloat16)
         x[7] = 0.0
-        chunk = ts.CHUNK
-        ts.CHUNK = 512  # 59 programs
+        chunk = cpu.chunk
+        cpu.chunk = 512  # 59 programs
         try:
             s = torch.tensor(3.0)
             emit("many_partials:scale", row_problems(ts.partials(x, fmt="e4m3", scale=s),
@@ -179,16 +181,16 @@ def _child(names: list[str]) -> None:
             emit("many_partials:delayed_no_hist", row_problems(
                 got, ds.partials(x, fmt="e5m2", amax_history_max=2.5, hist=False, outlier_center=NO_CENTER)))
         finally:
-            ts.CHUNK = chunk
+            cpu.chunk = chunk
 
     def far_first_partial():
         """The merge shifts every partial's moments to partial 0's mean; where that mean is far from the grand
         mean in units of the std (a first chunk all NaN), it merges again about the grand mean. A step between
         the first chunk and the rest stays within the shift's bound (about 1.4 std here) and takes one round."""
         g = torch.Generator().manual_seed(3)
-        body = torch.randn(2 * ts.CHUNK, generator=g, dtype=torch.float64) + 1e4
-        for name, head in (("nan_first_chunk", torch.full((ts.CHUNK,), float("nan"), dtype=torch.float64)),
-                           ("step_between_chunks", torch.randn(ts.CHUNK, generator=g, dtype=torch.float64) * 1e-3)):
+        body = torch.randn(2 * cpu.chunk, generator=g, dtype=torch.float64) + 1e4
+        for name, head in (("nan_first_chunk", torch.full((cpu.chunk,), float("nan"), dtype=torch.float64)),
+                           ("step_between_chunks", torch.randn(cpu.chunk, generator=g, dtype=torch.float64) * 1e-3)):
             x = torch.cat([head, body]).float()
             emit(f"far_first_partial:{name}", row_problems(ts.partials(x, hist=False),
                                                            ds.partials(x, hist=False, outlier_center=NO_CENTER)))
@@ -310,29 +312,27 @@ if __name__ == "__main__":
 
 def test_table_row_is_packed_in_the_kernel_field_order():
     """The launcher packs a tensor's table row as bytes; the kernel reads its fields at the _T_* indices."""
-    import operator
-
     import numpy as np
 
-    from fp8mon.agent import triton_stats as ts
+    from fp8mon.agent.stats import layout
 
-    buf = bytearray(ts._ROW.size)
-    ts._ROW.pack_into(buf, 0, 101, 102, 1, 104, 105, 106, 1, 2, 109, 0.5, 111, -1.25, 3.5, 113, 7.0, 2, 6.0, 117, 0, 0)
+    buf = bytearray(layout.TABLE_ROW.size)
+    layout.TABLE_ROW.pack_into(buf, 0, 101, 102, 1, 104, 105, 106, 1, 2, 109, 0.5, 111, -1.25, 3.5, 113, 7.0, 2, 6.0, 117, 0, 0)
     q, d = np.frombuffer(bytes(buf), "<i8"), np.frombuffer(bytes(buf), "<f8")
     want_int = {"ADDR": 101, "NUMEL": 102, "CODE": 1, "FIRST": 104, "NWORK": 105, "DST": 106, "MERGE": 1, "SMODE": 2,
                 "SCALE_ADDR": 109, "CENTER_ADDR": 111, "AHM_ADDR": 113, "FMT": 2, "CHUNK": 117}
     want_float = {"SCALE": 0.5, "MEAN": -1.25, "STD": 3.5, "AHM": 7.0, "K": 6.0}
     for name, v in want_int.items():
-        assert q[operator.index(getattr(ts, f"_T_{name}"))] == v, name
+        assert q[getattr(layout, f"T_{name}")] == v, name
     for name, v in want_float.items():
-        assert d[operator.index(getattr(ts, f"_T_{name}"))] == v, name
-    assert len(q) == ts.TABW
+        assert d[getattr(layout, f"T_{name}")] == v, name
+    assert len(q) == layout.TABW
 
 
 def test_per_tensor_lists_of_two():
     """Two tensors, two per-tensor values: a list of two merge flags or scales is one value per tensor; only
     ``center`` reads two numbers as one (mean, std) for all (a replaced grad_weight row was once merged)."""
-    from fp8mon.agent.triton_stats import _each
+    from fp8mon.agent.stats.launch import each as _each
 
     assert _each([True, False], 2) == [True, False]
     assert _each([2.0, 3.0], 2) == [2.0, 3.0]
@@ -345,14 +345,17 @@ def test_rows_into_one_row_go_to_launches_in_their_order(monkeypatch):
     """A launch's programs run in any order on a GPU: the tensors of one launch whose rows are the same row (a
     deferred micro-batch's tensor and the next one's, merged into it) go to successive launches, in their order, each
     launch writing a row at most once."""
-    from fp8mon.agent import triton_stats as ts
+    import torch
+
+    from fp8mon.agent.stats.engine import Engine
 
     launched = []
-    monkeypatch.setattr(ts, "_launch_once", lambda tensors, fmts, scales, centers, k, ahms, hist, out, index, merges,
-                        device, aouts, later: launched.append((list(tensors), list(index), list(merges))))
+    monkeypatch.setattr(Engine, "launch_once", lambda self, tensors, fmts, scales, centers, k, ahms, hist, out, index,
+                        merges, aouts, later: launched.append((list(tensors), list(index), list(merges))))
+    cpu = Engine(torch.device("cpu"))
     names, index, merges = ["a", "b", "a2", "c", "b2"], [3, 5, 3, 7, 5], [False, False, True, False, True]
-    ts._launch(names, [None] * 5, [None] * 5, [None] * 5, 6.0, [None] * 5, False, None, index, merges, "cpu")
+    cpu.launch(names, [None] * 5, [None] * 5, [None] * 5, 6.0, [None] * 5, False, None, index, merges)
     assert launched == [(["a", "b"], [3, 5], [False, False]), (["a2", "c", "b2"], [3, 7, 5], [True, False, True])]
     launched.clear()
-    ts._launch(names[:2], [None] * 2, [None] * 2, [None] * 2, 6.0, [None] * 2, False, None, [3, 5], merges[:2], "cpu")
+    cpu.launch(names[:2], [None] * 2, [None] * 2, [None] * 2, 6.0, [None] * 2, False, None, [3, 5], merges[:2])
     assert launched == [(["a", "b"], [3, 5], [False, False])]

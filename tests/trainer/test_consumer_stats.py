@@ -29,8 +29,8 @@ def _child(names: list[str]) -> None:
     from interpreter_child import emit, run_each
     import torch
 
-    from fp8mon.agent import device_stats as ds
-    from fp8mon.agent import triton_stats as ts
+    from fp8mon.agent.stats import torch_path as ds
+    from fp8mon.agent.stats import launch as ts
     from stats_check import row_problems
     from fp8mon.trainer.kernels.swiglu import swiglu, swiglu_ref
 
@@ -840,7 +840,7 @@ def test_casts_with_rows_names_the_tensors_it_cannot_take_and_launches_nothing()
     such weights to their own casts)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")
-    from fp8mon.agent import triton_stats as ts
+    from fp8mon.agent.stats import launch as ts
     from fp8mon.trainer.kernels.weight_casts import castable, casts_with_rows, weight_casts
 
     target = ts.Target.new("cpu", fmt="e4m3")

@@ -27,8 +27,8 @@ def _child(names: list[str]) -> None:
     from interpreter_child import emit, run_each
     import torch
 
-    from fp8mon.agent import device_stats as ds
-    from fp8mon.agent import triton_stats as ts
+    from fp8mon.agent.stats import torch_path as ds
+    from fp8mon.agent.stats import launch as ts
     from stats_check import row_problems
     from fp8mon.trainer.kernels import quantize, quantize_transpose
     from fp8mon.trainer.kernels.quantize import stats_ref
@@ -168,7 +168,9 @@ def _child(names: list[str]) -> None:
         import fp8mon.trainer.kernels as kernels
 
         real, fused_calls = kernels.fp8_gemm, []
-        real_defer, deferred, real_launch, launches = ts.defer, [], ts._launch, []
+        from fp8mon.agent.stats.engine import Engine, engine
+
+        real_defer, deferred, real_launch, launches = ts.defer, [], Engine.launch, []
         real_cast_rows, weight_batches = ts.cast_rows, []
 
         def spy(*args, stats=None, **kw):  # which GEMMs carried the statistics epilogue
@@ -179,27 +181,27 @@ def _child(names: list[str]) -> None:
             deferred.append(x.shape)
             return real_defer(x, target)
 
-        def launch_spy(tensors, *args, **kw):  # tensors per statistics launch
+        def launch_spy(self, tensors, *args, **kw):  # tensors per statistics launch
             launches.append(len(tensors))
-            return real_launch(tensors, *args, **kw)
+            return real_launch(self, tensors, *args, **kw)
 
         def cast_rows_spy(items, device):  # the weights' rows, one launch per step (trainer.weight_rows)
             weight_batches.append(len(items))
             return real_cast_rows(items, device)
 
         policy, fp8_linear.OUTPUT_STATS, kernels.fp8_gemm = fp8_linear.OUTPUT_STATS, output_stats, spy
-        ts.defer, ts._launch, ts.cast_rows = defer_spy, launch_spy, cast_rows_spy
+        ts.defer, Engine.launch, ts.cast_rows = defer_spy, launch_spy, cast_rows_spy
         try:
             got, keys = agent_rows(model, make, 2, "cpu", fused=True, stats_backend="triton")
         finally:
             fp8_linear.OUTPUT_STATS, kernels.fp8_gemm = policy, real
-            ts.defer, ts._launch, ts.cast_rows = real_defer, real_launch, real_cast_rows
+            ts.defer, Engine.launch, ts.cast_rows = real_defer, real_launch, real_cast_rows
         problem = "" if any(fused_calls) == (output_stats == "epilogue") else \
             f"statistics epilogues in {sum(fused_calls)} of {len(fused_calls)} GEMMs with OUTPUT_STATS={output_stats}"
         if output_stats == "deferred":
             # 2 steps x 2 micro-batches x 2 layers: each output joins a cast's launch (no launch of one tensor for it)
-            if len(deferred) != 8 or sum(n > 1 for n in launches) < 8 or any(ts._deferred.values()):
-                problem += f" deferred {len(deferred)} outputs, launches of {launches}, left {ts._deferred}"
+            if len(deferred) != 8 or sum(n > 1 for n in launches) < 8 or engine("cpu")._deferred:
+                problem += f" deferred {len(deferred)} outputs, launches of {launches}, left {engine('cpu')._deferred}"
         if weight_batches != [2, 2]:  # 2 steps, each with both layers' weights in its first weight cast's launch
             problem += f" weight row batches {weight_batches}, not [2, 2]"
         emit(f"{name}:path", problem)

@@ -27,8 +27,8 @@ def _child() -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     import torch
 
-    from fp8mon.agent import device_stats as ds
-    from fp8mon.agent import triton_stats as ts
+    from fp8mon.agent.stats import torch_path as ds
+    from fp8mon.agent.stats import launch as ts
     from stats_check import row_problems
     from fp8mon.trainer.kernels import fp8_gemm, fp8_gemm_ref
 
