@@ -469,7 +469,7 @@ def test_auto_backend_falls_back_to_torch_when_the_triton_statistics_fail(monkey
         raise RuntimeError("no kernel image for this GPU")
 
     monkeypatch.setattr(ts, "rows", broken)
-    monkeypatch.setattr(agent, "_triton_for", lambda x: agent.stats_backend == "auto")  # as on a GPU
+    monkeypatch.setattr(agent._sink, "_triton_for", lambda x: agent.stats_backend == "auto")  # as on a GPU
     train(model, agent, batches(3, seed=4), ref=ref)
     agent.close()
     assert len(calls) == 1 and agent.errors == 1 and "torch path" in agent.last_error
@@ -503,7 +503,7 @@ def test_a_layers_backward_sites_share_one_launch_and_a_frozen_weight_loses_no_g
     model, ref, cap, agent = _tiny_lm_watched_every_step(seed=5)
     launches = []
     monkeypatch.setattr(ts, "rows", _rows_counting(launches))
-    monkeypatch.setattr(agent, "_triton_for", lambda x: True)  # as on a GPU
+    monkeypatch.setattr(agent._sink, "_triton_for", lambda x: True)  # as on a GPU
     frozen = "blocks.1.mlp.fc2"
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for step, tokens in enumerate(batches(4, seed=6)):
@@ -546,7 +546,7 @@ def test_a_steps_weights_are_read_in_the_first_forwards_launch_even_of_a_layer_t
     agent = Agent(transport=cap, every=1, sites=("weight",)).watch(model)
     launches = []
     monkeypatch.setattr(ts, "rows", _rows_counting(launches))
-    monkeypatch.setattr(agent, "_triton_for", lambda x: True)
+    monkeypatch.setattr(agent._sink, "_triton_for", lambda x: True)
     x = torch.randn(4, 8)
     model["b"](model["a"](x))  # "skipped" and "frozen_eval" do not run
     agent.log(0)
@@ -572,11 +572,11 @@ def test_grad_weights_of_a_backward_pass_are_one_launch_and_the_last_pass_wins(m
     agent = Agent(transport=cap, every=1, sites=("grad_weight",)).watch(model)
     launches = []
     monkeypatch.setattr(ts, "rows", _rows_counting(launches))
-    monkeypatch.setattr(agent, "_triton_for", lambda x: True)  # as on a GPU
+    monkeypatch.setattr(agent._sink, "_triton_for", lambda x: True)  # as on a GPU
     for _ in range(2):
         model(torch.randn(8, 16)).square().sum().backward()
     assert launches == [4, 4]
-    agent.observe_after_backward("0", "grad_weight", model[0].weight)  # outside a backward pass: observed now
+    agent._sink.observe_after_backward("0", "grad_weight", model[0].weight)  # outside a backward pass: observed now
     assert launches == [4, 4, 1]
     grads = {str(i): m.weight.grad.double() for i, m in enumerate(model)}
     agent.log(0)

@@ -679,7 +679,7 @@ def _child(names: list[str]) -> None:
                 net = make("llama")
                 agent = Agent(transport=NullTransport(), every=1, hist_every=1, stats_backend="triton").watch(net)
                 read, shipped = [], []
-                agent.observe_after_backward = lambda layer, site, p, real=agent.observe_after_backward: (
+                agent._sink.observe_after_backward = lambda layer, site, p, real=agent._sink.observe_after_backward: (
                     read.append(layer), real(layer, site, p))
                 agent._ship = lambda step, rows, values: shipped.append(rows.clone())
                 for step in range(2):
