@@ -69,7 +69,7 @@ def partials(
     arguments. ``scale`` and ``amax_history_max`` may be numbers or (device) tensors; ``fmt`` without
     ``scale`` uses the delayed scale of ``amax_history_max`` when given (margin 0), else current scaling.
     ``outlier_center`` = (mean, std) (numbers or an fp64 tensor of 2) counts outliers against that center
-    instead of this tensor's own mean/std, as the Triton path (``triton_stats``) does; a NaN std counts none.
+    instead of this tensor's own mean/std, as the Triton path (``stats.launch``) does; a NaN std counts none.
     """
     if fmt is None and scale is not None:
         raise ValueError("a scale needs an FP8 format (fmt='e4m3' or 'e5m2')")

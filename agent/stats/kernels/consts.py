@@ -11,7 +11,7 @@ from ...wire import LOG2_HIST_BINS, LOG2_HIST_LO
 class Const(tl.constexpr):
     """A module-level constant the kernels read. On every launch Triton checks each global a kernel read
     against the value it compiled with, by ``!=``; ``tl.constexpr`` answers that with a new constexpr object
-    (with the ~27 of the standalone kernel, ~10 us of host time per launch). This answers a plain bool."""
+    (host time on every launch, for each of the standalone kernel's constants). This answers a plain bool."""
 
     def __ne__(self, other):
         return self.value != (other.value if isinstance(other, tl.constexpr) else other)

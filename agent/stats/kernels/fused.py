@@ -217,9 +217,8 @@ def stream_partial(acc, n, c, p, ok, LOAD: tl.constexpr, src, tiles, PARTS: tl.c
 # the row sums are a thread's adds and a shuffle within the row's lanes, and one flag (is the tile full and
 # finite) crosses the CTA; ``rows_partial`` reduces over the rows once per program. Each row of a tile is taken
 # in two passes over the registers (its mean, then sums of (x - mean)^k, where nothing cancels), then shifted
-# into its bucket's fp64 sums. The earlier per-tile partial reduced every statistic across the CTA and merged
-# Chan/Pebay per tile; with 128 x 256 tiles ptxas spilled up to 1592 registers, and the forward GEMM took 3-9x
-# its time without statistics (bench/gemm_stats.py, H200).
+# into its bucket's fp64 sums. (A partial per tile, every statistic reduced across the CTA and merged Chan/Pebay
+# per tile, spills registers badly on large tiles and slows the GEMM several times over.)
 
 
 @triton.jit

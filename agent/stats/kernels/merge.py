@@ -128,8 +128,8 @@ def _finalize(part, stride, nwork, ctr, dst, merge, smode, s_given, fmax, uthr, 
     # moments become power sums of (x - c0), which add, and the sums give the central moments about the grand
     # mean (``_central``); no division per partial. c0 is the first partial's mean, loaded with the rest, so
     # the merge is one round of loads and one reduction. (A tree of pairwise Chan/Pebay merges, fp64
-    # divisions at every level, made this serial tail, run by one program while the GPU idles, 25-45 us of a
-    # 60-150 us kernel; about the grand mean, which needs a reduction first, it was two rounds, ~8.5 us.)
+    # divisions at every level, makes this serial tail, run by one program while the GPU idles, a large part of
+    # the kernel; about the grand mean, which needs a reduction first, it takes two rounds.)
     # c0 is near the grand mean c: a chunk of n_i of N elements has n_i (mean_i - c)^2 <= N var, so
     # |c0 - c| <= std sqrt(N / n_0), and the shift back to c costs at most a few of fp64's 16 digits, the
     # partials holding fp32 sums. Up to PB partials (the usual case: a launch is about a wave of programs)
@@ -241,7 +241,7 @@ def _finalize(part, stride, nwork, ctr, dst, merge, smode, s_given, fmax, uthr, 
     scale64 = scale.to(tl.float64)
     if not HIST:
         hist = tl.full([64], nan, tl.float64)
-    # into the destination row: overwrite, or merge as device_stats.merge(old, new) does
+    # into the destination row: overwrite, or merge as torch_path.merge(old, new) does
     parts = tl.full([], 1.0, tl.float64)
     write_all = tl.full([], 1, tl.int32)
     if merge != 0:

@@ -71,8 +71,8 @@ def _chunk(base, n, s, smode, uthr, othr, lo, hi, tr, HIST: tl.constexpr, R: tl.
     rows of V contiguous elements (one 16-byte load), so the per-row sums inside the loop are a thread's own
     adds and the accumulators are [R] (no cross-thread work in the hot loop). The first tiles' loads are
     issued before the scalar set-up (threshold bisections, the shift's reductions), which runs while they
-    are in flight; the loop keeps the next tile's loads in flight while it works on one (a depth of 2 did not
-    run faster on the H200)."""
+    are in flight; the loop keeps the next tile's loads in flight while it works on one (a deeper prefetch
+    gains nothing)."""
     TILE: tl.constexpr = R * V
     offs = tl.arange(0, R)[:, None] * V + tl.arange(0, V)[None, :]
     m0 = offs < n
