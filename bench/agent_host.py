@@ -21,7 +21,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fp8mon.agent import Agent  # noqa: E402
 from fp8mon.agent.stats import launch as ts  # noqa: E402
-from bench.stats_check import NullTransport  # noqa: E402
+from fp8mon.agent.transport import NullTransport  # noqa: E402
 
 
 class NoLaunch:

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fp8mon.agent import Agent  # noqa: E402
 from fp8mon.agent.stats import launch as ts  # noqa: E402
 from bench.agent_host import NoLaunch  # noqa: E402
-from bench.stats_check import NullTransport  # noqa: E402
+from fp8mon.agent.transport import NullTransport  # noqa: E402
 from fp8mon.trainer.fp8_linear import Fp8Linear  # noqa: E402
 
 KERNELS = {

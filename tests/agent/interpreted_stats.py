@@ -108,7 +108,7 @@ def outliers_with_center():
 
 def bf16_pairs():
     """bf16 without the histogram: the fast path takes two elements per 32-bit word (counts, outliers and
-    amax straight from the words), on stats_check's adversarial tensor and cases."""
+    amax straight from the words), on rowcheck's adversarial tensor and cases."""
     x, cases = bf16_pairs_cases(9001, "cpu")
     for center, k, kw in cases:
         got = ts.partials(x, center=center, outlier_k=k, hist=False, **kw)

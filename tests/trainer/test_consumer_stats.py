@@ -7,7 +7,7 @@ oracle's (device_stats.partials), and a model or block watched by an agent gets 
 hooks took before, with no deferred read of those outputs.
 
 The checks run in one child process that sets TRITON_INTERPRET=1 before importing Triton (tests/interpreter_child.py).
-GPU: ``python bench/stats_check.py --only consumers``.
+GPU: tests/trainer/test_gpu_kernels.py.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def _child(names: list[str]) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(ROOT / "tests"))
     sys.path.insert(0, str(ROOT / "tests"))
     from interpreter_child import emit, run_each
     import torch
 
     from fp8mon.agent.stats import torch_path as ds
     from fp8mon.agent.stats import launch as ts
-    from stats_check import row_problems
+    from rowcheck import row_problems
     from fp8mon.trainer.kernels.swiglu import swiglu, swiglu_ref
 
     torch.set_num_threads(1)
@@ -223,7 +223,7 @@ def _child(names: list[str]) -> None:
         fc1's output row comes from it (fc1's output is not deferred to a statistics read), and fc1's rows equal
         those without it (its input, weight and output are the same tensors either way; fc2's see h, which may
         differ in the last place)."""
-        from stats_check import agent_rows
+        from rowcheck import agent_rows
         from fp8mon.trainer import fp8_linear, layers
         from fp8mon.trainer.fp8_linear import Fp8Linear
 
@@ -268,7 +268,7 @@ def _child(names: list[str]) -> None:
         micro-batches of ``inputs(i)`` (default (2, 8, 32) floats)."""
         import importlib
 
-        from stats_check import agent_rows
+        from rowcheck import agent_rows
         from fp8mon.trainer import layers, model
 
         module, _, flag = flag.rpartition(".")
@@ -662,7 +662,7 @@ def _child(names: list[str]) -> None:
         the weights of at most 2000 elements (proj's and fc2's: qkv and fc1 cast their own). ``batches``: (dtype,
         tensors) of each ``casts_with_rows`` launch, as they come."""
         from fp8mon.agent import Agent
-        from stats_check import NullTransport
+        from rowcheck import NullTransport
         from fp8mon.trainer import layers, weight_rows
 
         problems, got = [], {}
@@ -717,7 +717,7 @@ def _child(names: list[str]) -> None:
         and fc2's outputs come from them (no output is deferred to a statistics read), and equal the rows the
         linears take without them (those outputs are the same tensors either way: the first step's only, as later
         inputs pass through h, which may differ in the last place)."""
-        from stats_check import agent_rows
+        from rowcheck import agent_rows
         from fp8mon.trainer import fp8_linear, layers, model
         from fp8mon.trainer.config import get_config
         from fp8mon.trainer.fp8_linear import Fp8Linear

@@ -5,7 +5,7 @@ data is bit-identical with and without statistics, and an agent watching ``Fp8Li
 same rows from the fused kernels as from its own hooks (no hook reads input, weight or grad_output).
 
 As in tests/trainer/test_kernels.py the checks run in one child process that sets TRITON_INTERPRET=1
-before importing Triton; each prints a JSON line that the tests assert. GPU: ``python bench/stats_check.py``.
+before importing Triton; each prints a JSON line that the tests assert. GPU: tests/trainer/test_gpu_kernels.py.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def _child(names: list[str]) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(ROOT / "tests"))
     sys.path.insert(0, str(ROOT / "tests"))
     from interpreter_child import emit, run_each
     import torch
 
     from fp8mon.agent.stats import torch_path as ds
     from fp8mon.agent.stats import launch as ts
-    from stats_check import row_problems
+    from rowcheck import row_problems
     from fp8mon.trainer.kernels import quantize, quantize_transpose
     from fp8mon.trainer.kernels.quantize import stats_ref
 
@@ -138,7 +138,7 @@ def _child(names: list[str]) -> None:
 
     def agent_hooks(model):
         from fp8mon.agent import Agent
-        from stats_check import NullTransport
+        from rowcheck import NullTransport
 
         agent = Agent(transport=NullTransport(), every=1).watch(model)
         layers = list(agent._layers)
@@ -148,8 +148,8 @@ def _child(names: list[str]) -> None:
     def fp8_linear_agent(output_stats: str = "epilogue"):
         # output_stats: how Fp8Linear takes the output row (its GEMM's epilogue, or a read of the result); the
         # agent's rows must be the hooks' rows either way
-        sys.path.insert(0, str(ROOT / "bench"))
-        from stats_check import agent_rows
+        sys.path.insert(0, str(ROOT / "tests"))
+        from rowcheck import agent_rows
         from fp8mon.trainer import fp8_linear
         from fp8mon.trainer.fp8_linear import Fp8Linear
 
@@ -226,9 +226,9 @@ def _child(names: list[str]) -> None:
     def gemm_stats_fallback():
         # A GEMM with fused statistics that fails (a variant that cannot compile or launch on some GPU) must not
         # stop training: Fp8Linear computes the output row apart, and the agent gets the same rows.
-        sys.path.insert(0, str(ROOT / "bench"))
+        sys.path.insert(0, str(ROOT / "tests"))
         import fp8mon.trainer.kernels as kernels
-        from stats_check import agent_rows
+        from rowcheck import agent_rows
         from fp8mon.trainer import fp8_linear
         from fp8mon.trainer.fp8_linear import Fp8Linear
 
@@ -268,8 +268,8 @@ def _child(names: list[str]) -> None:
     def fp8_linear_agent_cached():
         # with weight caching (micro-batches reuse the step's first FP8 weight), the rows equal those without it:
         # a weight whose row the step's batch took still casts once, adding its underflow count to that row
-        sys.path.insert(0, str(ROOT / "bench"))
-        from stats_check import agent_rows
+        sys.path.insert(0, str(ROOT / "tests"))
+        from rowcheck import agent_rows
         from fp8mon.trainer.fp8_linear import Fp8Linear, cache_fp8_weights
 
         torch.manual_seed(5)
@@ -296,8 +296,8 @@ def _child(names: list[str]) -> None:
     def fp8_linear_agent_grown():
         # rows merged later land on a model whose 20 slots outgrow the agent's first step buffer (16 rows) in the
         # middle of its first step: the rows waiting for their merge must land before the buffer moves
-        sys.path.insert(0, str(ROOT / "bench"))
-        from stats_check import agent_rows
+        sys.path.insert(0, str(ROOT / "tests"))
+        from rowcheck import agent_rows
         from fp8mon.trainer.fp8_linear import Fp8Linear
 
         torch.manual_seed(6)
@@ -321,7 +321,7 @@ def _child(names: list[str]) -> None:
         equals torch's clip_grad_norm_ (norm and clipped gradients), takes those rows only on reporting steps and for
         gradients unchanged since, and gives NaN for a NaN gradient."""
         from fp8mon.agent import Agent
-        from stats_check import NullTransport
+        from rowcheck import NullTransport
         from fp8mon.trainer.clip import clip_grad_norm
 
         torch.manual_seed(5)
