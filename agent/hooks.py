@@ -63,7 +63,7 @@ def _input_of(args, kwargs) -> torch.Tensor | None:
 
 
 class Sink:
-    """What the hooks call (the agent implements it; every method must be safe to call and not raise)."""
+    """What the hooks call (``sink.HookSink`` implements it; every method must be safe to call and not raise)."""
 
     def active(self) -> bool: ...
     def observe(self, layer: str, site: str, x: torch.Tensor, once: bool = False, replace: bool = False) -> None: ...
@@ -76,7 +76,8 @@ class Sink:
 class LayerHooks:
     """The hooks of one watched layer; ``install``/``remove`` are idempotent."""
 
-    def __init__(self, name: str, module: nn.Module, sites: Iterable[str], sink: Sink, skip: Iterable[str] | None = None):
+    def __init__(self, name: str, module: nn.Module, sites: Iterable[str], sink: Sink,
+                 skip: Iterable[str] | None = None):
         skip = set(getattr(module, "fp8mon_reported_sites", ()) if skip is None else skip)
         self.name, self.module, self.sink = name, module, sink
         self.sites = tuple(s for s in SITES if s in set(sites) and s not in skip)

@@ -41,8 +41,8 @@ from .kernels.tile import (careful_result, fast_result, outlier_bounds, shift_of
                            tile_sum)
 from .kernels.words import packed_fold, packed_setup, tile_bf16x2
 
-__all__ = ["Const", "P_AHM", "SMEM_HIST", "bf16_halves", "careful_result", "careful_tiles", "fast_result", "fused_bounds",
-           "fused_epilogue", "fused_prologue", "htab", "nofmt_epilogue", "outlier_bounds", "packed_fold",
+__all__ = ["Const", "P_AHM", "SMEM_HIST", "bf16_halves", "careful_result", "careful_tiles", "fast_result",
+           "fused_bounds", "fused_epilogue", "fused_prologue", "htab", "nofmt_epilogue", "outlier_bounds", "packed_fold",
            "packed_setup", "rows_add", "rows_partial", "rows_zero", "shift_of", "stream_add", "stream_partial",
            "stream_start", "stream_zero", "tile_bf16x2", "tile_careful", "tile_fast", "tile_sum", "words_add",
            "words_fold", "words_zero"]

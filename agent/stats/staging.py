@@ -25,10 +25,10 @@ class Staging:
         # graph: into a device arena whose words are handed out once and never reused (graphs freed later do not
         # return their words), by a copy on a side stream that the capture does not follow. A copy captured into
         # the graph would be a node per launch, re-reading its pinned source at every replay, with idle gaps between
-        # the copies and the kernels. The arenas (pinned source, device
-        # words) and the stream are made with the first (eager) copy: nothing is allocated while a stream
-        # captures, and eager warm-up steps precede a capture. ``Engine.captured_copies_done`` waits for the side copies;
-        # a captured launch's graph must not replay before it (``StepGraphs`` calls it after each capture).
+        # the copies and the kernels. The arenas (pinned source, device words) and the stream are made with the first
+        # (eager) copy: nothing is allocated while a stream captures, and eager warm-up steps precede a capture.
+        # ``Engine.captured_copies_done`` waits for the side copies; a captured launch's graph must not replay before
+        # it (``StepGraphs`` calls it after each capture).
         self.arena: torch.Tensor | None = None
         self.dev_arena: torch.Tensor | None = None
         self.side: torch.cuda.Stream | None = None

@@ -63,7 +63,8 @@ def test_table_row_is_packed_in_the_kernel_field_order():
     from fp8mon.agent.stats import layout
 
     buf = bytearray(layout.TABLE_ROW.size)
-    layout.TABLE_ROW.pack_into(buf, 0, 101, 102, 1, 104, 105, 106, 1, 2, 109, 0.5, 111, -1.25, 3.5, 113, 7.0, 2, 6.0, 117, 0, 0)
+    layout.TABLE_ROW.pack_into(buf, 0, 101, 102, 1, 104, 105, 106, 1, 2, 109, 0.5, 111, -1.25, 3.5, 113, 7.0, 2, 6.0,
+                               117, 0, 0)
     q, d = np.frombuffer(bytes(buf), "<i8"), np.frombuffer(bytes(buf), "<f8")
     want_int = {"ADDR": 101, "NUMEL": 102, "CODE": 1, "FIRST": 104, "NWORK": 105, "DST": 106, "MERGE": 1, "SMODE": 2,
                 "SCALE_ADDR": 109, "CENTER_ADDR": 111, "AHM_ADDR": 113, "FMT": 2, "CHUNK": 117}

@@ -382,7 +382,8 @@ def test_merge_heads(device, dims, dt, sdpa, nan):
         got.backward(grad)
         ref.backward(grad)
         ts.flush_deferred()
-        if not (torch.equal(got.detach().nan_to_num(7.0), ref.detach().nan_to_num(7.0)) and torch.equal(a.grad, r.grad)):
+        same = torch.equal(got.detach().nan_to_num(7.0), ref.detach().nan_to_num(7.0)) and torch.equal(a.grad, r.grad)
+        if not same:
             problems.append(f"fmt={fmt}: values or gradient differ from torch's")
         want = ds.partials(ref.detach(), fmt=fmt, outlier_center=(0.0, 1.0), hist=hist)
         problems.append(rows_close(tgt.rows[0], want, under_slack=_slack(want) if fmt else None)[1])
