@@ -21,6 +21,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fp8mon.agent import Agent  # noqa: E402
 from fp8mon.agent.stats import launch as ts  # noqa: E402
+from fp8mon.agent.stats.kernels import standalone  # noqa: E402
 from fp8mon.agent.transport import NullTransport  # noqa: E402
 
 
@@ -41,7 +42,7 @@ class NoLaunch:
 
 def main(layers: int = 8, width: int = 256, steps: int = 200) -> None:
     launches = [0]
-    ts._stats_kernel = NoLaunch(launches)
+    standalone.stats_kernel = NoLaunch(launches)
     ts.available = lambda device=None: True
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])

@@ -31,7 +31,7 @@ KERNELS = {
     "fp8mon.trainer.kernels.quantize_transpose": ("_quantize_transpose_stats_kernel", "_quantize_transpose_kernel"),
     "fp8mon.trainer.kernels.fp8_gemm": ("_fp8_gemm_ptr_kernel", "_fp8_gemm_tma_kernel", "_splitk_reduce_kernel",
                                  "_ptr_tuned", "_tma_tuned"),
-    "fp8mon.agent.triton_stats": ("_stats_kernel",),
+    "fp8mon.agent.stats.kernels.standalone": ("stats_kernel",),
 }
 
 
