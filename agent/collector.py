@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import device_stats as ds
+from .stats import torch_path as ds
 from .wire import TENSOR_STATS
 
 log = logging.getLogger("fp8mon.agent")
@@ -42,9 +42,8 @@ def tensors_block(step: int, rank: int, keys, rows: np.ndarray) -> dict | None:
     """The wire tensors block of the rows (``[len(keys), WIDTH]`` fp64) that observed something (parts > 0).
 
     The SPEC statistics of all rows at once, with the formulas of ``Moments.to_stats`` (the oracle; equal up
-    to the last bit of ``mean**4``). Vectorised because this thread shares the GIL with the training loop: with
-    a per-row Python conversion the collector took 6.0 ms per 240-row reporting step, 2.7 ms now
-    (bench/collector_block.py, 2-core CPU)."""
+    to the last bit of ``mean**4``). Vectorised because this thread shares the GIL with the training loop: a
+    per-row Python conversion holds it far longer."""
     rows = np.asarray(rows, dtype=np.float64).reshape(len(keys), ds.WIDTH)
     seen = np.flatnonzero(rows[:, ds.PARTS] > 0)
     if seen.size == 0:

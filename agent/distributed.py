@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import device_stats as ds
+from .stats import torch_path as ds
 
 
 def initialized() -> bool:

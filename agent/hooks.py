@@ -9,7 +9,6 @@ quantize kernel) lists them in ``fp8mon_reported_sites`` and calls ``Agent.repor
 Sites and when they are read:
   input, output   forward hook, every call (micro-batches and repeated calls are merged); the input in a
                   forward pre-hook instead, before the layer runs, where the hooks read no output
-                  (``INPUT_BEFORE``)
   weight          with the input or the output, first call of the step (the weight does not change within
                   a step)
   grad_output     tensor hook on the output, registered in the forward; every backward through it
@@ -34,11 +33,6 @@ from torch import nn
 
 from .wire import SITES
 
-# Where the hooks read a layer's input and not its output, they read it before the layer runs, right after the kernel
-# that wrote it, while much of it is still in the GPU's L2 cache; read after the layer, it follows the layer's own
-# output through the cache. (Where they read both, one launch after the layer takes both.) The weight, where watched,
-# is read in the same launch as the input.
-INPUT_BEFORE = True
 
 
 def is_linear(module: nn.Module) -> bool:
@@ -69,7 +63,7 @@ def _input_of(args, kwargs) -> torch.Tensor | None:
 
 
 class Sink:
-    """What the hooks call (the agent implements it; every method must be safe to call and not raise)."""
+    """What the hooks call (``sink.HookSink`` implements it; every method must be safe to call and not raise)."""
 
     def active(self) -> bool: ...
     def observe(self, layer: str, site: str, x: torch.Tensor, once: bool = False, replace: bool = False) -> None: ...
@@ -82,7 +76,8 @@ class Sink:
 class LayerHooks:
     """The hooks of one watched layer; ``install``/``remove`` are idempotent."""
 
-    def __init__(self, name: str, module: nn.Module, sites: Iterable[str], sink: Sink, skip: Iterable[str] | None = None):
+    def __init__(self, name: str, module: nn.Module, sites: Iterable[str], sink: Sink,
+                 skip: Iterable[str] | None = None):
         skip = set(getattr(module, "fp8mon_reported_sites", ()) if skip is None else skip)
         self.name, self.module, self.sink = name, module, sink
         self.sites = tuple(s for s in SITES if s in set(sites) and s not in skip)
@@ -96,7 +91,11 @@ class LayerHooks:
     def install(self) -> None:
         if self._handles or not self.sites:
             return
-        self._input_before = INPUT_BEFORE and "input" in self.sites and "output" not in self.sites
+        # Where the hooks read a layer's input and not its output, they read it before the layer runs, right after the
+        # kernel that wrote it, while much of it is still in the GPU's L2 cache; read after the layer, it follows the
+        # layer's own output through the cache. (Where they read both, one launch after the layer takes both.) The
+        # weight, where watched, is read in the same launch as the input.
+        self._input_before = "input" in self.sites and "output" not in self.sites
         if self._input_before:
             self._handles.append(self.module.register_forward_pre_hook(self._forward_pre, with_kwargs=True))
         after = {"input", "output", "weight", "grad_output"} & set(self.sites)

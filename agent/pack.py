@@ -7,8 +7,8 @@ import threading
 
 import torch
 
-from . import device_stats as ds
-from . import triton_stats
+from .stats import torch_path as ds
+from .stats import launch
 
 
 class Slots:
@@ -61,11 +61,11 @@ class StepPack:
 
     def grow(self, device) -> torch.Tensor:
         """The buffer with a row for every slot, on ``device`` (call with the lock held). Rows still waiting for a
-        launch (``triton_stats.defer``) or a merge (``merge_later``) into the old buffer are written there before it
+        launch (``stats.launch.defer``) or a merge (``merge_later``) into the old buffer are written there before it
         is copied."""
         r = self.rows
         if r is not None and (r.shape[0] < len(self.slots) or r.device != torch.device(device)):
-            triton_stats.flush_deferred()
+            launch.flush_deferred()
         self.rows = _grown(r, len(self.slots), device, ds.empty)
         return self.rows
 

@@ -266,3 +266,23 @@ class Transport:
         self._retry_at = time.monotonic() + self._delay
         self._delay = min(self._delay * 2, self.backoff_max)
         return False
+
+
+class NullTransport:
+    """A transport that sends nothing: the agent computes and ships every step as usual and the blocks are dropped
+    (the agent's cost measured without a server, or statistics taken from ``Agent`` in tests)."""
+
+    def set_run_meta(self, **meta) -> None:
+        pass
+
+    def send_tensors(self, block) -> None:
+        pass
+
+    def send_scalars(self, block) -> None:
+        pass
+
+    def flush(self, timeout=None) -> bool:
+        return True
+
+    def close(self, timeout=None) -> bool:
+        return True

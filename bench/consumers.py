@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from fp8mon.agent import triton_stats as ts  # noqa: E402
+from fp8mon.agent.stats import launch as ts  # noqa: E402
 from fp8mon.trainer.kernels.residual import branch_grad, residual_add_forward  # noqa: E402
 from fp8mon.trainer.kernels.rmsnorm import rms_norm_backward, rms_norm_forward, rms_norm_ref  # noqa: E402
 from fp8mon.trainer.kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_ref  # noqa: E402

@@ -63,7 +63,7 @@ def main(argv=None) -> int:
                    help="do not append the figures to bench/results/gemm_stats.csv")
     args = p.parse_args(argv)
     rec = Recorder("gemm_stats")
-    from fp8mon.agent import triton_stats as ts
+    from fp8mon.agent.stats import launch as ts
     from fp8mon.trainer.kernels import fp8_gemm
     from fp8mon.trainer.kernels.fp8_gemm import _fp8_gemm_tma_kernel
     from fp8mon.trainer.kernels.timing import _medians, device_medians

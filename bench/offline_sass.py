@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     driver.set_active(_Sm90())
     sys.path.insert(0, str(ROOT))
     qt = importlib.import_module("fp8mon.trainer.kernels.quantize_transpose")
-    ts = importlib.import_module("fp8mon.agent.triton_stats")
+    ts = importlib.import_module("fp8mon.agent.stats.launch")
     built: dict = {}
     if args.launch_check:
         hists = (True,) if args.histogram_only else (False, True)
@@ -166,7 +166,8 @@ def main(argv=None) -> int:
     if args.consumers:
         return _consumers(ts, built)
     if args.standalone:
-        ts._stats_kernel = _CompileOnly(ts._stats_kernel, "standalone", built)
+        standalone = importlib.import_module("fp8mon.agent.stats.kernels.standalone")
+        standalone.stats_kernel = _CompileOnly(standalone.stats_kernel, "standalone", built)
         x = torch.zeros(1 << 22, dtype=getattr(torch, args.dtype))
         ts.partials(x, fmt=args.fmt, scale=4.0, center=(0.0, 1.0), hist=args.hist)
         return _report(built, f"standalone {args.dtype} {args.fmt}, scale given, hist={args.hist}", "LDG.E.128")
@@ -283,7 +284,8 @@ def _cuobjdump(kernel, flag: str) -> str:
         return subprocess.run([cuobjdump, flag, cubin], capture_output=True, text=True).stdout
 
 
-_STATS_MODULES = ("fp8mon.agent.triton_stats", "fp8mon.trainer.kernels.quantize", "fp8mon.trainer.kernels.quantize_transpose",
+_STATS_MODULES = ("fp8mon.agent.stats.kernels.standalone", "fp8mon.agent.stats.kernels.merge",
+                  "fp8mon.trainer.kernels.quantize", "fp8mon.trainer.kernels.quantize_transpose",
                   "fp8mon.trainer.kernels.swiglu", "fp8mon.trainer.kernels.residual", "fp8mon.trainer.kernels.rope",
                   "fp8mon.trainer.kernels.rmsnorm", "fp8mon.trainer.kernels.heads", "fp8mon.trainer.kernels.weight_casts")
 

@@ -185,7 +185,7 @@ class _State:
             else:
                 r = quantize_transpose(x2d, fmt, write_q=want_q, write_qt=want_t, stats=target)
         else:
-            from fp8mon.agent import device_stats as ds
+            from fp8mon.agent.stats import torch_path as ds
 
             from .kernels import delayed_update_ref, quantize_ref
 
@@ -270,7 +270,7 @@ class _State:
         if link is None:
             return
         if self.backend == "triton":
-            from fp8mon.agent import triton_stats as ts
+            from fp8mon.agent.stats import launch as ts
 
             t = link.target(site, value.device)
             if t is not None and defer:
@@ -279,7 +279,7 @@ class _State:
                 ts.rows([value], fmt=[t.fmt], center=[t.center], outlier_k=t.outlier_k, hist=t.hist, out=t.rows,
                         index=[t.index], merge=[t.merge])
         elif link.wants(site):
-            from fp8mon.agent import device_stats as ds
+            from fp8mon.agent.stats import torch_path as ds
 
             link.report(site, ds.partials(value, fmt=link.fmt(site), outlier_k=link.outlier_k, hist=link.hist))
 

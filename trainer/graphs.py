@@ -24,7 +24,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from fp8mon.agent import triton_stats
+from fp8mon.agent.stats import launch as triton_stats
 
 
 class StepGraphs:

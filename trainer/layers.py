@@ -299,7 +299,7 @@ def _linear_with_weight_row(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def report_apart(link, site: str, value: torch.Tensor) -> None:
     """``value``'s row for the agent, computed apart (no fused kernel on this device)."""
     if link is not None and link.wants(site):
-        from fp8mon.agent import device_stats as ds
+        from fp8mon.agent.stats import torch_path as ds
 
         link.report(site, ds.partials(value.detach(), fmt=link.fmt(site), outlier_k=link.outlier_k, hist=link.hist))
 
@@ -312,7 +312,7 @@ def report_grad_apart(link, output: torch.Tensor) -> None:
 
 def triton_runs(device: torch.device) -> bool:
     """Whether the trainer's Triton kernels run on ``device``: CUDA with Triton, or the CPU under TRITON_INTERPRET."""
-    from fp8mon.agent import triton_stats
+    from fp8mon.agent.stats import launch as triton_stats
 
     return triton_stats.available(device)
 

@@ -28,7 +28,7 @@ import weakref
 
 import torch
 
-from fp8mon.agent import triton_stats
+from fp8mon.agent.stats import launch as triton_stats
 
 BATCH = os.environ.get("FP8MON_BATCH_WEIGHT_ROWS", "1") != "0"  # "0": each weight cast takes its own row (benches)
 
@@ -158,12 +158,8 @@ def _pop_cast(module, agent, weight: torch.Tensor, dtype: torch.dtype):
 
 
 def _launch_casts(agent, device: torch.device, dtype: torch.dtype) -> None:
-    from fp8mon.agent import triton_stats as ts
-
     from .kernels import weight_casts as wc
 
-    if ts.FUSED_MERGE != "later":  # the batch leaves every row to merge_later
-        return
     modules, weights, targets = [], [], []
     for module in list(_cast_layers.get(agent, ())):
         link, weight = getattr(module, "fp8mon_stats", None), module.weight

@@ -13,9 +13,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp8mon.agent import Agent
-from fp8mon.agent import device_stats as ds
+from fp8mon.agent.stats import torch_path as ds
 from fp8mon.agent.formats import by_name, delayed_scale
-from fp8mon.agent.stats import Moments, merge_moments
+from fp8mon.agent.stats.reference import Moments, merge_moments
 from fp8mon.agent.wire import LOG2_HIST_LO, SITES, TENSOR_STATS
 from tests.agent.capture import CaptureTransport
 
@@ -459,7 +459,7 @@ def _tiny_lm_watched_every_step(seed: int):
 def test_auto_backend_falls_back_to_torch_when_the_triton_statistics_fail(monkeypatch):
     """stats_backend="auto": a Triton statistics launch that fails (say, a kernel that does not compile on
     this GPU) is one counted error, and that step's rows and all later ones come from the torch path."""
-    from fp8mon.agent import triton_stats as ts
+    from fp8mon.agent.stats import launch as ts
 
     model, ref, cap, agent = _tiny_lm_watched_every_step(seed=3)
     calls = []
@@ -469,7 +469,7 @@ def test_auto_backend_falls_back_to_torch_when_the_triton_statistics_fail(monkey
         raise RuntimeError("no kernel image for this GPU")
 
     monkeypatch.setattr(ts, "rows", broken)
-    monkeypatch.setattr(agent, "_triton_for", lambda x: agent.stats_backend == "auto")  # as on a GPU
+    monkeypatch.setattr(agent._sink, "_triton_for", lambda x: agent.stats_backend == "auto")  # as on a GPU
     train(model, agent, batches(3, seed=4), ref=ref)
     agent.close()
     assert len(calls) == 1 and agent.errors == 1 and "torch path" in agent.last_error
@@ -481,7 +481,7 @@ def test_auto_backend_falls_back_to_torch_when_the_triton_statistics_fail(monkey
 
 def _rows_counting(launches: list):
     """A torch stand-in for ``triton_stats.rows`` that records each launch's tensor count."""
-    from fp8mon.agent import device_stats as ds
+    from fp8mon.agent.stats import torch_path as ds
 
     def rows(tensors, *, fmt, scale, center, outlier_k, amax_history_max, hist, out, index, merge, later=False):
         launches.append(len(tensors))
@@ -498,12 +498,12 @@ def test_a_layers_backward_sites_share_one_launch_and_a_frozen_weight_loses_no_g
     produces it next): the five sites cost two statistics launches per layer and step, not three. A weight
     frozen after watch() sends no grad_weight; its layer's waiting grad_output is then observed alone, in
     its own step."""
-    from fp8mon.agent import triton_stats as ts
+    from fp8mon.agent.stats import launch as ts
 
     model, ref, cap, agent = _tiny_lm_watched_every_step(seed=5)
     launches = []
     monkeypatch.setattr(ts, "rows", _rows_counting(launches))
-    monkeypatch.setattr(agent, "_triton_for", lambda x: True)  # as on a GPU
+    monkeypatch.setattr(agent._sink, "_triton_for", lambda x: True)  # as on a GPU
     frozen = "blocks.1.mlp.fc2"
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for step, tokens in enumerate(batches(4, seed=6)):
@@ -515,7 +515,7 @@ def test_a_layers_backward_sites_share_one_launch_and_a_frozen_weight_loses_no_g
         opt.zero_grad(set_to_none=True)
         agent.log(step)
         if step == 0:
-            # 8 forward launches, the first with every layer's weight (agent.core.WEIGHTS_TOGETHER), 8 backward ones
+            # 8 forward launches, the first with every layer's weight, 8 backward ones
             assert launches == [3 + 7] + [2] * 7 + [2] * 8
     ref.step = 4
     lm_loss(model, batches(1, seed=8)[0]).backward()
@@ -533,44 +533,38 @@ def test_a_layers_backward_sites_share_one_launch_and_a_frozen_weight_loses_no_g
 
 
 def test_a_steps_weights_are_read_in_the_first_forwards_launch_even_of_a_layer_that_does_not_run(monkeypatch):
-    """fp8mon.agent.core.WEIGHTS_TOGETHER: the first hooked forward that reads a weight reads every due watched weight in the
-    same launch, a layer whose forward did not run that step included (its weight's row is still that step's), and
-    a layer in eval mode is left out; off, each forward reads its own weight."""
-    from fp8mon.agent import core
-    from fp8mon.agent import device_stats as ds
-    from fp8mon.agent import triton_stats as ts
+    """The first hooked forward that reads a weight reads every due watched weight in the same launch, a layer whose
+    forward did not run that step included (its weight's row is still that step's), and a layer in eval mode is left
+    out."""
+    from fp8mon.agent.stats import torch_path as ds
+    from fp8mon.agent.stats import launch as ts
 
-    for together in (True, False):
-        monkeypatch.setattr(core, "WEIGHTS_TOGETHER", together)
-        torch.manual_seed(2)
-        model = torch.nn.ModuleDict({n: torch.nn.Linear(8, 8) for n in ("a", "b", "skipped", "frozen_eval")})
-        model["frozen_eval"].eval()
-        cap = CaptureTransport()
-        agent = Agent(transport=cap, every=1, sites=("weight",)).watch(model)
-        launches = []
-        monkeypatch.setattr(ts, "rows", _rows_counting(launches))
-        monkeypatch.setattr(agent, "_triton_for", lambda x: True)
-        x = torch.randn(4, 8)
-        model["b"](model["a"](x))  # "skipped" and "frozen_eval" do not run
-        agent.log(0)
-        agent.close()
-        rec = cap.records()
-        layers = sorted(layer for (_, layer, site, _) in rec if site == "weight")
-        if together:
-            assert launches == [3] and layers == ["a", "b", "skipped"]
-            w = model["skipped"].weight.detach()
-            rms = float(w.double().pow(2).mean().sqrt())
-            assert math.isclose(rec[(0, "skipped", "weight", 0)]["rms"], rms, rel_tol=1e-9)
-            assert ds.partials(w)[ds.NUMEL] == rec[(0, "skipped", "weight", 0)]["numel"]
-        else:
-            assert launches == [1, 1] and layers == ["a", "b"]
+    torch.manual_seed(2)
+    model = torch.nn.ModuleDict({n: torch.nn.Linear(8, 8) for n in ("a", "b", "skipped", "frozen_eval")})
+    model["frozen_eval"].eval()
+    cap = CaptureTransport()
+    agent = Agent(transport=cap, every=1, sites=("weight",)).watch(model)
+    launches = []
+    monkeypatch.setattr(ts, "rows", _rows_counting(launches))
+    monkeypatch.setattr(agent._sink, "_triton_for", lambda x: True)
+    x = torch.randn(4, 8)
+    model["b"](model["a"](x))  # "skipped" and "frozen_eval" do not run
+    agent.log(0)
+    agent.close()
+    rec = cap.records()
+    layers = sorted(layer for (_, layer, site, _) in rec if site == "weight")
+    assert launches == [3] and layers == ["a", "b", "skipped"]
+    w = model["skipped"].weight.detach()
+    rms = float(w.double().pow(2).mean().sqrt())
+    assert math.isclose(rec[(0, "skipped", "weight", 0)]["rms"], rms, rel_tol=1e-9)
+    assert ds.partials(w)[ds.NUMEL] == rec[(0, "skipped", "weight", 0)]["numel"]
 
 
 def test_grad_weights_of_a_backward_pass_are_one_launch_and_the_last_pass_wins(monkeypatch):
     """Only grad_weight watched (an FP8 model's other sites come from its fused kernels): each backward pass
     observes every layer's .grad in one launch at its end (outside a pass, at once), and with two micro-batches the
     step's row is the summed gradient the optimizer sees."""
-    from fp8mon.agent import triton_stats as ts
+    from fp8mon.agent.stats import launch as ts
 
     torch.manual_seed(7)
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
@@ -578,11 +572,11 @@ def test_grad_weights_of_a_backward_pass_are_one_launch_and_the_last_pass_wins(m
     agent = Agent(transport=cap, every=1, sites=("grad_weight",)).watch(model)
     launches = []
     monkeypatch.setattr(ts, "rows", _rows_counting(launches))
-    monkeypatch.setattr(agent, "_triton_for", lambda x: True)  # as on a GPU
+    monkeypatch.setattr(agent._sink, "_triton_for", lambda x: True)  # as on a GPU
     for _ in range(2):
         model(torch.randn(8, 16)).square().sum().backward()
     assert launches == [4, 4]
-    agent.observe_after_backward("0", "grad_weight", model[0].weight)  # outside a backward pass: observed now
+    agent._sink.observe_after_backward("0", "grad_weight", model[0].weight)  # outside a backward pass: observed now
     assert launches == [4, 4, 1]
     grads = {str(i): m.weight.grad.double() for i, m in enumerate(model)}
     agent.log(0)

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from fp8mon.agent import device_stats as ds
+from fp8mon.agent.stats import torch_path as ds
 from fp8mon.agent.collector import tensors_block
 from fp8mon.agent.wire import TENSOR_STATS
 

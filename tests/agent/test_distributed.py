@@ -13,7 +13,7 @@ from torch import nn
 
 from fp8mon.agent import Agent
 from fp8mon.agent import distributed
-from fp8mon.agent.stats import Moments, merge_moments
+from fp8mon.agent.stats.reference import Moments, merge_moments
 from fp8mon.agent.wire import SITES, TENSOR_STATS
 from fp8mon.monitor.localserver import free_port
 

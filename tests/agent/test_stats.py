@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fp8mon.agent.formats import E4M3, E5M2, by_name, current_scale, delayed_scale, quantize
-from fp8mon.agent.stats import Moments, merge_moments, merge_stats, per_sample_kurtosis, tensor_stats
+from fp8mon.agent.stats.reference import Moments, merge_moments, merge_stats, per_sample_kurtosis, tensor_stats
 from fp8mon.agent.wire import LOG2_HIST_BINS, LOG2_HIST_HI, LOG2_HIST_LO, TENSOR_STATS
 
 NAN = float("nan")

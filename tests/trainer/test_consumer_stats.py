@@ -7,7 +7,7 @@ oracle's (device_stats.partials), and a model or block watched by an agent gets 
 hooks took before, with no deferred read of those outputs.
 
 The checks run in one child process that sets TRITON_INTERPRET=1 before importing Triton (tests/interpreter_child.py).
-GPU: ``python bench/stats_check.py --only consumers``.
+GPU: tests/trainer/test_gpu_kernels.py.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def _child(names: list[str]) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(ROOT / "tests"))
     sys.path.insert(0, str(ROOT / "tests"))
     from interpreter_child import emit, run_each
     import torch
 
-    from fp8mon.agent import device_stats as ds
-    from fp8mon.agent import triton_stats as ts
-    from stats_check import row_problems
+    from fp8mon.agent.stats import torch_path as ds
+    from fp8mon.agent.stats import launch as ts
+    from rowcheck import row_problems
     from fp8mon.trainer.kernels.swiglu import swiglu, swiglu_ref
 
     torch.set_num_threads(1)
@@ -223,7 +223,7 @@ def _child(names: list[str]) -> None:
         fc1's output row comes from it (fc1's output is not deferred to a statistics read), and fc1's rows equal
         those without it (its input, weight and output are the same tensors either way; fc2's see h, which may
         differ in the last place)."""
-        from stats_check import agent_rows
+        from rowcheck import agent_rows
         from fp8mon.trainer import fp8_linear, layers
         from fp8mon.trainer.fp8_linear import Fp8Linear
 
@@ -268,7 +268,7 @@ def _child(names: list[str]) -> None:
         micro-batches of ``inputs(i)`` (default (2, 8, 32) floats)."""
         import importlib
 
-        from stats_check import agent_rows
+        from rowcheck import agent_rows
         from fp8mon.trainer import layers, model
 
         module, _, flag = flag.rpartition(".")
@@ -348,16 +348,11 @@ def _child(names: list[str]) -> None:
             x2, b2 = x0.clone().requires_grad_(), b0.clone().requires_grad_()
             tgt = ts.Target.new("cpu", center=(0.0, 4.0), fmt="e4m3")
             tgt_g = ts.Target.new("cpu", center=(0.0, 1.0), fmt="e5m2")
-            merge, ts.FUSED_MERGE = ts.FUSED_MERGE, "last" if nan else "later"  # by the last program, or later
-            try:
-                o1 = residual_add(x1, b1, stats=tgt, grad_stats=lambda: tgt_g)
-                o1.backward(dout.to(o1.dtype))
-            finally:
-                ts.FUSED_MERGE = merge
+            o1 = residual_add(x1, b1, stats=tgt, grad_stats=lambda: tgt_g)
+            o1.backward(dout.to(o1.dtype))
             o2 = residual_add_ref(x2, b2)
             o2.backward(dout.to(o2.dtype))
-            if not nan:  # the rows are complete after the next flush
-                ts.flush_deferred()
+            ts.flush_deferred()  # the rows are complete after the next flush
             problems = []
             if o1.dtype != o2.dtype or not torch.equal(o1.detach().nan_to_num(7.0), o2.detach().nan_to_num(7.0)):
                 problems.append(f"sum differs ({o1.dtype} vs {o2.dtype})")
@@ -667,7 +662,7 @@ def _child(names: list[str]) -> None:
         the weights of at most 2000 elements (proj's and fc2's: qkv and fc1 cast their own). ``batches``: (dtype,
         tensors) of each ``casts_with_rows`` launch, as they come."""
         from fp8mon.agent import Agent
-        from stats_check import NullTransport
+        from rowcheck import NullTransport
         from fp8mon.trainer import layers, weight_rows
 
         problems, got = [], {}
@@ -684,7 +679,7 @@ def _child(names: list[str]) -> None:
                 net = make("llama")
                 agent = Agent(transport=NullTransport(), every=1, hist_every=1, stats_backend="triton").watch(net)
                 read, shipped = [], []
-                agent.observe_after_backward = lambda layer, site, p, real=agent.observe_after_backward: (
+                agent._sink.observe_after_backward = lambda layer, site, p, real=agent._sink.observe_after_backward: (
                     read.append(layer), real(layer, site, p))
                 agent._ship = lambda step, rows, values: shipped.append(rows.clone())
                 for step in range(2):
@@ -722,7 +717,7 @@ def _child(names: list[str]) -> None:
         and fc2's outputs come from them (no output is deferred to a statistics read), and equal the rows the
         linears take without them (those outputs are the same tensors either way: the first step's only, as later
         inputs pass through h, which may differ in the last place)."""
-        from stats_check import agent_rows
+        from rowcheck import agent_rows
         from fp8mon.trainer import fp8_linear, layers, model
         from fp8mon.trainer.config import get_config
         from fp8mon.trainer.fp8_linear import Fp8Linear
@@ -845,7 +840,7 @@ def test_casts_with_rows_names_the_tensors_it_cannot_take_and_launches_nothing()
     such weights to their own casts)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")
-    from fp8mon.agent import triton_stats as ts
+    from fp8mon.agent.stats import launch as ts
     from fp8mon.trainer.kernels.weight_casts import castable, casts_with_rows, weight_casts
 
     target = ts.Target.new("cpu", fmt="e4m3")

@@ -24,12 +24,12 @@ CFG = {"BM": 32, "BN": 32, "BK": 32, "GROUP_M": 2}
 def _child() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(ROOT / "tests"))
     import torch
 
-    from fp8mon.agent import device_stats as ds
-    from fp8mon.agent import triton_stats as ts
-    from stats_check import row_problems
+    from fp8mon.agent.stats import torch_path as ds
+    from fp8mon.agent.stats import launch as ts
+    from rowcheck import row_problems
     from fp8mon.trainer.kernels import fp8_gemm, fp8_gemm_ref
 
     torch.set_num_threads(1)

@@ -155,7 +155,7 @@ def _assert_close_records(got: dict, want: dict, rtol: float):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("precision", ["fp8", "bf16"])
 def test_a_graphed_run_equals_the_eager_run_rows_and_histograms_included(precision, monkeypatch):
-    from fp8mon.agent import triton_stats as ts
+    from fp8mon.agent.stats import launch as ts
     from fp8mon.trainer import layers
 
     if precision == "fp8":  # torch's RoPE: qkv's output row is then the FP8 linear's own (deferred when captured)

@@ -57,11 +57,11 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8mon.agent import triton_stats as ts
+from fp8mon.agent.stats import launch as ts
 from . import fp8_gemm_ws as _ws
 from .quantize import _num_sms, cdiv, stats_ref
 from .timing import fastest
-from fp8mon.agent.triton_stats import fused_bounds, nofmt_epilogue, rows_add, rows_partial, rows_zero
+from fp8mon.agent.stats.device import fused_bounds, nofmt_epilogue, rows_add, rows_partial, rows_zero
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor

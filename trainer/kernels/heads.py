@@ -19,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8mon.agent import triton_stats as ts
-from fp8mon.agent.triton_stats import _SMEM_HIST, _htab, fused_bounds, fused_epilogue, stream_add, stream_partial, stream_start
+from fp8mon.agent.stats import launch as ts
+from fp8mon.agent.stats.device import (SMEM_HIST, fused_bounds, fused_epilogue, htab, stream_add, stream_partial,
+                                       stream_start)
 
 from .quantize import cdiv, persistent_programs, reg_cap
 from .rope import _where
@@ -88,8 +89,8 @@ def _merge_heads_kernel(y_ptr, out_ptr, T, NH, sb, sh, st, tiles, sp_ptr, ctr_pt
         x0 = tl.load(_src(y_ptr, b0, h0, pos0, sb, sh, st, HD), mask=m0, other=0.0).to(tl.float32)
         c, p, ok, ncp, acc = stream_start(x0, m0, R)
         ht = None
-        if HIST and _SMEM_HIST:
-            ht = _htab()
+        if HIST and SMEM_HIST:
+            ht = htab()
     ce = tl.zeros([], tl.int32)
     for t in tl.range(pid, tiles, tl.num_programs(0), num_stages=STAGES):
         b, h, pos, pm = _where(t, T, NH, BT)

@@ -49,12 +49,12 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8mon.agent import device_stats as ds
-from fp8mon.agent import triton_stats as ts
+from fp8mon.agent.stats import torch_path as ds
+from fp8mon.agent.stats import launch as ts
 from fp8mon.agent.formats import Fp8Format, by_name, current_scale, delayed_scale
 from fp8mon.agent.formats import quantize as _quantize_cast
-from fp8mon.agent.triton_stats import (_SMEM_HIST, _careful_result, _fast_result, _htab, _shift_of, _tile_careful, _tile_fast,
-                                _tile_sum, fused_epilogue, fused_prologue)
+from fp8mon.agent.stats.device import (SMEM_HIST, careful_result, fast_result, fused_epilogue, fused_prologue, htab,
+                                       shift_of, tile_careful, tile_fast, tile_sum)
 
 MAX_PARTIALS = 1024
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -207,7 +207,7 @@ def _quantize_stats_kernel(x_ptr, q_ptr, part_ptr, n_part, scale_ptr, accum_ptr,
     tu, to, lo, hi = fused_prologue(s, c_ptr, c_mean, c_std, k, UTHR, OTHR, C_PTR)
     r = tl.arange(0, BLOCK)
     m0 = pid * BLOCK + r < n
-    c, p, ok = _shift_of(tl.load(x_ptr + pid * BLOCK + r, mask=m0, other=0.0).to(tl.float32), m0)
+    c, p, ok = shift_of(tl.load(x_ptr + pid * BLOCK + r, mask=m0, other=0.0).to(tl.float32), m0)
     ncp = -(c * p)
     zf = tl.zeros([BLOCK], tl.float32)
     zi = tl.zeros([BLOCK], tl.int32)
@@ -215,15 +215,15 @@ def _quantize_stats_kernel(x_ptr, q_ptr, part_ptr, n_part, scale_ptr, accum_ptr,
     ce = zi
     ntiles = tl.cdiv(n, BLOCK)
     ht = None
-    if HIST and _SMEM_HIST:
-        ht = _htab()
+    if HIST and SMEM_HIST:
+        ht = htab()
     for t in range(pid, ntiles, nprog):
         offs = t * BLOCK + r
         mask = offs < n
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         q = _cast_fp8(x * s, OUT_DTYPE, FMAX, MBITS, EMIN, SOFT_ROUND)
         tl.store(q_ptr + offs, q, mask=mask)
-        s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
+        s1, s2, s3, s4, am, cu, co, cout, cz, h = tile_fast(
             x, mask, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, True, False, ht)
         ce += mask.to(tl.int32)
     if pid == 0:
@@ -232,7 +232,7 @@ def _quantize_stats_kernel(x_ptr, q_ptr, part_ptr, n_part, scale_ptr, accum_ptr,
         tl.store(meta_ptr + 1, s)
         tl.store(meta_ptr + 2, tl.math.div_rn(1.0, s))
     nelem = tl.sum(ce, 0)
-    ok2, mean, m2, m3, m4, samax, zeros, under, over, outl, hist = _fast_result(
+    ok2, mean, m2, m3, m4, samax, zeros, under, over, outl, hist = fast_result(
         nelem, c, p, tu, to, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, ht)
     nfin = nelem
     nonfin = tl.zeros([], tl.int32)
@@ -242,7 +242,7 @@ def _quantize_stats_kernel(x_ptr, q_ptr, part_ptr, n_part, scale_ptr, accum_ptr,
         for t in range(pid, ntiles, nprog):
             offs = t * BLOCK + r
             mask = offs < n
-            acc, cnt = _tile_sum(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32), mask, acc, cnt)
+            acc, cnt = tile_sum(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32), mask, acc, cnt)
         nfin = tl.sum(cnt, 0)
         mean0 = tl.sum(acc, 0) / tl.maximum(nfin, 1).to(tl.float64)
         zd = tl.zeros([BLOCK], tl.float64)
@@ -251,10 +251,10 @@ def _quantize_stats_kernel(x_ptr, q_ptr, part_ptr, n_part, scale_ptr, accum_ptr,
         for t in range(pid, ntiles, nprog):
             offs = t * BLOCK + r
             mask = offs < n
-            t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h = _tile_careful(
+            t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h = tile_careful(
                 tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32), mask, mean0, tu, to, lo, hi,
                 t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h, HIST)
-        mean, m2, m3, m4, samax, zeros, under, over, outl, nonfin = _careful_result(
+        mean, m2, m3, m4, samax, zeros, under, over, outl, nonfin = careful_result(
             nfin, mean0, t1, t2, t3, t4, am, cu, co, cout, cz, cnf)
         hist = h
     if not CURRENT:  # the finite amax, from either path (as in quantize_transpose's statistics variant)

@@ -26,13 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8mon.agent import device_stats as ds
+from fp8mon.agent.stats import torch_path as ds
 from fp8mon.agent.formats import Fp8Format, by_name
 
-from fp8mon.agent import triton_stats as ts
-from fp8mon.agent.triton_stats import (_SMEM_HIST, _careful_result, _fast_result, _htab, _shift_of, _tile_bf16x2,
-                                _tile_careful, _tile_fast, _tile_sum, fused_epilogue, fused_prologue, packed_fold,
-                                packed_setup)
+from fp8mon.agent.stats import launch as ts
+from fp8mon.agent.stats.device import (SMEM_HIST, Const, careful_result, fast_result, fused_epilogue, fused_prologue,
+                                       htab, packed_fold, packed_setup, shift_of, tile_bf16x2, tile_careful,
+                                       tile_fast, tile_sum)
 
 from .quantize import (INTERPRET, Quantized, _cast_fp8, cdiv, next_power_of_2, _consts, _current_scale_from_partials,
                        _finite_abs, _scale_from_amax, amax_partials, quantize_ref, reg_cap, stats_consts,
@@ -72,8 +72,8 @@ PACKED_STATS = True
 # statistics of a 1.5B FP8 step's casts from +7.9 to +3.4 ms of kernel time (bench/RESULTS.md, 2026-11-25).
 CURRENT_STATS = "row"
 # the row layout (device_stats), for the counts the cast adds
-ROW_WIDTH = ts.Const(ds.WIDTH)
-ROW_UNDER = ts.Const(ds.UNDERFLOW)
+ROW_WIDTH = Const(ds.WIDTH)
+ROW_UNDER = Const(ds.UNDERFLOW)
 
 
 @triton.jit(do_not_specialize=["dst_index"])
@@ -188,7 +188,7 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, sca
     (bench/qt_stats.py --defaults, 2026-11-26).
 
     ``PACKED`` (bf16 x; with the histogram, only where the table counts it): full tiles take the standalone kernel's
-    word loop (``_tile_bf16x2``: two elements per 32-bit word, counts and amax without unpacking them); the overflow
+    word loop (``tile_bf16x2``: two elements per 32-bit word, counts and amax without unpacking them); the overflow
     count is then checked lazily, as there: an amax past the overflow threshold sends the program to the careful
     path."""
     pid = tl.program_id(0)
@@ -201,7 +201,7 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, sca
     n_tn = tl.cdiv(N, BN)
     ntiles = tl.cdiv(M, BM) * n_tn
     x0, m0, _, _ = _load_tile(x_ptr, pid, n_tn, M, N, stride_xm, BM, BN)
-    c, p, ok = _shift_of(tl.reshape(x0, [BM * BN], can_reorder=True), tl.reshape(m0, [BM * BN], can_reorder=True))
+    c, p, ok = shift_of(tl.reshape(x0, [BM * BN], can_reorder=True), tl.reshape(m0, [BM * BN], can_reorder=True))
     ncp = -(c * p)
     R: tl.constexpr = BM * BN // V
     zf = tl.zeros([R], tl.float32)
@@ -209,8 +209,8 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, sca
     s1, s2, s3, s4, am, cu, co, cout, cz, h = zf, zf, zf, zf, zf, zi, zi, zi, zi, tl.zeros([64], tl.int32)
     ce = tl.zeros([], tl.int32)
     ht = None
-    if HIST and _SMEM_HIST:
-        ht = _htab()
+    if HIST and SMEM_HIST:
+        ht = htab()
     if PACKED:
         ku, lo2, hi2, amw, pu, pnz, pout = packed_setup(tu, lo, hi, R)
         cw = tl.zeros([], tl.int32)  # full tiles the word loop took
@@ -238,16 +238,16 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, sca
         if (tm == BM) & (tn == BN):  # interior tiles (nearly all) pay for no masks
             if PACKED:
                 we, wo = _bf16_words(xr, R, V)
-                s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(we, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw, pu,
+                s1, s2, s3, s4, amw, pu, pnz, pout = tile_bf16x2(we, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw, pu,
                                                                   pnz, pout, ht)
-                s1, s2, s3, s4, amw, pu, pnz, pout = _tile_bf16x2(wo, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw, pu,
+                s1, s2, s3, s4, amw, pu, pnz, pout = tile_bf16x2(wo, p, ncp, ku, lo2, hi2, s1, s2, s3, s4, amw, pu,
                                                                   pnz, pout, ht)
                 cw += 1
             else:
-                s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
+                s1, s2, s3, s4, am, cu, co, cout, cz, h = tile_fast(
                     xv, mv, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, False, True, ht)
         else:
-            s1, s2, s3, s4, am, cu, co, cout, cz, h = _tile_fast(
+            s1, s2, s3, s4, am, cu, co, cout, cz, h = tile_fast(
                 xv, mv, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, True, True, ht)
         ce += tm * tn  # elements in the tile
     if pid == 0:
@@ -258,7 +258,7 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, sca
     nelem = ce
     if PACKED:
         am, cu, cz, cout = packed_fold(cw * V, amw, pu, pnz, pout, am, cu, cz, cout)
-    ok2, mean, m2, m3, m4, samax, zeros, under, over, outl, hist = _fast_result(
+    ok2, mean, m2, m3, m4, samax, zeros, under, over, outl, hist = fast_result(
         nelem, c, p, tu, to, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, ht)
     if PACKED:  # the word loop counted no overflow: any element past the threshold takes the careful path
         ok2 = ok2 & ((to < 0) | (samax.to(tl.int32, bitcast=True) <= to))
@@ -269,7 +269,7 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, sca
         cnt = zi
         for t in range(pid, ntiles, nprog):
             x, mask, rows, cols = _load_tile(x_ptr, t, n_tn, M, N, stride_xm, BM, BN)
-            acc, cnt = _tile_sum(tl.reshape(x, [R, V]), tl.reshape(mask, [R, V]), acc, cnt, True)
+            acc, cnt = tile_sum(tl.reshape(x, [R, V]), tl.reshape(mask, [R, V]), acc, cnt, True)
         nfin = tl.sum(cnt, 0)
         mean0 = tl.sum(acc, 0) / tl.maximum(nfin, 1).to(tl.float64)
         zd = tl.zeros([R], tl.float64)
@@ -277,10 +277,10 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, sca
             tl.zeros([64], tl.int32)
         for t in range(pid, ntiles, nprog):
             x, mask, rows, cols = _load_tile(x_ptr, t, n_tn, M, N, stride_xm, BM, BN)
-            t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h = _tile_careful(
+            t1, t2, t3, t4, am, cu, co, cout, cz, cnf, h = tile_careful(
                 tl.reshape(x, [R, V]), tl.reshape(mask, [R, V]), mean0, tu, to, lo, hi, t1, t2, t3, t4, am, cu, co,
                 cout, cz, cnf, h, HIST, True)
-        mean, m2, m3, m4, samax, zeros, under, over, outl, nonfin = _careful_result(
+        mean, m2, m3, m4, samax, zeros, under, over, outl, nonfin = careful_result(
             nfin, mean0, t1, t2, t3, t4, am, cu, co, cout, cz, cnf)
         hist = h
     if not CURRENT:  # the finite amax, from either path (no per-element max of its own in the loop)
@@ -328,10 +328,8 @@ def quantize_transpose(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tenso
     if stats is not None and scale is None and CURRENT_STATS == "row":
         amax_in = meta
         if amax_ready is None:
-            # x's amax into meta[0], read back as the cast's one partial; or, the row merged later, into the
-            # epoch words (triton_stats.CAST_MERGE)
-            amax_in = ts.cast_row(x, fmt, stats, meta)
-            amax_in = meta if amax_in is None else amax_in
+            # x's amax into the epoch words; the row is merged later
+            amax_in = ts.cast_row(x, fmt, stats)
         else:
             meta = amax_in = amax_ready
         # (program (0, 0) stores meta[0] = amax, maybe again while the others read it: the same bits)

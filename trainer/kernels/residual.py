@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8mon.agent import triton_stats as ts
-from fp8mon.agent.triton_stats import (_SMEM_HIST, _htab, fused_bounds, fused_epilogue, stream_add, stream_partial,
-                                stream_start)
+from fp8mon.agent.stats import launch as ts
+from fp8mon.agent.stats.device import (SMEM_HIST, fused_bounds, fused_epilogue, htab, stream_add, stream_partial,
+                                       stream_start)
 
 from .fp8_gemm import _to_out
 from .quantize import INTERPRET, cdiv, persistent_programs, reg_cap
@@ -91,8 +91,8 @@ def _residual_add_kernel(x_ptr, b_ptr, out_ptr, n, sp_ptr, ctr_ptr, dst_ptr, dst
         b0, m0 = _b_part((b_ptr, n), pid, 0, BLOCK, V)
         c, p, ok, ncp, st = stream_start(b0, m0, R)
         ht = None
-        if HIST and _SMEM_HIST:
-            ht = _htab()
+        if HIST and SMEM_HIST:
+            ht = htab()
         ce = tl.zeros([], tl.int32)
         for blk in tl.range(pid, nblk, tl.num_programs(0), num_stages=STAGES):
             b, mask = _block(x_ptr, b_ptr, out_ptr, n, blk, BLOCK, SOFT_ROUND)
@@ -143,8 +143,8 @@ def _branch_grad_kernel(g_ptr, db_ptr, n, sp_ptr, ctr_ptr, dst_ptr, dst_index, m
         d0, m0 = _db_part((g_ptr, db_ptr, n), pid, 0, BLOCK, V)
     c, p, ok, ncp, st = stream_start(d0, m0, R)
     ht = None
-    if HIST and _SMEM_HIST:
-        ht = _htab()
+    if HIST and SMEM_HIST:
+        ht = htab()
     ce = tl.zeros([], tl.int32)
     for blk in tl.range(pid, nblk, tl.num_programs(0), num_stages=STAGES):
         g, d, offs, mask = _grad_block(g_ptr, n, blk, dtype, BLOCK, SOFT_ROUND)

@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8mon.agent import triton_stats as ts
-from fp8mon.agent.triton_stats import (_SMEM_HIST, _htab, _shift_of, fused_bounds, fused_epilogue, stream_add, stream_partial,
-                                stream_zero)
+from fp8mon.agent.stats import launch as ts
+from fp8mon.agent.stats.device import (SMEM_HIST, fused_bounds, fused_epilogue, htab, shift_of, stream_add,
+                                       stream_partial, stream_zero)
 
 from ..layers import rms_norm_torch as rms_norm_ref  # noqa: F401  (the reference, beside the kernels)
 from .fp8_gemm import _to_out
@@ -124,11 +124,11 @@ def _first_shift(src, tile, ROWS: tl.constexpr, DW: tl.constexpr):
     xs, _, mask, rstd = _tile(x_ptr, M, D, eps, tile, ROWS, DW)
     ws = _weights(w_ptr, D, DW)
     m1 = tl.reshape(mask, [mask.numel])
-    c, p, ok = _shift_of(tl.reshape(_to_out(_y(xs[0], ws[0], rstd), y_ptr.dtype.element_ty,
+    c, p, ok = shift_of(tl.reshape(_to_out(_y(xs[0], ws[0], rstd), y_ptr.dtype.element_ty,
                                             _SOFT_ROUND).to(tl.float32), [m1.numel]), m1)
     for part in tl.static_range(1, NC):
         y = _to_out(_y(xs[part], ws[part], rstd), y_ptr.dtype.element_ty, _SOFT_ROUND).to(tl.float32)
-        ci, pi, oki = _shift_of(tl.reshape(y, [m1.numel]), m1)
+        ci, pi, oki = shift_of(tl.reshape(y, [m1.numel]), m1)
         c, p, ok = c + ci, tl.minimum(p, pi), ok & oki
     return c / NC, p, ok
 
@@ -178,8 +178,8 @@ def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, M, D, eps, sp_ptr, ctr_p
         ncp = -(c * p)
         st = stream_zero(R)
         ht = None
-        if HIST and _SMEM_HIST:
-            ht = _htab()
+        if HIST and SMEM_HIST:
+            ht = htab()
         ce = tl.zeros([], tl.int32)
         for tile in tl.range(pid, tiles, tl.num_programs(0), num_stages=STAGES):
             ys, mask = _store_tile(x_ptr, w_ptr, y_ptr, rstd_ptr, M, D, eps, tile, ROWS, DW, SOFT_ROUND)

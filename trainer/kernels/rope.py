@@ -27,9 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8mon.agent import triton_stats as ts
-from fp8mon.agent.triton_stats import (_SMEM_HIST, _htab, fused_bounds, fused_epilogue, stream_add, stream_partial,
-                                stream_start)
+from fp8mon.agent.stats import launch as ts
+from fp8mon.agent.stats.device import (SMEM_HIST, fused_bounds, fused_epilogue, htab, stream_add, stream_partial,
+                                       stream_start)
 
 from .fp8_gemm import _to_out
 from .quantize import INTERPRET, cdiv, persistent_programs, reg_cap
@@ -146,8 +146,8 @@ def _rope_fwd_kernel(qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, T, NH, tile
         x0 = tl.load(_in_ptrs(qkv_ptr, b0, h0, pos0, 0, T, NH, HD2), mask=m0, other=0.0).to(tl.float32)
         c, p, ok, ncp, acc = stream_start(x0, m0, R)
         ht = None
-        if HIST and _SMEM_HIST:
-            ht = _htab()
+        if HIST and SMEM_HIST:
+            ht = htab()
     ce = tl.zeros([], tl.int32)
     for t in tl.range(pid, tiles, tl.num_programs(0), num_stages=STAGES):
         b, h, pos, pm, m, cos, sin = _tile_trig(t, T, NH, cos_ptr, sin_ptr, BT, HD2)
@@ -231,8 +231,8 @@ def _rope_bwd_kernel(dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, cos_ptr, sin_ptr, T, NH, 
         x0, _ = _grad_halves(0, dq_ptr, dk_ptr, dv_ptr, b0, h0, pos0, m0, cos0, sin0, T, NH, HD2, dtype, SOFT_ROUND)
         c, p, ok, ncp, acc = stream_start(x0.to(tl.float32), m0, R)
         ht = None
-        if HIST and _SMEM_HIST:
-            ht = _htab()
+        if HIST and SMEM_HIST:
+            ht = htab()
     ce = tl.zeros([], tl.int32)
     for t in tl.range(pid, tiles, tl.num_programs(0), num_stages=STAGES):
         b, h, pos, pm, m, cos, sin = _tile_trig(t, T, NH, cos_ptr, sin_ptr, BT, HD2)

@@ -11,7 +11,7 @@ d_gate = (dh * up) * sig (1 + gate (1 - sig)), each product rounded to the dtype
 
 ``stats=`` (an ``agent.triton_stats.Target``): y's SPEC section-4 row, as the agent's hooks emulate it for a GEMM
 output (``triton_stats.nofmt_consts``), accumulated from the tiles the forward loads as the standalone kernel
-accumulates (``_tile_fast``; the kernel's docstring; where that does not hold, ``triton_stats.careful_tiles``) and
+accumulates (``tile_fast``; the kernel's docstring; where that does not hold, ``triton_stats.careful_tiles``) and
 merged by the next ``triton_stats.merge_later`` (``flush_deferred``; ``triton_stats.FUSED_MERGE``); ``h_stats=``
 likewise h's, from the tiles it stores. For bf16 y the forward takes y's row through y's 32-bit words (``WORDS``),
 and h's through the words of h it stores (``WORDS_H``; with the histogram, deferred to the next statistics launch).
@@ -35,9 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8mon.agent import triton_stats as ts
-from fp8mon.agent.triton_stats import (_SMEM_HIST, _htab, _shift_of, fused_bounds, fused_epilogue, stream_add, stream_partial,
-                                stream_zero, words_add, words_fold, words_zero)
+from fp8mon.agent.stats import launch as ts
+from fp8mon.agent.stats.device import (SMEM_HIST, fused_bounds, fused_epilogue, htab, shift_of, stream_add,
+                                       stream_partial, stream_zero, words_add, words_fold, words_zero)
 
 from .fp8_gemm import _to_out
 from .quantize import INTERPRET, cdiv, persistent_programs, reg_cap
@@ -146,8 +146,8 @@ def _h_of(g, u, DTYPE: tl.constexpr, SOFT_ROUND: tl.constexpr):
 def _y_shift(g0, u0, m1):
     """y's shift c, scale p, whether they hold, and -c*p, from a program's first tile of gate and up (``m1``: its mask,
     flat): the mean of the two halves' shifts, the larger amax's power of two."""
-    cg, pg, okg = _shift_of(tl.reshape(g0, [g0.numel]), m1)
-    cu, pu, oku = _shift_of(tl.reshape(u0, [u0.numel]), m1)
+    cg, pg, okg = shift_of(tl.reshape(g0, [g0.numel]), m1)
+    cu, pu, oku = shift_of(tl.reshape(u0, [u0.numel]), m1)
     c = (cg + cu) * 0.5
     p = tl.minimum(pg, pu)
     return c, p, okg & oku, -(c * p)
@@ -220,11 +220,11 @@ def _swiglu_fwd_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, d
         c, p, ok, ncp = _y_shift(g0, u0, m1)
         acc = stream_zero(R)
         ht = None
-        if HIST and _SMEM_HIST:
-            ht = _htab()
+        if HIST and SMEM_HIST:
+            ht = htab()
     if STATS_H:
         lo_h, hi_h = fused_bounds(cen_ptr_h, c_mean_h, c_std_h, k_h, C_PTR_H)
-        c_h, p_h, ok_h = _shift_of(tl.reshape(_h_of(g0, u0, dtype, SOFT_ROUND).to(tl.float32), [BM * BN]), m1)
+        c_h, p_h, ok_h = shift_of(tl.reshape(_h_of(g0, u0, dtype, SOFT_ROUND).to(tl.float32), [BM * BN]), m1)
         ncp_h = -(c_h * p_h)
         acc_h = stream_zero(R)
     ce = tl.zeros([], tl.int32)
@@ -288,12 +288,12 @@ def _swiglu_fwd_words_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_
     wacc = words_zero(lo, hi, R)
     if STATS_H:
         lo_h, hi_h = fused_bounds(cen_ptr_h, c_mean_h, c_std_h, k_h, C_PTR_H)
-        c_h, p_h, ok_h = _shift_of(tl.reshape(_h_of(g0, u0, dtype, SOFT_ROUND).to(tl.float32), [BM * BN]), m1)
+        c_h, p_h, ok_h = shift_of(tl.reshape(_h_of(g0, u0, dtype, SOFT_ROUND).to(tl.float32), [BM * BN]), m1)
         ncp_h = -(c_h * p_h)
         wacc_h = words_zero(lo_h, hi_h, R)
     ht = None
-    if HIST and _SMEM_HIST:
-        ht = _htab()
+    if HIST and SMEM_HIST:
+        ht = htab()
     ce = tl.zeros([], tl.int32)
     for t in tl.range(pid, tiles, tl.num_programs(0), num_stages=STAGES):
         rows, cw, mw, src = _word_tile(yw_ptr, t, n_tn, M, hw, sw, BM, BW)
@@ -372,8 +372,8 @@ def _swiglu_bwd_kernel(y_ptr, dh_ptr, dy_ptr, M, H, stride_y, sp_ptr, ctr_ptr, d
         c, p, ok, ncp = _y_shift(dg0.to(tl.float32), du0.to(tl.float32), tl.reshape(m0, [BM * BN]))
         acc = stream_zero(R)
         ht = None
-        if HIST and _SMEM_HIST:
-            ht = _htab()
+        if HIST and SMEM_HIST:
+            ht = htab()
     ce = tl.zeros([], tl.int32)
     for t in tl.range(pid, tiles, tl.num_programs(0), num_stages=STAGES):
         d_gate, d_up, mask, rows, cols = _dy_tile(y_ptr, dh_ptr, t, n_tn, M, H, stride_y, BM, BN, SOFT_ROUND)
@@ -419,8 +419,8 @@ def _swiglu_bwd_words_kernel(y_ptr, dh_ptr, dy_ptr, M, H, stride_y, sp_ptr, ctr_
     c, p, ok, ncp = _y_shift(dg0.to(tl.float32), du0.to(tl.float32), tl.reshape(m0, [BM * BN]))
     wacc = words_zero(lo, hi, R)
     ht = None
-    if HIST and _SMEM_HIST:
-        ht = _htab()
+    if HIST and SMEM_HIST:
+        ht = htab()
     ce = tl.zeros([], tl.int32)
     for t in tl.range(pid, tiles, tl.num_programs(0), num_stages=STAGES):
         rows, cw, mw, src = _word_tile(yw_ptr, t, n_tn, M, hw, sw, BM, BW)

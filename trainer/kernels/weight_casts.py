@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8mon.agent import triton_stats as ts
-from fp8mon.agent.triton_stats import (_P_AHM, _SMEM_HIST, _htab, _outlier_bounds, fused_epilogue, stream_add, stream_partial,
-                                stream_start)
+from fp8mon.agent.stats import launch as ts
+from fp8mon.agent.stats.device import (P_AHM, SMEM_HIST, fused_epilogue, htab, outlier_bounds, stream_add,
+                                       stream_partial, stream_start)
 
 from .fp8_gemm import _to_out
 from .quantize import INTERPRET, _num_sms, cdiv
@@ -72,14 +72,14 @@ def _casts_kernel(tab_ptr, ntab, sp_ptr, k, HIST: tl.constexpr, FMAX: tl.constex
     if c_addr != 0:
         c_mean = tl.load(c_addr.to(tl.pointer_type(tl.float64)))
         c_std = tl.load(c_addr.to(tl.pointer_type(tl.float64)) + 1)
-    lo, hi = _outlier_bounds(c_mean, c_std, k + tl.zeros([], tl.float64))
+    lo, hi = outlier_bounds(c_mean, c_std, k + tl.zeros([], tl.float64))
     p = pid - first
     nblk = tl.cdiv(n, BLOCK)
     d0, m0 = _b_part((w_ptr, n), p, 0, BLOCK, V)
     c, s, ok, ncp, st = stream_start(d0, m0, R)
     ht = None
-    if HIST and _SMEM_HIST:
-        ht = _htab()
+    if HIST and SMEM_HIST:
+        ht = htab()
     ce = tl.zeros([], tl.int32)
     # the full blocks without masks (n is not known to the compiler: a mask by it would cost the vector accesses)
     nfull = n // BLOCK
@@ -102,7 +102,7 @@ def _casts_kernel(tab_ptr, ntab, sp_ptr, k, HIST: tl.constexpr, FMAX: tl.constex
     fused_epilogue(sp_ptr, sp_ptr, sp_ptr, 0, 2, sp_ptr, nan, 1.0, ce, nfin, nonfin, zeros, outl, under, over, amax,
                    mean, m2, m3, m4, hist, FMAX, UTHR, False, HIST, SMODE)
     if p == 0:
-        tl.store(sp_ptr + _P_AHM * nprog + first, nan)
+        tl.store(sp_ptr + P_AHM * nprog + first, nan)
 
 
 def _shares(numels: list[int], device: torch.device) -> list[int]:

@@ -9,7 +9,7 @@ import contextlib
 import triton
 import triton.language as tl
 
-from fp8mon.agent.triton_stats import bf16_halves
+from fp8mon.agent.stats.device import bf16_halves
 
 from .fp8_gemm import _to_out
 

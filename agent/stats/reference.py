@@ -52,8 +52,8 @@ from typing import Iterable, Optional
 
 import torch
 
-from .formats import Fp8Format, by_name, current_scale, delayed_scale, scale_tensor
-from .wire import LOG2_HIST_BINS, LOG2_HIST_LO, TENSOR_STATS
+from ..formats import Fp8Format, by_name, current_scale, delayed_scale, scale_tensor
+from ..wire import LOG2_HIST_BINS, LOG2_HIST_LO, TENSOR_STATS
 
 NAN = float("nan")
 

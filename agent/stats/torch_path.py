@@ -1,7 +1,7 @@
-"""Per-tensor partial statistics computed on the tensor's device, as rows of one fp64 buffer.
+"""The torch path: per-tensor partial statistics computed on the tensor's device, as rows of one fp64 buffer.
 
 A row holds the mergeable fields of ``stats.Moments`` (counts, fp64 mean and central moments M2..M4,
-amax, scale, log2 histogram) in the layout below, so that
+amax, scale, log2 histogram) in the layout of ``layout``, so that
 
 * a step's rows for every (layer, site) live in one device tensor and reach the host in one copy;
 * micro-batches, repeated calls and ranks merge exactly on the device (``merge``, the Chan/Pebay
@@ -10,8 +10,8 @@ amax, scale, log2 histogram) in the layout below, so that
   oracle's own ``Moments.to_stats``.
 
 Nothing here reads a device value on the host: no ``.item()``, no boolean indexing, no data-dependent
-shapes. ``partials`` is the plain torch implementation; a fused kernel (Triton, a later issue) replaces
-it by producing the same row for the same arguments.
+shapes. ``partials`` is the plain torch implementation; the Triton path (``launch.rows`` and the fused kernels)
+produces the same row for the same arguments.
 
 Absent optional fields (no format: underflow, overflow, scale; no history; no histogram) are NaN.
 Counts are exact in fp64 up to 2**53 elements.
@@ -24,32 +24,12 @@ from typing import Sequence
 
 import torch
 
-from .formats import Fp8Format, by_name
-from .stats import Moments
-from .wire import LOG2_HIST_BINS, LOG2_HIST_HI, LOG2_HIST_LO
+from ..formats import Fp8Format, by_name
+from ..wire import LOG2_HIST_BINS, LOG2_HIST_HI, LOG2_HIST_LO
+from .layout import (AMAX, AMAX_HISTORY_MAX, FIELDS, HIST, M2, M3, M4, MEAN, N, NONFINITE, NONZERO, NUMEL, OUTLIERS,
+                     OVERFLOW, PARTS, SCALE, UNDERFLOW, WIDTH, ZEROS)
+from .reference import Moments
 
-FIELDS = (
-    "parts",  # how many partials were merged into the row; 0: nothing observed
-    "numel",
-    "n",  # finite elements
-    "nonfinite",
-    "zeros",
-    "nonzero",  # finite nonzero elements
-    "outliers",
-    "underflow",
-    "overflow",
-    "amax",
-    "mean",
-    "M2",
-    "M3",
-    "M4",
-    "scale",
-    "amax_history_max",
-)
-(PARTS, NUMEL, N, NONFINITE, ZEROS, NONZERO, OUTLIERS, UNDERFLOW, OVERFLOW, AMAX, MEAN, M2, M3, M4, SCALE,
- AMAX_HISTORY_MAX) = range(len(FIELDS))
-HIST = len(FIELDS)  # first histogram bin
-WIDTH = HIST + LOG2_HIST_BINS
 NAN = float("nan")
 
 
@@ -89,7 +69,7 @@ def partials(
     arguments. ``scale`` and ``amax_history_max`` may be numbers or (device) tensors; ``fmt`` without
     ``scale`` uses the delayed scale of ``amax_history_max`` when given (margin 0), else current scaling.
     ``outlier_center`` = (mean, std) (numbers or an fp64 tensor of 2) counts outliers against that center
-    instead of this tensor's own mean/std, as the Triton path (``triton_stats``) does; a NaN std counts none.
+    instead of this tensor's own mean/std, as the Triton path (``stats.launch``) does; a NaN std counts none.
     """
     if fmt is None and scale is not None:
         raise ValueError("a scale needs an FP8 format (fmt='e4m3' or 'e5m2')")
