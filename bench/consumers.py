@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fp8mon.agent.stats import launch as ts  # noqa: E402
+from fp8mon.agent.stats import layout  # noqa: E402
 from fp8mon.trainer.kernels.residual import branch_grad, residual_add_forward  # noqa: E402
 from fp8mon.trainer.kernels.rmsnorm import rms_norm_backward, rms_norm_forward, rms_norm_ref  # noqa: E402
 from fp8mon.trainer.kernels.swiglu import swiglu_backward, swiglu_forward, swiglu_ref  # noqa: E402
@@ -45,7 +46,7 @@ class StepRows:
     STEP_ROWS calls; one row for every call would add a merge launch to each.)"""
 
     def __init__(self, dev: torch.device):
-        self.rows = torch.zeros(STEP_ROWS, ts.ds.WIDTH, dtype=torch.float64, device=dev)
+        self.rows = torch.zeros(STEP_ROWS, layout.WIDTH, dtype=torch.float64, device=dev)
         self.calls = 0
 
     def __call__(self, hist: bool = False) -> ts.Target:
@@ -62,7 +63,7 @@ def swiglu_y_row(name: str, dev: torch.device) -> None:
     base = torch.randn(tokens, 2 * hidden, device=dev)
     y = base.to(torch.bfloat16)
     center = torch.tensor([0.01, 1.3], dtype=torch.float64, device=dev)
-    step, apart = StepRows(dev), torch.zeros(2, ts.ds.WIDTH, dtype=torch.float64, device=dev)
+    step, apart = StepRows(dev), torch.zeros(2, layout.WIDTH, dtype=torch.float64, device=dev)
 
     def tgt(hist=False, center=(0.0, 1.0), fmt="e4m3"):
         step.calls += 1
@@ -137,7 +138,7 @@ def main(argv=None) -> None:
         y = torch.randn(tokens, 2 * hidden, device=dev).to(torch.bfloat16)
         dh = torch.randn(tokens, hidden, device=dev).to(torch.bfloat16)
         for hist in (False, True):
-            rows = torch.zeros(2, ts.ds.WIDTH, dtype=torch.float64, device=dev)  # the rows read apart
+            rows = torch.zeros(2, layout.WIDTH, dtype=torch.float64, device=dev)  # the rows read apart
             step = StepRows(dev)
 
             def tgt():
@@ -237,7 +238,7 @@ def rope(name: str, batch: int, seq: int, d_model: int, n_head: int, dev: torch.
     from fp8mon.trainer.kernels.rope import rope_qkv_backward, rope_qkv_forward, rope_qkv_ref
 
     rot, qkv, grads = _rope_inputs(batch, seq, d_model, n_head, dev)
-    rows = torch.zeros(2, ts.ds.WIDTH, dtype=torch.float64, device=dev)  # the rows read apart
+    rows = torch.zeros(2, layout.WIDTH, dtype=torch.float64, device=dev)  # the rows read apart
     tgt = StepRows(dev)
 
     def torch_both():
@@ -271,7 +272,7 @@ def norm(name: str, tokens: int, d_model: int, dev: torch.device) -> None:
     w = torch.randn(d_model, device=dev) + 1.0
     g = torch.randn(tokens, d_model, device=dev)
     _, rstd = rms_norm_forward(x, w, 1e-6)
-    rows = torch.zeros(2, ts.ds.WIDTH, dtype=torch.float64, device=dev)
+    rows = torch.zeros(2, layout.WIDTH, dtype=torch.float64, device=dev)
     for hist in (False, True):
         step = StepRows(dev)
 
@@ -299,7 +300,7 @@ def norm(name: str, tokens: int, d_model: int, dev: torch.device) -> None:
 def residual(name: str, tokens: int, d_model: int, dev: torch.device) -> None:
     x = torch.randn(tokens, d_model, device=dev)
     b = torch.randn(tokens, d_model, device=dev).to(torch.bfloat16)
-    rows = torch.zeros(2, ts.ds.WIDTH, dtype=torch.float64, device=dev)  # the rows read apart
+    rows = torch.zeros(2, layout.WIDTH, dtype=torch.float64, device=dev)  # the rows read apart
     tgt = StepRows(dev)
     fns = {
         "torch add": lambda: x + b,
