@@ -146,7 +146,7 @@ class Database:
     def __init__(self, backend: str, pg_url: str | None):
         from sqlalchemy import create_engine, text
 
-        from fp8mon.monitor.db import normalise_url
+        from fp8mon.monitor.storage.engine import normalise_url
         self.backend = backend
         if backend == "sqlite":
             self.tmp = tempfile.mkdtemp(prefix="fp8mon-bench-")

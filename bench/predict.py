@@ -37,7 +37,7 @@ from fp8mon.monitor.alerting.lifecycle import ESCALATED, FIRED, RESOLVED, AlertE
 from fp8mon.monitor.assessment import Finding
 from fp8mon.monitor.fixtures import EARLY_BEFORE, TARGET_LEAD, Fixture, fixture_paths, load_fixture
 from fp8mon.monitor.predictors import PredictorParams, RunPredictor
-from fp8mon.monitor.schemas import IngestBatch
+from fp8mon.monitor.wire import IngestBatch
 
 TARGET_RATIO = 5.0
 BASELINE_WINDOW = 30

@@ -4,8 +4,8 @@ For each database (a fresh SQLite file, and PostgreSQL when --database-url is gi
 is dropped afterwards) it
   1. fills one run with --layers layers x --steps steps of one site (rows generated inside the
      database with INSERT ... SELECT, --stats statistics per row; one spike and one NaN planted),
-  2. runs the rollup compactor synchronously (monitor.rollup.compact),
-  3. times, in process (monitor.queries): the heatmap over the whole range (default max_points 1000,
+  2. runs the rollup compactor synchronously (SqlAlchemyStore.compact),
+  3. times, in process (the store's queries): the heatmap over the whole range (default max_points 1000,
      agg max) and a long series query (one layer, whole range),
   4. times the same heatmap and series through the real HTTP endpoint: `fp8mon serve` in a subprocess,
      requests with httpx (keep-alive),
@@ -28,15 +28,13 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from sqlalchemy import create_engine, insert, text
-
 from fp8mon.agent.wire import TENSOR_STATS
-from fp8mon.monitor import queries, rollup
-from fp8mon.monitor.db import create_db_engine, normalise_url
 from fp8mon.monitor.localserver import ServerProcess
 from fp8mon.monitor.migrate import upgrade
 from fp8mon.monitor.models import Run
-from fp8mon.monitor.store import Store
+from fp8mon.monitor.storage import SqlAlchemyStore as Store
+from fp8mon.monitor.storage.engine import create_db_engine, normalise_url
+from sqlalchemy import create_engine, insert, text
 
 RUN = "bench-heatmap"
 SITE = "input"
@@ -129,7 +127,7 @@ def bench(label: str, url: str, args, workdir: Path) -> None:
         rows = args.layers * args.steps
         print(f"{'fill':<24}{info['fill_s']:7.1f} s   {rows / info['fill_s'] / 1e3:5.0f} k rows/s "
               f"({rows / 1e6:.0f} M rows)", flush=True)
-        report = rollup.compact(store)
+        report = store.compact()
         print(f"{'compact (all levels)':<24}{report.seconds:7.1f} s   {rows / report.seconds / 1e3:5.0f} k rows/s "
               f"({report.chunks} transactions, {report.buckets} buckets)", flush=True)
         if store.dialect == "postgresql":
@@ -139,16 +137,16 @@ def bench(label: str, url: str, args, workdir: Path) -> None:
         layer = layer_name(info["spike"][0])
         print(f"(load average {os.getloadavg()[0]:.1f}; timings after {WARMUP} warm-up calls)", flush=True)
 
-        samples, h = timed(lambda: queries.heatmap(store, RUN, stat=stat, site=SITE, max_points=args.max_points),
+        samples, h = timed(lambda: store.heatmap(RUN, stat=stat, site=SITE, max_points=args.max_points).to_dict(),
                            args.repeat)
         _check(h, info)
         shape = f"{len(h['layers'])} x {len(h['edges']) - 1} cells of {h['bucket_width']} steps"
         line("heatmap agg=max", samples, f"in process, {shape}", target=True)
-        samples, _ = timed(lambda: queries.heatmap(store, RUN, stat=stat, site=SITE, max_points=args.max_points,
-                                                   agg="last"), args.repeat)
+        samples, _ = timed(lambda: store.heatmap(RUN, stat=stat, site=SITE, max_points=args.max_points,
+                                                   agg="last").to_dict(), args.repeat)
         line("heatmap agg=last", samples, "in process", target=True)
-        samples, s = timed(lambda: queries.series(store, RUN, stat=stat, layer=layer, site=SITE,
-                                                  max_points=args.max_points), args.repeat)
+        samples, s = timed(lambda: store.series(RUN, stat=stat, layer=layer, site=SITE,
+                                                  max_points=args.max_points).to_dict(), args.repeat)
         line("series (one layer)", samples, f"in process, {len(s['points']['step'])} buckets of "
                                             f"{s['bucket_width']} steps with min/max/mean/last")
         server = ServerProcess(url, env={"FP8MON_ROLLUP_INTERVAL_S": "0"}, log=workdir / f"server-{label}.log")

@@ -5,12 +5,11 @@ import os
 import uuid
 
 import pytest
-from sqlalchemy import create_engine, text
-
-from fp8mon.monitor.db import create_db_engine, normalise_url
 from fp8mon.monitor.localserver import ServerProcess
 from fp8mon.monitor.migrate import upgrade
-from fp8mon.monitor.store import Store
+from fp8mon.monitor.storage import SqlAlchemyStore as Store
+from fp8mon.monitor.storage.engine import create_db_engine, normalise_url
+from sqlalchemy import create_engine, text
 
 PG_URL = os.environ.get("FP8MON_TEST_DATABASE_URL")
 BACKENDS = ["sqlite", "postgresql"] if PG_URL else ["sqlite"]

@@ -13,7 +13,6 @@ signal is at a warning level now, and it is 1 while non-finite values or the div
 from __future__ import annotations
 
 import numpy as np
-
 from fp8mon.monitor.assessment import Assessment
 from fp8mon.monitor.predictors.base import SignalOutput
 from fp8mon.monitor.predictors.frames import SlotTable, StepFrame, split_steps
@@ -22,7 +21,7 @@ from fp8mon.monitor.predictors.nonfinite import NonFinite
 from fp8mon.monitor.predictors.params import PredictorParams
 from fp8mon.monitor.predictors.saturation import AmaxSaturation, UnderflowRise
 from fp8mon.monitor.predictors.scalars import Growth, LossDivergence, Spike
-from fp8mon.monitor.schemas import IngestBatch
+from fp8mon.monitor.wire import IngestBatch
 
 
 class RunPredictor:

@@ -6,9 +6,9 @@ from typing import Annotated, Any
 
 from fastapi import HTTPException, Path
 from fastapi.responses import JSONResponse
+from fp8mon.monitor.jsonvalues import json_safe
+from fp8mon.monitor.storage import QueryError
 from sqlalchemy.exc import SQLAlchemyError
-
-from fp8mon.monitor.queries import QueryError, json_safe
 
 # Run names may contain '/', so the path parameter takes the rest of the path; routes with a suffix
 # (/runs/{run}/series, ...) are registered before the bare /runs/{run}.

@@ -4,11 +4,10 @@ import time
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
-from sqlalchemy.exc import SQLAlchemyError
-
 from fp8mon.monitor.codec import BodyError, inflate, parse_batch
-from fp8mon.monitor.deps import SettingsDep, StoreDep, require_write
-from fp8mon.monitor.schemas import IngestResult
+from fp8mon.monitor.deps import MetricsDep, SettingsDep, StoreDep, require_write
+from fp8mon.monitor.wire import IngestResult
+from sqlalchemy.exc import SQLAlchemyError
 
 router = APIRouter(tags=["ingest"], dependencies=[require_write])
 
@@ -28,8 +27,7 @@ _BODY_DOC = {
              responses={413: {"description": "body too large"}, 415: {"description": "unsupported encoding"},
                         422: {"description": "invalid batch; the message names the field"},
                         503: {"description": "storage unavailable; retry later"}})
-async def ingest(request: Request, store: StoreDep, settings: SettingsDep) -> IngestResult:
-    metrics = request.app.state.metrics
+async def ingest(request: Request, store: StoreDep, settings: SettingsDep, metrics: MetricsDep) -> IngestResult:
     started = time.perf_counter()
     try:
         result = await _ingest(request, store, settings)

@@ -6,12 +6,11 @@ import time
 import httpx
 import pytest
 import schemathesis
+from fp8mon.monitor.app import create_app
+from fp8mon.monitor.fixtures import fixture_paths, load_fixture
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
-
-from fp8mon.monitor.app import create_app
-from fp8mon.monitor.fixtures import fixture_paths, load_fixture
 
 RUN = "fuzz/run-1"
 OPERATIONS = [result.ok() for result in schemathesis.openapi.from_dict(create_app().openapi()).get_all_operations()]

@@ -7,9 +7,8 @@ import math
 import httpx
 import msgpack
 import pytest
+from fp8mon.monitor.storage import SqlAlchemyStore as Store
 from sqlalchemy import text
-
-from fp8mon.monitor.store import Store
 
 
 def batch(batch_id="b1", run="run-a", steps=(1, 2), layers=("blocks.0.attn.qkv", "blocks.0.mlp.fc1"), **extra):

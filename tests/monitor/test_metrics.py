@@ -8,9 +8,9 @@ import time
 
 import httpx
 import pytest
+from fp8mon.monitor.metrics import Metrics
 from prometheus_client.parser import text_string_to_metric_families
 
-from fp8mon.monitor.metrics import Metrics
 from tests.integration.streams import fake_predictor_env, kurtosis_stream
 
 

@@ -5,15 +5,13 @@ import threading
 import time
 
 import pytest
-from sqlalchemy import select
-
-from fp8mon.monitor import queries
-from fp8mon.monitor.alerting import queries as alert_queries
 from fp8mon.monitor.assessment import RESOLVE_AFTER_STEPS, Assessment, Finding
+from fp8mon.monitor.gauges import batch_gauges
 from fp8mon.monitor.metrics import Metrics
 from fp8mon.monitor.models import Alert, Prediction
-from fp8mon.monitor.pipeline import Pipeline, batch_gauges
-from fp8mon.monitor.schemas import IngestBatch
+from fp8mon.monitor.pipeline import Pipeline
+from fp8mon.monitor.wire import IngestBatch
+from sqlalchemy import select
 
 
 class Scripted:
@@ -82,7 +80,7 @@ def kurtosis_after(start, severity="warning", for_steps=20, until=None):
 
 
 def alert_rows(store):
-    with queries.reading(store) as conn:
+    with store.db.reading() as conn:
         return conn.execute(select(Alert).order_by(Alert.id)).all()
 
 
@@ -130,12 +128,12 @@ def test_predictions_are_decimated_but_latest_is_current(store, make_pipeline):
     p = make_pipeline(every_steps=10, risk_delta=0.05)
     feed(store, "run-d", 0, 95, per_batch=7)
     assert p.flush()
-    with queries.reading(store) as conn:
+    with store.db.reading() as conn:
         steps = conn.execute(select(Prediction.step).order_by(Prediction.step)).scalars().all()
     # every 10th step, and the last step of each 7-step batch (risk moves 0.001 per step: never by 0.05)
     expected = sorted({s for s in range(95) if s % 10 == 0} | {min(94, b + 6) for b in range(0, 95, 7)})
     assert steps == expected
-    latest = alert_queries.latest_prediction(store, "run-d")
+    latest = store.latest_prediction("run-d").to_dict()
     assert latest["step"] == 94 and latest["risk"] == pytest.approx(0.094)
     assert latest["signals"] == {"kurtosis": pytest.approx(9.4), "bad": "NaN"}  # NaN stored as JSON-safe text
     assert latest["culprits"][0]["layer"] == "blocks.0.attn.qkv"
@@ -207,7 +205,7 @@ def test_deleted_run_loses_its_state_and_series(store, make_pipeline):
     assert "run-i" in p.metrics.runs.snapshot()
     gate.clear()
     feed(store, "run-i", 20, 40)  # queued behind the gate
-    queries.delete_run(store, "run-i")
+    store.delete_run("run-i").to_dict()
     p.forget_run("run-i")
     assert "run-i" not in p.metrics.runs.snapshot()
     gate.set()
@@ -230,7 +228,7 @@ def test_a_failing_predictor_is_counted_and_the_pipeline_goes_on(store, make_pip
     feed(store, "run-j", 0, 30)
     assert p.flush()
     assert p.metrics.predictor_errors._value.get() == 1
-    assert alert_queries.latest_prediction(store, "run-j")["step"] == 29
+    assert store.latest_prediction("run-j").to_dict()["step"] == 29
 
 
 def test_final_status_ends_the_run_series_after_grace(store, make_pipeline):
@@ -259,6 +257,7 @@ def test_batch_gauges_take_the_worst_layer_at_the_last_step():
 def test_predictor_setting_resolution():
     from fp8mon.monitor.pipeline import load_factory
     from fp8mon.monitor.settings import DEFAULT_PREDICTOR
+
     from tests.integration.fake_predictor import ThresholdPredictor
 
     assert load_factory("") is None

@@ -4,9 +4,10 @@ resolved before the divergence step counts as a false alarm, not as lead."""
 import dataclasses
 import math
 
-from bench.predict import Outcome, baseline, lead, standing_lead
 from fp8mon.monitor.assessment import RESOLVE_AFTER_STEPS
 from fp8mon.monitor.fixtures import Fixture
+
+from bench.predict import Outcome, baseline, lead, standing_lead
 
 
 def diverging_at(step: int) -> Fixture:

@@ -6,10 +6,8 @@ import time
 
 import httpx
 import msgpack
-import pytest
+from fp8mon.monitor.storage import SqlAlchemyStore as Store
 from sqlalchemy import text
-
-from fp8mon.monitor.store import Store
 
 API = "/api/v1"
 
@@ -154,8 +152,7 @@ def test_patch_and_delete_over_http(live_server):
 
     store = Store(live_server.database_url)
     try:
-        from fp8mon.monitor import rollup
-        rollup.compact(store, lag=0)
+        store.compact(lag=0)
 
         def count(table):
             with store.engine.connect() as conn:

@@ -5,12 +5,12 @@ import time
 
 import httpx
 import pytest
-
 from fp8mon.monitor.alerting.lifecycle import AlertTracker
 from fp8mon.monitor.alerting.webhooks import WebhookSender, slack_payload
 from fp8mon.monitor.assessment import Finding
 from fp8mon.monitor.localserver import free_port
 from fp8mon.monitor.metrics import Metrics
+
 from tests.integration.receiver import Receiver
 from tests.integration.streams import fake_predictor_env, kurtosis_stream
 

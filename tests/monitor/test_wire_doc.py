@@ -10,13 +10,20 @@ from pathlib import Path
 import httpx
 import msgpack
 import pytest
-from sqlalchemy import text
-
-from fp8mon.agent.wire import LOG2_HIST_BINS, LOG2_HIST_HI, LOG2_HIST_LO, SITES, TENSOR_STATS, WELL_KNOWN_SCALARS, WIRE_VERSION
+from fp8mon.agent.wire import (
+    LOG2_HIST_BINS,
+    LOG2_HIST_HI,
+    LOG2_HIST_LO,
+    SITES,
+    TENSOR_STATS,
+    WELL_KNOWN_SCALARS,
+    WIRE_VERSION,
+)
 from fp8mon.monitor.codec import JSON_TYPES, MSGPACK_TYPES
-from fp8mon.monitor.schemas import MAX_RECORDS_PER_BLOCK, IngestBatch, IngestResult, RunMeta, ScalarBlock, TensorBlock
 from fp8mon.monitor.settings import Settings
-from fp8mon.monitor.store import Store
+from fp8mon.monitor.storage import SqlAlchemyStore as Store
+from fp8mon.monitor.wire import MAX_RECORDS_PER_BLOCK, IngestBatch, IngestResult, RunMeta, ScalarBlock, TensorBlock
+from sqlalchemy import text
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "wire-format.md"
 TEXT = DOC.read_text(encoding="utf-8")
