@@ -1,5 +1,6 @@
 """Replay every labelled-run fixture through the divergence predictors and the alert lifecycle, next to
-the reactive baseline, and print lead times and false alerts (SPEC section 7, "prediction").
+the reactive baseline, and print lead times and false alerts (SPEC section 7, "prediction"); the scoring
+is fp8mon.monitor.evaluation.
 
     python -m bench.predict                 # every fixture under tests/fixtures/runs (cpu and gpu/)
     python -m bench.predict --root DIR      # another corpus
@@ -31,17 +32,14 @@ import argparse
 import math
 import statistics
 import time
-from dataclasses import dataclass, field
 
-from fp8mon.monitor.alerting.lifecycle import ESCALATED, FIRED, RESOLVED, AlertEvent, AlertTracker
-from fp8mon.monitor.assessment import Finding
-from fp8mon.monitor.fixtures import EARLY_BEFORE, TARGET_LEAD, Fixture, fixture_paths, load_fixture
-from fp8mon.monitor.predictors import PredictorParams, RunPredictor
+from fp8mon.monitor.evaluation import (BASELINE_WINDOW, BASELINE_Z, baseline, lead, matched_threshold, replay,
+                                       standing_lead)
+from fp8mon.monitor.fixtures import EARLY_BEFORE, TARGET_LEAD, fixture_paths, load_fixture
+from fp8mon.monitor.predictors import RunPredictor
 from fp8mon.monitor.wire import IngestBatch
 
 TARGET_RATIO = 5.0
-BASELINE_WINDOW = 30
-BASELINE_Z = 3.0
 # Said here (and in docs/prediction.md) when thresholds were changed after seeing the held-out results.
 NOTE = ("pass R: the kurtosis level warning was raised to the critical level (16x) on every run of passes A-Q, all "
         "'tune' now (pass Q's held-out runs had been seen: a healthy wide Llama run's slow 12x rise paged); earlier, "
@@ -49,114 +47,9 @@ NOTE = ("pass R: the kurtosis level warning was raised to the critical level (16
         "after that choice and not used for it (docs/prediction.md)")
 
 
-@dataclass
-class Outcome:
-    first_alert: int | None = None
-    first_rule: str | None = None
-    alerts: int = 0  # warning/critical alerts that fired over the whole run
-    alert_steps: list[int] = field(default_factory=list)
-    # [start, end) of every alert while it paged (warning/critical): end = its resolution step, None if open
-    spans: list[list[int | None]] = field(default_factory=list)
-    seconds: float = 0.0
-    steps: int = 0
-
-
-def _track_span(out: Outcome, event: AlertEvent, spans: dict) -> bool:
-    """Keep the span of a paging alert: opened when it first fires at warning/critical (or escalates to it),
-    closed when it resolves. True for the event that opens one (a new paging alert)."""
-    alert = event.alert
-    identity = (alert.rule, alert.layer, alert.site, alert.first_step)
-    if event.kind in (FIRED, ESCALATED) and alert.severity in ("warning", "critical") and identity not in spans:
-        spans[identity] = [event.step, None]
-        out.spans.append(spans[identity])
-        return True
-    if event.kind == RESOLVED and identity in spans:
-        spans[identity][1] = event.step
-    return False
-
-
-def replay(fixture: Fixture, params: PredictorParams | None = None) -> Outcome:
-    """Our predictors + the alert lifecycle over the fixture's batches, in order."""
-    batches = [IngestBatch.model_validate(b) for b in fixture.batches]
-    predictor, tracker, out = RunPredictor(fixture.name, params=params), AlertTracker(), Outcome()
-    spans = {}  # an alert counts once, when it first fires at warning/critical (or escalates to it)
-    t0 = time.perf_counter()
-    for batch in batches:
-        for assessment in predictor.observe(batch):
-            out.steps += 1
-            for event in tracker.update(fixture.name, assessment.step, assessment.findings):
-                if _track_span(out, event, spans):
-                    out.alerts += 1
-                    out.alert_steps.append(event.step)
-                    if out.first_alert is None:
-                        out.first_alert, out.first_rule = event.step, event.alert.rule
-    out.seconds = time.perf_counter() - t0
-    return out
-
-
-def baseline_z(losses: list[tuple[int, float]], window: int = BASELINE_WINDOW) -> list[tuple[int, float]]:
-    """(step, z) of every logged loss: z of the loss vs the mean/std of the previous `window` finite logged
-    losses (0 while fewer; +inf for a non-finite loss)."""
-    out, history = [], []
-    for step, loss in losses:
-        if not math.isfinite(loss):
-            z = math.inf
-        elif len(history) >= window:
-            recent = history[-window:]
-            sd = statistics.pstdev(recent)
-            z = (loss - statistics.fmean(recent)) / sd if sd > 0 else 0.0
-        else:
-            z = 0.0
-        out.append((step, z))
-        if math.isfinite(loss):
-            history.append(loss)
-    return out
-
-
-def baseline(losses: list[tuple[int, float]], threshold: float = BASELINE_Z) -> Outcome:
-    """Loss z-score vs the previous BASELINE_WINDOW logged losses; an alert per run of steps with z > threshold.
-    Its spans come from the same condition through the server's alert lifecycle (a warning while z > threshold,
-    resolved once absent for RESOLVE_AFTER_STEPS steps)."""
-    out, firing = Outcome(), False
-    tracker, spans = AlertTracker(), {}
-    for step, z in baseline_z(losses):
-        if z > threshold and not firing:
-            out.alerts += 1
-            out.alert_steps.append(step)
-            if out.first_alert is None:
-                out.first_alert = step
-        firing = z > threshold
-        findings = [Finding("loss_zscore", "warning", step, f"loss z {z:.1f}")] if firing else []
-        for event in tracker.update("baseline", step, findings):
-            _track_span(out, event, spans)
-    return out
-
-
-def standing_lead(fixture: Fixture, outcome: Outcome) -> int | None:
-    """Divergence step minus the start of the unbroken stretch of paging alerts still open at it (spans that
-    overlap or touch are one stretch); 0 when no alert is open then; None for a run that did not diverge."""
-    if not fixture.diverged:
-        return None
-    d = fixture.divergence_step
-    spans = sorted((a, math.inf if b is None else b) for a, b in outcome.spans if a <= d)
-    start, end = None, -math.inf
-    for a, b in spans:
-        if a > end:  # a gap: a new stretch
-            start = a
-        end = max(end, b)
-    return d - start if start is not None and end > d else 0
-
-
-def matched_threshold(stable: list[Fixture]) -> float:
-    """The smallest baseline threshold with no alert on these runs: just above their largest finite z."""
-    top = max((z for f in stable for _, z in baseline_z(f.losses()) if math.isfinite(z)), default=BASELINE_Z)
-    return max(BASELINE_Z, math.nextafter(top, math.inf))
-
-
 def step_cost_ms(layers: int = 100, steps: int = 300) -> float:
     """Time per evaluated step of RunPredictor on a synthetic healthy stream of layers x 5 sites."""
     import numpy as np
-
     from fp8mon.agent.wire import SITES
 
     rng = np.random.default_rng(0)
@@ -184,12 +77,6 @@ def step_cost_ms(layers: int = 100, steps: int = 300) -> float:
             predictor.observe(batch)
         times.append((time.perf_counter() - t0) / (steps - 100))
     return 1e3 * statistics.median(times)
-
-
-def lead(fixture: Fixture, outcome: Outcome) -> int | None:
-    if not fixture.diverged or outcome.first_alert is None:
-        return None
-    return fixture.divergence_step - outcome.first_alert
 
 
 def fmt(value) -> str:

@@ -7,7 +7,6 @@ from fastapi import FastAPI
 from fp8mon.monitor.alerting.webhooks import WebhookSender
 from fp8mon.monitor.compactor import Compactor
 from fp8mon.monitor.metrics import Metrics
-from fp8mon.monitor.migrate import check_schema
 from fp8mon.monitor.pipeline import Pipeline
 from fp8mon.monitor.routers import alerts, dashboard, ingest, metrics, predictions, runs, series
 from fp8mon.monitor.settings import Settings
@@ -29,7 +28,7 @@ def create_app(settings: Settings | None = None, *, store: AbstractStore | None 
         owned = store is None
         app.state.store = store or SqlAlchemyStore(settings.database_url, pool_size=settings.db_pool_size)
         try:
-            check_schema(app.state.store.engine)
+            app.state.store.check_schema()
             if settings.workers > 1:
                 log.warning("%d worker processes: each runs its own predictors on the batches it receives and "
                             "exports its own /metrics; alerting and Prometheus export need --workers 1",

@@ -1,5 +1,6 @@
-"""Shared fixtures: databases (SQLite always, PostgreSQL when FP8MON_TEST_DATABASE_URL is set) and a real
-uvicorn server process on 127.0.0.1."""
+"""Shared fixtures: databases (SQLite always, PostgreSQL when FP8MON_TEST_DATABASE_URL is set), the monitor
+application in process (FastAPI's TestClient), and a real uvicorn server process on 127.0.0.1 for the tests
+where the process matters (kill -9, several workers, Prometheus scraping, the browser, the CLI)."""
 
 import os
 import uuid
@@ -93,6 +94,30 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def app_factory(database_url):
+    """`make(predictor_factory=None, **settings)`: a TestClient of the monitor application on the test database,
+    with Settings fields as keyword arguments. Use it as a context manager (`with make() as client:`): the
+    application's lifespan (pipeline, webhooks, compactor) runs inside the block, and a second block on the
+    same database is a restarted server."""
+    from fastapi.testclient import TestClient
+    from fp8mon.monitor.app import create_app
+    from fp8mon.monitor.settings import Settings
+
+    def make(predictor_factory=None, **settings) -> TestClient:
+        app = create_app(Settings(database_url=database_url, **settings), predictor_factory=predictor_factory)
+        return TestClient(app)
+
+    return make
+
+
+@pytest.fixture
+def client(app_factory):
+    """The monitor application with default settings, in process."""
+    with app_factory() as c:
+        yield c
 
 
 @pytest.fixture

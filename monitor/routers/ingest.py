@@ -6,8 +6,8 @@ from fastapi import APIRouter, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fp8mon.monitor.codec import BodyError, inflate, parse_batch
 from fp8mon.monitor.deps import MetricsDep, SettingsDep, StoreDep, require_write
+from fp8mon.monitor.storage import StorageUnavailable
 from fp8mon.monitor.wire import IngestResult
-from sqlalchemy.exc import SQLAlchemyError
 
 router = APIRouter(tags=["ingest"], dependencies=[require_write])
 
@@ -61,6 +61,6 @@ async def _ingest(request: Request, store: StoreDep, settings: SettingsDep) -> I
         raise HTTPException(exc.status, exc.message) from None
     try:
         return await run_in_threadpool(store.ingest, batch)
-    except SQLAlchemyError as exc:
-        raise HTTPException(503, f"storage unavailable, batch not stored; retry: {type(exc).__name__}",
+    except StorageUnavailable as exc:
+        raise HTTPException(503, f"storage unavailable, batch not stored; retry: {exc.cause_name}",
                             headers={"Retry-After": "1"}) from None

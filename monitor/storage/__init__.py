@@ -6,7 +6,8 @@ that the migrations keep.
 """
 
 from fp8mon.monitor.storage.abstract import AbstractStore, AlertStore
-from fp8mon.monitor.storage.errors import BadParameter, NotFound, QueryError
+from fp8mon.monitor.storage.errors import BadParameter, NotFound, QueryError, StorageUnavailable
 from fp8mon.monitor.storage.sqlalchemy_store import SqlAlchemyStore
 
-__all__ = ["AbstractStore", "AlertStore", "BadParameter", "NotFound", "QueryError", "SqlAlchemyStore"]
+__all__ = ["AbstractStore", "AlertStore", "BadParameter", "NotFound", "QueryError", "SqlAlchemyStore",
+           "StorageUnavailable"]

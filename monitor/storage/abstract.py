@@ -1,8 +1,9 @@
 """The storage interface of the monitor: every read and write of the server goes through an `AbstractStore`.
 
 Operations return the typed entities of storage.entities (never ORM rows); a missing run or alert raises
-storage.errors.NotFound, an invalid argument BadParameter. `AlertStore` is the part the prediction pipeline
-needs, so that it can be given a store (or a fake) without the rest.
+storage.errors.NotFound, an invalid argument BadParameter, a failing database StorageUnavailable.
+`AlertStore` is the part the prediction pipeline needs, so that it can be given a store (or a fake) without
+the rest.
 """
 
 from __future__ import annotations
@@ -141,6 +142,10 @@ class AbstractStore(AlertStore):
 
     @abstractmethod
     def latest_prediction(self, run: str) -> PredictionRecord: ...
+
+    @abstractmethod
+    def check_schema(self) -> None:
+        """Raise migrate.SchemaError unless the database is at the schema this version of fp8mon needs."""
 
     @abstractmethod
     def close(self) -> None: ...

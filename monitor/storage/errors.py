@@ -15,3 +15,13 @@ class NotFound(QueryError):
 
 class BadParameter(QueryError):
     status = 422
+
+
+class StorageUnavailable(QueryError):
+    """The database failed (unreachable, locked, out of space): nothing was written; retry later."""
+
+    status = 503
+
+    def __init__(self, cause: Exception):
+        super().__init__(f"storage unavailable: {type(cause).__name__}; retry")
+        self.cause_name = type(cause).__name__

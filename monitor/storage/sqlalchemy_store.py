@@ -1,16 +1,19 @@
 """`SqlAlchemyStore`: the AbstractStore on SQLite or PostgreSQL, through SQLAlchemy.
 
 Each operation is a module function of this package over the store's `Database` (engines, transactions,
-the writer lock); the store adds the ingest listeners and the ingest caches.
+the writer lock); the store adds the ingest listeners and the ingest caches, and turns SQLAlchemy's errors
+into StorageUnavailable.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from datetime import datetime
 
 from fp8mon.agent.wire import TENSOR_STATS
+from fp8mon.monitor import migrate
 from fp8mon.monitor.storage import alerts, export, rollup, runs, series
 from fp8mon.monitor.storage.abstract import AbstractStore, IngestListener
 from fp8mon.monitor.storage.database import Database
@@ -32,8 +35,10 @@ from fp8mon.monitor.storage.entities import (
     RunPage,
     Series,
 )
+from fp8mon.monitor.storage.errors import StorageUnavailable
 from fp8mon.monitor.storage.ingest import IngestWriter
 from fp8mon.monitor.wire import IngestBatch, IngestResult
+from sqlalchemy.exc import SQLAlchemyError
 
 log = logging.getLogger("fp8mon.store")
 
@@ -55,6 +60,9 @@ class SqlAlchemyStore(AbstractStore):
 
     def close(self) -> None:
         self.db.close()
+
+    def check_schema(self) -> None:
+        migrate.check_schema(self.db.engine)
 
     # -- ingest ---------------------------------------------------------------------------------------
 
@@ -136,3 +144,18 @@ class SqlAlchemyStore(AbstractStore):
 
     def recent_runs(self, since: datetime, limit: int) -> list[RecentRun]:
         return alerts.recent_runs(self.db, since, limit)
+
+
+def _translated(method):
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except SQLAlchemyError as exc:
+            raise StorageUnavailable(exc) from exc
+
+    return call
+
+
+for _name in AbstractStore.__abstractmethods__ - {"close", "add_ingest_listener", "remove_ingest_listener"}:
+    setattr(SqlAlchemyStore, _name, _translated(getattr(SqlAlchemyStore, _name)))

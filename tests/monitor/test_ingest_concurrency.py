@@ -12,6 +12,7 @@ import msgpack
 import pytest
 from fp8mon.agent.wire import LOG2_HIST_BINS
 from fp8mon.monitor.storage import SqlAlchemyStore as Store
+from fp8mon.monitor.storage import StorageUnavailable
 from fp8mon.monitor.storage.ingest import _Job
 from fp8mon.monitor.wire import IngestBatch
 from sqlalchemy import text
@@ -244,7 +245,7 @@ def test_a_storage_error_reaches_the_caller_and_the_batch_can_be_retried(store, 
         raise OperationalError("BEGIN", None, Exception("disk I/O error"))
 
     monkeypatch.setattr(store.engine, "begin", unavailable)
-    with pytest.raises(OperationalError):
+    with pytest.raises(StorageUnavailable, match="OperationalError"):
         store.ingest(body)
     monkeypatch.undo()
     assert not store.ingest(body).duplicate
