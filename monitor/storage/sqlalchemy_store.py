@@ -84,8 +84,12 @@ class SqlAlchemyStore(AbstractStore):
 
     # -- runs -----------------------------------------------------------------------------------------
 
-    def list_runs(self, **filters) -> RunPage:
-        return runs.list_runs(self.db, **filters)
+    def list_runs(self, *, status: list[str] | None = None, name: str | None = None,
+                  tags: list[str] | None = None, created_since: datetime | None = None,
+                  updated_since: datetime | None = None, order_by: str = "-created_at", limit: int = 50,
+                  offset: int = 0) -> RunPage:
+        return runs.list_runs(self.db, status=status, name=name, tags=tags, created_since=created_since,
+                              updated_since=updated_since, order_by=order_by, limit=limit, offset=offset)
 
     def get_run(self, name: str) -> RunDetail:
         return runs.get_run(self.db, name)
@@ -107,11 +111,16 @@ class SqlAlchemyStore(AbstractStore):
     def latest(self, name: str, rank: int = 0) -> LatestSnapshot:
         return runs.latest(self.db, name, rank)
 
-    def series(self, name: str, **query) -> Series:
-        return series.series(self.db, name, **query)
+    def series(self, name: str, *, stat: str | None = None, layer: str | None = None, site: str | None = None,
+               scalar: str | None = None, rank: int = 0, start: int | None = None, end: int | None = None,
+               max_points: int = 1000) -> Series:
+        return series.series(self.db, name, stat=stat, layer=layer, site=site, scalar=scalar, rank=rank,
+                             start=start, end=end, max_points=max_points)
 
-    def heatmap(self, name: str, **query) -> Heatmap:
-        return series.heatmap(self.db, name, **query)
+    def heatmap(self, name: str, *, stat: str, site: str, rank: int = 0, start: int | None = None,
+                end: int | None = None, max_points: int = 1000, agg: str = "max") -> Heatmap:
+        return series.heatmap(self.db, name, stat=stat, site=site, rank=rank, start=start, end=end,
+                              max_points=max_points, agg=agg)
 
     def export_rows(self, name: str, *, stats: tuple[str, ...] = TENSOR_STATS, hist: bool = True) -> RunExport:
         return export.export_rows(self.db, name, stats, hist)
@@ -123,14 +132,16 @@ class SqlAlchemyStore(AbstractStore):
 
     # -- alerts and predictions -----------------------------------------------------------------------
 
-    def list_alerts(self, **filters) -> AlertPage:
-        return alerts.list_alerts(self.db, **filters)
+    def list_alerts(self, *, run: str | None = None, state: list[str] | None = None,
+                    severity: list[str] | None = None, limit: int = 100, offset: int = 0) -> AlertPage:
+        return alerts.list_alerts(self.db, run=run, state=state, severity=severity, limit=limit, offset=offset)
 
     def acknowledge_alert(self, alert_id: int) -> AcknowledgedAlert:
         return alerts.acknowledge(self.db, alert_id)
 
-    def list_predictions(self, run: str, **query) -> PredictionPage:
-        return alerts.list_predictions(self.db, run, **query)
+    def list_predictions(self, run: str, *, from_step: int | None = None, to_step: int | None = None,
+                         limit: int = 1000) -> PredictionPage:
+        return alerts.list_predictions(self.db, run, from_step=from_step, to_step=to_step, limit=limit)
 
     def latest_prediction(self, run: str) -> PredictionRecord:
         return alerts.latest_prediction(self.db, run)
