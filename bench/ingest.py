@@ -321,17 +321,17 @@ def measure(backend: str, args) -> dict:
 
 
 def record(rec: Recorder, backend: str, r: dict, good: bool) -> None:
-    """One measurement's printed figures as rows `<backend>/<figure>`."""
+    """One measurement's printed figures as rows `<figure>/<backend>` (the names of bench/results/ingest.csv)."""
     for name, value, unit in (("values_per_s", r["values_s"], "values/s"),
                               ("records_per_s", r["records_s"], "records/s"),
-                              ("requests_per_s", r["requests_s"], "requests/s"), ("p50", r["p50"], "ms"),
-                              ("p99", r["p99"], "ms"), ("server_cpu", 100 * r["server_cpu"], "% of a core"),
+                              ("requests_per_s", r["requests_s"], "req/s"), ("latency_p50", r["p50"], "ms"),
+                              ("latency_p99", r["p99"], "ms"), ("server_cpu", 100 * r["server_cpu"], "% of a core"),
                               ("pg_cpu", 100 * r["pg_cpu"], "% of a core"),
                               ("client_cpu", 100 * r["client_cpu"], "% of a core"),
                               ("machine_cpu", 100 * r["machine"], "% of a core"),
                               ("values_per_cpu_s", r["values_s"] / r["db_cpu"], "values/cpu-s"),
                               ("stored_equals_acked", float(good), "bool")):
-        rec.add(f"{backend}/{name}", value, unit)
+        rec.add(f"{name}/{backend}", value, unit)
 
 
 def main(argv=None) -> int:

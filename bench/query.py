@@ -115,11 +115,13 @@ TARGET_MS = 200.0
 
 def line(name: str, samples: list[float], note: str, target: bool = False, rec: Recorder | None = None,
          metric: str = "") -> None:
-    """Print a timing's p50/p95; with `rec`, record them as `metric`/p50_ms and /p95_ms."""
+    """Print a timing's p50/p95; with `rec`, record them as rows `<metric>_p50/<database>` and `_p95`, `metric`
+    being "<name>/<database>" (the names of bench/results/query.csv)."""
     if rec is not None:
         a = np.array(samples) * 1000
-        rec.add(f"{metric}/p50_ms", float(np.percentile(a, 50)), "ms")
-        rec.add(f"{metric}/p95_ms", float(np.percentile(a, 95)), "ms")
+        name, _, database = metric.partition("/")
+        rec.add(f"{name}_p50/{database}", float(np.percentile(a, 50)), "ms")
+        rec.add(f"{name}_p95/{database}", float(np.percentile(a, 95)), "ms")
     verdict = ""
     if target:
         p95 = float(np.percentile(np.array(samples) * 1000, 95))
@@ -128,7 +130,7 @@ def line(name: str, samples: list[float], note: str, target: bool = False, rec: 
 
 
 def bench(label: str, url: str, args, workdir: Path, rec: Recorder) -> None:
-    """Fill, compact and time one database; figures go to `rec` as `<label>/<what>/...`."""
+    """Fill, compact and time one database; its figures go to `rec`."""
     print(f"\n=== {label}: {args.layers} layers x {args.steps} steps, statistics {','.join(args.stats)} ===",
           flush=True)
     engine = create_db_engine(url)
@@ -140,9 +142,9 @@ def bench(label: str, url: str, args, workdir: Path, rec: Recorder) -> None:
         rows = args.layers * args.steps
         print(f"{'fill':<24}{info['fill_s']:7.1f} s   {rows / info['fill_s'] / 1e3:5.0f} k rows/s "
               f"({rows / 1e6:.0f} M rows)", flush=True)
-        rec.add(f"{label}/fill_rows_per_s", rows / info["fill_s"], "rows/s")
+        rec.add(f"fill_rows_per_s/{label}", rows / info["fill_s"], "rows/s")
         report = store.compact()
-        rec.add(f"{label}/compact_rows_per_s", rows / report.seconds, "rows/s")
+        rec.add(f"compact_rows_per_s/{label}", rows / report.seconds, "rows/s")
         print(f"{'compact (all levels)':<24}{report.seconds:7.1f} s   {rows / report.seconds / 1e3:5.0f} k rows/s "
               f"({report.chunks} transactions, {report.buckets} buckets)", flush=True)
         if store.dialect == "postgresql":
@@ -156,15 +158,15 @@ def bench(label: str, url: str, args, workdir: Path, rec: Recorder) -> None:
                            args.repeat)
         _check(h, info)
         shape = f"{len(h['layers'])} x {len(h['edges']) - 1} cells of {h['bucket_width']} steps"
-        line("heatmap agg=max", samples, f"in process, {shape}", target=True, rec=rec, metric=f"{label}/heatmap_max")
+        line("heatmap agg=max", samples, f"in process, {shape}", target=True, rec=rec, metric=f"heatmap/{label}")
         samples, _ = timed(lambda: store.heatmap(RUN, stat=stat, site=SITE, max_points=args.max_points,
                                                    agg="last").to_dict(), args.repeat)
-        line("heatmap agg=last", samples, "in process", target=True, rec=rec, metric=f"{label}/heatmap_last")
+        line("heatmap agg=last", samples, "in process", target=True, rec=rec, metric=f"heatmap_last/{label}")
         samples, s = timed(lambda: store.series(RUN, stat=stat, layer=layer, site=SITE,
                                                   max_points=args.max_points).to_dict(), args.repeat)
         line("series (one layer)", samples, f"in process, {len(s['points']['step'])} buckets of "
                                             f"{s['bucket_width']} steps with min/max/mean/last",
-             rec=rec, metric=f"{label}/series")
+             rec=rec, metric=f"series/{label}")
         server = ServerProcess(url, env={"FP8MON_ROLLUP_INTERVAL_S": "0"}, log=workdir / f"server-{label}.log")
         server.start(timeout=60)
         try:
@@ -174,12 +176,12 @@ def bench(label: str, url: str, args, workdir: Path, rec: Recorder) -> None:
                 assert r.status_code == 200, r.text
                 _check(r.json(), info)
                 line("HTTP GET .../heatmap", samples, f"{len(r.content) / 1e3:.0f} kB of JSON", target=True, rec=rec,
-                     metric=f"{label}/http_heatmap")
+                     metric=f"heatmap_http/{label}")
                 params = {"stat": stat, "layer": layer, "site": SITE, "max_points": args.max_points}
                 samples, r = timed(lambda: client.get(f"/api/v1/runs/{RUN}/series", params=params), args.repeat)
                 assert r.status_code == 200, r.text
                 line("HTTP GET .../series", samples, f"{len(r.content) / 1e3:.0f} kB of JSON", rec=rec,
-                     metric=f"{label}/http_series")
+                     metric=f"series_http/{label}")
         finally:
             server.stop()
         print("(the planted spike and NaN are visible in the heatmap)", flush=True)
