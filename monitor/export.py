@@ -9,7 +9,6 @@ from collections import defaultdict
 import numpy as np
 from fp8mon.agent.wire import TENSOR_STATS, WIRE_VERSION
 from fp8mon.monitor.storage import AbstractStore
-from fp8mon.monitor.storage.database import to_float
 
 
 def export_run(store: AbstractStore, name: str, *, steps_per_batch: int = 10, stats: tuple[str, ...] = TENSOR_STATS,
@@ -38,7 +37,7 @@ def export_run(store: AbstractStore, name: str, *, steps_per_batch: int = 10, st
         rows = [r for s in chunk for r in scalars.get(s, ())]
         if rows:
             batch["scalars"] = {"step": [r[0] for r in rows], "name": [r[2] for r in rows],
-                                "value": [to_float(r[3]) for r in rows], "rank": [r[1] for r in rows]}
+                                "value": [r[3] for r in rows], "rank": [r[1] for r in rows]}
         batches.append(batch)
     meta = {"config": run.config, "tags": run.tags}
     if not batches:
@@ -53,14 +52,14 @@ def _tensor_block(rows: list[tuple], stats: tuple[str, ...], hist: bool) -> dict
     block = {"step": [r[0] for r in rows], "layer": [r[2] for r in rows], "site": [r[3] for r in rows],
              "rank": [r[1] for r in rows], "stats": {}}
     for j, name in enumerate(stats, start=4):
-        values = [to_float(r[j]) for r in rows]
+        values = [r[j] for r in rows]
         if name in ("numel", "nonfinite"):  # counts travel as integers
             values = [None if v is None or v != v else int(v) for v in values]
         if any(v is not None for v in values):
             block["stats"][name] = values
     if hist:
         j = 4 + len(stats)
-        hists = [None if r[j] is None else np.frombuffer(bytes(r[j]), dtype="<i8").tolist() for r in rows]
+        hists = [None if r[j] is None else np.frombuffer(r[j], dtype="<i8").tolist() for r in rows]
         if any(h is not None for h in hists):
             block["log2_hist"] = hists
     return block

@@ -59,8 +59,8 @@ class TensorBlock(_ColumnarBlock):
     site: list[Literal[SITES]]  # type: ignore[valid-type]
     rank: Rank | list[Rank] = 0
     stats: dict[Literal[TENSOR_STATS], list[Value]] = Field(default_factory=dict)  # type: ignore[valid-type]
-    log2_hist: list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=LOG2_HIST_BINS,
-                                                                         max_length=LOG2_HIST_BINS)] | None] | None = None
+    log2_hist: list[Annotated[list[Annotated[int, Field(ge=0)]],
+                              Field(min_length=LOG2_HIST_BINS, max_length=LOG2_HIST_BINS)] | None] | None = None
 
     @model_validator(mode="after")
     def _same_lengths(self):

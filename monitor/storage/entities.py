@@ -245,8 +245,8 @@ class RecentRun:
 
 @dataclass(frozen=True)
 class RunExport:
-    """A run's stored rows in step order: tensor rows (step, rank, layer, site, *stats[, log2_hist bytes]) and
-    scalar rows (step, rank, name, value)."""
+    """A run's stored rows in step order: tensor rows (step, rank, layer, site, *stats as floats or None[,
+    log2_hist as little-endian int64 bytes or None]) and scalar rows (step, rank, name, value)."""
 
     name: str
     config: dict
