@@ -103,6 +103,32 @@ def test_alert_fires_resolves_and_is_stored_once(store, make_pipeline):
     assert p.metrics.runs.snapshot()["run-a"].firing["warning"] == 0
 
 
+class Collect:
+    """A notifier that keeps the events it is handed."""
+
+    def __init__(self):
+        self.events = []
+
+    def notify(self, event):
+        self.events.append((event.kind, event.step, event.alert.severity))
+
+
+def test_the_notifier_hears_fired_escalated_and_resolved_once_each(store, make_pipeline):
+    def script(step):
+        if 10 <= step < 40:
+            severity = "critical" if step >= 30 else "warning"
+            return [Finding(rule="amax_saturation", severity=severity, step=step, message=severity, for_steps=5)]
+        return []
+
+    notifier = Collect()
+    p = make_pipeline(script=script, notifier=notifier)
+    feed(store, "run-n", 0, 40 + RESOLVE_AFTER_STEPS + 10)
+    assert p.flush()
+    # pending (step 10) and the steps it held are not news; the resolution comes RESOLVE_AFTER_STEPS after step 39
+    assert notifier.events == [("fired", 15, "warning"), ("escalated", 30, "critical"),
+                               ("resolved", 39 + RESOLVE_AFTER_STEPS, "critical")]
+
+
 def test_pending_alert_that_disappears_leaves_no_row(store, make_pipeline):
     p = make_pipeline(script=kurtosis_after(100, until=110))
     feed(store, "run-b", 0, 105)
