@@ -29,7 +29,6 @@ import sys
 import tempfile
 import time
 import uuid
-
 from pathlib import Path
 
 import msgpack

@@ -42,8 +42,15 @@ if __package__ in (None, ""):  # run as `python bench/predict.py`: bench.record 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.record import Recorder  # noqa: E402
-from fp8mon.monitor.evaluation import (BASELINE_WINDOW, BASELINE_Z, baseline, lead, matched_threshold, replay,
-                                       standing_lead)
+from fp8mon.monitor.evaluation import (
+    BASELINE_WINDOW,
+    BASELINE_Z,
+    baseline,
+    lead,
+    matched_threshold,
+    replay,
+    standing_lead,
+)
 from fp8mon.monitor.fixtures import EARLY_BEFORE, TARGET_LEAD, fixture_paths, load_fixture
 from fp8mon.monitor.predictors import RunPredictor
 from fp8mon.monitor.wire import IngestBatch
@@ -59,6 +66,7 @@ NOTE = ("pass R: the kurtosis level warning was raised to the critical level (16
 def step_cost_ms(layers: int = 100, steps: int = 300) -> float:
     """Time per evaluated step of RunPredictor on a synthetic healthy stream of layers x 5 sites."""
     import numpy as np
+
     from fp8mon.agent.wire import SITES
 
     rng = np.random.default_rng(0)

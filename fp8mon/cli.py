@@ -147,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from fp8mon.demo import add_arguments as add_demo_arguments
 
-    demo = commands.add_parser("demo", help="serve a SQLite monitor and run a short FP8 training with the agent attached")
+    demo = commands.add_parser("demo", help="serve a SQLite monitor and run a short FP8 training with the agent "
+                                             "attached")
     add_demo_arguments(demo)
     demo.set_defaults(func=cmd_demo)
 

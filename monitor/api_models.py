@@ -4,8 +4,9 @@ the OpenAPI schema. The ingest contract is in monitor.wire."""
 from datetime import datetime
 from typing import Literal
 
-from fp8mon.monitor.wire import RunStatus
 from pydantic import BaseModel, ConfigDict, Field
+
+from fp8mon.monitor.wire import RunStatus
 
 
 class RunOut(BaseModel):

@@ -4,6 +4,7 @@ import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+
 from fp8mon.monitor.alerting.webhooks import WebhookSender
 from fp8mon.monitor.compactor import Compactor
 from fp8mon.monitor.metrics import Metrics

@@ -3,8 +3,9 @@
 import zlib
 
 import msgpack
-from fp8mon.monitor.wire import IngestBatch
 from pydantic import ValidationError
+
+from fp8mon.monitor.wire import IngestBatch
 
 JSON_TYPES = ("application/json",)
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")

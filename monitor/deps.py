@@ -5,6 +5,7 @@ from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
 from fp8mon.monitor.metrics import Metrics
 from fp8mon.monitor.pipeline import Pipeline
 from fp8mon.monitor.settings import Settings

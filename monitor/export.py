@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import numpy as np
+
 from fp8mon.agent.wire import TENSOR_STATS, WIRE_VERSION
 from fp8mon.monitor.storage import AbstractStore
 

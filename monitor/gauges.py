@@ -4,6 +4,7 @@ import math
 import time
 
 import numpy as np
+
 from fp8mon.monitor.wire import IngestBatch
 
 

@@ -1,6 +1,7 @@
 """JSON has no NaN or Infinity: the API writes non-finite floats as the strings "NaN", "Infinity", "-Infinity"."""
 
 import numpy as np
+
 from fp8mon.monitor.wire import finite_or_none
 
 

@@ -17,10 +17,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from fp8mon.monitor.assessment import SEVERITIES
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from fp8mon.monitor.assessment import SEVERITIES
 
 # exported name -> (help, the key of RunState.values)
 RUN_GAUGES = {

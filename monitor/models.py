@@ -9,7 +9,6 @@ would cost ingest speed.
 
 from datetime import datetime
 
-from fp8mon.agent.wire import TENSOR_STATS
 from sqlalchemy import (
     JSON,
     BigInteger,
@@ -25,6 +24,8 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from fp8mon.agent.wire import TENSOR_STATS
 
 # Buckets of the downsampling pyramid, in steps. Every bucket keeps min, max, sum, count and last per
 # statistic, so a spike survives at any zoom level.

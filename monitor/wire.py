@@ -6,6 +6,8 @@ object per value. The REST query responses are in monitor.responses.
 import math
 from typing import Annotated, Literal
 
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
 from fp8mon.agent.wire import (
     LOG2_HIST_BINS,
     MAX_LAYER_NAME,
@@ -17,7 +19,6 @@ from fp8mon.agent.wire import (
     TENSOR_STATS,
     WIRE_VERSION,
 )
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 RunName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_RUN_NAME, pattern=RUN_NAME_PATTERN)]
 LayerName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_LAYER_NAME)]

@@ -6,11 +6,12 @@ import os
 import uuid
 
 import pytest
+from sqlalchemy import create_engine, text
+
 from fp8mon.monitor.localserver import ServerProcess
 from fp8mon.monitor.migrate import upgrade
 from fp8mon.monitor.storage import SqlAlchemyStore as Store
 from fp8mon.monitor.storage.engine import create_db_engine, normalise_url
-from sqlalchemy import create_engine, text
 
 PG_URL = os.environ.get("FP8MON_TEST_DATABASE_URL")
 BACKENDS = ["sqlite", "postgresql"] if PG_URL else ["sqlite"]
@@ -103,6 +104,7 @@ def app_factory(database_url):
     application's lifespan (pipeline, webhooks, compactor) runs inside the block, and a second block on the
     same database is a restarted server."""
     from fastapi.testclient import TestClient
+
     from fp8mon.monitor.app import create_app
     from fp8mon.monitor.settings import Settings
 

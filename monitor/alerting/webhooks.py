@@ -16,6 +16,7 @@ import time
 from urllib.parse import quote
 
 import httpx
+
 from fp8mon.monitor.alerting.lifecycle import AlertEvent
 
 log = logging.getLogger("fp8mon.webhooks")

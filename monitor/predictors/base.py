@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+
 from fp8mon.monitor.assessment import Finding
 
 MAX_CULPRITS = 5  # per signal

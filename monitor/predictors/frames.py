@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from fp8mon.monitor.wire import IngestBatch
 
 # Statistics the predictors read; the rest of a record is ignored.

@@ -13,6 +13,7 @@ the worst warning tensor's rise at its current rate up to the critical level.
 from __future__ import annotations
 
 import numpy as np
+
 from fp8mon.monitor.assessment import Finding
 from fp8mon.monitor.predictors.base import INFO_RATIO_CAP, SignalOutput, score_of, top_culprits
 from fp8mon.monitor.predictors.frames import SlotTable, StepFrame

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
 from fp8mon.monitor.assessment import Finding
 from fp8mon.monitor.predictors.base import SignalOutput
 from fp8mon.monitor.predictors.frames import BAD, SlotTable, StepFrame

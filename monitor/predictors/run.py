@@ -13,6 +13,7 @@ signal is at a warning level now, and it is 1 while non-finite values or the div
 from __future__ import annotations
 
 import numpy as np
+
 from fp8mon.monitor.assessment import Assessment
 from fp8mon.monitor.predictors.base import SignalOutput
 from fp8mon.monitor.predictors.frames import SlotTable, StepFrame, split_steps

@@ -26,6 +26,7 @@ wider runs flush a growing share of their attention gradients).
 from __future__ import annotations
 
 import numpy as np
+
 from fp8mon.monitor.assessment import Finding
 from fp8mon.monitor.predictors.base import INFO_RATIO_CAP, SignalOutput, score_of, top_culprits
 from fp8mon.monitor.predictors.frames import SlotTable, StepFrame

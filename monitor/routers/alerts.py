@@ -3,6 +3,7 @@
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
+
 from fp8mon.monitor.api_models import AlertAcked, AlertList, AlertState, Severity
 from fp8mon.monitor.deps import StoreDep, require_read, require_write
 from fp8mon.monitor.routers.common import ERRORS, RunPath, SafeJSONResponse, http_errors

@@ -6,6 +6,7 @@ from typing import Annotated, Any
 
 from fastapi import HTTPException, Path
 from fastapi.responses import JSONResponse
+
 from fp8mon.monitor.jsonvalues import json_safe
 from fp8mon.monitor.storage import QueryError, StorageUnavailable
 

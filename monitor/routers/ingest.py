@@ -4,6 +4,7 @@ import time
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
+
 from fp8mon.monitor.codec import BodyError, inflate, parse_batch
 from fp8mon.monitor.deps import MetricsDep, SettingsDep, StoreDep, require_write
 from fp8mon.monitor.storage import StorageUnavailable

@@ -2,8 +2,9 @@
 data): give Prometheus a read token (`authorization: {credentials: ...}` in its scrape config)."""
 
 from fastapi import APIRouter, Response
-from fp8mon.monitor.deps import MetricsDep, require_read
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from fp8mon.monitor.deps import MetricsDep, require_read
 
 router = APIRouter(tags=["metrics"], dependencies=[require_read])
 

@@ -3,6 +3,7 @@
 from typing import Annotated
 
 from fastapi import APIRouter, Query
+
 from fp8mon.monitor.api_models import PredictionList, PredictionOut
 from fp8mon.monitor.deps import StoreDep, require_read
 from fp8mon.monitor.routers.common import ERRORS, RunPath, SafeJSONResponse, http_errors

@@ -4,6 +4,7 @@ from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Query
+
 from fp8mon.monitor.api_models import Catalogue, LatestOut, RunDeleted, RunDetail, RunList, RunPatch
 from fp8mon.monitor.deps import PipelineDep, StoreDep, require_read, require_write
 from fp8mon.monitor.routers.common import ERRORS, RunPath, SafeJSONResponse, http_errors

@@ -3,6 +3,7 @@
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
+
 from fp8mon.agent.wire import SITES, TENSOR_STATS
 from fp8mon.monitor.api_models import HeatmapOut, SeriesOut
 from fp8mon.monitor.deps import StoreDep, require_read

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from sqlalchemy import delete, func, insert, select, update
+
 from fp8mon.monitor.jsonvalues import json_safe
 from fp8mon.monitor.models import Alert, Prediction, Run
 from fp8mon.monitor.storage.database import Database, as_utc, utcnow
@@ -19,7 +21,6 @@ from fp8mon.monitor.storage.entities import (
 )
 from fp8mon.monitor.storage.errors import BadParameter, NotFound
 from fp8mon.monitor.storage.runs import run_ref
-from sqlalchemy import delete, func, insert, select, update
 
 ACTIVE_STATES = ("pending", "firing")
 _ALERT_COLUMNS = (Alert.id, Run.name, Alert.fingerprint, Alert.rule, Alert.severity, Alert.state, Alert.layer,

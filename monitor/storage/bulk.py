@@ -9,9 +9,10 @@ Callers pass rows unique by key and sorted by it, so concurrent upserts take row
 """
 
 import numpy as np
-from fp8mon.agent.wire import TENSOR_STATS
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError, IntegrityError
+
+from fp8mon.agent.wire import TENSOR_STATS
 
 TENSOR_COLUMNS = ("series_id", "rank", "step", *TENSOR_STATS, "log2_hist")
 SCALAR_COLUMNS = ("series_id", "rank", "step", "value")

@@ -5,9 +5,10 @@ import threading
 from contextlib import contextmanager, nullcontext
 from datetime import UTC, datetime
 
-from fp8mon.monitor.storage.engine import create_db_engine
 from sqlalchemy import Connection, Engine
 from sqlalchemy.dialects import postgresql, sqlite
+
+from fp8mon.monitor.storage.engine import create_db_engine
 
 
 def utcnow() -> datetime:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from sqlalchemy import select
+
 from fp8mon.monitor.models import Run
 from fp8mon.monitor.storage.database import Database, fetch, to_float
 from fp8mon.monitor.storage.entities import RunExport
 from fp8mon.monitor.storage.errors import NotFound
-from sqlalchemy import select
 
 
 def export_rows(db: Database, name: str, stats: tuple[str, ...], hist: bool) -> RunExport:

@@ -11,12 +11,13 @@ from collections.abc import Iterable, Iterator
 from datetime import datetime
 
 import numpy as np
+from sqlalchemy import BigInteger, Connection, bindparam, case, func, select, update
+
 from fp8mon.monitor.models import IngestBatch as BatchRow
 from fp8mon.monitor.models import Run, ScalarSeries, TensorSeries
 from fp8mon.monitor.storage import bulk
 from fp8mon.monitor.storage.database import Database, utcnow
 from fp8mon.monitor.wire import FINAL_STATUSES, IngestBatch, IngestResult, RunMeta, ScalarBlock, TensorBlock
-from sqlalchemy import BigInteger, Connection, bindparam, case, func, select, update
 
 SQLITE_MAX_GROUP = 8  # batches per group commit at most, which bounds the wait of its first batch
 

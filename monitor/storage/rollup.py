@@ -31,11 +31,12 @@ from __future__ import annotations
 import threading
 import time
 
+from sqlalchemy import Connection, text
+
 from fp8mon.agent.wire import TENSOR_STATS
 from fp8mon.monitor.models import ROLLUP_WIDTHS
 from fp8mon.monitor.storage.database import Database
 from fp8mon.monitor.storage.entities import CompactionReport
-from sqlalchemy import Connection, text
 
 BASE_WIDTH = ROLLUP_WIDTHS[0]
 HORIZON_LAG = 32

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
+from sqlalchemy import Connection, delete, func, select, text, update
+
 from fp8mon.agent.wire import SITES, TENSOR_STATS
 from fp8mon.monitor.models import Run as RunRow
 from fp8mon.monitor.models import ScalarSeries, TensorSeries
@@ -13,7 +15,6 @@ from fp8mon.monitor.storage.entities import Catalogue, DeletedRun, LatestSnapsho
 from fp8mon.monitor.storage.errors import BadParameter, NotFound
 from fp8mon.monitor.storage.rollup import KINDS, effective_horizon, series_ranks
 from fp8mon.monitor.wire import FINAL_STATUSES, finite_or_none
-from sqlalchemy import Connection, delete, func, select, text, update
 
 RUN_ORDER_FIELDS = ("created_at", "started_at", "last_seen_at", "name", "status", "first_step", "last_step", "id")
 

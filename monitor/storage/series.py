@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from sqlalchemy import Connection, select
+
 from fp8mon.agent.wire import TENSOR_STATS
 from fp8mon.monitor.jsonvalues import json_floats
 from fp8mon.monitor.models import ROLLUP_WIDTHS, ScalarSeries, TensorSeries
@@ -31,7 +33,6 @@ from fp8mon.monitor.storage.entities import Heatmap, Series
 from fp8mon.monitor.storage.errors import BadParameter, NotFound
 from fp8mon.monitor.storage.rollup import KINDS, level_cover, sql_is_nan, sql_nan
 from fp8mon.monitor.storage.runs import RunRef, run_ref
-from sqlalchemy import Connection, select
 
 AGGS = ("min", "max", "mean", "last")
 

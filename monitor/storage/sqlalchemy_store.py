@@ -12,6 +12,8 @@ import logging
 import threading
 from datetime import datetime
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from fp8mon.agent.wire import TENSOR_STATS
 from fp8mon.monitor import migrate
 from fp8mon.monitor.storage import alerts, export, rollup, runs, series
@@ -38,7 +40,6 @@ from fp8mon.monitor.storage.entities import (
 from fp8mon.monitor.storage.errors import StorageUnavailable
 from fp8mon.monitor.storage.ingest import IngestWriter
 from fp8mon.monitor.wire import IngestBatch, IngestResult
-from sqlalchemy.exc import SQLAlchemyError
 
 log = logging.getLogger("fp8mon.store")
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fp8mon.monitor.localserver import free_port
 
+from fp8mon.monitor.localserver import free_port
 from tests.integration.streams import fake_predictor_env, kurtosis_stream
 
 PROMETHEUS = shutil.which("prometheus") or ("/usr/bin/prometheus" if Path("/usr/bin/prometheus").exists() else None)

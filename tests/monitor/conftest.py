@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 import pytest
+
 from fp8mon.monitor.wire import IngestBatch
 
 

@@ -1,6 +1,7 @@
 """Alerts: the lifecycle rules of monitor.assessment (pure AlertTracker), and the REST listing/ack API."""
 
 import pytest
+
 from fp8mon.monitor.alerting.lifecycle import AlertTracker, fingerprint
 from fp8mon.monitor.assessment import RESOLVE_AFTER_STEPS, Finding
 

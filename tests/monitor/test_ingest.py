@@ -6,8 +6,9 @@ import math
 
 import msgpack
 import pytest
-from fp8mon.monitor.storage import SqlAlchemyStore as Store
 from sqlalchemy import text
+
+from fp8mon.monitor.storage import SqlAlchemyStore as Store
 
 
 def batch(batch_id="b1", run="run-a", steps=(1, 2), layers=("blocks.0.attn.qkv", "blocks.0.mlp.fc1"), **extra):
@@ -69,8 +70,8 @@ def test_same_step_from_a_new_batch_replaces_the_earlier_values(client, database
     body = batch("b2", steps=(2,))
     body["tensors"]["stats"]["amax"] = [40.0, 50.0]
     assert post(client, body).status_code == 200
-    assert [float(v) for (v,) in rows(database_url,
-                                      "select amax from tensor_stats where step = 2 order by series_id")] == [40.0, 50.0]
+    stored = rows(database_url, "select amax from tensor_stats where step = 2 order by series_id")
+    assert [float(v) for (v,) in stored] == [40.0, 50.0]
 
 
 def test_nan_and_inf_are_stored_as_values_and_null_as_missing(client, database_url):

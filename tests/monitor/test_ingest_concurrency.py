@@ -10,13 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import msgpack
 import pytest
+from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
+
 from fp8mon.agent.wire import LOG2_HIST_BINS
 from fp8mon.monitor.storage import SqlAlchemyStore as Store
 from fp8mon.monitor.storage import StorageUnavailable
 from fp8mon.monitor.storage.ingest import _Job
 from fp8mon.monitor.wire import IngestBatch
-from sqlalchemy import text
-from sqlalchemy.exc import OperationalError
 
 SITES = ("input", "weight", "output", "grad_output", "grad_weight")
 LAYERS = tuple(f"blocks.{i}.mlp.fc1" for i in range(8))

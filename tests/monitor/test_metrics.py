@@ -7,9 +7,9 @@ import subprocess
 import time
 
 import pytest
-from fp8mon.monitor.metrics import Metrics
 from prometheus_client.parser import text_string_to_metric_families
 
+from fp8mon.monitor.metrics import Metrics
 from tests.integration.streams import FAKE_PREDICTOR, kurtosis_stream
 
 

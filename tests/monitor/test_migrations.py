@@ -8,6 +8,8 @@ import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from sqlalchemy import insert, inspect, select, text
+
 from fp8mon.monitor.migrate import (
     SchemaError,
     alembic_config,
@@ -18,7 +20,6 @@ from fp8mon.monitor.migrate import (
 )
 from fp8mon.monitor.models import Alert, Base, Run
 from fp8mon.monitor.storage.engine import create_db_engine
-from sqlalchemy import insert, inspect, select, text
 
 
 def test_migrated_schema_matches_the_models(database_url):

@@ -5,13 +5,14 @@ import threading
 import time
 
 import pytest
+from sqlalchemy import select
+
 from fp8mon.monitor.assessment import RESOLVE_AFTER_STEPS, Assessment, Finding
 from fp8mon.monitor.gauges import batch_gauges
 from fp8mon.monitor.metrics import Metrics
 from fp8mon.monitor.models import Alert, Prediction
 from fp8mon.monitor.pipeline import Pipeline
 from fp8mon.monitor.wire import IngestBatch
-from sqlalchemy import select
 
 
 class Scripted:
@@ -283,7 +284,6 @@ def test_batch_gauges_take_the_worst_layer_at_the_last_step():
 def test_predictor_setting_resolution():
     from fp8mon.monitor.pipeline import load_factory
     from fp8mon.monitor.settings import DEFAULT_PREDICTOR
-
     from tests.integration.fake_predictor import ThresholdPredictor
 
     assert load_factory("") is None

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+
 from fp8mon.monitor.alerting.lifecycle import ESCALATED, FIRED, AlertTracker
 from fp8mon.monitor.fixtures import EARLY_BEFORE, fixture_paths, load_fixture
 from fp8mon.monitor.predictors import PredictorParams, RunPredictor, divergence_step

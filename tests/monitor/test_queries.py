@@ -6,11 +6,12 @@ import random
 
 import numpy as np
 import pytest
+from sqlalchemy import text
+
 from fp8mon.monitor.models import ROLLUP_WIDTHS
 from fp8mon.monitor.storage import BadParameter, NotFound
 from fp8mon.monitor.storage import series as series_queries
 from fp8mon.monitor.storage.series import decompose, plan_buckets
-from sqlalchemy import text
 
 LAYERS = ["blocks.2.mlp", "blocks.0.attn", "blocks.1.attn"]  # model order is not alphabetical
 

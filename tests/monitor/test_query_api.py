@@ -7,8 +7,9 @@ import time
 
 import httpx
 import msgpack
-from fp8mon.monitor.storage import SqlAlchemyStore as Store
 from sqlalchemy import text
+
+from fp8mon.monitor.storage import SqlAlchemyStore as Store
 
 API = "/api/v1"
 

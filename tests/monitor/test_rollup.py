@@ -7,11 +7,12 @@ import time
 
 import numpy as np
 import pytest
+from sqlalchemy import text
+
 from fp8mon.monitor.compactor import Compactor
 from fp8mon.monitor.models import ROLLUP_WIDTHS
 from fp8mon.monitor.storage import SqlAlchemyStore as Store
 from fp8mon.monitor.storage import rollup
-from sqlalchemy import text
 
 LAYERS = ["blocks.1.mlp", "blocks.0.attn"]
 

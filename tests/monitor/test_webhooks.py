@@ -4,12 +4,12 @@ HTTP receiver; end to end from ingest through the application."""
 import time
 
 import pytest
+
 from fp8mon.monitor.alerting.lifecycle import AlertTracker
 from fp8mon.monitor.alerting.webhooks import WebhookSender, slack_payload
 from fp8mon.monitor.assessment import Finding
 from fp8mon.monitor.localserver import free_port
 from fp8mon.monitor.metrics import Metrics
-
 from tests.integration.receiver import Receiver
 from tests.integration.streams import FAKE_PREDICTOR, kurtosis_stream
 

@@ -10,6 +10,8 @@ from pathlib import Path
 import httpx
 import msgpack
 import pytest
+from sqlalchemy import text
+
 from fp8mon.agent.wire import (
     LOG2_HIST_BINS,
     LOG2_HIST_HI,
@@ -30,7 +32,6 @@ from fp8mon.monitor.wire import (
     ScalarBlock,
     TensorBlock,
 )
-from sqlalchemy import text
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "wire-format.md"
 TEXT = DOC.read_text(encoding="utf-8")

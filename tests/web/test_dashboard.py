@@ -15,6 +15,7 @@ from urllib.parse import quote
 
 import httpx
 import pytest
+
 from fp8mon.monitor.fixtures import FIXTURE_DIR, load_fixture
 
 try:
