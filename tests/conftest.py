@@ -140,17 +140,3 @@ def server_factory(database_url, tmp_path):
 @pytest.fixture
 def live_server(server_factory) -> ServerProcess:
     return server_factory().start()
-
-
-@pytest.fixture(scope="module")
-def module_server(tmp_path_factory):
-    """One real server on a fresh SQLite file, shared by a module's tests (for tests that make many requests
-    against one state, such as fuzzing)."""
-    root = tmp_path_factory.mktemp("module-server")
-    url = f"sqlite:///{root / 'fp8mon.db'}"
-    engine = create_db_engine(url)
-    upgrade(engine)
-    engine.dispose()
-    server = ServerProcess(url, log=root / "server.log").start()
-    yield server
-    server.stop()
