@@ -10,7 +10,8 @@ server is stopped and the database counted: values stored must equal values ackn
     python bench/ingest.py --database-url postgresql+psycopg://postgres@127.0.0.1:5432/test
     python bench/ingest.py --no-sqlite --database-url ... --clients 4 --workers 2 --steps 10 --gzip
 
-For PostgreSQL the database in the URL gets a fresh schema, dropped afterwards.
+For PostgreSQL the database in the URL gets a fresh schema, dropped afterwards. The figures of every
+measurement are appended to bench/results/ingest.csv (bench.record) unless --no-record is given.
 """
 
 import argparse
@@ -28,11 +29,16 @@ import sys
 import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import msgpack
 import numpy as np
 
-from fp8mon.monitor.localserver import ServerProcess
+if __package__ in (None, ""):  # run as `python bench/ingest.py`: bench.record from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.record import Recorder  # noqa: E402
+from fp8mon.monitor.localserver import ServerProcess  # noqa: E402
 
 STATS = ("amax", "rms", "mean", "std", "kurtosis", "kurtosis_central", "crest", "underflow_frac",
          "overflow_frac", "outlier_frac", "zero_frac", "scale")
@@ -146,7 +152,7 @@ class Database:
     def __init__(self, backend: str, pg_url: str | None):
         from sqlalchemy import create_engine, text
 
-        from fp8mon.monitor.db import normalise_url
+        from fp8mon.monitor.storage.engine import normalise_url
         self.backend = backend
         if backend == "sqlite":
             self.tmp = tempfile.mkdtemp(prefix="fp8mon-bench-")
@@ -313,6 +319,20 @@ def measure(backend: str, args) -> dict:
     }
 
 
+def record(rec: Recorder, backend: str, r: dict, good: bool) -> None:
+    """One measurement's printed figures as rows `<figure>/<backend>` (the names of bench/results/ingest.csv)."""
+    for name, value, unit in (("values_per_s", r["values_s"], "values/s"),
+                              ("records_per_s", r["records_s"], "records/s"),
+                              ("requests_per_s", r["requests_s"], "req/s"), ("latency_p50", r["p50"], "ms"),
+                              ("latency_p99", r["p99"], "ms"), ("server_cpu", 100 * r["server_cpu"], "% of a core"),
+                              ("pg_cpu", 100 * r["pg_cpu"], "% of a core"),
+                              ("client_cpu", 100 * r["client_cpu"], "% of a core"),
+                              ("machine_cpu", 100 * r["machine"], "% of a core"),
+                              ("values_per_cpu_s", r["values_s"] / r["db_cpu"], "values/cpu-s"),
+                              ("stored_equals_acked", float(good), "bool")):
+        rec.add(f"{name}/{backend}", value, unit)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -328,6 +348,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=1, help="measurements per database (default 1)")
     parser.add_argument("--max-rate", type=float, default=6e6,
                         help="values/s the pre-encoded bodies must last for (default 6e6)")
+    parser.add_argument("--no-record", action="store_true", help="do not append the figures to "
+                                                                 "bench/results/ingest.csv")
     args = parser.parse_args(argv)
     args.layer_names = layer_names(args.layers)
     backends = ([] if args.no_sqlite else ["sqlite"]) + (["postgresql"] if args.database_url else [])
@@ -343,6 +365,7 @@ def main(argv=None) -> int:
     print(header)
     print("-" * len(header))
     failed = False
+    rec = Recorder("ingest")
     for backend in backends:
         rates = []
         for _ in range(args.repeat):
@@ -361,11 +384,14 @@ def main(argv=None) -> int:
                       f"{r['stored']:,} in {r['stored_batches']}; errors {r['errors']}, duplicates {r['duplicates']}")
             if r["ran_out"]:
                 print(f"  {r['ran_out']} client(s) ran out of pre-encoded bodies: raise --max-rate")
+            record(rec, backend, r, good)
         if args.repeat > 1:
             print(f"{backend:10s} median {statistics.median(rates):,.0f} values/s, min {min(rates):,.0f}, "
                   f"max {max(rates):,.0f}")
     print("CPU columns: share of one core (200% = both cores of a 2-core machine); pg: all postgres processes;\n"
           "machine: everything on the machine; values/cpu-s: values per CPU-second of server + pg.")
+    if not args.no_record and rec.rows:
+        rec.write()
     return 1 if failed else 0
 
 

@@ -1,8 +1,12 @@
 """Replay every labelled-run fixture through the divergence predictors and the alert lifecycle, next to
-the reactive baseline, and print lead times and false alerts (SPEC section 7, "prediction").
+the reactive baseline, and print lead times and false alerts (SPEC section 7, "prediction"); the scoring
+is fp8mon.monitor.evaluation.
 
-    python -m bench.predict                 # every fixture under tests/fixtures/runs (cpu and gpu/)
-    python -m bench.predict --root DIR      # another corpus
+    python bench/predict.py                 # every fixture under tests/fixtures/runs (cpu and gpu/)
+    python bench/predict.py --root DIR      # another corpus
+
+The headline figures of each split are appended to bench/results/predict.csv (bench.record) unless
+--no-record is given.
 
 Per run: the label (divergence step by monitor.predictors.divergence), the first alert (the first step at
 which an alert of severity warning or critical fires under monitor.alerting.lifecycle.AlertTracker, i.e.
@@ -30,127 +34,33 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 import time
-from dataclasses import dataclass, field
+from pathlib import Path
 
-from fp8mon.monitor.alerting.lifecycle import ESCALATED, FIRED, RESOLVED, AlertEvent, AlertTracker
-from fp8mon.monitor.assessment import Finding
-from fp8mon.monitor.fixtures import EARLY_BEFORE, TARGET_LEAD, Fixture, fixture_paths, load_fixture
-from fp8mon.monitor.predictors import PredictorParams, RunPredictor
-from fp8mon.monitor.schemas import IngestBatch
+if __package__ in (None, ""):  # run as `python bench/predict.py`: bench.record from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.record import Recorder  # noqa: E402
+from fp8mon.monitor.evaluation import (
+    BASELINE_WINDOW,
+    BASELINE_Z,
+    baseline,
+    lead,
+    matched_threshold,
+    replay,
+    standing_lead,
+)
+from fp8mon.monitor.fixtures import EARLY_BEFORE, TARGET_LEAD, fixture_paths, load_fixture
+from fp8mon.monitor.predictors import RunPredictor
+from fp8mon.monitor.wire import IngestBatch
 
 TARGET_RATIO = 5.0
-BASELINE_WINDOW = 30
-BASELINE_Z = 3.0
 # Said here (and in docs/prediction.md) when thresholds were changed after seeing the held-out results.
 NOTE = ("pass R: the kurtosis level warning was raised to the critical level (16x) on every run of passes A-Q, all "
         "'tune' now (pass Q's held-out runs had been seen: a healthy wide Llama run's slow 12x rise paged); earlier, "
         "pass Q chose the fast-rise warning and per-step smoothing on every run of passes A-P; a 'test' run was made "
         "after that choice and not used for it (docs/prediction.md)")
-
-
-@dataclass
-class Outcome:
-    first_alert: int | None = None
-    first_rule: str | None = None
-    alerts: int = 0  # warning/critical alerts that fired over the whole run
-    alert_steps: list[int] = field(default_factory=list)
-    # [start, end) of every alert while it paged (warning/critical): end = its resolution step, None if open
-    spans: list[list[int | None]] = field(default_factory=list)
-    seconds: float = 0.0
-    steps: int = 0
-
-
-def _track_span(out: Outcome, event: AlertEvent, spans: dict) -> bool:
-    """Keep the span of a paging alert: opened when it first fires at warning/critical (or escalates to it),
-    closed when it resolves. True for the event that opens one (a new paging alert)."""
-    alert = event.alert
-    identity = (alert.rule, alert.layer, alert.site, alert.first_step)
-    if event.kind in (FIRED, ESCALATED) and alert.severity in ("warning", "critical") and identity not in spans:
-        spans[identity] = [event.step, None]
-        out.spans.append(spans[identity])
-        return True
-    if event.kind == RESOLVED and identity in spans:
-        spans[identity][1] = event.step
-    return False
-
-
-def replay(fixture: Fixture, params: PredictorParams | None = None) -> Outcome:
-    """Our predictors + the alert lifecycle over the fixture's batches, in order."""
-    batches = [IngestBatch.model_validate(b) for b in fixture.batches]
-    predictor, tracker, out = RunPredictor(fixture.name, params=params), AlertTracker(), Outcome()
-    spans = {}  # an alert counts once, when it first fires at warning/critical (or escalates to it)
-    t0 = time.perf_counter()
-    for batch in batches:
-        for assessment in predictor.observe(batch):
-            out.steps += 1
-            for event in tracker.update(fixture.name, assessment.step, assessment.findings):
-                if _track_span(out, event, spans):
-                    out.alerts += 1
-                    out.alert_steps.append(event.step)
-                    if out.first_alert is None:
-                        out.first_alert, out.first_rule = event.step, event.alert.rule
-    out.seconds = time.perf_counter() - t0
-    return out
-
-
-def baseline_z(losses: list[tuple[int, float]], window: int = BASELINE_WINDOW) -> list[tuple[int, float]]:
-    """(step, z) of every logged loss: z of the loss vs the mean/std of the previous `window` finite logged
-    losses (0 while fewer; +inf for a non-finite loss)."""
-    out, history = [], []
-    for step, loss in losses:
-        if not math.isfinite(loss):
-            z = math.inf
-        elif len(history) >= window:
-            recent = history[-window:]
-            sd = statistics.pstdev(recent)
-            z = (loss - statistics.fmean(recent)) / sd if sd > 0 else 0.0
-        else:
-            z = 0.0
-        out.append((step, z))
-        if math.isfinite(loss):
-            history.append(loss)
-    return out
-
-
-def baseline(losses: list[tuple[int, float]], threshold: float = BASELINE_Z) -> Outcome:
-    """Loss z-score vs the previous BASELINE_WINDOW logged losses; an alert per run of steps with z > threshold.
-    Its spans come from the same condition through the server's alert lifecycle (a warning while z > threshold,
-    resolved once absent for RESOLVE_AFTER_STEPS steps)."""
-    out, firing = Outcome(), False
-    tracker, spans = AlertTracker(), {}
-    for step, z in baseline_z(losses):
-        if z > threshold and not firing:
-            out.alerts += 1
-            out.alert_steps.append(step)
-            if out.first_alert is None:
-                out.first_alert = step
-        firing = z > threshold
-        findings = [Finding("loss_zscore", "warning", step, f"loss z {z:.1f}")] if firing else []
-        for event in tracker.update("baseline", step, findings):
-            _track_span(out, event, spans)
-    return out
-
-
-def standing_lead(fixture: Fixture, outcome: Outcome) -> int | None:
-    """Divergence step minus the start of the unbroken stretch of paging alerts still open at it (spans that
-    overlap or touch are one stretch); 0 when no alert is open then; None for a run that did not diverge."""
-    if not fixture.diverged:
-        return None
-    d = fixture.divergence_step
-    spans = sorted((a, math.inf if b is None else b) for a, b in outcome.spans if a <= d)
-    start, end = None, -math.inf
-    for a, b in spans:
-        if a > end:  # a gap: a new stretch
-            start = a
-        end = max(end, b)
-    return d - start if start is not None and end > d else 0
-
-
-def matched_threshold(stable: list[Fixture]) -> float:
-    """The smallest baseline threshold with no alert on these runs: just above their largest finite z."""
-    top = max((z for f in stable for _, z in baseline_z(f.losses()) if math.isfinite(z)), default=BASELINE_Z)
-    return max(BASELINE_Z, math.nextafter(top, math.inf))
 
 
 def step_cost_ms(layers: int = 100, steps: int = 300) -> float:
@@ -186,20 +96,82 @@ def step_cost_ms(layers: int = 100, steps: int = 300) -> float:
     return 1e3 * statistics.median(times)
 
 
-def lead(fixture: Fixture, outcome: Outcome) -> int | None:
-    if not fixture.diverged or outcome.first_alert is None:
-        return None
-    return fixture.divergence_step - outcome.first_alert
-
-
 def fmt(value) -> str:
     return "-" if value is None else str(value)
+
+
+def summarise(split: str, chosen: list[tuple], matched_z: float, rec: Recorder) -> None:
+    """Print the figures of one split (tune, test or all) against the targets; record the headline ones."""
+    diverging = [r for r in chosen if r[0].outcome == "diverged"]
+    stable = [r for r in chosen if r[0].stable]
+    censored = [r for r in chosen if r[0].censored]
+    early = [r for r in chosen if r[0].early]
+    leads = [r[3] for r in diverging]
+    ahead = sum(1 for x in leads if x is not None and x >= TARGET_LEAD)
+    false_alerts = sum(r[1].alerts for r in stable)
+    base_false = sum(r[2].alerts for r in stable)
+    ours_total = sum(x for x in leads if x is not None)
+    base_leads = [r[4] for r in diverging]
+    base_total = sum(max(0, x) for x in base_leads if x is not None)
+    ratio = ours_total / base_total if base_total > 0 else math.inf
+    matched_leads = [r[7] for r in diverging]
+    matched_total = sum(max(0, x) for x in matched_leads if x is not None)
+    matched_ratio = ours_total / matched_total if matched_total > 0 else math.inf
+    print(f"[{split}] {len(diverging)} diverged, {len(stable)} stable, {len(censored)} censored, {len(early)} "
+          f"early-failure runs")
+    print(f"  diverging runs alerted >= {TARGET_LEAD} steps ahead: {ahead}/{len(diverging)} "
+          f"(leads {leads}; baseline leads {base_leads})  target: all")
+    print(f"  alerts on stable runs: {false_alerts} (baseline: {base_false})  target: 0")
+    if censored:
+        print(f"  censored runs (not targets): alerts {sum(r[1].alerts for r in censored)} (baseline "
+              f"{sum(r[2].alerts for r in censored)}), runs with an alert {sum(1 for r in censored if r[1].alerts)}"
+              f"/{len(censored)} (baseline {sum(1 for r in censored if r[2].alerts)}/{len(censored)})")
+    if early:
+        print(f"  early failures (diverged before step {EARLY_BEFORE}; not targets): " + ", ".join(
+            f"{r[0].name} at step {r[0].divergence_step}: our lead {fmt(r[3])}, baseline {fmt(r[4])}"
+            for r in early))
+    print(f"  total lead vs the literal baseline (late baseline counted as 0): {ours_total} / {base_total} = "
+          f"{'inf' if math.isinf(ratio) else f'{ratio:.1f}x'}  target: >= {TARGET_RATIO:.0f}x")
+    if diverging:
+        # the most lead any predictor can have: an alert at step 0 of every diverging run
+        ceiling = sum(r[0].divergence_step for r in diverging)
+        print(f"  feasibility of the ratio target: a predictor alerting at step 0 of every diverging run would "
+              f"lead by {ceiling} in total = {ceiling / base_total if base_total else math.inf:.1f}x the literal "
+              f"baseline ({'reachable' if ceiling >= TARGET_RATIO * base_total else 'the 5x target is unreachable'}"
+              f" on these runs)")
+    print(f"  [not the target's definition] vs the baseline at matched false alarms (z > {matched_z:.2f}; alerts "
+          f"on stable runs {sum(r[6].alerts for r in stable)}): leads {matched_leads}, total {ours_total} / "
+          f"{matched_total} = {'inf' if math.isinf(matched_ratio) else f'{matched_ratio:.1f}x'}")
+    ours_standing = sum(r[8][0] for r in diverging)
+    base_standing = sum(r[8][1] for r in diverging)
+    standing_ratio = ours_standing / base_standing if base_standing > 0 else math.inf
+    print(f"  [not the target's definition] standing leads (an alert resolved before the divergence step is no "
+          f"lead): ours {[r[8][0] for r in diverging]}, baseline {[r[8][1] for r in diverging]}, total "
+          f"{ours_standing} / {base_standing} = "
+          f"{'inf' if math.isinf(standing_ratio) else f'{standing_ratio:.1f}x'}; runs with a standing lead >= "
+          f"{TARGET_LEAD}: ours {sum(1 for r in diverging if r[8][0] >= TARGET_LEAD)}/{len(diverging)}, baseline "
+          f"{sum(1 for r in diverging if r[8][1] >= TARGET_LEAD)}/{len(diverging)}")
+    # None: no run of the kind the target is about (no diverging or no stable run in this split)
+    met = {"lead >= 100 on every diverging run": ahead == len(diverging) if diverging else None,
+           "zero alerts on stable runs": false_alerts == 0 if stable else None,
+           f">= {TARGET_RATIO:.0f}x the literal baseline's lead": ratio >= TARGET_RATIO if diverging else None}
+    verdicts = "; ".join(f"{k}: {'n/a' if v is None else 'yes' if v else 'NO'}" for k, v in met.items())
+    print(f"  targets met (literal definitions): {verdicts}")
+    for metric, value, unit in (("diverging", len(diverging), "runs"), ("diverging_warned_ge_100", ahead, "runs"),
+                                ("stable", len(stable), "runs"), ("alerts_on_stable", false_alerts, "alerts"),
+                                ("baseline_alerts_on_stable", base_false, "alerts"),
+                                ("total_lead", ours_total, "steps"), ("baseline_total_lead", base_total, "steps"),
+                                ("lead_ratio_to_baseline", ratio, "ratio")):
+        rec.add(f"{split}/{metric}", value, unit)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", help="fixture directory (default tests/fixtures/runs)")
+    parser.add_argument("--no-record", dest="record", action="store_false",
+                        help="do not append the figures to bench/results/predict.csv")
     args = parser.parse_args(argv)
+    rec = Recorder("predict")
     paths = fixture_paths(args.root)
     if not paths:
         raise SystemExit("no fixtures found")
@@ -235,70 +207,19 @@ def main(argv: list[str] | None = None) -> int:
           "lead of ours / of the literal baseline (divergence step - start of the paging stretch still open at it, "
           "0 if none: see the docstring). label 'censored': chosen to diverge, not diverged by its last step; "
           "neither stable nor diverging, reported apart.")
-    print(f"predictor cost, synthetic 100 layers x 5 sites, statistics every step: {step_cost_ms():.2f} ms/step "
+    cost = step_cost_ms()
+    rec.add("predictor_cost_per_step/100_layers_x_5_sites", cost, "ms")
+    print(f"predictor cost, synthetic 100 layers x 5 sites, statistics every step: {cost:.2f} ms/step "
           "(median of 3 replays of 200 steps; this machine, whatever else it was running)")
     if NOTE:
         print(f"NOTE: {NOTE}")
     print()
     for split in ("tune", "test", "all"):
         chosen = [r for r in rows if split == "all" or r[0].split == split]
-        if not chosen:
-            continue
-        diverging = [r for r in chosen if r[0].outcome == "diverged"]
-        stable = [r for r in chosen if r[0].stable]
-        censored = [r for r in chosen if r[0].censored]
-        early = [r for r in chosen if r[0].early]
-        leads = [r[3] for r in diverging]
-        ahead = sum(1 for x in leads if x is not None and x >= TARGET_LEAD)
-        false_alerts = sum(r[1].alerts for r in stable)
-        base_false = sum(r[2].alerts for r in stable)
-        ours_total = sum(x for x in leads if x is not None)
-        base_leads = [r[4] for r in diverging]
-        base_total = sum(max(0, x) for x in base_leads if x is not None)
-        ratio = ours_total / base_total if base_total > 0 else math.inf
-        matched_leads = [r[7] for r in diverging]
-        matched_total = sum(max(0, x) for x in matched_leads if x is not None)
-        matched_ratio = ours_total / matched_total if matched_total > 0 else math.inf
-        print(f"[{split}] {len(diverging)} diverged, {len(stable)} stable, {len(censored)} censored, {len(early)} "
-              f"early-failure runs")
-        print(f"  diverging runs alerted >= {TARGET_LEAD} steps ahead: {ahead}/{len(diverging)} "
-              f"(leads {leads}; baseline leads {base_leads})  target: all")
-        print(f"  alerts on stable runs: {false_alerts} (baseline: {base_false})  target: 0")
-        if censored:
-            print(f"  censored runs (not targets): alerts {sum(r[1].alerts for r in censored)} (baseline "
-                  f"{sum(r[2].alerts for r in censored)}), runs with an alert {sum(1 for r in censored if r[1].alerts)}"
-                  f"/{len(censored)} (baseline {sum(1 for r in censored if r[2].alerts)}/{len(censored)})")
-        if early:
-            print(f"  early failures (diverged before step {EARLY_BEFORE}; not targets): " + ", ".join(
-                f"{r[0].name} at step {r[0].divergence_step}: our lead {fmt(r[3])}, baseline {fmt(r[4])}"
-                for r in early))
-        print(f"  total lead vs the literal baseline (late baseline counted as 0): {ours_total} / {base_total} = "
-              f"{'inf' if math.isinf(ratio) else f'{ratio:.1f}x'}  target: >= {TARGET_RATIO:.0f}x")
-        if diverging:
-            # the most lead any predictor can have: an alert at step 0 of every diverging run
-            ceiling = sum(r[0].divergence_step for r in diverging)
-            print(f"  feasibility of the ratio target: a predictor alerting at step 0 of every diverging run would "
-                  f"lead by {ceiling} in total = {ceiling / base_total if base_total else math.inf:.1f}x the literal "
-                  f"baseline ({'reachable' if ceiling >= TARGET_RATIO * base_total else 'the 5x target is unreachable'}"
-                  f" on these runs)")
-        print(f"  [not the target's definition] vs the baseline at matched false alarms (z > {matched_z:.2f}; alerts "
-              f"on stable runs {sum(r[6].alerts for r in stable)}): leads {matched_leads}, total {ours_total} / "
-              f"{matched_total} = {'inf' if math.isinf(matched_ratio) else f'{matched_ratio:.1f}x'}")
-        ours_standing = sum(r[8][0] for r in diverging)
-        base_standing = sum(r[8][1] for r in diverging)
-        standing_ratio = ours_standing / base_standing if base_standing > 0 else math.inf
-        print(f"  [not the target's definition] standing leads (an alert resolved before the divergence step is no "
-              f"lead): ours {[r[8][0] for r in diverging]}, baseline {[r[8][1] for r in diverging]}, total "
-              f"{ours_standing} / {base_standing} = "
-              f"{'inf' if math.isinf(standing_ratio) else f'{standing_ratio:.1f}x'}; runs with a standing lead >= "
-              f"{TARGET_LEAD}: ours {sum(1 for r in diverging if r[8][0] >= TARGET_LEAD)}/{len(diverging)}, baseline "
-              f"{sum(1 for r in diverging if r[8][1] >= TARGET_LEAD)}/{len(diverging)}")
-        # None: no run of the kind the target is about (no diverging or no stable run in this split)
-        met = {"lead >= 100 on every diverging run": ahead == len(diverging) if diverging else None,
-               "zero alerts on stable runs": false_alerts == 0 if stable else None,
-               f">= {TARGET_RATIO:.0f}x the literal baseline's lead": ratio >= TARGET_RATIO if diverging else None}
-        verdicts = "; ".join(f"{k}: {'n/a' if v is None else 'yes' if v else 'NO'}" for k, v in met.items())
-        print(f"  targets met (literal definitions): {verdicts}")
+        if chosen:
+            summarise(split, chosen, matched_z, rec)
+    if args.record:
+        rec.write()
     return 0
 
 

@@ -4,12 +4,13 @@ For each database (a fresh SQLite file, and PostgreSQL when --database-url is gi
 is dropped afterwards) it
   1. fills one run with --layers layers x --steps steps of one site (rows generated inside the
      database with INSERT ... SELECT, --stats statistics per row; one spike and one NaN planted),
-  2. runs the rollup compactor synchronously (monitor.rollup.compact),
-  3. times, in process (monitor.queries): the heatmap over the whole range (default max_points 1000,
+  2. runs the rollup compactor synchronously (SqlAlchemyStore.compact),
+  3. times, in process (the store's queries): the heatmap over the whole range (default max_points 1000,
      agg max) and a long series query (one layer, whole range),
   4. times the same heatmap and series through the real HTTP endpoint: `fp8mon serve` in a subprocess,
      requests with httpx (keep-alive),
 and prints p50/p95 in milliseconds. It checks that the spike and the NaN are visible in the heatmap.
+The figures are appended to bench/results/query.csv (bench.record) unless --no-record is given.
 
     python bench/query.py
     python bench/query.py --database-url postgresql+psycopg://postgres@127.0.0.1:5432/test
@@ -30,13 +31,16 @@ import httpx
 import numpy as np
 from sqlalchemy import create_engine, insert, text
 
-from fp8mon.agent.wire import TENSOR_STATS
-from fp8mon.monitor import queries, rollup
-from fp8mon.monitor.db import create_db_engine, normalise_url
-from fp8mon.monitor.localserver import ServerProcess
-from fp8mon.monitor.migrate import upgrade
-from fp8mon.monitor.models import Run
-from fp8mon.monitor.store import Store
+if __package__ in (None, ""):  # run as `python bench/query.py`: bench.record from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.record import Recorder  # noqa: E402
+from fp8mon.agent.wire import TENSOR_STATS  # noqa: E402
+from fp8mon.monitor.localserver import ServerProcess  # noqa: E402
+from fp8mon.monitor.migrate import upgrade  # noqa: E402
+from fp8mon.monitor.models import Run  # noqa: E402
+from fp8mon.monitor.storage import SqlAlchemyStore as Store  # noqa: E402
+from fp8mon.monitor.storage.engine import create_db_engine, normalise_url  # noqa: E402
 
 RUN = "bench-heatmap"
 SITE = "input"
@@ -109,7 +113,15 @@ def layer_name(i: int) -> str:
 TARGET_MS = 200.0
 
 
-def line(name: str, samples: list[float], note: str, target: bool = False) -> None:
+def line(name: str, samples: list[float], note: str, target: bool = False, rec: Recorder | None = None,
+         metric: str = "") -> None:
+    """Print a timing's p50/p95; with `rec`, record them as rows `<metric>_p50/<database>` and `_p95`, `metric`
+    being "<name>/<database>" (the names of bench/results/query.csv)."""
+    if rec is not None:
+        a = np.array(samples) * 1000
+        name, _, database = metric.partition("/")
+        rec.add(f"{name}_p50/{database}", float(np.percentile(a, 50)), "ms")
+        rec.add(f"{name}_p95/{database}", float(np.percentile(a, 95)), "ms")
     verdict = ""
     if target:
         p95 = float(np.percentile(np.array(samples) * 1000, 95))
@@ -117,7 +129,8 @@ def line(name: str, samples: list[float], note: str, target: bool = False) -> No
     print(f"{name:<24}{percentiles(samples)}   {note}{verdict}", flush=True)
 
 
-def bench(label: str, url: str, args, workdir: Path) -> None:
+def bench(label: str, url: str, args, workdir: Path, rec: Recorder) -> None:
+    """Fill, compact and time one database; its figures go to `rec`."""
     print(f"\n=== {label}: {args.layers} layers x {args.steps} steps, statistics {','.join(args.stats)} ===",
           flush=True)
     engine = create_db_engine(url)
@@ -129,7 +142,9 @@ def bench(label: str, url: str, args, workdir: Path) -> None:
         rows = args.layers * args.steps
         print(f"{'fill':<24}{info['fill_s']:7.1f} s   {rows / info['fill_s'] / 1e3:5.0f} k rows/s "
               f"({rows / 1e6:.0f} M rows)", flush=True)
-        report = rollup.compact(store)
+        rec.add(f"fill_rows_per_s/{label}", rows / info["fill_s"], "rows/s")
+        report = store.compact()
+        rec.add(f"compact_rows_per_s/{label}", rows / report.seconds, "rows/s")
         print(f"{'compact (all levels)':<24}{report.seconds:7.1f} s   {rows / report.seconds / 1e3:5.0f} k rows/s "
               f"({report.chunks} transactions, {report.buckets} buckets)", flush=True)
         if store.dialect == "postgresql":
@@ -139,18 +154,19 @@ def bench(label: str, url: str, args, workdir: Path) -> None:
         layer = layer_name(info["spike"][0])
         print(f"(load average {os.getloadavg()[0]:.1f}; timings after {WARMUP} warm-up calls)", flush=True)
 
-        samples, h = timed(lambda: queries.heatmap(store, RUN, stat=stat, site=SITE, max_points=args.max_points),
+        samples, h = timed(lambda: store.heatmap(RUN, stat=stat, site=SITE, max_points=args.max_points).to_dict(),
                            args.repeat)
         _check(h, info)
         shape = f"{len(h['layers'])} x {len(h['edges']) - 1} cells of {h['bucket_width']} steps"
-        line("heatmap agg=max", samples, f"in process, {shape}", target=True)
-        samples, _ = timed(lambda: queries.heatmap(store, RUN, stat=stat, site=SITE, max_points=args.max_points,
-                                                   agg="last"), args.repeat)
-        line("heatmap agg=last", samples, "in process", target=True)
-        samples, s = timed(lambda: queries.series(store, RUN, stat=stat, layer=layer, site=SITE,
-                                                  max_points=args.max_points), args.repeat)
+        line("heatmap agg=max", samples, f"in process, {shape}", target=True, rec=rec, metric=f"heatmap/{label}")
+        samples, _ = timed(lambda: store.heatmap(RUN, stat=stat, site=SITE, max_points=args.max_points,
+                                                   agg="last").to_dict(), args.repeat)
+        line("heatmap agg=last", samples, "in process", target=True, rec=rec, metric=f"heatmap_last/{label}")
+        samples, s = timed(lambda: store.series(RUN, stat=stat, layer=layer, site=SITE,
+                                                  max_points=args.max_points).to_dict(), args.repeat)
         line("series (one layer)", samples, f"in process, {len(s['points']['step'])} buckets of "
-                                            f"{s['bucket_width']} steps with min/max/mean/last")
+                                            f"{s['bucket_width']} steps with min/max/mean/last",
+             rec=rec, metric=f"series/{label}")
         server = ServerProcess(url, env={"FP8MON_ROLLUP_INTERVAL_S": "0"}, log=workdir / f"server-{label}.log")
         server.start(timeout=60)
         try:
@@ -159,11 +175,13 @@ def bench(label: str, url: str, args, workdir: Path) -> None:
                 samples, r = timed(lambda: client.get(f"/api/v1/runs/{RUN}/heatmap", params=params), args.repeat)
                 assert r.status_code == 200, r.text
                 _check(r.json(), info)
-                line("HTTP GET .../heatmap", samples, f"{len(r.content) / 1e3:.0f} kB of JSON", target=True)
+                line("HTTP GET .../heatmap", samples, f"{len(r.content) / 1e3:.0f} kB of JSON", target=True, rec=rec,
+                     metric=f"heatmap_http/{label}")
                 params = {"stat": stat, "layer": layer, "site": SITE, "max_points": args.max_points}
                 samples, r = timed(lambda: client.get(f"/api/v1/runs/{RUN}/series", params=params), args.repeat)
                 assert r.status_code == 200, r.text
-                line("HTTP GET .../series", samples, f"{len(r.content) / 1e3:.0f} kB of JSON")
+                line("HTTP GET .../series", samples, f"{len(r.content) / 1e3:.0f} kB of JSON", rec=rec,
+                     metric=f"series_http/{label}")
         finally:
             server.stop()
         print("(the planted spike and NaN are visible in the heatmap)", flush=True)
@@ -195,6 +213,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--chunk-steps", type=int, default=10_000, help="steps per insert statement")
     parser.add_argument("--workdir", help="where the SQLite file goes (default: a temporary directory)")
+    parser.add_argument("--no-record", action="store_true", help="do not append the figures to "
+                                                                 "bench/results/query.csv")
     args = parser.parse_args(argv)
     unknown = [s for s in args.stats if s not in TENSOR_STATS]
     if unknown:
@@ -202,8 +222,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="fp8mon-bench-", dir=args.workdir) as tmp:
         workdir = Path(tmp)
         print(f"fp8mon query bench; python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
+        rec = Recorder("query")
         if not args.no_sqlite:
-            bench("sqlite", f"sqlite:///{workdir / 'bench.db'}", args, workdir)
+            bench("sqlite", f"sqlite:///{workdir / 'bench.db'}", args, workdir, rec)
         if args.database_url:
             admin = create_engine(normalise_url(args.database_url), isolation_level="AUTOCOMMIT")
             schema = f"bench_{uuid.uuid4().hex[:10]}"
@@ -212,11 +233,13 @@ def main(argv=None) -> int:
             sep = "&" if "?" in args.database_url else "?"
             url = f"{normalise_url(args.database_url)}{sep}options=-csearch_path%3D{schema}"
             try:
-                bench("postgresql", url, args, workdir)
+                bench("postgresql", url, args, workdir, rec)
             finally:
                 with admin.connect() as conn:
                     conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
                 admin.dispose()
+    if not args.no_record and rec.rows:
+        rec.write()
     return 0
 
 

@@ -41,8 +41,8 @@ def _export(settings: Settings) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from fp8mon.monitor.db import create_db_engine
     from fp8mon.monitor.migrate import SchemaError, check_schema, upgrade
+    from fp8mon.monitor.storage.engine import create_db_engine
 
     settings = _settings(args)
     engine = create_db_engine(settings.database_url)
@@ -62,8 +62,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
-    from fp8mon.monitor.db import create_db_engine
     from fp8mon.monitor.migrate import current_revision, upgrade
+    from fp8mon.monitor.storage.engine import create_db_engine
 
     settings = _settings(args)
     engine = create_db_engine(settings.database_url)
@@ -76,8 +76,8 @@ def cmd_db_upgrade(args: argparse.Namespace) -> int:
 
 
 def cmd_db_current(args: argparse.Namespace) -> int:
-    from fp8mon.monitor.db import create_db_engine
     from fp8mon.monitor.migrate import current_revision, head_revision
+    from fp8mon.monitor.storage.engine import create_db_engine
 
     engine = create_db_engine(_settings(args).database_url)
     try:
@@ -97,10 +97,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     import gzip
 
     from fp8mon.monitor.export import export_run
-    from fp8mon.monitor.queries import NotFound
-    from fp8mon.monitor.store import Store
+    from fp8mon.monitor.storage import NotFound, SqlAlchemyStore
 
-    store = Store(_settings(args).database_url)
+    store = SqlAlchemyStore(_settings(args).database_url)
     try:
         batches = export_run(store, args.run, steps_per_batch=args.steps_per_batch, hist=not args.no_hist)
     except NotFound as exc:
@@ -148,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from fp8mon.demo import add_arguments as add_demo_arguments
 
-    demo = commands.add_parser("demo", help="serve a SQLite monitor and run a short FP8 training with the agent attached")
+    demo = commands.add_parser("demo", help="serve a SQLite monitor and run a short FP8 training with the agent "
+                                             "attached")
     add_demo_arguments(demo)
     demo.set_defaults(func=cmd_demo)
 

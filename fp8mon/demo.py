@@ -10,7 +10,6 @@ endpoint. When the training ends the demo prints the URLs to open and serves unt
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import socket
 import sys
@@ -102,8 +101,8 @@ def run_demo(args: argparse.Namespace, settings: Settings) -> int:
     import uvicorn
 
     from fp8mon.monitor.app import create_app
-    from fp8mon.monitor.db import create_db_engine
     from fp8mon.monitor.migrate import current_revision, upgrade
+    from fp8mon.monitor.storage.engine import create_db_engine
     from fp8mon.trainer.train import build_parser as train_parser
     from fp8mon.trainer.train import run as train
 
@@ -120,7 +119,7 @@ def run_demo(args: argparse.Namespace, settings: Settings) -> int:
     finally:
         engine.dispose()
 
-    port_given = args.port is not None or "FP8MON_PORT" in os.environ
+    port_given = "port" in settings.model_fields_set  # by --port or FP8MON_PORT
     try:
         sock = _bind(settings.host, settings.port, fallback=not port_given)
     except OSError as exc:

@@ -6,50 +6,36 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from fp8mon.monitor.alerting.webhooks import WebhookSender
+from fp8mon.monitor.compactor import Compactor
 from fp8mon.monitor.metrics import Metrics
-from fp8mon.monitor.migrate import check_schema
 from fp8mon.monitor.pipeline import Pipeline
-from fp8mon.monitor.rollup import Compactor, interval_from_env
 from fp8mon.monitor.routers import alerts, dashboard, ingest, metrics, predictions, runs, series
 from fp8mon.monitor.settings import Settings
-from fp8mon.monitor.store import Store
+from fp8mon.monitor.storage import AbstractStore, SqlAlchemyStore
 
 API_PREFIX = "/api/v1"
 log = logging.getLogger("fp8mon.app")
 
 
-def create_app(settings: Settings | None = None, *, store: Store | None = None, predictor_factory=None) -> FastAPI:
-    """`predictor_factory(run, config=...)`: the run predictors (default: `settings.predictor`, imported lazily)."""
+def create_app(settings: Settings | None = None, *, store: AbstractStore | None = None,
+               predictor_factory=None) -> FastAPI:
+    """`store`: used as given and left open (default: a SqlAlchemyStore on `settings.database_url`, closed at
+    shutdown). `predictor_factory(run, config=...)`: the run predictors (default: `settings.predictor`, imported
+    lazily)."""
     settings = settings or Settings()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         owned = store is None
-        app.state.store = store or Store(settings.database_url, pool_size=settings.db_pool_size)
+        app.state.store = store or SqlAlchemyStore(settings.database_url, pool_size=settings.db_pool_size)
         try:
-            check_schema(app.state.store.engine)
+            app.state.store.check_schema()
             if settings.workers > 1:
                 log.warning("%d worker processes: each runs its own predictors on the batches it receives and "
                             "exports its own /metrics; alerting and Prometheus export need --workers 1",
                             settings.workers)
-            webhooks = WebhookSender(settings.webhook_urls, max_attempts=settings.webhook_max_attempts,
-                                     backoff=settings.webhook_backoff_seconds,
-                                     max_backoff=settings.webhook_max_backoff_seconds,
-                                     timeout=settings.webhook_timeout_seconds, metrics=app.state.metrics).start()
-            pipeline = Pipeline(app.state.store, metrics=app.state.metrics, predictor_factory=predictor_factory,
-                                predictor_spec=settings.predictor, webhooks=webhooks, base_url=settings.base_url(),
-                                queue_size=settings.predictor_queue_size, every_steps=settings.prediction_every_steps,
-                                risk_delta=settings.prediction_risk_delta).start()
-            app.state.pipeline = pipeline
-            app.state.store.add_ingest_listener(pipeline.submit)
-            compactor = Compactor(app.state.store, interval_from_env()).start()
-            try:
+            async with _background(app, settings, predictor_factory):
                 yield
-            finally:
-                compactor.stop()
-                app.state.store.remove_ingest_listener(pipeline.submit)
-                pipeline.stop()
-                webhooks.stop()
         finally:
             if owned:
                 app.state.store.close()
@@ -59,6 +45,7 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None, 
     app.state.settings = settings
     app.state.metrics = Metrics(max_runs=settings.metrics_max_runs,
                                 grace_seconds=settings.metrics_run_grace_seconds)
+    app.state.pipeline = None
     app.include_router(ingest.router, prefix=API_PREFIX)
     app.include_router(alerts.router, prefix=API_PREFIX)
     # series, alerts and predictions before runs: the bare /runs/{run} routes (and /runs/{run}/latest) take any
@@ -74,3 +61,28 @@ def create_app(settings: Settings | None = None, *, store: Store | None = None, 
         return {"ok": True}
 
     return app
+
+
+@asynccontextmanager
+async def _background(app: FastAPI, settings: Settings, predictor_factory):
+    """The server's threads: the webhook sender, the prediction pipeline (fed by the store after each ingest
+    commit) and the rollup compactor."""
+    store: AbstractStore = app.state.store
+    webhooks = WebhookSender(settings.webhook_urls, base_url=settings.base_url(),
+                             max_attempts=settings.webhook_max_attempts, backoff=settings.webhook_backoff_seconds,
+                             max_backoff=settings.webhook_max_backoff_seconds,
+                             timeout=settings.webhook_timeout_seconds, metrics=app.state.metrics).start()
+    pipeline = Pipeline(store, metrics=app.state.metrics, notifier=webhooks, predictor_factory=predictor_factory,
+                        predictor_spec=settings.predictor, queue_size=settings.predictor_queue_size,
+                        every_steps=settings.prediction_every_steps, risk_delta=settings.prediction_risk_delta).start()
+    app.state.pipeline = pipeline
+    store.add_ingest_listener(pipeline.submit)
+    compactor = Compactor(store, settings.rollup_interval_s).start()
+    try:
+        yield
+    finally:
+        compactor.stop()
+        store.remove_ingest_listener(pipeline.submit)
+        pipeline.stop()
+        webhooks.stop()
+        app.state.pipeline = None

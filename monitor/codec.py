@@ -5,7 +5,7 @@ import zlib
 import msgpack
 from pydantic import ValidationError
 
-from fp8mon.monitor.schemas import IngestBatch
+from fp8mon.monitor.wire import IngestBatch
 
 JSON_TYPES = ("application/json",)
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")

@@ -1,4 +1,4 @@
-"""FastAPI dependencies: settings, the store, and token scopes."""
+"""FastAPI dependencies: settings, the store, metrics, the pipeline, and token scopes."""
 
 import secrets
 from typing import Annotated
@@ -6,8 +6,10 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from fp8mon.monitor.metrics import Metrics
+from fp8mon.monitor.pipeline import Pipeline
 from fp8mon.monitor.settings import Settings
-from fp8mon.monitor.store import Store
+from fp8mon.monitor.storage import AbstractStore
 
 _bearer = HTTPBearer(auto_error=False)
 
@@ -16,8 +18,17 @@ def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_store(request: Request) -> Store:
+def get_store(request: Request) -> AbstractStore:
     return request.app.state.store
+
+
+def get_metrics(request: Request) -> Metrics:
+    return request.app.state.metrics
+
+
+def get_pipeline(request: Request) -> Pipeline | None:
+    """None outside the application's lifespan."""
+    return request.app.state.pipeline
 
 
 def _token_in(token: str, allowed: list[str]) -> bool:
@@ -38,7 +49,9 @@ def _require(scope: str):
     return check
 
 
-StoreDep = Annotated[Store, Depends(get_store)]
+StoreDep = Annotated[AbstractStore, Depends(get_store)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
+MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+PipelineDep = Annotated[Pipeline | None, Depends(get_pipeline)]
 require_read = Depends(_require("read"))
 require_write = Depends(_require("write"))

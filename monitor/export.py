@@ -7,14 +7,12 @@ from __future__ import annotations
 from collections import defaultdict
 
 import numpy as np
-from sqlalchemy import select
 
 from fp8mon.agent.wire import TENSOR_STATS, WIRE_VERSION
-from fp8mon.monitor.models import Run
-from fp8mon.monitor.queries import NotFound, fetch, reading, to_float
+from fp8mon.monitor.storage import AbstractStore
 
 
-def export_run(store, name: str, *, steps_per_batch: int = 10, stats: tuple[str, ...] = TENSOR_STATS,
+def export_run(store: AbstractStore, name: str, *, steps_per_batch: int = 10, stats: tuple[str, ...] = TENSOR_STATS,
                hist: bool = True) -> list[dict]:
     """The run `name` as ingest batch dicts of `steps_per_batch` consecutive stored steps each (tensor
     records of every rank, and scalars), `stats` (a subset of TENSOR_STATS) and, with `hist`, the log2
@@ -23,21 +21,11 @@ def export_run(store, name: str, *, steps_per_batch: int = 10, stats: tuple[str,
     unknown = set(stats) - set(TENSOR_STATS)
     if unknown:
         raise ValueError(f"unknown statistics {sorted(unknown)}")
-    with reading(store) as conn:
-        run = conn.execute(select(Run.id, Run.config, Run.tags, Run.status).where(Run.name == name)).first()
-        if run is None:
-            raise NotFound(f"run {name!r} not found")
-        columns = ", ".join(f"t.{c}" for c in (*stats, *(("log2_hist",) if hist else ())))
-        tensor_rows = fetch(conn, f"SELECT t.step, t.rank, s.layer, s.site, {columns} FROM tensor_stats t "
-                                  "JOIN tensor_series s ON s.id = t.series_id WHERE s.run_id = :run "
-                                  "ORDER BY t.step, t.rank, s.ordinal", {"run": run.id})
-        scalar_rows = fetch(conn, "SELECT t.step, t.rank, s.name, t.value FROM scalars t "
-                                  "JOIN scalar_series s ON s.id = t.series_id WHERE s.run_id = :run "
-                                  "ORDER BY t.step, t.rank, s.id", {"run": run.id})
+    run = store.export_rows(name, stats=tuple(stats), hist=hist)
     tensors, scalars = defaultdict(list), defaultdict(list)
-    for row in tensor_rows:
+    for row in run.tensor_rows:
         tensors[row[0]].append(row)
-    for row in scalar_rows:
+    for row in run.scalar_rows:
         scalars[row[0]].append(row)
     steps = sorted(set(tensors) | set(scalars))
     batches = []
@@ -50,9 +38,9 @@ def export_run(store, name: str, *, steps_per_batch: int = 10, stats: tuple[str,
         rows = [r for s in chunk for r in scalars.get(s, ())]
         if rows:
             batch["scalars"] = {"step": [r[0] for r in rows], "name": [r[2] for r in rows],
-                                "value": [to_float(r[3]) for r in rows], "rank": [r[1] for r in rows]}
+                                "value": [r[3] for r in rows], "rank": [r[1] for r in rows]}
         batches.append(batch)
-    meta = {"config": run.config or {}, "tags": run.tags or {}}
+    meta = {"config": run.config, "tags": run.tags}
     if not batches:
         return [{"version": WIRE_VERSION, "batch_id": "export-meta", "run": name,
                  "run_meta": {**meta, "status": run.status}}]
@@ -65,14 +53,14 @@ def _tensor_block(rows: list[tuple], stats: tuple[str, ...], hist: bool) -> dict
     block = {"step": [r[0] for r in rows], "layer": [r[2] for r in rows], "site": [r[3] for r in rows],
              "rank": [r[1] for r in rows], "stats": {}}
     for j, name in enumerate(stats, start=4):
-        values = [to_float(r[j]) for r in rows]
+        values = [r[j] for r in rows]
         if name in ("numel", "nonfinite"):  # counts travel as integers
             values = [None if v is None or v != v else int(v) for v in values]
         if any(v is not None for v in values):
             block["stats"][name] = values
     if hist:
         j = 4 + len(stats)
-        hists = [None if r[j] is None else np.frombuffer(bytes(r[j]), dtype="<i8").tolist() for r in rows]
+        hists = [None if r[j] is None else np.frombuffer(r[j], dtype="<i8").tolist() for r in rows]
         if any(h is not None for h in hists):
             block["log2_hist"] = hists
     return block

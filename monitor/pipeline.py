@@ -9,11 +9,12 @@ arrival order, which is each run's order as long as its agent sends sequentially
    built lazily as `factory(run, config=<run config>)`) and the run's active alerts;
 2. `predictor.observe(batch)` -> assessments, in step order, through the `AlertTracker` (lifecycle rules in
    monitor.assessment);
-3. writes, in one transaction: the predictions kept (below) and the alert rows (inserted when pending or
+3. writes through its alert store (storage.AlertStore), in one transaction: the predictions kept (below)
+   and the alert rows (inserted when pending or
    fired; updated on fire, escalation, resolution and with each batch's last step; a dropped pending alert's
    row is deleted);
-4. after the commit, queues webhook notifications (fired, escalated, resolved) for the sender thread and
-   updates the run's Prometheus gauges.
+4. after the commit, hands notifications (fired, escalated, resolved) to its notifier (the webhook
+   sender's queue) and updates the run's Prometheus gauges (monitor.gauges).
 
 Predictions stored. A predictor may assess every step; a row per step of a 100k-step run with JSON signals
 and culprits is tens of MB for a curve people read at a coarser grain. Stored: every
@@ -42,32 +43,29 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
+from typing import Protocol
 
-import numpy as np
-from sqlalchemy import delete, func, insert, select, update
-from sqlalchemy.dialects import postgresql, sqlite
-
-from fp8mon.monitor.alerting.lifecycle import (DROPPED, ESCALATED, FIRED, FIRING, PENDING, RESOLVED, Alert,
-                                        AlertEvent, AlertTracker)
-from fp8mon.monitor.alerting.webhooks import WebhookSender, slack_payload
+from fp8mon.monitor.alerting.lifecycle import DROPPED, ESCALATED, FIRED, RESOLVED, Alert, AlertEvent, AlertTracker
 from fp8mon.monitor.assessment import Assessment
+from fp8mon.monitor.gauges import batch_gauges
+from fp8mon.monitor.jsonvalues import json_safe
 from fp8mon.monitor.metrics import Metrics
-from fp8mon.monitor.models import Alert as AlertRow
-from fp8mon.monitor.models import Prediction, Run
-from fp8mon.monitor.queries import json_safe, reading, writing
-from fp8mon.monitor.schemas import IngestBatch, IngestResult
 from fp8mon.monitor.settings import DEFAULT_PREDICTOR
+from fp8mon.monitor.storage import AlertStore
+from fp8mon.monitor.storage.database import utcnow
+from fp8mon.monitor.storage.entities import AlertWrite, PredictionRecord
+from fp8mon.monitor.wire import FINAL_STATUSES, IngestBatch, IngestResult
 
 log = logging.getLogger("fp8mon.pipeline")
 
-FINAL_STATUSES = ("finished", "failed", "diverged")
 NOTIFY = (FIRED, ESCALATED, RESOLVED)
 SEED_RECENT = timedelta(hours=1)
 
 
-def utcnow() -> datetime:
-    return datetime.now(UTC)
+class Notifier(Protocol):
+    def notify(self, event: AlertEvent) -> None:
+        """Queue a notification of the event; never blocks (the webhook sender delivers in its own thread)."""
 
 
 def load_factory(spec: str):
@@ -96,16 +94,15 @@ class _RunState:
 
 
 class Pipeline:
-    def __init__(self, store, *, metrics: Metrics, predictor_factory=None, predictor_spec: str = "",
-                 webhooks: WebhookSender | None = None, base_url: str = "", queue_size: int = 1000,
-                 every_steps: int = 10, risk_delta: float = 0.05):
-        self.store = store
+    def __init__(self, alerts: AlertStore, *, metrics: Metrics, notifier: Notifier | None = None,
+                 predictor_factory=None, predictor_spec: str = "", queue_size: int = 1000, every_steps: int = 10,
+                 risk_delta: float = 0.05):
+        self.alerts = alerts
         self.metrics = metrics
+        self.notifier = notifier
         self._factory = predictor_factory
         self._factory_spec = predictor_spec if predictor_factory is None else ""
         self._factory_loaded = predictor_factory is not None
-        self.webhooks = webhooks
-        self.base_url = base_url
         self.every_steps = every_steps
         self.risk_delta = risk_delta
         self.tracker = AlertTracker()
@@ -227,19 +224,17 @@ class Pipeline:
         if state is not None and state.run_id == run_id:
             return state
         self._drop_state(batch.run)  # a new run of the same name (the old one was deleted)
-        with reading(self.store) as conn:
-            config = conn.execute(select(Run.config).where(Run.id == run_id)).scalar()
-            rows = conn.execute(select(AlertRow).where(AlertRow.run_id == run_id,
-                                                       AlertRow.state.in_((PENDING, FIRING)))).all()
+        stored = self.alerts.run_alert_state(run_id)
+        config = stored.config
         if batch.run_meta is not None and batch.run_meta.config is not None:
             config = batch.run_meta.config
-        state = _RunState(run_id, self._predictor_for(batch.run, config or {}))
+        state = _RunState(run_id, self._predictor_for(batch.run, config))
         restored = []
-        for row in rows:
+        for row in stored.alerts:
             alert = Alert(run=batch.run, rule=row.rule, layer=row.layer, site=row.site, severity=row.severity,
                           state=row.state, message=row.message, first_step=row.first_step or 0,
-                          last_step=row.last_step or 0, for_steps=int((row.details or {}).get("for_steps", 0)),
-                          value=(row.details or {}).get("value"), fired_step=row.fired_step,
+                          last_step=row.last_step or 0, for_steps=int(row.details.get("for_steps", 0)),
+                          value=row.details.get("value"), fired_step=row.fired_step,
                           escalated_step=row.escalated_step)
             if alert.fingerprint in state.alert_ids:
                 continue
@@ -261,7 +256,7 @@ class Pipeline:
                 log.exception("predictor failed on run %r; its state is rebuilt on the next batch", run)
                 state.predictor = self._predictor_for(run, None)
         events: list[AlertEvent] = []
-        predictions: list[dict] = []
+        predictions: list[PredictionRecord] = []
         for i, a in enumerate(assessments):
             step_events = self.tracker.update(run, a.step, a.findings)
             events.extend(step_events)
@@ -269,19 +264,18 @@ class Pipeline:
             if (a.step % self.every_steps == 0 or i == len(assessments) - 1 or step_events
                     or state.stored_risk is None or abs(risk - state.stored_risk) >= self.risk_delta):
                 state.stored_risk = risk
-                predictions.append({"run_id": run_id, "step": a.step, "risk": risk,
-                                    "steps_to_divergence": _finite(a.steps_to_divergence),
-                                    "signals": json_safe(dict(a.signals)), "culprits": json_safe(list(a.culprits))})
+                predictions.append(PredictionRecord(step=a.step, risk=risk,
+                                                    steps_to_divergence=_finite(a.steps_to_divergence),
+                                                    signals=json_safe(dict(a.signals)),
+                                                    culprits=json_safe(list(a.culprits))))
         last = assessments[-1] if assessments else None
         if predictions or events or self.tracker.active(run):
             self._write(state, run, predictions, events, last)
 
-        if self.webhooks is not None:
-            for event in events:
-                if event.kind in NOTIFY:
-                    self.webhooks.send(slack_payload(event, self.base_url))
         for event in events:
             if event.kind in NOTIFY:
+                if self.notifier is not None:
+                    self.notifier.notify(event)
                 self.metrics.alert_events.labels(event.alert.severity).inc()
         self.metrics.predictor_batches.inc()
 
@@ -307,79 +301,25 @@ class Pipeline:
             state.ended = False
             state.predictor = self._predictor_for(run, None)
 
-    def _write(self, state: _RunState, run: str, predictions: list[dict], events: list[AlertEvent],
+    def _write(self, state: _RunState, run: str, predictions: list[PredictionRecord], events: list[AlertEvent],
                last: Assessment | None) -> None:
-        now = utcnow()
-        extra = {} if last is None else {"risk": _risk(last.risk),
-                                         "steps_to_divergence": _finite(last.steps_to_divergence)}
-        with writing(self.store) as conn:
-            if predictions:
-                dialect = postgresql if self.store.dialect == "postgresql" else sqlite
-                stmt = dialect.insert(Prediction)
-                stmt = stmt.on_conflict_do_update(
-                    index_elements=["run_id", "step"],
-                    set_={c: stmt.excluded[c] for c in ("risk", "steps_to_divergence", "signals", "culprits")})
-                conn.execute(stmt, predictions)
-            for event in events:
-                a = event.alert
-                fp = a.fingerprint
-                row_id = state.alert_ids.get(fp)
-                if event.kind == DROPPED:
-                    if row_id is not None:
-                        conn.execute(delete(AlertRow).where(AlertRow.id == row_id))
-                    state.alert_ids.pop(fp, None)
-                    continue
-                values = _alert_values(a, now, extra)
-                if event.kind == RESOLVED:
-                    values["resolved_at"] = now
-                if row_id is None:
-                    row_id = conn.execute(insert(AlertRow).values(run_id=state.run_id, fingerprint=fp, rule=a.rule,
-                                                                  layer=a.layer, site=a.site, started_at=now,
-                                                                  **values).returning(AlertRow.id)).scalar_one()
-                else:
-                    conn.execute(update(AlertRow).where(AlertRow.id == row_id).values(**values))
-                if event.kind == RESOLVED:
-                    state.alert_ids.pop(fp, None)
-                else:
-                    state.alert_ids[fp] = row_id
-            changed = {e.alert.fingerprint for e in events}
-            for a in self.tracker.active(run):
-                row_id = state.alert_ids.get(a.fingerprint)
-                if row_id is not None and a.fingerprint not in changed:
-                    conn.execute(update(AlertRow).where(AlertRow.id == row_id).values(**_alert_values(a, now, extra)))
+        context = {} if last is None else {"risk": _risk(last.risk),
+                                           "steps_to_divergence": _finite(last.steps_to_divergence)}
+        writes = [AlertWrite(e.alert, delete=e.kind == DROPPED, resolved=e.kind == RESOLVED, context=context)
+                  for e in events]
+        changed = {e.alert.fingerprint for e in events}
+        writes += [AlertWrite(a, context=context) for a in self.tracker.active(run)
+                   if a.fingerprint in state.alert_ids and a.fingerprint not in changed]
+        state.alert_ids = self.alerts.record_assessments(state.run_id, predictions, writes, state.alert_ids)
 
     def _seed_metrics(self) -> None:
-        since = utcnow() - SEED_RECENT
-        limit = self.metrics.runs.max_runs
-        with reading(self.store) as conn:
-            runs = conn.execute(select(Run.id, Run.name, Run.last_step, Run.last_seen_at)
-                                .where(Run.ended_at.is_(None), Run.last_seen_at >= since)
-                                .order_by(Run.last_seen_at.desc()).limit(limit)).all()
-            if not runs:
-                return
-            ids = [r.id for r in runs]
-            firing: dict[int, dict[str, int]] = {}
-            for run_id, severity, n in conn.execute(
-                    select(AlertRow.run_id, AlertRow.severity, func.count())
-                    .where(AlertRow.run_id.in_(ids), AlertRow.state == FIRING)
-                    .group_by(AlertRow.run_id, AlertRow.severity)):
-                firing.setdefault(run_id, {})[severity] = n
-            for r in reversed(runs):  # oldest first: the most recent ends up most recently active
-                latest = conn.execute(select(Prediction.risk, Prediction.steps_to_divergence)
-                                      .where(Prediction.run_id == r.id)
-                                      .order_by(Prediction.step.desc()).limit(1)).first()
-                values = {"last_step": r.last_step,
-                          "last_seen": _utc(r.last_seen_at).timestamp() if r.last_seen_at else None}
-                if latest is not None:
-                    values.update(risk=latest.risk, steps_to_divergence=latest.steps_to_divergence)
-                self.metrics.runs.update(r.name, values, firing.get(r.id, {}))
-
-
-def _alert_values(a: Alert, now: datetime, extra: dict) -> dict:
-    return {"severity": a.severity, "state": a.state, "message": a.message,
-            "first_step": a.first_step, "last_step": a.last_step, "fired_step": a.fired_step,
-            "escalated_step": a.escalated_step, "resolved_step": a.resolved_step, "updated_at": now,
-            "details": json_safe({"value": a.value, "for_steps": a.for_steps, **extra})}
+        recent = self.alerts.recent_runs(utcnow() - SEED_RECENT, self.metrics.runs.max_runs)
+        for run in reversed(recent):  # oldest first: the most recent ends up most recently active
+            values = {"last_step": run.last_step,
+                      "last_seen": run.last_seen_at.timestamp() if run.last_seen_at else None}
+            if run.risk is not None:
+                values.update(risk=run.risk, steps_to_divergence=run.steps_to_divergence)
+            self.metrics.runs.update(run.name, values, run.firing)
 
 
 def _risk(x) -> float:
@@ -389,55 +329,3 @@ def _risk(x) -> float:
 
 def _finite(x) -> float | None:
     return float(x) if x is not None and math.isfinite(x) else None
-
-
-def _utc(dt: datetime) -> datetime:
-    return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt
-
-
-def batch_gauges(batch: IngestBatch) -> dict[str, float | None]:
-    """Run-level aggregates at the batch's last step, from the batch itself: the worst (largest) kurtosis,
-    underflow and overflow fraction over layers x sites, and the count of tensors or scalars with non-finite
-    values. Used for /metrics unless the predictor reports its own."""
-    out: dict[str, float | None] = {"last_seen": time.time()}
-    last_steps = []
-    t = batch.tensors
-    nonfinite = 0
-    if t is not None and len(t):
-        steps = np.full(len(t), t.step, dtype=np.int64) if isinstance(t.step, int) else np.asarray(t.step, np.int64)
-        last = int(steps.max())
-        last_steps.append(last)
-        at_last = steps == last
-        for stat, key in (("kurtosis", "worst_kurtosis"), ("underflow_frac", "worst_underflow_frac"),
-                          ("overflow_frac", "worst_overflow_frac")):
-            column = t.stats.get(stat)
-            if column is None:
-                continue
-            values = np.asarray([np.nan if v is None else v for v in column], dtype=np.float64)[at_last]
-            finite = values[np.isfinite(values)]
-            if finite.size:
-                out[key] = float(finite.max())
-            elif np.isinf(values).any():
-                out[key] = math.inf
-        bad = np.zeros(int(at_last.sum()), dtype=bool)
-        column = t.stats.get("nonfinite")
-        if column is not None:
-            values = np.asarray([0.0 if v is None else v for v in column], dtype=np.float64)[at_last]
-            bad |= ~(values == 0)  # NaN counts too
-        for stat in ("amax", "rms", "kurtosis"):
-            column = t.stats.get(stat)
-            if column is not None:
-                values = np.asarray([0.0 if v is None else v for v in column], dtype=np.float64)[at_last]
-                bad |= ~np.isfinite(values)
-        nonfinite += int(bad.sum())
-    s = batch.scalars
-    if s is not None and len(s):
-        steps = np.full(len(s), s.step, dtype=np.int64) if isinstance(s.step, int) else np.asarray(s.step, np.int64)
-        last = int(steps.max())
-        last_steps.append(last)
-        values = np.asarray([0.0 if v is None else v for v in s.value], dtype=np.float64)[steps == last]
-        nonfinite += int((~np.isfinite(values)).sum())
-    if last_steps:
-        out["last_step"] = max(last_steps)
-        out["nonfinite_tensors"] = nonfinite
-    return out

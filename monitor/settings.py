@@ -27,6 +27,8 @@ class Settings(BaseSettings):
     write_tokens: list[str] = Field(default_factory=list, description="tokens allowed to ingest; empty: no auth")
     read_tokens: list[str] = Field(default_factory=list, description="tokens allowed to query; empty: no auth")
     db_pool_size: int = Field(default=8, ge=1)
+    rollup_interval_s: float = Field(default=2.0, ge=0, description="seconds between the background compaction "
+                                                                    "passes that fill the rollups; 0: none")
 
     # -- predictions, alerts, webhooks, Prometheus ---------------------------------------------------
     # (no None defaults: `fp8mon serve` exports every setting to its workers as a string)

@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
                         "far as it got); default 900 cpu, 235 gpu")
     args = parser.parse_args(argv)
 
-    from fp8mon.monitor.store import Store
+    from fp8mon.monitor.storage import SqlAlchemyStore as Store
 
     base, runs = PROFILES[args.profile]
     if args.only:

@@ -1,5 +1,6 @@
-"""Shared fixtures: databases (SQLite always, PostgreSQL when FP8MON_TEST_DATABASE_URL is set) and a real
-uvicorn server process on 127.0.0.1."""
+"""Shared fixtures: databases (SQLite always, PostgreSQL when FP8MON_TEST_DATABASE_URL is set), the monitor
+application in process (FastAPI's TestClient), and a real uvicorn server process on 127.0.0.1 for the tests
+where the process matters (kill -9, several workers, Prometheus scraping, the browser, the CLI)."""
 
 import os
 import uuid
@@ -7,10 +8,10 @@ import uuid
 import pytest
 from sqlalchemy import create_engine, text
 
-from fp8mon.monitor.db import create_db_engine, normalise_url
 from fp8mon.monitor.localserver import ServerProcess
 from fp8mon.monitor.migrate import upgrade
-from fp8mon.monitor.store import Store
+from fp8mon.monitor.storage import SqlAlchemyStore as Store
+from fp8mon.monitor.storage.engine import create_db_engine, normalise_url
 
 PG_URL = os.environ.get("FP8MON_TEST_DATABASE_URL")
 BACKENDS = ["sqlite", "postgresql"] if PG_URL else ["sqlite"]
@@ -97,6 +98,31 @@ def one_torch_thread():
 
 
 @pytest.fixture
+def app_factory(database_url):
+    """`make(predictor_factory=None, **settings)`: a TestClient of the monitor application on the test database,
+    with Settings fields as keyword arguments. Use it as a context manager (`with make() as client:`): the
+    application's lifespan (pipeline, webhooks, compactor) runs inside the block, and a second block on the
+    same database is a restarted server."""
+    from fastapi.testclient import TestClient
+
+    from fp8mon.monitor.app import create_app
+    from fp8mon.monitor.settings import Settings
+
+    def make(predictor_factory=None, **settings) -> TestClient:
+        app = create_app(Settings(database_url=database_url, **settings), predictor_factory=predictor_factory)
+        return TestClient(app)
+
+    return make
+
+
+@pytest.fixture
+def client(app_factory):
+    """The monitor application with default settings, in process."""
+    with app_factory() as c:
+        yield c
+
+
+@pytest.fixture
 def server_factory(database_url, tmp_path):
     servers: list[ServerProcess] = []
 
@@ -114,17 +140,3 @@ def server_factory(database_url, tmp_path):
 @pytest.fixture
 def live_server(server_factory) -> ServerProcess:
     return server_factory().start()
-
-
-@pytest.fixture(scope="module")
-def module_server(tmp_path_factory):
-    """One real server on a fresh SQLite file, shared by a module's tests (for tests that make many requests
-    against one state, such as fuzzing)."""
-    root = tmp_path_factory.mktemp("module-server")
-    url = f"sqlite:///{root / 'fp8mon.db'}"
-    engine = create_db_engine(url)
-    upgrade(engine)
-    engine.dispose()
-    server = ServerProcess(url, log=root / "server.log").start()
-    yield server
-    server.stop()

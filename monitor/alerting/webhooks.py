@@ -1,6 +1,7 @@
 """Alert notifications to webhooks (Slack-compatible JSON), from a sender thread of their own.
 
-`WebhookSender.send(payload)` never blocks: it queues (bounded; a full queue drops the notification and
+`WebhookSender.notify(event)` (the pipeline's notifier) builds the message, `send(payload)` queues it; neither
+blocks: it queues (bounded; a full queue drops the notification and
 counts it). The thread POSTs each notification to every URL in turn, retrying connection errors, timeouts,
 429 and 5xx answers with exponential backoff (`backoff * 2**attempt`, capped, a Retry-After header
 honoured up to the cap) for at most `max_attempts` attempts; any other 4xx is not retried.
@@ -62,9 +63,11 @@ def slack_payload(event: AlertEvent, base_url: str) -> dict:
 
 
 class WebhookSender:
-    def __init__(self, urls: list[str], *, max_attempts: int = 6, backoff: float = 0.5, max_backoff: float = 30.0,
-                 timeout: float = 5.0, queue_size: int = 1000, metrics=None):
+    def __init__(self, urls: list[str], *, base_url: str = "", max_attempts: int = 6, backoff: float = 0.5,
+                 max_backoff: float = 30.0, timeout: float = 5.0, queue_size: int = 1000, metrics=None):
+        """`base_url`: this server's address in the messages' links."""
         self.urls = list(urls)
+        self.base_url = base_url
         self.max_attempts = max_attempts
         self.backoff = backoff
         self.max_backoff = max_backoff
@@ -79,6 +82,10 @@ class WebhookSender:
             self._thread = threading.Thread(target=self._run, name="fp8mon-webhooks", daemon=True)
             self._thread.start()
         return self
+
+    def notify(self, event: AlertEvent) -> None:
+        if self.urls:
+            self.send(slack_payload(event, self.base_url))
 
     def send(self, payload: dict) -> bool:
         if not self.urls:

@@ -1,7 +1,7 @@
 """Divergence predictors: pure, incremental, per run (docs/prediction.md).
 
     predictor = RunPredictor("run-1")
-    for batch in batches:                     # monitor.schemas.IngestBatch, in arrival order
+    for batch in batches:                     # monitor.wire.IngestBatch, in arrival order
         for assessment in predictor.observe(batch):
             ...                               # monitor.assessment.Assessment, one per evaluated step
 """

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fp8mon.monitor.schemas import IngestBatch
+from fp8mon.monitor.wire import IngestBatch
 
 # Statistics the predictors read; the rest of a record is ignored.
 USED_STATS = ("amax", "kurtosis", "underflow_frac", "overflow_frac", "nonfinite", "scale", "amax_history_max")

@@ -22,7 +22,7 @@ from fp8mon.monitor.predictors.nonfinite import NonFinite
 from fp8mon.monitor.predictors.params import PredictorParams
 from fp8mon.monitor.predictors.saturation import AmaxSaturation, UnderflowRise
 from fp8mon.monitor.predictors.scalars import Growth, LossDivergence, Spike
-from fp8mon.monitor.schemas import IngestBatch
+from fp8mon.monitor.wire import IngestBatch
 
 
 class RunPredictor:

@@ -4,10 +4,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
 
-from fp8mon.monitor.alerting import queries
+from fp8mon.monitor.api_models import AlertAcked, AlertList, AlertState, Severity
 from fp8mon.monitor.deps import StoreDep, require_read, require_write
 from fp8mon.monitor.routers.common import ERRORS, RunPath, SafeJSONResponse, http_errors
-from fp8mon.monitor.schemas import AlertAcked, AlertList, AlertState, Severity
 
 router = APIRouter(tags=["alerts"])
 
@@ -23,15 +22,15 @@ def list_alerts(store: StoreDep, state: StateQuery = None, severity: SeverityQue
                 run: Annotated[str | None, Query(min_length=1, max_length=200, description="run name")] = None,
                 limit: Limit = 100, offset: Offset = 0):
     with http_errors():
-        return SafeJSONResponse(queries.list_alerts(store, run=run, state=state, severity=severity, limit=limit,
-                                                    offset=offset))
+        return SafeJSONResponse(store.list_alerts(run=run, state=state, severity=severity, limit=limit,
+                                                  offset=offset).to_dict())
 
 
 @router.post("/alerts/{alert_id}/ack", response_model=AlertAcked, responses=ERRORS, dependencies=[require_write],
              summary="Acknowledge an alert (idempotent; its lifecycle goes on)")
 def acknowledge(store: StoreDep, alert_id: Annotated[int, Path(ge=1, le=2**62)]):
     with http_errors():
-        return SafeJSONResponse(queries.acknowledge(store, alert_id))
+        return SafeJSONResponse(store.acknowledge_alert(alert_id).to_dict())
 
 
 @router.get("/runs/{run:path}/alerts", response_model=AlertList, responses=ERRORS, dependencies=[require_read],
@@ -39,5 +38,5 @@ def acknowledge(store: StoreDep, alert_id: Annotated[int, Path(ge=1, le=2**62)])
 def run_alerts(store: StoreDep, run: RunPath, state: StateQuery = None, severity: SeverityQuery = None,
                limit: Limit = 100, offset: Offset = 0):
     with http_errors():
-        return SafeJSONResponse(queries.list_alerts(store, run=run, state=state, severity=severity, limit=limit,
-                                                    offset=offset))
+        return SafeJSONResponse(store.list_alerts(run=run, state=state, severity=severity, limit=limit,
+                                                  offset=offset).to_dict())

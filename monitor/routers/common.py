@@ -6,9 +6,9 @@ from typing import Annotated, Any
 
 from fastapi import HTTPException, Path
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import SQLAlchemyError
 
-from fp8mon.monitor.queries import QueryError, json_safe
+from fp8mon.monitor.jsonvalues import json_safe
+from fp8mon.monitor.storage import QueryError, StorageUnavailable
 
 # Run names may contain '/', so the path parameter takes the rest of the path; routes with a suffix
 # (/runs/{run}/series, ...) are registered before the bare /runs/{run}.
@@ -35,8 +35,7 @@ class SafeJSONResponse(JSONResponse):
 def http_errors():
     try:
         yield
+    except StorageUnavailable as exc:
+        raise HTTPException(exc.status, exc.message, headers={"Retry-After": "1"}) from None
     except QueryError as exc:
         raise HTTPException(exc.status, exc.message) from None
-    except SQLAlchemyError as exc:
-        raise HTTPException(503, f"storage unavailable: {type(exc).__name__}; retry",
-                            headers={"Retry-After": "1"}) from None

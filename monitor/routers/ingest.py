@@ -4,11 +4,11 @@ import time
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
-from sqlalchemy.exc import SQLAlchemyError
 
 from fp8mon.monitor.codec import BodyError, inflate, parse_batch
-from fp8mon.monitor.deps import SettingsDep, StoreDep, require_write
-from fp8mon.monitor.schemas import IngestResult
+from fp8mon.monitor.deps import MetricsDep, SettingsDep, StoreDep, require_write
+from fp8mon.monitor.storage import StorageUnavailable
+from fp8mon.monitor.wire import IngestResult
 
 router = APIRouter(tags=["ingest"], dependencies=[require_write])
 
@@ -28,8 +28,7 @@ _BODY_DOC = {
              responses={413: {"description": "body too large"}, 415: {"description": "unsupported encoding"},
                         422: {"description": "invalid batch; the message names the field"},
                         503: {"description": "storage unavailable; retry later"}})
-async def ingest(request: Request, store: StoreDep, settings: SettingsDep) -> IngestResult:
-    metrics = request.app.state.metrics
+async def ingest(request: Request, store: StoreDep, settings: SettingsDep, metrics: MetricsDep) -> IngestResult:
     started = time.perf_counter()
     try:
         result = await _ingest(request, store, settings)
@@ -63,6 +62,6 @@ async def _ingest(request: Request, store: StoreDep, settings: SettingsDep) -> I
         raise HTTPException(exc.status, exc.message) from None
     try:
         return await run_in_threadpool(store.ingest, batch)
-    except SQLAlchemyError as exc:
-        raise HTTPException(503, f"storage unavailable, batch not stored; retry: {type(exc).__name__}",
+    except StorageUnavailable as exc:
+        raise HTTPException(503, f"storage unavailable, batch not stored; retry: {exc.cause_name}",
                             headers={"Retry-After": "1"}) from None

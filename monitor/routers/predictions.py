@@ -4,10 +4,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from fp8mon.monitor.alerting import queries
+from fp8mon.monitor.api_models import PredictionList, PredictionOut
 from fp8mon.monitor.deps import StoreDep, require_read
 from fp8mon.monitor.routers.common import ERRORS, RunPath, SafeJSONResponse, http_errors
-from fp8mon.monitor.schemas import PredictionList, PredictionOut, Step
+from fp8mon.monitor.wire import Step
 
 router = APIRouter(tags=["predictions"], dependencies=[require_read])
 
@@ -18,7 +18,7 @@ router = APIRouter(tags=["predictions"], dependencies=[require_read])
             summary="The run's latest prediction: risk, steps to divergence, signals, culprits")
 def latest(store: StoreDep, run: RunPath):
     with http_errors():
-        return SafeJSONResponse(queries.latest_prediction(store, run))
+        return SafeJSONResponse(store.latest_prediction(run).to_dict())
 
 
 @router.get("/runs/{run:path}/predictions", response_model=PredictionList, responses=ERRORS,
@@ -28,5 +28,5 @@ def predictions(store: StoreDep, run: RunPath,
                 to_step: Annotated[Step | None, Query(description="last step (inclusive)")] = None,
                 limit: Annotated[int, Query(ge=1, le=10000)] = 1000):
     with http_errors():
-        return SafeJSONResponse(queries.list_predictions(store, run, from_step=from_step, to_step=to_step,
-                                                         limit=limit))
+        return SafeJSONResponse(store.list_predictions(run, from_step=from_step, to_step=to_step,
+                                                       limit=limit).to_dict())

@@ -3,12 +3,13 @@
 from datetime import datetime
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query
 
-from fp8mon.monitor import queries
-from fp8mon.monitor.deps import StoreDep, require_read, require_write
+from fp8mon.monitor.api_models import Catalogue, LatestOut, RunDeleted, RunDetail, RunList, RunPatch
+from fp8mon.monitor.deps import PipelineDep, StoreDep, require_read, require_write
 from fp8mon.monitor.routers.common import ERRORS, RunPath, SafeJSONResponse, http_errors
-from fp8mon.monitor.schemas import Catalogue, LatestOut, RunDeleted, RunDetail, RunList, RunPatch, RunStatus
+from fp8mon.monitor.storage.runs import RUN_ORDER_FIELDS
+from fp8mon.monitor.wire import RunStatus
 
 router = APIRouter(tags=["runs"])
 
@@ -24,22 +25,22 @@ def list_runs(
     created_since: Annotated[datetime | None, Query(description="created at or after (ISO 8601; UTC if no "
                                                                 "offset)")] = None,
     updated_since: Annotated[datetime | None, Query(description="data received at or after")] = None,
-    order_by: Annotated[str, Query(description="one of " + ", ".join(queries.RUN_ORDER_FIELDS)
+    order_by: Annotated[str, Query(description="one of " + ", ".join(RUN_ORDER_FIELDS)
                                                + "; prefix - for descending")] = "-created_at",
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     offset: Annotated[int, Query(ge=0, le=2**62)] = 0,  # (the databases' integers are 64-bit)
 ):
     with http_errors():
-        return SafeJSONResponse(queries.list_runs(store, status=status, name=name, tags=tag,
-                                                  created_since=created_since, updated_since=updated_since,
-                                                  order_by=order_by, limit=limit, offset=offset))
+        return SafeJSONResponse(store.list_runs(status=status, name=name, tags=tag, created_since=created_since,
+                                                updated_since=updated_since, order_by=order_by, limit=limit,
+                                                offset=offset).to_dict())
 
 
 @router.get("/runs/{run:path}/catalogue", response_model=Catalogue, responses=ERRORS,
             dependencies=[require_read], summary="Layers, sites, statistics, scalars, ranks and steps of a run")
 def get_catalogue(store: StoreDep, run: RunPath):
     with http_errors():
-        return SafeJSONResponse(queries.catalogue(store, run))
+        return SafeJSONResponse(store.catalogue(run).to_dict())
 
 
 @router.get("/runs/{run:path}/latest", response_model=LatestOut, responses=ERRORS, dependencies=[require_read],
@@ -47,7 +48,7 @@ def get_catalogue(store: StoreDep, run: RunPath):
 def get_latest(store: StoreDep, run: RunPath,
                rank: Annotated[int, Query(ge=-1, le=32767)] = 0):
     with http_errors():
-        return SafeJSONResponse(queries.latest(store, run, rank))
+        return SafeJSONResponse(store.latest(run, rank).to_dict())
 
 
 # The bare /runs/{run} routes come last: {run:path} would otherwise swallow the suffixed routes.
@@ -55,23 +56,22 @@ def get_latest(store: StoreDep, run: RunPath,
             summary="One run")
 def get_run(store: StoreDep, run: RunPath):
     with http_errors():
-        return SafeJSONResponse(queries.get_run(store, run))
+        return SafeJSONResponse(store.get_run(run).to_dict())
 
 
 @router.patch("/runs/{run:path}", response_model=RunDetail, responses=ERRORS, dependencies=[require_write],
               summary="Change a run's status, tags (merged) or config (replaced)")
 def patch_run(store: StoreDep, run: RunPath, body: RunPatch):
     with http_errors():
-        return SafeJSONResponse(queries.patch_run(store, run, status=body.status, tags=body.tags,
-                                                  config=body.config))
+        return SafeJSONResponse(store.patch_run(run, status=body.status, tags=body.tags,
+                                                config=body.config).to_dict())
 
 
 @router.delete("/runs/{run:path}", response_model=RunDeleted, responses=ERRORS, dependencies=[require_write],
                summary="Delete a run and all its data")
-def delete_run(request: Request, store: StoreDep, run: RunPath):
+def delete_run(store: StoreDep, pipeline: PipelineDep, run: RunPath):
     with http_errors():
-        deleted = queries.delete_run(store, run)
-    pipeline = getattr(request.app.state, "pipeline", None)
+        deleted = store.delete_run(run).to_dict()
     if pipeline is not None:  # its predictor, alert state and /metrics series go too
         pipeline.forget_run(run)
     return SafeJSONResponse(deleted)

@@ -1,14 +1,13 @@
-"""GET /api/v1/runs/{run}/series and /heatmap: downsampled reads (monitor.queries)."""
+"""GET /api/v1/runs/{run}/series and /heatmap: downsampled reads (storage.series)."""
 
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
 
 from fp8mon.agent.wire import SITES, TENSOR_STATS
-from fp8mon.monitor import queries
+from fp8mon.monitor.api_models import HeatmapOut, SeriesOut
 from fp8mon.monitor.deps import StoreDep, require_read
 from fp8mon.monitor.routers.common import ERRORS, RunPath, SafeJSONResponse, http_errors
-from fp8mon.monitor.schemas import HeatmapOut, SeriesOut
 
 router = APIRouter(tags=["series"], dependencies=[require_read])
 
@@ -39,8 +38,8 @@ def get_series(
     with its min, max, mean, last and count (never sampling: a one-step spike or NaN shows in its bucket).
     Non-finite values come as the strings "NaN", "Infinity", "-Infinity"."""
     with http_errors():
-        return SafeJSONResponse(queries.series(store, run, stat=stat, layer=layer, site=site, scalar=scalar,
-                                               rank=rank, start=start, end=end, max_points=max_points))
+        return SafeJSONResponse(store.series(run, stat=stat, layer=layer, site=site, scalar=scalar, rank=rank,
+                                             start=start, end=end, max_points=max_points).to_dict())
 
 
 @router.get("/runs/{run:path}/heatmap", response_model=HeatmapOut, responses=ERRORS,
@@ -60,5 +59,5 @@ def get_heatmap(
     (`edges[i]` to `edges[i+1]`); each cell is the bucket's `agg` (a NaN in the bucket makes max, min
     and mean NaN). null: nothing reported there."""
     with http_errors():
-        return SafeJSONResponse(queries.heatmap(store, run, stat=stat, site=site, rank=rank, start=start, end=end,
-                                                max_points=max_points, agg=agg))
+        return SafeJSONResponse(store.heatmap(run, stat=stat, site=site, rank=rank, start=start, end=end,
+                                              max_points=max_points, agg=agg).to_dict())

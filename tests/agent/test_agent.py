@@ -169,7 +169,7 @@ def train(model, agent, data, *, ref=None, micro=1, opt=None, lr=0.05):
 def stored_records(database_url):
     from sqlalchemy import text  # the monitor's deps: only this test needs them
 
-    from fp8mon.monitor.store import Store
+    from fp8mon.monitor.storage import SqlAlchemyStore as Store
 
     store = Store(database_url)
     try:

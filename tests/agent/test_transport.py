@@ -7,7 +7,7 @@ import pytest
 from sqlalchemy import text
 
 from fp8mon.agent.transport import Transport, merge_blocks
-from fp8mon.monitor.store import Store
+from fp8mon.monitor.storage import SqlAlchemyStore as Store
 
 LAYERS = [f"blocks.{i}.mlp.fc1" for i in range(4)]
 

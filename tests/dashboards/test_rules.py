@@ -8,12 +8,11 @@ import subprocess
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.streams import fake_predictor_env, kurtosis_stream
+from tests.integration.streams import FAKE_PREDICTOR, kurtosis_stream
 
 DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards"
 RULES = DASHBOARDS / "rules" / "fp8mon.yml"
@@ -70,11 +69,10 @@ def used_metric_names() -> dict[str, set[str]]:
 
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
-def test_every_metric_used_by_rules_and_grafana_is_exported(server_factory):
+def test_every_metric_used_by_rules_and_grafana_is_exported(app_factory):
     used = used_metric_names()
     assert len(used["rules"]) >= 6 and len(used["grafana"]) >= 10
-    server = server_factory(**fake_predictor_env()).start()
-    with httpx.Client(base_url=server.url, timeout=10) as c:
+    with app_factory(predictor=FAKE_PREDICTOR) as c:
         for body in kurtosis_stream("run-1", range(0, 20), lambda s: 30.0 if s > 5 else 3.0):
             assert c.post("/api/v1/ingest", json=body).status_code == 200
         deadline = time.monotonic() + 20

@@ -20,10 +20,14 @@ def kurtosis_stream(run: str, steps: range, kurtosis, per_batch: int = 10, loss=
         }
 
 
+FAKE_PREDICTOR = "tests.integration.fake_predictor:ThresholdPredictor"
+
+
 def fake_predictor_env() -> dict:
+    """The environment of a server process that runs the fake predictor."""
     import os
     from pathlib import Path
 
     root = str(Path(__file__).resolve().parents[2])
-    return {"FP8MON_PREDICTOR": "tests.integration.fake_predictor:ThresholdPredictor",
+    return {"FP8MON_PREDICTOR": FAKE_PREDICTOR,
             "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}

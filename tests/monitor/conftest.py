@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from fp8mon.monitor.schemas import IngestBatch
+from fp8mon.monitor.wire import IngestBatch
 
 
 def _value(x):

@@ -205,13 +205,11 @@ def test_severity_is_validated_by_the_contract():
         f(severity="fatal")
 
 
-# -- REST: a real server on both databases ------------------------------------------------------------
+# -- REST: the application in process on both databases --------------------------------------------------------
 
 import time  # noqa: E402
 
-import httpx  # noqa: E402
-
-from tests.integration.streams import fake_predictor_env, kurtosis_stream  # noqa: E402
+from tests.integration.streams import FAKE_PREDICTOR, kurtosis_stream  # noqa: E402
 
 
 def wait_json(client, url, predicate, timeout=20.0):
@@ -225,11 +223,11 @@ def wait_json(client, url, predicate, timeout=20.0):
         time.sleep(0.05)
 
 
-def test_alert_and_prediction_api(server_factory):
-    server = server_factory(FP8MON_WRITE_TOKENS='["w"]', FP8MON_READ_TOKENS='["r"]', **fake_predictor_env()).start()
+def test_alert_and_prediction_api(app_factory):
     read = {"Authorization": "Bearer r"}
     write = {"Authorization": "Bearer w"}
-    with httpx.Client(base_url=server.url, timeout=10, headers=read) as c:
+    with app_factory(write_tokens=["w"], read_tokens=["r"], predictor=FAKE_PREDICTOR) as c:
+        c.headers.update(read)
         # run a/b: kurtosis warning from step 10 (fires at 15), then a NaN loss at step 30 (critical at once)
         for body in kurtosis_stream("a/b", range(0, 40), lambda s: 30.0 if s >= 10 else 3.0,
                                     loss=lambda s: float("nan") if s == 30 else 2.0):
@@ -302,7 +300,7 @@ def test_alert_and_prediction_api(server_factory):
         assert c.get("/api/v1/alerts").json()["total"] == 0
 
 
-def test_escalated_step_is_listed_and_survives_a_restart(server_factory):
+def test_escalated_step_is_listed_and_survives_a_restart(app_factory):
     # kurtosis 30 (warning) from step 10, fires at 15; 80 (critical) from step 25: an escalation at 25
     def kurtosis(step):
         return 80.0 if step >= 25 else 30.0 if step >= 10 else 3.0
@@ -312,18 +310,16 @@ def test_escalated_step_is_listed_and_survives_a_restart(server_factory):
     def only_alert_at(last_step):
         return lambda b: b["total"] == 1 and b["alerts"][0]["last_step"] == last_step
 
-    server = server_factory(**fake_predictor_env()).start()
-    with httpx.Client(base_url=server.url, timeout=10) as c:
+    with app_factory(predictor=FAKE_PREDICTOR) as c:
         for body in kurtosis_stream("esc", range(0, 40), kurtosis):
             assert c.post("/api/v1/ingest", json=body).status_code == 200
         (a,) = wait_json(c, url, only_alert_at(39))["alerts"]
     assert (a["rule"], a["state"], a["severity"]) == ("kurtosis_growth", "firing", "critical")
     assert (a["first_step"], a["fired_step"], a["escalated_step"]) == (10, 15, 25)
-    server.stop()
 
-    # a new server process reads the alert back from the database and keeps its escalated_step
-    server = server_factory(**fake_predictor_env()).start()
-    with httpx.Client(base_url=server.url, timeout=10) as c:
+    # a restarted server (a new application, its lifespan over) reads the alert back from the database and
+    # keeps its escalated_step
+    with app_factory(predictor=FAKE_PREDICTOR) as c:
         for body in kurtosis_stream("esc", range(40, 60), kurtosis):
             assert c.post("/api/v1/ingest", json=body).status_code == 200
         (a,) = wait_json(c, url, only_alert_at(59))["alerts"]

@@ -15,7 +15,7 @@ from sqlalchemy import text
 
 from fp8mon.agent.wire import SITES
 from fp8mon.monitor.localserver import free_port
-from fp8mon.monitor.store import Store
+from fp8mon.monitor.storage import SqlAlchemyStore as Store
 
 # A smaller model than the demo's default, so the test trains in seconds on two cores.
 SMALL = ["--", "--n-layer", "2", "--d-model", "64", "--n-head", "2", "--d-ff", "128", "--seq-len", "32",

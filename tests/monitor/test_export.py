@@ -5,8 +5,8 @@ import math
 
 from fp8mon.agent.wire import LOG2_HIST_BINS, TENSOR_STATS
 from fp8mon.monitor.export import export_run
-from fp8mon.monitor.queries import fetch, reading
-from fp8mon.monitor.schemas import IngestBatch
+from fp8mon.monitor.storage.database import fetch
+from fp8mon.monitor.wire import IngestBatch
 
 NAN = float("nan")
 
@@ -35,7 +35,7 @@ def _batches():
 
 
 def _snapshot(store, run):
-    with reading(store) as conn:
+    with store.db.reading() as conn:
         meta = fetch(conn, "SELECT status, config, tags FROM runs WHERE name = :run", {"run": run})
         cols = ", ".join(f"t.{c}" for c in (*TENSOR_STATS, "log2_hist"))
         tensors = fetch(conn, f"SELECT s.layer, s.site, s.ordinal, t.rank, t.step, {cols} FROM tensor_stats t JOIN "

@@ -1,15 +1,14 @@
-"""Ingest through a real server: formats, idempotency, validation, NaN handling, limits."""
+"""Ingest through the HTTP API (in process): formats, idempotency, validation, NaN handling, limits."""
 
 import gzip
 import json
 import math
 
-import httpx
 import msgpack
 import pytest
 from sqlalchemy import text
 
-from fp8mon.monitor.store import Store
+from fp8mon.monitor.storage import SqlAlchemyStore as Store
 
 
 def batch(batch_id="b1", run="run-a", steps=(1, 2), layers=("blocks.0.attn.qkv", "blocks.0.mlp.fc1"), **extra):
@@ -30,14 +29,14 @@ def batch(batch_id="b1", run="run-a", steps=(1, 2), layers=("blocks.0.attn.qkv",
     return body
 
 
-def post(server, body, *, fmt="msgpack", gzipped=False, headers=None):
+def post(client, body, *, fmt="msgpack", gzipped=False, headers=None):
     data = msgpack.packb(body) if fmt == "msgpack" else json.dumps(body).encode()
     hdrs = {"content-type": f"application/{fmt}"}
     if gzipped:
         data = gzip.compress(data)
         hdrs["content-encoding"] = "gzip"
     hdrs.update(headers or {})
-    return httpx.post(f"{server.url}/api/v1/ingest", content=data, headers=hdrs, timeout=10)
+    return client.post("/api/v1/ingest", content=data, headers=hdrs)
 
 
 def rows(url, sql):
@@ -50,48 +49,48 @@ def rows(url, sql):
 
 
 @pytest.mark.parametrize("fmt,gzipped", [("msgpack", False), ("msgpack", True), ("json", False), ("json", True)])
-def test_batch_is_stored_in_every_encoding(live_server, fmt, gzipped):
-    r = post(live_server, batch(), fmt=fmt, gzipped=gzipped)
+def test_batch_is_stored_in_every_encoding(client, database_url, fmt, gzipped):
+    r = post(client, batch(), fmt=fmt, gzipped=gzipped)
     assert r.status_code == 200, r.text
     assert r.json()["tensor_records"] == 4 and r.json()["scalar_records"] == 2 and not r.json()["duplicate"]
-    stored = rows(live_server.database_url, "select step, amax from tensor_stats order by step, amax")
+    stored = rows(database_url, "select step, amax from tensor_stats order by step, amax")
     assert [(s, float(a)) for s, a in stored] == [(1, 1.0), (1, 2.0), (2, 3.0), (2, 4.0)]
 
 
-def test_retried_batch_is_stored_once(live_server):
-    first = post(live_server, batch())
-    again = post(live_server, batch())
+def test_retried_batch_is_stored_once(client, database_url):
+    first = post(client, batch())
+    again = post(client, batch())
     assert first.json()["duplicate"] is False and again.json()["duplicate"] is True
-    assert rows(live_server.database_url, "select count(*) from tensor_stats")[0][0] == 4
-    assert rows(live_server.database_url, "select count(*) from scalars")[0][0] == 2
+    assert rows(database_url, "select count(*) from tensor_stats")[0][0] == 4
+    assert rows(database_url, "select count(*) from scalars")[0][0] == 2
 
 
-def test_same_step_from_a_new_batch_replaces_the_earlier_values(live_server):
-    post(live_server, batch("b1"))
+def test_same_step_from_a_new_batch_replaces_the_earlier_values(client, database_url):
+    post(client, batch("b1"))
     body = batch("b2", steps=(2,))
     body["tensors"]["stats"]["amax"] = [40.0, 50.0]
-    assert post(live_server, body).status_code == 200
-    assert [float(v) for (v,) in rows(live_server.database_url,
-                                      "select amax from tensor_stats where step = 2 order by series_id")] == [40.0, 50.0]
+    assert post(client, body).status_code == 200
+    stored = rows(database_url, "select amax from tensor_stats where step = 2 order by series_id")
+    assert [float(v) for (v,) in stored] == [40.0, 50.0]
 
 
-def test_nan_and_inf_are_stored_as_values_and_null_as_missing(live_server):
+def test_nan_and_inf_are_stored_as_values_and_null_as_missing(client, database_url):
     body = batch(steps=(1,))
     body["tensors"]["stats"] = {"amax": [float("nan"), float("inf")], "kurtosis": [None, float("-inf")]}
     body["scalars"]["value"] = [float("nan")]
-    assert post(live_server, body).status_code == 200
-    amax, kurt = zip(*rows(live_server.database_url, "select amax, kurtosis from tensor_stats order by series_id"))
+    assert post(client, body).status_code == 200
+    amax, kurt = zip(*rows(database_url, "select amax, kurtosis from tensor_stats order by series_id"))
     assert math.isnan(float(amax[0])) and float(amax[1]) == math.inf
     assert kurt[0] is None and float(kurt[1]) == -math.inf
-    assert math.isnan(float(rows(live_server.database_url, "select value from scalars")[0][0]))
+    assert math.isnan(float(rows(database_url, "select value from scalars")[0][0]))
 
 
-def test_json_accepts_nan_as_string(live_server):
+def test_json_accepts_nan_as_string(client, database_url):
     body = batch(steps=(1,))
     body["tensors"]["stats"] = {"amax": ["NaN", "Infinity"]}
-    r = post(live_server, body, fmt="json")
+    r = post(client, body, fmt="json")
     assert r.status_code == 200, r.text
-    (a0,), (a1,) = rows(live_server.database_url, "select amax from tensor_stats order by series_id")
+    (a0,), (a1,) = rows(database_url, "select amax from tensor_stats order by series_id")
     assert math.isnan(float(a0)) and float(a1) == math.inf
 
 
@@ -105,15 +104,15 @@ def test_json_accepts_nan_as_string(live_server):
     (lambda b: b["scalars"].update(value=["x"]), "scalars.value.0"),
     (lambda b: b.pop("batch_id"), "batch_id"),
 ])
-def test_invalid_batch_is_rejected_naming_the_field_and_nothing_is_stored(live_server, mutate, field):
+def test_invalid_batch_is_rejected_naming_the_field_and_nothing_is_stored(client, database_url, mutate, field):
     body = batch(steps=(1,))
     mutate(body)
-    r = post(live_server, body)
+    r = post(client, body)
     assert r.status_code == 422
     assert field in r.json()["detail"]
-    assert rows(live_server.database_url, "select count(*) from tensor_stats")[0][0] == 0
+    assert rows(database_url, "select count(*) from tensor_stats")[0][0] == 0
     # and the same batch id still goes through once corrected
-    assert post(live_server, batch(steps=(1,))).json()["duplicate"] is False
+    assert post(client, batch(steps=(1,))).json()["duplicate"] is False
 
 
 @pytest.mark.parametrize("data,headers,status", [
@@ -123,28 +122,28 @@ def test_invalid_batch_is_rejected_naming_the_field_and_nothing_is_stored(live_s
     (b"not gzip", {"content-type": "application/json", "content-encoding": "gzip"}, 400),
     (b"x", {"content-type": "application/json", "content-encoding": "br"}, 415),
 ])
-def test_malformed_bodies_get_clear_4xx(live_server, data, headers, status):
-    r = httpx.post(f"{live_server.url}/api/v1/ingest", content=data, headers=headers)
+def test_malformed_bodies_get_clear_4xx(client, database_url, data, headers, status):
+    r = client.post("/api/v1/ingest", content=data, headers=headers)
     assert r.status_code == status
     assert r.json()["detail"]
 
 
-def test_request_size_is_bounded_before_and_after_gzip(server_factory):
-    server = server_factory(FP8MON_MAX_REQUEST_BYTES=4096).start()
-    big = batch(steps=tuple(range(100)))
-    assert post(server, big).status_code == 413
-    # a small gzip body that inflates past the limit (a "zip bomb") is refused too
-    bomb = gzip.compress(json.dumps(batch(steps=(1,))).encode() + b" " * 100_000)
-    r = httpx.post(f"{server.url}/api/v1/ingest", content=bomb,
-                   headers={"content-type": "application/json", "content-encoding": "gzip"})
+def test_request_size_is_bounded_before_and_after_gzip(app_factory):
+    with app_factory(max_request_bytes=4096) as client:
+        big = batch(steps=tuple(range(100)))
+        assert post(client, big).status_code == 413
+        # a small gzip body that inflates past the limit (a "zip bomb") is refused too
+        bomb = gzip.compress(json.dumps(batch(steps=(1,))).encode() + b" " * 100_000)
+        r = client.post("/api/v1/ingest", content=bomb,
+                        headers={"content-type": "application/json", "content-encoding": "gzip"})
     assert len(bomb) < 4096 and r.status_code == 413
 
 
-def test_tokens_gate_ingest(server_factory):
-    server = server_factory(FP8MON_WRITE_TOKENS='["w-secret"]', FP8MON_READ_TOKENS='["r-secret"]').start()
-    assert post(server, batch()).status_code == 401
-    assert post(server, batch(), headers={"authorization": "Bearer r-secret"}).status_code == 403
-    assert post(server, batch(), headers={"authorization": "Bearer w-secret"}).status_code == 200
+def test_tokens_gate_ingest(app_factory):
+    with app_factory(write_tokens=["w-secret"], read_tokens=["r-secret"]) as client:
+        assert post(client, batch()).status_code == 401
+        assert post(client, batch(), headers={"authorization": "Bearer r-secret"}).status_code == 403
+        assert post(client, batch(), headers={"authorization": "Bearer w-secret"}).status_code == 200
 
 
 def test_server_refuses_unmigrated_database(tmp_path):

@@ -14,8 +14,10 @@ from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
 from fp8mon.agent.wire import LOG2_HIST_BINS
-from fp8mon.monitor.schemas import IngestBatch
-from fp8mon.monitor.store import Store, _Job
+from fp8mon.monitor.storage import SqlAlchemyStore as Store
+from fp8mon.monitor.storage import StorageUnavailable
+from fp8mon.monitor.storage.ingest import _Job
+from fp8mon.monitor.wire import IngestBatch
 
 SITES = ("input", "weight", "output", "grad_output", "grad_weight")
 LAYERS = tuple(f"blocks.{i}.mlp.fc1" for i in range(8))
@@ -175,14 +177,14 @@ def test_gaps_nan_inf_and_histograms_round_trip_exactly(store, database_url):
 
 def fail_batch(store, monkeypatch, batch_id):
     """Make the store's write of the batch `batch_id` raise, inside whatever transaction it is part of."""
-    original = store._write_batch
+    original = store._writer._write_batch
 
     def write_batch(conn, batch, *args):
         if batch.batch_id == batch_id:
             raise RuntimeError("boom")
         return original(conn, batch, *args)
 
-    monkeypatch.setattr(store, "_write_batch", write_batch)
+    monkeypatch.setattr(store._writer, "_write_batch", write_batch)
 
 
 def test_a_failing_batch_fails_alone_when_batches_share_a_commit(store, database_url, monkeypatch):
@@ -200,15 +202,15 @@ def test_a_failing_batch_fails_alone_when_batches_share_a_commit(store, database
             outcomes[batch_id] = exc
 
     threads = [threading.Thread(target=ingest, args=(i,)) for i in ids]
-    with store._write_lock:  # hold the writer so that all four queue up for one group
+    with store.db.write_lock:  # hold the writer so that all four queue up for one group
         for t in threads:
             t.start()
         if store.dialect == "sqlite":
             for _ in range(500):
-                if len(store._queue) == len(ids):
+                if len(store._writer._queue) == len(ids):
                     break
                 time.sleep(0.01)
-            assert len(store._queue) == len(ids)
+            assert len(store._writer._queue) == len(ids)
     for t in threads:
         t.join(30)
     assert isinstance(outcomes["bad"], RuntimeError)
@@ -228,7 +230,7 @@ def test_a_thread_whose_group_failed_without_its_batch_writes_its_batch_before_i
     fail_batch(store, monkeypatch, "bad")
     # another thread's batch, queued first, whose thread has not got the writer yet
     waiting = _Job(IngestBatch.model_validate(tensor_batch("bad", "run-q", 0, [1], layers=LAYERS[:1])))
-    store._queue.append(waiting)
+    store._writer._queue.append(waiting)
     result = store.ingest(IngestBatch.model_validate(tensor_batch("mine", "run-q", 1, [1], layers=LAYERS[:1])))
     assert result is not None and result.batch_id == "mine" and not result.duplicate
     assert waiting.done and isinstance(waiting.error, RuntimeError)
@@ -244,7 +246,7 @@ def test_a_storage_error_reaches_the_caller_and_the_batch_can_be_retried(store, 
         raise OperationalError("BEGIN", None, Exception("disk I/O error"))
 
     monkeypatch.setattr(store.engine, "begin", unavailable)
-    with pytest.raises(OperationalError):
+    with pytest.raises(StorageUnavailable, match="OperationalError"):
         store.ingest(body)
     monkeypatch.undo()
     assert not store.ingest(body).duplicate

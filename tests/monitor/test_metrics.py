@@ -1,4 +1,4 @@
-"""GET /metrics from a real server: names and units, bounded labels, counters that follow ingest, per-run
+"""GET /metrics of the application: names and units, bounded labels, counters that follow ingest, per-run
 gauges from the predictor, and runs leaving the exposition (bound, end of run, deletion)."""
 
 import re
@@ -6,12 +6,11 @@ import shutil
 import subprocess
 import time
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fp8mon.monitor.metrics import Metrics
-from tests.integration.streams import fake_predictor_env, kurtosis_stream
+from tests.integration.streams import FAKE_PREDICTOR, kurtosis_stream
 
 
 def scrape(client) -> dict[tuple[str, tuple], float]:
@@ -41,10 +40,8 @@ def wait_until(fn, timeout=20.0):
     return result
 
 
-def test_metrics_follow_ingest_predictions_and_run_lifetimes(server_factory):
-    server = server_factory(FP8MON_METRICS_MAX_RUNS="2", FP8MON_METRICS_RUN_GRACE_SECONDS="1",
-                            **fake_predictor_env()).start()
-    with httpx.Client(base_url=server.url, timeout=10) as c:
+def test_metrics_follow_ingest_predictions_and_run_lifetimes(app_factory):
+    with app_factory(metrics_max_runs=2, metrics_run_grace_seconds=1, predictor=FAKE_PREDICTOR) as c:
         before = scrape(c)
         assert value(before, "fp8mon_ingest_batches_total") == 0
         assert value(before, "fp8mon_predictor_queue_depth") == 0

@@ -8,11 +8,18 @@ import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect, insert, select, text
+from sqlalchemy import insert, inspect, select, text
 
-from fp8mon.monitor.db import create_db_engine
-from fp8mon.monitor.migrate import SchemaError, alembic_config, check_schema, current_revision, head_revision, upgrade
+from fp8mon.monitor.migrate import (
+    SchemaError,
+    alembic_config,
+    check_schema,
+    current_revision,
+    head_revision,
+    upgrade,
+)
 from fp8mon.monitor.models import Alert, Base, Run
+from fp8mon.monitor.storage.engine import create_db_engine
 
 
 def test_migrated_schema_matches_the_models(database_url):

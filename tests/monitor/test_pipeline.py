@@ -7,13 +7,12 @@ import time
 import pytest
 from sqlalchemy import select
 
-from fp8mon.monitor import queries
-from fp8mon.monitor.alerting import queries as alert_queries
 from fp8mon.monitor.assessment import RESOLVE_AFTER_STEPS, Assessment, Finding
+from fp8mon.monitor.gauges import batch_gauges
 from fp8mon.monitor.metrics import Metrics
 from fp8mon.monitor.models import Alert, Prediction
-from fp8mon.monitor.pipeline import Pipeline, batch_gauges
-from fp8mon.monitor.schemas import IngestBatch
+from fp8mon.monitor.pipeline import Pipeline
+from fp8mon.monitor.wire import IngestBatch
 
 
 class Scripted:
@@ -82,7 +81,7 @@ def kurtosis_after(start, severity="warning", for_steps=20, until=None):
 
 
 def alert_rows(store):
-    with queries.reading(store) as conn:
+    with store.db.reading() as conn:
         return conn.execute(select(Alert).order_by(Alert.id)).all()
 
 
@@ -103,6 +102,32 @@ def test_alert_fires_resolves_and_is_stored_once(store, make_pipeline):
     assert (row.state, row.last_step, row.resolved_step) == ("resolved", 199, 199 + RESOLVE_AFTER_STEPS)
     assert row.resolved_at is not None
     assert p.metrics.runs.snapshot()["run-a"].firing["warning"] == 0
+
+
+class Collect:
+    """A notifier that keeps the events it is handed."""
+
+    def __init__(self):
+        self.events = []
+
+    def notify(self, event):
+        self.events.append((event.kind, event.step, event.alert.severity))
+
+
+def test_the_notifier_hears_fired_escalated_and_resolved_once_each(store, make_pipeline):
+    def script(step):
+        if 10 <= step < 40:
+            severity = "critical" if step >= 30 else "warning"
+            return [Finding(rule="amax_saturation", severity=severity, step=step, message=severity, for_steps=5)]
+        return []
+
+    notifier = Collect()
+    p = make_pipeline(script=script, notifier=notifier)
+    feed(store, "run-n", 0, 40 + RESOLVE_AFTER_STEPS + 10)
+    assert p.flush()
+    # pending (step 10) and the steps it held are not news; the resolution comes RESOLVE_AFTER_STEPS after step 39
+    assert notifier.events == [("fired", 15, "warning"), ("escalated", 30, "critical"),
+                               ("resolved", 39 + RESOLVE_AFTER_STEPS, "critical")]
 
 
 def test_pending_alert_that_disappears_leaves_no_row(store, make_pipeline):
@@ -130,12 +155,12 @@ def test_predictions_are_decimated_but_latest_is_current(store, make_pipeline):
     p = make_pipeline(every_steps=10, risk_delta=0.05)
     feed(store, "run-d", 0, 95, per_batch=7)
     assert p.flush()
-    with queries.reading(store) as conn:
+    with store.db.reading() as conn:
         steps = conn.execute(select(Prediction.step).order_by(Prediction.step)).scalars().all()
     # every 10th step, and the last step of each 7-step batch (risk moves 0.001 per step: never by 0.05)
     expected = sorted({s for s in range(95) if s % 10 == 0} | {min(94, b + 6) for b in range(0, 95, 7)})
     assert steps == expected
-    latest = alert_queries.latest_prediction(store, "run-d")
+    latest = store.latest_prediction("run-d").to_dict()
     assert latest["step"] == 94 and latest["risk"] == pytest.approx(0.094)
     assert latest["signals"] == {"kurtosis": pytest.approx(9.4), "bad": "NaN"}  # NaN stored as JSON-safe text
     assert latest["culprits"][0]["layer"] == "blocks.0.attn.qkv"
@@ -207,7 +232,7 @@ def test_deleted_run_loses_its_state_and_series(store, make_pipeline):
     assert "run-i" in p.metrics.runs.snapshot()
     gate.clear()
     feed(store, "run-i", 20, 40)  # queued behind the gate
-    queries.delete_run(store, "run-i")
+    store.delete_run("run-i").to_dict()
     p.forget_run("run-i")
     assert "run-i" not in p.metrics.runs.snapshot()
     gate.set()
@@ -230,7 +255,7 @@ def test_a_failing_predictor_is_counted_and_the_pipeline_goes_on(store, make_pip
     feed(store, "run-j", 0, 30)
     assert p.flush()
     assert p.metrics.predictor_errors._value.get() == 1
-    assert alert_queries.latest_prediction(store, "run-j")["step"] == 29
+    assert store.latest_prediction("run-j").to_dict()["step"] == 29
 
 
 def test_final_status_ends_the_run_series_after_grace(store, make_pipeline):

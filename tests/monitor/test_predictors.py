@@ -11,7 +11,7 @@ from fp8mon.monitor.alerting.lifecycle import ESCALATED, FIRED, AlertTracker
 from fp8mon.monitor.fixtures import EARLY_BEFORE, fixture_paths, load_fixture
 from fp8mon.monitor.predictors import PredictorParams, RunPredictor, divergence_step
 from fp8mon.monitor.predictors.divergence import MARGIN, M
-from fp8mon.monitor.schemas import IngestBatch
+from fp8mon.monitor.wire import IngestBatch
 
 LAYERS = [f"blocks.{i}.{m}" for i in range(4) for m in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")]
 SITES = ("input", "weight", "output", "grad_output", "grad_weight")

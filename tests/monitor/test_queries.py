@@ -1,5 +1,5 @@
-"""Series, heatmap, latest, catalogue and run queries (monitor.queries) on SQLite and PostgreSQL, exact against
-brute-force references computed from the raw data, before, during and after compaction."""
+"""Series, heatmap, latest, catalogue and run queries (storage.runs, storage.series) on SQLite and PostgreSQL,
+exact against brute-force references computed from the raw data, before, during and after compaction."""
 
 import math
 import random
@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from sqlalchemy import text
 
-from fp8mon.monitor import queries, rollup
 from fp8mon.monitor.models import ROLLUP_WIDTHS
-from fp8mon.monitor.queries import BadParameter, NotFound, decompose, plan_buckets
+from fp8mon.monitor.storage import BadParameter, NotFound
+from fp8mon.monitor.storage import series as series_queries
+from fp8mon.monitor.storage.series import decompose, plan_buckets
 
 LAYERS = ["blocks.2.mlp", "blocks.0.attn", "blocks.1.attn"]  # model order is not alphabetical
 
@@ -99,7 +100,7 @@ def loaded(store, kit):
 def compaction_states(store, kit, raw):
     """Yields after each state of the pyramid: none, compacted, a late batch (dirty), recompacted."""
     yield "raw"
-    rollup.compact(store)
+    store.compact()
     yield "compacted"
     late = np.full((30, len(LAYERS)), 512.0)
     kit.ingest(store, "r", steps=range(1000, 1030), layers=LAYERS, values={"amax": late}, batch_prefix="late")
@@ -107,7 +108,7 @@ def compaction_states(store, kit, raw):
         for s in range(1000, 1030):
             raw[("amax", layer)][s] = 512.0
     yield "dirty"
-    rollup.compact(store)
+    store.compact()
     yield "recompacted"
 
 
@@ -144,23 +145,23 @@ def test_series_is_exact_in_every_compaction_state(store, kit, loaded):
             lo = 0 if start is None else start
             hi = 3999 if end is None else end
             for layer in LAYERS[:2]:
-                out = queries.series(store, "r", stat="amax", layer=layer, site="input", start=start, end=end,
-                                     max_points=max_points)
+                out = store.series("r", stat="amax", layer=layer, site="input", start=start, end=end,
+                                     max_points=max_points).to_dict()
                 assert (out["start"], out["end"]) == (lo, hi)
                 check_series(kit, out, loaded[("amax", layer)], lo, hi)
-            out = queries.series(store, "r", scalar="loss", start=start, end=end, max_points=max_points)
+            out = store.series("r", scalar="loss", start=start, end=end, max_points=max_points).to_dict()
             check_series(kit, out, loaded[("loss", None)], lo, hi)
 
 
 @pytest.mark.parametrize("budget", [None, 0], ids=["finest", "direct"])
 def test_heatmap_is_exact_in_every_compaction_state(store, kit, loaded, monkeypatch, budget):
     if budget is not None:
-        monkeypatch.setattr(queries, "SCAN_BUDGET", budget)
+        monkeypatch.setattr(series_queries, "SCAN_BUDGET", budget)
     for state in compaction_states(store, kit, loaded):
         for start, end, max_points in RANGES[:6]:
             for agg in ("max", "min", "mean", "last"):
-                out = queries.heatmap(store, "r", stat="amax", site="input", start=start, end=end,
-                                      max_points=max_points, agg=agg)
+                out = store.heatmap("r", stat="amax", site="input", start=start, end=end,
+                                      max_points=max_points, agg=agg).to_dict()
                 assert out["layers"] == LAYERS
                 edges = out["edges"]
                 assert len(edges) - 1 <= max_points and all(len(row) == len(edges) - 1 for row in out["values"])
@@ -173,15 +174,15 @@ def test_heatmap_is_exact_in_every_compaction_state(store, kit, loaded, monkeypa
 
 
 def test_heatmap_of_another_site_and_statistic(store, kit, loaded):
-    rollup.compact(store)
-    out = queries.heatmap(store, "r", stat="kurtosis", site="input", max_points=10, agg="mean")
+    store.compact()
+    out = store.heatmap("r", stat="kurtosis", site="input", max_points=10, agg="mean").to_dict()
     for j, layer in enumerate(LAYERS):
         raw = loaded[("kurtosis", layer)]
         for c, (a, b) in enumerate(zip(out["edges"], out["edges"][1:])):
             assert kit.same(out["values"][j][c], kit.bucket([(s, raw[s]) for s in range(a, b)])["mean"])
-    weight = queries.heatmap(store, "r", stat="amax", site="weight", max_points=10, agg="max")
+    weight = store.heatmap("r", stat="amax", site="weight", max_points=10, agg="max").to_dict()
     assert weight["layers"] == LAYERS
-    empty = queries.heatmap(store, "r", stat="amax", site="grad_output")
+    empty = store.heatmap("r", stat="amax", site="grad_output").to_dict()
     assert empty["layers"] == [] and empty["values"] == []
 
 
@@ -192,12 +193,12 @@ def test_a_spike_and_a_nan_survive_every_zoom_level(store, kit):
     vals[spike, 0] = 1e6
     vals[nan_at, 0] = math.nan
     kit.ingest(store, "s", steps=range(n), layers=["l"], values={"amax": vals}, batch_steps=25_000)
-    rollup.compact(store)
+    store.compact()
     levels_used = set()
     for max_points in (6250, 1563, 1000, 391, 98, 25, 7, 3, 1):
         plan = plan_buckets(0, n - 1, max_points)
         levels_used.add(plan.level)
-        out = queries.series(store, "s", stat="amax", layer="l", site="input", max_points=max_points)
+        out = store.series("s", stat="amax", layer="l", site="input", max_points=max_points).to_dict()
         points = out["points"]
         assert len(points["step"]) <= max_points and out["bucket_width"] == plan.width
         spike_col = max(i for i, s in enumerate(points["step"]) if s <= spike)
@@ -207,7 +208,7 @@ def test_a_spike_and_a_nan_survive_every_zoom_level(store, kit):
         assert points["max"][nan_col] == "NaN" and points["min"][nan_col] == "NaN"
         assert points["mean"][nan_col] == "NaN"
         assert all(points["max"][i] == 1.0 for i in range(len(points["step"])) if i not in (spike_col, nan_col))
-        heat = queries.heatmap(store, "s", stat="amax", site="input", max_points=max_points)
+        heat = store.heatmap("s", stat="amax", site="input", max_points=max_points).to_dict()
         row = heat["values"][0]
         assert row.count("NaN") == 1 and (row.count(1e6) == 1 or spike_col == nan_col)
     assert levels_used >= set(ROLLUP_WIDTHS)
@@ -216,7 +217,7 @@ def test_a_spike_and_a_nan_survive_every_zoom_level(store, kit):
 def test_latest_and_catalogue(store, kit, loaded):
     kit.ingest(store, "r", steps=[4100], layers=LAYERS[:1], values={"amax": [[7.5]], "nonfinite": [[math.inf]]},
                rank=1)
-    latest = queries.latest(store, "r")
+    latest = store.latest("r").to_dict()
     assert [(s["layer"], s["site"]) for s in latest["series"]] == [(layer, site) for site in ("input", "weight")
                                                                     for layer in LAYERS]
     first = latest["series"][0]
@@ -224,11 +225,11 @@ def test_latest_and_catalogue(store, kit, loaded):
     assert kit.same(first["values"]["amax"], loaded[("amax", LAYERS[0])][3999])
     assert first["values"]["numel"] is None
     assert latest["scalars"][0]["name"] == "loss" and latest["scalars"][0]["step"] == 3999
-    rank1 = queries.latest(store, "r", rank=1)
+    rank1 = store.latest("r", rank=1).to_dict()
     assert rank1["series"] == [{"layer": LAYERS[0], "site": "input", "step": 4100,
                                 "values": {**{s: None for s in rank1["stats"]}, "amax": 7.5,
                                            "nonfinite": "Infinity"}}]
-    cat = queries.catalogue(store, "r")
+    cat = store.catalogue("r").to_dict()
     assert [entry["layer"] for entry in cat["layers"]] == LAYERS
     assert all(entry["sites"] == ["input", "weight"] for entry in cat["layers"])
     assert cat["sites"] == ["input", "weight"] and cat["scalars"] == ["loss"] and cat["ranks"] == [0, 1]
@@ -237,19 +238,19 @@ def test_latest_and_catalogue(store, kit, loaded):
 
 def test_unknown_things_and_bad_parameters(store, kit, loaded):
     with pytest.raises(NotFound, match="run 'nope' not found"):
-        queries.series(store, "nope", scalar="loss")
+        store.series("nope", scalar="loss").to_dict()
     with pytest.raises(NotFound, match="no series for layer 'x'"):
-        queries.series(store, "r", stat="amax", layer="x", site="input")
+        store.series("r", stat="amax", layer="x", site="input").to_dict()
     with pytest.raises(NotFound, match="no scalar 'lr'"):
-        queries.series(store, "r", scalar="lr")
+        store.series("r", scalar="lr").to_dict()
     with pytest.raises(BadParameter, match="^layer: required"):
-        queries.series(store, "r", stat="amax", site="input")
+        store.series("r", stat="amax", site="input").to_dict()
     with pytest.raises(BadParameter, match="^scalar: give either"):
-        queries.series(store, "r", scalar="loss", stat="amax")
+        store.series("r", scalar="loss", stat="amax").to_dict()
     with pytest.raises(BadParameter, match=r"start \(9\) must be <= end \(3\)"):
-        queries.heatmap(store, "r", stat="amax", site="input", start=9, end=3)
+        store.heatmap("r", stat="amax", site="input", start=9, end=3).to_dict()
     # a range past the data is empty, not an error
-    out = queries.series(store, "r", scalar="loss", start=10**6, end=10**6 + 10**5)
+    out = store.series("r", scalar="loss", start=10**6, end=10**6 + 10**5).to_dict()
     assert out["points"]["step"] == []
 
 
@@ -258,11 +259,11 @@ def test_run_listing_filters_and_pages(store, kit):
         meta = {"tags": {"team": "a" if i % 2 else "b", "seq": str(i)}, "status": "finished" if i < 3 else "running"}
         kit.ingest(store, f"exp/{i}-{'big' if i > 4 else 'small'}", steps=[i], layers=["l"], values={"amax": [[1.0]]},
                    run_meta=meta)
-    page = queries.list_runs(store, order_by="name", limit=3, offset=0)
+    page = store.list_runs(order_by="name", limit=3, offset=0).to_dict()
     assert page["total"] == 7 and [r["name"] for r in page["runs"]] == ["exp/0-small", "exp/1-small", "exp/2-small"]
-    page2 = queries.list_runs(store, order_by="name", limit=3, offset=6)
+    page2 = store.list_runs(order_by="name", limit=3, offset=6).to_dict()
     assert [r["name"] for r in page2["runs"]] == ["exp/6-big"]
-    names = lambda **kw: [r["name"] for r in queries.list_runs(store, order_by="name", **kw)["runs"]]  # noqa: E731
+    names = lambda **kw: [r["name"] for r in store.list_runs(order_by="name", **kw).to_dict()["runs"]]  # noqa: E731
     assert names(status=["finished"]) == ["exp/0-small", "exp/1-small", "exp/2-small"]
     assert names(name="BIG") == ["exp/5-big", "exp/6-big"]
     assert names(name="exp/?-s*") == ["exp/0-small", "exp/1-small", "exp/2-small", "exp/3-small", "exp/4-small"]
@@ -271,8 +272,8 @@ def test_run_listing_filters_and_pages(store, kit):
     assert names(tags=["team=a", "seq=3"]) == ["exp/3-small"]
     assert names(tags=["seq"]) == names() and names(tags=["nope"]) == []
     assert names(status=["running"], tags=["team=b"]) == ["exp/4-small", "exp/6-big"]
-    assert [r["last_step"] for r in queries.list_runs(store, order_by="-last_step")["runs"]] == [6, 5, 4, 3, 2, 1, 0]
-    newest = queries.list_runs(store)["runs"][0]
+    assert [r["last_step"] for r in store.list_runs(order_by="-last_step").to_dict()["runs"]] == [6, 5, 4, 3, 2, 1, 0]
+    newest = store.list_runs().to_dict()["runs"][0]
     assert newest["name"] == "exp/6-big" and newest["created_at"].endswith("+00:00")
     from datetime import datetime, timedelta
     created = datetime.fromisoformat(newest["created_at"])
@@ -280,17 +281,17 @@ def test_run_listing_filters_and_pages(store, kit):
     assert len(names(updated_since=created - timedelta(hours=1))) == 7
     assert names(created_since=created + timedelta(seconds=1)) == []
     with pytest.raises(BadParameter, match="^order_by"):
-        queries.list_runs(store, order_by="colour")
+        store.list_runs(order_by="colour").to_dict()
 
 
 def test_patch_and_delete(store, kit, loaded):
-    rollup.compact(store)
-    out = queries.patch_run(store, "r", status="diverged", tags={"note": "x"}, config={"lr": 3e-4})
+    store.compact()
+    out = store.patch_run("r", status="diverged", tags={"note": "x"}, config={"lr": 3e-4}).to_dict()
     assert out["status"] == "diverged" and out["ended_at"] and out["tags"] == {"note": "x"}
     assert out["config"] == {"lr": 3e-4}
-    out = queries.patch_run(store, "r", tags={"more": "y"})
+    out = store.patch_run("r", tags={"more": "y"}).to_dict()
     assert out["tags"] == {"note": "x", "more": "y"} and out["config"] == {"lr": 3e-4}
-    assert queries.patch_run(store, "r", status="running")["ended_at"] is None
+    assert store.patch_run("r", status="running").to_dict()["ended_at"] is None
 
     def counts():
         with store.engine.connect() as conn:
@@ -300,17 +301,17 @@ def test_patch_and_delete(store, kit, loaded):
 
     before = counts()
     assert all(before[t] > 0 for t in before)
-    deleted = queries.delete_run(store, "r")
+    deleted = store.delete_run("r").to_dict()
     assert deleted["deleted_rows"]["tensor_stats"] == 4000 * 6
     after = counts()
     # only the other run is left: 3 layers x 100 steps (rolled up to step 64: 3 x (4 + 1) buckets), no scalars
     assert after == {"tensor_stats": 300, "scalars": 0, "tensor_rollups": 15, "scalar_rollups": 0,
                      "tensor_series": 3, "scalar_series": 0, "ingest_batches": 1, "runs": 1}
     with pytest.raises(NotFound):
-        queries.get_run(store, "r")
+        store.get_run("r").to_dict()
     with pytest.raises(NotFound):
-        queries.delete_run(store, "r")
+        store.delete_run("r").to_dict()
     # the name can be used again, from scratch (the store forgot its cached ids)
     kit.ingest(store, "r", steps=[5], layers=["new"], values={"amax": [[2.0]]}, batch_prefix="again")
-    assert queries.catalogue(store, "r")["layers"] == [{"layer": "new", "sites": ["input"]}]
-    assert queries.get_run(store, "r")["first_step"] == 5
+    assert store.catalogue("r").to_dict()["layers"] == [{"layer": "new", "sites": ["input"]}]
+    assert store.get_run("r").to_dict()["first_step"] == 5

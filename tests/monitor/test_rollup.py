@@ -1,4 +1,4 @@
-"""The rollup pyramid (monitor.rollup) on SQLite and PostgreSQL: every bucket of every level against a
+"""The rollup pyramid (storage.rollup) on SQLite and PostgreSQL: every bucket of every level against a
 brute-force reference, NaN/Inf semantics, late batches, idempotence, concurrent compactors, chunking."""
 
 import math
@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from sqlalchemy import text
 
-from fp8mon.monitor import rollup
+from fp8mon.monitor.compactor import Compactor
 from fp8mon.monitor.models import ROLLUP_WIDTHS
-from fp8mon.monitor.store import Store
+from fp8mon.monitor.storage import SqlAlchemyStore as Store
+from fp8mon.monitor.storage import rollup
 
 LAYERS = ["blocks.1.mlp", "blocks.0.attn"]
 
@@ -97,7 +98,7 @@ def test_every_level_matches_brute_force(store, kit):
     steps1 = list(range(0, 5000, 3))
     vals1 = kit.dyadic(rng, (len(steps1), 1))
     kit.ingest(store, "r", steps=steps1, layers=LAYERS[:1], values={"amax": vals1}, rank=1)
-    report = rollup.compact(store)
+    report = store.compact()
     until, dirty, last = run_state(store)
     assert until == (last - rollup.HORIZON_LAG) // 16 * 16 and dirty is None
     assert report.runs == 1 and report.buckets > 0
@@ -117,7 +118,7 @@ def test_scalars_are_rolled_up_too(store, kit):
     loss = list(kit.dyadic(rng, 3000))
     loss[1234] = math.nan
     kit.ingest(store, "r", steps=steps, layers=[], values=None, scalars={"loss": loss})
-    rollup.compact(store)
+    store.compact()
     until = run_state(store).rollup_until
     got = stored_rollups(store, "scalar_rollups", "value")
     want = expected_rollups(kit, {("loss", 0): dict(zip(steps, loss))}, until)
@@ -132,7 +133,7 @@ def test_a_spike_and_a_nan_survive_every_level(store, kit):
     vals[12345, 0] = 1e6
     vals[777, 0] = math.nan
     kit.ingest(store, "r", steps=range(n), layers=["l"], values={"amax": vals}, batch_steps=10000)
-    rollup.compact(store)
+    store.compact()
     got = stored_rollups(store)
     for width in ROLLUP_WIDTHS:
         spike = got[("l/input", 0, width, 12345 // width)]
@@ -149,7 +150,7 @@ def test_late_batch_below_the_horizon_is_recomputed(store, kit):
     n = 3000
     vals = kit.dyadic(rng, (n, 2))
     kit.ingest(store, "r", steps=range(n), layers=LAYERS, values={"amax": vals})
-    rollup.compact(store)
+    store.compact()
     until = run_state(store).rollup_until
     assert until > 1000
     # a resumed run re-logs steps 500..520 with other values, and a rank-0 layer appears late below the horizon
@@ -159,7 +160,7 @@ def test_late_batch_below_the_horizon_is_recomputed(store, kit):
     kit.ingest(store, "r", steps=range(100, 110), layers=["late.layer"], values={"amax": new_layer})
     state = run_state(store)
     assert state.rollup_dirty_from == 100 and state.rollup_until == until
-    rollup.compact(store)
+    store.compact()
     state = run_state(store)
     assert state.rollup_dirty_from is None and state.rollup_until == until
     vals[500:521] = late
@@ -173,17 +174,17 @@ def test_compaction_is_idempotent_and_chunked(store, kit):
     vals = kit.dyadic(rng, (2500, 2))
     kit.ingest(store, "r", steps=range(2500), layers=LAYERS, values={"amax": vals})
     # tiny chunks: many transactions, each advancing rollup_until
-    report = rollup.compact(store, max_rows=100)
+    report = store.compact(max_rows=100)
     assert report.chunks > 20
     first = stored_rollups(store)
     until = run_state(store).rollup_until
     assert_rollups_equal(kit, first, expected_rollups(kit, raw_of(LAYERS, range(2500), vals), until))
-    again = rollup.compact(store)
+    again = store.compact()
     assert again.runs == 0 and stored_rollups(store) == first
     # forcing a full recompute from step 0 gives the same rows
     with store.engine.begin() as conn:
         conn.execute(text("UPDATE runs SET rollup_dirty_from = 0"))
-    assert rollup.compact(store).chunks == 1
+    assert store.compact().chunks == 1
     assert stored_rollups(store) == first
 
 
@@ -199,7 +200,7 @@ def test_two_compactors_at_once(database_url, kit):
         def work(s, wait):
             try:
                 for _ in range(3):
-                    rollup.compact(s, max_rows=500, wait=wait)
+                    s.compact(max_rows=500, wait=wait)
             except Exception as exc:  # pragma: no cover - reported below
                 errors.append(exc)
 
@@ -209,7 +210,7 @@ def test_two_compactors_at_once(database_url, kit):
         for t in threads:
             t.join(120)
         assert not errors
-        rollup.compact(stores[0])  # whatever a busy skip left over
+        stores[0].compact()  # whatever a busy skip left over
         for run, n in (("r", 4000), ("other", 2000)):
             until = run_state(stores[0], run).rollup_until
             assert until == (n - 1 - rollup.HORIZON_LAG) // 16 * 16
@@ -225,7 +226,7 @@ def test_two_compactors_at_once(database_url, kit):
 
 def test_background_compactor_thread(store, kit):
     kit.ingest(store, "r", steps=range(500), layers=LAYERS, values={"amax": np.ones((500, 2))})
-    compactor = rollup.Compactor(store, interval=0.05).start()
+    compactor = Compactor(store, interval=0.05).start()
     try:
         deadline = time.monotonic() + 20
         while run_state(store).rollup_until == 0 and time.monotonic() < deadline:
@@ -245,7 +246,7 @@ def test_a_jump_in_steps_costs_no_empty_chunks(store, kit):
     steps = [*range(0, 300), *range(10**8, 10**8 + 300)]
     vals = kit.dyadic(rng, (len(steps), 2))
     kit.ingest(store, "r", steps=steps, layers=LAYERS, values={"amax": vals})
-    report = rollup.compact(store, max_rows=1000)  # 500 steps of 2 series per chunk
+    report = store.compact(max_rows=1000)  # 500 steps of 2 series per chunk
     assert report.chunks <= 3
     until = run_state(store).rollup_until
     assert until == (10**8 + 299 - rollup.HORIZON_LAG) // 16 * 16

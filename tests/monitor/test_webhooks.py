@@ -1,9 +1,8 @@
 """Webhooks: Slack-compatible notifications, retried with backoff from their own thread, against a real local
-HTTP receiver; end to end from ingest through a real server."""
+HTTP receiver; end to end from ingest through the application."""
 
 import time
 
-import httpx
 import pytest
 
 from fp8mon.monitor.alerting.lifecycle import AlertTracker
@@ -12,7 +11,7 @@ from fp8mon.monitor.assessment import Finding
 from fp8mon.monitor.localserver import free_port
 from fp8mon.monitor.metrics import Metrics
 from tests.integration.receiver import Receiver
-from tests.integration.streams import fake_predictor_env, kurtosis_stream
+from tests.integration.streams import FAKE_PREDICTOR, kurtosis_stream
 
 
 def fired_event(run="exp/llama-fp8", severity="critical"):
@@ -80,18 +79,17 @@ def test_client_errors_are_not_retried_and_dead_endpoints_are_given_up():
 
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
-def test_server_sends_fired_and_resolved_without_slowing_ingest(server_factory):
+def test_server_sends_fired_and_resolved_without_slowing_ingest(app_factory):
     # The receiver fails twice, then answers slowly: ingest must not notice.
     with Receiver(fail_first=2, delay=0.5) as rx:
-        server = server_factory(FP8MON_WEBHOOK_URLS=f"{rx.url}, {rx.url}?second",
-                                FP8MON_WEBHOOK_BACKOFF_SECONDS="0.1", FP8MON_PUBLIC_URL="http://fp8mon.example:8080",
-                                **fake_predictor_env()).start()
         run = "team/diverging"
 
         def kurtosis(step):
             return 80.0 if 20 <= step < 40 else 3.0
 
-        with httpx.Client(base_url=server.url, timeout=10) as client:
+        # webhook_urls as the environment gives them: comma-separated
+        with app_factory(webhook_urls=f"{rx.url}, {rx.url}?second", webhook_backoff_seconds=0.1,
+                         public_url="http://fp8mon.example:8080", predictor=FAKE_PREDICTOR) as client:
             latencies = []
             for body in kurtosis_stream(run, range(0, 120), kurtosis):
                 t0 = time.monotonic()

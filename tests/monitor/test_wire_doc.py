@@ -1,4 +1,4 @@
-"""docs/wire-format.md and the server cannot drift: the doc's example is posted to a live server, and every
+"""docs/wire-format.md and the server cannot drift: the doc's example is posted to the ingest API, and every
 field and name of the wire contract in the code must appear in the doc."""
 
 import gzip
@@ -12,11 +12,26 @@ import msgpack
 import pytest
 from sqlalchemy import text
 
-from fp8mon.agent.wire import LOG2_HIST_BINS, LOG2_HIST_HI, LOG2_HIST_LO, SITES, TENSOR_STATS, WELL_KNOWN_SCALARS, WIRE_VERSION
+from fp8mon.agent.wire import (
+    LOG2_HIST_BINS,
+    LOG2_HIST_HI,
+    LOG2_HIST_LO,
+    SITES,
+    TENSOR_STATS,
+    WELL_KNOWN_SCALARS,
+    WIRE_VERSION,
+)
 from fp8mon.monitor.codec import JSON_TYPES, MSGPACK_TYPES
-from fp8mon.monitor.schemas import MAX_RECORDS_PER_BLOCK, IngestBatch, IngestResult, RunMeta, ScalarBlock, TensorBlock
 from fp8mon.monitor.settings import Settings
-from fp8mon.monitor.store import Store
+from fp8mon.monitor.storage import SqlAlchemyStore as Store
+from fp8mon.monitor.wire import (
+    MAX_RECORDS_PER_BLOCK,
+    IngestBatch,
+    IngestResult,
+    RunMeta,
+    ScalarBlock,
+    TensorBlock,
+)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "wire-format.md"
 TEXT = DOC.read_text(encoding="utf-8")
@@ -39,34 +54,33 @@ def _floats(value):
     return value
 
 
-def _post(server, data: bytes, content_type: str, **headers) -> httpx.Response:
-    return httpx.post(f"{server.url}/api/v1/ingest", content=data,
-                      headers={"content-type": content_type, **headers}, timeout=30)
+def _post(client, data: bytes, content_type: str, **headers) -> httpx.Response:
+    return client.post("/api/v1/ingest", content=data, headers={"content-type": content_type, **headers})
 
 
-def test_the_documented_example_is_accepted_as_documented(live_server):
+def test_the_documented_example_is_accepted_as_documented(client, database_url):
     raw = example("batch")
     expected = json.loads(example("response"))
 
-    first = _post(live_server, raw.encode(), "application/json")
+    first = _post(client, raw.encode(), "application/json")
     assert first.status_code == 200, first.text
     got = first.json()
     assert set(got) == set(expected) == set(IngestResult.model_fields)
     assert {k: v for k, v in got.items() if k != "run_id"} == {k: v for k, v in expected.items() if k != "run_id"}
 
-    again = _post(live_server, raw.encode(), "application/json").json()
+    again = _post(client, raw.encode(), "application/json").json()
     assert again["duplicate"] is True
     assert (again["tensor_records"], again["scalar_records"], again["values"]) == (0, 0, 0)
 
     # The same batch as the agent sends it: msgpack with real floats, gzip, under a new batch id.
     batch = _floats(json.loads(raw))
     batch["batch_id"] += "-msgpack"
-    r = _post(live_server, gzip.compress(msgpack.packb(batch)), "application/msgpack", **{"content-encoding": "gzip"})
+    r = _post(client, gzip.compress(msgpack.packb(batch)), "application/msgpack", **{"content-encoding": "gzip"})
     assert r.status_code == 200, r.text
     assert r.json()["duplicate"] is False and r.json()["values"] == expected["values"]
 
     # NaN in both JSON spellings, null and Infinity are stored as the doc says.
-    store = Store(live_server.database_url)
+    store = Store(database_url)
     try:
         with store.engine.connect() as conn:
             rms, kurt, kurt_c, scale = conn.execute(text(

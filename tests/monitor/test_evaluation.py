@@ -1,11 +1,12 @@
-"""bench/predict.py's lead figures: the literal first-alert lead and the standing lead, where an alert that
-resolved before the divergence step counts as a false alarm, not as lead."""
+"""The lead figures of fp8mon.monitor.evaluation (what bench/predict.py prints): the literal first-alert lead
+and the standing lead, where an alert that resolved before the divergence step counts as a false alarm, not
+as lead."""
 
 import dataclasses
 import math
 
-from bench.predict import Outcome, baseline, lead, standing_lead
 from fp8mon.monitor.assessment import RESOLVE_AFTER_STEPS
+from fp8mon.monitor.evaluation import Outcome, baseline, lead, standing_lead
 from fp8mon.monitor.fixtures import Fixture
 
 

@@ -1,7 +1,7 @@
-"""The read side of the monitor: runs, catalogue, series, heatmaps and latest snapshots.
+"""Downsampled reads: one statistic over a step range (series) and a layer x step matrix (heatmap).
 
-Everything here takes a `Store` and reads through `store.read_engine` in one transaction (REPEATABLE READ
-on PostgreSQL), so the rollup horizon and the rows read with it belong to one snapshot.
+Everything here reads in one transaction (REPEATABLE READ on PostgreSQL), so the rollup horizon and the
+rows read with it belong to one snapshot.
 
 Downsampling. A range [start, end] asked for with at most `max_points` points is cut into output buckets
 of `width` steps aligned on multiples of the width (the first and last may be partial). The width is 1
@@ -14,307 +14,27 @@ down to raw rows, and raw rows above the rollup horizon. Each segment is aggrega
 buckets by the database (GROUP BY) and the segments are merged per bucket in numpy: min of mins, max of
 maxes, sum of sums and counts, `last` from the latest segment holding rows of the bucket. Nothing is
 sampled, so a one-step spike (or a NaN) shows in the bucket containing it at every zoom level. NaN
-semantics are those of the rollups (monitor.rollup): a NaN makes the bucket's min, max and mean NaN;
+semantics are those of the rollups (storage.rollup): a NaN makes the bucket's min, max and mean NaN;
 `last` is the value at the bucket's last step.
 """
 
 from __future__ import annotations
 
-import re
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 
 import numpy as np
-from sqlalchemy import Connection, delete, func, select, text, update
+from sqlalchemy import Connection, select
 
-from fp8mon.agent.wire import SITES, TENSOR_STATS
-from fp8mon.monitor.models import ROLLUP_WIDTHS, Run, ScalarSeries, TensorSeries
-from fp8mon.monitor.rollup import KINDS, effective_horizon, level_cover, series_ranks, sql_is_nan, sql_nan
-from fp8mon.monitor.schemas import finite_or_none
+from fp8mon.agent.wire import TENSOR_STATS
+from fp8mon.monitor.jsonvalues import json_floats
+from fp8mon.monitor.models import ROLLUP_WIDTHS, ScalarSeries, TensorSeries
+from fp8mon.monitor.storage.database import Database, fetch
+from fp8mon.monitor.storage.entities import Heatmap, Series
+from fp8mon.monitor.storage.errors import BadParameter, NotFound
+from fp8mon.monitor.storage.rollup import KINDS, level_cover, sql_is_nan, sql_nan
+from fp8mon.monitor.storage.runs import RunRef, run_ref
 
-FINAL_STATUSES = ("finished", "failed", "diverged")
 AGGS = ("min", "max", "mean", "last")
-RUN_ORDER_FIELDS = ("created_at", "started_at", "last_seen_at", "name", "status", "first_step", "last_step", "id")
-
-
-class QueryError(Exception):
-    status = 400
-
-    def __init__(self, message: str):
-        super().__init__(message)
-        self.message = message
-
-
-class NotFound(QueryError):
-    status = 404
-
-
-class BadParameter(QueryError):
-    status = 422
-
-
-# -- plumbing --------------------------------------------------------------------------------------
-
-
-@contextmanager
-def reading(store):
-    """A read transaction: one consistent snapshot (SQLite deferred transaction, PostgreSQL REPEATABLE READ)."""
-    with store.read_engine.connect() as conn:
-        if conn.dialect.name == "postgresql":
-            conn.execution_options(isolation_level="REPEATABLE READ")
-        with conn.begin():
-            yield conn
-
-
-@contextmanager
-def writing(store):
-    """A write transaction; on SQLite this process's ingest threads queue behind it on the store's writer lock."""
-    lock = getattr(store, "_write_lock", None) if store.dialect == "sqlite" else None
-    with lock or nullcontext(), store.engine.begin() as conn:
-        yield conn
-
-
-_PARAM = re.compile(r"(?<![:\w]):(\w+)")
-
-
-def fetch(conn: Connection, sql: str, params: dict | None = None) -> list[tuple]:
-    """Rows as plain tuples straight from the DBAPI cursor (no Row objects: this is the hot path)."""
-    dbapi = conn.connection.dbapi_connection
-    if conn.dialect.name == "postgresql":
-        sql = _PARAM.sub(r"%(\1)s", sql)
-        cursor = dbapi.cursor(binary=True)
-    else:
-        cursor = dbapi.cursor()
-    try:
-        cursor.execute(sql, params or {})
-        return cursor.fetchall()
-    finally:
-        cursor.close()
-
-
-def to_float(value) -> float | None:
-    """A stored REAL as a float: SQLite keeps NaN as the TEXT 'NaN' (monitor.bulk)."""
-    return None if value is None else float(value)
-
-
-def json_floats(values: np.ndarray, null: np.ndarray | None = None) -> list:
-    """A float array as a JSON-ready list: None where null, "NaN"/"Infinity"/"-Infinity" for non-finite."""
-    out = values.tolist()
-    bad = ~np.isfinite(values)
-    if null is not None:
-        bad |= null
-    for i in np.flatnonzero(bad).tolist():
-        out[i] = None if null is not None and null[i] else finite_or_none(out[i])
-    return out
-
-
-def json_safe(obj):
-    """Recursively replace non-finite floats (user configs may hold them) by their JSON strings."""
-    if isinstance(obj, float):
-        return finite_or_none(obj)
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj
-
-
-def _utc(dt: datetime | None) -> datetime | None:
-    if dt is None:
-        return None
-    return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt.astimezone(UTC)
-
-
-def _iso(dt: datetime | None) -> str | None:
-    dt = _utc(dt)
-    return None if dt is None else dt.isoformat()
-
-
-# -- runs ------------------------------------------------------------------------------------------
-
-
-@dataclass
-class RunRef:
-    id: int
-    name: str
-    first_step: int | None
-    last_step: int | None
-    horizon: int  # rollups are valid below this step
-
-
-def run_ref(conn: Connection, name: str) -> RunRef:
-    row = conn.execute(select(Run.id, Run.first_step, Run.last_step, Run.rollup_until, Run.rollup_dirty_from)
-                       .where(Run.name == name)).first()
-    if row is None:
-        raise NotFound(f"run {name!r} not found")
-    return RunRef(row.id, name, row.first_step, row.last_step,
-                  effective_horizon(row.rollup_until or 0, row.rollup_dirty_from))
-
-
-def run_dict(row) -> dict:
-    return {
-        "id": row.id, "name": row.name, "status": row.status, "config": json_safe(row.config or {}),
-        "tags": json_safe(row.tags or {}), "created_at": _iso(row.created_at), "started_at": _iso(row.started_at),
-        "ended_at": _iso(row.ended_at), "last_seen_at": _iso(row.last_seen_at), "first_step": row.first_step,
-        "last_step": row.last_step,
-    }
-
-
-def _like_pattern(name: str) -> str:
-    escaped = name.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-    if "*" in name or "?" in name:
-        return escaped.replace("*", "%").replace("?", "_")
-    return f"%{escaped}%"
-
-
-def parse_tag_filters(tags: list[str]) -> list[tuple[str, str | None]]:
-    out = []
-    for item in tags:
-        key, sep, value = item.partition("=")
-        if not key:
-            raise BadParameter(f"tag: {item!r} is not key=value (or key)")
-        out.append((key, value if sep else None))
-    return out
-
-
-def list_runs(store, *, status: list[str] | None = None, name: str | None = None, tags: list[str] | None = None,
-              created_since: datetime | None = None, updated_since: datetime | None = None,
-              order_by: str = "-created_at", limit: int = 50, offset: int = 0) -> dict:
-    """Runs matching every filter given, a page of them and the total count."""
-    conds = []
-    if status:
-        conds.append(Run.status.in_(status))
-    if name:
-        conds.append(func.lower(Run.name).like(_like_pattern(name.lower()), escape="\\"))
-    for key, value in parse_tag_filters(tags or []):
-        extracted = Run.tags[key].as_string()
-        conds.append(extracted.is_not(None) if value is None else extracted == value)
-    if created_since is not None:
-        conds.append(Run.created_at >= _utc(created_since))
-    if updated_since is not None:
-        conds.append(Run.last_seen_at >= _utc(updated_since))
-    desc = order_by.startswith("-")
-    field_name = order_by.lstrip("-+")
-    if field_name not in RUN_ORDER_FIELDS:
-        raise BadParameter(f"order_by: {order_by!r} is not one of {', '.join(RUN_ORDER_FIELDS)} (prefix - for "
-                           "descending)")
-    column = getattr(Run, field_name)
-    ordering = [(column.desc() if desc else column.asc()).nulls_last(), Run.id.desc() if desc else Run.id.asc()]
-    with reading(store) as conn:
-        total = conn.execute(select(func.count()).select_from(Run).where(*conds)).scalar_one()
-        rows = conn.execute(select(Run.__table__).where(*conds).order_by(*ordering).limit(limit).offset(offset))
-        runs = [run_dict(r) for r in rows]
-    return {"total": total, "limit": limit, "offset": offset, "runs": runs}
-
-
-def get_run(store, name: str) -> dict:
-    with reading(store) as conn:
-        row = conn.execute(select(Run.__table__).where(Run.name == name)).first()
-        if row is None:
-            raise NotFound(f"run {name!r} not found")
-        out = run_dict(row)
-        out["tensor_series"] = conn.execute(select(func.count()).select_from(TensorSeries)
-                                            .where(TensorSeries.run_id == row.id)).scalar_one()
-        out["scalar_series"] = conn.execute(select(func.count()).select_from(ScalarSeries)
-                                            .where(ScalarSeries.run_id == row.id)).scalar_one()
-        out["rollup_until"] = effective_horizon(row.rollup_until or 0, row.rollup_dirty_from)
-    return out
-
-
-def patch_run(store, name: str, *, status: str | None = None, tags: dict | None = None,
-              config: dict | None = None) -> dict:
-    """Status, tags (merged into the run's tags, as ingest does) and config (replaced)."""
-    with writing(store) as conn:
-        row = conn.execute(select(Run.id, Run.tags).where(Run.name == name)).first()
-        if row is None:
-            raise NotFound(f"run {name!r} not found")
-        values: dict = {}
-        if tags is not None:
-            values["tags"] = {**(row.tags or {}), **tags}
-        if config is not None:
-            values["config"] = config
-        if status is not None:
-            values["status"] = status
-            values["ended_at"] = datetime.now(UTC) if status in FINAL_STATUSES else None
-        if values:
-            conn.execute(update(Run).where(Run.id == row.id).values(**values))
-    return get_run(store, name)
-
-
-def delete_run(store, name: str) -> dict:
-    """The run, its catalogue, batches, alerts, predictions and every bulk row (which has no foreign key)."""
-    counts = {}
-    with writing(store) as conn:
-        lock = " FOR UPDATE" if conn.dialect.name == "postgresql" else ""
-        run_id = conn.execute(text(f"SELECT id FROM runs WHERE name = :name{lock}"), {"name": name}).scalar()
-        if run_id is None:
-            raise NotFound(f"run {name!r} not found")
-        for kind, (raw, roll, series_table, _) in KINDS.items():
-            ids = f"SELECT id FROM {series_table} WHERE run_id = :run"
-            for table in (raw, roll):
-                result = conn.execute(text(f"DELETE FROM {table} WHERE series_id IN ({ids})"), {"run": run_id})
-                counts[table] = result.rowcount
-        # The catalogue, batches, alerts and predictions go by ON DELETE CASCADE; deleted explicitly too, so
-        # that a SQLite connection without foreign_keys=ON cannot leave them behind.
-        for table in ("tensor_series", "scalar_series", "ingest_batches", "alerts", "predictions"):
-            conn.execute(text(f"DELETE FROM {table} WHERE run_id = :run"), {"run": run_id})
-        conn.execute(delete(Run).where(Run.id == run_id))
-    store.forget_run(run_id)
-    return {"run": name, "id": run_id, "deleted_rows": counts}
-
-
-# -- catalogue and latest --------------------------------------------------------------------------
-
-
-def catalogue(store, name: str) -> dict:
-    with reading(store) as conn:
-        ref = run_ref(conn, name)
-        layers: dict[str, set[str]] = {}
-        for layer, site in conn.execute(select(TensorSeries.layer, TensorSeries.site)
-                                        .where(TensorSeries.run_id == ref.id).order_by(TensorSeries.ordinal)):
-            layers.setdefault(layer, set()).add(site)
-        scalars = list(conn.execute(select(ScalarSeries.name).where(ScalarSeries.run_id == ref.id)
-                                    .order_by(ScalarSeries.id)).scalars())
-        ranks = set()
-        for kind in KINDS:
-            for rs in series_ranks(conn, kind, ref.id).values():
-                ranks.update(rs)
-    present = {s for sites in layers.values() for s in sites}
-    return {
-        "run": name,
-        "first_step": ref.first_step,
-        "last_step": ref.last_step,
-        "layers": [{"layer": layer, "sites": [s for s in SITES if s in sites]} for layer, sites in layers.items()],
-        "sites": [s for s in SITES if s in present],
-        "stats": list(TENSOR_STATS),
-        "scalars": scalars,
-        "ranks": sorted(ranks),
-    }
-
-
-def latest(store, name: str, rank: int = 0) -> dict:
-    """Every statistic of every layer x site (and every scalar) at that series' last step on `rank`."""
-    stat_cols = ", ".join(f"t.{s}" for s in TENSOR_STATS)
-    with reading(store) as conn:
-        ref = run_ref(conn, name)
-        rows = fetch(conn, f"SELECT s.layer, s.site, t.step, {stat_cols} FROM tensor_series s "
-                           f"JOIN tensor_stats t ON t.series_id = s.id AND t.rank = :rank AND t.step = "
-                           f"(SELECT MAX(m.step) FROM tensor_stats m WHERE m.series_id = s.id AND m.rank = :rank) "
-                           f"WHERE s.run_id = :run ORDER BY s.ordinal", {"rank": rank, "run": ref.id})
-        scalar_rows = fetch(conn, "SELECT s.name, t.step, t.value FROM scalar_series s "
-                                  "JOIN scalars t ON t.series_id = s.id AND t.rank = :rank AND t.step = "
-                                  "(SELECT MAX(m.step) FROM scalars m WHERE m.series_id = s.id AND m.rank = :rank) "
-                                  "WHERE s.run_id = :run ORDER BY s.id", {"rank": rank, "run": ref.id})
-    series = [{"layer": r[0], "site": r[1], "step": r[2],
-               "values": {s: finite_or_none(to_float(v)) for s, v in zip(TENSOR_STATS, r[3:])}} for r in rows]
-    scalars = [{"name": n, "step": st, "value": finite_or_none(to_float(v))} for n, st, v in scalar_rows]
-    return {"run": name, "rank": rank, "last_step": ref.last_step, "stats": list(TENSOR_STATS),
-            "series": series, "scalars": scalars}
-
-
-# -- downsampling ----------------------------------------------------------------------------------
-
 
 @dataclass
 class Plan:
@@ -440,7 +160,7 @@ def _column(rows: list[tuple], i: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _source_exprs(dialect: str, column: str, rollup: bool, grouped: bool) -> dict[str, str]:
-    """SQL per aggregate for one source; grouped ones apply the NaN rule of monitor.rollup."""
+    """SQL per aggregate for one source; grouped ones apply the NaN rule of storage.rollup."""
     if rollup:
         n, mn, mx, sm, last = (f"{column}_{a}" for a in ("n", "min", "max", "sum", "last"))
     else:
@@ -466,7 +186,7 @@ def aggregate(conn: Connection, kind: str, column: str, series_ids: list[int], r
               horizon: int, want: tuple[str, ...]) -> Cells:
     """Aggregate `column` of the series (matrix rows, in the given order) into the plan's buckets.
 
-    `want` holds any of n, min, max, mean, last. Segments (monitor.rollup levels and raw rows) are read
+    `want` holds any of n, min, max, mean, last. Segments (storage.rollup levels and raw rows) are read
     in step order; a bucket that spans several is merged: min/max/sum/n combine, last comes from the
     latest segment with a row in the bucket."""
     raw, roll, _, _ = KINDS[kind]
@@ -586,9 +306,9 @@ def _scalar_series_id(conn: Connection, ref: RunRef, scalar: str) -> int:
     return sid
 
 
-def series(store, name: str, *, stat: str | None = None, layer: str | None = None, site: str | None = None,
+def series(db: Database, name: str, *, stat: str | None = None, layer: str | None = None, site: str | None = None,
            scalar: str | None = None, rank: int = 0, start: int | None = None, end: int | None = None,
-           max_points: int = 1000) -> dict:
+           max_points: int = 1000) -> Series:
     """One statistic of one layer x site (or one scalar) over [start, end]: raw points, or buckets."""
     if scalar is not None:
         if stat is not None or layer is not None or site is not None:
@@ -603,14 +323,14 @@ def series(store, name: str, *, stat: str | None = None, layer: str | None = Non
             raise BadParameter(f"stat: {stat!r} is not one of {', '.join(TENSOR_STATS)}")
         kind, column = "tensor", stat
     out: dict = {"run": name, "rank": rank, "stat": stat, "layer": layer, "site": site, "scalar": scalar}
-    with reading(store) as conn:
+    with db.reading() as conn:
         ref = run_ref(conn, name)
         sid = (_scalar_series_id(conn, ref, scalar) if kind == "scalar"
                else _tensor_series_id(conn, ref, layer, site))
         rng = _step_range(ref, start, end)
         if rng is None:
             out.update(start=start, end=end, bucket_width=1, downsampled=False, points={"step": [], "value": []})
-            return out
+            return Series(**out)
         lo, hi = rng
         plan = plan_buckets(lo, hi, max_points)
         out.update(start=lo, end=hi, bucket_width=plan.width, downsampled=plan.width > 1)
@@ -620,7 +340,7 @@ def series(store, name: str, *, stat: str | None = None, layer: str | None = Non
                                f"AND step >= :lo AND step <= :hi AND {column} IS NOT NULL ORDER BY step",
                          {"sid": sid, "rank": rank, "lo": lo, "hi": hi})
             out["points"] = {"step": [r[0] for r in rows], "value": json_floats(_column(rows, 1)[0])}
-            return out
+            return Series(**out)
         cells = aggregate(conn, kind, column, [sid], rank, plan, ref.horizon, ("n", *AGGS))
     keep = np.flatnonzero(cells.values["n"][0] > 0)
     points = {"step": np.maximum(plan.start, (plan.first + keep) * plan.width).tolist(),
@@ -628,18 +348,18 @@ def series(store, name: str, *, stat: str | None = None, layer: str | None = Non
     for agg in AGGS:
         points[agg] = json_floats(cells.values[agg][0][keep], cells.null[agg][0][keep])
     out["points"] = points
-    return out
+    return Series(**out)
 
 
-def heatmap(store, name: str, *, stat: str, site: str, rank: int = 0, start: int | None = None,
-            end: int | None = None, max_points: int = 1000, agg: str = "max") -> dict:
+def heatmap(db: Database, name: str, *, stat: str, site: str, rank: int = 0, start: int | None = None,
+            end: int | None = None, max_points: int = 1000, agg: str = "max") -> Heatmap:
     """A layer x step-bucket matrix of one statistic at one site, layers in model order."""
     if stat not in TENSOR_STATS:
         raise BadParameter(f"stat: {stat!r} is not one of {', '.join(TENSOR_STATS)}")
     if agg not in AGGS:
         raise BadParameter(f"agg: {agg!r} is not one of {', '.join(AGGS)}")
     out: dict = {"run": name, "stat": stat, "site": site, "rank": rank, "agg": agg}
-    with reading(store) as conn:
+    with db.reading() as conn:
         ref = run_ref(conn, name)
         series_rows = conn.execute(select(TensorSeries.id, TensorSeries.layer).where(
             TensorSeries.run_id == ref.id, TensorSeries.site == site).order_by(TensorSeries.ordinal)).all()
@@ -648,7 +368,7 @@ def heatmap(store, name: str, *, stat: str, site: str, rank: int = 0, start: int
             out.update(start=start if rng is None else rng[0], end=end if rng is None else rng[1], bucket_width=1,
                        downsampled=False, edges=[], layers=[r.layer for r in series_rows],
                        values=[[] for _ in series_rows])
-            return out
+            return Heatmap(**out)
         plan = plan_buckets(rng[0], rng[1], max_points, n_series=len(series_rows))
         cells = aggregate(conn, "tensor", stat, [r.id for r in series_rows], rank, plan, ref.horizon, (agg,))
     flat = json_floats(cells.values[agg].ravel(), cells.null[agg].ravel())
@@ -656,4 +376,4 @@ def heatmap(store, name: str, *, stat: str, site: str, rank: int = 0, start: int
     out.update(start=plan.start, end=plan.end, bucket_width=plan.width, downsampled=plan.width > 1,
                edges=plan.edges(), layers=[r.layer for r in series_rows],
                values=[flat[i * cols:(i + 1) * cols] for i in range(len(series_rows))])
-    return out
+    return Heatmap(**out)

@@ -15,7 +15,7 @@ NaN semantics, per bucket and statistic: n counts the reported values (NaN and +
 them is NaN then min, max and sum (so the mean) are NaN, so a NaN stays visible at every zoom level; +-Inf
 take part in min/max/sum as IEEE numbers (+Inf and -Inf together give a NaN sum); `last` is the value at
 the bucket's last step (step_last), NULL when that row did not report the statistic. A bucket with n = 0
-has NULL min/max/sum. In SQLite a NaN is the TEXT 'NaN' in the REAL column (see monitor.bulk).
+has NULL min/max/sum. In SQLite a NaN is the TEXT 'NaN' in the REAL column (see storage.bulk).
 
 Concurrency. Work is done per run in short transactions ("chunks" of about MAX_ROWS_PER_CHUNK raw rows):
 each deletes and re-inserts the affected buckets of every level and advances rollup_until, so a crash
@@ -23,31 +23,24 @@ or a second compactor leaves nothing half done and running it twice changes noth
 compactor takes an advisory lock on the run (the background one skips a run another compactor holds)
 and locks the runs row FOR UPDATE, so an ingest that commits while a chunk is computed sees the new
 horizon and marks the run dirty; on SQLite the writer lock (BEGIN IMMEDIATE) serialises everything.
-The background Compactor (a thread of every server process) runs a pass every FP8MON_ROLLUP_INTERVAL_S
-seconds (default 2; 0 turns it off) and rests at least IDLE_FACTOR times as long as a pass took.
+The background thread that calls `compact` lives in monitor.compactor.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import os
 import threading
 import time
-from dataclasses import dataclass
 
 from sqlalchemy import Connection, text
 
 from fp8mon.agent.wire import TENSOR_STATS
 from fp8mon.monitor.models import ROLLUP_WIDTHS
-
-log = logging.getLogger("fp8mon.rollup")
+from fp8mon.monitor.storage.database import Database
+from fp8mon.monitor.storage.entities import CompactionReport
 
 BASE_WIDTH = ROLLUP_WIDTHS[0]
 HORIZON_LAG = 32
 MAX_ROWS_PER_CHUNK = 100_000
-DEFAULT_INTERVAL_S = 2.0
-IDLE_FACTOR = 2.0  # the background compactor rests at least this many times as long as its last pass took
 
 # (raw table, rollup table, statistic columns)
 KINDS = {
@@ -162,15 +155,6 @@ def next_data_step(conn: Connection, run_id: int, pairs: dict[str, dict[int, lis
 # -- compaction ------------------------------------------------------------------------------------
 
 
-@dataclass
-class CompactionReport:
-    runs: int = 0
-    chunks: int = 0
-    buckets: int = 0
-    skipped_busy: int = 0
-    seconds: float = 0.0
-
-
 _BUSY = object()
 
 
@@ -251,22 +235,21 @@ def runs_needing_compaction(conn: Connection, lag: int = HORIZON_LAG) -> list[in
         {"lag": lag, "w": BASE_WIDTH}).scalars())
 
 
-def compact(store, *, run_ids: list[int] | None = None, max_rows: int = MAX_ROWS_PER_CHUNK,
+def compact(db: Database, *, run_ids: list[int] | None = None, max_rows: int = MAX_ROWS_PER_CHUNK,
             lag: int = HORIZON_LAG, wait: bool = True, stop: threading.Event | None = None) -> CompactionReport:
     """Bring the rollups of every run (or of `run_ids`) up to date, synchronously. Safe to run concurrently:
     with `wait`, a run another compactor is working on is waited for, else skipped (the background thread)."""
     t0 = time.perf_counter()
     report = CompactionReport()
     if run_ids is None:
-        with store.read_engine.connect() as conn:  # SQLite: the writer engine's BEGIN IMMEDIATE would lock
+        with db.read_engine.connect() as conn:  # SQLite: the writer engine's BEGIN IMMEDIATE would lock
             run_ids = runs_needing_compaction(conn, lag)
-    # SQLite: ingest threads of this process queue on the store's writer lock (a group commit) rather than
-    # in SQLite's busy handler while a chunk holds the database's write lock.
-    writer_lock = getattr(store, "_write_lock", None) if store.dialect == "sqlite" else None
     for run_id in run_ids:
         report.runs += 1
         while stop is None or not stop.is_set():
-            with writer_lock or contextlib.nullcontext(), store.engine.begin() as conn:
+            # SQLite: ingest threads of this process queue on the writer lock (a group commit) rather than in
+            # SQLite's busy handler while a chunk holds the database's write lock.
+            with db.writing() as conn:
                 state, written = compact_chunk(conn, run_id, max_rows=max_rows, lag=lag, wait=wait)
             report.buckets += written
             if state == "busy":
@@ -277,47 +260,3 @@ def compact(store, *, run_ids: list[int] | None = None, max_rows: int = MAX_ROWS
                 break
     report.seconds = time.perf_counter() - t0
     return report
-
-
-def interval_from_env() -> float:
-    """FP8MON_ROLLUP_INTERVAL_S: seconds between compaction passes of the server's compactor (0: off)."""
-    try:
-        return max(0.0, float(os.environ.get("FP8MON_ROLLUP_INTERVAL_S", DEFAULT_INTERVAL_S)))
-    except ValueError:
-        return DEFAULT_INTERVAL_S
-
-
-class Compactor:
-    """Background thread of the server: a compaction pass every `interval` seconds until stopped."""
-
-    def __init__(self, store, interval: float = DEFAULT_INTERVAL_S):
-        self.store = store
-        self.interval = interval
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.passes = 0
-
-    def start(self) -> Compactor:
-        if self.interval > 0 and self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="fp8mon-compactor", daemon=True)
-            self._thread.start()
-        return self
-
-    def _loop(self) -> None:
-        pause = self.interval
-        while not self._stop.wait(pause):
-            t0 = time.monotonic()
-            try:
-                compact(self.store, wait=False, stop=self._stop)
-                self.passes += 1
-            except Exception:  # a database outage must not kill the thread; the next pass retries
-                log.exception("rollup compaction failed; retrying in %.1f s", self.interval)
-            # At most about 1/(1 + IDLE_FACTOR) of a core goes to compaction when ingest is heavy: the raw
-            # tail that queries read grows a little instead.
-            pause = max(self.interval, IDLE_FACTOR * (time.monotonic() - t0))
-
-    def stop(self, timeout: float = 30.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None

@@ -1,63 +1,41 @@
-"""The storage interface: every read and write of the monitor goes through `Store`.
-
-SQLAlchemy Core behind it, SQLite or PostgreSQL. Ingest writes a batch in one transaction: the batch id,
-catalogue entries, statistic rows and run bookkeeping commit together or not at all, so an acknowledged
-batch is durable and a retried one is recognised. On SQLite, concurrent batches share a transaction (group
-commit); each is acknowledged only once that transaction has committed.
+"""Ingest: a batch's rows into the database. A batch is written in one transaction: the batch id, catalogue
+entries, statistic rows and run bookkeeping commit together or not at all, so an acknowledged batch is
+durable and a retried one is recognised. On SQLite, concurrent batches share a transaction (group commit);
+each is acknowledged only once that transaction has committed.
 """
 
 import itertools
-import logging
 import operator
 import threading
 from collections.abc import Iterable, Iterator
-from datetime import UTC, datetime
+from datetime import datetime
 
 import numpy as np
-from sqlalchemy import BigInteger, Connection, Engine, bindparam, case, func, select, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import BigInteger, Connection, bindparam, case, func, select, update
 
-from fp8mon.monitor import bulk
-from fp8mon.monitor.db import create_db_engine
 from fp8mon.monitor.models import IngestBatch as BatchRow
 from fp8mon.monitor.models import Run, ScalarSeries, TensorSeries
-from fp8mon.monitor.schemas import IngestBatch, IngestResult, RunMeta, ScalarBlock, TensorBlock
+from fp8mon.monitor.storage import bulk
+from fp8mon.monitor.storage.database import Database, utcnow
+from fp8mon.monitor.wire import FINAL_STATUSES, IngestBatch, IngestResult, RunMeta, ScalarBlock, TensorBlock
 
-FINAL_STATUSES = ("finished", "failed", "diverged")
 SQLITE_MAX_GROUP = 8  # batches per group commit at most, which bounds the wait of its first batch
 
 
-def utcnow() -> datetime:
-    return datetime.now(UTC)
+class IngestWriter:
+    """Writes ingest batches; keeps the ids of runs and series it has committed, so a batch of known series
+    costs no catalogue lookups."""
 
-
-class Store:
-    def __init__(self, url: str, *, pool_size: int = 8):
-        self.engine: Engine = create_db_engine(url, pool_size=pool_size)
-        # SQLite readers run deferred transactions on their own pool; PostgreSQL shares one engine.
-        self.read_engine: Engine = (create_db_engine(url, writer=False) if self.engine.dialect.name == "sqlite"
-                                    else self.engine)
-        insert = postgresql.insert if self.dialect == "postgresql" else sqlite.insert
-        self._claim_stmt = (insert(BatchRow).on_conflict_do_nothing(index_elements=["run_id", "batch_id"])
+    def __init__(self, db: Database):
+        self.db = db
+        self.dialect = db.dialect
+        self._claim_stmt = (db.insert(BatchRow).on_conflict_do_nothing(index_elements=["run_id", "batch_id"])
                             .returning(BatchRow.batch_id))
         self._lock = threading.Lock()
-        # SQLite: held by whoever writes (ingest's group commit; the rollup compactor takes it too), so the
-        # writers of this process queue here rather than in SQLite's busy handler.
-        self._write_lock = threading.Lock()
         self._queue: list[_Job] = []  # SQLite: batches waiting for the next group, guarded by _lock
         self._run_ids: dict[str, int] = {}
         self._tensor_series: dict[int, dict[tuple[str, str], int]] = {}
         self._scalar_series: dict[int, dict[str, int]] = {}
-        self._listeners: list = []  # called as fn(batch, result) after a batch committed (not for duplicates)
-
-    @property
-    def dialect(self) -> str:
-        return self.engine.dialect.name
-
-    def close(self) -> None:
-        self.engine.dispose()
-        if self.read_engine is not self.engine:
-            self.read_engine.dispose()
 
     def forget_run(self, run_id: int) -> None:
         """Drop cached ids of a deleted run."""
@@ -66,30 +44,12 @@ class Store:
             self._tensor_series.pop(run_id, None)
             self._scalar_series.pop(run_id, None)
 
-    def add_ingest_listener(self, listener) -> None:
-        """`listener(batch, result)` runs in the ingesting thread after each stored, non-duplicate batch has
-        committed; it must return at once (hand work to a thread) and never raise into ingest."""
-        self._listeners = [*self._listeners, listener]
-
-    def remove_ingest_listener(self, listener) -> None:
-        self._listeners = [fn for fn in self._listeners if fn is not listener]
-
-    def _notify(self, batch: IngestBatch, result: IngestResult) -> IngestResult:
-        if not result.duplicate:
-            for listener in self._listeners:
-                try:
-                    listener(batch, result)
-                except Exception:  # the batch is stored: a listener's failure is not the client's
-                    logging.getLogger("fp8mon.store").exception("ingest listener %r failed", listener)
-        return result
-
     # -- ingest -------------------------------------------------------------------------------------
 
     def ingest(self, batch: IngestBatch) -> IngestResult:
         """Store a batch; it is committed (durable) when this returns."""
         if self.dialect != "sqlite":
-            result = self._write([batch])[0]
-            return self._notify(batch, result) if self._listeners else result
+            return self._write([batch])[0]
         # SQLite has one writer. Batches queue here; the thread that gets the writer lock writes the queue
         # in one transaction, taking in batches that arrive while it writes (group commit): the pages they
         # share, the tail of every series, go to the WAL once instead of once per batch. Threads wait on a
@@ -97,14 +57,14 @@ class Store:
         job = _Job(batch)
         with self._lock:
             self._queue.append(job)
-        with self._write_lock:
+        with self.db.write_lock:
             # the writer takes the oldest queued batches, not always its own: a group that fails before it
             # reaches this thread's batch leaves that batch queued, so write groups until it is done
             while not job.done:
                 self._write_queue()
         if job.error is not None:
             raise job.error
-        return self._notify(batch, job.result) if self._listeners else job.result
+        return job.result
 
     def _write_queue(self) -> None:
         with self._lock:
@@ -143,7 +103,7 @@ class Store:
         run_ids: dict[str, int] = {}
         tensor_series: dict[int, dict[tuple[str, str], int]] = {}
         scalar_series: dict[int, dict[str, int]] = {}
-        with self.engine.begin() as conn:
+        with self.db.engine.begin() as conn:
             results = [self._write_batch(conn, batch, now, run_ids, tensor_series, scalar_series)
                        for batch in batches]
         # Only committed ids enter the caches.
@@ -175,8 +135,7 @@ class Store:
                             scalar_records=len(batch.scalars) if batch.scalars else 0, values=values)
 
     def _insert_ignore(self, conn: Connection, model, rows: list[dict], keys: list[str]) -> None:
-        dialect = postgresql if self.dialect == "postgresql" else sqlite
-        conn.execute(dialect.insert(model).on_conflict_do_nothing(index_elements=keys), rows)
+        conn.execute(self.db.insert(model).on_conflict_do_nothing(index_elements=keys), rows)
 
     def _run_id(self, conn: Connection, name: str, now: datetime) -> int:
         run_id = self._run_ids.get(name)

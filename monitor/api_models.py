@@ -1,129 +1,12 @@
-"""Request and response bodies of the REST API (pydantic), apart from the ORM models.
+"""Bodies of the REST API beside ingest (pydantic): the run patch request and the query responses, which give
+the OpenAPI schema. The ingest contract is in monitor.wire."""
 
-The ingest body is the versioned wire contract of docs/wire-format.md: columnar blocks, so a batch of
-thousands of records validates and stores without a Python object per value.
-"""
-
-import math
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from fp8mon.agent.wire import (LOG2_HIST_BINS, MAX_LAYER_NAME, MAX_RUN_NAME, MAX_SCALAR_NAME, RUN_NAME_PATTERN,
-                        SCALAR_NAME_PATTERN, SITES, TENSOR_STATS, WIRE_VERSION)
-
-RunName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_RUN_NAME, pattern=RUN_NAME_PATTERN)]
-LayerName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_LAYER_NAME)]
-ScalarName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_SCALAR_NAME, pattern=SCALAR_NAME_PATTERN)]
-Step = Annotated[int, Field(ge=0, le=2**62)]
-Rank = Annotated[int, Field(ge=-1, le=32767)]  # -1: statistics reduced over all ranks
-Value = float | None  # None: not reported; NaN and +-Inf are values and are stored as such
-RunStatus = Literal["running", "finished", "failed", "diverged"]
-
-MAX_RECORDS_PER_BLOCK = 1_000_000
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class _ColumnarBlock(_Strict):
-    """Shared rule of the columnar blocks: every list column has one entry per record."""
-
-    def _check_lengths(self, columns: dict) -> int:
-        lengths = {name: len(col) for name, col in columns.items() if isinstance(col, list)}
-        if not lengths:
-            raise ValueError("block has no list column, so no records")
-        n = max(lengths.values())
-        bad = [f"{name} has {length}" for name, length in lengths.items() if length != n]
-        if bad:
-            raise ValueError(f"columns must have one entry per record ({n} records): " + ", ".join(bad))
-        if n > MAX_RECORDS_PER_BLOCK:
-            raise ValueError(f"{n} records in one block; at most {MAX_RECORDS_PER_BLOCK}")
-        return n
-
-
-class TensorBlock(_ColumnarBlock):
-    """Per-tensor statistics: record i is (step[i], layer[i], site[i], rank[i]) with stats[name][i]."""
-
-    step: Step | list[Step]
-    layer: list[LayerName]
-    site: list[Literal[SITES]]  # type: ignore[valid-type]
-    rank: Rank | list[Rank] = 0
-    stats: dict[Literal[TENSOR_STATS], list[Value]] = Field(default_factory=dict)  # type: ignore[valid-type]
-    log2_hist: list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=LOG2_HIST_BINS,
-                                                                         max_length=LOG2_HIST_BINS)] | None] | None = None
-
-    @model_validator(mode="after")
-    def _same_lengths(self):
-        columns = {"step": self.step, "layer": self.layer, "site": self.site, "rank": self.rank}
-        columns.update({f"stats.{k}": v for k, v in self.stats.items()})
-        if self.log2_hist is not None:
-            columns["log2_hist"] = self.log2_hist
-        self._n = self._check_lengths(columns)
-        return self
-
-    def __len__(self) -> int:
-        return self._n
-
-
-class ScalarBlock(_ColumnarBlock):
-    """Model-level scalars: record i is (step[i], name[i], rank[i]) = value[i]."""
-
-    step: Step | list[Step]
-    name: list[ScalarName]
-    value: list[Value]
-    rank: Rank | list[Rank] = 0
-
-    @model_validator(mode="after")
-    def _same_lengths(self):
-        self._n = self._check_lengths({"step": self.step, "name": self.name, "value": self.value, "rank": self.rank})
-        return self
-
-    def __len__(self) -> int:
-        return self._n
-
-
-class RunMeta(_Strict):
-    config: dict | None = None
-    tags: dict[str, str] | None = None
-    status: RunStatus | None = None
-
-
-class IngestBatch(_Strict):
-    version: Literal[WIRE_VERSION] = Field(description="wire format version; this server speaks 1")  # type: ignore[valid-type]
-    batch_id: Annotated[str, StringConstraints(min_length=1, max_length=128)] = Field(
-        description="client-chosen id; a batch sent again with the same id is stored once")
-    run: RunName
-    run_meta: RunMeta | None = None
-    tensors: TensorBlock | None = None
-    scalars: ScalarBlock | None = None
-    sent_at: float | None = None
-
-    @model_validator(mode="after")
-    def _not_empty(self):
-        if self.tensors is None and self.scalars is None and self.run_meta is None:
-            raise ValueError("batch carries nothing: give tensors, scalars or run_meta")
-        return self
-
-    def value_count(self) -> int:
-        n = 0
-        if self.tensors is not None:
-            n += sum(len(col) - col.count(None) for col in self.tensors.stats.values())
-        if self.scalars is not None:
-            n += len(self.scalars)
-        return n
-
-
-class IngestResult(BaseModel):
-    batch_id: str
-    run: str
-    run_id: int
-    duplicate: bool = Field(description="true when this batch id was already stored; nothing was written")
-    tensor_records: int
-    scalar_records: int
-    values: int
+from fp8mon.monitor.wire import RunStatus
 
 
 class RunOut(BaseModel):
@@ -142,17 +25,12 @@ class RunOut(BaseModel):
     last_step: int | None
 
 
-class RunPatch(_Strict):
+class RunPatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     status: RunStatus | None = None
     tags: dict[str, str] | None = None
     config: dict | None = None
-
-
-def finite_or_none(x: float | None) -> float | str | None:
-    """JSON has no NaN/Infinity: the API writes them as the strings "NaN", "Infinity", "-Infinity"."""
-    if x is None or math.isfinite(x):
-        return x
-    return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
 
 
 # -- query responses (GET /api/v1/runs...) ----------------------------------------------------------

@@ -1,0 +1,27 @@
+"""Errors of the storage interface that the REST API maps to status codes."""
+
+
+class QueryError(Exception):
+    status = 400
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class NotFound(QueryError):
+    status = 404
+
+
+class BadParameter(QueryError):
+    status = 422
+
+
+class StorageUnavailable(QueryError):
+    """The database failed (unreachable, locked, out of space): nothing was written; retry later."""
+
+    status = 503
+
+    def __init__(self, cause: Exception):
+        super().__init__(f"storage unavailable: {type(cause).__name__}; retry")
+        self.cause_name = type(cause).__name__
