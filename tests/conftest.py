@@ -1,17 +1,14 @@
 """Shared fixtures: databases (SQLite always, PostgreSQL when FP8MON_TEST_DATABASE_URL is set), the monitor
 application in process (FastAPI's TestClient), and a real uvicorn server process on 127.0.0.1 for the tests
-where the process matters (kill -9, several workers, Prometheus scraping, the browser, the CLI)."""
+where the process matters (kill -9, several workers, Prometheus scraping, the browser, the CLI).
+
+The server's packages are imported inside the fixtures, so that the GPU tests run on a machine with only the agent
+and the trainer installed (`python3 -m pytest -m gpu tests`)."""
 
 import os
 import uuid
 
 import pytest
-from sqlalchemy import create_engine, text
-
-from fp8mon.monitor.localserver import ServerProcess
-from fp8mon.monitor.migrate import upgrade
-from fp8mon.monitor.storage import SqlAlchemyStore as Store
-from fp8mon.monitor.storage.engine import create_db_engine, normalise_url
 
 PG_URL = os.environ.get("FP8MON_TEST_DATABASE_URL")
 BACKENDS = ["sqlite", "postgresql"] if PG_URL else ["sqlite"]
@@ -42,6 +39,10 @@ def _postgres_admin():
     if not PG_URL:
         yield None
         return
+    from sqlalchemy import create_engine, text
+
+    from fp8mon.monitor.storage.engine import normalise_url
+
     engine = create_engine(normalise_url(PG_URL), isolation_level="AUTOCOMMIT")
     try:
         with engine.connect() as conn:
@@ -53,6 +54,8 @@ def _postgres_admin():
 
 
 def _postgres_schema_url(base: str, schema: str) -> str:
+    from fp8mon.monitor.storage.engine import normalise_url
+
     sep = "&" if "?" in base else "?"
     return f"{normalise_url(base)}{sep}options=-csearch_path%3D{schema}"
 
@@ -60,6 +63,11 @@ def _postgres_schema_url(base: str, schema: str) -> str:
 @pytest.fixture(params=BACKENDS)
 def database_url(request, tmp_path, _postgres_admin):
     """An empty, migrated database: a fresh SQLite file, or a fresh PostgreSQL schema."""
+    from sqlalchemy import text
+
+    from fp8mon.monitor.migrate import upgrade
+    from fp8mon.monitor.storage.engine import create_db_engine
+
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path / 'fp8mon.db'}"
         engine = create_db_engine(url)
@@ -81,7 +89,9 @@ def database_url(request, tmp_path, _postgres_admin):
 
 @pytest.fixture
 def store(database_url):
-    s = Store(database_url)
+    from fp8mon.monitor.storage import SqlAlchemyStore
+
+    s = SqlAlchemyStore(database_url)
     yield s
     s.close()
 
@@ -124,9 +134,11 @@ def client(app_factory):
 
 @pytest.fixture
 def server_factory(database_url, tmp_path):
-    servers: list[ServerProcess] = []
+    from fp8mon.monitor.localserver import ServerProcess
 
-    def make(**env) -> ServerProcess:
+    servers: list = []
+
+    def make(**env):
         server = ServerProcess(database_url, env={k: str(v) for k, v in env.items()},
                                log=tmp_path / f"server{len(servers)}.log")
         servers.append(server)
@@ -138,5 +150,5 @@ def server_factory(database_url, tmp_path):
 
 
 @pytest.fixture
-def live_server(server_factory) -> ServerProcess:
+def live_server(server_factory):
     return server_factory().start()
