@@ -122,14 +122,14 @@ def test_statistics_variant_is_tuned_among_the_plain_best_and_one_spare_of_small
     fg._tuned_launch(Tuner(), "tma", None, (), dict(flags, STATS=True), *shape.values())
     assert not fg._PLAIN_BEST  # a statistics variant's choice is not a plain one
     Tuner.best_config = None  # a Triton that does not say: known as tuned (no second plain run), every config
-    fg._tuned_launch(Tuner(), "tma", None, (), dict(flags, STATS=False, WARP_SPEC=False), *shape.values())
+    fg._tuned_launch(Tuner(), "tma", None, (), dict(flags, STATS=False), *shape.values())
     assert list(fg._PLAIN_BEST.values()) == [None]
     assert prune(configs, shape, STATS=True, **flags) == small
     for best, want in ((small[-1], [fg._STATS_SPARE, small[-1]]),  # the spare and a small plain best
                        (configs[0], [fg._STATS_SPARE])):  # 128 x 256: too large for the statistics epilogue
         fg._PLAIN_BEST.clear()
         Tuner.best_config = best
-        fg._tuned_launch(Tuner(), "tma", None, (), dict(flags, STATS=False, WARP_SPEC=False), *shape.values())
+        fg._tuned_launch(Tuner(), "tma", None, (), dict(flags, STATS=False), *shape.values())
         kept = [fg._config_dict(c) for c in prune(configs, shape, STATS=True, **flags)]
         assert kept == [fg._config_dict(c) if not isinstance(c, dict) else c for c in want]
     assert prune(configs, dict(shape, K=2048), STATS=True, **flags) == small  # another shape

@@ -1,6 +1,6 @@
 """A transformer block's residual add, out = x + b (b: a branch's output, from the attention's or the MLP's last
 linear), in one pass, optionally taking b's statistics row for the agent from the read it does anyway: the row of that
-linear's ``output``, which the linear then leaves to it (``trainer.model.Block``), instead of a statistics kernel
+linear's ``output``, which the linear then leaves to it (``trainer.fused.ResidualAdd``), instead of a statistics kernel
 reading b once more.
 
 x and b have one shape; out takes torch's type promotion of the two (an fp32 residual stream plus a bf16 branch is
@@ -8,7 +8,7 @@ fp32), and its values are torch's: the sum in fp32, rounded once to out's dtype.
 to each input, in its dtype. Reference beside it: ``residual_add_ref``. With ``grad_stats`` the backward casts b's
 gradient in one kernel (``branch_grad``) that also takes its row: the grad_output of a plain branch linear (an FP8
 linear's backward cast takes its own). The same kernel is ``weight_cast``: a bf16 linear's weight cast for autocast
-with the weight's row, and its gradient cast back with the gradient's row (``trainer.layers.own_weight_row``).
+with the weight's row, and its gradient cast back with the gradient's row (``trainer.fused.own_weight_row``).
 """
 
 from __future__ import annotations
