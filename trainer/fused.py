@@ -30,9 +30,9 @@ def _runs(device: torch.device) -> bool:
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * g. ``learnable=False`` keeps g as a buffer (frozen, never in the optimizer): FOG's
-    QK-norm gains are fixed at 1. ``feeds``: the linear whose input y is; its input row is then taken here (a plain
-    linear's: an FP8 linear's cast takes its own). The kernels take contiguous rows (``kernels.rmsnorm.supports``)."""
+    """y = x / sqrt(mean(x^2) + eps) * g. ``learnable=False`` keeps g as a buffer (frozen, never in the optimizer):
+    FOG's QK-norm gains are fixed at 1. ``feeds``: the linear whose input y is; its input row is then taken here (a
+    plain linear's: an FP8 linear's cast takes its own). The kernels take contiguous rows (``kernels.rmsnorm.supports``)."""
 
     def __init__(self, dim: int, eps: float = 1e-6, init: float = 1.0, learnable: bool = True,
                  feeds: nn.Module | None = None):

@@ -29,7 +29,8 @@ import torch
 from fp8mon.agent import triton_stats
 
 _layers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # agent -> WeakSet of its Fp8Linear layers
-_cast_layers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # agent -> WeakSet of its own_weight_row linears
+# agent -> WeakSet of its own_weight_row linears
+_cast_layers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def register(module) -> None:

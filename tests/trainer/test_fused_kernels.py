@@ -331,7 +331,8 @@ def test_rope_on_qkv_equals_torch_and_takes_qkvs_rows(shape, dt, nan):
     _check(*problems, row_problems(tgt.rows[0], both, under_slack=hist_slack(both)))
 
 
-@pytest.mark.parametrize("shape,dt,bthd", [((2, 3, 50, 16), torch.bfloat16, True), ((1, 2, 33, 32), torch.float32, False),
+@pytest.mark.parametrize("shape,dt,bthd", [((2, 3, 50, 16), torch.bfloat16, True),
+                                           ((1, 2, 33, 32), torch.float32, False),
                                            ((2, 2, 40, 8), torch.bfloat16, False)])
 def test_merged_heads_equal_torchs_copy_and_its_gradient(shape, dt, bthd):
     """From the layout the attention returns (a transposed (B, T, NH, HD)) and from a contiguous one, with a partial

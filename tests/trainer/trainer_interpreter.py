@@ -2,7 +2,8 @@
 
 ``TRITON_INTERPRET=1`` takes effect for kernels decorated after it is set, and other test modules import fp8mon (and
 decorate its kernels) without it. ``fresh_fp8mon()`` sets it and imports fp8mon afresh: for its duration
-``sys.modules`` holds a second copy of every ``fp8mon`` and ``triton`` module, whose kernels run on CPU tensors in the interpreter;
+``sys.modules`` holds a second copy of every ``fp8mon`` and ``triton`` module, whose kernels run on CPU tensors in the
+interpreter;
 afterwards the first copy is back, untouched. Tests that use it import fp8mon inside the test (through the
 ``interpreted`` fixture of tests/trainer/conftest.py), never at the top of their module.
 """

@@ -28,7 +28,8 @@ def row_problems(a: torch.Tensor, b: torch.Tensor, *, rtol=1e-6, under_slack=Non
     if under_slack is not None:
         d = (a[..., ds.UNDERFLOW] - b[..., ds.UNDERFLOW]).abs()
         if bool((d > under_slack).any()):
-            bad.append(f"underflow {a[..., ds.UNDERFLOW].tolist()} vs {b[..., ds.UNDERFLOW].tolist()} (slack {under_slack})")
+            bad.append(f"underflow {a[..., ds.UNDERFLOW].tolist()} vs {b[..., ds.UNDERFLOW].tolist()} "
+                       f"(slack {under_slack})")
     n = b[..., ds.N].clamp(min=1)
     sd = (b[..., ds.M2] / n).sqrt()
     scale = b[..., ds.MEAN].abs() + sd

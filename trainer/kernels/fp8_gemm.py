@@ -36,8 +36,7 @@ Speed: the Triton kernels' fast-accumulation forward GEMM is close to torch._sca
 GEMMs fall behind it, because Triton's promotion (a wait on the wgmma chain and an fp32 add per BK block, both warp
 groups in lockstep) leaves the tensor cores idle during every add: the Gluon "ws" kernel, among the candidates for
 precise GEMMs, avoids that. Eager calls on small shapes are bound by the launch's Python host time. Promoting every
-256 instead of 128 products (BK=256) would be faster but less accurate, so it is not used. Figures:
-bench/results/.
+256 instead of 128 products (BK=256) would be faster but less accurate, so it is not used.
 
 Reference beside it: ``fp8_gemm_ref`` (``torch._scaled_mm``, or dequantize + fp32 matmul where
 _scaled_mm refuses the operands).
@@ -302,7 +301,7 @@ def _fp8_gemm_tma_kernel(a_desc, b_desc, c_desc, ws_ptr, sa_ptr, sb_ptr, bias_pt
 
 
 def _tune_bench(fn, quantiles=None):
-    """Shorter timing than the autotuner's default (25 ms warm-up, 100 ms): ~12 configs x each shape."""
+    """Shorter timing than the autotuner's default: a dozen configs are timed for each shape."""
     return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
 
 
@@ -554,9 +553,9 @@ def _scaled_mm_ref(a, b, scale_a, scale_b, out_dtype, bias, fast_accum) -> torch
     """The same product through ``torch._scaled_mm`` on CUDA (tensorwise scales, fp32 accumulation), through
     dequantize + fp32 matmul on the CPU.
 
-    a: (M, K), b: (N, K), any strides. On the CPU, torch 2.13's _scaled_mm accepts every case but ran a
-    reference kernel on a Sapphire Rapids VM (0.95 s for a 512x128x384 product, against 1.7 ms dequantized), so
-    the CPU path dequantizes: the same values, as every product of two FP8 numbers is exact in fp32, summed
+    a: (M, K), b: (N, K), any strides. On the CPU, torch's _scaled_mm accepts every case but runs a slow
+    reference kernel, so the CPU path dequantizes: the same values, as every product of two FP8 numbers is exact in
+    fp32, summed
     in fp32. On CUDA _scaled_mm wants mat1 row-major, mat2 column-major, dims multiple of 16 and rejects
     e5m2 x e5m2: operands are made contiguous here and anything it still refuses (odd dims, dtype pair, older
     GPU) goes through dequantize + fp32 matmul (remembered per case, so the refusal costs one try). Bias is

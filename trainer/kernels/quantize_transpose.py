@@ -4,8 +4,8 @@ The backward GEMMs need K-major operands that the forward layout does not give: 
 Gᵀ (N, M) and Xᵀ (K, M) contiguous, dgrad dX = G W needs Wᵀ (K, N) contiguous. Each (BM, BN) tile of x
 is read once, scaled, clamped and cast, then stored row-major into ``q`` and, transposed, into ``q_t``
 (``TRANS_MODE``: bf16 tiles are transposed in registers, which Triton stages through shared memory;
-fp32 tiles are re-read transposed, from L1/L2, because Triton 3.6's register transpose of them came out
-wrong on an H200). Scaling is as in ``quantize.py`` (current: amax
+fp32 tiles are re-read transposed, from L1/L2, because Triton's register transpose of them came out
+wrong on Hopper). Scaling is as in ``quantize.py`` (current: amax
 partials pass first; delayed: scale from history, amax accumulated atomically, then
 ``delayed_update``). Reference beside it: ``quantize_transpose_ref``.
 
@@ -152,7 +152,8 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, accum_ptr,
                                      ahm_ptr, ahm_val,
                                      FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
                                      OUT_DTYPE: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr,
-                                     SOFT_ROUND: tl.constexpr, TRANS_MODE: tl.constexpr, UTHR: tl.constexpr, OTHR: tl.constexpr, C_PTR: tl.constexpr,
+                                     SOFT_ROUND: tl.constexpr, TRANS_MODE: tl.constexpr, UTHR: tl.constexpr,
+                                     OTHR: tl.constexpr, C_PTR: tl.constexpr,
                                      AHM_PTR: tl.constexpr, HIST: tl.constexpr, V: tl.constexpr,
                                      BM: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr = 1,
                                      PACKED: tl.constexpr = False):

@@ -30,20 +30,18 @@ from .quantize import INTERPRET, cdiv, persistent_programs, reg_cap
 BLOCK = 2048
 PROGRAMS_PER_SM = 4
 # Persistent programs per SM of the kernels with a row, their register cap (ptxas), blocks and warps. Uncapped, the add
-# with a row took 156 registers in an offline sm_90a build (bench/offline_sass.py --consumers): one program of 8 warps
-# per SM, the second of each SM a second wave. At 128 (no spill in the tile loops) 16 warps fill an SM's registers, as
-# two programs of 8 warps or four of 4; on an H100 two of 8 made the add and the cast 10% and 17% faster than one, and
-# four of 4 with half the block (``trainer.kernels.swiglu.STATS_WARPS`` says why smaller programs can be faster) made
-# them and the weight casts up to 5% faster again on an H100 and an H200, the add with the histogram unchanged
-# (bench/RESULTS.md). The careful loop (a block with NaN or Inf) spills at 4 warps; it runs only on such blocks.
+# with a row fits one program of 8 warps per SM. At 128 registers (no spill in the tile loops) 16 warps fill an SM's
+# registers, as two programs of 8 warps or four of 4; four of 4 with half the block is the fastest
+# (``trainer.kernels.swiglu.STATS_WARPS`` says why smaller programs can be faster). The careful loop (a block with NaN
+# or Inf) spills at 4 warps; it runs only on such blocks.
 STATS_PROGRAMS_PER_SM = 4
 STATS_MAXNREG = 128
 WARPS = 8
 STATS_BLOCK = 1024
 STATS_WARPS = 4
 # Software-pipelining depth of the tile loops with a row (``tl.range``'s num_stages: from 2 on, Triton issues the
-# next blocks' loads into shared memory, cp.async, ahead of this block's arithmetic); by ``bench/consumers.py
-# --stages`` on an H100 (bench/RESULTS.md). Without a row the add streams at copy speed and takes 1.
+# next blocks' loads into shared memory, cp.async, ahead of this block's arithmetic): the best depth found. Without a
+# row the add streams at copy speed and takes 1.
 STATS_STAGES = 3
 _SOFT_ROUND = tl.constexpr(INTERPRET)  # for the careful path's loader of b's gradient (kernels take it as an argument)
 

@@ -1,8 +1,8 @@
 """RMSNorm over the last dimension, y = x / sqrt(mean(x^2) + eps) * w, forward and backward as one Triton kernel
 each, the forward optionally taking y's statistics row for the agent from the registers it stores y from: the row of
 the ``input`` of the linear that y feeds (llama's pre-norms feed qkv and fc1), which that linear then leaves to the
-block (``trainer.fused.FusedRMSNorm``) instead of a statistics kernel reading y once more. With a row, a width that is not a
-power of two is taken as chunks of its largest power-of-two divisor (no padded lanes, full tiles).
+norm (``trainer.fused.RMSNorm``) instead of a statistics kernel reading y once more. With a row, a width that is not
+a power of two is taken as chunks of its largest power-of-two divisor (no padded lanes, full tiles).
 
 y has x's dtype, as ``trainer.torch_ops.rms_norm`` (the reference; under autocast the next linear casts y). Its
 values are that computation's in fp32 with the sum of squares in another order: a few units in the last place apart.

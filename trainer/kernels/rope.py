@@ -103,8 +103,8 @@ def _head_ptrs(slot: tl.constexpr, q_ptr, k_ptr, v_ptr, b, h, pos, T, NH, HD2: t
 @triton.jit
 def _mul(a, b, INTERPRETED: tl.constexpr):
     """a * b in fp32, rounded on its own as torch's separate multiply rounds it: ``mul.rn`` is never contracted into
-    an FMA with the add that follows (contracted, a cancelling x1*cos - x2*sin was many bf16 units off torch's on an
-    H100, bench/RESULTS.md). The interpreter contracts nothing."""
+    an FMA with the add that follows (contracted, a cancelling x1*cos - x2*sin lands many bf16 units off torch's).
+    The interpreter contracts nothing."""
     if INTERPRETED:
         return a * b
     return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
