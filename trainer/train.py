@@ -347,13 +347,9 @@ def train_step(model, raw: Transformer, optimizer, params, batches, args, world:
 
 # ---- the loop -------------------------------------------------------------------------------------
 
-def run(args) -> TrainResult:
-    rank, world, device = setup_distributed(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    master = rank == 0
-    result = TrainResult(rank=rank, world_size=world)
-
+def _build(args, device: torch.device, world: int):
+    """(data, model, the model as trained (DDP, compiled), optimizer, checkpoint path, first step, last step + 1) of a
+    run; ``args``' defaults that follow from the config are filled in, a checkpoint to resume from is loaded."""
     data = TokenData.from_path(args.data, args.data_format, val_fraction=args.val_fraction,
                                vocab_size=args.vocab_size)
     cfg = get_config(args.config, n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head, d_ff=args.d_ff,
@@ -382,9 +378,6 @@ def run(args) -> TrainResult:
             start = load_checkpoint(resume_from, raw, optimizer, args)
         elif args.resume != "auto":
             raise SystemExit(f"--resume {resume_from}: no such checkpoint")
-    result.start_step = result.step = start
-    result.model = raw
-
     if args.cuda_graph and (device.type != "cuda" or world > 1 or args.compile):
         raise SystemExit("--cuda-graph needs one CUDA device and no --compile")
     model = raw
@@ -393,6 +386,19 @@ def run(args) -> TrainResult:
         model = DDP(raw, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
     if args.compile:
         model = torch.compile(model)
+    return data, raw, model, optimizer, ckpt, start, stop
+
+
+def run(args) -> TrainResult:
+    rank, world, device = setup_distributed(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    master = rank == 0
+    result = TrainResult(rank=rank, world_size=world)
+
+    data, raw, model, optimizer, ckpt, start, stop = _build(args, device, world)
+    result.start_step = result.step = start
+    result.model = raw
 
     run_name = args.run_name or _default_run_name(args, world)
     result.run_name = run_name
@@ -497,11 +503,16 @@ def run(args) -> TrainResult:
             if agent.errors and master:
                 print(f"fp8mon agent: {agent.errors} error(s), last: {agent.last_error}", file=sys.stderr)
     if master:
-        last = result.losses.get(result.step - 1)
-        print(f"{status}: {result.step} steps" + (f", loss {last:.4f}" if last is not None else "")
-              + (f", {result.tokens_per_s:,.0f} tok/s" if result.tokens_per_s else "")
-              + (f", checkpoint {ckpt}" if ckpt and status == "finished" else ""), flush=True)
+        _summary(result, ckpt)
     return result
+
+
+def _summary(result: TrainResult, ckpt: Path | None) -> None:
+    """The run's last line: how it ended, its last loss and speed, and its checkpoint."""
+    last = result.losses.get(result.step - 1)
+    print(f"{result.status}: {result.step} steps" + (f", loss {last:.4f}" if last is not None else "")
+          + (f", {result.tokens_per_s:,.0f} tok/s" if result.tokens_per_s else "")
+          + (f", checkpoint {ckpt}" if ckpt and result.status == "finished" else ""), flush=True)
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
