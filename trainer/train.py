@@ -112,6 +112,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     f.add_argument("--fp8-freeze-scale-after", type=int, default=0, metavar="N",
                    help="delayed scaling: stop refreshing each scale after its first N steps (static scales, or a "
                    "history that stopped updating); 0: never. Runs on the torch FP8 path")
+    f.add_argument("--fp8-backend", choices=("auto", "triton", "torch"), default="auto",
+                   help="the FP8 linears' kernels: auto (Triton on CUDA sm89+, else torch), or one of them")
     f.add_argument("--fp8-no-saturate", action="store_true", help="cast overflows to NaN/Inf as torch's own float8 "
                    "conversion does, instead of saturating (an FP8 stack that forgets to clamp); torch FP8 path")
     s = p.add_argument_group("system")
@@ -367,9 +369,12 @@ def _build(args, device: torch.device, world: int):
     optimizer = torch.optim.AdamW(raw.param_groups(args.weight_decay), lr=args.lr, betas=tuple(args.betas),
                                   eps=args.adam_eps, fused=device.type == "cuda")
     if args.precision == "fp8":  # the micro-batches of a step reuse each FP8 weight cast
-        from .fp8_linear import cache_fp8_weights
+        from .fp8_linear import Fp8Linear, cache_fp8_weights
 
         cache_fp8_weights(raw, optimizer)
+        for m in raw.modules():
+            if isinstance(m, Fp8Linear):
+                m.backend = getattr(args, "fp8_backend", "auto")
     ckpt = Path(args.out) / "ckpt.pt" if args.out else None
     start = 0
     resume_from = resolve_checkpoint(args)

@@ -156,10 +156,10 @@ def _assert_close_records(got: dict, want: dict, rtol: float):
 @pytest.mark.parametrize("precision", ["fp8", "bf16"])
 def test_a_graphed_run_equals_the_eager_run_rows_and_histograms_included(precision, monkeypatch):
     from fp8mon.agent import triton_stats as ts
-    from fp8mon.trainer import layers
+    from fp8mon.trainer.parts import Parts
 
     if precision == "fp8":  # torch's RoPE: qkv's output row is then the FP8 linear's own (deferred when captured)
-        monkeypatch.setattr(layers, "FUSED_ROPE", False)
+        monkeypatch.setattr(Parts, "rope", lambda self, qkv, n_head, head_dim: None)
     deferred = []
     real_defer = ts.defer
     monkeypatch.setattr(ts, "defer", lambda x, t: (deferred.append(torch.cuda.is_current_stream_capturing()),

@@ -37,6 +37,7 @@ from fp8mon.agent import triton_stats as ts
 from fp8mon.agent.triton_stats import (_SMEM_HIST, _htab, _shift_of, fused_bounds, fused_epilogue, stream_add, stream_partial,
                                 stream_zero, words_add, words_fold, words_zero)
 
+from .. import torch_ops
 from .fp8_gemm import _to_out
 from .quantize import INTERPRET, cdiv, persistent_programs, reg_cap
 from .words import pack, unpack
@@ -518,6 +519,4 @@ def swiglu(y: torch.Tensor, stats: "ts.Target | None" = None, h_stats: "ts.Targe
     return _SwiGLUFn.apply(y, stats, h_stats, dy_stats)
 
 
-def swiglu_ref(y: torch.Tensor) -> torch.Tensor:
-    gate, up = y.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
+swiglu_ref = torch_ops.swiglu  # the reference, beside the kernels

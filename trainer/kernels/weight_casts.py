@@ -211,7 +211,7 @@ def weight_casts(weights: list[torch.Tensor], dtype: torch.dtype, targets: list[
     that takes each weight's row into its target. The backward casts the gradients back in one launch once all are
     in, each taking its gradient's row where its link (``agent.core.FusedLink``) asks for it (``grad_weight_target``).
     One node for all: a gradient is ready only at the end of the backward pass, which a distributed data-parallel
-    wrapper's overlap of communication with the backward does not want (``trainer.weight_rows.GRADS_TOGETHER``)."""
+    wrapper's overlap of communication with the backward does not want (``trainer.weight_rows.grads_together``)."""
     if any(w.dtype != torch.float32 for w in weights):
         raise ValueError("weight_casts: casts fp32 weights")
     return list(_WeightCastsFn.apply(dtype, targets, links, *weights))
