@@ -27,6 +27,8 @@ def _bf16_linear(fan_in: int, fan_out: int) -> nn.Module:
 
 
 class Parts:
+    """The parts of a block for one precision (see the module docstring)."""
+
     def __init__(self, precision: str = "fp32", recipe=None, linear: MakeLinear | None = None):
         if linear is None:
             linear = {"fp8": lambda: _fp8_linear(recipe), "bf16": lambda: _bf16_linear}.get(
@@ -48,6 +50,7 @@ class Parts:
         return None
 
     def merge_heads(self) -> fused.MergeHeads:
+        """The attention's heads merged back for its projection."""
         return fused.MergeHeads()
 
     def swiglu(self, fc1: nn.Module, fc2: nn.Module) -> fused.SwiGLUAct:
