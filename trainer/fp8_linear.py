@@ -19,10 +19,8 @@ Two paths, chosen per call (``module.backend``: "auto" | "triton" | "torch"):
   "triton" on CPU tensors runs the Triton kernels in Triton's interpreter (``TRITON_INTERPRET=1`` set
   before Triton is imported; tests only).
 
-Host overhead: a forward + backward is ~9 Triton launches plus autograd; on the H200 VM measured
-eagerly it was host-bound at ~1.0-1.3 ms per layer whatever the size, while as a replayed CUDA graph it
-took 0.29-2.0 ms, 1.05-1.22x faster than bf16 nn.Linear at the 1.5B shapes (0.78-0.89x at 124M). The
-path has no host sync and allocates only through the caching allocator, so it can be captured in a CUDA
+Host overhead: a forward + backward is about nine Triton launches plus autograd, so eagerly small layers are bound by
+the host. The path has no host sync and allocates only through the caching allocator, so it can be captured in a CUDA
 graph once every shape has run once (the first call of a shape compiles, autotunes and synchronizes).
 
 Statistics: with an agent watching (it sets ``module.fp8mon_stats`` to its ``FusedLink``), on a reporting
@@ -30,32 +28,18 @@ step the quantize kernels of input, weight (E4M3) and grad_output (E5M2) also wr
 section-4 rows, with the scale they cast with, straight into the agent's step buffer (``stats=`` of
 ``quantize_transpose``): no hook reads a GEMM input a second time. Under current scaling the weights' rows (and
 amaxes) of a reporting step come from one launch for all layers at the first weight cast (``weight_rows``); each
-weight's cast then reads its amax. The torch path computes the same rows
-with ``device_stats.partials`` and reports them. The row of ``output`` (y as returned, in its dtype) is Fp8Linear's
-too, taken as ``OUTPUT_STATS`` says. The default, "auto", is "epilogue" eagerly and "deferred" while a CUDA graph
-captures the step (``output_stats_mode``): a replay pays no launch's host time, so the way of least device time wins
-there (H200, 2026-11-26, ``bench/agent_overhead.py --cuda-graph``, median steps with the agent against without: 124M
-+5.5% deferred, +6.4% read, +8.2% epilogue on one machine; 1.5B +4.5% read, +6.9% epilogue, and +4.2% deferred on
-another). With "epilogue" the forward GEMM's statistics epilogue writes it
-(``fp8_gemm(stats=)``); with "read" the standalone statistics kernel reads y right after the GEMM. On
-the H200 at the 1.5B forward shapes the read costs less device time (the GEMM and read took 1.13-1.48x the plain
-GEMM without the histogram, the epilogue 1.22-1.61x: it runs on the TMA kernel, the read follows the faster ws
-kernel), but it is one more launch, ~90 us of host time, and with the agent on the step was host-bound there
-(bench/gemm_stats.py, bench/agent_overhead.py --output-stats; bench/RESULTS.md). With "deferred" the same read
-joins the next statistics launch on the device (``triton_stats.defer``): the next current-scaled cast's, which
-reads its input for its row in place of the amax pass (``quantize_transpose.CURRENT_STATS``), so it costs no
-launch of its own; y must then not be modified in place before that launch (an in-place activation after the
-layer would be). On the H200 (2026-11-25), eagerly, it ran 2.8 ms less kernel time per 1.5B step than the
-epilogue, the same whole steps there (+14.7% both) and slower ones at 124M, whose step is host-bound (+38.6% against
-+24.1%): not the eager default. No hook reads y in any of these.
+weight's cast then reads its amax. The torch path computes the same rows with ``device_stats.partials`` and reports
+them. The row of ``output`` (y as returned, in its dtype) is Fp8Linear's too, unless a fused kernel that consumes y
+takes it (``trainer.fused``). How it is taken (``output_stats_mode``): eagerly, by the forward GEMM's statistics
+epilogue (``fp8_gemm(stats=)``), which adds no launch to a step that the agent's launches make host-bound; while a
+CUDA graph captures the step, "deferred": the standalone statistics kernel's read of y joins the next statistics
+launch on the device (``triton_stats.defer``: the next current-scaled cast's, which reads its input for its row in
+place of the amax pass), the way of least device time, as a replay pays no launch's host time. y must then not be
+modified in place before that launch (an in-place activation after the layer would be). No hook reads y.
 ``grad_weight`` is left to the agent's hook, whose row is read from ``weight.grad`` by the standalone statistics
 kernel, once per backward pass for all layers together (``Agent.observe_after_backward``); that read also gives
 gradient clipping its norms (``trainer.clip``). A wgrad epilogue could take it (the row of weight.grad + dW, given
-weight.grad), but on the H200 at 1.5B the TMA kernel's epilogue cost the four wgrads 1.7-2.1x their plain time, ~580 us
-per layer, where one read of the fp32 gradient (268 MB per layer) was ~130 us at the standalone kernel's ~0.5 of copy
-bandwidth then, and ~80 us at the 0.84-0.86 it reached on 256 MiB of fp32 since (arithmetic from bench/RESULTS.md, not
-timed per layer). The warp-specialized kernel's, built later in its consumers' registers and then as a partition of
-its own (commit a590aff), cost at best what a read of C per GEMM costs (bench/RESULTS.md, 2026-11-27), and was removed.
+weight.grad), but it cost the wgrads more than one read of the fp32 gradient per step costs.
 
 For the statistics fusion, after a forward (and backward) ``module.fp8_amax`` and ``module.fp8_scale``
 map site -> fp32 0-d device tensor: "input", "weight" (forward), "grad_output" (backward). amax is
@@ -67,7 +51,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -78,10 +61,7 @@ from fp8mon.agent.formats import E4M3, E5M2, Fp8Format
 from . import weight_rows
 
 SITES = ("input", "weight", "grad_output")  # the quantized tensors
-GEMM_SITES = ("output",)  # the GEMM results whose rows Fp8Linear takes (OUTPUT_STATS)
-# how the output row is taken on the Triton path: "auto" | "epilogue" | "read" | "deferred" (module docstring)
-OUTPUT_STATS = "auto"
-_OUTPUT_MODES = ("auto", "epilogue", "read", "deferred")
+GEMM_SITES = ("output",)  # the GEMM results whose rows Fp8Linear takes (``output_stats_mode``)
 _FORMATS = {"input": E4M3, "weight": E4M3, "grad_output": E5M2}
 _GEMM_STATS = {"ok": True}  # False once a GEMM with fused statistics failed: the statistics are then taken apart
 log = logging.getLogger("fp8mon.fp8_linear")
@@ -124,7 +104,6 @@ def _triton_fp8_ok(device: torch.device) -> bool:
 
 
 def _resolve_backend(requested: str, device: torch.device, recipe: Fp8Recipe = Fp8Recipe()) -> str:
-    requested = os.environ.get("FP8MON_FP8_BACKEND", requested) if requested == "auto" else requested
     if requested == "auto":
         return "triton" if _triton_fp8_ok(device) and _recipe_ok_on_triton(recipe) else "torch"
     if requested not in ("triton", "torch"):
@@ -143,13 +122,14 @@ def _recipe_ok_on_triton(recipe: Fp8Recipe) -> bool:
 class _State:
     """What the autograd function needs from the module (plain references, no module cycle)."""
 
-    def __init__(self, module: "Fp8Linear", backend: str):
+    def __init__(self, module: "Fp8Linear", backend: str, device: torch.device):
         self.recipe = module.recipe
         self.backend = backend
         self.amax = module.fp8_amax
         self.scale = module.fp8_scale
         self.link = module.fp8mon_stats  # the agent's FusedLink, or None
-        self.output_by_consumer = module.fp8mon_output_by_consumer
+        consumer = module.fp8mon_output_consumer  # a fused kernel that takes the output row where it runs
+        self.output_by_consumer = self.link is not None and consumer is not None and consumer(device)
         self.weight = module.weight  # its .grad: what the wgrad result accumulates into
         self.weight_cache = module.fp8_weight_cache
         self.weight_ready = module.fp8_weight_ready
@@ -285,13 +265,9 @@ class _State:
 
 
 def output_stats_mode() -> str:
-    """``OUTPUT_STATS``, with "auto" resolved for this call: "deferred" while the stream captures a CUDA graph (a
+    """How the Triton path takes the output row in this call: "deferred" while the stream captures a CUDA graph (a
     replay pays no launch's host time, so the path of least device time wins), else "epilogue" (eager steps are
     host-bound with the agent on, and the epilogue adds no launch)."""
-    if OUTPUT_STATS not in _OUTPUT_MODES:
-        raise ValueError(f"fp8_linear.OUTPUT_STATS must be one of {_OUTPUT_MODES}, not {OUTPUT_STATS!r}")
-    if OUTPUT_STATS != "auto":
-        return OUTPUT_STATS
     return "deferred" if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing() else "epilogue"
 
 
@@ -352,11 +328,11 @@ class Fp8Linear(nn.Module):
     """Drop-in for ``nn.Linear`` (weight (out, in), optional bias) with FP8 GEMMs (see module docstring).
 
     ``forward(x)``: x of any leading shape, fp32 or bf16; returns the autocast dtype under autocast,
-    else x's dtype. ``backend`` attribute: "auto" (Triton on CUDA sm89+, else torch) | "triton" | "torch";
-    the environment variable ``FP8MON_FP8_BACKEND`` overrides "auto".
+    else x's dtype. ``backend`` attribute: "auto" (Triton on CUDA sm89+, else torch) | "triton" | "torch".
     """
 
     fp8mon_linear = True
+    FORMATS = _FORMATS  # the format each quantized site is cast to
     fp8mon_reported_sites = SITES + GEMM_SITES  # by the quantize kernels and the layer's own output row (docstring)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, recipe: Fp8Recipe = Fp8Recipe(),
@@ -368,8 +344,9 @@ class Fp8Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
         self.backend = "auto"
         self.fp8mon_stats = None  # set by agent.Agent.watch
-        # True: the kernel that consumes this layer's output takes its row (trainer.layers.SwiGLU); this layer does not
-        self.fp8mon_output_by_consumer = False
+        # ``fuses(device)`` of the module that consumes this layer's output and takes its row on the devices where its
+        # kernel runs (``trainer.reporting.SiteRow``); this layer then does not
+        self.fp8mon_output_consumer = None
         self.fp8_cache_weight = False  # set by cache_fp8_weights
         # [((data_ptr, version), (q, q_t, scale_inv)) or None, casts so far]: see _State.quantize_weight
         self.fp8_weight_cache: list = [None, 0]
@@ -399,6 +376,10 @@ class Fp8Linear(nn.Module):
         if link is not None:
             weight_rows.register(self)
 
+    def backend_on(self, device: torch.device) -> str:
+        """The backend ("triton" | "torch") this layer's forward runs on ``device``."""
+        return _resolve_backend(self.backend, device, self.recipe)
+
     def reset_parameters(self) -> None:
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # as nn.Linear
         if self.bias is not None:
@@ -418,7 +399,7 @@ class Fp8Linear(nn.Module):
         grad = torch.is_grad_enabled()
         need_dx = grad and x.requires_grad
         need_dw = grad and self.weight.requires_grad
-        state = _State(self, _resolve_backend(self.backend, x.device, self.recipe))
+        state = _State(self, self.backend_on(x.device), x.device)
         return _Fp8LinearFn.apply(x, self.weight, self.bias, state, out_dtype, need_dx, need_dw)
 
 

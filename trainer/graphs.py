@@ -1,4 +1,4 @@
-"""Whole optimizer steps as CUDA graphs (``fp8mon train --cuda-graph``, ``bench/agent_overhead.py --cuda-graph``).
+"""Whole optimizer steps as CUDA graphs (``fp8mon train --cuda-graph``).
 
 A step launches hundreds of kernels, each costing the host tens of microseconds of Python and Triton binding,
 and the agent's statistics add launches and bookkeeping of their own. Replaying a captured step costs the host

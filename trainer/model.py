@@ -15,36 +15,22 @@ fog (FOG-strong, "Towards Fully FP8 GEMM LLM Training at Scale", arXiv 2505.2052
 
 Module names as the monitor shows them: ``blocks.{i}.attn.qkv``, ``blocks.{i}.attn.proj``,
 ``blocks.{i}.mlp.fc1`` (SwiGLU: [gate | up] fused), ``blocks.{i}.mlp.fc2``; ``embed`` and ``head`` stay in
-high precision. With ``precision="fp8"`` the four block GEMMs are ``Fp8Linear`` (trainer/fp8_linear.py).
+high precision. With ``precision="fp8"`` the four block GEMMs are ``Fp8Linear`` (trainer/fp8_linear.py). The parts of
+each block come from ``trainer.parts.Parts``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import layers
 from .config import ARCHS, PRECISIONS, ModelConfig
-from .layers import (Attention, MakeLinear, RMSNorm, Rotary, SwiGLU, XIELUMLP, mark_reported, report_apart,
-                     report_grad_apart, take_output, target_of, triton_runs)
-
-
-def linear_factory(precision: str, recipe=None) -> MakeLinear:
-    """Block GEMMs: Fp8Linear for fp8 (imported only then), else a bias-free nn.Linear (bf16: one that takes its
-    weight's row from autocast's cast of it)."""
-    if precision == "fp8":
-        from .fp8_linear import Fp8Linear, Fp8Recipe
-
-        recipe = recipe if recipe is not None else Fp8Recipe()
-        return lambda fan_in, fan_out: Fp8Linear(fan_in, fan_out, bias=False, recipe=recipe)
-    if precision == "bf16":  # autocast casts each weight: the cast takes its row (layers.own_weight_row)
-        return lambda fan_in, fan_out: layers.own_weight_row(nn.Linear(fan_in, fan_out, bias=False))
-    return lambda fan_in, fan_out: nn.Linear(fan_in, fan_out, bias=False)
+from .layers import Attention, Rotary, SwiGLU, XIELUMLP
+from .parts import Parts
 
 
 def autocast(precision: str, device: torch.device | str):
@@ -54,84 +40,43 @@ def autocast(precision: str, device: torch.device | str):
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
 
 
-class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, arch: str, make_linear: MakeLinear, qk_norm: bool | None = None):
+class LlamaBlock(nn.Module):
+    """The standard pre-norm block. Its norms take the rows of the inputs of qkv and fc1 (the tensors they write), its
+    adds those of the outputs of proj and fc2 (the tensors they read): ``parts`` builds them around those linears."""
+
+    def __init__(self, cfg: ModelConfig, parts: Parts, qk_norm: bool = False):
         super().__init__()
-        self.arch = arch
         d = cfg.d_model
-        fog = arch == "fog"
-        self.attn = Attention(d, cfg.n_head, make_linear, qk_norm=fog if qk_norm is None else qk_norm,
-                              softmax_scale=cfg.fog_softmax_scale if fog else None, eps=cfg.norm_eps)
-        if fog:
-            gain = 1.0 / math.sqrt(cfg.n_layer)
-            self.attn_out_norm = RMSNorm(d, cfg.norm_eps, init=gain)  # on the branch output, before the add
-            self.mlp = XIELUMLP(d, cfg.fog_d_ff, make_linear)
-            self.mlp_out_norm = RMSNorm(d, cfg.norm_eps, init=gain)
-        else:
-            self.attn_norm = RMSNorm(d, cfg.norm_eps)  # pre-norm, on the branch input
-            self.mlp = SwiGLU(d, cfg.d_ff, make_linear)
-            self.mlp_norm = RMSNorm(d, cfg.norm_eps)
-        # llama's pre-norms take the row of the input of the branch's first linear (layers.FUSED_NORM)
-        self.norm_rows = layers.FUSED_NORM and not fog
-        if self.norm_rows:
-            mark_reported(self.attn.qkv, "input")
-            mark_reported(self.mlp.fc1, "input")
-        # llama's residual adds take the row of the branch's last linear's output (FUSED_RESIDUAL)
-        self.fused_residual = FUSED_RESIDUAL and not fog
-        if self.fused_residual:
-            mark_reported(self.attn.proj, "output", "grad_output")
-            mark_reported(self.mlp.fc2, "output", "grad_output")
+        self.attn = Attention(d, cfg.n_head, parts, qk_norm=qk_norm, eps=cfg.norm_eps)
+        self.attn_norm = parts.norm(d, cfg.norm_eps, feeds=self.attn.qkv)
+        self.attn_add = parts.residual(self.attn.proj)
+        self.mlp = SwiGLU(d, cfg.d_ff, parts)
+        self.mlp_norm = parts.norm(d, cfg.norm_eps, feeds=self.mlp.fc1)
+        self.mlp_add = parts.residual(self.mlp.fc2)
 
     def forward(self, x: torch.Tensor, rope: Rotary) -> torch.Tensor:
-        if self.arch == "fog":
-            x = x + self.attn_out_norm(self.attn(x, rope))
-            return x + self.mlp_out_norm(self.mlp(x))
-        if not self.fused_residual:
-            x = x + self.attn(_normed(self.attn_norm, x, self.attn.qkv, self.norm_rows), rope)
-            return x + self.mlp(_normed(self.mlp_norm, x, self.mlp.fc1, self.norm_rows))
-        fused = triton_runs(x.device)
-        # (take_output before the branch runs: it tells an FP8 linear whether to leave its output row to the add)
-        link = take_output(self.attn.proj, fused)
-        x = _residual(x, self.attn.proj, link, self.attn(_normed(self.attn_norm, x, self.attn.qkv, self.norm_rows),
-                                                         rope), fused)
-        link = take_output(self.mlp.fc2, fused)
-        return _residual(x, self.mlp.fc2, link, self.mlp(_normed(self.mlp_norm, x, self.mlp.fc1, self.norm_rows)),
-                         fused)
+        x = self.attn_add(x, self.attn(self.attn_norm(x), rope))
+        return self.mlp_add(x, self.mlp(self.mlp_norm(x)))
 
 
-def _normed(norm: RMSNorm, x: torch.Tensor, linear: nn.Module, rows: bool) -> torch.Tensor:
-    """norm(x), the input of ``linear``; with ``rows`` (set at construction, which marked a plain linear's input as the
-    block's) a plain linear's input row, taken by the norm's kernel or apart."""
-    link = getattr(linear, "fp8mon_stats", None) if rows and type(linear) is nn.Linear else None
-    if link is None:
-        return norm(x)
-    if norm.fused(x):
-        return norm(x, stats=target_of(link, "input", x))
-    y = norm(x)
-    report_apart(link, "input", y)
-    return y
+class FogBlock(nn.Module):
+    """FOG-strong's block: no pre-norm, an RMSNorm on each branch's output (gain initialised to 1/sqrt(L))."""
+
+    def __init__(self, cfg: ModelConfig, parts: Parts, qk_norm: bool = True):
+        super().__init__()
+        d, gain = cfg.d_model, 1.0 / math.sqrt(cfg.n_layer)
+        self.attn = Attention(d, cfg.n_head, parts, qk_norm=qk_norm, softmax_scale=cfg.fog_softmax_scale,
+                              eps=cfg.norm_eps)
+        self.attn_out_norm = parts.norm(d, cfg.norm_eps, init=gain)
+        self.mlp = XIELUMLP(d, cfg.fog_d_ff, parts)
+        self.mlp_out_norm = parts.norm(d, cfg.norm_eps, init=gain)
+
+    def forward(self, x: torch.Tensor, rope: Rotary) -> torch.Tensor:
+        x = x + self.attn_out_norm(self.attn(x, rope))
+        return x + self.mlp_out_norm(self.mlp(x))
 
 
-# The residual add as one Triton kernel (trainer.kernels.residual) where Triton runs, taking, for the agent, the row of
-# the output of the attention's proj and of the MLP's fc2 from its read of them (an FP8 linear then leaves it to the
-# add; a plain one's is marked as the block's at construction), and a plain one's grad_output row from the backward's
-# cast of it: no second read of them. On by default
-# (bench/RESULTS.md: faster than torch's add, and the agent's rows cheaper); FP8MON_FUSED_RESIDUAL=0 gives torch's add.
-FUSED_RESIDUAL = os.environ.get("FP8MON_FUSED_RESIDUAL", "1") == "1"
-
-
-def _residual(x: torch.Tensor, linear: nn.Module, link, branch: torch.Tensor, fused: bool) -> torch.Tensor:
-    """x + branch, the rows of the branch (the output of ``linear``, whose agent link is ``link``) and, for a plain
-    linear, of its gradient (the linear's grad_output) taken by the fused add and its backward, or apart."""
-    grad_link = link if type(linear) is nn.Linear else None  # an FP8 linear's backward cast takes its grad_output
-    if fused and x.shape == branch.shape:
-        from .kernels.residual import residual_add
-
-        grad_target = (lambda: target_of(grad_link, "grad_output", branch)) if grad_link is not None else None
-        return residual_add(x, branch, stats=target_of(link, "output", branch), grad_stats=grad_target)
-    report_apart(link, "output", branch)
-    report_grad_apart(grad_link, branch)
-    return x + branch
+BLOCKS = {"llama": LlamaBlock, "fog": FogBlock}
 
 
 class Transformer(nn.Module):
@@ -144,12 +89,13 @@ class Transformer(nn.Module):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}")
         self.cfg, self.arch, self.precision = cfg, arch, precision
-        make_linear = linear_factory(precision, recipe)
+        parts = Parts(precision, recipe)
+        block_kw = {} if qk_norm is None else {"qk_norm": qk_norm}
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.embed_scale = 1.0 / cfg.init_std if arch == "fog" else 1.0
         self.rope = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
-        self.blocks = nn.ModuleList(Block(cfg, arch, make_linear, qk_norm) for _ in range(cfg.n_layer))
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps) if arch == "llama" else None
+        self.blocks = nn.ModuleList(BLOCKS[arch](cfg, parts, **block_kw) for _ in range(cfg.n_layer))
+        self.norm = parts.norm(cfg.d_model, cfg.norm_eps) if arch == "llama" else None
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.track_diagnostics = False
         self._lse: torch.Tensor | None = None

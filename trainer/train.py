@@ -112,6 +112,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     f.add_argument("--fp8-freeze-scale-after", type=int, default=0, metavar="N",
                    help="delayed scaling: stop refreshing each scale after its first N steps (static scales, or a "
                    "history that stopped updating); 0: never. Runs on the torch FP8 path")
+    f.add_argument("--fp8-backend", choices=("auto", "triton", "torch"), default="auto",
+                   help="the FP8 linears' kernels: auto (Triton on CUDA sm89+, else torch), or one of them")
     f.add_argument("--fp8-no-saturate", action="store_true", help="cast overflows to NaN/Inf as torch's own float8 "
                    "conversion does, instead of saturating (an FP8 stack that forgets to clamp); torch FP8 path")
     s = p.add_argument_group("system")
@@ -347,13 +349,9 @@ def train_step(model, raw: Transformer, optimizer, params, batches, args, world:
 
 # ---- the loop -------------------------------------------------------------------------------------
 
-def run(args) -> TrainResult:
-    rank, world, device = setup_distributed(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    master = rank == 0
-    result = TrainResult(rank=rank, world_size=world)
-
+def _build(args, device: torch.device, world: int):
+    """(data, model, the model as trained (DDP, compiled), optimizer, checkpoint path, first step, last step + 1) of a
+    run; ``args``' defaults that follow from the config are filled in, a checkpoint to resume from is loaded."""
     data = TokenData.from_path(args.data, args.data_format, val_fraction=args.val_fraction,
                                vocab_size=args.vocab_size)
     cfg = get_config(args.config, n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head, d_ff=args.d_ff,
@@ -371,9 +369,12 @@ def run(args) -> TrainResult:
     optimizer = torch.optim.AdamW(raw.param_groups(args.weight_decay), lr=args.lr, betas=tuple(args.betas),
                                   eps=args.adam_eps, fused=device.type == "cuda")
     if args.precision == "fp8":  # the micro-batches of a step reuse each FP8 weight cast
-        from .fp8_linear import cache_fp8_weights
+        from .fp8_linear import Fp8Linear, cache_fp8_weights
 
         cache_fp8_weights(raw, optimizer)
+        for m in raw.modules():
+            if isinstance(m, Fp8Linear):
+                m.backend = getattr(args, "fp8_backend", "auto")
     ckpt = Path(args.out) / "ckpt.pt" if args.out else None
     start = 0
     resume_from = resolve_checkpoint(args)
@@ -382,9 +383,6 @@ def run(args) -> TrainResult:
             start = load_checkpoint(resume_from, raw, optimizer, args)
         elif args.resume != "auto":
             raise SystemExit(f"--resume {resume_from}: no such checkpoint")
-    result.start_step = result.step = start
-    result.model = raw
-
     if args.cuda_graph and (device.type != "cuda" or world > 1 or args.compile):
         raise SystemExit("--cuda-graph needs one CUDA device and no --compile")
     model = raw
@@ -393,6 +391,19 @@ def run(args) -> TrainResult:
         model = DDP(raw, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
     if args.compile:
         model = torch.compile(model)
+    return data, raw, model, optimizer, ckpt, start, stop
+
+
+def run(args) -> TrainResult:
+    rank, world, device = setup_distributed(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    master = rank == 0
+    result = TrainResult(rank=rank, world_size=world)
+
+    data, raw, model, optimizer, ckpt, start, stop = _build(args, device, world)
+    result.start_step = result.step = start
+    result.model = raw
 
     run_name = args.run_name or _default_run_name(args, world)
     result.run_name = run_name
@@ -497,11 +508,16 @@ def run(args) -> TrainResult:
             if agent.errors and master:
                 print(f"fp8mon agent: {agent.errors} error(s), last: {agent.last_error}", file=sys.stderr)
     if master:
-        last = result.losses.get(result.step - 1)
-        print(f"{status}: {result.step} steps" + (f", loss {last:.4f}" if last is not None else "")
-              + (f", {result.tokens_per_s:,.0f} tok/s" if result.tokens_per_s else "")
-              + (f", checkpoint {ckpt}" if ckpt and status == "finished" else ""), flush=True)
+        _summary(result, ckpt)
     return result
+
+
+def _summary(result: TrainResult, ckpt: Path | None) -> None:
+    """The run's last line: how it ended, its last loss and speed, and its checkpoint."""
+    last = result.losses.get(result.step - 1)
+    print(f"{result.status}: {result.step} steps" + (f", loss {last:.4f}" if last is not None else "")
+          + (f", {result.tokens_per_s:,.0f} tok/s" if result.tokens_per_s else "")
+          + (f", checkpoint {ckpt}" if ckpt and result.status == "finished" else ""), flush=True)
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:

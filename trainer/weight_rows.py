@@ -1,9 +1,9 @@
 """The weights' statistics rows of a reporting step, in one launch.
 
 With current scaling on the Triton path, the row of a tensor about to be cast comes from the standalone statistics
-kernel, in place of the cast's amax pass (``quantize_transpose.CURRENT_STATS = "row"``): one launch per cast. Each
-launch costs a chain of latencies over the amax pass it replaces (set-up, per-program result, the last program's
-merge: ~6 us on an H200 whatever the tensor's size; bench/RESULTS.md). Small weights pay it the most. A model's
+kernel, in place of the cast's amax pass: one launch per cast. Each launch costs a chain of latencies over the amax
+pass it replaces (set-up, per-program result, the last program's merge) whatever the tensor's size, so small weights
+pay it the most. A model's
 weights are known before its forward, so the first weight cast of a reporting step takes the rows and amaxes of
 every due weight of the agent's ``Fp8Linear`` layers in one launch (``triton_stats.cast_rows``). Each layer's cast
 then reads its amax (``quantize_transpose(amax_ready=)``) and adds its underflow count to its row, as after its own
@@ -13,27 +13,24 @@ A layer registers itself when an agent attaches to it (``register``, from ``Fp8L
 the batch covered but whose forward did not run that step keeps a row without its underflow count, and drops the
 prepared amax at its next cast (the step or the weight no longer match).
 
-A bf16 model's plain linears (``trainer.layers.own_weight_row``) cast their fp32 weights for autocast, each cast taking
+A bf16 model's plain linears (``trainer.fused.own_weight_row``) cast their fp32 weights for autocast, each cast taking
 the weight's row: there the first cast of a reporting step casts every due weight of the agent's such linears, rows
 included, in one launch (``take_cast``, ``trainer.kernels.weight_casts``), and each linear's forward takes its cast
-from it; the gradients' casts back, with their rows, take one launch too (``GRADS_TOGETHER``). Such a linear
+from it; the gradients' casts back, with their rows, take one launch too (``grads_together``). Such a linear
 registers itself at its first forward with a link (``register_cast``).
 """
 
 from __future__ import annotations
 
-import importlib
-import os
 import weakref
 
 import torch
 
 from fp8mon.agent.stats import launch as triton_stats
 
-BATCH = os.environ.get("FP8MON_BATCH_WEIGHT_ROWS", "1") != "0"  # "0": each weight cast takes its own row (benches)
-
 _layers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # agent -> WeakSet of its Fp8Linear layers
-_cast_layers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # agent -> WeakSet of its own_weight_row linears
+# agent -> WeakSet of its own_weight_row linears
+_cast_layers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def register(module) -> None:
@@ -49,7 +46,7 @@ def take(link, ready: list, weight: torch.Tensor):
     ``ready``: the layer's holder of what the batch prepared for it (``Fp8Linear.fp8_weight_ready``). The first
     call of a reporting step that finds its weight due launches the batch."""
     agent = getattr(link, "agent", None)
-    if not BATCH or agent is None:
+    if agent is None:
         return None
     got = _pop_current(ready, agent, weight)
     if got is None and link.due("weight"):
@@ -70,24 +67,19 @@ def _pop_current(ready: list, agent, weight: torch.Tensor):
 
 def _launch(agent, device: torch.device) -> None:
     """One ``cast_rows`` launch for every registered layer of ``agent`` on ``device`` whose weight row is due and
-    whose cast takes its row in place of the amax pass (Triton, current scaling, ``CURRENT_STATS = "row"``)."""
-    from .fp8_linear import _FORMATS, _resolve_backend
-
-    # the module (the package re-exports its function under the same name); its setting as it is now
-    if importlib.import_module(".kernels.quantize_transpose", __package__).CURRENT_STATS != "row":
-        return
+    whose cast takes its row in place of the amax pass (Triton, current scaling)."""
     items = []
     for module in list(_layers.get(agent, ())):
         link, weight = module.fp8mon_stats, module.weight
         if getattr(link, "agent", None) is not agent or module.recipe.scaling == "delayed" or \
                 weight.device != device or weight.dim() != 2 or not link.due("weight") or \
-                _resolve_backend(module.backend, device, module.recipe) != "triton":
+                module.backend_on(device) != "triton":
             continue
         target = link.target("weight", device)  # claims the row: the layer's own cast will not ask again
         if target is None:
             continue
         amax = torch.empty(3, dtype=torch.float32, device=device)
-        items.append((weight, _FORMATS["weight"], target, amax))
+        items.append((weight, module.FORMATS["weight"], target, amax))
         module.fp8_weight_ready[0] = (agent.current_step, (weight.data_ptr(), weight._version), target, amax)
     if items:
         triton_stats.cast_rows(items, device)
@@ -105,23 +97,17 @@ def register_cast(module, link) -> None:
             layers.add(module)
 
 
-# The batch takes weights of at most this many elements. Small weights' casts are bound by their launches: at 124M
-# (0.6-3.1 M elements each) the batch took 0.2 ms of device time off an H200's step. A large weight's own cast, just
-# before its GEMM, leaves the result in L2 for it: at 1.5B (4.2-34 M) the batch took 0.47 ms off the casts, but the
-# GEMMs ran 0.8 ms longer (bench/RESULTS.md; the L2 is the inferred cause).
-BATCH_MAX_ELEMENTS = int(os.environ.get("FP8MON_BATCH_CAST_MAX_ELEMENTS", str(1 << 22)))
-
-# Whether the batch's weights are one autograd node (``kernels.weight_casts.weight_casts``), whose backward casts all
-# their gradients back in one launch at the end of the backward pass, or each its own (``residual.weight_cast``: a
-# launch per gradient, as it comes). "auto": together unless torch.distributed is initialized, where a data-parallel
-# wrapper reduces each gradient as it comes, overlapping the backward pass.
-GRADS_TOGETHER = os.environ.get("FP8MON_WEIGHT_GRADS_TOGETHER", "auto")
+# The batch takes weights of at most this many elements. Small weights' casts are bound by their launches; a large
+# weight's own cast, just before its GEMM, leaves the result in L2 for it, which the GEMM lost when the batch took it.
+BATCH_MAX_ELEMENTS = 1 << 22
 
 
 def grads_together() -> bool:
-    if str(GRADS_TOGETHER) == "auto":
-        return not (torch.distributed.is_available() and torch.distributed.is_initialized())
-    return str(GRADS_TOGETHER) not in ("0", "False")
+    """Whether the batch's weights are one autograd node (``kernels.weight_casts.weight_casts``), whose backward casts
+    all their gradients back in one launch at the end of the backward pass, or each its own (``residual.weight_cast``:
+    a launch per gradient, as it comes): together unless torch.distributed is initialized, where a data-parallel wrapper
+    reduces each gradient as it comes, overlapping the backward pass."""
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
 
 
 def take_cast(module, link, dtype: torch.dtype) -> torch.Tensor | None:
@@ -131,7 +117,7 @@ def take_cast(module, link, dtype: torch.dtype) -> torch.Tensor | None:
     ``dtype``."""
     agent = getattr(link, "agent", None)
     weight = module.weight
-    if not BATCH or agent is None or weight.numel() > BATCH_MAX_ELEMENTS:
+    if agent is None or weight.numel() > BATCH_MAX_ELEMENTS:
         return None
     got = _pop_cast(module, agent, weight, dtype)
     if got is None and link.due("weight"):

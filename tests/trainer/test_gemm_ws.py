@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from fp8mon.trainer.kernels import fp8_gemm_ws as W
+from fp8mon.trainer.kernels import stream_k as SK
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and W.AVAILABLE
@@ -159,7 +160,7 @@ def test_ws_run_tunes_and_reuses():
     assert len([k for k in W._BEST if k[0] == (512, 1024)]) == 1
 
 
-SK_PLANS = [  # tiles, k_tiles, grid (num_sms), tails (None: _sk_params' choice)
+SK_PLANS = [  # tiles, k_tiles, grid (num_sms), tails (None: sk_params' choice)
     (5, 3, 2, None), (5, 33, 12, None), (5, 3, 7, None), (1, 1, 132, None), (3, 2, 132, None), (108, 128, 132, None),
     (192, 128, 132, None), (36, 128, 132, None), (96, 128, 132, None), (2048, 16, 132, None), (264, 7, 132, None),
     (7, 5, 3, None), (131, 1, 132, None), (10, 2, 7, None),
@@ -179,8 +180,8 @@ def test_sk_plan(plan):
     wait: no wait cycle), in ascending K order, for partials in distinct workspace slots, and consumes every partial
     (its flag is reset). Forced tail counts (tests of the kernel's general ranges) keep the same invariants."""
     tiles, kt, nsm, forced = plan
-    P = W.sk_plan(tiles, kt, nsm, forced)
-    grid, dp_tiles, x, tails_n, _, _ = W._sk_params(tiles, kt, nsm, forced)
+    P = SK.sk_plan(tiles, kt, nsm, forced)
+    grid, dp_tiles, x, tails_n, _, _ = SK.sk_params(tiles, kt, nsm, forced)
     stream = tiles - dp_tiles
     assert dp_tiles == (tiles // nsm) * nsm and len(P) == grid == (nsm if dp_tiles else stream + tails_n) <= nsm
     if forced is None:
@@ -229,7 +230,7 @@ def test_sk_plan(plan):
 
 
 SK_CONFIGS = [c for c in W.CONFIGS if W._sched(c)]
-SK_CASES = [  # M, N, K, num_sms (None: all), out dtype, bias, tails (None: _sk_params' choice)
+SK_CASES = [  # M, N, K, num_sms (None: all), out dtype, bias, tails (None: sk_params' choice)
     (640, 128, 384, 2, torch.float32, False, None),  # 5 tiles x 3 K blocks on 2 CTAs: 2 DP waves, 1 head, 1 tail
     (640, 128, 4112, 12, torch.bfloat16, True, None),  # 5 tiles x 33 K blocks on 12 CTAs: 5 heads, 5 tails
     (640, 128, 4112, 12, torch.bfloat16, True, 7),  # the same with 7 tails: ranges across tiles, 2 waits per head

@@ -156,10 +156,10 @@ def _assert_close_records(got: dict, want: dict, rtol: float):
 @pytest.mark.parametrize("precision", ["fp8", "bf16"])
 def test_a_graphed_run_equals_the_eager_run_rows_and_histograms_included(precision, monkeypatch):
     from fp8mon.agent.stats import launch as ts
-    from fp8mon.trainer import layers
+    from fp8mon.trainer.parts import Parts
 
     if precision == "fp8":  # torch's RoPE: qkv's output row is then the FP8 linear's own (deferred when captured)
-        monkeypatch.setattr(layers, "FUSED_ROPE", False)
+        monkeypatch.setattr(Parts, "rope", lambda self, qkv, n_head, head_dim: None)
     deferred = []
     real_defer = ts.defer
     monkeypatch.setattr(ts, "defer", lambda x, t: (deferred.append(torch.cuda.is_current_stream_capturing()),
@@ -216,16 +216,10 @@ def test_fp8mon_train_with_cuda_graphs_sends_what_the_eager_run_sends(monkeypatc
 def test_the_output_row_is_taken_by_the_epilogue_unless_a_graph_captures(monkeypatch):
     from fp8mon.trainer import fp8_linear
 
-    assert fp8_linear.OUTPUT_STATS == "auto"
     assert fp8_linear.output_stats_mode() == "epilogue"  # no capture here (the GPU test above runs "deferred")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert fp8_linear.output_stats_mode() == "deferred"
-    monkeypatch.setattr(fp8_linear, "OUTPUT_STATS", "read")
-    assert fp8_linear.output_stats_mode() == "read"
-    monkeypatch.setattr(fp8_linear, "OUTPUT_STATS", "epilog")
-    with pytest.raises(ValueError, match="OUTPUT_STATS must be one of"):
-        fp8_linear.output_stats_mode()
 
 
 def test_tensor_lr_makes_one_rate_tensor_and_refuses_groups_with_different_rates():

@@ -1,5 +1,5 @@
-"""Additive trainer flags used by the labelled-run corpus (scripts/make_fixtures.py): `--schedule constant`
-and `--no-qk-norm`; the defaults are unchanged."""
+"""Additive trainer flags used by the labelled-run corpus (scripts/make_fixtures.py): `--schedule constant`,
+`--no-qk-norm` and `--fp8-backend`; the defaults are unchanged."""
 
 import pytest
 import torch
@@ -30,3 +30,15 @@ def test_no_qk_norm_drops_the_fog_qk_norm_and_defaults_keep_it():
     assert Transformer(cfg, "llama", qk_norm=True).blocks[0].attn.q_norm is not None
     x = torch.randint(0, cfg.vocab_size, (2, 16))
     assert torch.isfinite(ablated(x, x)).all()
+
+
+def test_fp8_backend_flag_picks_the_fp8_linears_kernels():
+    from fp8mon.trainer.fp8_linear import Fp8Linear
+    from fp8mon.trainer.train import _build
+
+    assert build_parser().parse_args([]).fp8_backend == "auto"
+    args = build_parser().parse_args(["--precision", "fp8", "--fp8-backend", "torch", "--config", "tiny",
+                                      "--n-layer", "1", "--steps", "1"])
+    _, raw, _, _, _, _, _ = _build(args, torch.device("cpu"), 1)
+    linears = [m for m in raw.modules() if isinstance(m, Fp8Linear)]
+    assert linears and all(m.backend == "torch" for m in linears)

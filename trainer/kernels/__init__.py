@@ -6,7 +6,10 @@
   swiglu              silu(gate) * up of y = [gate | up], forward and backward in one pass each, with y's row
   residual            a block's residual add, with the branch's row
   rope                RoPE on the attention's qkv output, forward and backward in one pass each, with its row
-  heads               the attention's heads merged for its projection, with that input's row
+  heads               the attention's heads merged for its projection
+  weight_casts        many tensors cast in one launch, each with its row (a bf16 model's weights and gradients)
+  fp8_gemm_ws         the warp-specialized precise-accumulation GEMM (Gluon, sm90); stream_k its stream-K schedule
+  timing              timing kernel candidates against each other (first-call tuning)
   rmsnorm             RMSNorm forward and backward in one pass each, with the output's row
   words               bf16 tensors as 32-bit words (the consumer kernels' bf16x2 statistics)
 

@@ -16,8 +16,7 @@ Two Triton implementations, both autotuned over BM x BN x BK in {128x256x128, 25
 3-5 stages, 8 warps, grouped tile ordering (GROUP_M tiles of M share B tiles in L2):
   * ``"tma"``: persistent (one program per SM), A/B tiles through TMA descriptors, TMA store of C in
     two half tiles (Triton's persistent-matmul tutorial structure). Needs K % 16 == 0 and a C row
-    pitch that is a multiple of 16 bytes. ``"tma_ws"``: the same with Triton's warp specialization
-    (``tl.range(warp_specialize=True)``); measured no better on an H200, so not among the auto candidates.
+    pitch that is a multiple of 16 bytes.
   * ``"ptr"``: one program per tile, pointer loads (Triton's matmul tutorial structure); any shape.
   * ``"ws"`` (trainer/kernels/fp8_gemm_ws.py, Gluon, sm90 only): precise accumulation only, no statistics
     epilogue; a TMA producer warp and two consumer warpgroups that promote without a CTA-wide barrier, so one
@@ -29,19 +28,15 @@ Split-K (the Triton kernels) when the output has fewer 128x128 tiles than the GP
 call autotunes and synchronizes), checks them against each other, keeps the faster; later calls are a
 dict lookup and never synchronize. A variant with a statistics epilogue (``stats=``) is tuned among two configs
 only, of tiles of at most 128x128: the one chosen for the same GEMM without statistics (tuned first if need be)
-when it qualifies, and a 128x128 tile. Its epilogue accumulates per tile row (``agent.triton_stats.rows_add``); on
-an H200 it costs the 1.5B forward GEMMs 1.3-1.8x their time without statistics, 1.6-3.0x with the histogram,
-and the wgrads 1.7-2.1x (bench/gemm_stats.py), which is why Fp8Linear takes grad_weight's row from a separate read.
+when it qualifies, and a 128x128 tile. Its epilogue accumulates per tile row (``agent.triton_stats.rows_add``); it
+costs a wgrad more than a separate read of the gradient does, which is why Fp8Linear takes grad_weight's row from
+a separate read.
 
-Measured on one H200 (Triton 3.6, torch 2.11; bench/gemm.py, eager): the Triton kernels' fast-accumulation
-forward GEMM is at 0.87-1.04x torch._scaled_mm (1.02x at 8192^3), their precise backward GEMMs at 0.57-0.92x,
-because Triton's promotion (a wait on the wgmma chain and an fp32 add per BK block, both warp groups in
-lockstep) costs ~20% where cuBLAS' costs ~2%. With the Gluon "ws" kernel among the candidates, every GEMM of the
-124M and 1.5B models is at 0.955x or more as CUDA-graph replays (bench/gemm.py --graph); as eager launches queued
-back to back (--queued, the clock a training step sees) 24 of the 26 shapes are at 0.96-1.15x and the 124M qkv and
-fc2 wgrads at 0.90-0.94x (bench/RESULTS.md). Eager calls on the small 124M shapes are slower still, bound by the
-launch's Python host time. Promoting every 256 instead
-of 128 products (BK=256) gains ~10% at 1.7x the accumulation error, so it is not used.
+Speed: the Triton kernels' fast-accumulation forward GEMM is close to torch._scaled_mm; their precise backward
+GEMMs fall behind it, because Triton's promotion (a wait on the wgmma chain and an fp32 add per BK block, both warp
+groups in lockstep) leaves the tensor cores idle during every add: the Gluon "ws" kernel, among the candidates for
+precise GEMMs, avoids that. Eager calls on small shapes are bound by the launch's Python host time. Promoting every
+256 instead of 128 products (BK=256) would be faster but less accurate, so it is not used.
 
 Reference beside it: ``fp8_gemm_ref`` (``torch._scaled_mm``, or dequantize + fp32 matmul where
 _scaled_mm refuses the operands).
@@ -68,7 +63,6 @@ try:  # host-side TMA descriptors (Triton >= 3.4)
 except ImportError:  # pragma: no cover
     TensorDescriptor = None
 
-DEFAULT_IMPL = "auto"
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 INTERPRET_CONFIG = {"BM": 64, "BN": 64, "BK": 64, "GROUP_M": 4}
 
@@ -238,8 +232,7 @@ def _fp8_gemm_tma_kernel(a_desc, b_desc, c_desc, ws_ptr, sa_ptr, sb_ptr, bias_pt
                          sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, cen_ptr, c_mean, c_std, k,
                          ahm_ptr, ahm_val,
                          KEY: tl.constexpr, HAS_BIAS: tl.constexpr, FAST_ACC: tl.constexpr, NUM_SMS: tl.constexpr,
-                         SOFT_ROUND: tl.constexpr, SPLIT_K: tl.constexpr, FLATTEN: tl.constexpr,
-                         WARP_SPEC: tl.constexpr, STATS: tl.constexpr, C_PTR: tl.constexpr,
+                         SOFT_ROUND: tl.constexpr, SPLIT_K: tl.constexpr, STATS: tl.constexpr, C_PTR: tl.constexpr,
                          AHM_PTR: tl.constexpr, HIST: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr,
                          SMODE: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
@@ -256,7 +249,7 @@ def _fp8_gemm_tma_kernel(a_desc, b_desc, c_desc, ws_ptr, sa_ptr, sb_ptr, bias_pt
     if STATS:  # the program's tiles accumulate into one row state
         lo, hi = fused_bounds(cen_ptr, c_mean, c_std, k, C_PTR)
         st = rows_zero(BM)
-    for item in tl.range(start_pid, num_items, NUM_SMS, flatten=FLATTEN, warp_specialize=WARP_SPEC):
+    for item in tl.range(start_pid, num_items, NUM_SMS, flatten=True):
         if SPLIT_K == 1:
             pid_m, pid_n = _tile_ids(item, num_pid_m, num_pid_n, GROUP_M)
             k0 = 0
@@ -308,7 +301,7 @@ def _fp8_gemm_tma_kernel(a_desc, b_desc, c_desc, ws_ptr, sa_ptr, sb_ptr, bias_pt
 
 
 def _tune_bench(fn, quantiles=None):
-    """Shorter timing than the autotuner's default (25 ms warm-up, 100 ms): ~12 configs x each shape."""
+    """Shorter timing than the autotuner's default: a dozen configs are timed for each shape."""
     return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
 
 
@@ -361,13 +354,13 @@ def _autotune(impl: str, configs, extra=()):
 
 
 _ptr_tuned = _autotune("ptr", _ptr_configs(), ["SPLIT_K"])(_fp8_gemm_ptr_kernel)
-_tma_tuned = _autotune("tma", _tma_configs(), ["SPLIT_K", "WARP_SPEC"])(_fp8_gemm_tma_kernel)
+_tma_tuned = _autotune("tma", _tma_configs(), ["SPLIT_K"])(_fp8_gemm_tma_kernel)
 
 
 def _tuned_launch(tuner, impl: str, grid, args, flags: dict, M: int, N: int, K: int) -> None:
     """An autotuned launch; a plain one records its config for the statistics variants of the same GEMM."""
     tuner[grid](*args, **flags)
-    if not flags["STATS"] and not flags.get("WARP_SPEC"):
+    if not flags["STATS"]:
         best = getattr(tuner, "best_config", None)  # None (unknown): the statistics variants try every config
         _PLAIN_BEST.setdefault(_plain_key(impl, M, N, K, flags), None if best is None else _config_dict(best))
 
@@ -381,7 +374,7 @@ def _tma_ok(a, b, out_dtype) -> bool:
 
 
 _AUTO_CHOICE: dict = {}
-AUTO_CANDIDATES = ["ptr", "tma"]  # timed by impl="auto"; "tma_ws" (Triton warp specialization) is opt-in
+AUTO_CANDIDATES = ["ptr", "tma"]  # timed by impl="auto", with "ws" where it runs
 
 
 def _ws_ok(a, b, out_dtype, fast_accum: bool, stats) -> bool:
@@ -437,7 +430,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
     """(M, N) = (a @ b.T) * scale_a * scale_b (+ bias), a: (M, K) fp8, b: (N, K) fp8, both K-major.
 
     ``config`` = {"BM", "BN", "BK", "GROUP_M", "num_warps", "num_stages"} bypasses the autotuner (tests,
-    interpreter). ``impl``: "auto" | "tma" | "tma_ws" | "ws" | "ptr" | None (``DEFAULT_IMPL``); the TMA variants
+    interpreter). ``impl``: "auto" (None) | "tma" | "ws" | "ptr"; the TMA variants
     fall back to "ptr" where the TMA alignment does not hold; "ws" (precise, sm90, no ``stats``) falls back to
     "tma" elsewhere. ``split_k`` (ptr only; None = heuristic): partial sums over
     K slices into an fp32 workspace, then a reduce kernel in a fixed order (deterministic).
@@ -466,21 +459,19 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
     if config is None and INTERPRET:  # the autotuner times configs with CUDA events
         config = INTERPRET_CONFIG
     if impl is None:
-        impl = DEFAULT_IMPL
+        impl = "auto"
     if impl not in ("ptr", "auto") and not _tma_ok(a, b, out_dtype):
         impl = "ptr"
     if impl == "auto":
         impl = _pick_impl(a, b, scale_a, scale_b, out_dtype, bias, fast_accum) if a.is_cuda else "tma"
         if impl == "tma" and not _tma_ok(a, b, out_dtype):
             impl = "ptr"
-    if impl not in ("ptr", "tma", "tma_ws", "ws"):
+    if impl not in ("ptr", "tma", "ws"):
         raise ValueError(f"unknown impl {impl!r}")
     if impl == "ws" and not _ws_ok(a, b, out_dtype, fast_accum, stats):
         impl = "tma" if _tma_ok(a, b, out_dtype) else "ptr"
     if impl == "ws" and split_k is None:  # few tiles: its stream-K configs fill the GPU (no workspace split)
         split_k = 1
-    if impl == "tma_ws" and stats is not None:  # the statistics' loop-carried partial: no warp specialization
-        impl = "tma"
     if split_k is None:  # few output tiles and a long K (the 124M wgrads): split K to fill the GPU
         split_k = 4 if (a.is_cuda and cdiv(M, 128) * cdiv(N, 128) < _num_sms(a.device)
                         and K >= 8192) else 1
@@ -507,8 +498,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
             grid = (cdiv(M, cfg["BM"]) * cdiv(N, cfg["BN"]), split_k)
             _fp8_gemm_ptr_kernel[grid](*args, **flags, **cfg)
     else:
-        wspec = impl == "tma_ws"
-        flags.update(NUM_SMS=num_sms, WARP_SPEC=wspec, FLATTEN=not wspec)
+        flags.update(NUM_SMS=num_sms)
         dummy = [1, 1]
         a_desc = TensorDescriptor(a, [M, K], [K, 1], dummy)
         b_desc = TensorDescriptor(b, [N, K], [K, 1], dummy)
@@ -563,9 +553,9 @@ def _scaled_mm_ref(a, b, scale_a, scale_b, out_dtype, bias, fast_accum) -> torch
     """The same product through ``torch._scaled_mm`` on CUDA (tensorwise scales, fp32 accumulation), through
     dequantize + fp32 matmul on the CPU.
 
-    a: (M, K), b: (N, K), any strides. On the CPU, torch 2.13's _scaled_mm accepts every case but ran a
-    reference kernel on a Sapphire Rapids VM (0.95 s for a 512x128x384 product, against 1.7 ms dequantized), so
-    the CPU path dequantizes: the same values, as every product of two FP8 numbers is exact in fp32, summed
+    a: (M, K), b: (N, K), any strides. On the CPU, torch's _scaled_mm accepts every case but runs a slow
+    reference kernel, so the CPU path dequantizes: the same values, as every product of two FP8 numbers is exact in
+    fp32, summed
     in fp32. On CUDA _scaled_mm wants mat1 row-major, mat2 column-major, dims multiple of 16 and rejects
     e5m2 x e5m2: operands are made contiguous here and anything it still refuses (odd dims, dtype pair, older
     GPU) goes through dequantize + fp32 matmul (remembered per case, so the refusal costs one try). Bias is

@@ -8,7 +8,7 @@ from zero in the tensor core's reduced-precision accumulator; its result is then
 (what ``max_num_imprecise_acc=128`` and cuBLAS' precise mode do).
 
 Why this structure: Triton's ``max_num_imprecise_acc`` lowering waits for the chain and adds with both warpgroups
-of the CTA in lockstep, so the tensor cores idle during every add (~20-25%). Here (the DeepGEMM / CUTLASS
+of the CTA in lockstep, so the tensor cores idle during every add. Here (the DeepGEMM / CUTLASS
 sm90 "cooperative" layout, via ``gl.warp_specialize``):
   * a 1-warp producer partition (few registers) issues the TMA loads of A and B into a STAGES-deep ring with
     per-stage ``ready`` (TMA byte count) and ``empty`` mbarriers, running ahead across tile boundaries;
@@ -22,14 +22,14 @@ stores its 64 x BN half (scale, bias, cast in registers); rows / columns / K pas
 Two epilogues (``CONFIGS``' optional 5th entry): "ptr", masked stores from registers; "tma", through per-consumer
 shared-memory buffers and asynchronous TMA stores (clipped at the edges) that drain while the next tile's main loop
 runs. With "ptr" every SM's consumers stall in the stores at the same time (all SMs finish their tiles together, so
-the stores queue on the write bandwidth) while the tensor cores idle: costliest for short K (few K blocks per tile);
-on the H200, "ptr" reached 0.79-0.83x _scaled_mm on K = 2048-8192 dgrads. Split-K (split_k > 1): a work item is
+the stores queue on the write bandwidth) while the tensor cores idle: costliest for short K (few K blocks per tile).
+Split-K (split_k > 1): a work item is
 (tile, K slice) and writes its unscaled fp32 partial into the (split_k, M, N) workspace ``ws``, which the caller
 reduces.
 
 Needs Triton with Gluon's Hopper API (written against Triton 3.6); ``AVAILABLE`` is False elsewhere. No
 interpreter support (Gluon has none). TMA alignment: K % 16 == 0, 16-byte aligned bases (``fp8_gemm._tma_ok``).
-Variants, all run on an H200 (Triton 3.6; every GPU test case of every config passes, bench/gemm_ws.py warm):
+Variants (every GPU test case of every config passes, tests/trainer/test_gemm_ws.py):
   * "pipe" configs (6th entry, BN = 128, ``_consumer_pipe``): each consumer keeps one wgmma chain in flight while
     it promotes the previous one (two 64 x 128 temporaries; with BN = 256 that would need 256 registers), so its
     adds no longer rely on the other consumer to cover them.
@@ -39,11 +39,8 @@ Variants, all run on an H200 (Triton 3.6; every GPU test case of every config pa
     rest of each given to a tail CTA where twice their number fits the SMs; partials handed over through fp32
     workspace slots and release / acquire flags, in a fixed order (deterministic). See the comment above ``_sk_lo``.
     Tuned like the other configs (``TUNED_CONFIGS``).
-Speed (bench/RESULTS.md, H200): as fp8_gemm's auto pick, against ``_scaled_mm(use_fast_accum=False)``, every
-GEMM of the 124M and 1.5B models ran at 0.955x or more as CUDA-graph replays (bench/gemm.py --graph), and all but
-the 124M qkv and fc2 wgrads (0.90-0.94x) at 0.96x or more as eager launches queued back to back (--queued). A
-launch costs 34-81 us of Python host time (``_scaled_mm``: ~20 us), more than the kernel on the small 124M shapes:
-eager calls there are host-bound.
+Speed: as fp8_gemm's auto pick it brings the precise backward GEMMs close to ``_scaled_mm(use_fast_accum=False)``.
+A launch's Python host time exceeds the kernel on small shapes: eager calls there are host-bound.
 Not expressible in Gluon 3.6: TMA multicast across a 2-CTA cluster (``async_copy_global_to_shared`` has no
 multicast / CTA mask).
 """
@@ -56,6 +53,7 @@ import warnings
 import torch
 
 from .quantize import cdiv
+from .stream_k import sk_params
 from .timing import fastest
 
 try:
@@ -71,7 +69,7 @@ except Exception:  # pragma: no cover - Triton without Gluon's Hopper API
 # (BM, BN, BK, STAGES). Shared memory: STAGES * (BM + BN) * BK bytes. Register tensors need power-of-2 shapes, so
 # no BN = 192. BN = 256: per consumer thread 128 accumulator + 64 temporary fp32 registers (see _consumer).
 # Narrow tiles (BN 96 / 112 as 64 + 32 (+ 16) wgmma chains, to fill the SMs as cuBLAS' 96 / 112-wide tiles do) were
-# exact but slower than 128-wide ones on every 124M wgrad, A in registers or not (6f5e239, bench/RESULTS.md).
+# exact but slower than 128-wide ones, A in registers or not.
 #
 # An optional 5th entry picks the epilogue: "ptr" (default; masked stores from registers) or "tma" (scale / bias /
 # cast in registers, then shared memory and an asynchronous TMA store that drains while the next tile's main loop
@@ -93,8 +91,7 @@ CONFIGS = [
     (128, 128, 128, 5, "tma", "pipe"),  # 160 KB ring + 32 KB bf16 / 64 KB fp32
     (128, 128, 128, 4, "ptr", "pipe"),  # 128 KB ring
     # stream-K (7th entry "sk"): "ptr" epilogue only, split_k == 1 only (``_consumer_sk``, ``sk_plan``). BN = 128
-    # only: with BN = 256 the fix-up (acc0 + acc1 + temporary + loaded partial) spilled ~800 STL/LDL (Triton 3.6,
-    # offline).
+    # only: with BN = 256 the fix-up (acc0 + acc1 + temporary + loaded partial) spills heavily.
     (128, 128, 128, 6, "ptr", "plain", "sk"),  # 192 KB ring
     (128, 128, 128, 6, "ptr", "pipe", "sk"),
 ]
@@ -341,7 +338,8 @@ if AVAILABLE:
     # Stream-K, K-aligned ("sk" configs), for outputs whose tiles do not fill whole waves of G = SMs CTAs.
     # The first dp_tiles tiles (whole waves: tiles // G x G) run data-parallel: CTA pid takes tiles pid, pid + G, ...
     # The T = tiles - dp_tiles others ("stream tiles") are split in K at block x, shared by Q = sk_tails tail CTAs
-    # (``_sk_params`` picks x and Q by a cost model: Q = 0, no split, or Q = T / k tails of k whole tiles' rests):
+    # (``stream_k.sk_params`` picks x and Q by a cost model: Q = 0, no split, or Q = T / k tails of k whole tiles'
+    # rests):
     #   * head CTAs (pid in [Q, Q + T); head h = pid - Q) run K blocks [0, x) of stream tile h, all T in step over
     #     the same K blocks (so, like data-parallel tiles, they share their A / B loads in L2);
     #   * tail CTAs (pid < Q) share the blocks [x, k_tiles) of all stream tiles, L = k_tiles - x per tile, in
@@ -430,26 +428,16 @@ if AVAILABLE:
         return ws_ptr + (rows[:, None].to(gl.int64) * BN + cols[None, :])
 
     @gluon.jit
-    def _stamp(trace_ptr, slot, TRACE: gl.constexpr):
-        """TRACE only: the low 32 bits of the GPU's global nanosecond timer into trace_ptr[slot] (int32)."""
-        if TRACE:
-            t = gl.inline_asm_elementwise("mov.u32 $0, %globaltimer_lo;", "=r", [], dtype=gl.int32, is_pure=False,
-                                          pack=1)
-            gl.store(trace_ptr + slot, t)
-
-    @gluon.jit
     def _consumer_sk(a_smem, b_smem, ready, empty, c_ptr, ws_ptr, flags_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, pid,
                      nprog, num_pid_m, num_pid_n, k_tiles, dp_tiles, sk_x, sk_tails, sk_base, sk_rem, WG: gl.constexpr,
-                     HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, PIPE: gl.constexpr,
-                     TRACE: gl.constexpr = False):
+                     HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, PIPE: gl.constexpr):
         """Stream-K consumer warpgroup WG (rows [64 WG, 64 WG + 64) of each tile): the K loop of ``_consumer``
         (PIPE False; BN 128 or 256) or ``_consumer_pipe`` (PIPE; BN 128) over each work item's K blocks, then
         by the item's role: whole tile -> store; a tail's partial (k0 > 0) -> fp32 partial into its slot
         (this consumer's 64 rows), a warpgroup barrier, and one release increment of the slot's flag for WG; a
         head (k0 == 0, k1 < k_tiles) -> for each tail q meeting the tile (ascending): spin on an acquire load of
         flag (q + h, WG), add slot q + h's rows (the same register layout as the writer's, so each thread reads
-        exactly what its counterpart wrote), then store. TRACE (timing, ``launch(trace=True)``): consumer 0 stamps
-        16 timer values per CTA into flags_ptr past the flags (``_TRACE_POINTS``)."""
+        exactly what its counterpart wrote), then store."""
         BM: gl.constexpr = a_smem.shape[1]
         BN: gl.constexpr = b_smem.shape[1]
         HALF: gl.constexpr = BM // 2
@@ -468,15 +456,10 @@ if AVAILABLE:
         n_tail = sk_tails
         L = k_tiles - sk_x
         n_dp, n_items = _sk_items(pid, nprog, num_tiles, k_tiles, dp_tiles, sk_x, sk_tails, sk_base, sk_rem)
-        TRACING: gl.constexpr = TRACE and WG == 0
-        trace = flags_ptr + 2 * nprog + pid * 16
-        _stamp(trace, 0, TRACING)
         c = 0
         for i in range(n_items):
             pid_m, pid_n, k0, k1, aux = _sk_item(i, pid, nprog, n_dp, num_tiles, k_tiles, dp_tiles, sk_x, sk_tails,
                                                  sk_base, sk_rem, num_pid_m, num_pid_n, GROUP)
-            ti = 1 + 5 * gl.minimum(i, 2)  # items past the third overwrite the third's stamps
-            _stamp(trace, ti, TRACING)
             acc0 = gl.zeros((HALF, SUB), gl.float32, layout)
             if PIPE:
                 acc0, t0, t1, c = _kloop_pipe(a_smem, b_smem, ready, empty, acc0, t0, t1, c, k1 - k0, WG, STAGES)
@@ -484,15 +467,12 @@ if AVAILABLE:
                 acc0, acc1, part, c = _kloop_plain(a_smem, b_smem, ready, empty, acc0,
                                                    gl.zeros((HALF, SUB), gl.float32, layout), part, c, k1 - k0, WG,
                                                    STAGES)
-            _stamp(trace, ti + 1, TRACING)
             if k0 > 0:  # a tail's part of a stream tile: partial into its slot (aux), then the flag
                 gl.store(_ws_ptrs(ws_ptr, aux, 0, WG, BM, BN, layout), acc0)
                 if BN > SUB:
                     gl.store(_ws_ptrs(ws_ptr, aux, SUB, WG, BM, BN, layout), acc1)
                 gl.thread_barrier()  # the warpgroup's partial stores precede thread 0's release
-                _stamp(trace, ti + 2, TRACING)
                 gl.atomic_add(flags_ptr + 2 * aux + WG, 1, sem="release", scope="gpu")
-                _stamp(trace, ti + 3, TRACING)
             else:
                 if k1 < k_tiles:  # head of stream tile h = aux: add the tails' partials in K order
                     q = _sk_first_tail(aux * L, sk_base, sk_rem)
@@ -500,7 +480,6 @@ if AVAILABLE:
                         f = gl.atomic_add(flags_ptr + 2 * (q + aux) + WG, 0, sem="acquire", scope="gpu")
                         while f == 0:
                             f = gl.atomic_add(flags_ptr + 2 * (q + aux) + WG, 0, sem="acquire", scope="gpu")
-                        _stamp(trace, ti + 3, TRACING)
                         # back to zero for the next launch (the flags buffer is reused: ``_sk_buffers``)
                         gl.atomic_xchg(flags_ptr + 2 * (q + aux) + WG, 0, sem="relaxed", scope="gpu")
                         # into the temporary's registers (its value is dead here): no extra registers
@@ -515,22 +494,19 @@ if AVAILABLE:
                                                cache_modifier=".cg")
                                 acc1 = acc1 + part
                         q += 1
-                    _stamp(trace, ti + 2, TRACING)
                 row0 = pid_m * BM + WG * HALF
                 _store_tile(acc0, c_ptr, ws_ptr, scale, bias_ptr, M, N, 0, row0, pid_n * BN, HAS_BIAS, False,
                             layout)
                 if BN > SUB:
                     _store_tile(acc1, c_ptr, ws_ptr, scale, bias_ptr, M, N, 0, row0, pid_n * BN + SUB, HAS_BIAS,
                                 False, layout)
-                _stamp(trace, ti + 4, TRACING)
 
     @gluon.jit
     def _fp8_gemm_ws_kernel(a_desc, b_desc, c_ptr, ws_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, split_k,
                             dp_tiles, sk_x, sk_tails, sk_base, sk_rem, flags_ptr,
                             HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
                             EPI_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                            num_warps: gl.constexpr, PIPE: gl.constexpr = False, SK: gl.constexpr = False,
-                            TRACE: gl.constexpr = False):
+                            num_warps: gl.constexpr, PIPE: gl.constexpr = False, SK: gl.constexpr = False):
         """EPI_BUFS > 0: TMA epilogue with EPI_BUFS shared-memory buffers per consumer and ``c_ptr`` C's tensor
         descriptor (block BM // 2 x min(BN, 128)); EPI_BUFS == 0: masked pointer stores. PIPE: ``_consumer_pipe``
         (BN = 128), else ``_consumer`` (BN 64, 128 or 256). SK: stream-K (``_consumer_sk``; ws_ptr: nprog x BM x
@@ -566,10 +542,10 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_consumer_sk, (a_smem, b_smem, ready, empty, c_ptr, ws_ptr, flags_ptr, sa_ptr, sb_ptr, bias_ptr, M,
                                 N, pid, nprog, num_pid_m, num_pid_n, k_tiles, dp_tiles, sk_x, sk_tails, sk_base,
-                                sk_rem, WG0, HAS_BIAS, STAGES, GROUP, PIPE, TRACE)),
+                                sk_rem, WG0, HAS_BIAS, STAGES, GROUP, PIPE)),
                 (_consumer_sk, (a_smem, b_smem, ready, empty, c_ptr, ws_ptr, flags_ptr, sa_ptr, sb_ptr, bias_ptr, M,
                                 N, pid, nprog, num_pid_m, num_pid_n, k_tiles, dp_tiles, sk_x, sk_tails, sk_base,
-                                sk_rem, WG1, HAS_BIAS, STAGES, GROUP, PIPE, TRACE)),
+                                sk_rem, WG1, HAS_BIAS, STAGES, GROUP, PIPE)),
                 (_producer_sk, (a_desc, b_desc, a_smem, b_smem, ready, empty, pid, nprog, num_pid_m, num_pid_n,
                                 k_tiles, dp_tiles, sk_x, sk_tails, sk_base, sk_rem, STAGES, GROUP)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -604,9 +580,8 @@ def _smem_limit(device) -> int:
     return _smem_limit_of(device.index or 0)
 
 
-# Host time matters: a launch of this kernel cost 57-169 us of Python (Triton's launcher, descriptors, layouts)
-# against ~20 us for _scaled_mm (bench/gemm_ws.py host, H200), which on small GEMMs exceeds the kernel itself.
-# What does not depend on the tensors' addresses is computed once.
+# Host time matters: a launch's Python (Triton's launcher, descriptors, layouts) costs several times _scaled_mm's,
+# which on small GEMMs exceeds the kernel itself. What does not depend on the tensors' addresses is computed once.
 @functools.lru_cache(maxsize=None)
 def _smem_limit_of(index: int) -> int:
     return getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", 232448)
@@ -656,12 +631,11 @@ def _epilogue(config, c, split_k: int) -> int:
 
 
 def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, config=CONFIGS[0],
-           sk_tails: int | None = None, trace: bool = False):
+           sk_tails: int | None = None) -> None:
     """Runs the kernel: C (split_k == 1) or the (split_k, M, N) fp32 workspace ``ws`` (split_k > 1, unscaled,
     no bias) from a (M, K) and b (N, K); ``config`` is one of ``CONFIGS``. Stream-K configs (``_sched``) need
     split_k == 1 and use a workspace (grid BM x BN fp32 slots) and flags kept per device and stream; ``sk_tails``
-    overrides their tail count (``_sk_params``). ``trace`` (stream-K only; benches): returns a (grid, 16) int32
-    tensor of per-CTA GPU timer stamps in ns (``_TRACE_POINTS``), from a launch with its own flags."""
+    overrides their tail count (``stream_k.sk_params``)."""
     BM, BN, BK, stages = config[:4]
     M, K = a.shape
     N = b.shape[0]
@@ -672,17 +646,15 @@ def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, conf
     if sched:
         if split_k != 1:
             raise ValueError(f"fp8_gemm_ws: stream-K config {config} needs split_k == 1")
-        grid, dp_tiles, sk_x, sk_tails, sk_base, sk_rem = _sk_params(tiles, cdiv(K, BK), num_sms, sk_tails)
+        grid, dp_tiles, sk_x, sk_tails, sk_base, sk_rem = sk_params(tiles, cdiv(K, BK), num_sms, sk_tails)
         # grid partial slots (slot q + t of tail q's part of stream tile t), one flag per (slot, consumer)
         ws_arg, flags = _sk_buffers(c.device, grid, BM * BN)
-        if trace:
-            flags = torch.zeros(2 * grid + 16 * grid, dtype=torch.int32, device=c.device)
         _fp8_gemm_ws_kernel[(grid,)](
             a_desc, b_desc, c, ws_arg, scale_a, scale_b, bias if bias is not None else scale_a, M, N, K, 1,
             dp_tiles, sk_x, sk_tails, sk_base, sk_rem, flags, HAS_BIAS=bias is not None, SPLIT=False, STAGES=stages,
             GROUP=GROUP_M, EPI_BUFS=0, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
-            maxnreg=MAXNREG, PIPE=_pipe(config), SK=True, TRACE=trace)
-        return flags[2 * grid:].view(grid, 16) if trace else None
+            maxnreg=MAXNREG, PIPE=_pipe(config), SK=True)
+        return
     items = tiles * split_k
     split = split_k > 1
     epi_bufs = _epilogue(config, c, split_k)
@@ -695,11 +667,6 @@ def launch(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, conf
         STAGES=stages, GROUP=GROUP_M, EPI_BUFS=epi_bufs, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=4, maxnreg=MAXNREG, PIPE=_pipe(config))
 
-
-# What ``launch(trace=True)`` stamps per CTA (consumer 0): slot 0 its start; per work item i (items past the third
-# overwrite the third's), base 1 + 5 i: item start, K loop end, then a tail: partial stored, flag raised; a head:
-# tails' partials added, last flag seen, tile stored; a whole tile: -, -, tile stored.
-_TRACE_POINTS = ("start", "item", "kloop", "handover", "flag", "stored")
 
 _DUMMY: dict = {}
 
@@ -718,96 +685,10 @@ def _sched(config) -> str:
 
 
 # The configs ``run`` times on a shape's first call: all of them. The stream-K ones split tiles only where that
-# fits the SMs (``_sk_params``), else they run data-parallel like the others. Their heads wait on tails of the same
-# grid (grid <= SMs); a kernel running beside them on another stream only delays the tails until it ends; a
+# fits the SMs (``stream_k.sk_params``), else they run data-parallel like the others. Their heads wait on tails of the
+# same grid (grid <= SMs); a kernel running beside them on another stream only delays the tails until it ends; a
 # partition of the GPU smaller than the grid (MPS SM limits, green contexts) would never run them: not supported.
 TUNED_CONFIGS = list(CONFIGS)
-
-
-# The stream-K cost model (in K blocks of one CTA), from per-CTA GPU timer stamps on an H200 (bench/gemm_ws.py
-# trace, bench/RESULTS.md): a K block takes ~0.35 us; handing one partial over costs its tail ~2.3 us (fp32 stores
-# ~1.0-1.3 us, the release ~0.6-0.9 us, the next item's start) and its head ~2.3 us or more after the flag is raised
-# (seeing it ~0.7-1.2 us, loading and adding the partial ~1.6-2.2 us, more when all heads merge at once).
-SK_HANDOVER_BLOCKS = 7  # a tail's cost per partial it hands over
-SK_FINISH_BLOCKS = 7  # a head's wait and merge
-SK_MIN_GAIN = 0.9  # split only where the model's span is at most this share of the unsplit one
-
-
-def _sk_x(stream: int, k_tiles: int, tails: int) -> int:
-    """The head's K blocks x. Where ``tails`` divides the stream tiles, each tail takes the rest of k = stream / tails
-    whole tiles and x balances a head (x blocks) against a tail (k (k_tiles - x + SK_HANDOVER_BLOCKS)); otherwise
-    all stream blocks are shared equally between heads and tails."""
-    if stream % tails == 0:
-        k = stream // tails
-        x = round(k * (k_tiles + SK_HANDOVER_BLOCKS) / (k + 1))
-    else:
-        x = cdiv(stream * k_tiles, stream + tails)
-    return max(1, min(k_tiles - 1, x)) if k_tiles > 1 else k_tiles
-
-
-def _sk_span(stream: int, k_tiles: int, tails: int) -> float:
-    """The model's time (K blocks) of the stream tiles split over ``tails`` tails (0: unsplit)."""
-    if tails == 0:
-        return float(k_tiles)
-    x = _sk_x(stream, k_tiles, tails)
-    per_tail = stream * (k_tiles - x) / tails
-    pieces = -(-stream // tails) + (stream % tails != 0)  # tiles a tail's range meets
-    return max(x, per_tail + pieces * SK_HANDOVER_BLOCKS) + SK_FINISH_BLOCKS
-
-
-def _sk_params(tiles: int, k_tiles: int, num_sms: int, tails: int | None = None):
-    """(grid, dp_tiles, x, tails, sk_base, sk_rem) of a stream-K launch (the schedule in the comment above
-    ``_sk_lo``): whole waves of num_sms tiles data-parallel; the T other tiles either whole or split between T heads
-    (K blocks [0, x)) and Q tails (the rest, ``_sk_x``). Q is, of 0 and the counts that give each tail k <= 6 whole
-    tiles' rests (T = k Q, T + Q <= num_sms), the one with the shortest ``_sk_span``, if that is at most
-    SK_MIN_GAIN of the unsplit span. On the H200 (bench/RESULTS.md, 2026-11-21) one tail per head (k = 1) cut the
-    124M proj and fc1 wgrads by 33% and 13%; k = 3 (124M fc2, 32 tails) only by 2% of queued device time (5% of
-    the kernel's span), as its heads' merges all come at once; tails whose ranges cross tile boundaries were slower
-    than unsplit tiles. ``tails`` overrides the choice (at most num_sms - T; tests, benches)."""
-    grid = max(1, num_sms)
-    dp_tiles = (tiles // grid) * grid
-    stream = tiles - dp_tiles
-    if tails is None:
-        tails = 0
-        for q in (stream // k for k in range(1, 7) if stream % k == 0 and stream + stream // k <= grid):
-            if _sk_span(stream, k_tiles, q) < min(_sk_span(stream, k_tiles, tails), SK_MIN_GAIN * k_tiles):
-                tails = q
-    tails = max(0, min(tails, grid - stream))
-    if dp_tiles == 0:
-        grid = max(1, stream + tails)
-    if stream == 0 or tails == 0:
-        return grid, dp_tiles, k_tiles, 0, 0, 0
-    x = _sk_x(stream, k_tiles, tails)
-    sk_base, sk_rem = divmod(stream * (k_tiles - x), tails)
-    return grid, dp_tiles, x, tails, sk_base, sk_rem
-
-
-def sk_plan(tiles: int, k_tiles: int, num_sms: int, tails: int | None = None):
-    """Host model of the kernel's stream-K schedule (same arithmetic as ``_sk_items`` / ``_sk_item`` /
-    ``_consumer_sk``): per CTA, its work items as (tile, k0, k1, role, detail) with role "whole", "partial" (detail:
-    the workspace slot it stores and flags) or "finish" (detail: the (tail CTA, slot) pairs whose partials it adds, in
-    that order, before it stores)."""
-    grid, dp_tiles, x, n_tail, base, rem = _sk_params(tiles, k_tiles, num_sms, tails)
-    stream = tiles - dp_tiles
-    L = k_tiles - x
-
-    def lo_(q):
-        return q * base + min(q, rem)
-
-    plan = []
-    for pid in range(grid):
-        items = [(pid + i * grid, 0, k_tiles, "whole", ()) for i in range(dp_tiles // grid)]
-        if pid < n_tail:
-            lo, hi = lo_(pid), lo_(pid + 1)
-            for t in (range(lo // L, (hi - 1) // L + 1) if hi > lo else ()):
-                items.append((dp_tiles + t, x + max(lo, t * L) - t * L, x + min(hi, t * L + L) - t * L, "partial",
-                              pid + t))
-        elif pid - n_tail < stream:
-            h = pid - n_tail
-            waits = tuple((q, q + h) for q in range(n_tail) if lo_(q) < h * L + L and lo_(q + 1) > h * L)
-            items.append((dp_tiles + h, 0, x, "finish" if L else "whole", waits))
-        plan.append(items)
-    return plan
 
 
 def _pipe(config) -> bool:

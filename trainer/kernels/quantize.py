@@ -344,8 +344,7 @@ def stats_consts(fmt: Fp8Format) -> dict:
 
 
 # Persistent programs per SM of the casts with statistics (here and quantize_transpose.py): at quantize_transpose's
-# register cap (128 a thread, 8 warps) two are resident, one wave; four queued a second wave, and one layer's casts
-# with statistics took 6-8% longer on an H100 (bench/qt_stats.py --variants, bench/RESULTS.md).
+# register cap (128 a thread, 8 warps) two are resident, one wave; four would queue a second wave, which is slower.
 STATS_PROGRAMS_PER_SM = 2
 
 

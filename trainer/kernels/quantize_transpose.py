@@ -4,20 +4,19 @@ The backward GEMMs need K-major operands that the forward layout does not give: 
 Gᵀ (N, M) and Xᵀ (K, M) contiguous, dgrad dX = G W needs Wᵀ (K, N) contiguous. Each (BM, BN) tile of x
 is read once, scaled, clamped and cast, then stored row-major into ``q`` and, transposed, into ``q_t``
 (``TRANS_MODE``: bf16 tiles are transposed in registers, which Triton stages through shared memory;
-fp32 tiles are re-read transposed, from L1/L2, because Triton 3.6's register transpose of them came out
-wrong on an H200). Scaling is as in ``quantize.py`` (current: amax
+fp32 tiles are re-read transposed, from L1/L2, because Triton's register transpose of them came out
+wrong on Hopper). Scaling is as in ``quantize.py`` (current: amax
 partials pass first; delayed: scale from history, amax accumulated atomically, then
 ``delayed_update``). Reference beside it: ``quantize_transpose_ref``.
 
 ``stats=`` (an ``agent.triton_stats.Target``): x's SPEC section-4 row, with the scale it is cast with, into the
-target; reference ``quantize.stats_ref``. Under delayed scaling (and current scaling with ``CURRENT_STATS =
-"cast"``) a persistent variant of the cast (grid-stride over the tiles) accumulates them from the tiles it has
-loaded (see ``quantize.py``). Under current scaling (``CURRENT_STATS = "row"``, the default) the standalone
+target; reference ``quantize.stats_ref``. Under delayed scaling a persistent variant of the cast (grid-stride over
+the tiles) accumulates them from the tiles it has loaded (see ``quantize.py``). Under current scaling the standalone
 statistics kernel takes the place of the amax pass, which reads x once anyway (``triton_stats.cast_row``): its
 merged amax is the cast's, and the plain cast adds the one statistic that needs the scale first, the underflow
-count (``COUNT``). The row is then complete after ``triton_stats.flush_deferred`` (``triton_stats.CAST_MERGE``; the
-agent calls it before it takes a step's rows). The cast's statistics variant cost 1.3-1.8x the plain cast at the 1.5B
-step's shapes.
+count (``COUNT``); that costs less than the cast's statistics variant after an amax pass. The row is then complete
+after ``triton_stats.flush_deferred`` (``triton_stats.CAST_MERGE``; the agent calls it before it takes a step's
+rows).
 """
 
 from __future__ import annotations
@@ -38,39 +37,23 @@ from .quantize import (INTERPRET, Quantized, _cast_fp8, cdiv, next_power_of_2, _
                        _finite_abs, _scale_from_amax, amax_partials, quantize_ref, reg_cap, stats_consts,
                        stats_programs)
 
-# How the transposed tile is produced, per input dtype (see the kernel): 0 = tl.trans of the fp8 tile,
-# 1 = tl.trans of the fp32 tile then cast, 2 = re-read the tile transposed (no tl.trans). On an H200 with
-# Triton 3.6 (bench/gemm.py --check, 2026-11), modes 0 and 1 wrote a wrong qT for fp32 inputs whose row
-# count is a multiple of 16 (every 4th column garbage), while mode 2 was bit-exact; for bf16 inputs mode 0
-# was bit-exact on every shape checked. Each dtype uses the mode verified for it.
+# How the transposed tile is produced, per input dtype (see the kernel): 0 = tl.trans of the fp8 tile, 2 = re-read the
+# tile transposed (no tl.trans). Triton's register transpose wrote a wrong qT for fp32 inputs whose row count is a
+# multiple of 16 on Hopper, while the re-read was bit-exact; for bf16 inputs the transpose was bit-exact. Each dtype
+# uses the mode verified for it.
 TRANS_MODE = {torch.float32: 2}
 TRANS_MODE_DEFAULT = 0
-# Register cap of the statistics variant (uncapped, ptxas gives it 172-188 registers: one 8-warp program per SM,
-# as for the standalone statistics kernel, whose cold code inflates the count). bench/qt_stats.py times it.
+# Register cap of the statistics variant (uncapped, ptxas gives it enough registers for only one 8-warp program per
+# SM, as for the standalone statistics kernel, whose cold code inflates the count).
 STATS_MAXNREG: int | None = 128
 # Software-pipeline depth of the statistics variant's persistent tile loop (``tl.range(num_stages=...)``): with
-# STAGES > 1 Triton prefetches the next tiles into shared memory while the current one is reduced. Depth 2 once
-# took the histogram-less bf16 variant from ~2.1x to ~1.7x the plain cast. Since the cast lost its clamps and the
-# statistics their masks on interior tiles, depth 1 is faster on every 1.5B input without the histogram (H200,
-# 2026-11-22, one sweep of depth and V: activation 1.68x against 1.77x the plain cast, grad_output 1.40x against
-# 1.45x, fp32 weight 1.29x against 1.93x); with the histogram depth 1 was the default already.
+# STAGES > 1 Triton prefetches the next tiles into shared memory while the current one is reduced. Since the cast lost
+# its clamps and the statistics their masks on interior tiles, depth 1 is the fastest, with and without the histogram.
 STATS_STAGES = 1
 # Elements of x per row of the statistics' [BM * BN / V, V] view of a tile: 16 is what a thread holds contiguously
-# in the layout Triton picks for the tile (an offline sm_90a build shows no layout conversion for the view, bf16 or
-# fp32), and it halves the per-row accumulators of V = 8
-# (bench/offline_sass.py: 40 bytes of spill at the register cap, 120 with V = 8; on the H200 1.68x against 1.82x
-# the plain cast for the 1.5B activation, 1.40x against 1.54x for its grad_output).
+# in the layout Triton picks for the tile (no layout conversion for the view, bf16 or fp32), and it halves the per-row
+# accumulators of V = 8, which spilled more at the register cap.
 _STATS_V = 16
-# The statistics variant's bf16 word loop on full tiles (``PACKED``; the kernel's docstring), with the histogram only
-# where it is a shared-memory table (``triton_stats.SMEM_HIST``):
-# 7-9% off every bf16 cast with statistics of the 124M and 1.5B steps on an H200 (bench/qt_stats.py --packed-ab).
-PACKED_STATS = True
-# Where the statistics of a current-scaled cast come from: "row", the standalone statistics kernel in place of the
-# amax pass (which reads x once anyway; ``triton_stats.cast_row``), then the plain cast, which adds its underflow
-# count (``COUNT``); "cast", the statistics variant of the cast (``_quantize_transpose_stats_kernel``) after the amax
-# pass. Delayed scaling always takes the statistics variant (no amax pass to replace). On an H200 "row" took the
-# statistics of a 1.5B FP8 step's casts from +7.9 to +3.4 ms of kernel time (bench/RESULTS.md, 2026-11-25).
-CURRENT_STATS = "row"
 # the row layout (device_stats), for the counts the cast adds
 ROW_WIDTH = Const(ds.WIDTH)
 ROW_UNDER = Const(ds.UNDERFLOW)
@@ -115,10 +98,8 @@ def _quantize_transpose_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, scale_ptr
         tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], q, mask=mask)
     if WRITE_QT:
         mask_t = (cols[:, None] < N) & (rows[None, :] < M)
-        if TRANS_MODE == 0:  # transpose the fp8 tile (H200 + Triton 3.6: wrong for fp32 inputs, fine for bf16)
+        if TRANS_MODE == 0:  # transpose the fp8 tile (wrong for fp32 inputs on Hopper, fine for bf16)
             q_t = tl.trans(_cast_fp8(y, OUT_DTYPE, FMAX, MBITS, EMIN, SOFT_ROUND))
-        elif TRANS_MODE == 1:  # transpose the fp32 tile, then cast (H200 + Triton 3.6: wrong for fp32 too)
-            q_t = _cast_fp8(tl.trans(y), OUT_DTYPE, FMAX, MBITS, EMIN, SOFT_ROUND)
         else:  # re-read the tile transposed (from L1/L2), no register transpose at all
             x_t = tl.load(x_ptr + rows[None, :].to(tl.int64) * stride_xm + cols[:, None], mask=mask_t, other=0.0)
             q_t = _cast_fp8(x_t.to(tl.float32) * s, OUT_DTYPE, FMAX, MBITS, EMIN, SOFT_ROUND)
@@ -166,26 +147,22 @@ def _bf16_words(xr, R: tl.constexpr, V: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["dst_index", "merge"])
-def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, scale_ptr, accum_ptr, meta_ptr,
-                                     M, N, stride_xm,
+def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, accum_ptr, meta_ptr, M, N, stride_xm,
                                      sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, c_ptr, c_mean, c_std, k,
                                      ahm_ptr, ahm_val,
                                      FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
-                                     OUT_DTYPE: tl.constexpr, CURRENT: tl.constexpr,
-                                     WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr,
-                                     SOFT_ROUND: tl.constexpr, P_BLOCK: tl.constexpr, TRANS_MODE: tl.constexpr,
-                                     UTHR: tl.constexpr, OTHR: tl.constexpr, C_PTR: tl.constexpr,
+                                     OUT_DTYPE: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr,
+                                     SOFT_ROUND: tl.constexpr, TRANS_MODE: tl.constexpr, UTHR: tl.constexpr,
+                                     OTHR: tl.constexpr, C_PTR: tl.constexpr,
                                      AHM_PTR: tl.constexpr, HIST: tl.constexpr, V: tl.constexpr,
                                      BM: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr = 1,
                                      PACKED: tl.constexpr = False):
-    """``_quantize_transpose_kernel``, persistent, with the statistics of x from the loaded tiles.
+    """``_quantize_transpose_kernel`` under delayed scaling, persistent, with the statistics of x from the loaded
+    tiles (current scaling takes its row from ``triton_stats.cast_row`` in place of its amax pass).
 
     The statistics see each tile as [BM * BN / V, V], V the elements one thread holds contiguously, so that the
     per-tile sums along the last axis are a thread's own adds: no cross-thread reduction in the loop (reducing
-    the [BM, BN] tile along its rows cost shuffles for every statistic). On an H200 at the shapes of a 1.5B step it
-    took 1.1-2.2x the time of the cast without statistics, 1.8-3.6x with the histogram (bench/qt_stats.py --step)
-    when ``tl.histogram`` counted it; with the shared-memory table (``triton_stats._htab``) 1.15-1.89x
-    (bench/qt_stats.py --defaults, 2026-11-26).
+    the [BM, BN] tile along its rows cost shuffles for every statistic).
 
     ``PACKED`` (bf16 x; with the histogram, only where the table counts it): full tiles take the standalone kernel's
     word loop (``tile_bf16x2``: two elements per 32-bit word, counts and amax without unpacking them); the overflow
@@ -193,10 +170,7 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, sca
     path."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    if CURRENT:
-        amax, s = _current_scale_from_partials(part_ptr, n_part, FMAX, P_BLOCK)
-    else:
-        s = tl.load(scale_ptr)
+    s = tl.load(scale_ptr)
     tu, to, lo, hi = fused_prologue(s, c_ptr, c_mean, c_std, k, UTHR, OTHR, C_PTR)
     n_tn = tl.cdiv(N, BN)
     ntiles = tl.cdiv(M, BM) * n_tn
@@ -225,8 +199,6 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, sca
             mask_t = (cols[:, None] < N) & (rows[None, :] < M)
             if TRANS_MODE == 0:
                 q_t = tl.trans(_cast_fp8(y, OUT_DTYPE, FMAX, MBITS, EMIN, SOFT_ROUND))
-            elif TRANS_MODE == 1:
-                q_t = _cast_fp8(tl.trans(y), OUT_DTYPE, FMAX, MBITS, EMIN, SOFT_ROUND)
             else:
                 x_t = tl.load(x_ptr + rows[None, :].to(tl.int64) * stride_xm + cols[:, None], mask=mask_t, other=0.0)
                 q_t = _cast_fp8(x_t.to(tl.float32) * s, OUT_DTYPE, FMAX, MBITS, EMIN, SOFT_ROUND)
@@ -251,8 +223,6 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, sca
                 xv, mv, p, ncp, tu, to, lo, hi, s1, s2, s3, s4, am, cu, co, cout, cz, h, HIST, True, True, ht)
         ce += tm * tn  # elements in the tile
     if pid == 0:
-        if CURRENT:
-            tl.store(meta_ptr, amax)
         tl.store(meta_ptr + 1, s)
         tl.store(meta_ptr + 2, tl.math.div_rn(1.0, s))
     nelem = ce
@@ -283,15 +253,14 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, sca
         mean, m2, m3, m4, samax, zeros, under, over, outl, nonfin = careful_result(
             nfin, mean0, t1, t2, t3, t4, am, cu, co, cout, cz, cnf)
         hist = h
-    if not CURRENT:  # the finite amax, from either path (no per-element max of its own in the loop)
-        tl.atomic_max(accum_ptr, samax)
+    tl.atomic_max(accum_ptr, samax)  # the finite amax, from either path (no per-element max of its own in the loop)
     fused_epilogue(sp_ptr, ctr_ptr, dst_ptr, dst_index, merge, ahm_ptr, ahm_val, s, nelem, nfin, nonfin, zeros,
                    outl, under, over, samax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST)
 
 
 def _packed(x: torch.Tensor, stats: "ts.Target") -> bool:
     """Whether the statistics variant takes x's full tiles with the bf16 word loop (``PACKED``)."""
-    return PACKED_STATS and x.dtype == torch.bfloat16 and (not stats.hist or ts.SMEM_HIST) and _STATS_V == 16
+    return x.dtype == torch.bfloat16 and (not stats.hist or ts.SMEM_HIST) and _STATS_V == 16
 
 
 def quantize_transpose(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tensor | None = None,
@@ -303,7 +272,7 @@ def quantize_transpose(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tenso
     ``scale``/``accum`` as in ``quantize.quantize`` (None: current scaling). ``write_q``/``write_qt``
     drop an output that is not needed (then that field is None). ``trans_mode`` overrides ``TRANS_MODE``.
     ``stats``: also write x's statistics row (with the scale used) into the target, from the same read.
-    ``amax_ready`` (current scaling with ``stats``, ``CURRENT_STATS = "row"``): a float32 tensor of 3 whose first
+    ``amax_ready`` (current scaling with ``stats``): a float32 tensor of 3 whose first
     element already holds x's amax, written with the row by an earlier ``triton_stats.cast_rows`` launch; the cast
     reads it, adds its underflow count to the row and returns it as its ``meta``."""
     assert x.dim() == 2, "quantize_transpose takes a 2-D tensor"
@@ -321,11 +290,9 @@ def quantize_transpose(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tenso
                   **_consts(fmt))
     q_arg = q if write_q else meta
     qt_arg = qt if write_qt else meta
-    if CURRENT_STATS not in ("row", "cast"):
-        raise ValueError(f"quantize_transpose.CURRENT_STATS must be 'row' or 'cast', not {CURRENT_STATS!r}")
-    if amax_ready is not None and (stats is None or scale is not None or CURRENT_STATS != "row"):
-        raise ValueError("amax_ready needs current scaling, a statistics target and CURRENT_STATS = 'row'")
-    if stats is not None and scale is None and CURRENT_STATS == "row":
+    if amax_ready is not None and (stats is None or scale is not None):
+        raise ValueError("amax_ready needs current scaling and a statistics target")
+    if stats is not None and scale is None:
         amax_in = meta
         if amax_ready is None:
             # x's amax into the epoch words; the row is merged later
@@ -338,18 +305,11 @@ def quantize_transpose(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tenso
                                          UTHR=float(fmt.underflow_threshold), EPOCH=amax_in.dtype == torch.int64,
                                          **common)
         return Quantized(q, qt, meta)
-    if stats is not None:
+    if stats is not None:  # delayed scaling
         programs = stats_programs(grid[0] * grid[1], dev)
-        if scale is None:
-            part = amax_partials(x if x.is_contiguous() else x.contiguous())
-            args = (x, q_arg, qt_arg, part, part.numel(), meta, meta, meta, M, N, x.stride(0))
-            P = next_power_of_2(part.numel())
-        else:
-            assert accum is not None, "delayed scaling needs an amax accumulator"
-            args = (x, q_arg, qt_arg, meta, 0, scale, accum, meta, M, N, x.stride(0))
-            P = 1
-        _quantize_transpose_stats_kernel[(programs,)](*args, **ts.fused_args(stats, programs, dev),
-                                                      CURRENT=scale is None, P_BLOCK=P, V=_STATS_V,
+        assert accum is not None, "delayed scaling needs an amax accumulator"
+        _quantize_transpose_stats_kernel[(programs,)](x, q_arg, qt_arg, scale, accum, meta, M, N, x.stride(0),
+                                                      **ts.fused_args(stats, programs, dev), V=_STATS_V,
                                                       STAGES=STATS_STAGES, PACKED=_packed(x, stats),
                                                       **common, **stats_consts(fmt), **reg_cap(STATS_MAXNREG))
         return Quantized(q, qt, meta)

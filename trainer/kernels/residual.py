@@ -1,6 +1,6 @@
 """A transformer block's residual add, out = x + b (b: a branch's output, from the attention's or the MLP's last
 linear), in one pass, optionally taking b's statistics row for the agent from the read it does anyway: the row of that
-linear's ``output``, which the linear then leaves to it (``trainer.model.Block``), instead of a statistics kernel
+linear's ``output``, which the linear then leaves to it (``trainer.fused.ResidualAdd``), instead of a statistics kernel
 reading b once more.
 
 x and b have one shape; out takes torch's type promotion of the two (an fp32 residual stream plus a bf16 branch is
@@ -8,7 +8,7 @@ fp32), and its values are torch's: the sum in fp32, rounded once to out's dtype.
 to each input, in its dtype. Reference beside it: ``residual_add_ref``. With ``grad_stats`` the backward casts b's
 gradient in one kernel (``branch_grad``) that also takes its row: the grad_output of a plain branch linear (an FP8
 linear's backward cast takes its own). The same kernel is ``weight_cast``: a bf16 linear's weight cast for autocast
-with the weight's row, and its gradient cast back with the gradient's row (``trainer.layers.own_weight_row``).
+with the weight's row, and its gradient cast back with the gradient's row (``trainer.fused.own_weight_row``).
 """
 
 from __future__ import annotations
@@ -30,20 +30,18 @@ from .quantize import INTERPRET, cdiv, persistent_programs, reg_cap
 BLOCK = 2048
 PROGRAMS_PER_SM = 4
 # Persistent programs per SM of the kernels with a row, their register cap (ptxas), blocks and warps. Uncapped, the add
-# with a row took 156 registers in an offline sm_90a build (bench/offline_sass.py --consumers): one program of 8 warps
-# per SM, the second of each SM a second wave. At 128 (no spill in the tile loops) 16 warps fill an SM's registers, as
-# two programs of 8 warps or four of 4; on an H100 two of 8 made the add and the cast 10% and 17% faster than one, and
-# four of 4 with half the block (``trainer.kernels.swiglu.STATS_WARPS`` says why smaller programs can be faster) made
-# them and the weight casts up to 5% faster again on an H100 and an H200, the add with the histogram unchanged
-# (bench/RESULTS.md). The careful loop (a block with NaN or Inf) spills at 4 warps; it runs only on such blocks.
+# with a row fits one program of 8 warps per SM. At 128 registers (no spill in the tile loops) 16 warps fill an SM's
+# registers, as two programs of 8 warps or four of 4; four of 4 with half the block is the fastest
+# (``trainer.kernels.swiglu.STATS_WARPS`` says why smaller programs can be faster). The careful loop (a block with NaN
+# or Inf) spills at 4 warps; it runs only on such blocks.
 STATS_PROGRAMS_PER_SM = 4
 STATS_MAXNREG = 128
 WARPS = 8
 STATS_BLOCK = 1024
 STATS_WARPS = 4
 # Software-pipelining depth of the tile loops with a row (``tl.range``'s num_stages: from 2 on, Triton issues the
-# next blocks' loads into shared memory, cp.async, ahead of this block's arithmetic); by ``bench/consumers.py
-# --stages`` on an H100 (bench/RESULTS.md). Without a row the add streams at copy speed and takes 1.
+# next blocks' loads into shared memory, cp.async, ahead of this block's arithmetic): the best depth found. Without a
+# row the add streams at copy speed and takes 1.
 STATS_STAGES = 3
 _SOFT_ROUND = tl.constexpr(INTERPRET)  # for the careful path's loader of b's gradient (kernels take it as an argument)
 

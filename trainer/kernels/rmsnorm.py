@@ -1,18 +1,16 @@
 """RMSNorm over the last dimension, y = x / sqrt(mean(x^2) + eps) * w, forward and backward as one Triton kernel
 each, the forward optionally taking y's statistics row for the agent from the registers it stores y from: the row of
 the ``input`` of the linear that y feeds (llama's pre-norms feed qkv and fc1), which that linear then leaves to the
-block (``trainer.model.Block``) instead of a statistics kernel reading y once more. With a row, a width that is not a
-power of two is taken as chunks of its largest power-of-two divisor (``CHUNKS``: no padded lanes, full tiles).
+norm (``trainer.fused.RMSNorm``) instead of a statistics kernel reading y once more. With a row, a width that is not
+a power of two is taken as chunks of its largest power-of-two divisor (no padded lanes, full tiles).
 
-y has x's dtype, as ``trainer.layers.rms_norm_torch`` (the reference; under autocast the next linear casts y). Its
+y has x's dtype, as ``trainer.torch_ops.rms_norm`` (the reference; under autocast the next linear casts y). Its
 values are that computation's in fp32 with the sum of squares in another order: a few units in the last place apart.
 The backward, with n = x * rstd: dx = rstd * (g * w - n * mean(g * w * n)) in x's dtype, and dw = the sum over rows of
 g * n, per-program partials in fp32 that torch sums.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -22,7 +20,7 @@ from fp8mon.agent.stats import launch as ts
 from fp8mon.agent.stats.device import (SMEM_HIST, fused_bounds, fused_epilogue, htab, shift_of, stream_add,
                                        stream_partial, stream_zero)
 
-from ..layers import rms_norm_torch as rms_norm_ref  # noqa: F401  (the reference, beside the kernels)
+from ..torch_ops import rms_norm as rms_norm_ref  # noqa: F401  (the reference, beside the kernels)
 from .fp8_gemm import _to_out
 from .quantize import INTERPRET, cdiv, next_power_of_2, persistent_programs, reg_cap
 from .residual import PROGRAMS_PER_SM, STATS_MAXNREG, STATS_PROGRAMS_PER_SM, WARPS
@@ -30,30 +28,25 @@ from .residual import PROGRAMS_PER_SM, STATS_MAXNREG, STATS_PROGRAMS_PER_SM, WAR
 TILE = 4096  # elements of a tile: rows of the next power of two of the width, as many as fit
 MAX_WIDTH = 16384  # wider rows: torch's ops (a tile holds one whole row)
 # With a row the tile loop is software-pipelined (the next tiles' loads issued into shared memory ahead of this one's
-# arithmetic) three deep: at the 124M width (768, in chunks) the row cost 7.7 us a call between GEMMs against 12.3 at
-# two (bench/power_cap.py on an H100, bench/RESULTS.md). Padded to 1024, three had taken 41 KiB of shared memory, which
-# with the histogram's 8 KiB table passed the 48 KiB a launch gets without opting in, and the launch failed;
-# ``bench/offline_sass.py --launch-check --widths`` checks every width. A tile of more than STAGE3_BYTES takes two:
-# three took 256 KiB for a 16384-wide fp32 row, over the 227 KiB a block may opt in to. Programs and the register cap
-# are the residual kernels'.
+# arithmetic) three deep, which hides the row's arithmetic between the loads best. A tile's stages plus the
+# histogram's table must stay within the shared memory a launch gets (tests/trainer/test_launch_shared_memory.py checks
+# the widths near a limit): a tile of more than STAGE3_BYTES takes two stages, as three of a 16384-wide fp32 row pass
+# what a block may opt in to. Programs and the register cap are the residual kernels'.
 STATS_STAGES = 3
 STAGE3_BYTES = 32 * 1024
 # Tile elements and warps of the forward with a row: four programs of 4 warps per SM (the residual kernels'
-# STATS_PROGRAMS_PER_SM) took 12% and 6% (124M, 1.5B) less time than two of 8 with 4096-element tiles on an H200,
-# 8% and 5% on an H100 (bench/RESULTS.md). Rows wider than STATS_TILE take the plain forward's warps, in as many
-# fewer programs.
+# STATS_PROGRAMS_PER_SM) spend less time than two of 8 with larger tiles. Rows wider than STATS_TILE take the plain
+# forward's warps, in as many fewer programs.
 STATS_TILE = 2048
 STATS_WARPS = 4
 # With a row, a width that is not a power of two is cut into chunks of its largest power-of-two divisor (768: three of
 # 256) where that makes at most MAX_CHUNKS: a tile then holds no padding and, with all its rows inside, takes the
 # statistics' unmasked path (``stream_add``'s ``full``). Else (and for powers of two) a tile row is the next power of
-# two of the width, its padding masked. FP8MON_RMSNORM_CHUNKS=0 pads every width.
-CHUNKS = os.environ.get("FP8MON_RMSNORM_CHUNKS", "1") == "1"
+# two of the width, its padding masked.
 MAX_CHUNKS = 8
 # The statistics see a tile as [elements / V, V], summing each row of V in a thread. V = 4, the fp32 elements of a
-# thread's 16-byte load: with 8 (the residual kernels' choice for a flat block) the view crossed the tile's layout and
-# the offline build's tile loop held 56 more shuffles, 916 instructions against 794 (768 wide), and spilled with the
-# histogram (56 bytes of stack against 8).
+# thread's 16-byte load: with 8 (the residual kernels' choice for a flat block) the view crossed the tile's layout,
+# adding shuffles to the tile loop, and spilled with the histogram.
 _V = tl.constexpr(4)
 _SOFT_ROUND = tl.constexpr(INTERPRET)  # for the careful path's loader (kernels take it as an argument)
 
@@ -226,12 +219,12 @@ def _shape(d: int, tile: int = TILE) -> tuple[int, int]:
 
 
 def _stats_shape(d: int, element_size: int, warps: int) -> tuple[int, int]:
-    """(ROWS, DW) of the forward with a row (``_tile``): D itself where CHUNKS cuts it into at most MAX_CHUNKS chunks,
+    """(ROWS, DW) of the forward with a row (``_tile``): D itself where it cuts into at most MAX_CHUNKS chunks,
     with rows enough that a chunk gives each thread a 16-byte load of x (the statistics' view takes whole loads: a view
     across threads converts the layout through shared memory); else ``_shape``'s."""
     rows, block_d = _shape(d, STATS_TILE)
     cw = d & -d
-    if not CHUNKS or d == cw or d // cw > MAX_CHUNKS:
+    if d == cw or d // cw > MAX_CHUNKS:
         return rows, block_d
     return max(rows, 16 // element_size * 32 * warps // cw), d
 

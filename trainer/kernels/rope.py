@@ -11,9 +11,8 @@ dk, dv copied. Reference beside them: ``rope_qkv_ref``.
 ``stats=`` (an ``agent.triton_stats.Target``): the qkv output's SPEC section-4 row, accumulated as
 ``trainer.kernels.swiglu`` accumulates y's (``triton_stats.stream_add``), with the careful path of
 ``triton_stats.careful_tiles``. Without it a statistics kernel reads the qkv output once more (under CUDA graphs the
-FP8 linear's deferred output read). A path through qkv's 32-bit words, as ``swiglu``'s, issued fewer instructions
-but was 3-5 times as slow on an H200, alone and at a step's power-capped clock, so it was removed (bench/RESULTS.md).
-The backward's ``grad_stats`` likewise gives the row of qkv's gradient (a plain qkv linear's
+FP8 linear's deferred output read). (A path through qkv's 32-bit words, as ``swiglu``'s, issued fewer instructions
+but ran slower, so there is none.) The backward's ``grad_stats`` likewise gives the row of qkv's gradient (a plain qkv linear's
 ``grad_output``; an FP8 linear's backward cast takes its own) from the halves it stores.
 
 Persistent programs (a few per SM) loop over tiles of BT positions of one batch row and head.
@@ -39,16 +38,13 @@ BT = 32  # positions per tile
 # ``trainer.kernels.swiglu.STATS_WARPS`` says why smaller programs can be faster
 STATS_BT = 32
 PROGRAMS_PER_SM = 4
-# Persistent programs per SM of the kernels with a row, and their register cap (ptxas). In an offline sm_90a build
-# (bench/offline_sass.py --consumers) the forward took 166 registers uncapped: one program of 8 warps per SM. At 128
-# (the forward without spill, the backward with 80 bytes of stack outside its tile loop) two fit; four (a second wave)
-# were slower on an H100. At 80 three fit, 24 warps against 16; the forward's tile loop then holds 9 spill loads
-# and 9 stores (the backward's none), and both took 5-8% less time than at 128 on an H100 and an H200, at the 124M
-# and the 1.5B shapes (bench/consumers.py, bench/RESULTS.md).
+# Persistent programs per SM of the kernels with a row, and their register cap (ptxas). Uncapped the forward fits one
+# program of 8 warps per SM; at 80 registers three fit, and the latency the extra warps hide outweighs the few spills
+# in the forward's tile loop.
 STATS_PROGRAMS_PER_SM = 3
 STATS_MAXNREG = 80
 # Software-pipelining depth of the tile loops with a row (``tl.range``'s num_stages). Deeper spilled at the register
-# cap and was slower on an H100 (``bench/consumers.py --stages``, bench/RESULTS.md).
+# cap and was slower.
 STATS_STAGES = 1
 _SOFT_ROUND = tl.constexpr(INTERPRET)  # for the careful path's loader of the gradient (kernels take it as an argument)
 
@@ -107,8 +103,8 @@ def _head_ptrs(slot: tl.constexpr, q_ptr, k_ptr, v_ptr, b, h, pos, T, NH, HD2: t
 @triton.jit
 def _mul(a, b, INTERPRETED: tl.constexpr):
     """a * b in fp32, rounded on its own as torch's separate multiply rounds it: ``mul.rn`` is never contracted into
-    an FMA with the add that follows (contracted, a cancelling x1*cos - x2*sin was many bf16 units off torch's on an
-    H100, bench/RESULTS.md). The interpreter contracts nothing."""
+    an FMA with the add that follows (contracted, a cancelling x1*cos - x2*sin lands many bf16 units off torch's).
+    The interpreter contracts nothing."""
     if INTERPRETED:
         return a * b
     return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,

@@ -13,22 +13,20 @@ d_gate = (dh * up) * sig (1 + gate (1 - sig)), each product rounded to the dtype
 output (``triton_stats.nofmt_consts``), accumulated from the tiles the forward loads as the standalone kernel
 accumulates (``tile_fast``; the kernel's docstring; where that does not hold, ``triton_stats.careful_tiles``) and
 merged by the next ``triton_stats.merge_later`` (``flush_deferred``; ``triton_stats.FUSED_MERGE``); ``h_stats=``
-likewise h's, from the tiles it stores. For bf16 y the forward takes y's row through y's 32-bit words (``WORDS``),
-and h's through the words of h it stores (``WORDS_H``; with the histogram, deferred to the next statistics launch).
-The backward's ``dy_stats`` gives dy's row from the tiles it stores, for bf16 through dy's words (``BWD_WORDS``).
-They are the rows of fc1's ``output``, fc2's ``input`` and fc1's ``grad_output`` (``trainer.layers.SwiGLU``; the
+likewise h's, from the tiles it stores. For bf16 y of even width the forward takes y's row through y's 32-bit words
+(fewer instructions an element), and h's through the words of h it stores (with the histogram, deferred to the next
+statistics launch). The backward's ``dy_stats`` gives dy's row from the tiles it stores, for bf16 through dy's words.
+They are the rows of fc1's ``output``, fc2's ``input`` and fc1's ``grad_output`` (``trainer.fused.SwiGLUAct``; the
 last two for plain linears, an FP8 linear's casts take them): without them a statistics kernel reads y once more
 (with an FP8 fc1, the deferred output read; y is the largest tensor of a Llama block), and with plain linears, h and
 dy too.
 
 Persistent programs (a few per SM) loop over (BM, BN) tiles of h, so the statistics have a few hundred partials
-to merge, not one per tile. (An earlier form took the rows with the GEMM epilogues' ``rows_add``: about 70
-instructions per element of y in an offline sm_90a build, bench/RESULTS.md.)
+to merge, not one per tile.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
@@ -39,6 +37,7 @@ from fp8mon.agent.stats import launch as ts
 from fp8mon.agent.stats.device import (SMEM_HIST, fused_bounds, fused_epilogue, htab, shift_of, stream_add,
                                        stream_partial, stream_zero, words_add, words_fold, words_zero)
 
+from .. import torch_ops
 from .fp8_gemm import _to_out
 from .quantize import INTERPRET, cdiv, persistent_programs, reg_cap
 from .words import pack, unpack
@@ -47,61 +46,39 @@ BM, BN = 32, 128
 PROGRAMS_PER_SM = 4
 WARPS = 8
 # The kernels with a row take tiles of STATS_BM rows in programs of STATS_WARPS warps, STATS_PROGRAMS_PER_SM per SM: at
-# the register cap (128 a thread) 16 warps fill an SM's registers either as two programs of 8 warps (BM 32, the plain
-# kernels' shape) or as four of 4. ncu on an H200 found the 8-warp programs issuing in 68% of cycles, their warps
-# stalled on fixed latencies, the shared-memory queue and the software pipeline's barrier; four programs of 4 warps
-# were 8-10% faster there, forward and backward, while the plain kernels in that shape were slower
-# (bench/RESULTS.md). More programs queue a second wave. (The uncapped forward with both rows, taken only with WORDS
-# off, fits fewer.)
+# the register cap (128 a thread) 16 warps fill an SM's registers either as two programs of 8 warps or as four of 4;
+# the 8-warp programs stalled on fixed latencies, the shared-memory queue and the pipeline's barrier, the 4-warp ones
+# less (the plain kernels, streaming at copy speed, keep 8 warps). More programs queue a second wave.
 STATS_BM = 16
 STATS_WARPS = 4
 STATS_PROGRAMS_PER_SM = 4
 # a statistics row is a thread's 16-byte load of y: at 16, each row spanned two threads, one shuffle per sum per row
 _V = tl.constexpr(8)
-# y's row through y's 32-bit words (``_swiglu_fwd_words_kernel``) where y is bf16 of even width; on by default
-# (bench/RESULTS.md: faster on an H100), FP8MON_SWIGLU_WORDS=0 turns it off
-WORDS = os.environ.get("FP8MON_SWIGLU_WORDS", "1") == "1"
-# On that path, h's row (without the histogram: h's row then waits for a statistics launch) from the words of h the
-# kernel stores, rather than a statistics launch reading h again: 8-17 us a call cheaper on an H200 and an H100 at a
-# step's capped clock, 15-45 us alone (bench/power_cap.py, bench/RESULTS.md); FP8MON_SWIGLU_WORDS_H=0 defers it
-WORDS_H = os.environ.get("FP8MON_SWIGLU_WORDS_H", "1") == "1"
-# Its register cap and programs per SM: at the 128 cap it spilled 36 loads and 36 stores in its loop (offline sm_90a
-# build, Triton 3.6) and cost more than the deferred read; uncapped it takes 245 (no spill), and two programs of 4
-# warps fit an SM
+# On the words path (bf16 y of even width) h's row without the histogram comes from the words of h the kernel stores
+# rather than from a statistics launch reading h again. Uncapped registers: at the 128 cap its loop spilled; uncapped,
+# two programs of 4 warps fit an SM.
 WORDS_H_MAXNREG: int | None = None
 WORDS_H_PROGRAMS_PER_SM = 2
 # Software-pipelining depth of the tile loops of the kernels with a row (``tl.range``'s num_stages: from 2 on, Triton
-# issues the next tiles' loads into shared memory, cp.async, ahead of this tile's arithmetic, which the rows make long);
-# the forward's and the backward's, by ``bench/consumers.py --stages`` on an H100, and still the best of 1-3 for the
-# 4-warp programs on an H200 (bench/RESULTS.md). Without a row the kernels stream at copy speed and take 1.
+# issues the next tiles' loads into shared memory ahead of this tile's arithmetic, which the rows make long); the best
+# depths found for the forward and the backward. Without a row the kernels stream at copy speed and take 1.
 STATS_STAGES = 3
 BWD_STATS_STAGES = 2
-# dy's row through dy's 32-bit words (``_swiglu_bwd_words_kernel``) where y is bf16 of even width: the forward's words
-# path for the backward, fewer instructions an element than the fp32 row, and cheaper on an H200 both at full clock and
-# at a step's power-capped clock (``bench/power_cap.py --variants``, bench/RESULTS.md); FP8MON_SWIGLU_BWD_WORDS=0 turns
-# it off
-BWD_WORDS = os.environ.get("FP8MON_SWIGLU_BWD_WORDS", "1") == "1"
 _SOFT_ROUND = tl.constexpr(INTERPRET)  # for the careful path's loaders of h and dy (the kernels take it as an argument)
-# Register cap of the forward with y's row only (ptxas; None: uncapped). In an offline sm_90a build
-# (bench/offline_sass.py --consumers) of 8-warp programs with 32-row tiles it took 162 registers uncapped, one program
-# per SM, and 128 with no spill at this cap (two per SM; with 4 warps and 16 rows, 128 and 360 bytes of stack after
-# the tile loop, four per SM); with h's row too, 213 uncapped, and this cap spilled in the tile loop (14 loads,
-# 18 stores): uncapped there. The backward with dy's row: 182 uncapped, 128 at this cap with 40 bytes of stack outside
-# its tile loop.
+# Register cap of the forward with y's row only, and of the backward with dy's (ptxas; None: uncapped): at this cap
+# neither spills in its tile loop and more programs fit an SM; the forward with h's row too spilled at it, so it runs
+# uncapped.
 STATS_MAXNREG: int | None = 128
-# sigmoid through flush-to-zero approximations on hardware (``_sigmoid``); FP8MON_FAST_SIGMOID=0 gives Triton's exp and
-# division (read once, at import: a jitted function's globals must not change after it compiles)
-_FAST_SIGMOID = tl.constexpr(os.environ.get("FP8MON_FAST_SIGMOID", "1") == "1")
 
 
 @triton.jit
 def _sigmoid(g, SOFT_ROUND: tl.constexpr):
-    """1 / (1 + exp(-g)), fp32. On hardware (``_FAST_SIGMOID``) as two flush-to-zero approximations: Triton's exp and
-    division (ex2.approx.f32, div.full.f32) guard against subnormal results with compares and scalings, 8 of the
-    words forward's 28 instructions per element of h outside its row (offline sm_90a build, bench/RESULTS.md). A
-    subnormal e is lost in 1 + e anyway; a subnormal reciprocal (e above 2^126: gate below -87.3) becomes 0, so silu
-    gives -0 where torch gives about -5e-37."""
-    if _FAST_SIGMOID and not SOFT_ROUND:
+    """1 / (1 + exp(-g)), fp32. On hardware as two flush-to-zero approximations: Triton's exp and division
+    (ex2.approx.f32, div.full.f32) guard against subnormal results with compares and scalings, a large share of the
+    forward's instructions outside its row. A subnormal e is lost in 1 + e anyway; a subnormal reciprocal (e above
+    2^126: gate below -87.3) becomes 0, so silu gives -0 where torch gives about -5e-37. The interpreter
+    (SOFT_ROUND) has no PTX: Triton's exp and division there."""
+    if not SOFT_ROUND:
         e = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [g * -1.4426950408889634],
                                       dtype=tl.float32, is_pure=True, pack=1)
         return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + e], dtype=tl.float32,
@@ -269,7 +246,7 @@ def _swiglu_fwd_words_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_
     """The forward with y's row, for bf16 y of even H, through y's and h's 32-bit words: on a full tile the two
     elements of a word share the counts' and the amax's integer and bf16x2 operations (``triton_stats._tile_bf16x2``,
     the standalone kernel's bf16 path); a partial tile takes the fp32 path (``stream_add``). The histogram needs the
-    shared-memory table (the launcher checks). With STATS_H (``WORDS_H``) h's row too, the same way from the words
+    shared-memory table (the launcher checks). With STATS_H h's row too, the same way from the words
     of h it stores, without a histogram (the kernel has one table, y's; the launcher checks)."""
     dtype = h_ptr.dtype.element_ty
     BW: tl.constexpr = BN // 2
@@ -398,7 +375,7 @@ def _swiglu_bwd_words_kernel(y_ptr, dh_ptr, dy_ptr, M, H, stride_y, sp_ptr, ctr_
                              AHM_PTR: tl.constexpr, HIST: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr,
                              SMODE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SOFT_ROUND: tl.constexpr,
                              STAGES: tl.constexpr):
-    """The backward with dy's row (``BWD_WORDS``), for bf16 y of even H, through 32-bit words: y's and dh's words
+    """The backward with dy's row, for bf16 y of even H, through 32-bit words: y's and dh's words
     unpacked, each half's d_gate and d_up packed into dy's words (one rounding each, as ``_dy_of``'s), and the row
     taken from those words as the forward's words kernel takes y's (``triton_stats.words_add``). The histogram needs
     the shared-memory table (the launcher checks)."""
@@ -453,8 +430,8 @@ def _launch_shape(M: int, H: int, device: torch.device, rows: bool) -> tuple[int
 def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
                    h_stats: "ts.Target | None" = None) -> torch.Tensor:
     """h = silu(gate) * up of y = [gate | up] along the last dimension (even), in y's dtype; with ``stats``, y's row
-    into that target, with ``h_stats`` h's row (on the words path with the histogram, or without ``WORDS_H``,
-    deferred: ``triton_stats.defer``)."""
+    into that target, with ``h_stats`` h's row (on the words path with the histogram, deferred:
+    ``triton_stats.defer``)."""
     two_h = y.shape[-1]
     if two_h % 2:
         raise ValueError(f"swiglu: the last dimension ({two_h}) must be even: [gate | up]")
@@ -464,10 +441,10 @@ def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
     M, H = y2.shape[0], two_h // 2
     h = torch.empty((M, H), dtype=y.dtype, device=y.device)
     programs, bm, warps = _launch_shape(M, H, y.device, stats is not None or h_stats is not None)
-    if (WORDS and stats is not None and y.dtype == torch.bfloat16 and H % 2 == 0 and y2.stride(0) % 2 == 0
+    if (stats is not None and y.dtype == torch.bfloat16 and H % 2 == 0 and y2.stride(0) % 2 == 0
             and y2.data_ptr() % 4 == 0 and (not stats.hist or ts.SMEM_HIST)):
-        # h's row in this kernel (``WORDS_H``) without a histogram, else by the next statistics launch
-        h_here = h_stats if WORDS_H and h_stats is not None and not h_stats.hist else None
+        # h's row in this kernel without a histogram, else by the next statistics launch
+        h_here = h_stats if h_stats is not None and not h_stats.hist else None
         if h_here is not None:
             programs = persistent_programs(cdiv(M, bm) * cdiv(H, BN), WORDS_H_PROGRAMS_PER_SM, y.device)
         _swiglu_fwd_words_kernel[(programs,)](y2, h, M, H, y2.stride(0),
@@ -487,11 +464,9 @@ def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
 
 
 def _bwd_stages(stats: "ts.Target | None", dtype: torch.dtype) -> int:
-    """The backward's pipelining depth. With tiles of 32 rows an fp32 tile's buffers took exactly the 48 KiB a launch
-    gets without opting in (Triton opts in only above it), so with the histogram's static table
-    (``triton_stats._htab``) the launch failed on an H200 ("invalid argument"). At 16 rows (``STATS_BM``) they take
-    24 KiB, but fp32 with the histogram keeps no pipelining: the depth stays safe for any tile that
-    ``bench/offline_sass.py --launch-check`` has not seen."""
+    """The backward's pipelining depth. An fp32 tile's pipelined buffers can land just under the 48 KiB a launch gets
+    without opting in (Triton opts in only above it), and the histogram's static table on top then fails the launch
+    ("invalid argument"): fp32 with the histogram keeps no pipelining, safe for any tile size."""
     if stats is None or (stats.hist and dtype == torch.float32):
         return 1
     return BWD_STATS_STAGES
@@ -508,7 +483,7 @@ def swiglu_backward(y: torch.Tensor, dh: torch.Tensor, stats: "ts.Target | None"
     dh2 = dh.reshape(M, H).to(y.dtype).contiguous()
     dy = torch.empty((M, two_h), dtype=y.dtype, device=y.device)
     programs, bm, warps = _launch_shape(M, H, y.device, stats is not None)
-    if (BWD_WORDS and stats is not None and y.dtype == torch.bfloat16 and H % 2 == 0 and y2.stride(0) % 2 == 0
+    if (stats is not None and y.dtype == torch.bfloat16 and H % 2 == 0 and y2.stride(0) % 2 == 0
             and y2.data_ptr() % 4 == 0 and dh2.data_ptr() % 4 == 0 and (not stats.hist or ts.SMEM_HIST)):
         _swiglu_bwd_words_kernel[(programs,)](y2, dh2, dy, M, H, y2.stride(0),
                                               **ts.epilogue_args(stats, programs, dy, later=True), BM=bm, BN=BN,
@@ -544,6 +519,4 @@ def swiglu(y: torch.Tensor, stats: "ts.Target | None" = None, h_stats: "ts.Targe
     return _SwiGLUFn.apply(y, stats, h_stats, dy_stats)
 
 
-def swiglu_ref(y: torch.Tensor) -> torch.Tensor:
-    gate, up = y.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
+swiglu_ref = torch_ops.swiglu  # the reference, beside the kernels

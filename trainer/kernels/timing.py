@@ -1,12 +1,12 @@
 """Timing kernel candidates against each other on a GPU (first-call tuning, benches).
 
 The candidates are timed in turn over several rounds and each one's median over the rounds is kept: one short
-timing each, back to back, varied 5-10% between runs on an H200 (clock and thermal drift), enough to pick a kernel
-13-27% slower than the best (bench/gemm_ws.py speed, 2026-11-21).
+timing each, back to back, drifts with the GPU's clock and temperature between runs, enough to pick a kernel well
+slower than the best.
 
 Two clocks. ``interleaved_medians`` takes ``triton.testing.do_bench`` (eager calls, L2 flushed): where a call's
-Python host time exceeds its kernel (an fp8_gemm call: 67-187 us of host time, against 17-33 us for
-``torch._scaled_mm``; bench/gemm.py --host on an H200 machine), that measures the host. ``device_medians``
+Python host time exceeds its kernel (an fp8_gemm call costs several times ``torch._scaled_mm``'s host time), that
+measures the host. ``device_medians``
 measures the device alone: the stream is held by a sleep kernel while ``calls`` launches are queued behind it, so
 the GPU runs them back to back with no host gap (inputs stay in L2 between calls, as in a CUDA graph replay).
 Where the sleep ends before the host has queued them all, the timing is taken again behind a longer sleep, and after
@@ -22,7 +22,7 @@ from typing import Callable, Hashable
 import torch
 import triton
 
-SLEEP_CYCLES = 20_000_000  # ~10 ms at H100 / H200 clocks: longer than queueing ``calls`` launches on the host
+SLEEP_CYCLES = 20_000_000  # milliseconds at a GPU's clock: longer than queueing ``calls`` launches on the host
 
 
 def _medians(fns: dict, rounds: int, time_one: Callable[[Callable[[], object]], float]) -> dict:

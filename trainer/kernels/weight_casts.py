@@ -2,8 +2,8 @@
 weights to bf16 on a reporting step, and the casts of their bf16 gradients back to fp32 (``trainer.weight_rows``),
 done together rather than one launch per linear each way (``residual.weight_cast``).
 
-At 124M each weight is small (0.6-3 M elements): a launch's ramp, its last wave and its partials cost about as much as
-its bytes (bench/RESULTS.md). Here the programs of one launch are shared out among the tensors in proportion to their
+A small model's weights are small: a launch's ramp, its last wave and its partials cost about as much as its bytes.
+Here the programs of one launch are shared out among the tensors in proportion to their
 blocks; a program casts and sums the blocks ``p, p + programs_t, ...`` of its tensor ``t`` as ``residual.branch_grad``
 does, and stores its partial at its column of one partials buffer, which ``triton_stats.merge_later`` merges into each
 tensor's row. ``weight_casts`` is the autograd form: the weights' casts as one node whose backward casts all their
@@ -211,7 +211,7 @@ def weight_casts(weights: list[torch.Tensor], dtype: torch.dtype, targets: list[
     that takes each weight's row into its target. The backward casts the gradients back in one launch once all are
     in, each taking its gradient's row where its link (``agent.core.FusedLink``) asks for it (``grad_weight_target``).
     One node for all: a gradient is ready only at the end of the backward pass, which a distributed data-parallel
-    wrapper's overlap of communication with the backward does not want (``trainer.weight_rows.GRADS_TOGETHER``)."""
+    wrapper's overlap of communication with the backward does not want (``trainer.weight_rows.grads_together``)."""
     if any(w.dtype != torch.float32 for w in weights):
         raise ValueError("weight_casts: casts fp32 weights")
     return list(_WeightCastsFn.apply(dtype, targets, links, *weights))

@@ -4,8 +4,6 @@ standalone kernel's bf16 path), and their elementwise math runs on the low and t
 
 from __future__ import annotations
 
-import contextlib
-
 import triton
 import triton.language as tl
 
@@ -29,17 +27,3 @@ def pack(lo, hi, SOFT_ROUND: tl.constexpr):
         return (hb << 16) | (lb & 0xFFFF)
     return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
                                      is_pure=True, pack=1)
-
-
-@contextlib.contextmanager
-def words_path(*modules, on: bool = True, switch: str = "WORDS"):
-    """The kernel modules' ``WORDS`` switches (their rows through the words; ``switch`` names another, as swiglu's
-    ``BWD_WORDS``) set to ``on`` for the block, restored after."""
-    old = [getattr(m, switch) for m in modules]
-    try:
-        for m in modules:
-            setattr(m, switch, on)
-        yield
-    finally:
-        for m, v in zip(modules, old):
-            setattr(m, switch, v)
