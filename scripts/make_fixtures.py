@@ -2,7 +2,7 @@
 monitor, exported from it, labelled with the divergence rule and written as fixtures.
 
     python scripts/make_fixtures.py --profile cpu                      # tests/fixtures/runs/*.json.gz
-    FP8MON_FP8_BACKEND=torch python3 scripts/make_fixtures.py --profile gpu --out /tmp/fx  # one GPU (see below)
+    python3 scripts/make_fixtures.py --profile gpu --fp8-backend torch --out /tmp/fx  # one GPU (see below)
     python scripts/make_fixtures.py --profile cpu --only cpu-fog-bf16-div  # one run
 
 A `fp8mon serve` on a temporary SQLite file receives the runs (`--monitor-url`); each run is exported
@@ -270,7 +270,7 @@ GPU_TEST3_RUNS = (
 )
 
 # Held-out runs of pass I on the product's own FP8 path (profile gpu-triton; tune runs from pass K on), written
-# down before any was made, pass-H thresholds fixed. Run without FP8MON_FP8_BACKEND, so that Fp8Linear takes the
+# down before any was made, pass-H thresholds fixed. Run with the default --fp8-backend, so that Fp8Linear takes the
 # Triton kernels and the agent reads the statistics fused into their casts and GEMM epilogues (every earlier GPU
 # run took the torch path): learning-rate ramps (current and delayed scaling, and without QK-norm) and long
 # healthy runs, seed 9. The Triton kernels always saturate and refresh delayed scales, so no stale-scale run is
@@ -369,10 +369,10 @@ PROFILES = {"cpu": (CPU_BASE, CPU_RUNS), "gpu": (GPU_BASE, GPU_RUNS), "gpu-froze
             "gpu-wide4": (GPU_BASE, GPU_WIDE4_RUNS), "gpu-wide5": (GPU_BASE, GPU_WIDE5_RUNS)}
 
 
-def train(spec: RunSpec, base: tuple[str, ...], url: str, tmp: Path,
-          timeout: float) -> tuple[RunSpec, list[str], int, float]:
+def train(spec: RunSpec, base: tuple[str, ...], url: str, tmp: Path, timeout: float,
+          fp8_backend: str = "auto") -> tuple[RunSpec, list[str], int, float]:
     """One training with the agent attached; (spec, trainer argv, exit code (-1: timed out), seconds)."""
-    argv = [*base, *spec.args, "--run-name", spec.name, "--monitor-url", url, "--no-progress", "--log-every", "10",
+    argv = [*base, *spec.args, "--fp8-backend", fp8_backend, "--run-name", spec.name, "--monitor-url", url, "--no-progress", "--log-every", "10",
             "--monitor-spool", str(tmp / "spool" / spec.name)]
     t0 = time.monotonic()
     with (tmp / f"{spec.name}.log").open("wb") as log:
@@ -420,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", choices=sorted(PROFILES), default="cpu")
     parser.add_argument("--out", help="output directory (default: tests/fixtures/runs, gpu/ for the gpu profile)")
+    parser.add_argument("--fp8-backend", choices=["auto", "triton", "torch"], default="auto",
+                        help="the FP8 linears' kernels (fp8mon train --fp8-backend)")
     parser.add_argument("--only", action="append", help="run only these names (repeatable)")
     parser.add_argument("--jobs", type=int, help="trainings at once (default: 2 cpu, 4 gpu)")
     parser.add_argument("--timeout", type=float, help="seconds per training before it is stopped (and exported as "
@@ -448,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         store = Store(db_url)
         try:
             with ThreadPoolExecutor(max(1, jobs)) as pool:
-                futures = [pool.submit(train, spec, base, url, tmp, timeout) for spec in runs]
+                futures = [pool.submit(train, spec, base, url, tmp, timeout, args.fp8_backend) for spec in runs]
                 for future in as_completed(futures):  # export each run as soon as it ends
                     spec, argv_, rc, seconds = future.result()
                     print(f"{spec.name}: trainer exit {rc} in {seconds:.0f} s", flush=True)
