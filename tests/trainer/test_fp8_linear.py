@@ -29,9 +29,9 @@ def rel(a, b) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def pair(recipe=Fp8Recipe(), bias=False, fin=96, fout=80, seed=0):
+def pair(recipe=None, bias=False, fin=96, fout=80, seed=0):
     torch.manual_seed(seed)
-    m = Fp8Linear(fin, fout, bias=bias, recipe=recipe)
+    m = Fp8Linear(fin, fout, bias=bias, recipe=recipe or Fp8Recipe())
     ref = nn.Linear(fin, fout, bias=bias)
     ref.load_state_dict({k: v for k, v in m.state_dict().items() if k in ("weight", "bias")})
     return m, ref

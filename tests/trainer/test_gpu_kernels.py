@@ -273,7 +273,7 @@ def test_swiglu(device, shape, dt):
         problems.append(rows_close(tgt_h.rows[0], want_h, under_slack=slack(want_h))[1])
         tgt_dy = ts.Target.new(device, center=(0.0, 1.0), hist=hist, fmt="e5m2" if fmt else None)
         y3 = y0.clone().requires_grad_()
-        swiglu(y3, dy_stats=lambda: tgt_dy).backward(dh)
+        swiglu(y3, dy_stats=lambda t=tgt_dy: t).backward(dh)
         ts.flush_deferred()
         want_dy = ds.partials(y3.grad, fmt=tgt_dy.fmt, outlier_center=(0.0, 1.0), hist=hist)
         problems.append(rows_close(tgt_dy.rows[0], want_dy, under_slack=slack(want_dy))[1])

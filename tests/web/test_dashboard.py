@@ -107,8 +107,8 @@ class Tab:
 
     def errors_besides(self, *statuses: int) -> list[str]:
         """Errors other than Chromium's own log line for an expected HTTP error status."""
-        expected = re.compile(r"Failed to load resource: the server responded with a status of (%s)"
-                              % "|".join(map(str, statuses)))
+        codes = "|".join(map(str, statuses))
+        expected = re.compile(rf"Failed to load resource: the server responded with a status of ({codes})")
         return [e for e in self.errors if not expected.search(e)]
 
     def chart(self, element_id: str) -> dict:

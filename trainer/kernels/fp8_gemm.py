@@ -399,12 +399,12 @@ def _pick_impl(a, b, scale_a, scale_b, out_dtype, bias, fast_accum) -> str:
             except Exception as exc:
                 if cand == "ptr":
                     raise
-                warnings.warn(f"fp8_gemm: variant {cand} unavailable ({type(exc).__name__}: {exc})")
+                warnings.warn(f"fp8_gemm: variant {cand} unavailable ({type(exc).__name__}: {exc})", stacklevel=2)
                 continue
             if ref is None:
                 ref = out
             elif not bool(((out - ref).norm() <= 1e-2 * ref.norm()).item()):
-                warnings.warn(f"fp8_gemm: variant {cand} disagrees with {cands[0]}; skipped")
+                warnings.warn(f"fp8_gemm: variant {cand} disagrees with {cands[0]}; skipped", stacklevel=2)
                 continue
             fns[cand] = fn
         impl = _AUTO_CHOICE[key] = fastest(fns)

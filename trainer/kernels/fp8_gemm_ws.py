@@ -717,7 +717,7 @@ def run(a, b, c, ws, scale_a, scale_b, bias, split_k: int, num_sms: int, config=
                 try:
                     fn()
                 except Exception as exc:  # e.g. out of shared memory on a smaller part
-                    warnings.warn(f"fp8_gemm_ws: config {cfg} failed ({type(exc).__name__}: {exc})")
+                    warnings.warn(f"fp8_gemm_ws: config {cfg} failed ({type(exc).__name__}: {exc})", stacklevel=2)
                     continue
                 fns[cfg] = fn
             if not fns:
