@@ -8,6 +8,13 @@ imports none of them; ``Agent`` is loaded (with torch) on first use.
 """
 
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+# In a source checkout used without installing it (`PYTHONPATH=. python3 bench/...` on a GPU machine), the
+# subpackages are the checkout's top-level folders beside this one; an install maps them (pyproject.toml).
+_checkout = Path(__file__).resolve().parent.parent
+if (_checkout / "pyproject.toml").is_file() and (_checkout / "agent" / "__init__.py").is_file():
+    __path__.append(str(_checkout))
 
 try:
     __version__ = version("fp8mon")
