@@ -47,7 +47,7 @@ class Assessment:
     risk: float  # 0 (healthy) .. 1 (diverging now)
     steps_to_divergence: float | None = None  # estimate; None when no trend points at divergence
     signals: dict[str, float] = field(default_factory=dict)  # signal name -> its score at this step
-    culprits: list[dict] = field(default_factory=list)  # [{"layer", "site", "signal", "value"}], worst first
+    culprits: list[dict] = field(default_factory=list)  # [{"layer", "site", "signal", "value", "ratio"}], worst first
     findings: list[Finding] = field(default_factory=list)
     # run-level aggregates for Prometheus (bounded labels): e.g. "worst_kurtosis", "worst_underflow_frac",
     # "worst_overflow_frac", "loss", "grad_norm"

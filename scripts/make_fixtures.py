@@ -11,7 +11,8 @@ stays around 100-300 KB gzipped) and labelled by monitor.predictors.divergence.
 
 GPU profile: its 16 runs start at once and each is stopped after 235 s (--timeout) and exported as far as it
 got; on one H200 with the torch FP8 backend that was step 299-339 for the FP8 runs and 549-674 for bf16 ones,
-and the exports of 4 runs did not finish within the 265 s the whole command was given (docs/prediction.md).
+and the exports of 4 runs did not finish within the 265 s the whole command was given
+(docs/prediction-evaluation.md).
 
 `split` says whether a run was used to choose the predictor thresholds ("tune") or held out ("test"), and
 `labels.outcome` is "diverged", "stable", or "censored" (chosen to diverge, not diverged by its last step).

@@ -1,4 +1,4 @@
-"""Divergence predictors: pure, incremental, per run (docs/prediction.md).
+"""Divergence predictors: pure, incremental, per run (docs/prediction-reference.md).
 
     predictor = RunPredictor("run-1")
     for batch in batches:                     # monitor.wire.IngestBatch, in arrival order

@@ -1,13 +1,14 @@
 """Kurtosis growth (FOG): a sustained rise of ln(kurtosis) of a tensor against its own history.
 
-Per (layer, site): the EWMA of ln(kurtosis) (its weight per training step, `kurtosis_alpha_steps`) is
+Per (layer, site): the EWMA of ln(kurtosis) (its weight per `kurtosis_alpha_steps` training steps) is
 compared with its minimum over the last `kurtosis_baseline_steps` steps since warm-up; a rise of
 `kurtosis_rise_info` (ln units) is reported as info, `kurtosis_rise` a warning, `kurtosis_rise_critical`
-critical (gradient sites: info only, see WARNING_SITES). A fast rise is a warning too (pass Q): the same level
-above its minimum over only the last `kurtosis_fast_steps` steps by `kurtosis_fast_rise`. Since pass R
-`kurtosis_rise` is the critical level: a slow rise is info until it is critical. Per site, the same
-on the layer-average of ln(kurtosis) (finding with layer=None). The estimated steps to divergence extrapolate
-the worst warning tensor's rise at its current rate up to the critical level.
+critical (sites other than WARNING_SITES: info only). A fast rise is a warning too: the same level above its
+minimum over only the last `kurtosis_fast_steps` steps by `kurtosis_fast_rise`. By default `kurtosis_rise` is
+the critical level, so a slow rise is info until it is critical: healthy runs grow their kurtosis 10x and more,
+but slowly, and diverging runs are told apart by how fast it rises. Per site, the same on the layer-average
+of ln(kurtosis) (finding with layer=None). The estimated steps to divergence extrapolate the worst warning
+tensor's rise at its current rate up to the critical level. Thresholds: docs/prediction-reference.md.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from fp8mon.monitor.predictors.params import PredictorParams
 from fp8mon.monitor.predictors.series import LevelTracker
 
 RULE = "kurtosis_growth"
-# Gradient kurtosis is heavy-tailed and jumps from batch to batch (small runs: 50-400, minimum by luck), so
-# its growth is reported as info only; warnings come from the forward tensors, as FOG monitors them.
+# Gradient kurtosis is heavy-tailed and jumps from batch to batch (small runs: 50-400, minimum by luck), and
+# post-activation inputs (mlp.fc2 input) grow more than 16x in healthy runs, so growth at those sites is
+# info only; warnings come from the GEMM outputs and the weights, where FOG looks.
 WARNING_SITES = ("output", "weight")
 
 

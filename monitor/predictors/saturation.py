@@ -19,8 +19,8 @@ sustained overflow is a warning.
 
 Underflow: the EWMA of `underflow_frac` against its running minimum since warm-up; a rise of
 `underflow_rise_info` (absolute fraction of the nonzero elements flushed to zero) is info,
-`underflow_rise` a warning where `underflow_pages` is set (by default, since pass K, it stays info: healthy
-wider runs flush a growing share of their attention gradients).
+`underflow_rise` a warning where `underflow_pages` is set (by default it stays info: healthy wider runs
+flush a growing share of their attention gradients). Thresholds: docs/prediction-reference.md.
 """
 
 from __future__ import annotations

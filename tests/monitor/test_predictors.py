@@ -466,8 +466,8 @@ def test_a_run_chosen_to_diverge_that_did_not_is_censored_not_stable():
     assert dataclasses.replace(censored, extra={"expect": "stable"}).outcome == "stable"
 
 
-# Runs on which the predictor misses its target (docs/prediction.md). Strict: a change that fixes one must take
-# it off this list, and it must then stay fixed.
+# Runs on which the predictor misses its target (docs/prediction-evaluation.md). Strict: a change that fixes one
+# must take it off this list, and it must then stay fixed.
 # (pass D's miss, cpu-fog-fp8-delayed16-s3-stable, was fixed by pass E; pass E's, cpu-llama-bf16-long-s4-stable,
 # by pass F; pass Q's kurtosis rules fixed six learning-rate ramps warned 46-87 ahead: gpu-fog-fp8-hot-div,
 # gpu-fog-fp8-delayed-ramp-s9-triton-div, gpu-wide-fog-{fp8,bf16}-ramp-s10-div, gpu-wide-fog-fp8-ramp-s12-div,
