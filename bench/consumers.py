@@ -42,7 +42,7 @@ ROPE_SHAPES = {"124m": (16, 1024, 6), "1.5b": (4, 2048, 16)}  # (batch, sequence
 
 class StepRows:
     """Targets for the kernels' rows: a row of its own for each call, as a step's rows are. (A row merged later,
-    ``triton_stats.FUSED_MERGE``, waits for one merge launch of many rows, which the timings include once every
+    ``stats.launch.merge_later``, waits for one merge launch of many rows, which the timings include once every
     STEP_ROWS calls; one row for every call would add a merge launch to each.)"""
 
     def __init__(self, dev: torch.device):

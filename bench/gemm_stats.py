@@ -9,7 +9,7 @@ rows), device time of eager launches queued back to back (``trainer.kernels.timi
   tma         the TMA kernel without statistics (the kernel the statistics variant runs on)
   stats+hist  ``fp8_gemm(stats=Target(hist=True))`` (the agent's default row, outlier center given)
   stats       the same without the log2 histogram
-  read+hist   ``plain``, then the standalone kernel reads the result (``triton_stats.rows``): the output row
+  read+hist   ``plain``, then the standalone kernel reads the result (``stats.launch.rows``): the output row
               read apart instead of taken in the epilogue
   read        the same without the histogram
 and each statistics time as a multiple of ``plain``. The compiled statistics kernel's registers and spills are

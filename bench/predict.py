@@ -56,7 +56,7 @@ from fp8mon.monitor.predictors import RunPredictor
 from fp8mon.monitor.wire import IngestBatch
 
 TARGET_RATIO = 5.0
-# Said here (and in docs/prediction.md) when thresholds were changed after seeing the held-out results.
+# Said here (and in docs/prediction-evaluation.md) when thresholds were changed after seeing the held-out results.
 NOTE = ("pass R: the kurtosis level warning was raised to the critical level (16x) on every run of passes A-Q, all "
         "'tune' now (pass Q's held-out runs had been seen: a healthy wide Llama run's slow 12x rise paged); earlier, "
         "pass Q chose the fast-rise warning and per-step smoothing on every run of passes A-P; a 'test' run was made "

@@ -28,16 +28,16 @@ step the quantize kernels of input, weight (E4M3) and grad_output (E5M2) also wr
 section-4 rows, with the scale they cast with, straight into the agent's step buffer (``stats=`` of
 ``quantize_transpose``): no hook reads a GEMM input a second time. Under current scaling the weights' rows (and
 amaxes) of a reporting step come from one launch for all layers at the first weight cast (``weight_rows``); each
-weight's cast then reads its amax. The torch path computes the same rows with ``device_stats.partials`` and reports
+weight's cast then reads its amax. The torch path computes the same rows with ``stats.torch_path.partials`` and reports
 them. The row of ``output`` (y as returned, in its dtype) is Fp8Linear's too, unless a fused kernel that consumes y
 takes it (``trainer.fused``). How it is taken (``output_stats_mode``): eagerly, by the forward GEMM's statistics
 epilogue (``fp8_gemm(stats=)``), which adds no launch to a step that the agent's launches make host-bound; while a
 CUDA graph captures the step, "deferred": the standalone statistics kernel's read of y joins the next statistics
-launch on the device (``triton_stats.defer``: the next current-scaled cast's, which reads its input for its row in
+launch on the device (``stats.launch.defer``: the next current-scaled cast's, which reads its input for its row in
 place of the amax pass), the way of least device time, as a replay pays no launch's host time. y must then not be
 modified in place before that launch (an in-place activation after the layer would be). No hook reads y.
 ``grad_weight`` is left to the agent's hook, whose row is read from ``weight.grad`` by the standalone statistics
-kernel, once per backward pass for all layers together (``Agent.observe_after_backward``); that read also gives
+kernel, once per backward pass for all layers together (``HookSink.observe_after_backward``); that read also gives
 gradient clipping its norms (``trainer.clip``). A wgrad epilogue could take it (the row of weight.grad + dW, given
 weight.grad), but it cost the wgrads more than one read of the fp32 gradient per step costs.
 
@@ -245,7 +245,7 @@ class _State:
 
     def side_stats(self, site: str, value: torch.Tensor, defer: bool = False) -> None:
         """The row of ``value`` for the agent, computed apart from any kernel of the layer (``defer``: by the next
-        statistics launch, ``triton_stats.defer``)."""
+        statistics launch, ``stats.launch.defer``)."""
         link = self.link
         if link is None:
             return

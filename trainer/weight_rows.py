@@ -5,7 +5,7 @@ kernel, in place of the cast's amax pass: one launch per cast. Each launch costs
 pass it replaces (set-up, per-program result, the last program's merge) whatever the tensor's size, so small weights
 pay it the most. A model's
 weights are known before its forward, so the first weight cast of a reporting step takes the rows and amaxes of
-every due weight of the agent's ``Fp8Linear`` layers in one launch (``triton_stats.cast_rows``). Each layer's cast
+every due weight of the agent's ``Fp8Linear`` layers in one launch (``stats.launch.cast_rows``). Each layer's cast
 then reads its amax (``quantize_transpose(amax_ready=)``) and adds its underflow count to its row, as after its own
 launch.
 

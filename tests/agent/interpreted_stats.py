@@ -207,7 +207,7 @@ def agent_backends(name="agent_backends", frozen=False):
     path counts against the previous reporting step's mean/std of the slot. ``frozen``: the first linear's
     weight and bias frozen after watch() (and the input requiring grad), so its grad_output, the backward's last,
     waits for a grad_weight that never comes and is launched as the step ends, before the rows merged later are
-    (``_launch_pending``)."""
+    (``HookSink.launch_pending``)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
     state = {k: v.clone() for k, v in model.state_dict().items()}

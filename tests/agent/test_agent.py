@@ -1,4 +1,4 @@
-"""The Agent on real training loops: records against the oracle (agent/stats.py) computed on the same
+"""The Agent on real training loops: records against the oracle (agent/stats/reference.py) computed on the same
 tensors, end to end through a real `fp8mon serve`, and no host synchronisation in the training step."""
 
 import logging
@@ -480,7 +480,7 @@ def test_auto_backend_falls_back_to_torch_when_the_triton_statistics_fail(monkey
 
 
 def _rows_counting(launches: list):
-    """A torch stand-in for ``triton_stats.rows`` that records each launch's tensor count."""
+    """A torch stand-in for ``stats.launch.rows`` that records each launch's tensor count."""
     from fp8mon.agent.stats import torch_path as ds
 
     def rows(tensors, *, fmt, scale, center, outlier_k, amax_history_max, hist, out, index, merge, later=False):
@@ -676,9 +676,9 @@ def test_training_step_with_the_agent_adds_no_host_sync_on_cpu():
 
 
 def _current_underflow_slack(rec: dict, fmt: str) -> float:
-    """Error bound of the Triton path's underflow fraction under current scaling (agent/triton_stats.py): exact
+    """Error bound of the Triton path's underflow fraction under current scaling (agent/stats/launch.py): exact
     below the threshold's binade, that binade counted as a uniform fraction, so off by at most its share of the
-    finite nonzero elements (underflow_frac's denominator, agent/stats.py)."""
+    finite nonzero elements (underflow_frac's denominator, agent/stats/reference.py)."""
     b = math.floor(math.log2(by_name(fmt).underflow_threshold / rec["scale"])) - LOG2_HIST_LO
     hist = rec["log2_hist"]
     return (hist[b] if 0 <= b < len(hist) else 0) / max(sum(hist), 1)

@@ -1,5 +1,5 @@
-"""agent/device_stats.py (on-device partial statistics, packed rows, exact merge) against the oracle
-agent/stats.py on adversarial tensors, and the absence of any host-synchronising op."""
+"""agent/stats/torch_path.py (on-device partial statistics, packed rows, exact merge) against the oracle
+agent/stats/reference.py on adversarial tensors, and the absence of any host-synchronising op."""
 
 import math
 import random

@@ -1,4 +1,4 @@
-"""The torch reference statistics (agent/stats.py) and FP8 formats (agent/formats.py) against independent
+"""The torch reference statistics (agent/stats/reference.py) and FP8 formats (agent/formats.py) against independent
 fp64 numpy references, scipy, and real float8 casts."""
 
 import math

@@ -3,7 +3,7 @@ elementwise kernels (trainer/kernels/swiglu.py, with its bf16 words path), the r
 (trainer/kernels/residual.py, weight_casts.py), RoPE on the qkv output (rope.py), the heads' merge (heads.py) and
 RMSNorm (rmsnorm.py). Each equals torch's computation forward and backward (SwiGLU's bf16 to the last place, rarely one
 unit off; RMSNorm to a few units: another order of the sum of squares), and the rows it takes equal the fp64 oracle's
-(``device_stats.partials``)."""
+(``stats.torch_path.partials``)."""
 
 from __future__ import annotations
 

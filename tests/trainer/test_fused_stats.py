@@ -1,6 +1,6 @@
 """Statistics fused into the trainer's quantize kernels, on the CPU in Triton's interpreter (the ``interpreted``
 fixture): the row that ``quantize``/``quantize_transpose`` write with ``stats=`` equals the standalone kernel's row
-(``agent.triton_stats``) and the torch path's (``quantize.stats_ref``) with the scale actually used, the FP8 data is
+(``agent.stats.launch``) and the torch path's (``quantize.stats_ref``) with the scale actually used, the FP8 data is
 bit-identical with and without statistics, and an agent watching ``Fp8Linear`` layers reports the same rows from the
 fused kernels as from its own hooks (no hook reads input, weight or grad_output)."""
 
@@ -97,7 +97,7 @@ def test_the_fast_path_counts_zeros_underflows_overflows_and_outliers(monkeypatc
 
 @pytest.mark.parametrize("kernel", KERNELS[1:])
 def test_a_second_cast_into_the_same_row_merges(monkeypatch, kernel):
-    """Micro-batches: the second call merges into the row as device_stats.merge does, its underflows included."""
+    """Micro-batches: the second call merges into the row as stats.torch_path.merge does, its underflows included."""
     from fp8mon.agent.stats import torch_path as ds
     from fp8mon.agent.stats import launch as ts
 

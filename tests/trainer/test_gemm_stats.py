@@ -1,5 +1,5 @@
 """Statistics fused into the FP8 GEMM epilogues (``fp8_gemm(stats=)``), on the CPU in Triton's interpreter:
-the row equals ``device_stats.partials`` of the returned C (and ``fp8_gemm_ref``'s row), for the ptr and TMA
+the row equals ``stats.torch_path.partials`` of the returned C (and ``fp8_gemm_ref``'s row), for the ptr and TMA
 kernels, bf16 and fp32 outputs, bias, edge tiles, split-K (taken after the reduce), NaN/Inf scales, a format's
 current scaling, a merge into an existing row; C is bit-identical with and
 without statistics (the ``interpreted`` fixture). An agent watching FP8 linears: test_fused_stats.py.

@@ -28,7 +28,7 @@ Split-K (the Triton kernels) when the output has fewer 128x128 tiles than the GP
 call autotunes and synchronizes), checks them against each other, keeps the faster; later calls are a
 dict lookup and never synchronize. A variant with a statistics epilogue (``stats=``) is tuned among two configs
 only, of tiles of at most 128x128: the one chosen for the same GEMM without statistics (tuned first if need be)
-when it qualifies, and a 128x128 tile. Its epilogue accumulates per tile row (``agent.triton_stats.rows_add``); it
+when it qualifies, and a 128x128 tile. Its epilogue accumulates per tile row (``agent.stats.device.rows_add``); it
 costs a wgrad more than a separate read of the gradient does, which is why Fp8Linear takes grad_weight's row from
 a separate read.
 
@@ -435,7 +435,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: t
     "tma" elsewhere. ``split_k`` (ptr only; None = heuristic): partial sums over
     K slices into an fp32 workspace, then a reduce kernel in a fixed order (deterministic).
 
-    ``stats`` (an ``agent.triton_stats.Target``): also write the statistics row of the returned C (format-less:
+    ``stats`` (an ``agent.stats.launch.Target``): also write the statistics row of the returned C (format-less:
     scale, underflow, overflow NaN) from the epilogue's registers (after the split-K reduce with split-K), no
     second read of C."""
     assert a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[1], (a.shape, b.shape)
@@ -541,8 +541,8 @@ def _dequant_mm(a, b, scale_a, scale_b, out_dtype, bias):
 def fp8_gemm_ref(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                  out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None,
                  fast_accum: bool = True, stats: "ts.Target | None" = None) -> torch.Tensor:
-    """``_scaled_mm_ref`` (below), and with ``stats`` the row ``fp8_gemm`` writes (``device_stats.partials`` of
-    the result)."""
+    """``_scaled_mm_ref`` (below), and with ``stats`` the row ``fp8_gemm`` writes (``stats.torch_path.partials``
+    of the result)."""
     c = _scaled_mm_ref(a, b, scale_a, scale_b, out_dtype, bias, fast_accum)
     if stats is not None:
         stats_ref(c, stats.fmt, None, stats)

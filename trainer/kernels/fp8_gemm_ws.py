@@ -352,7 +352,7 @@ if AVAILABLE:
     # Only heads wait, and only on tails, which never wait and have the lower pids (launched first): no wait cycle,
     # and with grid <= SMs (one CTA per SM, all co-resident) no deadlock. (A first stream-K cut all stream blocks into
     # equal contiguous ranges: each CTA then read its own K position, the A / B working set was the whole of K, and
-    # it ran at 0.74-0.96x data-parallel even where that idles SMs.) ``sk_plan`` is the host model (tests).
+    # it ran slower than data-parallel even where that idles SMs.) ``sk_plan`` is the host model (tests).
     @gluon.jit
     def _sk_lo(q, sk_base, sk_rem):
         """First tail-work block of tail CTA q (its range: [_sk_lo(q), _sk_lo(q + 1)))."""

@@ -28,13 +28,13 @@ the FP8 grid in fp32 arithmetic (exact RNE) and encode the FP8 bits with integer
 (``_soft_cast_fp8``; -0 and NaN too), bypassing the interpreter's conversion; compiled kernels never
 take that branch and use the hardware cast.
 
-Statistics (``stats=`` a ``agent.triton_stats.Target``): the cast kernel becomes persistent (at most
+Statistics (``stats=`` a ``agent.stats.launch.Target``): the cast kernel becomes persistent (at most
 4 programs per SM, each a grid-stride loop over tiles) and, from the very registers it casts, accumulates
-every SPEC section-4 statistic of x with the scale it casts with (``triton_stats`` explains the scheme:
+every SPEC section-4 statistic of x with the scale it casts with (``stats.launch`` explains the scheme:
 fp32 power sums about a shift, exact counts from |x|'s bits, log2 histogram); the last program merges the
 per-program partials (Chan/Pebay, fp64) into the target row. No second read of x, except on the rare
 careful path (NaN/Inf, or a shift too far from the mean), which re-reads the program's tiles.
-Reference: ``stats_ref`` (``device_stats.partials`` with the scale in use).
+Reference: ``stats_ref`` (``stats.torch_path.partials`` with the scale in use).
 
 Reference (torch) versions sit beside each launcher: ``quantize_ref``, ``delayed_update_ref``.
 """
@@ -428,7 +428,7 @@ def delayed_update_ref(amax: torch.Tensor, history: torch.Tensor, scale: torch.T
 
 
 def stats_ref(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tensor, target: "ts.Target") -> torch.Tensor:
-    """What the fused statistics write: ``device_stats.partials`` of x with the scale in use (outliers
+    """What the fused statistics write: ``stats.torch_path.partials`` of x with the scale in use (outliers
     against the target's center), merged into the target row like the kernel does."""
     c = target.center
     row = ds.partials(x, fmt=fmt, scale=scale, amax_history_max=target.amax_history_max,

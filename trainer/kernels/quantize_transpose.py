@@ -9,14 +9,13 @@ wrong on Hopper). Scaling is as in ``quantize.py`` (current: amax
 partials pass first; delayed: scale from history, amax accumulated atomically, then
 ``delayed_update``). Reference beside it: ``quantize_transpose_ref``.
 
-``stats=`` (an ``agent.triton_stats.Target``): x's SPEC section-4 row, with the scale it is cast with, into the
+``stats=`` (an ``agent.stats.launch.Target``): x's SPEC section-4 row, with the scale it is cast with, into the
 target; reference ``quantize.stats_ref``. Under delayed scaling a persistent variant of the cast (grid-stride over
 the tiles) accumulates them from the tiles it has loaded (see ``quantize.py``). Under current scaling the standalone
-statistics kernel takes the place of the amax pass, which reads x once anyway (``triton_stats.cast_row``): its
+statistics kernel takes the place of the amax pass, which reads x once anyway (``stats.launch.cast_row``): its
 merged amax is the cast's, and the plain cast adds the one statistic that needs the scale first, the underflow
 count (``COUNT``); that costs less than the cast's statistics variant after an amax pass. The row is then complete
-after ``triton_stats.flush_deferred`` (``triton_stats.CAST_MERGE``; the agent calls it before it takes a step's
-rows).
+after ``stats.launch.flush_deferred`` (the agent calls it before it takes a step's rows).
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ STATS_STAGES = 1
 # in the layout Triton picks for the tile (no layout conversion for the view, bf16 or fp32), and it halves the per-row
 # accumulators of V = 8, which spilled more at the register cap.
 _STATS_V = 16
-# the row layout (device_stats), for the counts the cast adds
+# the row layout (stats.layout), for the counts the cast adds
 ROW_WIDTH = Const(ds.WIDTH)
 ROW_UNDER = Const(ds.UNDERFLOW)
 
@@ -68,11 +67,11 @@ def _quantize_transpose_kernel(x_ptr, q_ptr, qt_ptr, part_ptr, n_part, scale_ptr
                                SOFT_ROUND: tl.constexpr, P_BLOCK: tl.constexpr, TRANS_MODE: tl.constexpr,
                                BM: tl.constexpr, BN: tl.constexpr, COUNT: tl.constexpr = False,
                                UTHR: tl.constexpr = 0.0, EPOCH: tl.constexpr = False):
-    """One (BM, BN) tile per program. ``COUNT`` (current scaling, the cast that follows ``triton_stats.cast_row``):
-    also count the tile's nonzero elements that cast to zero (fl32(|x| s) <= UTHR, as device_stats.partials counts
+    """One (BM, BN) tile per program. ``COUNT`` (current scaling, the cast that follows ``stats.launch.cast_row``):
+    also count the tile's nonzero elements that cast to zero (fl32(|x| s) <= UTHR, as stats.torch_path.partials counts
     them) and add them to the row ``dst_ptr[dst_index]``'s underflow. Its overflow stays 0, exactly: with s = max /
     amax no |x| <= amax casts past the overflow threshold, and where s falls back to 1, amax is 0 or below 1e-36.
-    ``EPOCH``: the amax is in ``triton_stats.cast_row``'s epoch words at ``part_ptr`` (int64: the epoch in the high
+    ``EPOCH``: the amax is in ``stats.launch.cast_row``'s epoch words at ``part_ptr`` (int64: the epoch in the high
     half, the amax's bits in the low one); program (0, 0) records the epoch it read, so the next statistics launch
     outbids it."""
     pid_m = tl.program_id(0)
@@ -158,7 +157,7 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, accum_ptr,
                                      BM: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr = 1,
                                      PACKED: tl.constexpr = False):
     """``_quantize_transpose_kernel`` under delayed scaling, persistent, with the statistics of x from the loaded
-    tiles (current scaling takes its row from ``triton_stats.cast_row`` in place of its amax pass).
+    tiles (current scaling takes its row from ``stats.launch.cast_row`` in place of its amax pass).
 
     The statistics see each tile as [BM * BN / V, V], V the elements one thread holds contiguously, so that the
     per-tile sums along the last axis are a thread's own adds: no cross-thread reduction in the loop (reducing
@@ -273,7 +272,7 @@ def quantize_transpose(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tenso
     drop an output that is not needed (then that field is None). ``trans_mode`` overrides ``TRANS_MODE``.
     ``stats``: also write x's statistics row (with the scale used) into the target, from the same read.
     ``amax_ready`` (current scaling with ``stats``): a float32 tensor of 3 whose first
-    element already holds x's amax, written with the row by an earlier ``triton_stats.cast_rows`` launch; the cast
+    element already holds x's amax, written with the row by an earlier ``stats.launch.cast_rows`` launch; the cast
     reads it, adds its underflow count to the row and returns it as its ``meta``."""
     assert x.dim() == 2, "quantize_transpose takes a 2-D tensor"
     fmt = by_name(fmt)

@@ -59,7 +59,7 @@ def _block(x_ptr, b_ptr, out_ptr, n, blk, BLOCK: tl.constexpr, SOFT_ROUND: tl.co
 
 @triton.jit
 def _b_part(src, blk, part, BLOCK: tl.constexpr, V: tl.constexpr):
-    """The careful path's loader (``triton_stats.careful_tiles``): block ``blk`` of b again, fp32, as the
+    """The careful path's loader (``stats.device.careful_tiles``): block ``blk`` of b again, fp32, as the
     statistics' [R, V] view, with its mask (one part)."""
     b_ptr, n = src
     offs = (blk + tl.zeros([], tl.int64)) * BLOCK + tl.arange(0, BLOCK)
@@ -74,8 +74,8 @@ def _residual_add_kernel(x_ptr, b_ptr, out_ptr, n, sp_ptr, ctr_ptr, dst_ptr, dst
                          HIST: tl.constexpr, FMAX: tl.constexpr, UTHR: tl.constexpr, SMODE: tl.constexpr,
                          BLOCK: tl.constexpr, SOFT_ROUND: tl.constexpr, STAGES: tl.constexpr):
     """Persistent programs over blocks of BLOCK elements. With STATS, b's statistics as the standalone kernel takes
-    them (``triton_stats._tile_fast``: each thread sums its own rows of V elements, about a shift from the program's
-    first block, in fp32), and its careful path (``triton_stats.careful_tiles``: two exact fp64 passes re-reading b)
+    them (``stats.device.tile_fast``: each thread sums its own rows of V elements, about a shift from the program's
+    first block, in fp32), and its careful path (``stats.device.careful_tiles``: two exact fp64 passes re-reading b)
     where the shift was poor or b holds NaN/Inf."""
     pid = tl.program_id(0)
     nblk = tl.cdiv(n, BLOCK)

@@ -96,7 +96,7 @@ def _y(x, w, rstd):
 
 @triton.jit
 def _y_part(src, tile, part: tl.constexpr, ROWS: tl.constexpr, DW: tl.constexpr):
-    """The careful path's loader (``triton_stats.careful_tiles``, a chunk a part): chunk ``part`` of tile ``tile`` of y
+    """The careful path's loader (``stats.device.careful_tiles``, a chunk a part): chunk ``part`` of tile ``tile`` of y
     recomputed from x (not re-read: other threads of the program stored it), as stored, in fp32, as the statistics'
     [R, V] view, with its mask."""
     x_ptr, w_ptr, y_ptr, M, D, eps = src
@@ -109,7 +109,7 @@ def _y_part(src, tile, part: tl.constexpr, ROWS: tl.constexpr, DW: tl.constexpr)
 
 @triton.jit
 def _first_shift(src, tile, ROWS: tl.constexpr, DW: tl.constexpr):
-    """(c, p, ok) of ``triton_stats._shift_of`` over a program's first tile of y: the chunks' mean shift (they hold as
+    """(c, p, ok) of ``stats.device.shift_of`` over a program's first tile of y: the chunks' mean shift (they hold as
     many elements) and smallest scale."""
     CW: tl.constexpr = DW & -DW
     NC: tl.constexpr = DW // CW
@@ -152,7 +152,7 @@ def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, M, D, eps, sp_ptr, ctr_p
                          SMODE: tl.constexpr, ROWS: tl.constexpr, DW: tl.constexpr, SOFT_ROUND: tl.constexpr,
                          STAGES: tl.constexpr):
     """Persistent programs over tiles of ROWS rows, each NC chunks of CW = DW & -DW columns (``_tile``). With STATS,
-    y's statistics as the standalone kernel takes them (``triton_stats.stream_add``, about a shift from the program's
+    y's statistics as the standalone kernel takes them (``stats.device.stream_add``, about a shift from the program's
     first tile), and its careful path (two exact fp64 passes over y recomputed, a chunk a part) where the shift was poor
     or y holds NaN/Inf."""
     CW: tl.constexpr = DW & -DW
@@ -244,7 +244,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
                      stats: "ts.Target | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, 1 / rms of each row, fp32); with ``stats`` y's row into the target (merged later: ``FUSED_MERGE``)."""
+    """(y, 1 / rms of each row, fp32); with ``stats`` y's row into the target (merged later: ``launch.merge_later``)."""
     d = x.shape[-1]
     m = x.numel() // d
     y = torch.empty_like(x)

@@ -8,9 +8,9 @@ computes it (each product rounded, then their sum; no FMA) and rounded to qkv's 
 The backward gives qkv's gradient, (B, T, 3 * NH * HD), from those of q, k and v: the rotation's transpose on dq and
 dk, dv copied. Reference beside them: ``rope_qkv_ref``.
 
-``stats=`` (an ``agent.triton_stats.Target``): the qkv output's SPEC section-4 row, accumulated as
-``trainer.kernels.swiglu`` accumulates y's (``triton_stats.stream_add``), with the careful path of
-``triton_stats.careful_tiles``. Without it a statistics kernel reads the qkv output once more (under CUDA graphs the
+``stats=`` (an ``agent.stats.launch.Target``): the qkv output's SPEC section-4 row, accumulated as
+``trainer.kernels.swiglu`` accumulates y's (``stats.device.stream_add``), with the careful path of
+``stats.device.careful_tiles``. Without it a statistics kernel reads the qkv output once more (under CUDA graphs the
 FP8 linear's deferred output read). (A path through qkv's 32-bit words, as ``swiglu``'s, issued fewer instructions
 but ran slower, so there is none.) The backward's ``grad_stats`` likewise gives the row of qkv's gradient (a plain qkv linear's
 ``grad_output``; an FP8 linear's backward cast takes its own) from the halves it stores.
@@ -113,7 +113,7 @@ def _mul(a, b, INTERPRETED: tl.constexpr):
 
 @triton.jit
 def _part(src, t, part, BT: tl.constexpr, HD2: tl.constexpr):
-    """The careful path's loader (``triton_stats.careful_tiles``): half ``part % 2`` of slot ``part // 2`` of tile t
+    """The careful path's loader (``stats.device.careful_tiles``): half ``part % 2`` of slot ``part // 2`` of tile t
     of the qkv output, fp32, as the statistics' [R, 8] view, with its mask."""
     qkv_ptr, T, NH = src
     b, h, pos, pm = _where(t, T, NH, BT)

@@ -9,10 +9,10 @@ dy = [d_gate | d_up] as torch's autograd of that expression does: d_up = dh * si
 d_gate = (dh * up) * sig (1 + gate (1 - sig)), each product rounded to the dtype. Reference beside them:
 ``swiglu_ref``.
 
-``stats=`` (an ``agent.triton_stats.Target``): y's SPEC section-4 row, as the agent's hooks emulate it for a GEMM
-output (``triton_stats.nofmt_consts``), accumulated from the tiles the forward loads as the standalone kernel
-accumulates (``tile_fast``; the kernel's docstring; where that does not hold, ``triton_stats.careful_tiles``) and
-merged by the next ``triton_stats.merge_later`` (``flush_deferred``; ``triton_stats.FUSED_MERGE``); ``h_stats=``
+``stats=`` (an ``agent.stats.launch.Target``): y's SPEC section-4 row, as the agent's hooks emulate it for a GEMM
+output (``stats.launch.nofmt_consts``), accumulated from the tiles the forward loads as the standalone kernel
+accumulates (``tile_fast``; the kernel's docstring; where that does not hold, ``stats.device.careful_tiles``) and
+merged by the next ``stats.launch.merge_later`` (``flush_deferred``); ``h_stats=``
 likewise h's, from the tiles it stores. For bf16 y of even width the forward takes y's row through y's 32-bit words
 (fewer instructions an element), and h's through the words of h it stores (with the histogram, deferred to the next
 statistics launch). The backward's ``dy_stats`` gives dy's row from the tiles it stores, for bf16 through dy's words.
@@ -132,7 +132,7 @@ def _y_shift(g0, u0, m1):
 
 @triton.jit
 def _y_part(src, t, part, BM: tl.constexpr, BN: tl.constexpr):
-    """The careful path's loader (``triton_stats.careful_tiles``): y's gate (part 0) or up (1) half of tile t, fp32,
+    """The careful path's loader (``stats.device.careful_tiles``): y's gate (part 0) or up (1) half of tile t, fp32,
     as the statistics' [R, V] view, with its mask."""
     y_ptr, M, H, stride_y = src
     n_tn = tl.cdiv(H, BN)
@@ -179,7 +179,7 @@ def _swiglu_fwd_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_ptr, d
                        HIST_H: tl.constexpr, FMAX_H: tl.constexpr, UTHR_H: tl.constexpr, SMODE_H: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, SOFT_ROUND: tl.constexpr, STAGES: tl.constexpr):
     """h of y, persistent over (BM, BN) tiles of h; with STATS y's row, with STATS_H h's row (the *_h arguments: a
-    second target). The rows are taken as the standalone kernel takes them (``triton_stats._tile_fast``: a thread sums
+    second target). The rows are taken as the standalone kernel takes them (``stats.device.tile_fast``: a thread sums
     its own rows of V elements in fp32, about a shift from the program's first tile; y's shift is the mean of its two
     halves' shifts), with its careful path (exact fp64 passes re-reading y) where that does not hold. y's histogram
     counts in the shared-memory table on hardware; h's, with ``tl.histogram`` (a kernel has one table)."""
@@ -244,7 +244,7 @@ def _swiglu_fwd_words_kernel(y_ptr, h_ptr, M, H, stride_y, sp_ptr, ctr_ptr, dst_
                              UTHR_H: tl.constexpr, SMODE_H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                              SOFT_ROUND: tl.constexpr, STAGES: tl.constexpr):
     """The forward with y's row, for bf16 y of even H, through y's and h's 32-bit words: on a full tile the two
-    elements of a word share the counts' and the amax's integer and bf16x2 operations (``triton_stats._tile_bf16x2``,
+    elements of a word share the counts' and the amax's integer and bf16x2 operations (``stats.device.tile_bf16x2``,
     the standalone kernel's bf16 path); a partial tile takes the fp32 path (``stream_add``). The histogram needs the
     shared-memory table (the launcher checks). With STATS_H h's row too, the same way from the words
     of h it stores, without a histogram (the kernel has one table, y's; the launcher checks)."""
@@ -377,7 +377,7 @@ def _swiglu_bwd_words_kernel(y_ptr, dh_ptr, dy_ptr, M, H, stride_y, sp_ptr, ctr_
                              STAGES: tl.constexpr):
     """The backward with dy's row, for bf16 y of even H, through 32-bit words: y's and dh's words
     unpacked, each half's d_gate and d_up packed into dy's words (one rounding each, as ``_dy_of``'s), and the row
-    taken from those words as the forward's words kernel takes y's (``triton_stats.words_add``). The histogram needs
+    taken from those words as the forward's words kernel takes y's (``stats.device.words_add``). The histogram needs
     the shared-memory table (the launcher checks)."""
     dtype = dy_ptr.dtype.element_ty
     BW: tl.constexpr = BN // 2
@@ -431,7 +431,7 @@ def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
                    h_stats: "ts.Target | None" = None) -> torch.Tensor:
     """h = silu(gate) * up of y = [gate | up] along the last dimension (even), in y's dtype; with ``stats``, y's row
     into that target, with ``h_stats`` h's row (on the words path with the histogram, deferred:
-    ``triton_stats.defer``)."""
+    ``stats.launch.defer``)."""
     two_h = y.shape[-1]
     if two_h % 2:
         raise ValueError(f"swiglu: the last dimension ({two_h}) must be even: [gate | up]")

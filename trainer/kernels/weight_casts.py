@@ -5,7 +5,7 @@ done together rather than one launch per linear each way (``residual.weight_cast
 A small model's weights are small: a launch's ramp, its last wave and its partials cost about as much as its bytes.
 Here the programs of one launch are shared out among the tensors in proportion to their
 blocks; a program casts and sums the blocks ``p, p + programs_t, ...`` of its tensor ``t`` as ``residual.branch_grad``
-does, and stores its partial at its column of one partials buffer, which ``triton_stats.merge_later`` merges into each
+does, and stores its partial at its column of one partials buffer, which ``stats.launch.merge_later`` merges into each
 tensor's row. ``weight_casts`` is the autograd form: the weights' casts as one node whose backward casts all their
 gradients in one launch. Reference beside it: ``weight_casts_ref``.
 """
@@ -39,7 +39,7 @@ _TABW = tl.constexpr(_TAB.size // 8)
 
 @triton.jit
 def _mine_part(src, t, part, BLOCK: tl.constexpr, V: tl.constexpr):
-    """``triton_stats.careful_tiles``' loader for a program of a shared launch: careful_tiles counts t = pid, pid +
+    """``stats.device.careful_tiles``' loader for a program of a shared launch: careful_tiles counts t = pid, pid +
     nprog, ... (the launch's grid); the k-th of those is block ``p + k * programs`` of the program's own tensor."""
     w_ptr, n, pid, nprog, p, programs = src
     return _b_part((w_ptr, n), p + (t - pid) // nprog * programs, part, BLOCK, V)
@@ -122,7 +122,7 @@ def castable(x: torch.Tensor) -> bool:
 def casts_with_rows(xs: list[torch.Tensor], dtype: torch.dtype, targets: list["ts.Target"]) -> list[torch.Tensor]:
     """``[x.to(dtype) for x in xs]`` (one dtype, each ``castable``, on one device) in one launch, with the row of each
     x's own values into its target. The targets share one row buffer, histogram setting, outlier k and format; the
-    rows are complete after the next ``triton_stats.merge_later``."""
+    rows are complete after the next ``stats.launch.merge_later``."""
     if not xs:
         return []
     device, t0 = xs[0].device, targets[0]

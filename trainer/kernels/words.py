@@ -1,5 +1,5 @@
 """bf16 tensors as 32-bit words, two elements a word: the consumer kernels' statistics then share the counts' and the
-amax's integer and bf16x2 operations between a word's two elements (``agent.triton_stats._tile_bf16x2``, the
+amax's integer and bf16x2 operations between a word's two elements (``agent.stats.device.tile_bf16x2``, the
 standalone kernel's bf16 path), and their elementwise math runs on the low and the high elements apart."""
 
 from __future__ import annotations
