@@ -48,7 +48,7 @@ def fresh_fp8mon():
         del sys.modules[name]
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        import fp8mon.agent.triton_stats  # noqa: F401  (decorated now, in the interpreter)
+        import fp8mon.agent.stats.launch  # noqa: F401  (decorated now, in the interpreter)
         import fp8mon.trainer.kernels  # noqa: F401
 
         yield
