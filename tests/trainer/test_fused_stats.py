@@ -157,25 +157,26 @@ def test_fp8_linears_report_the_rows_their_hooks_would(monkeypatch, mode):
     the GEMM's epilogue (eagerly) or deferred to the next statistics launch (as under CUDA graphs): the rows equal the
     hooks', each output joins a cast's launch when deferred, and each step's weight rows come in one launch."""
     from fp8mon.agent.stats import launch as ts
+    from fp8mon.agent.stats.engine import Engine, engine
     from fp8mon.trainer import fp8_linear, kernels
 
     model = _fp8_mlp(4)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     fused_calls, deferred, launches, weight_batches = [], [], [], []
-    real_gemm, real_defer, real_launch, real_cast_rows = kernels.fp8_gemm, ts.defer, ts._launch, ts.cast_rows
+    real_gemm, real_defer, real_launch, real_cast_rows = kernels.fp8_gemm, ts.defer, Engine.launch, ts.cast_rows
     with monkeypatch.context() as m:
         m.setattr(fp8_linear, "output_stats_mode", lambda: mode)
         m.setattr(kernels, "fp8_gemm", lambda *a, stats=None, **kw: (fused_calls.append(stats is not None),
                                                                      real_gemm(*a, stats=stats, **kw))[1])
         m.setattr(ts, "defer", lambda x, target: (deferred.append(x.shape), real_defer(x, target))[1])
-        m.setattr(ts, "_launch", lambda tensors, *a, **kw: (launches.append(len(tensors)),
-                                                           real_launch(tensors, *a, **kw))[1])
+        m.setattr(Engine, "launch", lambda self, tensors, *a, **kw: (launches.append(len(tensors)),
+                                                                     real_launch(self, tensors, *a, **kw))[1])
         m.setattr(ts, "cast_rows", lambda items, device: (weight_batches.append(len(items)),
                                                           real_cast_rows(items, device))[1])
         got, keys = agent_rows(model, _inputs(), 2, fused=True, stats_backend="triton")
     assert any(fused_calls) == (mode == "epilogue")
     if mode == "deferred":  # 2 steps x 2 micro-batches x 2 layers, each output in a cast's launch
-        assert len(deferred) == 8 and sum(n > 1 for n in launches) >= 8 and not any(ts._deferred.values())
+        assert len(deferred) == 8 and sum(n > 1 for n in launches) >= 8 and not engine("cpu")._deferred
     assert weight_batches == [2, 2]  # each step: both layers' weights in its first weight cast's launch
     model.load_state_dict(state)
     want, keys2 = agent_rows(model, _inputs(), 2, fused=False, stats_backend="triton")
@@ -243,9 +244,8 @@ def test_rows_merged_later_all_land_when_the_buffer_grows():
     model = _fp8_mlp(6, hidden=48, layers=2)
     (fused, keys) = agent_rows(model, _inputs(t=8), 1, fused=True, stats_backend="triton")
     (hooked, keys2) = agent_rows(model, _inputs(t=8), 1, fused=False, stats_backend="triton")
-    assert sorted(keys) == sorted(keys2) and len(keys) == 20
-    order = [keys2.index(k) for k in keys]  # (the weights' slots may be claimed in another order)
-    _check(*(row_problems(fused[0][i], hooked[0][order[i]], rtol=1e-4) for i in range(len(keys))))
+    assert sorted(keys) == sorted(keys2) and len(keys) == 20  # (the weights' slots may be claimed in another order)
+    _assert_like_the_hooks(fused, hooked, keys, keys2)
 
 
 def test_clipping_takes_the_watched_gradients_norms_from_the_agents_rows():
