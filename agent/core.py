@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -148,7 +148,7 @@ class Agent:
         """The step that the hooks are observing now."""
         return self._step
 
-    def watch(self, model: nn.Module, *, prefix: str = "") -> "Agent":
+    def watch(self, model: nn.Module, *, prefix: str = "") -> Agent:
         """Hook every matching linear layer of ``model`` (names prefixed with ``prefix``)."""
         for name, module in select_modules(model, self.modules, prefix):
             if len(name) > _MAX_LAYER:
@@ -290,7 +290,7 @@ class Agent:
         moved since (a layer or site watched after the capture): then capture again."""
         graph_capture.replayed(self, record)
 
-    def __enter__(self) -> "Agent":
+    def __enter__(self) -> Agent:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -26,13 +26,12 @@ removed otherwise, so steps that report nothing run the model without any hook.
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from .wire import SITES
-
 
 
 def is_linear(module: nn.Module) -> bool:

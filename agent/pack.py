@@ -7,8 +7,8 @@ import threading
 
 import torch
 
-from .stats import torch_path as ds
 from .stats import launch
+from .stats import torch_path as ds
 
 
 class Slots:

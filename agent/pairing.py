@@ -13,7 +13,7 @@ next launch of their backward pass, so that tensors of one backward share a stat
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -9,7 +9,7 @@ and std of the same (layer, site) (``centers``), which the kernel's single read 
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -245,7 +245,7 @@ class HookSink:
 
     # ---- the layers' own kernels ---------------------------------------------------------------------------------
 
-    def fused_target(self, layer: str, site: str, device) -> "ts.Target | None":
+    def fused_target(self, layer: str, site: str, device) -> ts.Target | None:
         """Where a layer's kernel writes the row of ``site`` this step (None: nothing to compute). The slot
         is claimed: call it only right before the kernel that writes it."""
         agent = self.agent

@@ -50,11 +50,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from fp8mon.agent import Agent  # noqa: E402
-from fp8mon.agent.wire import SITES  # noqa: E402
 from bench.record import Recorder  # noqa: E402
 from bench.train_step import BATCH, build, optimizer_step  # noqa: E402
+from fp8mon.agent import Agent  # noqa: E402
+from fp8mon.agent.wire import SITES  # noqa: E402
 from fp8mon.trainer.graphs import StepGraphs, tensor_lr  # noqa: E402
+
 
 def measure(config: str, precision: str, args, device: torch.device, url: str) -> dict:
     model, optimizer, cfg = build(config, "llama", precision, args.vocab, "current", device)
@@ -215,7 +216,8 @@ def device_profile(phase, device, args) -> dict:
     holds one, the amortized share), in all and for the 12 costliest kernels. With ``--profile-trace DIR``, each
     phase's Chrome trace goes to DIR/off.json and DIR/triton.json. (On a CPU, the operators' own CPU
     time: only to try the bench.)"""
-    from torch.profiler import ProfilerActivity, profile as tprofile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
 
     cuda = device.type == "cuda"
 
@@ -258,7 +260,8 @@ def profile(phase, device, args) -> dict:
     import io
     import pstats
 
-    from torch.profiler import ProfilerActivity, profile as tprofile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
 
     if args.profile == "device":
         return device_profile(phase, device, args)

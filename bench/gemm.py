@@ -114,8 +114,14 @@ def diagnose(x, fmt, q, r, parts):
 
 def check_quantize(dev):
     from fp8mon.agent.formats import E4M3, E5M2
-    from fp8mon.trainer.kernels import (delayed_update, delayed_update_ref, quantize, quantize_ref, quantize_transpose,
-                                 quantize_transpose_ref)
+    from fp8mon.trainer.kernels import (
+        delayed_update,
+        delayed_update_ref,
+        quantize,
+        quantize_ref,
+        quantize_transpose,
+        quantize_transpose_ref,
+    )
 
     bad = 0
     for fmt in (E4M3, E5M2):

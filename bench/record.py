@@ -54,7 +54,7 @@ class Recorder:
         self.rows.append({"metric": metric, "value": f"{value:.6g}", "unit": unit})
 
     def write(self) -> Path:
-        date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        date = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         common = {"date": date, "gpu": self.gpu or _gpu(), "commit": _commit(), "command": self.command}
         RESULTS_DIR.mkdir(parents=True, exist_ok=True)
         new = not self.path.exists()

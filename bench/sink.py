@@ -2,7 +2,6 @@
 client-side cost on machines where the monitor's server dependencies are not installed."""
 
 import json
-import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 

@@ -24,8 +24,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.record import Recorder  # noqa: E402
-from fp8mon.agent.stats import torch_path as ds  # noqa: E402
 from fp8mon.agent.stats import launch as ts  # noqa: E402
+from fp8mon.agent.stats import torch_path as ds  # noqa: E402
 
 MiB = 1 << 20
 

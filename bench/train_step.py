@@ -27,9 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.record import Recorder  # noqa: E402
+from fp8mon.trainer.clip import clip_grad_norm  # noqa: E402
 from fp8mon.trainer.config import get_config  # noqa: E402
 from fp8mon.trainer.fp8_linear import Fp8Recipe, cache_fp8_weights  # noqa: E402
-from fp8mon.trainer.clip import clip_grad_norm  # noqa: E402
 from fp8mon.trainer.model import Transformer, autocast  # noqa: E402
 
 BATCH = {"tiny": 8, "124m": 16, "1.5b": 4}  # sequences per step at the config's seq_len (124m: 16 x 1024)

@@ -37,7 +37,7 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> "ServerProcess":
+    def start(self, timeout: float = 30.0) -> ServerProcess:
         """Start it and return once /healthz answers 200; RuntimeError if it exits or stays silent."""
         self._log_file = open(self.log, "ab") if self.log else subprocess.DEVNULL
         self.proc = subprocess.Popen(

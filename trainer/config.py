@@ -39,7 +39,7 @@ class ModelConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def with_(self, **changes) -> "ModelConfig":
+    def with_(self, **changes) -> ModelConfig:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
 

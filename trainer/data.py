@@ -56,7 +56,7 @@ class TokenData:
         self.vocab_size = vocab_size or self.infer_vocab_size(tokens)
 
     @classmethod
-    def from_path(cls, path: str | Path | None = None, fmt: str = "auto", **kwargs) -> "TokenData":
+    def from_path(cls, path: str | Path | None = None, fmt: str = "auto", **kwargs) -> TokenData:
         return cls(load_tokens(path, fmt), **kwargs)
 
     @staticmethod

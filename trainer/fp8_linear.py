@@ -122,7 +122,7 @@ def _recipe_ok_on_triton(recipe: Fp8Recipe) -> bool:
 class _State:
     """What the autograd function needs from the module (plain references, no module cycle)."""
 
-    def __init__(self, module: "Fp8Linear", backend: str, device: torch.device):
+    def __init__(self, module: Fp8Linear, backend: str, device: torch.device):
         self.recipe = module.recipe
         self.backend = backend
         self.amax = module.fp8_amax

@@ -20,7 +20,8 @@ With an agent, the kind includes its ``reporting`` and ``hist_now``, and each re
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ARCHS, PRECISIONS, ModelConfig
-from .layers import Attention, Rotary, SwiGLU, XIELUMLP
+from .layers import XIELUMLP, Attention, Rotary, SwiGLU
 from .parts import Parts
 
 

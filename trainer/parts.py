@@ -9,7 +9,7 @@ their kernels take. ``Parts(linear=make)`` keeps a given linear factory (tests b
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 
@@ -65,6 +65,6 @@ def _fp8_linear(recipe) -> MakeLinear:
     return lambda fan_in, fan_out: Fp8Linear(fan_in, fan_out, bias=False, recipe=recipe)
 
 
-def as_parts(parts: "Parts | MakeLinear") -> Parts:
+def as_parts(parts: Parts | MakeLinear) -> Parts:
     """``parts``, or a ``Parts`` around a linear factory."""
     return parts if isinstance(parts, Parts) else Parts(linear=parts)

@@ -23,7 +23,7 @@ uses the ``FusedLink`` in ``linear.fp8mon_stats`` itself.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -28,9 +28,9 @@ import torch
 
 from fp8mon.agent.stats import launch as triton_stats
 
-_layers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # agent -> WeakSet of its Fp8Linear layers
+_layers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # agent -> WeakSet of its Fp8Linear layers
 # agent -> WeakSet of its own_weight_row linears
-_cast_layers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_cast_layers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def register(module) -> None:

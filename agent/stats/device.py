@@ -33,12 +33,26 @@ that launch to follow at once and leaves the merge to ``flush_deferred``. In the
 """
 
 from .kernels.consts import P_AHM, SMEM_HIST, Const
-from .kernels.fused import (bf16_halves, careful_tiles, fused_bounds, fused_epilogue, fused_prologue, nofmt_epilogue,
-                            rows_add, rows_partial, rows_zero, stream_add, stream_partial, stream_start, stream_zero,
-                            words_add, words_fold, words_zero)
+from .kernels.fused import (
+                            bf16_halves,
+                            careful_tiles,
+                            fused_bounds,
+                            fused_epilogue,
+                            fused_prologue,
+                            nofmt_epilogue,
+                            rows_add,
+                            rows_partial,
+                            rows_zero,
+                            stream_add,
+                            stream_partial,
+                            stream_start,
+                            stream_zero,
+                            words_add,
+                            words_fold,
+                            words_zero,
+)
 from .kernels.hist import htab
-from .kernels.tile import (careful_result, fast_result, outlier_bounds, shift_of, tile_careful, tile_fast,
-                           tile_sum)
+from .kernels.tile import careful_result, fast_result, outlier_bounds, shift_of, tile_careful, tile_fast, tile_sum
 from .kernels.words import packed_fold, packed_setup, tile_bf16x2
 
 __all__ = ["Const", "P_AHM", "SMEM_HIST", "bf16_halves", "careful_result", "careful_tiles", "fast_result",

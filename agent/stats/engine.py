@@ -18,13 +18,34 @@ import threading
 
 import torch
 
-from . import torch_path as tp
 from ..formats import by_name
-from .layout import (CTRW, FORMAT_CODES, MERGE_ROW, PW, SCALE_CAST, SCALE_CURRENT, SCALE_GIVEN, SCALE_NONE, TABLE_ROW,
-                     WIDTH)
+from . import torch_path as tp
+from .layout import (
+    CTRW,
+    FORMAT_CODES,
+    MERGE_ROW,
+    PW,
+    SCALE_CAST,
+    SCALE_CURRENT,
+    SCALE_GIVEN,
+    SCALE_NONE,
+    TABLE_ROW,
+    WIDTH,
+)
 from .staging import Staging
-from .tuning import (CAPTURE_STAGING_WORDS, CHUNK, INTERPRET, MAX_DEFERRED, MAX_LATER, MAX_TENSORS, MAXNREG,
-                     MAXNREG_FP32, NUM_WARPS, P_BLOCK, ROWS)
+from .tuning import (
+    CAPTURE_STAGING_WORDS,
+    CHUNK,
+    INTERPRET,
+    MAX_DEFERRED,
+    MAX_LATER,
+    MAX_TENSORS,
+    MAXNREG,
+    MAXNREG_FP32,
+    NUM_WARPS,
+    P_BLOCK,
+    ROWS,
+)
 
 DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1, torch.float16: 2}
 
@@ -68,7 +89,7 @@ _engines: dict = {}
 _engines_lock = threading.Lock()
 
 
-def engine(device) -> "Engine":
+def engine(device) -> Engine:
     """The engine of ``device`` (made on first use)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -81,7 +102,7 @@ def engine(device) -> "Engine":
         return e
 
 
-def engines() -> list["Engine"]:
+def engines() -> list[Engine]:
     """Every engine made so far."""
     with _engines_lock:
         return list(_engines.values())

@@ -66,8 +66,9 @@ Importing this module never needs Triton (``available()`` says whether it can ru
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -214,7 +215,7 @@ class Target:
     fmt: Any = None
 
     @classmethod
-    def new(cls, device, **kw) -> "Target":
+    def new(cls, device, **kw) -> Target:
         """A fresh one-row target (``rows[0]`` holds the result)."""
         return cls(torch.zeros(1, WIDTH, dtype=torch.float64, device=device), **kw)
 

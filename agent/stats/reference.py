@@ -46,9 +46,9 @@ in fp64 and agree with the whole-tensor two-pass result to ~1e-12 relative. Two 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import reduce
-from typing import Iterable, Optional
 
 import torch
 
@@ -73,11 +73,11 @@ class Moments:
     nonfinite: int = 0
     nonzero: int = 0  # finite nonzero elements: the underflow denominator
     outliers: int = 0
-    underflow: Optional[int] = None  # None when no format/scale was given
-    overflow: Optional[int] = None
-    scale: Optional[float] = None
-    amax_history_max: Optional[float] = None
-    hist: Optional[tuple] = None  # LOG2_HIST_BINS ints, or None when not computed
+    underflow: int | None = None  # None when no format/scale was given
+    overflow: int | None = None
+    scale: float | None = None
+    amax_history_max: float | None = None
+    hist: tuple | None = None  # LOG2_HIST_BINS ints, or None when not computed
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -92,7 +92,7 @@ class Moments:
         outlier_center: tuple[float, float] | None = None,
         hist: bool = True,
         block_size: int = 1 << 22,
-    ) -> "Moments":
+    ) -> Moments:
         """Statistics of one tensor.
 
         ``fmt`` without ``scale`` uses delayed scaling from ``amax_history_max`` when that is given,
@@ -136,11 +136,11 @@ class Moments:
         )
 
     @classmethod
-    def empty(cls, hist: bool = True) -> "Moments":
+    def empty(cls, hist: bool = True) -> Moments:
         return cls(hist=(0,) * LOG2_HIST_BINS if hist else None)
 
     # ---- merging -----------------------------------------------------------------------------
-    def merge(self, other: "Moments") -> "Moments":
+    def merge(self, other: Moments) -> Moments:
         """Exact pairwise merge (Chan et al. / Pebay 2008) in fp64. Empty parts are the identity."""
         a, b = self, other
         if a.numel == 0:

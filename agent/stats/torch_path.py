@@ -20,14 +20,33 @@ Counts are exact in fp64 up to 2**53 elements.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from ..formats import Fp8Format, by_name
 from ..wire import LOG2_HIST_BINS, LOG2_HIST_HI, LOG2_HIST_LO
-from .layout import (AMAX, AMAX_HISTORY_MAX, FIELDS, HIST, M2, M3, M4, MEAN, N, NONFINITE, NONZERO, NUMEL, OUTLIERS,
-                     OVERFLOW, PARTS, SCALE, UNDERFLOW, WIDTH, ZEROS)
+from .layout import (
+    AMAX,
+    AMAX_HISTORY_MAX,
+    FIELDS,
+    HIST,
+    M2,
+    M3,
+    M4,
+    MEAN,
+    NONFINITE,
+    NONZERO,
+    NUMEL,
+    OUTLIERS,
+    OVERFLOW,
+    PARTS,
+    SCALE,
+    UNDERFLOW,
+    WIDTH,
+    ZEROS,
+    N,
+)
 from .reference import Moments
 
 NAN = float("nan")

@@ -35,7 +35,7 @@ class SignalOutput:
     culprits: list[dict] = field(default_factory=list)  # {"layer", "site", "signal", "value", "ratio"}
     steps_to_divergence: float | None = None
 
-    def at(self, step: int) -> "SignalOutput":
+    def at(self, step: int) -> SignalOutput:
         """The same conditions reported again at a later step (a tensor signal between reporting steps)."""
         return SignalOutput(self.score, [replace(f, step=step) for f in self.findings], self.culprits,
                             self.steps_to_divergence)

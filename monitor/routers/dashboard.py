@@ -8,7 +8,7 @@ gives (`/?token=...`, kept in the tab's sessionStorage), so an API with read tok
 import gzip
 import hashlib
 import re
-from functools import lru_cache
+from functools import cache, lru_cache
 from importlib.resources import files
 
 from fastapi import APIRouter, HTTPException, Request
@@ -38,7 +38,7 @@ def _plotly_bytes() -> tuple[bytes, bytes]:
     return raw, gzip.compress(raw, compresslevel=4, mtime=0)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _asset(name: str) -> bytes:
     return (STATIC / name).read_bytes()
 

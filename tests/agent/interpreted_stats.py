@@ -5,14 +5,14 @@ with the torch path's (itself tested against the fp64 oracle) and raises Asserti
 from __future__ import annotations
 
 import torch
+from rowcheck import NO_CENTER, row_problems
+from rowcheck import bf16_pairs as bf16_pairs_cases
 from torch import nn
 
 from fp8mon.agent import Agent
 from fp8mon.agent.stats import launch as ts
 from fp8mon.agent.stats import torch_path as ds
 from fp8mon.agent.stats.engine import engine
-from rowcheck import NO_CENTER, row_problems
-from rowcheck import bf16_pairs as bf16_pairs_cases
 
 _problems: list[tuple[str, str]] = []
 cpu = engine("cpu")

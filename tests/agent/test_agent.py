@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp8mon.agent import Agent
-from fp8mon.agent.stats import torch_path as ds
 from fp8mon.agent.formats import by_name, delayed_scale
+from fp8mon.agent.stats import torch_path as ds
 from fp8mon.agent.stats.reference import Moments, merge_moments
 from fp8mon.agent.wire import LOG2_HIST_LO, SITES, TENSOR_STATS
 from tests.agent.capture import CaptureTransport
@@ -536,8 +536,8 @@ def test_a_steps_weights_are_read_in_the_first_forwards_launch_even_of_a_layer_t
     """The first hooked forward that reads a weight reads every due watched weight in the same launch, a layer whose
     forward did not run that step included (its weight's row is still that step's), and a layer in eval mode is left
     out."""
-    from fp8mon.agent.stats import torch_path as ds
     from fp8mon.agent.stats import launch as ts
+    from fp8mon.agent.stats import torch_path as ds
 
     torch.manual_seed(2)
     model = torch.nn.ModuleDict({n: torch.nn.Linear(8, 8) for n in ("a", "b", "skipped", "frozen_eval")})

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from fp8mon.agent.stats import torch_path as ds
 from fp8mon.agent.collector import tensors_block
+from fp8mon.agent.stats import torch_path as ds
 from fp8mon.agent.wire import TENSOR_STATS
 
 

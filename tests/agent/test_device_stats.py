@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fp8mon.agent.stats import torch_path as ds
 from fp8mon.agent.formats import E4M3, E5M2, delayed_scale
+from fp8mon.agent.stats import torch_path as ds
 from fp8mon.agent.stats.reference import Moments, merge_moments, tensor_stats
 from fp8mon.agent.wire import LOG2_HIST_BINS, TENSOR_STATS
 

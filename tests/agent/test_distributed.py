@@ -11,8 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from fp8mon.agent import Agent
-from fp8mon.agent import distributed
+from fp8mon.agent import Agent, distributed
 from fp8mon.agent.stats.reference import Moments, merge_moments
 from fp8mon.agent.wire import SITES, TENSOR_STATS
 from fp8mon.monitor.localserver import free_port

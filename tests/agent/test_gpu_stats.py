@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rowcheck import NO_CENTER, adversarial, agent_rows, bf16_pairs, rows_close, sync_free
 
 from fp8mon.agent.stats import launch as ts
 from fp8mon.agent.stats import torch_path as ds
 from fp8mon.agent.stats.engine import engine
 from fp8mon.agent.stats.tuning import MAXNREG_FP32
-from rowcheck import NO_CENTER, adversarial, agent_rows, bf16_pairs, rows_close, sync_free
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -3,7 +3,6 @@
 import socket
 import time
 
-import pytest
 from sqlalchemy import text
 
 from fp8mon.agent.transport import Transport, merge_blocks

@@ -11,9 +11,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 
-import pytest
-
 import interpreted_stats
+import pytest
 
 CHECKS = ["rows_vs_torch", "current_scaling", "outliers_with_center", "bf16_pairs", "multi_tensor", "merged_later",
           "many_partials", "far_first_partial", "agent_backends", "agent_waiting_grad_output", "agent_outlier_centers"]

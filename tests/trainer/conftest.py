@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from trainer_interpreter import fresh_fp8mon
 
 

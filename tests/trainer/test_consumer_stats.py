@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from trainer_rows import agent_rows, hist_slack, row_problems
 
 pytestmark = pytest.mark.usefixtures("interpreted")
@@ -88,8 +87,9 @@ def llama_hooks_rows(interpreted):
 
 
 def test_the_hooks_read_none_of_the_sites_the_fused_modules_take():
-    from fp8mon.agent import Agent
     from trainer_rows import NullTransport
+
+    from fp8mon.agent import Agent
 
     agent = Agent(transport=NullTransport(), every=1).watch(_llama())
     hooked = {h.name: set(h.sites) for h in agent._layers}
@@ -173,10 +173,11 @@ def _one_micro_batch_steps(monkeypatch, fused: bool, together: bool = True):
     linears' weights read by their grad_weight hooks, and the (dtype, tensors) of each ``casts_with_rows`` launch;
     ``together``: the gradients cast back in one launch (``weight_rows.grads_together``), else each as it comes with
     the batch left to the weights of at most 2000 elements."""
+    from trainer_rows import NullTransport
+
     from fp8mon.agent import Agent
     from fp8mon.trainer import weight_rows
     from fp8mon.trainer.kernels import weight_casts
-    from trainer_rows import NullTransport
 
     idx = [_tokens(i) for i in range(2)]
     batches, one_launch = [], weight_casts.casts_with_rows

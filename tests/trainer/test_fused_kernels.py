@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from trainer_rows import hist_slack, row_problems
 
 pytestmark = pytest.mark.usefixtures("interpreted")
@@ -80,8 +79,8 @@ def _stats_input(case, dtype):
 def test_swiglu_forward_rows_of_y_and_h_are_the_oracles_and_merge(case, dtype, fmt, hist):
     """The rows the forward takes of y and h equal the fp64 oracle's (a GEMM output's emulation: current scaling of
     the format, or none); h is the same with them; y's merges into a second call's. On bf16 y the words path runs."""
-    from fp8mon.agent.stats import torch_path as ds
     from fp8mon.agent.stats import launch as ts
+    from fp8mon.agent.stats import torch_path as ds
     from fp8mon.trainer.kernels.swiglu import swiglu
 
     y0, _ = _stats_input(case, dtype)
@@ -107,8 +106,8 @@ def test_swiglu_forward_rows_of_y_and_h_are_the_oracles_and_merge(case, dtype, f
 @pytest.mark.parametrize("fmt,hist", [("e5m2", True), (None, False)])
 @pytest.mark.parametrize("case,dtype", STATS_VALUES)
 def test_swiglu_backward_row_of_dy_is_the_oracles_asked_for_in_the_backward(case, dtype, fmt, hist):
-    from fp8mon.agent.stats import torch_path as ds
     from fp8mon.agent.stats import launch as ts
+    from fp8mon.agent.stats import torch_path as ds
     from fp8mon.trainer.kernels.swiglu import swiglu
 
     y0, dh = _stats_input(case, dtype)
@@ -149,8 +148,8 @@ def test_swiglu_words_path_takes_y_and_h_rows_without_deferring_h(monkeypatch, s
     and with a NaN (the careful path)."""
     import importlib
 
-    from fp8mon.agent.stats import torch_path as ds
     from fp8mon.agent.stats import launch as ts
+    from fp8mon.agent.stats import torch_path as ds
 
     sw = importlib.import_module("fp8mon.trainer.kernels.swiglu")
     g = torch.Generator().manual_seed(12)
@@ -179,8 +178,8 @@ def test_swiglu_words_path_takes_y_and_h_rows_without_deferring_h(monkeypatch, s
 def test_swiglu_backward_words_path_takes_dys_row(monkeypatch, shape, nan, fmt):
     import importlib
 
-    from fp8mon.agent.stats import torch_path as ds
     from fp8mon.agent.stats import launch as ts
+    from fp8mon.agent.stats import torch_path as ds
 
     sw = importlib.import_module("fp8mon.trainer.kernels.swiglu")
     g = torch.Generator().manual_seed(14)
@@ -206,8 +205,8 @@ def test_swiglu_backward_words_path_takes_dys_row(monkeypatch, shape, nan, fmt):
 def test_residual_add_equals_torch_and_takes_the_rows_of_the_branch_and_its_gradient(monkeypatch, xd, bd, nan):
     """Values (one rounding) and gradients (b's cast by the kernel that takes its row) are torch's x + b; the rows of b
     and of b's gradient equal the oracle's, merged by a later launch and (the NaN case) by the kernels' last program."""
-    from fp8mon.agent.stats import torch_path as ds
     from fp8mon.agent.stats import launch as ts
+    from fp8mon.agent.stats import torch_path as ds
     from fp8mon.trainer.kernels.residual import residual_add, residual_add_ref
 
     g = torch.Generator().manual_seed(9)
@@ -237,8 +236,8 @@ def test_residual_add_equals_torch_and_takes_the_rows_of_the_branch_and_its_grad
 def test_weight_cast_equals_torchs_casts_with_the_fp32_weights_row(shape):
     """``weight_cast`` is ``w.to(bf16)`` (its gradient ``g.float()``) with w's own row (the oracle's of the fp32
     values, not the cast's), also across a partial last block."""
-    from fp8mon.agent.stats import torch_path as ds
     from fp8mon.agent.stats import launch as ts
+    from fp8mon.agent.stats import torch_path as ds
     from fp8mon.trainer.kernels.residual import weight_cast
 
     g = torch.Generator().manual_seed(21)
@@ -259,8 +258,8 @@ def test_weight_cast_equals_torchs_casts_with_the_fp32_weights_row(shape):
 def test_casts_with_rows_casts_several_tensors_in_one_launch_each_with_its_row(to_bf16):
     """fp32 to bf16 (weights) and bf16 to fp32 (their gradients), of several sizes (one with a NaN: the careful path):
     torch's casts, and each row the oracle's about its own center (given, on the device, none)."""
-    from fp8mon.agent.stats import torch_path as ds
     from fp8mon.agent.stats import launch as ts
+    from fp8mon.agent.stats import torch_path as ds
     from fp8mon.trainer.kernels.weight_casts import casts_with_rows
 
     g = torch.Generator().manual_seed(3)
@@ -292,8 +291,8 @@ def test_rope_on_qkv_equals_torch_and_takes_qkvs_rows(shape, dt, nan):
     """q, k, v and qkv's gradient are torch's exactly (the interpreter contracts nothing into FMAs), with a partial
     tile of positions and heads of 16 and 32; the rows of qkv and of its gradient equal the oracle's, also with a NaN,
     the first merged into by two more calls before the rows are merged (the first merge goes first)."""
-    from fp8mon.agent.stats import torch_path as ds
     from fp8mon.agent.stats import launch as ts
+    from fp8mon.agent.stats import torch_path as ds
     from fp8mon.trainer.kernels.rope import rope_qkv, rope_qkv_ref
     from fp8mon.trainer.layers import Rotary
 
@@ -360,8 +359,8 @@ def test_rmsnorm_equals_torch_and_takes_ys_row(shape, dt, nan, learn, hist):
     that are and are not a power of two (48, 40 and 96 are cut into 3, 5 and 3 chunks), a partial last tile and a
     frozen weight; y's row equals the oracle's of y as returned, merged later, with a NaN by the careful path, and
     merged into by a second call."""
-    from fp8mon.agent.stats import torch_path as ds
     from fp8mon.agent.stats import launch as ts
+    from fp8mon.agent.stats import torch_path as ds
     from fp8mon.trainer.kernels.rmsnorm import rms_norm, rms_norm_ref
 
     g = torch.Generator().manual_seed(13)

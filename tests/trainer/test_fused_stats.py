@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from trainer_rows import agent_rows, row_problems
 
 pytestmark = pytest.mark.usefixtures("interpreted")
@@ -69,8 +68,8 @@ def test_a_casts_row_is_the_standalone_kernels_and_the_torch_paths(monkeypatch, 
 def test_the_fast_path_counts_zeros_underflows_overflows_and_outliers(monkeypatch, kernel, dtype, fmt, delayed, hist):
     """Finite inputs (the fast path), with and without the histogram, on full and edge tiles: every count of the row
     is the torch path's, and a delayed cast accumulates the amax."""
-    from fp8mon.agent.stats import torch_path as ds
     from fp8mon.agent.stats import launch as ts
+    from fp8mon.agent.stats import torch_path as ds
     from fp8mon.trainer.kernels.quantize import stats_ref
 
     fn = _kernel(monkeypatch, kernel)
@@ -98,8 +97,8 @@ def test_the_fast_path_counts_zeros_underflows_overflows_and_outliers(monkeypatc
 @pytest.mark.parametrize("kernel", KERNELS[1:])
 def test_a_second_cast_into_the_same_row_merges(monkeypatch, kernel):
     """Micro-batches: the second call merges into the row as stats.torch_path.merge does, its underflows included."""
-    from fp8mon.agent.stats import torch_path as ds
     from fp8mon.agent.stats import launch as ts
+    from fp8mon.agent.stats import torch_path as ds
 
     fn = _kernel(monkeypatch, kernel)
     g = torch.Generator().manual_seed(2)
@@ -181,8 +180,9 @@ def test_fp8_linears_report_the_rows_their_hooks_would(monkeypatch, mode):
     model.load_state_dict(state)
     want, keys2 = agent_rows(model, _inputs(), 2, fused=False, stats_backend="triton")
     _assert_like_the_hooks(got, want, keys, keys2)
-    from fp8mon.agent import Agent
     from trainer_rows import NullTransport
+
+    from fp8mon.agent import Agent
 
     agent = Agent(transport=NullTransport(), every=1).watch(model)
     hooked = [h.sites for h in agent._layers]
@@ -252,9 +252,10 @@ def test_clipping_takes_the_watched_gradients_norms_from_the_agents_rows():
     """Gradient clipping with the norms from the agent's grad_weight rows (trainer.clip) equals torch's clip_grad_norm_
     (norm and clipped gradients), takes those rows only on reporting steps and for gradients unchanged since, and gives
     NaN for a NaN gradient."""
+    from trainer_rows import NullTransport
+
     from fp8mon.agent import Agent
     from fp8mon.trainer.clip import clip_grad_norm
-    from trainer_rows import NullTransport
 
     torch.manual_seed(5)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from trainer_rows import row_problems
 
 pytestmark = pytest.mark.usefixtures("interpreted")
@@ -32,8 +31,8 @@ CASES = {  # name: (M, N, K, out dtype, bias, split_k, scale_a, fmt, merge)
 @pytest.mark.parametrize("impl", ["ptr", "tma"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_gemm_epilogue_row_is_the_oracles_and_the_references(case, impl):
-    from fp8mon.agent.stats import torch_path as ds
     from fp8mon.agent.stats import launch as ts
+    from fp8mon.agent.stats import torch_path as ds
     from fp8mon.trainer.kernels import fp8_gemm, fp8_gemm_ref
 
     M, N, K, od, has_bias, split, sa, fmt, merge = CASES[case]

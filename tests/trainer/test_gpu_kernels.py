@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rowcheck import NullTransport, agent_rows, rows_close, sync_free
 
 from fp8mon.agent.stats import launch as ts
 from fp8mon.agent.stats import torch_path as ds
-from rowcheck import NullTransport, agent_rows, rows_close, sync_free
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -10,8 +10,8 @@ from torch import nn
 
 from fp8mon.agent import Agent
 from fp8mon.agent.wire import SITES, TENSOR_STATS
-from tests.agent.capture import CaptureTransport
 from fp8mon.trainer.train import build_parser, run
+from tests.agent.capture import CaptureTransport
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -47,8 +47,16 @@ def _rel(a, b) -> float:
 
 def test_quantize_current():
     from fp8mon.agent.formats import E4M3, E5M2, current_scale  # noqa: F401  (the interpreted copy)
-    from fp8mon.trainer.kernels import (delayed_update, delayed_update_ref, fp8_gemm, fp8_gemm_ref,  # noqa: F401
-                                        quantize, quantize_ref, quantize_transpose, quantize_transpose_ref)
+    from fp8mon.trainer.kernels import (  # noqa: F401
+        delayed_update,
+        delayed_update_ref,
+        fp8_gemm,
+        fp8_gemm_ref,
+        quantize,
+        quantize_ref,
+        quantize_transpose,
+        quantize_transpose_ref,
+    )
 
     fmts, dtypes = (E4M3, E5M2), (torch.float32, torch.bfloat16)  # noqa: F841
     for fmt in fmts:
@@ -61,8 +69,16 @@ def test_quantize_current():
 
 def test_quantize_transpose_current():
     from fp8mon.agent.formats import E4M3, E5M2, current_scale  # noqa: F401  (the interpreted copy)
-    from fp8mon.trainer.kernels import (delayed_update, delayed_update_ref, fp8_gemm, fp8_gemm_ref,  # noqa: F401
-                                        quantize, quantize_ref, quantize_transpose, quantize_transpose_ref)
+    from fp8mon.trainer.kernels import (  # noqa: F401
+        delayed_update,
+        delayed_update_ref,
+        fp8_gemm,
+        fp8_gemm_ref,
+        quantize,
+        quantize_ref,
+        quantize_transpose,
+        quantize_transpose_ref,
+    )
 
     fmts, dtypes = (E4M3, E5M2), (torch.float32, torch.bfloat16)  # noqa: F841
     for fmt in fmts:
@@ -77,8 +93,16 @@ def test_quantize_transpose_current():
 
 def test_quantize_transpose_partial_outputs():
     from fp8mon.agent.formats import E4M3, E5M2, current_scale  # noqa: F401  (the interpreted copy)
-    from fp8mon.trainer.kernels import (delayed_update, delayed_update_ref, fp8_gemm, fp8_gemm_ref,  # noqa: F401
-                                        quantize, quantize_ref, quantize_transpose, quantize_transpose_ref)
+    from fp8mon.trainer.kernels import (  # noqa: F401
+        delayed_update,
+        delayed_update_ref,
+        fp8_gemm,
+        fp8_gemm_ref,
+        quantize,
+        quantize_ref,
+        quantize_transpose,
+        quantize_transpose_ref,
+    )
 
     fmts, dtypes = (E4M3, E5M2), (torch.float32, torch.bfloat16)  # noqa: F841
     x = _inputs((40, 96), torch.bfloat16, 3)
@@ -90,8 +114,16 @@ def test_quantize_transpose_partial_outputs():
 
 def test_amax_ignores_nonfinite():
     from fp8mon.agent.formats import E4M3, E5M2, current_scale  # noqa: F401  (the interpreted copy)
-    from fp8mon.trainer.kernels import (delayed_update, delayed_update_ref, fp8_gemm, fp8_gemm_ref,  # noqa: F401
-                                        quantize, quantize_ref, quantize_transpose, quantize_transpose_ref)
+    from fp8mon.trainer.kernels import (  # noqa: F401
+        delayed_update,
+        delayed_update_ref,
+        fp8_gemm,
+        fp8_gemm_ref,
+        quantize,
+        quantize_ref,
+        quantize_transpose,
+        quantize_transpose_ref,
+    )
 
     fmts, dtypes = (E4M3, E5M2), (torch.float32, torch.bfloat16)  # noqa: F841
     x = torch.tensor([[1.0, -3.0, float("nan"), float("inf")], [2.0, -float("inf"), 0.5, -2.5]])
@@ -102,8 +134,16 @@ def test_amax_ignores_nonfinite():
 
 def test_delayed_history_and_saturation():
     from fp8mon.agent.formats import E4M3, E5M2, current_scale  # noqa: F401  (the interpreted copy)
-    from fp8mon.trainer.kernels import (delayed_update, delayed_update_ref, fp8_gemm, fp8_gemm_ref,  # noqa: F401
-                                        quantize, quantize_ref, quantize_transpose, quantize_transpose_ref)
+    from fp8mon.trainer.kernels import (  # noqa: F401
+        delayed_update,
+        delayed_update_ref,
+        fp8_gemm,
+        fp8_gemm_ref,
+        quantize,
+        quantize_ref,
+        quantize_transpose,
+        quantize_transpose_ref,
+    )
 
     fmts, dtypes = (E4M3, E5M2), (torch.float32, torch.bfloat16)  # noqa: F841
     H, margin = 3, 1
@@ -132,8 +172,16 @@ def test_delayed_history_and_saturation():
 
 def _gemm_cases(impl, split_k=None):
     from fp8mon.agent.formats import E4M3, E5M2, current_scale  # noqa: F401  (the interpreted copy)
-    from fp8mon.trainer.kernels import (delayed_update, delayed_update_ref, fp8_gemm, fp8_gemm_ref,  # noqa: F401
-                                        quantize, quantize_ref, quantize_transpose, quantize_transpose_ref)
+    from fp8mon.trainer.kernels import (  # noqa: F401
+        delayed_update,
+        delayed_update_ref,
+        fp8_gemm,
+        fp8_gemm_ref,
+        quantize,
+        quantize_ref,
+        quantize_transpose,
+        quantize_transpose_ref,
+    )
 
     fmts, dtypes = (E4M3, E5M2), (torch.float32, torch.bfloat16)  # noqa: F841
     cfg = {"BM": 32, "BN": 32, "BK": 64, "GROUP_M": 2}
@@ -159,24 +207,48 @@ def _gemm_cases(impl, split_k=None):
 
 def test_gemm_ptr():
     from fp8mon.agent.formats import E4M3, E5M2, current_scale  # noqa: F401  (the interpreted copy)
-    from fp8mon.trainer.kernels import (delayed_update, delayed_update_ref, fp8_gemm, fp8_gemm_ref,  # noqa: F401
-                                        quantize, quantize_ref, quantize_transpose, quantize_transpose_ref)
+    from fp8mon.trainer.kernels import (  # noqa: F401
+        delayed_update,
+        delayed_update_ref,
+        fp8_gemm,
+        fp8_gemm_ref,
+        quantize,
+        quantize_ref,
+        quantize_transpose,
+        quantize_transpose_ref,
+    )
 
     fmts, dtypes = (E4M3, E5M2), (torch.float32, torch.bfloat16)  # noqa: F841
     _gemm_cases("ptr")
 
 def test_gemm_tma():
     from fp8mon.agent.formats import E4M3, E5M2, current_scale  # noqa: F401  (the interpreted copy)
-    from fp8mon.trainer.kernels import (delayed_update, delayed_update_ref, fp8_gemm, fp8_gemm_ref,  # noqa: F401
-                                        quantize, quantize_ref, quantize_transpose, quantize_transpose_ref)
+    from fp8mon.trainer.kernels import (  # noqa: F401
+        delayed_update,
+        delayed_update_ref,
+        fp8_gemm,
+        fp8_gemm_ref,
+        quantize,
+        quantize_ref,
+        quantize_transpose,
+        quantize_transpose_ref,
+    )
 
     fmts, dtypes = (E4M3, E5M2), (torch.float32, torch.bfloat16)  # noqa: F841
     _gemm_cases("tma")
 
 def test_gemm_ws_fallback():
     from fp8mon.agent.formats import E4M3, E5M2, current_scale  # noqa: F401  (the interpreted copy)
-    from fp8mon.trainer.kernels import (delayed_update, delayed_update_ref, fp8_gemm, fp8_gemm_ref,  # noqa: F401
-                                        quantize, quantize_ref, quantize_transpose, quantize_transpose_ref)
+    from fp8mon.trainer.kernels import (  # noqa: F401
+        delayed_update,
+        delayed_update_ref,
+        fp8_gemm,
+        fp8_gemm_ref,
+        quantize,
+        quantize_ref,
+        quantize_transpose,
+        quantize_transpose_ref,
+    )
 
     fmts, dtypes = (E4M3, E5M2), (torch.float32, torch.bfloat16)  # noqa: F841
     # impl "ws" (fp8_gemm_ws, Gluon, sm90 only: no interpreter) falls back to the Triton kernels off sm90
@@ -184,8 +256,16 @@ def test_gemm_ws_fallback():
 
 def test_gemm_split_k():
     from fp8mon.agent.formats import E4M3, E5M2, current_scale  # noqa: F401  (the interpreted copy)
-    from fp8mon.trainer.kernels import (delayed_update, delayed_update_ref, fp8_gemm, fp8_gemm_ref,  # noqa: F401
-                                        quantize, quantize_ref, quantize_transpose, quantize_transpose_ref)
+    from fp8mon.trainer.kernels import (  # noqa: F401
+        delayed_update,
+        delayed_update_ref,
+        fp8_gemm,
+        fp8_gemm_ref,
+        quantize,
+        quantize_ref,
+        quantize_transpose,
+        quantize_transpose_ref,
+    )
 
     fmts, dtypes = (E4M3, E5M2), (torch.float32, torch.bfloat16)  # noqa: F841
     _gemm_cases("ptr", split_k=3)
@@ -193,8 +273,16 @@ def test_gemm_split_k():
 
 def test_gemm_e5m2_e5m2():
     from fp8mon.agent.formats import E4M3, E5M2, current_scale  # noqa: F401  (the interpreted copy)
-    from fp8mon.trainer.kernels import (delayed_update, delayed_update_ref, fp8_gemm, fp8_gemm_ref,  # noqa: F401
-                                        quantize, quantize_ref, quantize_transpose, quantize_transpose_ref)
+    from fp8mon.trainer.kernels import (  # noqa: F401
+        delayed_update,
+        delayed_update_ref,
+        fp8_gemm,
+        fp8_gemm_ref,
+        quantize,
+        quantize_ref,
+        quantize_transpose,
+        quantize_transpose_ref,
+    )
 
     fmts, dtypes = (E4M3, E5M2), (torch.float32, torch.bfloat16)  # noqa: F841
     a = torch.randn(32, 64).to(torch.float8_e5m2)
@@ -206,8 +294,16 @@ def test_gemm_e5m2_e5m2():
 
 def test_fp8_linear_triton_vs_torch():
     from fp8mon.agent.formats import E4M3, E5M2, current_scale  # noqa: F401  (the interpreted copy)
-    from fp8mon.trainer.kernels import (delayed_update, delayed_update_ref, fp8_gemm, fp8_gemm_ref,  # noqa: F401
-                                        quantize, quantize_ref, quantize_transpose, quantize_transpose_ref)
+    from fp8mon.trainer.kernels import (  # noqa: F401
+        delayed_update,
+        delayed_update_ref,
+        fp8_gemm,
+        fp8_gemm_ref,
+        quantize,
+        quantize_ref,
+        quantize_transpose,
+        quantize_transpose_ref,
+    )
 
     fmts, dtypes = (E4M3, E5M2), (torch.float32, torch.bfloat16)  # noqa: F841
     from fp8mon.trainer.fp8_linear import Fp8Linear, Fp8Recipe

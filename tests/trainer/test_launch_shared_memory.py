@@ -13,7 +13,6 @@ import os
 
 import pytest
 import torch
-
 from sm90_build import launch_verdict, shared_memory, sm90_builds, tools
 
 

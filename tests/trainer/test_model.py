@@ -10,7 +10,7 @@ from torch import nn
 
 from fp8mon.agent.hooks import select_modules
 from fp8mon.trainer.config import CONFIGS, ModelConfig, get_config
-from fp8mon.trainer.layers import XIELU, Attention, RMSNorm, Rotary, SwiGLU, XIELUMLP
+from fp8mon.trainer.layers import XIELU, XIELUMLP, Attention, RMSNorm, Rotary, SwiGLU
 from fp8mon.trainer.model import Transformer
 
 SMALL = ModelConfig(n_layer=3, d_model=64, n_head=2, d_ff=96, seq_len=32)  # head_dim 32, FOG MLP 144

@@ -53,10 +53,11 @@ import triton
 import triton.language as tl
 
 from fp8mon.agent.stats import launch as ts
+from fp8mon.agent.stats.device import fused_bounds, nofmt_epilogue, rows_add, rows_partial, rows_zero
+
 from . import fp8_gemm_ws as _ws
 from .quantize import _num_sms, cdiv, stats_ref
 from .timing import fastest
-from fp8mon.agent.stats.device import fused_bounds, nofmt_epilogue, rows_add, rows_partial, rows_zero
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -426,7 +427,7 @@ def _stats_args(stats, programs: int, dummy: torch.Tensor) -> dict:
 def fp8_gemm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
              out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None, fast_accum: bool = True,
              impl: str | None = None, config: dict | None = None, split_k: int | None = None,
-             stats: "ts.Target | None" = None) -> torch.Tensor:
+             stats: ts.Target | None = None) -> torch.Tensor:
     """(M, N) = (a @ b.T) * scale_a * scale_b (+ bias), a: (M, K) fp8, b: (N, K) fp8, both K-major.
 
     ``config`` = {"BM", "BN", "BK", "GROUP_M", "num_warps", "num_stages"} bypasses the autotuner (tests,
@@ -540,7 +541,7 @@ def _dequant_mm(a, b, scale_a, scale_b, out_dtype, bias):
 
 def fp8_gemm_ref(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                  out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None,
-                 fast_accum: bool = True, stats: "ts.Target | None" = None) -> torch.Tensor:
+                 fast_accum: bool = True, stats: ts.Target | None = None) -> torch.Tensor:
     """``_scaled_mm_ref`` (below), and with ``stats`` the row ``fp8_gemm`` writes (``stats.torch_path.partials``
     of the result)."""
     c = _scaled_mm_ref(a, b, scale_a, scale_b, out_dtype, bias, fast_accum)

@@ -59,8 +59,13 @@ from .timing import fastest
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                       warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     AVAILABLE = hasattr(gl, "warp_specialize")
 except Exception:  # pragma: no cover - Triton without Gluon's Hopper API
@@ -108,7 +113,7 @@ def supported(a: torch.Tensor) -> bool:
     return AVAILABLE and a.is_cuda and _sm90(a.device.index or 0)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm90(index: int) -> bool:  # asked on every precise GEMM call (fp8_gemm): once per device
     return torch.cuda.get_device_capability(index) == (9, 0)
 
@@ -582,12 +587,12 @@ def _smem_limit(device) -> int:
 
 # Host time matters: a launch's Python (Triton's launcher, descriptors, layouts) costs several times _scaled_mm's,
 # which on small GEMMs exceeds the kernel itself. What does not depend on the tensors' addresses is computed once.
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _smem_limit_of(index: int) -> int:
     return getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", 232448)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _smem_layout(block: tuple, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPE.get(dtype) or _GL_OUT_DTYPE[dtype])
 

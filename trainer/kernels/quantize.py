@@ -49,12 +49,22 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8mon.agent.stats import torch_path as ds
-from fp8mon.agent.stats import launch as ts
 from fp8mon.agent.formats import Fp8Format, by_name, current_scale, delayed_scale
 from fp8mon.agent.formats import quantize as _quantize_cast
-from fp8mon.agent.stats.device import (SMEM_HIST, careful_result, fast_result, fused_epilogue, fused_prologue, htab,
-                                       shift_of, tile_careful, tile_fast, tile_sum)
+from fp8mon.agent.stats import launch as ts
+from fp8mon.agent.stats import torch_path as ds
+from fp8mon.agent.stats.device import (
+    SMEM_HIST,
+    careful_result,
+    fast_result,
+    fused_epilogue,
+    fused_prologue,
+    htab,
+    shift_of,
+    tile_careful,
+    tile_fast,
+    tile_sum,
+)
 
 MAX_PARTIALS = 1024
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -292,7 +302,7 @@ def _consts(fmt: Fp8Format) -> dict:
                 OUT_DTYPE=_TL_DTYPE[fmt.name])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -354,7 +364,7 @@ def stats_programs(tiles: int, device: torch.device) -> int:
 
 
 def quantize(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tensor | None = None,
-             accum: torch.Tensor | None = None, block: int = 2048, stats: "ts.Target | None" = None) -> Quantized:
+             accum: torch.Tensor | None = None, block: int = 2048, stats: ts.Target | None = None) -> Quantized:
     """Quantize x (any shape, made contiguous) to ``fmt``.
 
     ``scale is None``: current scaling (amax pass + cast pass). Else delayed: cast with the fp32
@@ -427,7 +437,7 @@ def delayed_update_ref(amax: torch.Tensor, history: torch.Tensor, scale: torch.T
     scale.copy_(_finite_or_one(delayed_scale(history, fmt, margin)).reshape(scale.shape))
 
 
-def stats_ref(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tensor, target: "ts.Target") -> torch.Tensor:
+def stats_ref(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tensor, target: ts.Target) -> torch.Tensor:
     """What the fused statistics write: ``stats.torch_path.partials`` of x with the scale in use (outliers
     against the target's center), merged into the target row like the kernel does."""
     c = target.center

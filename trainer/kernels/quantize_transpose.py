@@ -24,17 +24,41 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8mon.agent.stats import torch_path as ds
 from fp8mon.agent.formats import Fp8Format, by_name
-
 from fp8mon.agent.stats import launch as ts
-from fp8mon.agent.stats.device import (SMEM_HIST, Const, careful_result, fast_result, fused_epilogue, fused_prologue,
-                                       htab, packed_fold, packed_setup, shift_of, tile_bf16x2, tile_careful,
-                                       tile_fast, tile_sum)
+from fp8mon.agent.stats import torch_path as ds
+from fp8mon.agent.stats.device import (
+    SMEM_HIST,
+    Const,
+    careful_result,
+    fast_result,
+    fused_epilogue,
+    fused_prologue,
+    htab,
+    packed_fold,
+    packed_setup,
+    shift_of,
+    tile_bf16x2,
+    tile_careful,
+    tile_fast,
+    tile_sum,
+)
 
-from .quantize import (INTERPRET, Quantized, _cast_fp8, cdiv, next_power_of_2, _consts, _current_scale_from_partials,
-                       _finite_abs, _scale_from_amax, amax_partials, quantize_ref, reg_cap, stats_consts,
-                       stats_programs)
+from .quantize import (
+    Quantized,
+    _cast_fp8,
+    _consts,
+    _current_scale_from_partials,
+    _finite_abs,
+    _scale_from_amax,
+    amax_partials,
+    cdiv,
+    next_power_of_2,
+    quantize_ref,
+    reg_cap,
+    stats_consts,
+    stats_programs,
+)
 
 # How the transposed tile is produced, per input dtype (see the kernel): 0 = tl.trans of the fp8 tile, 2 = re-read the
 # tile transposed (no tl.trans). Triton's register transpose wrote a wrong qT for fp32 inputs whose row count is a
@@ -257,7 +281,7 @@ def _quantize_transpose_stats_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, accum_ptr,
                    outl, under, over, samax, mean, m2, m3, m4, hist, FMAX, UTHR, AHM_PTR, HIST)
 
 
-def _packed(x: torch.Tensor, stats: "ts.Target") -> bool:
+def _packed(x: torch.Tensor, stats: ts.Target) -> bool:
     """Whether the statistics variant takes x's full tiles with the bf16 word loop (``PACKED``)."""
     return x.dtype == torch.bfloat16 and (not stats.hist or ts.SMEM_HIST) and _STATS_V == 16
 
@@ -265,7 +289,7 @@ def _packed(x: torch.Tensor, stats: "ts.Target") -> bool:
 def quantize_transpose(x: torch.Tensor, fmt: Fp8Format | str, scale: torch.Tensor | None = None,
                        accum: torch.Tensor | None = None, write_q: bool = True, write_qt: bool = True,
                        bm: int = 64, bn: int = 128, num_warps: int = 8, trans_mode: int | None = None,
-                       stats: "ts.Target | None" = None, amax_ready: torch.Tensor | None = None) -> Quantized:
+                       stats: ts.Target | None = None, amax_ready: torch.Tensor | None = None) -> Quantized:
     """Quantize 2-D x (M, N) to ``fmt``: ``data`` (M, N) and ``data_t`` (N, M), both contiguous.
 
     ``scale``/``accum`` as in ``quantize.quantize`` (None: current scaling). ``write_q``/``write_qt``

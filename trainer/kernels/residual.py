@@ -14,15 +14,22 @@ with the weight's row, and its gradient cast back with the gradient's row (``tra
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
 from fp8mon.agent.stats import launch as ts
-from fp8mon.agent.stats.device import (SMEM_HIST, fused_bounds, fused_epilogue, htab, stream_add, stream_partial,
-                                       stream_start)
+from fp8mon.agent.stats.device import (
+    SMEM_HIST,
+    fused_bounds,
+    fused_epilogue,
+    htab,
+    stream_add,
+    stream_partial,
+    stream_start,
+)
 
 from .fp8_gemm import _to_out
 from .quantize import INTERPRET, cdiv, persistent_programs, reg_cap
@@ -168,7 +175,7 @@ def _launch_shape(n: int, device: torch.device, rows: bool) -> tuple[int, int, i
     return persistent_programs(cdiv(n, block), per_sm, device), block, warps
 
 
-def branch_grad(g: torch.Tensor, dtype: torch.dtype, stats: "ts.Target", source_row: bool = False) -> torch.Tensor:
+def branch_grad(g: torch.Tensor, dtype: torch.dtype, stats: ts.Target, source_row: bool = False) -> torch.Tensor:
     """The branch's gradient, ``g.to(dtype)`` (a new tensor even where the dtype is g's), in one pass with its row
     into ``stats``; with ``source_row`` the row of g, not of the result."""
     gc = g.contiguous()
@@ -200,7 +207,7 @@ class _WeightCastFn(torch.autograd.Function):
 
 
 @torch.compiler.disable
-def weight_cast(w: torch.Tensor, dtype: torch.dtype, stats: "ts.Target | None", link=None,
+def weight_cast(w: torch.Tensor, dtype: torch.dtype, stats: ts.Target | None, link=None,
                 cast: torch.Tensor | None = None) -> torch.Tensor:
     """``w.to(dtype)``, differentiable as that (the gradient cast back to w's dtype), in one pass that takes the row
     of w's own values into ``stats``: autocast's cast of a weight, with the weight's row for the agent from the same
@@ -211,7 +218,7 @@ def weight_cast(w: torch.Tensor, dtype: torch.dtype, stats: "ts.Target | None", 
     return _WeightCastFn.apply(w, dtype, stats, link, None if cast is None else (cast,))
 
 
-def residual_add_forward(x: torch.Tensor, b: torch.Tensor, stats: "ts.Target | None" = None) -> torch.Tensor:
+def residual_add_forward(x: torch.Tensor, b: torch.Tensor, stats: ts.Target | None = None) -> torch.Tensor:
     """x + b (same shape) in one pass; with ``stats`` b's row into the target."""
     if x.shape != b.shape:
         raise ValueError(f"residual_add: x {tuple(x.shape)} and b {tuple(b.shape)} must have one shape")
@@ -239,8 +246,8 @@ class _ResidualAddFn(torch.autograd.Function):
         return g.to(dx), g.to(db) if target is None else branch_grad(g, db, target), None, None
 
 
-def residual_add(x: torch.Tensor, b: torch.Tensor, stats: "ts.Target | None" = None,
-                 grad_stats: "Callable[[], ts.Target | None] | None" = None) -> torch.Tensor:
+def residual_add(x: torch.Tensor, b: torch.Tensor, stats: ts.Target | None = None,
+                 grad_stats: Callable[[], ts.Target | None] | None = None) -> torch.Tensor:
     """x + b, differentiable, in one pass; with ``stats`` b's statistics row (see the module docstring);
     ``grad_stats``, called in the backward, gives the target of the row of b's gradient (None: none)."""
     return _ResidualAddFn.apply(x, b, stats, grad_stats)

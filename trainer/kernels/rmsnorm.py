@@ -17,8 +17,16 @@ import triton
 import triton.language as tl
 
 from fp8mon.agent.stats import launch as ts
-from fp8mon.agent.stats.device import (SMEM_HIST, fused_bounds, fused_epilogue, htab, shift_of, stream_add,
-                                       stream_partial, stream_zero)
+from fp8mon.agent.stats.device import (
+    SMEM_HIST,
+    fused_bounds,
+    fused_epilogue,
+    htab,
+    shift_of,
+    stream_add,
+    stream_partial,
+    stream_zero,
+)
 
 from ..torch_ops import rms_norm as rms_norm_ref  # noqa: F401  (the reference, beside the kernels)
 from .fp8_gemm import _to_out
@@ -229,7 +237,7 @@ def _stats_shape(d: int, element_size: int, warps: int) -> tuple[int, int]:
     return max(rows, 16 // element_size * 32 * warps // cw), d
 
 
-def _stages(stats: "ts.Target | None", tile_bytes: int) -> int:
+def _stages(stats: ts.Target | None, tile_bytes: int) -> int:
     """The forward's pipelining depth: none without a row, else ``STATS_STAGES``, at most two above STAGE3_BYTES."""
     if stats is None:
         return 1
@@ -243,7 +251,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                     stats: "ts.Target | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     stats: ts.Target | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, 1 / rms of each row, fp32); with ``stats`` y's row into the target (merged later: ``launch.merge_later``)."""
     d = x.shape[-1]
     m = x.numel() // d
@@ -294,7 +302,7 @@ class _RMSNormFn(torch.autograd.Function):
 
 
 @torch.compiler.disable  # as Fp8Linear's: torch.compile cannot trace the launchers' host work (the row's tables)
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, stats: "ts.Target | None" = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, stats: ts.Target | None = None) -> torch.Tensor:
     """RMSNorm of x's rows (``supports``), differentiable in x and weight; with ``stats`` y's statistics row (see the
     module docstring)."""
     if not supports(x, weight):

@@ -20,15 +20,22 @@ Persistent programs (a few per SM) loop over tiles of BT positions of one batch 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
 from fp8mon.agent.stats import launch as ts
-from fp8mon.agent.stats.device import (SMEM_HIST, fused_bounds, fused_epilogue, htab, stream_add, stream_partial,
-                                       stream_start)
+from fp8mon.agent.stats.device import (
+    SMEM_HIST,
+    fused_bounds,
+    fused_epilogue,
+    htab,
+    stream_add,
+    stream_partial,
+    stream_start,
+)
 
 from .fp8_gemm import _to_out
 from .quantize import INTERPRET, cdiv, persistent_programs, reg_cap
@@ -273,7 +280,7 @@ def _check(qkv: torch.Tensor, cos: torch.Tensor, n_head: int) -> tuple[int, int,
 
 
 def rope_qkv_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: int,
-                     stats: "ts.Target | None" = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     stats: ts.Target | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, k, v), each (B, NH, T, HD), of qkv (B, T, 3 * NH * HD) with positions 0..T-1 of ``cos``/``sin``
     (max_seq_len, HD / 2, fp32); with ``stats`` qkv's row into that target."""
     b, t, hd = _check(qkv, cos, n_head)
@@ -288,7 +295,7 @@ def rope_qkv_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_
 
 
 def rope_qkv_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      dtype: torch.dtype, stats: "ts.Target | None" = None) -> torch.Tensor:
+                      dtype: torch.dtype, stats: ts.Target | None = None) -> torch.Tensor:
     """qkv's gradient (B, T, 3 * NH * HD) in ``dtype`` from those of q, k and v (B, NH, T, HD); with ``stats`` its row
     into that target."""
     b, nh, t, hd = dv.shape
@@ -318,8 +325,8 @@ class _RopeQKVFn(torch.autograd.Function):
         return rope_qkv_backward(dq, dk, dv, cos, sin, ctx.dtype, stats), None, None, None, None, None
 
 
-def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: int, stats: "ts.Target | None" = None,
-             grad_stats: "Callable[[], ts.Target | None] | None" = None
+def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_head: int, stats: ts.Target | None = None,
+             grad_stats: Callable[[], ts.Target | None] | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, k, v) of the fused qkv output, q and k rotated, differentiable, in one pass each way (see the module
     docstring); with ``stats`` the qkv output's statistics row; ``grad_stats``, called in the backward right before

@@ -27,15 +27,26 @@ to merge, not one per tile.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
 from fp8mon.agent.stats import launch as ts
-from fp8mon.agent.stats.device import (SMEM_HIST, fused_bounds, fused_epilogue, htab, shift_of, stream_add,
-                                       stream_partial, stream_zero, words_add, words_fold, words_zero)
+from fp8mon.agent.stats.device import (
+    SMEM_HIST,
+    fused_bounds,
+    fused_epilogue,
+    htab,
+    shift_of,
+    stream_add,
+    stream_partial,
+    stream_zero,
+    words_add,
+    words_fold,
+    words_zero,
+)
 
 from .. import torch_ops
 from .fp8_gemm import _to_out
@@ -427,8 +438,8 @@ def _launch_shape(M: int, H: int, device: torch.device, rows: bool) -> tuple[int
     return persistent_programs(cdiv(M, bm) * cdiv(H, BN), per_sm, device), bm, warps
 
 
-def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
-                   h_stats: "ts.Target | None" = None) -> torch.Tensor:
+def swiglu_forward(y: torch.Tensor, stats: ts.Target | None = None,
+                   h_stats: ts.Target | None = None) -> torch.Tensor:
     """h = silu(gate) * up of y = [gate | up] along the last dimension (even), in y's dtype; with ``stats``, y's row
     into that target, with ``h_stats`` h's row (on the words path with the histogram, deferred:
     ``stats.launch.defer``)."""
@@ -463,7 +474,7 @@ def swiglu_forward(y: torch.Tensor, stats: "ts.Target | None" = None,
     return h.reshape(*y.shape[:-1], H)
 
 
-def _bwd_stages(stats: "ts.Target | None", dtype: torch.dtype) -> int:
+def _bwd_stages(stats: ts.Target | None, dtype: torch.dtype) -> int:
     """The backward's pipelining depth. An fp32 tile's pipelined buffers can land just under the 48 KiB a launch gets
     without opting in (Triton opts in only above it), and the histogram's static table on top then fails the launch
     ("invalid argument"): fp32 with the histogram keeps no pipelining, safe for any tile size."""
@@ -472,7 +483,7 @@ def _bwd_stages(stats: "ts.Target | None", dtype: torch.dtype) -> int:
     return BWD_STATS_STAGES
 
 
-def swiglu_backward(y: torch.Tensor, dh: torch.Tensor, stats: "ts.Target | None" = None) -> torch.Tensor:
+def swiglu_backward(y: torch.Tensor, dh: torch.Tensor, stats: ts.Target | None = None) -> torch.Tensor:
     """dy = [d_gate | d_up] of h = silu(gate) * up, from y and dh (h's gradient), in y's dtype; with ``stats``, dy's
     row into that target."""
     two_h = y.shape[-1]
@@ -511,8 +522,8 @@ class _SwiGLUFn(torch.autograd.Function):
         return swiglu_backward(y, dh, ctx.dy_stats() if ctx.dy_stats is not None else None), None, None, None
 
 
-def swiglu(y: torch.Tensor, stats: "ts.Target | None" = None, h_stats: "ts.Target | None" = None,
-           dy_stats: "Callable[[], ts.Target | None] | None" = None) -> torch.Tensor:
+def swiglu(y: torch.Tensor, stats: ts.Target | None = None, h_stats: ts.Target | None = None,
+           dy_stats: Callable[[], ts.Target | None] | None = None) -> torch.Tensor:
     """silu(gate) * up of y = [gate | up], differentiable, in one pass each way (see the module docstring); with
     ``stats`` y's statistics row, with ``h_stats`` h's; ``dy_stats``, called in the backward right before its kernel,
     gives the target of dy's row (None: none)."""

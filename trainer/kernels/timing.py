@@ -17,7 +17,7 @@ its kernel time is what the step pays."""
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 import triton

@@ -20,8 +20,16 @@ import triton
 import triton.language as tl
 
 from fp8mon.agent.stats import launch as ts
-from fp8mon.agent.stats.device import (P_AHM, SMEM_HIST, fused_epilogue, htab, outlier_bounds, stream_add,
-                                       stream_partial, stream_start)
+from fp8mon.agent.stats.device import (
+    P_AHM,
+    SMEM_HIST,
+    fused_epilogue,
+    htab,
+    outlier_bounds,
+    stream_add,
+    stream_partial,
+    stream_start,
+)
 
 from .fp8_gemm import _to_out
 from .quantize import INTERPRET, _num_sms, cdiv
@@ -119,7 +127,7 @@ def castable(x: torch.Tensor) -> bool:
     return x.dtype in _CODE and x.is_contiguous() and x.numel() > 0 and x.data_ptr() % 16 == 0
 
 
-def casts_with_rows(xs: list[torch.Tensor], dtype: torch.dtype, targets: list["ts.Target"]) -> list[torch.Tensor]:
+def casts_with_rows(xs: list[torch.Tensor], dtype: torch.dtype, targets: list[ts.Target]) -> list[torch.Tensor]:
     """``[x.to(dtype) for x in xs]`` (one dtype, each ``castable``, on one device) in one launch, with the row of each
     x's own values into its target. The targets share one row buffer, histogram setting, outlier k and format; the
     rows are complete after the next ``stats.launch.merge_later``."""
@@ -154,7 +162,7 @@ def casts_with_rows(xs: list[torch.Tensor], dtype: torch.dtype, targets: list["t
     return casts
 
 
-def _shared(t: "ts.Target") -> tuple:
+def _shared(t: ts.Target) -> tuple:
     """What the targets of one ``casts_with_rows`` launch share."""
     return t.rows.data_ptr(), bool(t.hist), float(t.outlier_k), t.fmt
 
@@ -205,7 +213,7 @@ class _WeightCastsFn(torch.autograd.Function):
 
 
 @torch.compiler.disable
-def weight_casts(weights: list[torch.Tensor], dtype: torch.dtype, targets: list["ts.Target"],
+def weight_casts(weights: list[torch.Tensor], dtype: torch.dtype, targets: list[ts.Target],
                  links: list) -> list[torch.Tensor]:
     """``[w.to(dtype) for w in weights]`` (fp32 weights, each ``castable``), differentiable as that, in one launch
     that takes each weight's row into its target. The backward casts the gradients back in one launch once all are

@@ -11,7 +11,6 @@ from fp8mon.agent.stats.device import bf16_halves
 
 from .fp8_gemm import _to_out
 
-
 # the two bf16 of each word, as fp32: the low half (the element at the lower address), then the high
 unpack = bf16_halves
 

@@ -3,9 +3,10 @@ constexprs (the kernels index with them). Host code reads the same values from `
 
 import triton.language as tl
 
-from ..layout import CTRW, MTABW, PW, ROW_UNDERFLOW, SCALE_CAST, SCALE_CURRENT, SCALE_GIVEN, SCALE_NONE, TABW, WIDTH
-from ..tuning import INTERPRET, P_BLOCK, SMEM_HIST as _SMEM_HIST_ON
 from ...wire import LOG2_HIST_BINS, LOG2_HIST_LO
+from ..layout import CTRW, MTABW, PW, ROW_UNDERFLOW, SCALE_CAST, SCALE_CURRENT, SCALE_GIVEN, SCALE_NONE, TABW, WIDTH
+from ..tuning import INTERPRET, P_BLOCK
+from ..tuning import SMEM_HIST as _SMEM_HIST_ON
 
 
 class Const(tl.constexpr):

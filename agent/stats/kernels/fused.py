@@ -5,11 +5,22 @@ program's partial and the epilogue that writes it. The documented entry points a
 import triton
 import triton.language as tl
 
-from .consts import _BIN_DUMP, P_AHM, _PW, SCALE_GIVEN_C, _WIDTH
-from .tile import (_bins, careful_result, _central, fast_result, _inv_binade, outlier_bounds, shift_of, _thresholds,
-    tile_careful, tile_fast, tile_sum)
-from .words import packed_fold, packed_setup, tile_bf16x2
+from .consts import _BIN_DUMP, _PW, _WIDTH, P_AHM, SCALE_GIVEN_C
 from .merge import _done, _store_partial
+from .tile import (
+    _bins,
+    _central,
+    _inv_binade,
+    _thresholds,
+    careful_result,
+    fast_result,
+    outlier_bounds,
+    shift_of,
+    tile_careful,
+    tile_fast,
+    tile_sum,
+)
+from .words import packed_fold, packed_setup, tile_bf16x2
 
 
 @triton.jit

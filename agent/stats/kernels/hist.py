@@ -7,7 +7,6 @@ import triton.language as tl
 
 from .consts import _BIN_ZERO, _EROW_SUM, _HTAB_ROW_SUM, _LO, _NB
 
-
 # ---- the log2 histogram in shared memory (hardware only) ---------------------------------------
 # ``tl.histogram`` lowers to a warp ballot per bit of the bin index (6 for 64 bins) and two popcounts per
 # lane, ~22 instructions per element, and a round through shared memory with barriers per call. Here each

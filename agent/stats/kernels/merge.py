@@ -5,8 +5,30 @@ for the rows that launches left to be merged later."""
 import triton
 import triton.language as tl
 
-from .consts import (_JOINT, _LO, _MTABW, _NB, P_AHM, _P_AMAX, _P_M2, _P_M3, _P_M4, _P_MEAN, _P_N, _P_NONFIN, _P_NUMEL,
-    _P_OUTL, _P_OVER, _P_UNDER, _P_ZEROS, _PB, _PW, SCALE_CAST_C, SCALE_CURRENT_C, SCALE_NONE_C)
+from .consts import (
+    _JOINT,
+    _LO,
+    _MTABW,
+    _NB,
+    _P_AMAX,
+    _P_M2,
+    _P_M3,
+    _P_M4,
+    _P_MEAN,
+    _P_N,
+    _P_NONFIN,
+    _P_NUMEL,
+    _P_OUTL,
+    _P_OVER,
+    _P_UNDER,
+    _P_ZEROS,
+    _PB,
+    _PW,
+    P_AHM,
+    SCALE_CAST_C,
+    SCALE_CURRENT_C,
+    SCALE_NONE_C,
+)
 from .tile import _central, _chan, _stamp, _stamp_after, _threshold_bits
 
 

@@ -4,15 +4,50 @@ read per chunk, the last program of each tensor (or a later merge launch) writes
 import triton
 import triton.language as tl
 
-from .consts import (_CTRW, _JOINT, P_AHM, _PW, _ROW_UNDER, SCALE_CAST_C, SMEM_HIST, _T_ADDR, _T_AHM, _T_AHM_ADDR,
-    _T_AMAX_OUT, _T_CENTER_ADDR, _T_CHUNK, _T_CODE, _T_DST, _T_FIRST, _T_FMT, _T_K, _T_MEAN, _T_MERGE, _T_NUMEL,
-    _T_NWORK, _T_SCALE, _T_SCALE_ADDR, _T_SMODE, _T_STD, _TABW, _WIDTH)
+from .consts import (
+    _CTRW,
+    _JOINT,
+    _PW,
+    _ROW_UNDER,
+    _T_ADDR,
+    _T_AHM,
+    _T_AHM_ADDR,
+    _T_AMAX_OUT,
+    _T_CENTER_ADDR,
+    _T_CHUNK,
+    _T_CODE,
+    _T_DST,
+    _T_FIRST,
+    _T_FMT,
+    _T_K,
+    _T_MEAN,
+    _T_MERGE,
+    _T_NUMEL,
+    _T_NWORK,
+    _T_SCALE,
+    _T_SCALE_ADDR,
+    _T_SMODE,
+    _T_STD,
+    _TABW,
+    _WIDTH,
+    P_AHM,
+    SCALE_CAST_C,
+    SMEM_HIST,
+)
 from .hist import _erows
-from .tile import (careful_result, fast_result, _inv_binade, outlier_bounds, _stamp, _thresholds, tile_careful,
-    tile_fast, tile_sum)
-from .words import packed_fold, packed_setup, tile_bf16x2
 from .merge import _done, _store_partial
-
+from .tile import (
+    _inv_binade,
+    _stamp,
+    _thresholds,
+    careful_result,
+    fast_result,
+    outlier_bounds,
+    tile_careful,
+    tile_fast,
+    tile_sum,
+)
+from .words import packed_fold, packed_setup, tile_bf16x2
 
 # ---- one chunk: fast path, careful path ----------------------------------------------------------
 

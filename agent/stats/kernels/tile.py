@@ -7,7 +7,6 @@ import triton.language as tl
 from .consts import _BIN_DUMP, _BIN_NONFIN, _BIN_ZERO, _INF_BITS, _JOINT, _LO, _NAN_BITS, _NB, SCALE_GIVEN_C
 from .hist import _erow_add, _erow_bins, _htab_add, _htab_bins, _htab_dump
 
-
 # ---- scalar helpers ---------------------------------------------------------------------------
 
 

@@ -7,7 +7,6 @@ import triton.language as tl
 from .consts import _JOINT
 from .hist import _erow_add, _htab_add
 
-
 # ---- bf16 two at a time (the standalone kernel's fast path; with the histogram only through ``htab``) ----
 # A 32-bit word holds two bf16: the high half is the fp32 of the odd element with its low 16 bits zero, the low
 # half shifted up is the even one. Counts of |x| above a threshold t take both halves at once: in a half,
