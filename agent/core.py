@@ -166,10 +166,11 @@ class Agent:
             if fused:
                 # a layer that casts its weight's gradient may take that row, which its hook otherwise reads
                 grad_by_cast = "grad_weight" in hooks.sites and getattr(module, "fp8mon_grad_weight_by_cast", False)
-                module.fp8mon_stats = FusedLink(self, name, tuple(s for s in self.sites if s not in hooks.sites),
-                                                grad_by_cast)
+                link = FusedLink(self, name, tuple(s for s in self.sites if s not in hooks.sites), grad_by_cast)
+                # an attribute of the user's module that nn.Module's typing does not know
+                module.fp8mon_stats = link  # type: ignore[assignment]
             elif hasattr(module, "fp8mon_stats"):
-                module.fp8mon_stats = None
+                module.fp8mon_stats = None  # type: ignore[assignment]
             self._layers.append(hooks)
         probe = next(model.parameters(), None)
         if probe is not None:
@@ -256,7 +257,7 @@ class Agent:
         for hooks in self._layers:
             hooks.remove()
             if isinstance(getattr(hooks.module, "fp8mon_stats", None), FusedLink):
-                hooks.module.fp8mon_stats = None
+                hooks.module.fp8mon_stats = None  # type: ignore[assignment]
         try:
             if not self.reduce:
                 self._sink.pairing.release()  # into the pack: a grad_output whose grad_weight never came

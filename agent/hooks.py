@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -61,7 +62,7 @@ def _input_of(args, kwargs) -> torch.Tensor | None:
     return _first_tensor(args[0] if args else kwargs.get("input"))
 
 
-class Sink:
+class Sink(Protocol):
     """What the hooks call (``sink.HookSink`` implements it; every method must be safe to call and not raise)."""
 
     def active(self) -> bool: ...

@@ -16,6 +16,14 @@ ensure_apt_packages ${TEST_APT_PACKAGES[@]+"${TEST_APT_PACKAGES[@]}"}
 
 ensure_venv
 cd "$FP8MON_ROOT"
+
+# The whole suite (no arguments, as CI runs it) starts with the linter and the type check of the public API: seconds.
+if [ "$#" -eq 0 ]; then
+  log "ruff check"
+  "$VENV/bin/ruff" check --quiet . || { log "FAILED: ruff check (run: .venv/bin/ruff check --fix .)"; exit 1; }
+  log "mypy on the public API"
+  "$FP8MON_ROOT/scripts/typecheck.sh" || { log "FAILED: scripts/typecheck.sh"; exit 1; }
+fi
 log "pytest with $("$VENV/bin/python" -V); PostgreSQL: ${FP8MON_TEST_DATABASE_URL:-off (set FP8MON_TEST_DATABASE_URL)}"
 
 report="$(mktemp -d)"
