@@ -155,3 +155,26 @@ def test_the_server_never_imports_the_trainer(server):
 
 def test_the_import_graph_check_sees_a_circle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _is_triton_kernel(node: ast.FunctionDef) -> bool:
+    def name(d):
+        d = d.func if isinstance(d, ast.Call) else d
+        return d.attr if isinstance(d, ast.Attribute) else getattr(d, "id", "")
+
+    return any(name(d) == "jit" for d in node.decorator_list)
+
+
+def test_modules_and_functions_stay_readable():
+    """No module of the package over 800 lines, no function over 120 (a Triton kernel's body excepted)."""
+    too_long = []
+    for module, path in _module_files().items():
+        lines = path.read_text().splitlines()
+        if len(lines) > 800:
+            too_long.append(f"{module}: {len(lines)} lines")
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _is_triton_kernel(node):
+                length = node.end_lineno - node.lineno + 1
+                if length > 120:
+                    too_long.append(f"{module}.{node.name}: {length} lines")
+    assert too_long == []
