@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fp8mon.agent.stats import launch as triton_stats
+from fp8mon.agent.stats import launch as stats_launch
 
 
 class StepGraphs:
@@ -70,7 +70,7 @@ class StepGraphs:
             with (self.agent.capture() if self.agent is not None else contextlib.nullcontext()) as record:
                 outputs = self.step_fn()
         self._pool = graph.pool()
-        triton_stats.captured_copies_done()  # the captured statistics launches' tables, copied outside the graph
+        stats_launch.captured_copies_done()  # the captured statistics launches' tables, copied outside the graph
         return graph, outputs, record
 
 

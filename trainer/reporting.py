@@ -31,9 +31,9 @@ from torch import nn
 
 def triton_runs(device: torch.device) -> bool:
     """Whether the trainer's Triton kernels run on ``device``: CUDA with Triton, or the CPU under TRITON_INTERPRET."""
-    from fp8mon.agent.stats import launch as triton_stats
+    from fp8mon.agent.stats import launch as stats_launch
 
-    return triton_stats.available(device)
+    return stats_launch.available(device)
 
 
 def claim(linear: nn.Module, *sites: str) -> None:

@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-from fp8mon.agent.stats import launch as triton_stats
+from fp8mon.agent.stats import launch as stats_launch
 
 _layers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # agent -> WeakSet of its Fp8Linear layers
 # agent -> WeakSet of its own_weight_row linears
@@ -82,7 +82,7 @@ def _launch(agent, device: torch.device) -> None:
         items.append((weight, module.FORMATS["weight"], target, amax))
         module.fp8_weight_ready[0] = (agent.current_step, (weight.data_ptr(), weight._version), target, amax)
     if items:
-        triton_stats.cast_rows(items, device)
+        stats_launch.cast_rows(items, device)
 
 
 def register_cast(module, link) -> None:
