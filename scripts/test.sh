@@ -29,14 +29,14 @@ log "pytest with $("$VENV/bin/python" -V); PostgreSQL: ${FP8MON_TEST_DATABASE_UR
 report="$(mktemp -d)"
 trap 'rm -rf "$report"' EXIT
 set +e
-# One worker per CPU, each taking whole files: a module's fixtures (a server, an interpreter child's checks) are set
+# The 15 slowest tests are listed at the end (no test may need more than 60 s). One worker per CPU, each taking whole files: a module's fixtures (a server, an interpreter child's checks) are set
 # up once, not once per worker. The files go out in the order collected: tests/conftest.py puts the slowest first (xdist
 # would order them by their number of tests). On a machine with an NVIDIA GPU, one process: the GPU tests time kernels
 # and must not share the device. FP8MON_TEST_WORKERS (or -n in the arguments) overrides it; 0 runs in this process.
 if [ -z "${FP8MON_TEST_WORKERS:-}" ] && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   FP8MON_TEST_WORKERS=0
 fi
-"$VENV/bin/python" -m pytest -n "${FP8MON_TEST_WORKERS:-auto}" --dist loadfile --no-loadscope-reorder \
+"$VENV/bin/python" -m pytest -n "${FP8MON_TEST_WORKERS:-auto}" --dist loadfile --no-loadscope-reorder --durations=15 \
   --junitxml="$report/junit.xml" "$@"
 rc=$?
 set -e
