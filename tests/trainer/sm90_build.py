@@ -91,9 +91,16 @@ def sm90_builds(built: dict):
     try:
         yield
     finally:
-        for (module, attr), fn in kernels.items():
-            setattr(module, attr, fn)
-        driver._active = before
+        # What the builds left queued (a current-scaled cast's deferred row, partials waiting for their merge) is built
+        # too: left queued, the next flush in this process would launch it for real, on a machine without a GPU.
+        from fp8mon.agent.stats import launch
+
+        try:
+            launch.flush_deferred()
+        finally:
+            for (module, attr), fn in kernels.items():
+                setattr(module, attr, fn)
+            driver._active = before
 
 
 def shared_memory(compiled) -> tuple[int, int]:
