@@ -178,3 +178,24 @@ def test_modules_and_functions_stay_readable():
                 if length > 120:
                     too_long.append(f"{module}.{node.name}: {length} lines")
     assert too_long == []
+
+
+def test_a_command_whose_extra_is_missing_names_the_extra(monkeypatch, capsys, tmp_path):
+    from fp8mon.cli import main
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as in an install of fp8mon[agent] only
+    assert main(["serve", "--database-url", f"sqlite:///{tmp_path / 'x.db'}"]) == 2
+    assert "pip install 'fp8mon[monitor]'" in capsys.readouterr().err
+
+
+def test_version_needs_no_server_package(monkeypatch, capsys):
+    from fp8mon import __version__
+
+    for name in ("fastapi", "sqlalchemy", "pydantic_settings", "torch"):
+        monkeypatch.setitem(sys.modules, name, None)  # importing any of them now fails
+    monkeypatch.delitem(sys.modules, "fp8mon.cli", raising=False)  # imported afresh, without them
+    from fp8mon.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"fp8mon {__version__}"
