@@ -127,10 +127,11 @@ def sync_free(name: str, fn) -> str:
     return f"{name}: {len(stacks)} host syncs; first:\n{stacks[0]}" if stacks else ""
 
 
-def agent_rows(model, make_input, steps: int, device, watch=None, micro_batches: int = 2,
-               **agent_kw) -> list[torch.Tensor]:
-    """The packed rows the agent ships at each step (training ``micro_batches`` per step); ``watch``: the module
-    watched, when ``make_input`` runs the model itself (``model`` is then applied to its output)."""
+def agent_rows(model, make_input, steps: int, watch=None, micro_batches: int = 2,
+               **agent_kw) -> tuple[list[torch.Tensor | None], list]:
+    """(the packed rows the agent ships at each step, its slot keys), training ``micro_batches`` per step;
+    ``watch``: the module watched, when ``make_input`` runs the model itself (``model`` is then applied to its
+    output)."""
     from fp8mon.agent import Agent
 
     agent = Agent(transport=NullTransport(), every=1, **{"hist_every": 1, **agent_kw}).watch(watch or model)

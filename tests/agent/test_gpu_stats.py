@@ -175,7 +175,7 @@ def test_agent_rows_on_the_triton_path_equal_the_torch_path(device, autocast, fr
     rows = {}
     for backend in ("triton", "torch"):
         model.load_state_dict(state)
-        rows[backend] = agent_rows(torch.nn.Identity(), make, 3, device, stats_backend=backend, watch=model)
+        rows[backend] = agent_rows(torch.nn.Identity(), make, 3, stats_backend=backend, watch=model)
     (tri, keys), (tor, keys2) = rows["triton"], rows["torch"]
     order = [keys2.index(k) for k in keys]
     problems = []

@@ -134,9 +134,9 @@ def test_fp8_linear_rows_from_its_kernels_equal_the_hooks_rows(device):
     g = torch.Generator(device="cpu").manual_seed(5)
     xs = [torch.randn(8, 64, 256, generator=g).to(device) * (1 + i) for i in range(8)]
     make = lambda step, micro: xs[2 * step + micro]  # noqa: E731
-    got, keys = agent_rows(model, make, 3, device, fused=True)
+    got, keys = agent_rows(model, make, 3, fused=True)
     model.load_state_dict(state)  # the same training again, every site through the hooks
-    want, keys2 = agent_rows(model, make, 3, device, fused=False)
+    want, keys2 = agent_rows(model, make, 3, fused=False)
     assert sorted(keys) == sorted(keys2)
     order = [keys2.index(k) for k in keys]
     problems = []
