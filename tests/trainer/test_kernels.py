@@ -44,21 +44,11 @@ def _rel(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-
 def test_quantize_current():
-    from fp8mon.agent.formats import E4M3, E5M2, current_scale  # noqa: F401  (the interpreted copy)
-    from fp8mon.trainer.kernels import (  # noqa: F401
-        delayed_update,
-        delayed_update_ref,
-        fp8_gemm,
-        fp8_gemm_ref,
-        quantize,
-        quantize_ref,
-        quantize_transpose,
-        quantize_transpose_ref,
-    )
+    from fp8mon.agent.formats import E4M3, E5M2
+    from fp8mon.trainer.kernels import quantize, quantize_ref
 
-    fmts, dtypes = (E4M3, E5M2), (torch.float32, torch.bfloat16)  # noqa: F841
+    fmts, dtypes = (E4M3, E5M2), (torch.float32, torch.bfloat16)
     for fmt in fmts:
         for dt in dtypes:
             x = _inputs((37, 300), dt, 1)
@@ -68,19 +58,10 @@ def test_quantize_current():
             assert torch.equal(q.meta, r.meta), (q.meta, r.meta)
 
 def test_quantize_transpose_current():
-    from fp8mon.agent.formats import E4M3, E5M2, current_scale  # noqa: F401  (the interpreted copy)
-    from fp8mon.trainer.kernels import (  # noqa: F401
-        delayed_update,
-        delayed_update_ref,
-        fp8_gemm,
-        fp8_gemm_ref,
-        quantize,
-        quantize_ref,
-        quantize_transpose,
-        quantize_transpose_ref,
-    )
+    from fp8mon.agent.formats import E4M3, E5M2
+    from fp8mon.trainer.kernels import quantize_transpose, quantize_transpose_ref
 
-    fmts, dtypes = (E4M3, E5M2), (torch.float32, torch.bfloat16)  # noqa: F841
+    fmts, dtypes = (E4M3, E5M2), (torch.float32, torch.bfloat16)
     for fmt in fmts:
         for dt in dtypes:
             x = _inputs((70, 200), dt, 2)  # partial tiles in both dimensions
@@ -92,19 +73,9 @@ def test_quantize_transpose_current():
                 assert torch.equal(q.meta, r.meta)
 
 def test_quantize_transpose_partial_outputs():
-    from fp8mon.agent.formats import E4M3, E5M2, current_scale  # noqa: F401  (the interpreted copy)
-    from fp8mon.trainer.kernels import (  # noqa: F401
-        delayed_update,
-        delayed_update_ref,
-        fp8_gemm,
-        fp8_gemm_ref,
-        quantize,
-        quantize_ref,
-        quantize_transpose,
-        quantize_transpose_ref,
-    )
+    from fp8mon.agent.formats import E5M2
+    from fp8mon.trainer.kernels import quantize_transpose, quantize_transpose_ref
 
-    fmts, dtypes = (E4M3, E5M2), (torch.float32, torch.bfloat16)  # noqa: F841
     x = _inputs((40, 96), torch.bfloat16, 3)
     r = quantize_transpose_ref(x, E5M2)
     only_t = quantize_transpose(x, E5M2, write_q=False, bm=32, bn=32)
@@ -113,19 +84,9 @@ def test_quantize_transpose_partial_outputs():
     assert _same(only_t.data_t, r.data_t) and _same(only_q.data, r.data)
 
 def test_amax_ignores_nonfinite():
-    from fp8mon.agent.formats import E4M3, E5M2, current_scale  # noqa: F401  (the interpreted copy)
-    from fp8mon.trainer.kernels import (  # noqa: F401
-        delayed_update,
-        delayed_update_ref,
-        fp8_gemm,
-        fp8_gemm_ref,
-        quantize,
-        quantize_ref,
-        quantize_transpose,
-        quantize_transpose_ref,
-    )
+    from fp8mon.agent.formats import E4M3, current_scale
+    from fp8mon.trainer.kernels import quantize, quantize_transpose
 
-    fmts, dtypes = (E4M3, E5M2), (torch.float32, torch.bfloat16)  # noqa: F841
     x = torch.tensor([[1.0, -3.0, float("nan"), float("inf")], [2.0, -float("inf"), 0.5, -2.5]])
     q = quantize_transpose(x, E4M3, bm=32, bn=32)
     assert float(q.amax) == 3.0 and torch.equal(q.scale, current_scale(torch.tensor(3.0), E4M3))
@@ -133,19 +94,10 @@ def test_amax_ignores_nonfinite():
     assert float(zero.amax) == 0.0 and float(zero.scale) == 1.0  # amax 0 -> scale 1 (agent.formats)
 
 def test_delayed_history_and_saturation():
-    from fp8mon.agent.formats import E4M3, E5M2, current_scale  # noqa: F401  (the interpreted copy)
-    from fp8mon.trainer.kernels import (  # noqa: F401
-        delayed_update,
-        delayed_update_ref,
-        fp8_gemm,
-        fp8_gemm_ref,
-        quantize,
-        quantize_ref,
-        quantize_transpose,
-        quantize_transpose_ref,
-    )
+    from fp8mon.agent.formats import E4M3, E5M2
+    from fp8mon.trainer.kernels import delayed_update, delayed_update_ref, quantize_ref, quantize_transpose
 
-    fmts, dtypes = (E4M3, E5M2), (torch.float32, torch.bfloat16)  # noqa: F841
+    fmts = (E4M3, E5M2)
     H, margin = 3, 1
     for fmt in fmts:
         hist, scale, accum = torch.zeros(H), torch.ones(()), torch.zeros(())
@@ -171,19 +123,8 @@ def test_delayed_history_and_saturation():
                 assert float((x * used).abs().max()) > fmt.max
 
 def _gemm_cases(impl, split_k=None):
-    from fp8mon.agent.formats import E4M3, E5M2, current_scale  # noqa: F401  (the interpreted copy)
-    from fp8mon.trainer.kernels import (  # noqa: F401
-        delayed_update,
-        delayed_update_ref,
-        fp8_gemm,
-        fp8_gemm_ref,
-        quantize,
-        quantize_ref,
-        quantize_transpose,
-        quantize_transpose_ref,
-    )
+    from fp8mon.trainer.kernels import fp8_gemm, fp8_gemm_ref
 
-    fmts, dtypes = (E4M3, E5M2), (torch.float32, torch.bfloat16)  # noqa: F841
     cfg = {"BM": 32, "BN": 32, "BK": 64, "GROUP_M": 2}
     cases = [(torch.float8_e4m3fn, torch.float8_e4m3fn, torch.bfloat16, True, False, (70, 48, 192)),
              (torch.float8_e5m2, torch.float8_e4m3fn, torch.bfloat16, False, False, (33, 64, 160)),
@@ -206,85 +147,26 @@ def _gemm_cases(impl, split_k=None):
         worst = max(worst, e)
 
 def test_gemm_ptr():
-    from fp8mon.agent.formats import E4M3, E5M2, current_scale  # noqa: F401  (the interpreted copy)
-    from fp8mon.trainer.kernels import (  # noqa: F401
-        delayed_update,
-        delayed_update_ref,
-        fp8_gemm,
-        fp8_gemm_ref,
-        quantize,
-        quantize_ref,
-        quantize_transpose,
-        quantize_transpose_ref,
-    )
 
-    fmts, dtypes = (E4M3, E5M2), (torch.float32, torch.bfloat16)  # noqa: F841
     _gemm_cases("ptr")
 
 def test_gemm_tma():
-    from fp8mon.agent.formats import E4M3, E5M2, current_scale  # noqa: F401  (the interpreted copy)
-    from fp8mon.trainer.kernels import (  # noqa: F401
-        delayed_update,
-        delayed_update_ref,
-        fp8_gemm,
-        fp8_gemm_ref,
-        quantize,
-        quantize_ref,
-        quantize_transpose,
-        quantize_transpose_ref,
-    )
 
-    fmts, dtypes = (E4M3, E5M2), (torch.float32, torch.bfloat16)  # noqa: F841
     _gemm_cases("tma")
 
 def test_gemm_ws_fallback():
-    from fp8mon.agent.formats import E4M3, E5M2, current_scale  # noqa: F401  (the interpreted copy)
-    from fp8mon.trainer.kernels import (  # noqa: F401
-        delayed_update,
-        delayed_update_ref,
-        fp8_gemm,
-        fp8_gemm_ref,
-        quantize,
-        quantize_ref,
-        quantize_transpose,
-        quantize_transpose_ref,
-    )
 
-    fmts, dtypes = (E4M3, E5M2), (torch.float32, torch.bfloat16)  # noqa: F841
     # impl "ws" (fp8_gemm_ws, Gluon, sm90 only: no interpreter) falls back to the Triton kernels off sm90
     _gemm_cases("ws")
 
 def test_gemm_split_k():
-    from fp8mon.agent.formats import E4M3, E5M2, current_scale  # noqa: F401  (the interpreted copy)
-    from fp8mon.trainer.kernels import (  # noqa: F401
-        delayed_update,
-        delayed_update_ref,
-        fp8_gemm,
-        fp8_gemm_ref,
-        quantize,
-        quantize_ref,
-        quantize_transpose,
-        quantize_transpose_ref,
-    )
 
-    fmts, dtypes = (E4M3, E5M2), (torch.float32, torch.bfloat16)  # noqa: F841
     _gemm_cases("ptr", split_k=3)
     _gemm_cases("tma", split_k=2)
 
 def test_gemm_e5m2_e5m2():
-    from fp8mon.agent.formats import E4M3, E5M2, current_scale  # noqa: F401  (the interpreted copy)
-    from fp8mon.trainer.kernels import (  # noqa: F401
-        delayed_update,
-        delayed_update_ref,
-        fp8_gemm,
-        fp8_gemm_ref,
-        quantize,
-        quantize_ref,
-        quantize_transpose,
-        quantize_transpose_ref,
-    )
+    from fp8mon.trainer.kernels import fp8_gemm
 
-    fmts, dtypes = (E4M3, E5M2), (torch.float32, torch.bfloat16)  # noqa: F841
     a = torch.randn(32, 64).to(torch.float8_e5m2)
     b = torch.randn(48, 64).to(torch.float8_e5m2)
     one = torch.tensor(1.0)
@@ -293,19 +175,7 @@ def test_gemm_e5m2_e5m2():
     assert _rel(c, a.float() @ b.float().t()) < 1e-6
 
 def test_fp8_linear_triton_vs_torch():
-    from fp8mon.agent.formats import E4M3, E5M2, current_scale  # noqa: F401  (the interpreted copy)
-    from fp8mon.trainer.kernels import (  # noqa: F401
-        delayed_update,
-        delayed_update_ref,
-        fp8_gemm,
-        fp8_gemm_ref,
-        quantize,
-        quantize_ref,
-        quantize_transpose,
-        quantize_transpose_ref,
-    )
 
-    fmts, dtypes = (E4M3, E5M2), (torch.float32, torch.bfloat16)  # noqa: F841
     from fp8mon.trainer.fp8_linear import Fp8Linear, Fp8Recipe
 
     out = []
