@@ -267,6 +267,7 @@ class Agent:
         except Exception as exc:
             self._error("close", exc)
         self._sink.pairing.drop()
+        self._sink.waiting.close()
         ok, errors = self._shipper.close(timeout, status)
         self.errors += errors
         return ok

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from .batching import PendingRows
 from .pack import _grown
 from .pairing import GradPairing
 from .stats import launch as ts
@@ -33,6 +34,7 @@ class HookSink:
     def __init__(self, agent):
         self.agent = agent
         self.pairing = GradPairing(self.observe, self.observe_items, agent._error)
+        self.waiting = PendingRows(self._launch_waiting, agent._error)
         self.centers: torch.Tensor | None = None  # [slots, 2] fp64: previous reporting step's (mean, std)
         self.scales: dict[tuple[str, str], tuple] = {}
         self.seen: set[int] = set()  # slots read once per step (weights) and read already
@@ -55,6 +57,7 @@ class HookSink:
         end."""
         self.pairing.release()
         self.pairing.end_of_pass()
+        self.waiting.flush()
         ts.flush_deferred()  # last: it also merges the rows the launches above left to it
 
     # ---- what the hooks call (hooks.Sink) ---------------------------------------------------------------------
@@ -155,20 +158,45 @@ class HookSink:
                 todo.append((slot, x, fmt, scale, ahm, emulated, replace, site))
             except Exception as exc:
                 agent._error(f"hook {site}", exc)
-        if not todo:
-            return
+        if todo:
+            self._launch(todo)
+
+    def _launch(self, todo) -> None:
+        """Rows of ``todo`` items (``(slot, tensor, fmt, scale, ahm, emulated, replace, site)``): on the Triton path
+        one launch, or waiting for a shared one (``batching``); else the torch path's rows."""
         if self._triton_for(todo[0][1]) and all(t[1].device == todo[0][1].device for t in todo):
             try:
                 self._observe_triton(todo)
                 return
             except Exception as exc:
-                if agent.stats_backend != "auto":
-                    for t in todo:
-                        agent._error(f"hook {t[7]}", exc)
+                if not self._fall_back(todo, exc):
                     return
-                # "auto" falls back to the torch path for good: these rows and all later ones are still taken
-                agent._error("Triton statistics (the torch path from now on)", exc)
-                agent.stats_backend = "torch"
+        self._torch_rows(todo)
+
+    def _launch_waiting(self, todo) -> None:
+        """The items that waited for a shared launch (``batching.PendingRows``)."""
+        try:
+            self._launch_triton(todo, True)
+            return
+        except Exception as exc:
+            if not self._fall_back(todo, exc):
+                return
+        self._torch_rows(todo)
+
+    def _fall_back(self, todo, exc: Exception) -> bool:
+        """After a failed Triton launch: whether the torch path takes ``todo`` (backend "auto": for good)."""
+        agent = self.agent
+        if agent.stats_backend != "auto":
+            for t in todo:
+                agent._error(f"hook {t[7]}", exc)
+            return False
+        # "auto" falls back to the torch path for good: these rows and all later ones are still taken
+        agent._error("Triton statistics (the torch path from now on)", exc)
+        agent.stats_backend = "torch"
+        return True
+
+    def _torch_rows(self, todo) -> None:
+        agent = self.agent
         for slot, x, fmt, scale, ahm, emulated, replace, site in todo:
             try:
                 row = ds.partials(x, fmt=fmt, scale=scale, amax_history_max=ahm, outlier_k=agent.outlier_k,
@@ -193,19 +221,27 @@ class HookSink:
         pack = self.agent._pack
         with pack._lock:
             pack.grow(device)
-            merge = [s in pack.written and not r for s, r in zip(slots, replace)]
-            pack.written.update(slots)
+            merge = []
+            for s, r in zip(slots, replace):  # in order: a slot twice (two micro-batches) merges the second
+                merge.append(s in pack.written and not r)
+                pack.written.add(s)
             self.centers = _grown(self.centers, len(self.agent._slots), device, _no_centers)
             return pack.rows, merge, self.centers
 
     def _observe_triton(self, todo) -> None:
+        # rows no scale decides and no history reads now wait for a launch shared with others (batching), and are
+        # merged by the launch that ends the step (launch_pending): no launch ends in its last program's merge
+        later = all(t[3] is None and t[4] is None and not t[5] for t in todo)
+        if later and all(self.waiting.can_wait(t[0], t[1]) for t in todo):
+            self.waiting.add(todo)
+            return
+        self._launch_triton(todo, later)
+
+    def _launch_triton(self, todo, later: bool) -> None:
         agent = self.agent
         slots = [t[0] for t in todo]
         device = todo[0][1].device
         rows, merge, centers = self.claim(slots, [t[6] for t in todo], device)
-        # rows no scale decides and no history reads now are merged by the launch that ends the step (launch_pending):
-        # no launch ends in its last program's merge
-        later = all(t[3] is None and t[4] is None and not t[5] for t in todo)
         ts.rows([t[1] for t in todo], fmt=[t[2] for t in todo], scale=[t[3] for t in todo],
                 center=[centers[s] for s in slots], outlier_k=agent.outlier_k,
                 amax_history_max=[t[4] for t in todo], hist=agent.hist_now, out=rows, index=slots, merge=merge,
@@ -263,6 +299,7 @@ class HookSink:
 
     def grad_sq_norms(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor | None, list[bool]]:
         """See ``Agent.grad_sq_norms``."""
+        self.waiting.flush()
         slots, covered = [], []
         for g in grads:
             got = self.grad_slots.get(id(g))

@@ -1,0 +1,88 @@
+"""The hooks' tensors share statistics launches (agent/batching.py): rows as the model left each tensor when its hook
+saw it, whatever the training loop does to it before the step ends."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from fp8mon.agent import Agent
+from fp8mon.agent.batching import MAX_ITEMS
+from fp8mon.agent.stats import launch as ts
+from fp8mon.agent.stats import torch_path as ds
+from tests.agent.capture import CaptureTransport
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """``stats.launch.rows`` replaced by the torch path, as if on a GPU; the tensors of each launch, in order."""
+    calls = []
+
+    def rows(tensors, *, fmt, scale, center, outlier_k, amax_history_max, hist, out, index, merge, later=False):
+        calls.append(len(tensors))
+        for i, x in enumerate(tensors):
+            row = ds.partials(x, fmt=fmt[i], scale=scale[i], amax_history_max=amax_history_max[i],
+                              outlier_k=outlier_k, hist=hist)
+            out[index[i]] = ds.merge(out[index[i]], row) if merge[i] else row
+
+    monkeypatch.setattr(ts, "rows", rows)
+    return calls
+
+
+def _agent(model, **kw):
+    cap = CaptureTransport()
+    agent = Agent(transport=cap, every=1, **kw).watch(model)
+    agent._sink._triton_for = lambda x: True
+    return agent, cap
+
+
+def _rms(x: torch.Tensor) -> float:
+    return x.double().pow(2).mean().sqrt().item()
+
+
+def test_a_steps_tensors_go_out_in_few_launches(launches):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(10)])
+    agent, cap = _agent(model)
+    model(torch.randn(4, 8)).sum().backward()
+    agent.log(0)
+    agent.close()
+    assert agent.errors == 0
+    assert sum(launches) == 10 * 5 and len(launches) == -(-50 // MAX_ITEMS)
+    assert len(cap.records()) == 50
+
+
+def test_an_output_changed_in_place_loses_one_row_loudly_then_is_read_right_after_the_layer(launches):
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 4))
+    seen = []
+    model[0].register_forward_hook(lambda m, a, y: seen.append(y.detach().clone()))
+    agent, cap = _agent(model, sites=("output",))
+    for step in range(2):
+        model(torch.randn(32, 8)).sum().backward()
+        agent.log(step)
+    agent.close()
+    records = cap.records()
+    assert agent.errors == 1 and "changed in place" in agent.last_error
+    assert (0, "0", "output", 0) not in records and (0, "2", "output", 0) in records
+    assert math.isclose(records[(1, "0", "output", 0)]["rms"], _rms(seen[1]), rel_tol=1e-9)
+
+
+def test_gradients_and_weights_changed_before_log_are_read_as_the_backward_left_them(launches):
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=10.0)
+    agent, cap = _agent(model, sites=("weight", "grad_weight"))
+    model(torch.randn(16, 8)).pow(2).sum().backward()
+    grads = [m.weight.grad.clone() for m in model]
+    weights = [m.weight.detach().clone() for m in model]
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # in place
+    opt.step()  # in place
+    agent.log(0)
+    agent.close()
+    records = cap.records()
+    assert agent.errors == 0
+    for i in range(2):
+        assert math.isclose(records[(0, str(i), "grad_weight", 0)]["rms"], _rms(grads[i]), rel_tol=1e-9)
+        assert math.isclose(records[(0, str(i), "weight", 0)]["rms"], _rms(weights[i]), rel_tol=1e-9)
