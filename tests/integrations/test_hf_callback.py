@@ -1,0 +1,105 @@
+"""The Hugging Face callback on real ``transformers.Trainer`` runs of a tiny Llama on the CPU: the agent's steps are
+the optimizer steps numbered as the Trainer's ``global_step`` (1..N), with the micro-batches of gradient accumulation
+inside their step, the Trainer's logged loss/lr/grad_norm attached to the step they belong to, and the run closed."""
+
+import logging
+import math
+
+import pytest
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from fp8mon.integrations.hf import Fp8monCallback
+from tests.agent.capture import CaptureTransport
+from tests.integrations.tiny import HIDDEN, ROWS, SEQ, sent_rows, sent_scalars, tiny_llama, token_examples
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+BATCH, ACCUMULATE, STEPS = 2, 2, 6
+
+
+class GradsBeforeTheOptimizer(TrainerCallback):
+    """lm_head's accumulated gradient as the optimizer of each step (numbered as the agent numbers it) sees it."""
+
+    def __init__(self):
+        self.grads = {}
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads[state.global_step + 1] = model.lm_head.weight.grad.detach().clone()
+
+
+def train(tmp_path, callback, *extra, logging_steps=1, **args):
+    arguments = TrainingArguments(
+        output_dir=str(tmp_path / "llama-tiny-hf"), max_steps=STEPS, per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=ACCUMULATE, logging_steps=logging_steps, learning_rate=1e-3,
+        lr_scheduler_type="linear", report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+        dataloader_num_workers=0, **args)
+    trainer = Trainer(model=tiny_llama(), args=arguments, train_dataset=token_examples(BATCH * ACCUMULATE * STEPS),
+                      callbacks=[callback, *extra])
+    trainer.train()
+    return trainer
+
+
+def test_steps_are_the_optimizer_steps_and_carry_their_micro_batches_and_logged_scalars(tmp_path):
+    transport, grads = CaptureTransport(), GradsBeforeTheOptimizer()
+    callback = Fp8monCallback(transport=transport, every=1, hist=False)
+    trainer = train(tmp_path, callback, grads, max_grad_norm=0.0)  # no clipping: the gradient the agent read
+
+    agent = callback.agent
+    assert agent.errors == 0, agent.last_error
+    rows = sent_rows(transport)
+    assert sorted(rows) == list(range(1, STEPS + 1)) == [h["step"] for h in trainer.state.log_history if "loss" in h]
+    for step, by_key in rows.items():
+        assert set(by_key) == ROWS, f"step {step}: missing {sorted(ROWS - set(by_key))[:3]}"
+        # both micro-batches of the step, no more: tokens x hidden of ACCUMULATE batches
+        assert by_key[("model.layers.0.self_attn.q_proj", "input")]["numel"] == ACCUMULATE * BATCH * SEQ * HIDDEN
+        # the accumulated gradient of this step's optimizer update
+        assert math.isclose(by_key[("lm_head", "grad_weight")]["rms"], grads.grads[step].square().mean().sqrt(),
+                            rel_tol=1e-5)
+
+    scalars = sent_scalars(transport)
+    for logged in trainer.state.log_history:
+        if "loss" in logged:
+            got = scalars[logged["step"]]
+            assert got["loss"] == pytest.approx(logged["loss"]), logged
+            assert got["lr"] == pytest.approx(logged["learning_rate"]), logged
+            assert got["grad_norm"] == pytest.approx(logged["grad_norm"]), logged
+    assert scalars[1]["lr"] > scalars[STEPS]["lr"]  # the linear schedule: each step's own learning rate
+    assert "train_runtime" in scalars[STEPS]  # the end-of-training log, at the last step
+
+    meta = {k: v for m in transport.meta for k, v in m.items()}
+    assert meta["status"] == "finished" and transport.meta[-1] == {"status": "finished"}
+    assert meta["tags"]["framework"] == "transformers"
+    assert meta["config"]["gradient_accumulation_steps"] == ACCUMULATE and meta["config"]["max_steps"] == STEPS
+
+
+def test_every_2_sends_statistics_on_even_steps_only(tmp_path):
+    transport = CaptureTransport()
+    callback = Fp8monCallback(transport=transport, every=2, hist=False)
+    train(tmp_path, callback, logging_steps=2)
+
+    assert callback.agent.errors == 0, callback.agent.last_error
+    rows = sent_rows(transport)
+    assert sorted(rows) == [2, 4, 6]
+    assert all(set(by_key) == ROWS for by_key in rows.values())
+    assert sorted(s for s, v in sent_scalars(transport).items() if "loss" in v) == [2, 4, 6]
+
+
+def test_a_model_with_nothing_to_watch_is_told_not_counted(tmp_path, caplog):
+    transport = CaptureTransport()
+    callback = Fp8monCallback(transport=transport, modules=r"^no_such_layer")
+    with caplog.at_level(logging.WARNING, logger="fp8mon.agent"):
+        train(tmp_path, callback)
+    assert "matched none of the model's 15 nn.Linear layers" in caplog.text
+    assert callback.agent.errors == 0 and sent_rows(transport) == {}
+    assert transport.meta[-1] == {"status": "finished"}
+
+
+def test_bad_arguments_fail_before_training(tmp_path):
+    with pytest.raises(TypeError, match="not both"):
+        Fp8monCallback(agent=object(), every=2)
+    with pytest.raises(ValueError, match="every must be >= 1"):
+        train(tmp_path, Fp8monCallback(transport=CaptureTransport(), every=0))
+
+
+del torch
