@@ -69,13 +69,15 @@ class Fp8monCallback(TrainerCallback):
 
     @guarded
     def on_step_begin(self, args, state, control, **kwargs):
-        if self._live() is not None:
-            self.agent.step(state.global_step + 1)
+        agent = self._live()
+        if agent is not None:
+            agent.step(state.global_step + 1)
 
     @guarded
     def on_step_end(self, args, state, control, **kwargs):
-        if self._live() is not None:
-            self.agent.log(state.global_step)
+        agent = self._live()
+        if agent is not None:
+            agent.log(state.global_step)
 
     @guarded
     def on_log(self, args, state, control, logs=None, **kwargs):

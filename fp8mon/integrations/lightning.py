@@ -28,6 +28,8 @@ Validation between steps runs the module in eval mode, which the agent's hooks i
 
 from __future__ import annotations
 
+import torch
+
 from ._attach import Attachment, guarded, json_safe, run_name
 
 try:
@@ -56,8 +58,11 @@ class Fp8monCallback(pl.Callback):
 
     @property
     def agent(self):
-        """The agent of the training in progress (None before train start and after train end)."""
+        """The agent of the training in progress, or of the last one (closed); None before the first."""
         return self._attachment.agent
+
+    def _live(self):
+        return self._attachment.agent if self._attachment.live else None
 
     def on_train_start(self, trainer, pl_module):
         logger = trainer.logger
@@ -74,9 +79,10 @@ class Fp8monCallback(pl.Callback):
 
     @guarded
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if self._live() is not None and trainer.global_step != self._step:
+        agent = self._live()
+        if agent is not None and trainer.global_step != self._step:
             self._step, self._scalars, self._loss = trainer.global_step, {}, None
-            self.agent.step(self._step)
+            agent.step(self._step)
 
     @guarded
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
@@ -84,22 +90,21 @@ class Fp8monCallback(pl.Callback):
             return
         self._scalars["lr"] = optimizer.param_groups[0]["lr"]
         if not any(s in c.__name__ for c in type(trainer.strategy).__mro__ for s in _SHARDING):
-            import torch
-
             grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
             if grads:
                 self._scalars["grad_norm"] = torch.nn.utils.get_total_norm(grads, foreach=True)
 
     @guarded
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self._live() is None:
+        agent = self._live()
+        if agent is None:
             return
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if loss is not None and hasattr(loss, "detach"):
             loss = loss.detach()
             self._loss = loss if self._loss is None else self._loss + loss
         if trainer.global_step != self._step:  # the optimizer stepped after this batch: its step is done
-            self.agent.log(self._step, loss=self._loss, **self._scalars)
+            agent.log(self._step, loss=self._loss, **self._scalars)
             self._step, self._scalars, self._loss = trainer.global_step, {}, None
 
     @guarded

@@ -5,17 +5,18 @@ inside their step, the Trainer's logged loss/lr/grad_norm attached to the step t
 import logging
 import math
 
+import httpx
 import pytest
-import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from fp8mon.integrations.hf import Fp8monCallback
 from tests.agent.capture import CaptureTransport
-from tests.integrations.tiny import HIDDEN, ROWS, SEQ, sent_rows, sent_scalars, tiny_llama, token_examples
+from tests.integrations.tiny import HIDDEN, SEQ, all_rows, sent_rows, sent_scalars, tiny_llama, token_examples
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 BATCH, ACCUMULATE, STEPS = 2, 2, 6
+ROWS = all_rows()
 
 
 class GradsBeforeTheOptimizer(TrainerCallback):
@@ -85,6 +86,25 @@ def test_every_2_sends_statistics_on_even_steps_only(tmp_path):
     assert sorted(s for s, v in sent_scalars(transport).items() if "loss" in v) == [2, 4, 6]
 
 
+def test_end_to_end_a_live_monitor_shows_the_run_under_its_output_dir_name(live_server, tmp_path):
+    callback = Fp8monCallback(url=live_server.url, every=2, spool_dir=tmp_path / "spool", flush_interval=0.05)
+    trainer = train(tmp_path, callback)  # no run name: the basename of output_dir
+    assert callback.agent.errors == 0, callback.agent.last_error
+
+    api = f"{live_server.url}/api/v1/runs/llama-tiny-hf"
+    run = httpx.get(api).json()
+    assert run["status"] == "finished" and run["tags"] == {"framework": "transformers"}
+    config = run["config"]
+    assert config["gradient_accumulation_steps"] == ACCUMULATE and config["per_device_train_batch_size"] == BATCH
+    catalogue = httpx.get(f"{api}/catalogue").json()
+    assert {(layer["layer"], site) for layer in catalogue["layers"] for site in layer["sites"]} == ROWS
+    loss = httpx.get(f"{api}/series", params={"scalar": "loss"}).json()["points"]
+    assert loss["step"] == list(range(1, STEPS + 1))
+    assert loss["value"] == pytest.approx([h["loss"] for h in trainer.state.log_history if "loss" in h])
+    amax = httpx.get(f"{api}/series", params={"stat": "amax", "layer": "lm_head", "site": "grad_output"}).json()
+    assert amax["points"]["step"] == [2, 4, 6]
+
+
 def test_a_model_with_nothing_to_watch_is_told_not_counted(tmp_path, caplog):
     transport = CaptureTransport()
     callback = Fp8monCallback(transport=transport, modules=r"^no_such_layer")
@@ -101,5 +121,3 @@ def test_bad_arguments_fail_before_training(tmp_path):
     with pytest.raises(ValueError, match="every must be >= 1"):
         train(tmp_path, Fp8monCallback(transport=CaptureTransport(), every=0))
 
-
-del torch

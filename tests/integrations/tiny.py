@@ -12,7 +12,11 @@ VOCAB, HIDDEN, SEQ = 64, 32, 8
 LINEARS = [f"model.layers.{i}.{name}" for i in range(2)
            for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")] + ["lm_head"]
-ROWS = {(layer, site) for layer in LINEARS for site in SITES}  # what every reporting step sends
+
+
+def all_rows(prefix: str = "") -> set[tuple[str, str]]:
+    """What every reporting step sends: each linear layer at each site."""
+    return {(prefix + layer, site) for layer in LINEARS for site in SITES}
 
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
