@@ -2,8 +2,14 @@
 the optimizer steps numbered as the Trainer's ``global_step`` (1..N), with the micro-batches of gradient accumulation
 inside their step, the Trainer's logged loss/lr/grad_norm attached to the step they belong to, and the run closed."""
 
+import importlib
+import json
 import logging
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -14,6 +20,8 @@ from tests.agent.capture import CaptureTransport
 from tests.integrations.tiny import HIDDEN, SEQ, all_rows, sent_rows, sent_scalars, tiny_llama, token_examples
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+ROOT = Path(__file__).resolve().parents[2]
 
 BATCH, ACCUMULATE, STEPS = 2, 2, 6
 ROWS = all_rows()
@@ -103,6 +111,45 @@ def test_end_to_end_a_live_monitor_shows_the_run_under_its_output_dir_name(live_
     assert loss["value"] == pytest.approx([h["loss"] for h in trainer.state.log_history if "loss" in h])
     amax = httpx.get(f"{api}/series", params={"stat": "amax", "layer": "lm_head", "site": "grad_output"}).json()
     assert amax["points"]["step"] == [2, 4, 6]
+
+
+FAILING_RUN = """
+import atexit, json, sys
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from fp8mon.integrations.hf import Fp8monCallback
+from tests.agent.capture import CaptureTransport
+from tests.integrations.tiny import sent_scalars, tiny_llama, token_examples
+
+class Diverge(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 3:
+            raise FloatingPointError("loss is NaN")
+
+transport = CaptureTransport()
+# exit handlers run last-registered first: this one after the callback's
+atexit.register(lambda: print(json.dumps({"meta": transport.meta, "loss_steps": sorted(
+    s for s, v in sent_scalars(transport).items() if "loss" in v)})))
+args = TrainingArguments(output_dir=sys.argv[1], max_steps=6, per_device_train_batch_size=2, logging_steps=1,
+                         report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True)
+callback = Fp8monCallback(transport=transport, every=1, hist=False)
+Trainer(model=tiny_llama(), args=args, train_dataset=token_examples(12), callbacks=[callback, Diverge()]).train()
+"""
+
+
+def test_a_run_that_an_exception_ends_is_closed_as_failed(tmp_path):
+    # the Trainer tells its callbacks of no exception: the callback closes the run at interpreter exit
+    done = subprocess.run([sys.executable, "-c", FAILING_RUN, str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 1 and "loss is NaN" in done.stderr, done.stderr[-2000:]
+    sent = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sent["meta"][-1] == {"status": "failed"} and sent["loss_steps"] == [1, 2]
+
+
+def test_a_missing_transformers_names_the_extra_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as in an install without transformers
+    monkeypatch.delitem(sys.modules, "fp8mon.integrations.hf")
+    with pytest.raises(ImportError, match=r"pip install 'fp8mon\[hf\]'"):
+        importlib.import_module("fp8mon.integrations.hf")
 
 
 def test_a_model_with_nothing_to_watch_is_told_not_counted(tmp_path, caplog):

@@ -6,6 +6,7 @@ import importlib
 import math
 import sys
 
+import httpx
 import lightning.pytorch as L
 import pytest
 import torch
@@ -53,9 +54,10 @@ class TinyLlama(L.LightningModule):
 
 def fit(module, callback, steps, accumulate=1, **trainer_args):
     data = DataLoader(token_examples(BATCH * accumulate * steps), batch_size=BATCH)
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=accumulate,
-                        callbacks=[callback], **trainer_args)
+    trainer_args = {"logger": False, **trainer_args}
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, accumulate_grad_batches=accumulate, callbacks=[callback],
+                        **trainer_args)
     trainer.fit(module, data)
     return trainer
 
@@ -115,3 +117,48 @@ def test_a_missing_framework_names_the_extra_to_install(monkeypatch):
     monkeypatch.delitem(sys.modules, "fp8mon.integrations.lightning")
     with pytest.raises(ImportError, match=r"pip install 'fp8mon\[lightning\]'"):
         importlib.import_module("fp8mon.integrations.lightning")
+
+
+def test_end_to_end_a_live_monitor_shows_the_run_under_the_logger_name(live_server, tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    callback = Fp8monCallback(url=live_server.url, every=2, spool_dir=tmp_path / "spool", flush_interval=0.05)
+    module = TinyLlama()
+    fit(module, callback, 4, logger=CSVLogger(tmp_path, name="tiny-llama"))  # no run name: the logger's
+    assert callback.agent.errors == 0, callback.agent.last_error
+
+    api = f"{live_server.url}/api/v1/runs/tiny-llama/version_0"
+    run = httpx.get(api).json()
+    assert run["status"] == "finished" and run["tags"] == {"framework": "lightning"}
+    assert run["config"] == {"lr": 0.05, "fail_at": -1}
+    catalogue = httpx.get(f"{api}/catalogue").json()
+    assert {(layer["layer"], site) for layer in catalogue["layers"] for site in layer["sites"]} == ROWS
+    loss = httpx.get(f"{api}/series", params={"scalar": "loss"}).json()["points"]
+    assert loss["step"] == [0, 1, 2, 3] and loss["value"] == pytest.approx([module.losses[s][0] for s in range(4)])
+
+
+def test_with_pytorch_lightning_alone(monkeypatch):
+    import pytorch_lightning as pl
+
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", None)  # as in an install of pytorch_lightning only
+    monkeypatch.delitem(sys.modules, "fp8mon.integrations.lightning")
+    callbacks = importlib.import_module("fp8mon.integrations.lightning")
+    assert issubclass(callbacks.Fp8monCallback, pl.Callback)
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = tiny_llama()
+
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    transport = CaptureTransport()
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[callbacks.Fp8monCallback(transport=transport)])
+    trainer.fit(Tiny(), DataLoader(token_examples(4), batch_size=BATCH))
+    assert sorted(sent_rows(transport)) == [0, 1] and transport.meta[-1] == {"status": "finished"}
