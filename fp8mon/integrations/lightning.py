@@ -36,7 +36,7 @@ try:
     import lightning.pytorch as pl
 except ImportError:
     try:
-        import pytorch_lightning as pl
+        import pytorch_lightning as pl  # type: ignore[no-redef]  # the same API under its older name
     except ImportError as exc:  # the optional dependency
         raise ImportError("fp8mon.integrations.lightning needs Lightning: pip install 'fp8mon[lightning]'") from exc
 
