@@ -153,7 +153,7 @@ class Agent:
         there is none."""
         selected = select_modules(model, self.modules, prefix)
         if not selected:
-            log.warning("%s", discovery.nothing_watched(model, self.modules))
+            log.warning("%s", discovery.nothing_watched(model, self.modules, prefix))
         for name, module in selected:
             if len(name) > _MAX_LAYER:
                 raise ValueError(f"layer name longer than {_MAX_LAYER} characters: {name[:60]}...")

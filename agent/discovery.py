@@ -22,12 +22,13 @@ def _linear_like(module: nn.Module) -> bool:
     return "linear" in type(module).__name__.lower() or (isinstance(weight, nn.Parameter) and weight.dim() == 2)
 
 
-def nothing_watched(model: nn.Module, pattern: re.Pattern | None) -> str:
-    """What to tell a user whose model has no layer that ``pattern`` (None: any) selects."""
-    linears = [name for name, m in model.named_modules() if is_linear(m)]
+def nothing_watched(model: nn.Module, pattern: re.Pattern | None, prefix: str = "") -> str:
+    """What to tell a user whose model has no layer that ``pattern`` (None: any) selects in the names ``prefix``
+    starts (``Agent.watch``'s)."""
+    linears = [name for name, m in model.named_modules(prefix=prefix.rstrip(".")) if is_linear(m)]
     if linears and pattern is not None:
         shown = ", ".join(linears[:_SHOWN]) + (", ..." if len(linears) > _SHOWN else "")
-        return (f"fp8mon: watching nothing: modules={pattern.pattern!r} matched none of the model's "
+        return (f"fp8mon: watching nothing: modules=r'{pattern.pattern}' matched none of the model's "
                 f"{len(linears)} nn.Linear layers ({shown}); it is searched in their qualified names (re.search)")
     others = Counter(type(m).__name__ for m in model.modules() if _linear_like(m))
     if not others:

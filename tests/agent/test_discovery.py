@@ -25,9 +25,13 @@ def warnings_of(caplog) -> list[str]:
 
 def test_a_regex_that_matches_no_linear_names_them(caplog):
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    watch(model, caplog, modules=r"^blocks\.")
+    agent = Agent(transport=NullTransport(), modules=r"^blocks\.")
+    with caplog.at_level(logging.WARNING, logger="fp8mon.agent"):
+        agent.watch(model, prefix="mlp.")  # the regex is searched in the prefixed names
+    agent.close()
     (message,) = warnings_of(caplog)
-    assert "modules='^blocks\\\\.' matched none of the model's 2 nn.Linear layers (0, 2)" in message
+    assert r"modules=r'^blocks\.' matched none of the model's 2 nn.Linear layers (mlp.0, mlp.2)" in message
+    assert agent.errors == 0
 
 
 def test_linear_like_layers_of_other_classes_are_listed(caplog):
