@@ -138,8 +138,9 @@ Trainer(model=tiny_llama(), args=args, train_dataset=token_examples(12), callbac
 
 def test_a_run_that_an_exception_ends_is_closed_as_failed(tmp_path):
     # the Trainer tells its callbacks of no exception: the callback closes the run at interpreter exit
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", FAILING_RUN, str(tmp_path)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          text=True, timeout=120, env=env)
     assert done.returncode == 1 and "loss is NaN" in done.stderr, done.stderr[-2000:]
     sent = json.loads(done.stdout.strip().splitlines()[-1])
     assert sent["meta"][-1] == {"status": "failed"} and sent["loss_steps"] == [1, 2]
