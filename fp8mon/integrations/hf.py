@@ -21,7 +21,8 @@ step and ``on_step_end`` after its optimizer update: the statistics of all its m
 grad_weight row is the accumulated gradient the optimizer used). The loss, grad_norm and learning rate reach
 callbacks only in ``on_log`` (every ``logging_steps``), after ``on_step_end``: they are sent as scalars of the step
 that was just closed, with the Trainer's numbers (its loss is the mean over the steps since the last log; lr is
-named ``lr``); the other numbers of a log (epoch, eval_loss, train_runtime, ...) go along under their own names.
+named ``lr``); the other numbers of a log (epoch, eval_loss, train_runtime, ...) go along under their own names
+(characters a scalar name cannot hold become "_").
 With ``every=N`` statistics are sent on the steps that are multiples of N, the steps ``logging_steps=N`` logs.
 Evaluation between steps runs the model in eval mode, which the agent's hooks ignore.
 """
@@ -29,6 +30,7 @@ Evaluation between steps runs the model in eval mode, which the agent's hooks ig
 from __future__ import annotations
 
 import os
+import re
 
 from ._attach import Attachment, guarded, json_safe, run_name
 
@@ -40,6 +42,7 @@ except ImportError as exc:  # the optional dependency
 __all__ = ["Fp8monCallback"]
 
 _RENAMED = {"learning_rate": "lr"}
+_NOT_IN_SCALAR_NAMES = re.compile(r"[^A-Za-z0-9_./-]+")  # a metric named "eval BLEU" goes as "eval_BLEU"
 
 
 class Fp8monCallback(TrainerCallback):
@@ -88,7 +91,7 @@ class Fp8monCallback(TrainerCallback):
             self._sent = (state.global_step, set())
         values = {}
         for key, value in logs.items():
-            name = _RENAMED.get(key, key)
+            name = _RENAMED.get(key) or _NOT_IN_SCALAR_NAMES.sub("_", str(key)).lstrip("0123456789./-") or "_"
             # numbers (a NaN loss too), once per step: the end-of-training log repeats the last step's epoch
             if isinstance(value, (int, float)) and not isinstance(value, bool) and name not in self._sent[1]:
                 values[name] = value

@@ -37,14 +37,14 @@ class GradsBeforeTheOptimizer(TrainerCallback):
         self.grads[state.global_step + 1] = model.lm_head.weight.grad.detach().clone()
 
 
-def train(tmp_path, callback, *extra, logging_steps=1, **args):
+def train(tmp_path, callback, *extra, logging_steps=1, eval_dataset=None, compute_metrics=None, **args):
     arguments = TrainingArguments(
         output_dir=str(tmp_path / "llama-tiny-hf"), max_steps=STEPS, per_device_train_batch_size=BATCH,
         gradient_accumulation_steps=ACCUMULATE, logging_steps=logging_steps, learning_rate=1e-3,
         lr_scheduler_type="linear", report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
         dataloader_num_workers=0, **args)
     trainer = Trainer(model=tiny_llama(), args=arguments, train_dataset=token_examples(BATCH * ACCUMULATE * STEPS),
-                      callbacks=[callback, *extra])
+                      eval_dataset=eval_dataset, compute_metrics=compute_metrics, callbacks=[callback, *extra])
     trainer.train()
     return trainer
 
@@ -82,16 +82,26 @@ def test_steps_are_the_optimizer_steps_and_carry_their_micro_batches_and_logged_
     assert meta["config"]["gradient_accumulation_steps"] == ACCUMULATE and meta["config"]["max_steps"] == STEPS
 
 
-def test_every_2_sends_statistics_on_even_steps_only(tmp_path):
+def token_accuracy(prediction) -> dict:
+    hits = prediction.predictions.argmax(-1)[:, :-1] == prediction.label_ids[:, 1:]
+    return {"token accuracy": float(hits.mean())}  # a name the monitor does not take as it is
+
+
+def test_every_2_sends_statistics_on_even_steps_only_and_evaluation_stays_out(tmp_path):
     transport = CaptureTransport()
     callback = Fp8monCallback(transport=transport, every=2, hist=False)
-    train(tmp_path, callback, logging_steps=2)
+    # evaluated after step 3, right before the reporting step 4: in eval mode, which the statistics do not see
+    train(tmp_path, callback, logging_steps=2, eval_strategy="steps", eval_steps=3, eval_dataset=token_examples(4),
+          compute_metrics=token_accuracy)
 
     assert callback.agent.errors == 0, callback.agent.last_error
     rows = sent_rows(transport)
     assert sorted(rows) == [2, 4, 6]
     assert all(set(by_key) == ROWS for by_key in rows.values())
-    assert sorted(s for s, v in sent_scalars(transport).items() if "loss" in v) == [2, 4, 6]
+    assert all(r[("lm_head", "input")]["numel"] == ACCUMULATE * BATCH * SEQ * HIDDEN for r in rows.values())
+    scalars = sent_scalars(transport)
+    assert sorted(s for s, v in scalars.items() if "loss" in v) == [2, 4, 6]
+    assert 0 <= scalars[3]["eval_token_accuracy"] <= 1 and "eval_loss" in scalars[6]
 
 
 def test_end_to_end_a_live_monitor_shows_the_run_under_its_output_dir_name(live_server, tmp_path):
