@@ -74,8 +74,13 @@ class Attachment:
     def start(self, model, run: str | None, config: dict):
         """The agent, watching ``model``: the one given, or a new one with the callback's arguments, whose run name
         defaults to $FP8MON_RUN, then ``run``; ``config`` and the framework's name go under the user's."""
-        self.finish("finished")  # a second training with the same callback: a new agent (the given one, once)
+        # A second training with the same callback gets a new agent (a given one serves once); the last one is open
+        # still if its training never ended (an exception the framework did not report).
+        self.finish("failed")
         if self.given is not None:
+            if self.agent is self.given:
+                raise RuntimeError("the agent= given to Fp8monCallback was closed when its training ended: a new "
+                                   "training needs a new agent (or pass the Agent's arguments instead)")
             self.agent = self.given
             if not self.agent._layers:  # a given agent that watches nothing yet
                 self.agent.watch(model)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from fp8mon.agent import Agent
 from fp8mon.integrations.lightning import Fp8monCallback
 from tests.agent.capture import CaptureTransport
 from tests.integrations.tiny import HIDDEN, SEQ, all_rows, sent_rows, sent_scalars, tiny_llama, token_examples
@@ -98,6 +99,21 @@ def test_every_2_sends_statistics_on_even_steps_only():
     rows = sent_rows(transport)
     assert sorted(rows) == [0, 2, 4] and all(set(r) == ROWS for r in rows.values())
     assert sorted(sent_scalars(transport)) == [0, 1, 2, 3, 4]
+
+
+def test_a_ready_agent_watching_the_module_already_is_used_as_it_is():
+    transport, module = CaptureTransport(), TinyLlama()
+    agent = Agent(transport=transport, every=1, hist=False, modules=r"lm_head").watch(module)
+    callback = Fp8monCallback(agent=agent)
+    fit(module, callback, 2)
+
+    assert callback.agent is agent and agent.errors == 0, agent.last_error
+    rows = sent_rows(transport)
+    assert sorted(rows) == [0, 1] and all(set(r) == {k for k in ROWS if k[0] == "model.lm_head"} for r in rows.values())
+    assert all(r[("model.lm_head", "input")]["numel"] == BATCH * SEQ * HIDDEN for r in rows.values())  # hooked once
+    assert transport.meta[-1] == {"status": "finished"}
+    with pytest.raises(RuntimeError, match="needs a new agent"):
+        fit(module, callback, 2)
 
 
 def test_an_exception_closes_the_run_as_failed():
