@@ -45,7 +45,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from . import distributed, graph_capture, wire
+from . import discovery, distributed, graph_capture, wire
 from .formats import Fp8Format, by_name
 from .fused_link import FusedLink
 from .hooks import LayerHooks, select_modules
@@ -149,8 +149,12 @@ class Agent:
         return self._step
 
     def watch(self, model: nn.Module, *, prefix: str = "") -> Agent:
-        """Hook every matching linear layer of ``model`` (names prefixed with ``prefix``)."""
-        for name, module in select_modules(model, self.modules, prefix):
+        """Hook every matching linear layer of ``model`` (names prefixed with ``prefix``); a warning says why when
+        there is none."""
+        selected = select_modules(model, self.modules, prefix)
+        if not selected:
+            log.warning("%s", discovery.nothing_watched(model, self.modules, prefix))
+        for name, module in selected:
             if len(name) > _MAX_LAYER:
                 raise ValueError(f"layer name longer than {_MAX_LAYER} characters: {name[:60]}...")
             fused = self.fused and hasattr(module, "fp8mon_stats")
