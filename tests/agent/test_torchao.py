@@ -93,10 +93,10 @@ class _CastSpy:
         return int((under & nonzero).sum()), int(over.sum()), int(nonzero.sum()), smallest
 
 
-def _step(model, inputs, grad_of_output, spy=None, **agent_kw) -> dict:
-    """One training step of micro-batches ``inputs`` under an agent: {(layer, site): the row it ships}; ``spy``'s
-    casts are those of the last micro-batch. d(loss)/d(output of the last layer) is ``grad_of_output``."""
-    agent = Agent(transport=NullTransport(), every=1, stats_backend="torch", **agent_kw).watch(model)
+def _step(model, inputs, grad_of_output, spy=None, backend="torch"):
+    """One training step of micro-batches ``inputs`` under an agent: {(layer, site): the row it ships}, and with a
+    ``spy`` the casts of each micro-batch. d(loss)/d(output of the last layer) is ``grad_of_output``."""
+    agent = Agent(transport=NullTransport(), every=1, stats_backend=backend).watch(model)
     shipped = []
     agent._ship = lambda step, rows, values: shipped.append(rows.clone())
     per_micro = []
@@ -230,3 +230,75 @@ def test_per_row_scales_in_the_torch_path():
     assert int(both[ds.OVERFLOW]) == int(((x * cols).abs() > fmt.overflow_threshold).sum()) > 0
     with pytest.raises(ValueError, match="broadcast"):
         ds.partials(x, fmt=fmt, scale=rows.t())
+
+
+def test_the_agent_adds_no_host_sync():
+    """A rowwise step with the agent runs many more ops than without, and not one more that would make a CUDA host
+    wait (torchao's scales and the per-row statistics stay on the device)."""
+    from test_device_stats import OpRecorder
+
+    def run(with_agent: bool) -> OpRecorder:
+        model = _model("rowwise")
+        agent = Agent(transport=NullTransport(), stats_backend="torch").watch(model) if with_agent else None
+        rec = OpRecorder()
+        with rec:
+            (model(_rows_apart(2, 8, DIMS[0], 1)) * _rows_apart(2, 8, DIMS[-1], 2)).sum().backward()
+            if agent is not None:
+                agent.log(0)
+        if agent is not None:
+            agent.close()
+            assert agent.errors == 0, agent.last_error
+        return rec
+
+    base, watched = run(False), run(True)
+    assert len(watched.ops) > len(base.ops) + 200
+    assert watched.syncs() == base.syncs()
+
+
+def _triton_vs_torch_path() -> str:
+    """In a worker whose Triton kernels run interpreted: the rows of a step on the Triton backend vs the torch backend,
+    '' or what differs. Tensorwise: every site in the kernels, with torchao's scale; rowwise: output and grad_weight
+    in the kernels, the per-row sites on the torch path, in the same hook calls."""
+    from rowcheck import row_problems
+
+    problems = []
+    for recipe in ("tensorwise", "rowwise"):
+        tri, tor = (torch.stack(list(_step(_model(recipe), [_rows_apart(2, 8, DIMS[0], 1)],
+                                           _rows_apart(2, 8, DIMS[-1], 2), backend=backend).values()))
+                    for backend in ("triton", "torch"))  # (_step fails on an agent error)
+        # the Triton path counts no outlier before a step's center exists: the rows it took have none
+        took = (tri[:, ds.OUTLIERS] == 0) & (tor[:, ds.OUTLIERS] > 0)
+        if int(took.sum()) < (6 if recipe == "tensorwise" else 3):
+            problems.append(f"{recipe}: the Triton path took {int(took.sum())} rows with outliers")
+        kept = (tri[:, ds.OUTLIERS] == tor[:, ds.OUTLIERS]) & (tor[:, ds.OUTLIERS] > 0)  # the torch path's rows
+        if int(kept.sum()) < (0 if recipe == "tensorwise" else 3):
+            problems.append(f"{recipe}: the torch path took {int(kept.sum())} rows with outliers")
+        tri[:, ds.OUTLIERS] = tor[:, ds.OUTLIERS] = 0
+        # underflow exactly: every cast site has a given scale (the kernel derives it from the histogram only under
+        # the agent's own current scaling, which no site of a Float8Linear uses)
+        problem = row_problems(tri, tor, rtol=1e-5)  # fp32 sums in another order
+        if problem:
+            problems.append(f"{recipe}: {problem}")
+    return "\n".join(problems)
+
+
+@pytest.mark.timeout(120)
+def test_triton_backend_takes_the_same_casts():
+    """On the Triton backend (CUDA; here Triton's interpreter), tensorwise sites go to its kernels with torchao's scale,
+    rowwise ones to the torch path: the rows equal the torch backend's."""
+    import multiprocessing
+    import os
+
+    from test_triton_stats import _interpreter_runs_our_kernels
+
+    _interpreter_runs_our_kernels()
+    os.environ["TRITON_INTERPRET"] = "1"  # inherited by the worker, before it defines the kernels
+    try:
+        pool = multiprocessing.get_context("spawn").Pool(1)
+    finally:
+        del os.environ["TRITON_INTERPRET"]
+    try:
+        assert pool.apply(_triton_vs_torch_path) == ""
+    finally:
+        pool.terminate()
+        pool.join()
