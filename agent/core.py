@@ -45,7 +45,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from . import discovery, distributed, graph_capture, wire
+from . import discovery, distributed, graph_capture, torchao_sites, wire
 from .formats import Fp8Format, by_name
 from .fused_link import FusedLink
 from .hooks import LayerHooks, select_modules
@@ -161,6 +161,8 @@ class Agent:
             # fused=False (the reference for fused layers): hooks read every site of a fused-capable layer
             reference = not self.fused and hasattr(module, "fp8mon_stats")
             hooks = LayerHooks(name, module, self.sites, self._sink, skip=() if reference else None)
+            for site, cast in torchao_sites.site_casts(module).items():  # torchao's Float8Linear casts
+                self._sink.casts[(name, site)] = cast
             for site in hooks.sites:
                 self._slots.get(name, site)
             weight = getattr(module, "weight", None)

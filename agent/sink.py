@@ -37,6 +37,8 @@ class HookSink:
         self.waiting = PendingRows(self._launch_waiting, agent._error)
         self.centers: torch.Tensor | None = None  # [slots, 2] fp64: previous reporting step's (mean, std)
         self.scales: dict[tuple[str, str], tuple] = {}
+        # (layer, site) -> the layer's own cast of the site (torchao_sites.SiteCast): x -> (x as cast, format, scales)
+        self.casts: dict[tuple[str, str], Callable] = {}
         self.seen: set[int] = set()  # slots read once per step (weights) and read already
         # id(gradient) -> (slot, weak reference to it, its version then): the grad_weight rows the Triton path took
         # this step, for ``grad_sq_norms`` (weak: the optimizer frees the gradients after its step)
@@ -149,8 +151,7 @@ class HookSink:
                     if slot in self.seen:
                         continue
                     self.seen.add(slot)
-                fmt = agent.formats.get(site)
-                scale, ahm, emulated = self._scale_for(layer, site, slot, fmt, x.device)
+                x, fmt, scale, ahm, emulated = self._cast_for(layer, site, slot, x)
                 if not agent.reporting:
                     if emulated:
                         agent._history.observe(slot, ds.amax(x))
@@ -164,14 +165,17 @@ class HookSink:
     def _launch(self, todo) -> None:
         """Rows of ``todo`` items (``(slot, tensor, fmt, scale, ahm, emulated, replace, site)``): on the Triton path
         one launch, or waiting for a shared one (``batching``); else the torch path's rows."""
-        if self._triton_for(todo[0][1]) and all(t[1].device == todo[0][1].device for t in todo):
+        # per-row scales (torchao's rowwise casts) take the torch path: the Triton kernels take one scale per tensor
+        rowwise = [t for t in todo if not ds.is_scalar_scale(t[3])]
+        todo = [t for t in todo if ds.is_scalar_scale(t[3])]
+        if todo and self._triton_for(todo[0][1]) and all(t[1].device == todo[0][1].device for t in todo):
             try:
                 self._observe_triton(todo)
-                return
+                todo = []
             except Exception as exc:
                 if not self._fall_back(todo, exc):
-                    return
-        self._torch_rows(todo)
+                    todo = []
+        self._torch_rows(todo + rowwise)
 
     def _launch_waiting(self, todo) -> None:
         """The items that waited for a shared launch (``batching.PendingRows``)."""
@@ -251,6 +255,18 @@ class HookSink:
                 agent._history.observe(slot, rows[slot, ds.AMAX])
             if site == "grad_weight" and replace:
                 self.grad_slots[id(x)] = (slot, weakref.ref(x), x._version)
+
+    def _cast_for(self, layer, site, slot, x):
+        """(tensor, format, scale, amax_history_max, emulated-delayed?) for a tensor of the slot: the layer's own cast
+        (``casts``) where it has one, else the agent's format of the site and ``_scale_for``."""
+        cast = self.casts.get((layer, site))
+        if cast is None:
+            fmt = self.agent.formats.get(site)
+            return (x, fmt, *self._scale_for(layer, site, slot, fmt, x.device))
+        if not self.agent.reporting:
+            return x, None, None, None, False
+        x, fmt, scale = cast(x)
+        return x, fmt, scale, None, False
 
     def _scale_for(self, layer, site, slot, fmt, device):
         """(scale, amax_history_max, emulated-delayed?) for a tensor of the slot."""

@@ -89,6 +89,12 @@ def partials(
     ``scale`` uses the delayed scale of ``amax_history_max`` when given (margin 0), else current scaling.
     ``outlier_center`` = (mean, std) (numbers or an fp64 tensor of 2) counts outliers against that center
     instead of this tensor's own mean/std, as the Triton path (``stats.launch``) does; a NaN std counts none.
+
+    Per-row scales (torchao's rowwise casts, ``torchao_sites``): ``scale`` may be a tensor that broadcasts to
+    ``x.shape`` (x * scale is what the cast rounds), or a list of such scales and numbers, one per cast of the same
+    tensor (an operand cast along its rows for one GEMM and along its columns for another): an element underflows
+    or overflows when it does in any of them, and the row's ``scale`` is the smallest scale in use. (The oracle,
+    ``Moments.from_tensor``, takes one number; these are tested against torchao's own casts.)
     """
     if fmt is None and scale is not None:
         raise ValueError("a scale needs an FP8 format (fmt='e4m3' or 'e5m2')")
@@ -125,15 +131,18 @@ def partials(
     if fmt is None:
         under = over = s = _f64(NAN, dev)
     else:
-        if scale is not None:
-            s32 = as_scale(scale, dev)
-        elif amax_history_max is not None:  # delayed scale from the history max, margin 0
-            s32 = scale_from_amax(_f64(amax_history_max, dev), fmt)
+        if scale is not None and not is_scalar_scale(scale):
+            under, over, s32 = _cast_losses(v32, x.shape, scale, fmt, nz)
         else:
-            s32 = scale_from_amax(amax32, fmt)
-        y = (v32 * s32).abs()
-        under = ((y <= fmt.underflow_threshold) & nz).sum()
-        over = (y > fmt.overflow_threshold).sum()
+            if scale is not None:
+                s32 = as_scale(scale, dev)
+            elif amax_history_max is not None:  # delayed scale from the history max, margin 0
+                s32 = scale_from_amax(_f64(amax_history_max, dev), fmt)
+            else:
+                s32 = scale_from_amax(amax32, fmt)
+            y = (v32 * s32).abs()
+            under = ((y <= fmt.underflow_threshold) & nz).sum()
+            over = (y > fmt.overflow_threshold).sum()
         s = s32
     ahm = _f64(NAN if amax_history_max is None else amax_history_max, dev)
     head = [n, numel - n, (x32 == 0).sum(), nz.sum(), outliers, under, over, amax32, mu, m2, m3, m4, s, ahm]
@@ -151,6 +160,44 @@ def partials(
     else:
         row[HIST:].fill_(NAN)
     return row
+
+
+def is_scalar_scale(scale) -> bool:
+    """Whether ``scale`` is one number for the whole tensor (what the Triton kernels take), not per-row scales nor
+    the scales of several casts (see ``partials``)."""
+    return not isinstance(scale, (list, tuple)) and not (isinstance(scale, torch.Tensor) and scale.numel() != 1)
+
+
+def _cast_losses(v32: torch.Tensor, shape: torch.Size, scales, fmt: Fp8Format,
+                 nz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(underflow count, overflow count, smallest scale) of the casts of a tensor (``v32``: its finite elements,
+    flat, 0 elsewhere) with ``scales``: one per cast, each a number or a tensor that broadcasts to ``shape``
+    (per-row scales). An element counts once when it is lost in any of the casts."""
+    casts = list(scales) if isinstance(scales, (list, tuple)) else [scales]
+    if not casts:
+        raise ValueError("scale: an empty list of casts")
+    v = v32.reshape(shape)
+    lost_under = torch.zeros_like(nz)
+    lost_over = torch.zeros_like(nz)
+    smallest = []
+    for s in casts:
+        if isinstance(s, torch.Tensor) and s.numel() != 1:
+            try:
+                fits = torch.broadcast_shapes(tuple(shape), tuple(s.shape)) == tuple(shape)
+            except RuntimeError:
+                fits = False
+            if not fits:
+                raise ValueError(f"a scale of shape {tuple(s.shape)} does not broadcast to the tensor's {tuple(shape)}")
+            s32 = s.detach().to(device=v.device, dtype=torch.float32, non_blocking=True)
+        else:
+            s32 = as_scale(s, v.device)
+        y = (v * s32).abs().reshape(-1)
+        lost_under |= y <= fmt.underflow_threshold
+        lost_over |= y > fmt.overflow_threshold
+        if s32.numel():
+            smallest.append(s32.amin())
+    s = torch.stack(smallest).amin() if smallest else torch.full((), NAN, dtype=torch.float32, device=v.device)
+    return (lost_under & nz).sum(), lost_over.sum(), s
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
