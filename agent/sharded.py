@@ -1,0 +1,212 @@
+"""Statistics of sharded tensors (DTensor: FSDP2's parameters and gradients, any placement), exact across shards.
+
+A rank holds one shard of an FSDP2 weight or gradient; the row it sends is that of the whole tensor, exactly as if
+the tensor had been gathered. Where a hook hands the agent a DTensor of a watched weight or grad_weight (a
+*registered* slot: ``register`` at ``watch``), on a reporting step:
+
+* its local shard (``to_local()``: without the padding of uneven shards) is copied: the step's optimizer update,
+  a gradient clip or ``zero_grad`` would change it before the step ends. The copies of a step's watched shards (1/world
+  of the tensors) live until the step's end;
+* at the step's end (``finish``, on every rank, before the step's rows are taken): each rank's rows of its shards go
+  through one ``all_gather`` per shard group and merge (``distributed.reduce_rows``): every rank holds the rows of
+  the whole tensors; amax, moments, zero/nonzero/non-finite counts and the histogram are then exact. The counts
+  that need the whole tensor before they can be counted, underflow/overflow at its current scale (fmt.max over the
+  whole tensor's amax) and outliers against its mean and std, are counted on each shard with those and summed by one
+  ``all_reduce``. A given scale (``set_scale``) or delayed scaling's is used as given.
+* Under ``reduce_ranks`` a rank's row is its shard's, with those counts; the agent's rank merge then makes the
+  whole tensor's row (of the concatenation over replicas, with a replicated mesh dimension, as for DDP).
+
+Under delayed scaling a sharded tensor's amax entering the history is the whole tensor's (an ``all_reduce`` MAX at
+every step's end). The rows are computed with the torch path (``stats.torch_path``) on the shards' device, also
+where the other rows take the Triton path. Every rank must end every step (``log``/``step``) in lockstep, as FSDP's
+own collectives require; statistics pending at ``close`` are dropped.
+
+A DTensor in a slot not registered (or sharded otherwise than its registration) is gathered where the hook sees it
+(``full_tensor()``, a collective there); one replicated on every mesh dimension is its local tensor; a partial one is
+made replicated first.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from . import distributed
+from .stats import torch_path as ds
+
+try:  # the agent must stay importable where torch.distributed is not built
+    from torch.distributed.tensor import DTensor, Replicate
+except ImportError:  # pragma: no cover
+    DTensor = None
+
+__all__ = ["ShardedRows", "is_dtensor"]
+
+_SHARDED_SITES = ("weight", "grad_weight")
+_COUNTS = [ds.OUTLIERS, ds.UNDERFLOW, ds.OVERFLOW]  # counted at the whole tensor's scale and center
+
+
+def is_dtensor(x) -> bool:
+    return DTensor is not None and isinstance(x, DTensor)
+
+
+def _shard_groups(x) -> tuple:
+    """The process groups of the mesh dimensions over which ``x`` is split (neither replicated nor partial)."""
+    return tuple(x.device_mesh.get_group(d) for d, p in enumerate(x.placements)
+                 if not p.is_replicate() and not p.is_partial())
+
+
+def _without_partial(x):
+    if any(p.is_partial() for p in x.placements):
+        x = x.redistribute(x.device_mesh, [Replicate() if p.is_partial() else p for p in x.placements])
+    return x
+
+
+@dataclass
+class _Held:
+    shards: list = field(default_factory=list)  # local shards (copies), merged in order
+    fmt: object = None
+    scale: object = None  # None: current scaling from the whole tensor's amax
+    amax_history_max: object = None
+    emulated: bool = False  # delayed scaling emulated by the agent: the step's amax enters its history
+
+
+class ShardedRows:
+    """The sharded slots of one agent and what a step holds of them."""
+
+    def __init__(self, agent):
+        self.agent = agent
+        self.groups: dict[int, tuple] = {}  # slot -> shard groups, in registration order (the same on every rank)
+        self._held: dict[int, _Held] = {}
+        self._amax: dict[int, torch.Tensor] = {}  # non-reporting steps under delayed scaling: the shards' amax
+        self._lock = threading.Lock()  # hooks may run on autograd's device threads
+
+    def register(self, layer: str, module, sites) -> None:
+        """The weight and grad_weight slots of ``layer`` whose weight is sharded (call in the same order on every
+        rank, before the first step that observes them)."""
+        weight = getattr(module, "weight", None)
+        if not is_dtensor(weight):
+            return
+        groups = _shard_groups(weight)
+        if groups:
+            for site in _SHARDED_SITES:
+                if site in sites:
+                    self.groups[self.agent._slots.get(layer, site)] = groups
+
+    # ---- what the hooks hand over ---------------------------------------------------------------------------------
+
+    def take(self, slot: int, x, fmt, scale, amax_history_max, emulated: bool, replace: bool):
+        """A DTensor observed as ``slot``: None when held here for the step's end, else the plain tensor the caller
+        observes instead (the whole tensor)."""
+        x = _without_partial(x)
+        groups = _shard_groups(x)
+        if not groups:
+            return x.to_local()
+        if self.groups.get(slot) != groups:
+            return x.full_tensor()
+        local = x.to_local().detach()
+        with self._lock:
+            if not self.agent.reporting:
+                if emulated:
+                    a = ds.amax(local)
+                    before = self._amax.get(slot)
+                    self._amax[slot] = a if before is None else torch.maximum(before, a)
+                return None
+            held = self._held.get(slot)
+            if held is None or replace:
+                held = self._held[slot] = _Held([], fmt, scale, amax_history_max, emulated)
+            held.shards.append(local.clone())
+        return None
+
+    # ---- the step's end -------------------------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Write the step's rows of the sharded slots into the step's pack (a reporting step), or feed the whole
+        tensors' amax to the delayed-scaling history (another step under delayed scaling). Collective: every rank
+        calls it at the end of every step."""
+        agent = self.agent
+        with self._lock:
+            held, amaxes, self._held, self._amax = self._held, self._amax, {}, {}
+        if not self.groups or agent._closed:
+            return
+        by_groups: dict[tuple, list[int]] = {}
+        for slot, groups in self.groups.items():
+            by_groups.setdefault(groups, []).append(slot)
+        for groups, slots in by_groups.items():
+            if agent._pack.open:
+                self._rows(groups, slots, held)
+            elif agent._history is not None:
+                self._amaxes(groups, slots, amaxes)
+
+    def _rows(self, groups: tuple, slots: list[int], held: dict[int, _Held]) -> None:
+        agent = self.agent
+        device = next((h.shards[0].device for h in held.values() if h.shards), agent._device())
+        hist = agent.hist_now
+        local = torch.stack([self._local_row(held.get(s), device, hist) for s in slots])
+        whole = local
+        for group in groups:
+            whole = distributed.reduce_rows(whole, group).to(device)
+        counted = torch.stack([self._counts(held.get(s), whole[i], device) for i, s in enumerate(slots)])
+        if agent.reduce:
+            out = local.clone()
+            out[:, _COUNTS] = counted[:, _COUNTS]
+        else:
+            out = whole.clone()
+            out[:, _COUNTS] = self._summed(counted[:, _COUNTS], groups)
+        out[:, ds.SCALE] = counted[:, ds.SCALE]
+        out[:, ds.AMAX_HISTORY_MAX] = counted[:, ds.AMAX_HISTORY_MAX]
+        for i, slot in enumerate(slots):
+            h = held.get(slot)
+            if h is None:
+                continue
+            agent._pack.add(slot, out[i], replace=True)
+            if h.emulated:
+                agent._history.observe(slot, whole[i, ds.AMAX])
+
+    @staticmethod
+    def _local_row(h: _Held | None, device, hist: bool) -> torch.Tensor:
+        row = ds.empty(1, device)[0]
+        for shard in [] if h is None else h.shards:
+            part = ds.partials(shard, hist=hist).to(device)
+            row = ds.merge(row, part)
+        return row
+
+    def _counts(self, h: _Held | None, whole: torch.Tensor, device) -> torch.Tensor:
+        """The shard's row counted at the whole tensor's scale, against its mean and std (counts, scale, history max
+        are what the caller takes of it)."""
+        if h is None:
+            return ds.empty(1, device)[0]
+        scale = h.scale
+        if h.fmt is not None and scale is None:
+            scale = ds.scale_from_amax(whole[ds.AMAX], h.fmt)
+        center = torch.stack([whole[ds.MEAN], (whole[ds.M2] / whole[ds.N]).sqrt()])  # n = 0: NaN, no outlier
+        row = ds.empty(1, device)[0]
+        for shard in h.shards:
+            part = ds.partials(shard, fmt=h.fmt, scale=scale, amax_history_max=h.amax_history_max,
+                               outlier_k=self.agent.outlier_k, hist=False, outlier_center=center)
+            row = ds.merge(row, part.to(device))
+        return row
+
+    @staticmethod
+    def _summed(counts: torch.Tensor, groups: tuple) -> torch.Tensor:
+        """``counts`` summed over the ranks of ``groups`` (one all_reduce per group)."""
+        device = distributed.collective_device(groups[0], counts.device)
+        total = counts.to(device).contiguous()
+        for group in groups:
+            dist.all_reduce(total, group=group)
+        return total.to(counts.device)
+
+    def _amaxes(self, groups: tuple, slots: list[int], amaxes: dict[int, torch.Tensor]) -> None:
+        history = self.agent._history
+        device = next((a.device for a in amaxes.values()), self.agent._device())
+        local = torch.stack([amaxes[s].to(device, torch.float32) if s in amaxes else
+                             torch.zeros((), dtype=torch.float32, device=device) for s in slots])
+        total = local.to(distributed.collective_device(groups[0], device))
+        for group in groups:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        total = total.to(device)
+        for i, slot in enumerate(slots):
+            if slot in amaxes:
+                history.observe(slot, total[i])

@@ -1,0 +1,182 @@
+"""FSDP2 and DDP on two CPU ranks (gloo over 127.0.0.1), in one two-process job for the module.
+
+FSDP2 (``fully_shard``, uneven shards: 5 rows over 2 ranks): the weight and grad_weight rows each rank sends are those
+of the whole unsharded tensor (the fp64 oracle on ``full_tensor()``), amax, underflow at the whole tensor's scale,
+outliers, kurtosis and histogram included; under ``reduce_ranks`` too. DDP: the names are the user's whether the agent
+watches the wrapper or the module, and grad_weight is the gradient averaged across ranks, the one the optimizer sees.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from fp8mon.agent import Agent
+from fp8mon.agent.stats.reference import Moments, merge_moments
+from fp8mon.agent.wire import SITES, TENSOR_STATS
+from fp8mon.monitor.localserver import free_port
+from tests.agent.capture import CaptureTransport
+
+WORLD = 2
+STEPS = 4
+EVERY = 2
+FORMATS = {"input": "e4m3", "weight": "e4m3", "output": None, "grad_output": "e5m2", "grad_weight": "e5m2"}
+LAYERS = ("0", "2")
+
+
+def _model() -> nn.Sequential:
+    """5 and 3 output rows: uneven shards over 2 ranks. Weights over a wide range of magnitudes, the rows a rank 1
+    holds 2**-12 times smaller, so that its shard's own scale is not the whole tensor's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    with torch.no_grad():
+        for lin in (model[0], model[2]):
+            w = lin.weight
+            w.copy_(torch.sign(torch.randn_like(w)) * 2.0 ** (torch.rand_like(w) * 24 - 20))
+            w[3:] *= 2.0**-12
+    return model
+
+
+def _train(model, agents, rank, full):
+    """STEPS steps; ``full(tensor)`` is the whole tensor of a parameter or gradient. Returns what the optimizer saw
+    per (step, layer, site) for weight and grad_weight."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + rank)
+    seen = {}
+    for step in range(STEPS):
+        x = torch.randn(3 + 2 * rank, 6, generator=g) * (1 + 3 * rank)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        for name in LAYERS:
+            w = _linear(model, name).weight
+            seen[(step, name, "weight")] = full(w.detach()).clone()
+            seen[(step, name, "grad_weight")] = full(w.grad).clone()
+        opt.step()
+        opt.zero_grad()
+        for agent in agents:
+            agent.log(step, loss=loss)
+    return seen
+
+
+def _linear(model, name):
+    inner = getattr(model, "module", model)
+    return inner.get_submodule(name)
+
+
+def _fsdp(rank):
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    for name in LAYERS:
+        fully_shard(model.get_submodule(name))
+    fully_shard(model)
+    local, reduced = CaptureTransport(), CaptureTransport()
+    agents = [Agent(transport=local, every=EVERY, hist_every=1).watch(model),
+              Agent(transport=reduced, every=EVERY, hist_every=1, reduce_ranks=True).watch(model)]
+    shards = {name: tuple(_linear(model, name).weight.to_local().shape) for name in LAYERS}
+    seen = _train(model, agents, rank, lambda t: t.full_tensor())
+    for agent in agents:
+        agent.close()
+    return {"local": local.records(), "reduced": reduced.records(), "seen": seen, "shards": shards,
+            "errors": [a.errors for a in agents], "last_error": [a.last_error for a in agents]}
+
+
+def _ddp(rank):
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _model()
+    own = {}  # the rank's own gradient, as autograd accumulates it (before DDP's reduction)
+    for name in LAYERS:
+        model.get_submodule(name).weight.register_post_accumulate_grad_hook(
+            lambda p, name=name: own.__setitem__(name, p.grad.clone()))
+    ddp = DistributedDataParallel(model)
+    wrapped, inner = CaptureTransport(), CaptureTransport()
+    agents = [Agent(transport=wrapped, every=EVERY, hist_every=1).watch(ddp),
+              Agent(transport=inner, every=EVERY, hist_every=1).watch(ddp.module)]
+    seen = _train(ddp, agents, rank, lambda t: t)
+    for agent in agents:
+        agent.close()
+    return {"wrapped": wrapped.records(), "inner": inner.records(), "seen": seen, "own": own,
+            "errors": [a.errors for a in agents], "last_error": [a.last_error for a in agents]}
+
+
+def _worker(rank, port, outdir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        out = {"fsdp": _fsdp(rank), "ddp": _ddp(rank)}
+        torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    outdir = tmp_path_factory.mktemp("sharded")
+    mp.start_processes(_worker, args=(free_port(), str(outdir)), nprocs=WORLD, join=True, start_method="spawn")
+    return [torch.load(outdir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def _close(got, want, key):
+    if want is None or got is None:
+        return got is None and want is None
+    if isinstance(want, float) and math.isnan(want):
+        return math.isnan(got)
+    if key in ("numel", "nonfinite", "amax", "zero_frac", "scale", "outlier_frac", "underflow_frac",
+               "overflow_frac", "log2_hist"):
+        return got == want
+    return math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-300)
+
+
+def _check(rec, tensor, site, where):
+    want = Moments.from_tensor(tensor, fmt=FORMATS[site]).to_stats()
+    bad = {k: (rec[k], want[k]) for k in [*TENSOR_STATS, "log2_hist"] if not _close(rec[k], want[k], k)}
+    assert not bad, (where, bad)
+
+
+REPORTED = [(s, layer, site) for s in range(0, STEPS, EVERY) for layer in LAYERS for site in ("weight", "grad_weight")]
+
+
+def test_fsdp2_rows_are_those_of_the_whole_tensors(ranks):
+    for rank, out in enumerate(ranks):
+        fsdp = out["fsdp"]
+        assert fsdp["errors"] == [0, 0], fsdp["last_error"]
+        assert {k[:3] for k in fsdp["local"]} == {(s, layer, site) for s in range(0, STEPS, EVERY) for layer in LAYERS
+                                                  for site in SITES}
+        for step, layer, site in REPORTED:
+            _check(fsdp["local"][(step, layer, site, rank)], fsdp["seen"][(step, layer, site)], site,
+                   (rank, step, layer, site))
+    # uneven shards (padding on the last rank), and a shard's own scale is not the whole tensor's: the per-shard merge
+    # would count another underflow
+    assert [out["fsdp"]["shards"]["0"] for out in ranks] == [(3, 6), (2, 6)]
+    whole = ranks[0]["fsdp"]["seen"][(0, "0", "weight")]
+    per_shard = merge_moments([Moments.from_tensor(t, fmt="e4m3") for t in whole.split(3)]).to_stats()
+    got = ranks[0]["fsdp"]["local"][(0, "0", "weight", 0)]
+    assert got["underflow_frac"] > 0 and got["underflow_frac"] != per_shard["underflow_frac"]
+
+
+def test_fsdp2_reduced_rows_are_those_of_the_whole_tensors(ranks):
+    fsdp = ranks[0]["fsdp"]
+    assert ranks[1]["fsdp"]["reduced"] == {}  # only rank 0 sends
+    for step, layer, site in REPORTED:
+        _check(fsdp["reduced"][(step, layer, site, -1)], fsdp["seen"][(step, layer, site)], site, (step, layer, site))
+
+
+def test_ddp_names_and_the_averaged_gradient(ranks):
+    for rank, out in enumerate(ranks):
+        ddp = out["ddp"]
+        assert ddp["errors"] == [0, 0], ddp["last_error"]
+        assert {k[1] for k in ddp["wrapped"]} == set(LAYERS)
+        assert ddp["wrapped"].keys() == ddp["inner"].keys()
+        for step, layer, site in REPORTED:
+            for which in ("wrapped", "inner"):
+                _check(ddp[which][(step, layer, site, rank)], ddp["seen"][(step, layer, site)], site,
+                       (rank, which, step, layer, site))
+        # the rank's own gradient is not what the optimizer saw: the row is of the averaged one
+        assert not torch.equal(ddp["own"]["0"], ddp["seen"][(STEPS - 1, "0", "grad_weight")])
+    assert torch.equal(ranks[0]["ddp"]["seen"][(0, "0", "grad_weight")], ranks[1]["ddp"]["seen"][(0, "0", "grad_weight")])
