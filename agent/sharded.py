@@ -28,6 +28,7 @@ made replicated first.
 
 from __future__ import annotations
 
+import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -37,11 +38,6 @@ import torch.distributed as dist
 from . import distributed
 from .stats import torch_path as ds
 
-try:  # the agent must stay importable where torch.distributed is not built
-    from torch.distributed.tensor import DTensor, Replicate
-except ImportError:  # pragma: no cover
-    DTensor = None
-
 __all__ = ["ShardedRows", "is_dtensor"]
 
 _SHARDED_SITES = ("weight", "grad_weight")
@@ -49,7 +45,9 @@ _COUNTS = [ds.OUTLIERS, ds.UNDERFLOW, ds.OVERFLOW]  # counted at the whole tenso
 
 
 def is_dtensor(x) -> bool:
-    return DTensor is not None and isinstance(x, DTensor)
+    # (a DTensor exists only once its module is imported; importing it here would cost every agent a second)
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(x, dtensor.DTensor)
 
 
 def _shard_groups(x) -> tuple:
@@ -60,6 +58,8 @@ def _shard_groups(x) -> tuple:
 
 def _without_partial(x):
     if any(p.is_partial() for p in x.placements):
+        from torch.distributed.tensor import Replicate
+
         x = x.redistribute(x.device_mesh, [Replicate() if p.is_partial() else p for p in x.placements])
     return x
 

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from fp8mon.agent import Agent
+from fp8mon.agent.hooks import select_modules
 from fp8mon.agent.stats.reference import Moments, merge_moments
 from fp8mon.agent.wire import SITES, TENSOR_STATS
 from fp8mon.monitor.localserver import free_port
@@ -74,15 +75,25 @@ def _fsdp(rank):
     for name in LAYERS:
         fully_shard(model.get_submodule(name))
     fully_shard(model)
-    local, reduced = CaptureTransport(), CaptureTransport()
+    local, reduced, delayed = CaptureTransport(), CaptureTransport(), CaptureTransport()
     agents = [Agent(transport=local, every=EVERY, hist_every=1).watch(model),
-              Agent(transport=reduced, every=EVERY, hist_every=1, reduce_ranks=True).watch(model)]
+              Agent(transport=reduced, every=EVERY, hist_every=1, reduce_ranks=True).watch(model),
+              Agent(transport=delayed, every=EVERY, hist_every=1, scaling="delayed").watch(model)]
     shards = {name: tuple(_linear(model, name).weight.to_local().shape) for name in LAYERS}
     seen = _train(model, agents, rank, lambda t: t.full_tensor())
     for agent in agents:
         agent.close()
-    return {"local": local.records(), "reduced": reduced.records(), "seen": seen, "shards": shards,
-            "errors": [a.errors for a in agents], "last_error": [a.last_error for a in agents]}
+    return {"local": local.records(), "reduced": reduced.records(), "delayed": delayed.records(), "seen": seen,
+            "shards": shards, "errors": [a.errors for a in agents], "last_error": [a.last_error for a in agents]}
+
+
+def _fsdp1_names():
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    model = FullyShardedDataParallel(_model(), device_id=torch.device("cpu"), use_orig_params=True,
+                                     auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    return [name for name, _ in select_modules(model, None)], [name for name, _ in model.named_modules()]
 
 
 def _ddp(rank):
@@ -109,7 +120,7 @@ def _worker(rank, port, outdir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
-        out = {"fsdp": _fsdp(rank), "ddp": _ddp(rank)}
+        out = {"fsdp": _fsdp(rank), "ddp": _ddp(rank), "fsdp1": _fsdp1_names()}
         torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -133,8 +144,8 @@ def _close(got, want, key):
     return math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-300)
 
 
-def _check(rec, tensor, site, where):
-    want = Moments.from_tensor(tensor, fmt=FORMATS[site]).to_stats()
+def _check(rec, tensor, site, where, **kw):
+    want = Moments.from_tensor(tensor, fmt=FORMATS[site], **kw).to_stats()
     bad = {k: (rec[k], want[k]) for k in [*TENSOR_STATS, "log2_hist"] if not _close(rec[k], want[k], k)}
     assert not bad, (where, bad)
 
@@ -145,7 +156,7 @@ REPORTED = [(s, layer, site) for s in range(0, STEPS, EVERY) for layer in LAYERS
 def test_fsdp2_rows_are_those_of_the_whole_tensors(ranks):
     for rank, out in enumerate(ranks):
         fsdp = out["fsdp"]
-        assert fsdp["errors"] == [0, 0], fsdp["last_error"]
+        assert fsdp["errors"] == [0, 0, 0], fsdp["last_error"]
         assert {k[:3] for k in fsdp["local"]} == {(s, layer, site) for s in range(0, STEPS, EVERY) for layer in LAYERS
                                                   for site in SITES}
         for step, layer, site in REPORTED:
@@ -180,3 +191,20 @@ def test_ddp_names_and_the_averaged_gradient(ranks):
         # the rank's own gradient is not what the optimizer saw: the row is of the averaged one
         assert not torch.equal(ddp["own"]["0"], ddp["seen"][(STEPS - 1, "0", "grad_weight")])
     assert torch.equal(ranks[0]["ddp"]["seen"][(0, "0", "grad_weight")], ranks[1]["ddp"]["seen"][(0, "0", "grad_weight")])
+
+
+def test_fsdp2_delayed_scaling_takes_the_whole_tensors_amax(ranks):
+    for rank, out in enumerate(ranks):
+        fsdp = out["fsdp"]
+        for step, layer, site in REPORTED:
+            # the history holds the whole tensors' amax of the steps before, reporting or not
+            hmax = max([float(fsdp["seen"][(s, layer, site)].abs().max()) for s in range(step)], default=0.0)
+            rec = fsdp["delayed"][(step, layer, site, rank)]
+            _check(rec, fsdp["seen"][(step, layer, site)], site, (rank, step, layer, site), amax_history_max=hmax)
+            assert rec["amax_history_max"] == hmax
+
+
+def test_fsdp1_names_leave_out_its_wrappers(ranks):
+    names, qualified = ranks[0]["fsdp1"]
+    assert "_fsdp_wrapped_module.0._fsdp_wrapped_module" in qualified
+    assert names == list(LAYERS)
