@@ -29,11 +29,11 @@ FORMATS = {"input": "e4m3", "weight": "e4m3", "output": None, "grad_output": "e5
 LAYERS = ("0", "2")
 
 
-def _model() -> nn.Sequential:
+def _model(hidden: int = 5) -> nn.Sequential:
     """5 and 3 output rows: uneven shards over 2 ranks. Weights over a wide range of magnitudes, the rows a rank 1
     holds 2**-12 times smaller, so that its shard's own scale is not the whole tensor's."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    model = nn.Sequential(nn.Linear(6, hidden), nn.Tanh(), nn.Linear(hidden, 3))
     with torch.no_grad():
         for lin in (model[0], model[2]):
             w = lin.weight
@@ -43,9 +43,10 @@ def _model() -> nn.Sequential:
 
 
 def _train(model, agents, rank, full):
-    """STEPS steps; ``full(tensor)`` is the whole tensor of a parameter or gradient. Returns what the optimizer saw
-    per (step, layer, site) for weight and grad_weight."""
+    """STEPS steps, each rank on its own data (``rank`` None: the same data); ``full(tensor)`` is the whole tensor of
+    a parameter or gradient. Returns what the optimizer saw per (step, layer, site) for weight and grad_weight."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rank = rank or 0
     g = torch.Generator().manual_seed(100 + rank)
     seen = {}
     for step in range(STEPS):
@@ -87,6 +88,27 @@ def _fsdp(rank):
             "shards": shards, "errors": [a.errors for a in agents], "last_error": [a.last_error for a in agents]}
 
 
+def _tensor_parallel(rank):
+    """Tensor parallelism: weights sharded by rows (Shard(0)) and by columns (Shard(1)); even (DTensor's matmul
+    takes no uneven shards)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = parallelize_module(_model(4), init_device_mesh("cpu", (WORLD,)),
+                               {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    cap = CaptureTransport()
+    agent = Agent(transport=cap, every=EVERY, hist_every=1).watch(model)
+    inputs = []  # layer 2's input: a DTensor sharded by columns
+    model.get_submodule("2").register_forward_hook(lambda m, args, out: inputs.append(args[0].full_tensor()))
+    seen = _train(model, [agent], None, lambda t: t.full_tensor())  # the ranks of a TP group share their data
+    for step, x in enumerate(inputs):
+        seen[(step, "2", "input")] = x
+    agent.close()
+    placements = {name: str(_linear(model, name).weight.placements) for name in LAYERS}
+    return {"records": cap.records(), "seen": seen, "placements": placements, "errors": agent.errors,
+            "last_error": agent.last_error}
+
+
 def _fsdp1_names():
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -120,7 +142,7 @@ def _worker(rank, port, outdir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
-        out = {"fsdp": _fsdp(rank), "ddp": _ddp(rank), "fsdp1": _fsdp1_names()}
+        out = {"fsdp": _fsdp(rank), "ddp": _ddp(rank), "fsdp1": _fsdp1_names(), "tp": _tensor_parallel(rank)}
         torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -208,3 +230,13 @@ def test_fsdp1_names_leave_out_its_wrappers(ranks):
     names, qualified = ranks[0]["fsdp1"]
     assert "_fsdp_wrapped_module.0._fsdp_wrapped_module" in qualified
     assert names == list(LAYERS)
+
+
+def test_tensor_parallel_weights_any_placement(ranks):
+    for rank, out in enumerate(ranks):
+        tp = out["tp"]
+        assert tp["errors"] == 0, tp["last_error"]
+        assert tp["placements"] == {"0": "(Shard(dim=0),)", "2": "(Shard(dim=1),)"}
+        for step, layer, site in [*REPORTED, (0, "2", "input"), (2, "2", "input")]:
+            _check(tp["records"][(step, layer, site, rank)], tp["seen"][(step, layer, site)], site,
+                   (rank, step, layer, site))
