@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from . import distributed
+from .stats import launch as ts
 from .stats import torch_path as ds
 
 __all__ = ["ShardedRows", "is_dtensor"]
@@ -142,13 +143,21 @@ class ShardedRows:
 
     def _rows(self, groups: tuple, slots: list[int], held: dict[int, _Held]) -> None:
         agent = self.agent
-        device = next((h.shards[0].device for h in held.values() if h.shards), agent._device())
-        hist = agent.hist_now
-        local = torch.stack([self._local_row(held.get(s), device, hist) for s in slots])
+        entries = [(i, h, shard) for i, s in enumerate(slots) if (h := held.get(s)) is not None for shard in h.shards]
+        device = entries[0][2].device if entries else agent._device()
+        shards = [e[2] for e in entries]
+        local = _merged_into(ds.empty(len(slots), device), entries,
+                             self._computed(shards, fmt=None, center=None, hist=agent.hist_now))
         whole = local
         for group in groups:
             whole = distributed.reduce_rows(whole, group).to(device)
-        counted = torch.stack([self._counts(held.get(s), whole[i], device) for i, s in enumerate(slots)])
+        # the counts that need the whole tensor: at its scale (current scaling), against its mean and std
+        current = {f: ds.scale_from_amax(whole[:, ds.AMAX], f) for f in {e[1].fmt for e in entries} if f is not None}
+        centers = torch.stack([whole[:, ds.MEAN], (whole[:, ds.M2] / whole[:, ds.N]).sqrt()], 1)  # n = 0: no outlier
+        scales = [h.scale if h.scale is not None or h.fmt is None else current[h.fmt][i] for i, h, _ in entries]
+        counted = _merged_into(ds.empty(len(slots), device), entries, self._computed(
+            shards, fmt=[h.fmt for _, h, _ in entries], scale=scales, center=[centers[i] for i, _, _ in entries],
+            amax_history_max=[h.amax_history_max for _, h, _ in entries], hist=False))
         if agent.reduce:
             out = local.clone()
             out[:, _COUNTS] = counted[:, _COUNTS]
@@ -165,29 +174,26 @@ class ShardedRows:
             if h.emulated:
                 agent._history.observe(slot, whole[i, ds.AMAX])
 
-    @staticmethod
-    def _local_row(h: _Held | None, device, hist: bool) -> torch.Tensor:
-        row = ds.empty(1, device)[0]
-        for shard in [] if h is None else h.shards:
-            part = ds.partials(shard, hist=hist).to(device)
-            row = ds.merge(row, part)
-        return row
-
-    def _counts(self, h: _Held | None, whole: torch.Tensor, device) -> torch.Tensor:
-        """The shard's row counted at the whole tensor's scale, against its mean and std (counts, scale, history max
-        are what the caller takes of it)."""
-        if h is None:
-            return ds.empty(1, device)[0]
-        scale = h.scale
-        if h.fmt is not None and scale is None:
-            scale = ds.scale_from_amax(whole[ds.AMAX], h.fmt)
-        center = torch.stack([whole[ds.MEAN], (whole[ds.M2] / whole[ds.N]).sqrt()])  # n = 0: NaN, no outlier
-        row = ds.empty(1, device)[0]
-        for shard in h.shards:
-            part = ds.partials(shard, fmt=h.fmt, scale=scale, amax_history_max=h.amax_history_max,
-                               outlier_k=self.agent.outlier_k, hist=False, outlier_center=center)
-            row = ds.merge(row, part.to(device))
-        return row
+    def _computed(self, shards: list[torch.Tensor], *, fmt, center, hist: bool, scale=None,
+                  amax_history_max=None) -> torch.Tensor:
+        """``[len(shards), WIDTH]``: the rows of ``shards`` (per-shard arguments as lists) in one launch where the
+        agent's hooks take the Triton path, else on the torch path."""
+        agent = self.agent
+        k = agent.outlier_k
+        n = len(shards)
+        fmts, scales, centers, ahms = (ts.each(v, n) for v in (fmt, scale, center, amax_history_max))
+        if shards and all(agent._sink._triton_for(x) and x.numel() and x.device == shards[0].device for x in shards):
+            try:
+                return ts.rows(shards, fmt=fmts, scale=scales, center=centers, outlier_k=k, amax_history_max=ahms,
+                               hist=hist)
+            except Exception as exc:
+                if agent.stats_backend != "auto":
+                    raise
+                agent._error("Triton statistics (the torch path from now on)", exc)
+                agent.stats_backend = "torch"
+        # (the torch path counts outliers against the shard's own mean and std without a center: not taken then)
+        return torch.stack([ds.partials(x, fmt=f, scale=s, amax_history_max=a, outlier_k=k, hist=hist,
+                                        outlier_center=c) for x, f, s, c, a in zip(shards, fmts, scales, centers, ahms)])
 
     @staticmethod
     def _summed(counts: torch.Tensor, groups: tuple) -> torch.Tensor:
@@ -210,3 +216,18 @@ class ShardedRows:
         for i, slot in enumerate(slots):
             if slot in amaxes:
                 history.observe(slot, total[i])
+
+
+def _merged_into(rows: torch.Tensor, entries: list, parts: torch.Tensor) -> torch.Tensor:
+    """``rows`` with each entry's part merged into its row ``entries[j][0]``: one stack of the first part of each row
+    (a step holds one shard per slot, but for repeated non-replacing observations), a merge for the others. (No
+    index tensor: its host-to-device copy would wait for the device.)"""
+    if not entries:
+        return rows
+    parts = parts.to(rows.device)
+    out = list(rows.unbind(0))
+    firsts = set()
+    for j, (i, _, _) in enumerate(entries):
+        out[i] = parts[j] if i not in firsts else ds.merge(out[i], parts[j])
+        firsts.add(i)
+    return torch.stack(out)
