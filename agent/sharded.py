@@ -130,7 +130,7 @@ class ShardedRows:
         agent = self.agent
         with self._lock:
             held, amaxes, self._held, self._amax = self._held, self._amax, {}, {}
-        if not self.groups or agent._closed:
+        if not self.groups or agent._closed or not (agent._pack.open or agent._history is not None):
             return
         by_groups: dict[tuple, list[int]] = {}
         for slot, groups in self.groups.items():

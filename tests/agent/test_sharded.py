@@ -1,9 +1,11 @@
-"""FSDP2 and DDP on two CPU ranks (gloo over 127.0.0.1), in one two-process job for the module.
+"""FSDP2, DDP and tensor parallelism on two CPU ranks (gloo over 127.0.0.1), in one two-process job for the module.
 
 FSDP2 (``fully_shard``, uneven shards: 5 rows over 2 ranks): the weight and grad_weight rows each rank sends are those
 of the whole unsharded tensor (the fp64 oracle on ``full_tensor()``), amax, underflow at the whole tensor's scale,
-outliers, kurtosis and histogram included; under ``reduce_ranks`` too. DDP: the names are the user's whether the agent
-watches the wrapper or the module, and grad_weight is the gradient averaged across ranks, the one the optimizer sees.
+outliers, kurtosis and histogram included; under ``reduce_ranks``, delayed scaling and on the Triton path (in Triton's
+interpreter) too. DDP: the names are the user's whether the agent watches the wrapper or the module, and grad_weight
+is the gradient averaged across ranks, the one the optimizer sees. Tensor parallelism: weights sharded by columns and
+an input sharded by columns. FSDP1: its wrappers leave no trace in the names.
 """
 
 import math
