@@ -166,8 +166,9 @@ class Agent:
             for site in hooks.sites:
                 self._slots.get(name, site)
             weight = getattr(module, "weight", None)
+            self._sink.sharded.register(name, module, hooks.sites)
             if {"grad_output", "grad_weight"} <= set(hooks.sites) and isinstance(weight, torch.Tensor) and \
-                    weight.is_leaf and weight.requires_grad:
+                    weight.is_leaf and weight.requires_grad and not self._sink.late.on:
                 self._sink.pairing.pairs.add(name)
             if fused:
                 # a layer that casts its weight's gradient may take that row, which its hook otherwise reads
@@ -324,6 +325,7 @@ class Agent:
 
     def _end(self, step: int, values: dict) -> None:
         self._sink.launch_pending()
+        self._sink.sharded.finish()  # collective where sharded tensors are watched
         rows = None
         if self._pack.open:
             if self.reduce:

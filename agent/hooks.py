@@ -32,6 +32,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from .names import user_names
 from .wire import SITES
 
 
@@ -40,13 +41,10 @@ def is_linear(module: nn.Module) -> bool:
 
 
 def select_modules(model: nn.Module, pattern: str | re.Pattern | None, prefix: str = "") -> list[tuple[str, nn.Module]]:
-    """(name, module) of the linear layers whose qualified name matches ``pattern`` (re.search)."""
+    """(name, module) of the linear layers whose name matches ``pattern`` (re.search); names are the user's module
+    names, without the components wrappers add (``names.user_name``)."""
     rx = re.compile(pattern) if isinstance(pattern, str) else pattern
-    out = []
-    for name, module in model.named_modules(prefix=prefix.rstrip(".")):
-        if is_linear(module) and (rx is None or rx.search(name)):
-            out.append((name, module))
-    return out
+    return user_names(model, prefix, lambda name, module: is_linear(module) and (rx is None or rx.search(name)))
 
 
 def _first_tensor(value):

@@ -14,8 +14,10 @@ from collections.abc import Callable
 import torch
 
 from .batching import PendingRows
+from .late_grads import LateGrads
 from .pack import _grown
 from .pairing import GradPairing
+from .sharded import ShardedRows, is_dtensor
 from .stats import launch as ts
 from .stats import torch_path as ds
 
@@ -47,6 +49,8 @@ class HookSink:
         # this backward pass (FusedLink.grad_weight_target): its hook then leaves that gradient alone. (The cast's
         # result becomes .grad as it is, but not as the same Python object: its memory tells it.)
         self.cast_grads: dict[str, tuple[int, int, int]] = {}
+        self.sharded = ShardedRows(agent)
+        self.late = LateGrads(self.observe_items, agent._error, on=agent.world > 1)
 
     def begin_step(self) -> None:
         self.seen = set()
@@ -57,6 +61,7 @@ class HookSink:
         """Launch what the step left waiting for a later statistics launch: rows a layer's kernels deferred
         (``stats.launch.defer``), a grad_output waiting for its grad_weight, grad_weights waiting for their pass's
         end."""
+        self.late.flush()
         self.pairing.release()
         self.pairing.end_of_pass()
         self.waiting.flush()
@@ -92,8 +97,11 @@ class HookSink:
     def observe_after_backward(self, layer: str, site: str, param: torch.Tensor) -> None:
         """``param.grad`` as ``site`` of ``layer`` (replacing), observed with the next launch of this backward pass
         or at its end, whichever comes first. A layer whose grad_output the hooks observe (a pair) is observed now,
-        in one launch with its waiting grad_output (the same backward node produced both)."""
-        if layer in self.pairing.pairs:
+        in one launch with its waiting grad_output (the same backward node produced both). With several ranks, after
+        everything else the pass ends with (DDP's reduction: ``late_grads``)."""
+        if self.late.on:
+            self.late.add(layer, site, param)
+        elif layer in self.pairing.pairs:
             self.observe_many(layer, [(site, param.grad, False, True)])
         else:
             self.pairing.after_backward(layer, site, param)
@@ -151,7 +159,14 @@ class HookSink:
                     if slot in self.seen:
                         continue
                     self.seen.add(slot)
-                x, fmt, scale, ahm, emulated = self._cast_for(layer, site, slot, x)
+                if is_dtensor(x):  # a shard: its row is merged across the shards at the step's end
+                    fmt = agent.formats.get(site)
+                    scale, ahm, emulated = self._scale_for(layer, site, slot, fmt, x.device)
+                    x = self.sharded.take(slot, x, fmt, scale, ahm, emulated, replace)
+                    if x is None:
+                        continue
+                else:
+                    x, fmt, scale, ahm, emulated = self._cast_for(layer, site, slot, x)
                 if not agent.reporting:
                     if emulated:
                         agent._history.observe(slot, ds.amax(x))
