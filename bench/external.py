@@ -1,0 +1,550 @@
+"""The agent's overhead on models fp8mon did not write: a nanoGPT-style GPT-2 124M (bench/models/gpt2.py) and
+transformers' Llama (bench/models/llama.py, 553M), bf16 autocast or torchao float8 (``convert_to_float8_training``,
+the lm_head left in bf16 as torchao's users do), eager or ``torch.compile``d, the agent reporting every step or
+every 10th: whole training steps (fused AdamW) with
+
+    off     no monitoring
+    on      fp8mon's Agent (``from fp8mon import Agent``), every ``nn.Linear`` x 5 sites, its batches counted and
+            dropped by a transport without a server (what the agent does up to the wire is all measured)
+    naive   plain torch hooks computing mean/std/amax/kurtosis of input, output and grad_output (bench/naive_hooks.py)
+
+The H200 figures (each command fits one call of 10 minutes; ``--all`` runs precision {bf16, float8 tensorwise} x
+{eager, compiled} x every {1, 10} x modes {off, on, naive} within ``--budget-s``, skipping what would not fit and
+saying so):
+
+    python bench/external.py --model gpt2 --all
+    python bench/external.py --model llama --all
+    # a configuration --all skipped, or the rowwise recipe, alone:
+    python bench/external.py --model llama --precision float8 --compile --every 1 10
+    python bench/external.py --model gpt2 --precision float8 --recipe rowwise --compile --every 1 10
+
+On a CPU, tiny (2 layers, d 64, seq 64, batch 2): ``python bench/external.py --tiny --steps 2 --rounds 1 --no-record``.
+
+Method. Every mode (and every value of ``every``) has its own copy of the model (the same seed, the same weights), its
+own optimizer and, compiled, its own ``torch.compile`` (a backend object of its own: Dynamo shares compiled code
+between equal backends, and does not guard on module hooks by default, so one mode's code would run another's
+hooks or none). The agent watches the compiled model after ``torch.compile`` (``--watch-before-compile``: before),
+before the first step, as a user does. Each copy takes its warm-up steps (compilation, autotuning, a reporting step
+with and without the histogram, which the agent draws on every 10th reporting step), then its step counter jumps to a
+whole cycle of the agent (every x 10 steps). Then ``--rounds`` rounds: in each, every copy runs ``--steps`` steps
+(rounded up to whole cycles of ``every``) in turn, the order reversed every other round; a step's time is taken
+with CUDA events around it (no synchronisation inside the timed steps; one after). A copy's figure is the median
+over rounds of its round's mean step time; overhead = that / the off copy's - 1. "all-mean %" compares the means over
+all timed steps instead: the rounds together cover whole cycles of the histogram (every x 10 steps) when
+rounds x steps is a multiple of it (the defaults: 5 x 20).
+
+Rows: every reporting step of the agent should deliver one row per linear and site (the counting transport sees
+each); the naive hooks write input/output/grad_output per linear. The table prints expected and the least and most
+any timed reporting step got. Errors (an OOM, a failed compile) end their configuration, or only their copy when in
+its warm-up; the others go on. Figures go to bench/results/external.csv (``--no-record``: not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import statistics
+import sys
+import time
+import traceback
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.naive_hooks import SITES as NAIVE_SITE_NAMES  # noqa: E402
+from bench.naive_hooks import NaiveStats  # noqa: E402
+from bench.record import Recorder  # noqa: E402
+from fp8mon.agent.transport import NullTransport  # noqa: E402
+
+MODES = ("off", "on", "naive")
+AGENT_SITES = 5
+NAIVE_SITES = len(NAIVE_SITE_NAMES)
+DEFAULT_SHAPE = {"gpt2": (16, 1024), "llama": (4, 2048)}  # batch, sequence
+TINY_SHAPE = (2, 64)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One configuration: the model, its precision and whether it is compiled."""
+
+    model: str
+    precision: str  # bf16 | float8 | fp32
+    recipe: str = "tensorwise"
+    compile: bool = False
+    watch_before_compile: bool = False
+    tiny: bool = False
+
+    def key(self) -> str:
+        prec = f"float8-{self.recipe}" if self.precision == "float8" else self.precision
+        comp = ("compiled-watch-first" if self.watch_before_compile else "compiled") if self.compile else "eager"
+        return f"{self.model}{'-tiny' if self.tiny else ''}/{prec}/{comp}"
+
+
+class CountingTransport(NullTransport):
+    """Drops every batch, counting the tensor rows of each step (the collector thread calls it)."""
+
+    def __init__(self):
+        self.rows: dict[int, int] = defaultdict(int)
+
+    def send_tensors(self, block) -> None:
+        self.rows[int(block["step"])] += len(block["layer"])
+
+
+# ---- models ----------------------------------------------------------------------------------------------------
+
+def build_model(setup: Setup) -> tuple[nn.Module, int]:
+    """The model (on the CPU, fp32 weights) and its vocabulary size."""
+    if setup.model == "gpt2":
+        from bench.models.gpt2 import GPT, GPTConfig
+
+        cfg = GPTConfig(block_size=64, vocab_size=1024, n_layer=2, n_head=4, n_embd=64) if setup.tiny else GPTConfig()
+        return GPT(cfg), cfg.vocab_size
+    from bench.models.llama import build_llama
+
+    model = build_llama(setup.tiny)
+    return model, model.config.vocab_size
+
+
+def loss_of(model_name: str):
+    if model_name == "gpt2":
+        return lambda model, x, y: model(x, y)[1]
+    return lambda model, x, y: model(input_ids=x, labels=y).loss
+
+
+def to_float8(model: nn.Module, recipe: str) -> None:
+    """torchao's float8 training on every linear but the lm_head (and those whose sizes are not multiples of 16)."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as exc:
+        raise RuntimeError("--precision float8 needs torchao (pip install torchao)") from exc
+
+    def keep(module: nn.Module, fqn: str) -> bool:
+        return fqn != "lm_head" and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=keep)
+
+
+def own_compile(model: nn.Module) -> nn.Module:
+    """``torch.compile(model)`` with a backend object equal to no other: its compiled code is its own (Dynamo reuses
+    code compiled for an equal backend, whatever hooks the other module had)."""
+    base = getattr(torch, "_TorchCompileInductorWrapper", None)
+    if base is None:
+        return torch.compile(model)
+
+    class OwnInductor(base):
+        __eq__ = object.__eq__
+        __hash__ = object.__hash__
+
+    return torch.compile(model, backend=OwnInductor("default", None, None))
+
+
+def dynamo_graphs() -> int:
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+# ---- one mode's copy of the model -------------------------------------------------------------------------------
+
+@dataclass
+class Runner:
+    mode: str
+    every: int
+    setup: Setup
+    device: torch.device
+    batch: tuple[torch.Tensor, torch.Tensor]
+    model: nn.Module = field(init=False)
+    error: str | None = None
+    step_no: int = 0
+    round_means: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    timed_reports: list[int] = field(default_factory=list)
+    naive_rows: dict[int, int] = field(default_factory=dict)
+    warm_graphs: int = 0
+    recompiles: int = 0
+    agent_errors: int = 0
+
+    def __post_init__(self):
+        torch.manual_seed(0)
+        model, _ = build_model(self.setup)
+        model.to(self.device)
+        if self.setup.precision == "float8":
+            to_float8(model, self.setup.recipe)
+        self.model = model
+        self.linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+        self.loss = loss_of(self.setup.model)
+        self.agent = self.naive = self.transport = None
+        if self.mode == "on":
+            from fp8mon import Agent
+
+            self.transport = CountingTransport()
+            self.agent = Agent(transport=self.transport, every=self.every)
+            if self.setup.watch_before_compile:
+                self.agent.watch(model)
+        self.forward = own_compile(model) if self.setup.compile else model
+        if self.agent is not None and not self.setup.watch_before_compile:
+            self.agent.watch(self.forward)
+        if self.mode == "naive":
+            self.naive = NaiveStats(model, self.every)
+
+    @property
+    def name(self) -> str:
+        return self.mode if self.mode == "off" else f"{self.mode}@{self.every}"
+
+    @property
+    def cycle(self) -> int:
+        """Steps of the monitor's whole cycle: the agent draws its histogram on every ``hist_every``-th report."""
+        if self.agent is not None and self.agent.hist:
+            return self.every * self.agent.hist_every
+        return self.every
+
+    def step(self) -> None:
+        x, y = self.batch
+        autocast = self.setup.precision != "fp32"
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = self.loss(self.forward, x, y)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.agent is not None:
+            self.agent.log(self.step_no, loss=loss.detach())
+        elif self.naive is not None:
+            self.naive_rows[self.step_no] = self.naive.end_step(self.step_no)
+        self.step_no += 1
+
+    def warm_up(self, steps: int, clock) -> None:
+        """Untimed steps (every kind of step of the monitor's cycle), then the step counter to a whole cycle."""
+        before = dynamo_graphs()
+        clock.run(self.step, max(steps, self.every + 2))
+        self.warm_graphs = dynamo_graphs() - before
+        start = math.ceil(self.step_no / self.cycle) * self.cycle
+        if self.agent is not None:
+            self.agent.step(start)
+        if self.naive is not None:
+            self.naive.begin(start)
+        self.step_no = start
+
+    def timed(self, steps: int, clock) -> None:
+        first = self.step_no
+        before = dynamo_graphs()
+        times = clock.run(self.step, steps)
+        self.recompiles += dynamo_graphs() - before
+        self.times += times
+        self.round_means.append(statistics.mean(times))
+        self.timed_reports += [s for s in range(first, self.step_no) if s % self.every == 0]
+
+    def rows_got(self) -> list[int]:
+        if self.agent is not None:
+            self.agent.flush(timeout=120)
+            return [self.transport.rows.get(s, 0) for s in self.timed_reports]
+        if self.naive is not None:
+            return [self.naive_rows.get(s, 0) for s in self.timed_reports]
+        return []
+
+    def rows_expected(self) -> int:
+        return self.linears * (AGENT_SITES if self.mode == "on" else NAIVE_SITES if self.mode == "naive" else 0)
+
+    def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close(timeout=60)
+            self.agent_errors = self.agent.errors
+            if self.agent.errors:
+                print(f"  {self.name}: agent errors {self.agent.errors}, last: {self.agent.last_error}", flush=True)
+        if self.naive is not None:
+            self.naive.close()
+        self.model = self.forward = self.optimizer = None
+
+
+class Clock:
+    """Per-step times of ``n`` calls: CUDA events between the steps and one synchronisation after (on a CPU, the
+    host's clock)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def run(self, fn, n: int) -> list[float]:
+        if not self.cuda:
+            out = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t0)
+            return out
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+        torch.cuda.synchronize()
+        events[0].record()
+        for i in range(n):
+            fn()
+            events[i + 1].record()
+        torch.cuda.synchronize()
+        return [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(n)]
+
+
+# ---- one configuration ------------------------------------------------------------------------------------------
+
+def make_batch(setup: Setup, vocab: int, shape: tuple[int, int], device: torch.device):
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randint(0, vocab, shape, generator=gen)
+    y = torch.randint(0, vocab, shape, generator=gen)
+    return x.to(device), y.to(device)
+
+
+def runner_kinds(modes: list[str], everies: list[int]) -> list[tuple[str, int]]:
+    """(mode, every) of each copy: one off copy (its steps do not depend on every), then on and naive per every."""
+    kinds = [("off", 1)] if "off" in modes else []
+    return kinds + [(m, e) for e in everies for m in ("on", "naive") if m in modes]
+
+
+def measure(setup: Setup, args, device: torch.device, deadline: float) -> list[dict]:
+    """The figures of one configuration: one dict per copy (``mode``, ``every``, times, rows, notes)."""
+    shape = TINY_SHAPE if setup.tiny else (args.batch or DEFAULT_SHAPE[setup.model][0],
+                                           args.seq or DEFAULT_SHAPE[setup.model][1])
+    clock = Clock(device)
+    vocab = build_vocab(setup)
+    batch = make_batch(setup, vocab, shape, device)
+    runners: list[Runner] = []
+    try:
+        for mode, every in runner_kinds(args.modes, args.every):
+            t0 = time.perf_counter()
+            runner = None
+            try:
+                runner = Runner(mode, every, setup, device, batch)
+                runner.warm_up(args.warmup, clock)
+            except Exception as exc:  # a failed compile, an OOM: this copy only
+                failed(runner_name(mode, every), exc)
+                if runner is not None:
+                    runner.close()
+                runner = None
+                runners.append(Dead(mode, every, short(exc)))
+                free(device)
+                continue
+            runners.append(runner)
+            graphs = f", {runner.warm_graphs} graphs compiled" if setup.compile else ""
+            print(f"  {runner.name:>8}: {runner.linears} linears, batch {shape[0]}x{shape[1]}, warm-up "
+                  f"{time.perf_counter() - t0:.1f} s{graphs}", flush=True)
+        live = [r for r in runners if r.error is None]
+        rounds_run = run_rounds(live, args, clock, deadline)
+        return [summary(r, rounds_run) for r in runners]
+    finally:
+        for r in runners:
+            if r.error is None:
+                r.close()
+        runners.clear()
+        free(device, reset_dynamo=setup.compile)
+
+
+def run_rounds(live: list, args, clock, deadline: float) -> int:
+    """``args.rounds`` rounds of ``args.steps`` steps (whole cycles of ``every``) per copy, fewer when the
+    budget runs out (at least one)."""
+    done = 0
+    for r in range(args.rounds):
+        t0 = time.perf_counter()
+        order = live if r % 2 == 0 else live[::-1]
+        for runner in order:
+            runner.timed(math.ceil(args.steps / runner.every) * runner.every, clock)
+        done += 1
+        took = time.perf_counter() - t0
+        if r + 1 < args.rounds and time.monotonic() + took > deadline:
+            print(f"  budget: {done} of {args.rounds} rounds (a round takes {took:.1f} s)", flush=True)
+            break
+    return done
+
+
+@dataclass
+class Dead:
+    """A copy that could not be built or warmed up."""
+
+    mode: str
+    every: int
+    error: str
+
+
+def summary(r, rounds: int) -> dict:
+    out = {"mode": r.mode, "every": r.every, "error": r.error, "rounds": rounds}
+    if r.error is not None:
+        return out
+    rows = r.rows_got()
+    out.update(median_ms=statistics.median(r.round_means) * 1e3, mean_ms=statistics.mean(r.times) * 1e3,
+               steps=len(r.times), reports=len(r.timed_reports), rows_expected=r.rows_expected(),
+               rows_min=min(rows) if rows else None, rows_max=max(rows) if rows else None,
+               recompiles=r.recompiles, graphs=r.warm_graphs)
+    return out
+
+
+def build_vocab(setup: Setup) -> int:
+    if setup.model == "gpt2":
+        return 1024 if setup.tiny else 50304
+    from bench.models.llama import FULL, TINY
+
+    return (TINY if setup.tiny else FULL)["vocab_size"]
+
+
+def runner_name(mode: str, every: int) -> str:
+    return mode if mode == "off" else f"{mode}@{every}"
+
+
+def short(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
+
+
+def failed(what: str, exc: BaseException) -> None:
+    print(f"  {what}: FAILED {short(exc)}", flush=True)
+    tb = traceback.format_exception(exc)
+    print("    " + "    ".join(tb[-3:]).rstrip(), flush=True)
+
+
+def free(device: torch.device, reset_dynamo: bool = False) -> None:
+    gc.collect()
+    if reset_dynamo and "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---- output -----------------------------------------------------------------------------------------------------
+
+HEADER = (f"{'configuration':<32} {'every':>5} {'mode':<6} {'step ms':>9} {'overhead %':>11} {'all-mean %':>11} "
+          f"{'reports':>7}  rows per report: expected, got (least..most)")
+
+
+def table_lines(key: str, results: list[dict]) -> list[str]:
+    off = next((r for r in results if r["mode"] == "off" and r.get("error") is None), None)
+    lines = []
+    for r in results:
+        every = "-" if r["mode"] == "off" else str(r["every"])
+        if r.get("error") is not None:
+            lines.append(f"{key:<32} {every:>5} {r['mode']:<6} FAILED: {r['error']}")
+            continue
+        over = all_over = "-"
+        if off is not None and r["mode"] != "off":
+            over = f"{(r['median_ms'] / off['median_ms'] - 1) * 100:+.2f}"
+            all_over = f"{(r['mean_ms'] / off['mean_ms'] - 1) * 100:+.2f}"
+        rows = "-"
+        if r["mode"] != "off":
+            complete = r["rows_min"] == r["rows_max"] == r["rows_expected"]
+            rows = (f"{r['rows_expected']}, got {r['rows_min']}..{r['rows_max']} "
+                    f"{'complete' if complete else 'INCOMPLETE'}")
+        notes = f"  ({r['recompiles']} graphs compiled while timed)" if r["recompiles"] else ""
+        lines.append(f"{key:<32} {every:>5} {r['mode']:<6} {r['median_ms']:9.2f} {over:>11} {all_over:>11} "
+                     f"{r['reports'] if r['mode'] != 'off' else '-':>7}  {rows}{notes}")
+    return lines
+
+
+def record(rec: Recorder, key: str, results: list[dict]) -> None:
+    off = next((r for r in results if r["mode"] == "off" and r.get("error") is None), None)
+    for r in results:
+        if r.get("error") is not None:
+            continue
+        name = "off" if r["mode"] == "off" else f"{r['mode']}/every{r['every']}"
+        rec.add(f"step_ms/{key}/{name}", r["median_ms"], "ms")
+        if r["mode"] == "off":
+            continue
+        if off is not None:
+            rec.add(f"overhead_pct/{key}/{name}", (r["median_ms"] / off["median_ms"] - 1) * 100, "%")
+            rec.add(f"overhead_allmean_pct/{key}/{name}", (r["mean_ms"] / off["mean_ms"] - 1) * 100, "%")
+        rec.add(f"rows_per_report_min/{key}/{name}", r["rows_min"] if r["rows_min"] is not None else 0, "rows")
+        rec.add(f"rows_per_report_expected/{key}/{name}", r["rows_expected"], "rows")
+
+
+# ---- command line -----------------------------------------------------------------------------------------------
+
+def setups(args) -> list[Setup]:
+    common = dict(model=args.model, recipe=args.recipe, watch_before_compile=args.watch_before_compile,
+                  tiny=args.tiny)
+    if not args.all:
+        return [Setup(precision=args.precision, compile=args.compile, **common)]
+    # the cheap ones first: a compiled configuration spends minutes compiling each copy
+    return [Setup(precision=p, compile=c, **common) for c in (False, True) for p in ("bf16", "float8")]
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=["gpt2", "llama"], default="gpt2")
+    p.add_argument("--precision", choices=["bf16", "float8", "fp32"], default="bf16",
+                   help="bf16 autocast; float8: torchao's float8 training under bf16 autocast; fp32: no autocast")
+    p.add_argument("--recipe", choices=["tensorwise", "rowwise"], default="tensorwise", help="torchao float8 recipe")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False, help="torch.compile the model")
+    p.add_argument("--watch-before-compile", action="store_true",
+                   help="the agent watches the model before torch.compile (default: after, the natural order)")
+    p.add_argument("--every", type=int, nargs="+", default=[1, 10], help="report every N steps (on, naive)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per copy and round (whole cycles of every)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per copy (at least every + 2)")
+    p.add_argument("--modes", default=",".join(MODES), help="some of off,on,naive")
+    p.add_argument("--batch", type=int, help="batch size (default: gpt2 16, llama 4)")
+    p.add_argument("--seq", type=int, help="sequence length (default: gpt2 1024, llama 2048)")
+    p.add_argument("--tiny", action="store_true", help="2 layers, d 64, seq 64, batch 2: a CPU smoke run")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--all", action="store_true",
+                   help="bf16 and float8, eager and compiled, within --budget-s (what does not fit is skipped)")
+    p.add_argument("--budget-s", type=float, default=540.0)
+    p.add_argument("--no-record", dest="record", action="store_false",
+                   help="do not append the figures to bench/results/external.csv")
+    args = p.parse_args(argv)
+    args.modes = [m for m in args.modes.split(",") if m]
+    if not args.modes or set(args.modes) - set(MODES):
+        p.error(f"--modes: some of {','.join(MODES)}")
+    if min(args.every) < 1 or args.steps < 1 or args.rounds < 1:
+        p.error("--every, --steps and --rounds must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    start = time.monotonic()
+    deadline = start + args.budget_s
+    device = torch.device(args.device)
+    torch.set_float32_matmul_precision("high")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"# {name}, torch {torch.__version__}; every {' '.join(map(str, args.every))}; {args.steps} steps x "
+          f"{args.rounds} rounds; budget {args.budget_s:.0f} s", flush=True)
+    if args.compile or args.all:
+        import torch._dynamo.config as dynamo_config
+
+        # every copy's compiled code counts against the limit of the same code objects
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
+    lines, took = [], {}
+    rec = Recorder("external")
+    for setup in setups(args):
+        key = setup.key()
+        guess = took.get(setup.compile) or (3 * took.get(False, 0) if setup.compile else 0)
+        if time.monotonic() + guess > deadline:
+            left = deadline - time.monotonic()
+            print(f"== {key}: SKIPPED, {left:.0f} s of the budget left, it takes about {guess:.0f} s "
+                  f"(run it alone: --precision {setup.precision}{' --compile' if setup.compile else ''})", flush=True)
+            lines.append(f"{key:<32} SKIPPED (budget)")
+            continue
+        print(f"== {key}", flush=True)
+        t0 = time.monotonic()
+        try:
+            results = measure(setup, args, device, deadline)
+        except Exception as exc:  # the configuration as a whole: the next one goes on
+            failed(key, exc)
+            lines.append(f"{key:<32} FAILED: {short(exc)}")
+            free(device, reset_dynamo=setup.compile)
+            continue
+        took[setup.compile] = time.monotonic() - t0
+        print(f"   {key}: {took[setup.compile]:.0f} s", flush=True)
+        lines += table_lines(key, results)
+        record(rec, key, results)
+    print("\n" + HEADER)
+    print("\n".join(lines))
+    print(f"(step ms: median over rounds of each round's mean step, whole cycles of every; overhead vs off; all-mean: "
+          f"means over all timed steps; agent rows: linears x {AGENT_SITES} sites, naive: x {NAIVE_SITES}; "
+          f"{time.monotonic() - start:.0f} s in all)")
+    if args.record and rec.rows:
+        rec.write()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
