@@ -102,7 +102,7 @@ def build_model(setup: Setup) -> tuple[nn.Module, int]:
     if setup.model == "gpt2":
         from bench.models.gpt2 import GPT, GPTConfig
 
-        cfg = GPTConfig(block_size=64, vocab_size=1024, n_layer=2, n_head=4, n_embd=64) if setup.tiny else GPTConfig()
+        cfg = GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=4, n_embd=64) if setup.tiny else GPTConfig()
         return GPT(cfg), cfg.vocab_size
     from bench.models.llama import build_llama
 
@@ -168,6 +168,7 @@ class Runner:
     timed_reports: list[int] = field(default_factory=list)
     naive_rows: dict[int, int] = field(default_factory=dict)
     warm_graphs: int = 0
+    warm_step: float = 0.0
     recompiles: int = 0
     agent_errors: int = 0
 
@@ -223,14 +224,19 @@ class Runner:
     def warm_up(self, steps: int, clock) -> None:
         """Untimed steps (every kind of step of the monitor's cycle), then the step counter to a whole cycle."""
         before = dynamo_graphs()
-        clock.run(self.step, max(steps, self.every + 2))
+        times = clock.run(self.step, max(steps, self.every + 1))
         self.warm_graphs = dynamo_graphs() - before
+        self.warm_step = statistics.median(times[1:])
         start = math.ceil(self.step_no / self.cycle) * self.cycle
         if self.agent is not None:
             self.agent.step(start)
         if self.naive is not None:
             self.naive.begin(start)
         self.step_no = start
+
+    def timed_estimate(self, args) -> float:
+        """Seconds its rounds will take, from its warm-up's steps."""
+        return args.rounds * math.ceil(args.steps / self.every) * self.every * self.warm_step
 
     def timed(self, steps: int, clock) -> None:
         first = self.step_no
@@ -310,9 +316,17 @@ def measure(setup: Setup, args, device: torch.device, deadline: float) -> list[d
     clock = Clock(device)
     vocab = build_vocab(setup)
     batch = make_batch(setup, vocab, shape, device)
-    runners: list[Runner] = []
+    runners: list = []
+    warm_s: list[float] = []  # each copy's warm-up (its compilation)
     try:
         for mode, every in runner_kinds(args.modes, args.every):
+            timed = [r.timed_estimate(args) for r in runners if r.error is None]
+            need = max(warm_s, default=0.0) + sum(timed) + (statistics.mean(timed) if timed else 0.0)
+            if warm_s and time.monotonic() + need > deadline:
+                print(f"  {runner_name(mode, every):>8}: SKIPPED, the budget leaves {deadline - time.monotonic():.0f} s"
+                      f" and it needs about {need:.0f} s with the rounds", flush=True)
+                runners.append(Dead(mode, every, "skipped: budget"))
+                continue
             t0 = time.perf_counter()
             runner = None
             try:
@@ -327,9 +341,10 @@ def measure(setup: Setup, args, device: torch.device, deadline: float) -> list[d
                 free(device)
                 continue
             runners.append(runner)
+            warm_s.append(time.perf_counter() - t0)
             graphs = f", {runner.warm_graphs} graphs compiled" if setup.compile else ""
             print(f"  {runner.name:>8}: {runner.linears} linears, batch {shape[0]}x{shape[1]}, warm-up "
-                  f"{time.perf_counter() - t0:.1f} s{graphs}", flush=True)
+                  f"{warm_s[-1]:.1f} s{graphs}, then {runner.warm_step * 1e3:.1f} ms a step", flush=True)
         live = [r for r in runners if r.error is None]
         rounds_run = run_rounds(live, args, clock, deadline)
         return [summary(r, rounds_run) for r in runners]
@@ -381,7 +396,7 @@ def summary(r, rounds: int) -> dict:
 
 def build_vocab(setup: Setup) -> int:
     if setup.model == "gpt2":
-        return 1024 if setup.tiny else 50304
+        return 256 if setup.tiny else 50304
     from bench.models.llama import FULL, TINY
 
     return (TINY if setup.tiny else FULL)["vocab_size"]
@@ -478,7 +493,7 @@ def parse(argv=None):
     p.add_argument("--every", type=int, nargs="+", default=[1, 10], help="report every N steps (on, naive)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per copy and round (whole cycles of every)")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per copy (at least every + 2)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per copy (at least every + 1)")
     p.add_argument("--modes", default=",".join(MODES), help="some of off,on,naive")
     p.add_argument("--batch", type=int, help="batch size (default: gpt2 16, llama 4)")
     p.add_argument("--seq", type=int, help="sequence length (default: gpt2 1024, llama 2048)")
@@ -487,6 +502,8 @@ def parse(argv=None):
     p.add_argument("--all", action="store_true",
                    help="bf16 and float8, eager and compiled, within --budget-s (what does not fit is skipped)")
     p.add_argument("--budget-s", type=float, default=540.0)
+    p.add_argument("--explain-recompiles", action="store_true",
+                   help="log why Dynamo recompiles (torch._logging recompiles): for a copy that compiles while timed")
     p.add_argument("--no-record", dest="record", action="store_false",
                    help="do not append the figures to bench/results/external.csv")
     args = p.parse_args(argv)
@@ -512,11 +529,15 @@ def main(argv=None) -> int:
 
         # every copy's compiled code counts against the limit of the same code objects
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
+        if args.explain_recompiles:
+            torch._logging.set_logs(recompiles=True)
     lines, took = [], {}
     rec = Recorder("external")
     for setup in setups(args):
         key = setup.key()
-        guess = took.get(setup.compile) or (3 * took.get(False, 0) if setup.compile else 0)
+        # a compiled configuration's copies compile for a minute or more each (on a GPU)
+        guess = took.get(setup.compile) or (3 * took.get(False, 0) + 120 * (device.type == "cuda")
+                                            if setup.compile else 0)
         if time.monotonic() + guess > deadline:
             left = deadline - time.monotonic()
             print(f"== {key}: SKIPPED, {left:.0f} s of the budget left, it takes about {guess:.0f} s "
@@ -535,14 +556,16 @@ def main(argv=None) -> int:
         took[setup.compile] = time.monotonic() - t0
         print(f"   {key}: {took[setup.compile]:.0f} s", flush=True)
         lines += table_lines(key, results)
+        print("\n".join(table_lines(key, results)), flush=True)
         record(rec, key, results)
+        if args.record and rec.rows:  # each configuration's figures as soon as they are in: a killed run keeps them
+            rec.write()
+            rec.rows.clear()
     print("\n" + HEADER)
     print("\n".join(lines))
     print(f"(step ms: median over rounds of each round's mean step, whole cycles of every; overhead vs off; all-mean: "
           f"means over all timed steps; agent rows: linears x {AGENT_SITES} sites, naive: x {NAIVE_SITES}; "
           f"{time.monotonic() - start:.0f} s in all)")
-    if args.record and rec.rows:
-        rec.write()
     return 0
 
 

@@ -11,7 +11,7 @@ __all__ = ["build_llama"]
 FULL = dict(hidden_size=1536, num_hidden_layers=16, num_attention_heads=12, num_key_value_heads=12,
             intermediate_size=4096, vocab_size=32000, max_position_embeddings=2048)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-            intermediate_size=128, vocab_size=1024, max_position_embeddings=64)
+            intermediate_size=128, vocab_size=256, max_position_embeddings=64)
 
 
 def build_llama(tiny: bool) -> nn.Module:
