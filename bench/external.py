@@ -42,6 +42,7 @@ its warm-up; the others go on. Figures go to bench/results/external.csv (``--no-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
 import statistics
@@ -66,6 +67,7 @@ AGENT_SITES = 5
 NAIVE_SITES = len(NAIVE_SITE_NAMES)
 DEFAULT_SHAPE = {"gpt2": (16, 1024), "llama": (4, 2048)}  # batch, sequence
 TINY_SHAPE = (2, 64)
+TINY_GPT = dict(block_size=64, vocab_size=256, n_layer=2, n_head=4, n_embd=64)
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,7 @@ def build_model(setup: Setup) -> tuple[nn.Module, int]:
     if setup.model == "gpt2":
         from bench.models.gpt2 import GPT, GPTConfig
 
-        cfg = GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=4, n_embd=64) if setup.tiny else GPTConfig()
+        cfg = GPTConfig(**TINY_GPT) if setup.tiny else GPTConfig()
         return GPT(cfg), cfg.vocab_size
     from bench.models.llama import build_llama
 
@@ -296,7 +298,7 @@ class Clock:
 
 # ---- one configuration ------------------------------------------------------------------------------------------
 
-def make_batch(setup: Setup, vocab: int, shape: tuple[int, int], device: torch.device):
+def make_batch(vocab: int, shape: tuple[int, int], device: torch.device):
     gen = torch.Generator(device="cpu").manual_seed(1)
     x = torch.randint(0, vocab, shape, generator=gen)
     y = torch.randint(0, vocab, shape, generator=gen)
@@ -315,7 +317,7 @@ def measure(setup: Setup, args, device: torch.device, deadline: float) -> list[d
                                            args.seq or DEFAULT_SHAPE[setup.model][1])
     clock = Clock(device)
     vocab = build_vocab(setup)
-    batch = make_batch(setup, vocab, shape, device)
+    batch = make_batch(vocab, shape, device)
     runners: list = []
     warm_s: list[float] = []  # each copy's warm-up (its compilation)
     try:
@@ -328,16 +330,19 @@ def measure(setup: Setup, args, device: torch.device, deadline: float) -> list[d
                 runners.append(Dead(mode, every, "skipped: budget"))
                 continue
             t0 = time.perf_counter()
-            runner = None
+            runner, error = None, None
             try:
                 runner = Runner(mode, every, setup, device, batch)
                 runner.warm_up(args.warmup, clock)
             except Exception as exc:  # a failed compile, an OOM: this copy only
                 failed(runner_name(mode, every), exc)
+                error = short(exc)
+            if error is not None:  # out of the except clause: its traceback no longer holds the copy's tensors
                 if runner is not None:
-                    runner.close()
+                    with contextlib.suppress(Exception):
+                        runner.close()
                 runner = None
-                runners.append(Dead(mode, every, short(exc)))
+                runners.append(Dead(mode, every, error))
                 free(device)
                 continue
             runners.append(runner)
@@ -396,7 +401,9 @@ def summary(r, rounds: int) -> dict:
 
 def build_vocab(setup: Setup) -> int:
     if setup.model == "gpt2":
-        return 256 if setup.tiny else 50304
+        from bench.models.gpt2 import GPTConfig
+
+        return (GPTConfig(**TINY_GPT) if setup.tiny else GPTConfig()).vocab_size
     from bench.models.llama import FULL, TINY
 
     return (TINY if setup.tiny else FULL)["vocab_size"]
@@ -436,7 +443,8 @@ def table_lines(key: str, results: list[dict]) -> list[str]:
     for r in results:
         every = "-" if r["mode"] == "off" else str(r["every"])
         if r.get("error") is not None:
-            lines.append(f"{key:<32} {every:>5} {r['mode']:<6} FAILED: {r['error']}")
+            what = "SKIPPED (budget)" if r["error"].startswith("skipped") else f"FAILED: {r['error']}"
+            lines.append(f"{key:<32} {every:>5} {r['mode']:<6} {what}")
             continue
         over = all_over = "-"
         if off is not None and r["mode"] != "off":

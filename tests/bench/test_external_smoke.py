@@ -4,10 +4,21 @@ reporting step complete, and a configuration that cannot run reported as such wh
 import importlib.util
 
 import pytest
+import torch
 
 from bench import external
 
 TINY = ["--tiny", "--no-record", "--steps", "2", "--rounds", "1", "--warmup", "1", "--every", "1"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tiny model's ops gain nothing from intra-op threads, which spin against the other workers on a shared
+    machine (a step of 40 ms takes a second)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def table(out: str, key: str) -> dict[str, str]:
