@@ -5,20 +5,21 @@ every 10th: whole training steps (fused AdamW) with
 
     off     no monitoring
     on      fp8mon's Agent (``from fp8mon import Agent``), every ``nn.Linear`` x 5 sites, its batches counted and
-            dropped by a transport without a server (what the agent does up to the wire is all measured)
+            dropped by a transport without a server (as ``NullTransport``: all the agent does but encode and post,
+            which its transport's thread does)
     naive   plain torch hooks computing mean/std/amax/kurtosis of input, output and grad_output (bench/naive_hooks.py)
 
 The H200 figures (each command fits one call of 10 minutes; ``--all`` runs precision {bf16, float8 tensorwise} x
 {eager, compiled} x every {1, 10} x modes {off, on, naive} within ``--budget-s``, skipping what would not fit and
 saying so):
 
-    python bench/external.py --model gpt2 --all
-    python bench/external.py --model llama --all
+    python3 bench/external.py --model gpt2 --all
+    python3 bench/external.py --model llama --all
     # a configuration --all skipped, or the rowwise recipe, alone:
-    python bench/external.py --model llama --precision float8 --compile --every 1 10
-    python bench/external.py --model gpt2 --precision float8 --recipe rowwise --compile --every 1 10
+    python3 bench/external.py --model llama --precision float8 --compile --every 1 10
+    python3 bench/external.py --model gpt2 --precision float8 --recipe rowwise --compile --every 1 10
 
-On a CPU, tiny (2 layers, d 64, seq 64, batch 2): ``python bench/external.py --tiny --steps 2 --rounds 1 --no-record``.
+On a CPU, tiny (2 layers, d 64, seq 64, batch 2): ``python3 bench/external.py --tiny --steps 2 --rounds 1 --no-record``.
 
 Method. Every mode (and every value of ``every``) has its own copy of the model (the same seed, the same weights), its
 own optimizer and, compiled, its own ``torch.compile`` (a backend object of its own: Dynamo shares compiled code
@@ -60,7 +61,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.naive_hooks import SITES as NAIVE_SITE_NAMES  # noqa: E402
 from bench.naive_hooks import NaiveStats  # noqa: E402
 from bench.record import Recorder  # noqa: E402
-from fp8mon.agent.transport import NullTransport  # noqa: E402
 
 MODES = ("off", "on", "naive")
 AGENT_SITES = 5
@@ -87,14 +87,27 @@ class Setup:
         return f"{self.model}{'-tiny' if self.tiny else ''}/{prec}/{comp}"
 
 
-class CountingTransport(NullTransport):
-    """Drops every batch, counting the tensor rows of each step (the collector thread calls it)."""
+class CountingTransport:
+    """``agent.transport.NullTransport`` counting the tensor rows of each step (the collector thread calls it);
+    without its module's imports (httpx, msgpack), which the agent itself does not need."""
 
     def __init__(self):
         self.rows: dict[int, int] = defaultdict(int)
 
     def send_tensors(self, block) -> None:
         self.rows[int(block["step"])] += len(block["layer"])
+
+    def set_run_meta(self, **meta) -> None:
+        pass
+
+    def send_scalars(self, block) -> None:
+        pass
+
+    def flush(self, timeout=None) -> bool:
+        return True
+
+    def close(self, timeout=None) -> bool:
+        return True
 
 
 # ---- models ----------------------------------------------------------------------------------------------------
@@ -535,8 +548,13 @@ def main(argv=None) -> int:
     if args.compile or args.all:
         import torch._dynamo.config as dynamo_config
 
-        # every copy's compiled code counts against the limit of the same code objects
-        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
+        # The copies' compiled code shares code objects (and the limits on their cache entries): where a monitor's
+        # hooks compile one graph per linear (a guard on the layer's name), torch's defaults (8 per code object, 256
+        # in all) would send some copies' frames to eager. A user's single model may still hit them: the warm-up
+        # prints each copy's number of graphs.
+        for limit, value in (("recompile_limit", 256), ("accumulated_recompile_limit", 8192)):
+            if hasattr(dynamo_config, limit):
+                setattr(dynamo_config, limit, max(getattr(dynamo_config, limit), value))
         if args.explain_recompiles:
             torch._logging.set_logs(recompiles=True)
     lines, took = [], {}
