@@ -26,8 +26,9 @@ own optimizer and, compiled, its own ``torch.compile`` (a backend object of its 
 between equal backends, and does not guard on module hooks by default, so one mode's code would run another's
 hooks or none). The agent watches the compiled model after ``torch.compile`` (``--watch-before-compile``: before),
 before the first step, as a user does. Each copy takes its warm-up steps (compilation, autotuning, a reporting step
-with and without the histogram, which the agent draws on every 10th reporting step), then its step counter jumps to a
-whole cycle of the agent (every x 10 steps). Then ``--rounds`` rounds: in each, every copy runs ``--steps`` steps
+with and without the histogram, which the agent draws on every 10th reporting step), then all run a cycle each in
+turn, in both orders, untimed (what compiles only when the copies alternate compiles there), and their step counters
+jump to a whole cycle of the agent (every x 10 steps). Then ``--rounds`` rounds: in each, every copy runs ``--steps`` steps
 (rounded up to whole cycles of ``every``) in turn, the order reversed every other round; a step's time is taken
 with CUDA events around it (no synchronisation inside the timed steps; one after). A copy's figure is the median
 over rounds of its round's mean step time; overhead = that / the off copy's - 1. "all-mean %" compares the means over
@@ -195,6 +196,7 @@ class Runner:
             to_float8(model, self.setup.recipe)
         self.model = model
         self.linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+        self.float8 = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
         self.loss = loss_of(self.setup.model)
         self.agent = self.naive = self.transport = None
@@ -237,11 +239,14 @@ class Runner:
         self.step_no += 1
 
     def warm_up(self, steps: int, clock) -> None:
-        """Untimed steps (every kind of step of the monitor's cycle), then the step counter to a whole cycle."""
+        """Untimed steps: every kind of step of the monitor's cycle (a report with and without the histogram)."""
         before = dynamo_graphs()
         times = clock.run(self.step, max(steps, self.every + 1))
         self.warm_graphs = dynamo_graphs() - before
         self.warm_step = statistics.median(times[1:])
+
+    def align(self) -> None:
+        """The step counter to the next whole cycle of the monitor: the rounds cover whole cycles."""
         start = math.ceil(self.step_no / self.cycle) * self.cycle
         if self.agent is not None:
             self.agent.step(start)
@@ -361,9 +366,11 @@ def measure(setup: Setup, args, device: torch.device, deadline: float) -> list[d
             runners.append(runner)
             warm_s.append(time.perf_counter() - t0)
             graphs = f", {runner.warm_graphs} graphs compiled" if setup.compile else ""
-            print(f"  {runner.name:>8}: {runner.linears} linears, batch {shape[0]}x{shape[1]}, warm-up "
+            f8 = f" ({runner.float8} in float8)" if setup.precision == "float8" else ""
+            print(f"  {runner.name:>8}: {runner.linears} linears{f8}, batch {shape[0]}x{shape[1]}, warm-up "
                   f"{warm_s[-1]:.1f} s{graphs}, then {runner.warm_step * 1e3:.1f} ms a step", flush=True)
         live = [r for r in runners if r.error is None]
+        settle(live, clock)
         rounds_run = run_rounds(live, args, clock, deadline)
         return [summary(r, rounds_run) for r in runners]
     finally:
@@ -372,6 +379,20 @@ def measure(setup: Setup, args, device: torch.device, deadline: float) -> list[d
                 r.close()
         runners.clear()
         free(device, reset_dynamo=setup.compile)
+
+
+def settle(live: list, clock) -> None:
+    """Untimed, the copies in turn in both orders (as the rounds run them), a cycle of ``every`` each: what compiles
+    only when the copies alternate (Dynamo recompiles a frame that another copy's compiled code sent it to) compiles
+    here. Then every copy's counter goes to a whole cycle."""
+    before = dynamo_graphs()
+    for order in (live, live[::-1]):
+        for runner in order:
+            clock.run(runner.step, runner.every + 1)
+    if dynamo_graphs() > before:
+        print(f"  {dynamo_graphs() - before} graphs compiled when the copies alternated", flush=True)
+    for runner in live:
+        runner.align()
 
 
 def run_rounds(live: list, args, clock, deadline: float) -> int:
@@ -446,7 +467,7 @@ def free(device: torch.device, reset_dynamo: bool = False) -> None:
 
 # ---- output -----------------------------------------------------------------------------------------------------
 
-HEADER = (f"{'configuration':<32} {'every':>5} {'mode':<6} {'step ms':>9} {'overhead %':>11} {'all-mean %':>11} "
+HEADER = (f"{'configuration':<40} {'every':>5} {'mode':<6} {'step ms':>9} {'overhead %':>11} {'all-mean %':>11} "
           f"{'reports':>7}  rows per report: expected, got (least..most)")
 
 
@@ -457,7 +478,7 @@ def table_lines(key: str, results: list[dict]) -> list[str]:
         every = "-" if r["mode"] == "off" else str(r["every"])
         if r.get("error") is not None:
             what = "SKIPPED (budget)" if r["error"].startswith("skipped") else f"FAILED: {r['error']}"
-            lines.append(f"{key:<32} {every:>5} {r['mode']:<6} {what}")
+            lines.append(f"{key:<40} {every:>5} {r['mode']:<6} {what}")
             continue
         over = all_over = "-"
         if off is not None and r["mode"] != "off":
@@ -469,7 +490,7 @@ def table_lines(key: str, results: list[dict]) -> list[str]:
             rows = (f"{r['rows_expected']}, got {r['rows_min']}..{r['rows_max']} "
                     f"{'complete' if complete else 'INCOMPLETE'}")
         notes = f"  ({r['recompiles']} graphs compiled while timed)" if r["recompiles"] else ""
-        lines.append(f"{key:<32} {every:>5} {r['mode']:<6} {r['median_ms']:9.2f} {over:>11} {all_over:>11} "
+        lines.append(f"{key:<40} {every:>5} {r['mode']:<6} {r['median_ms']:9.2f} {over:>11} {all_over:>11} "
                      f"{r['reports'] if r['mode'] != 'off' else '-':>7}  {rows}{notes}")
     return lines
 
@@ -568,7 +589,7 @@ def main(argv=None) -> int:
             left = deadline - time.monotonic()
             print(f"== {key}: SKIPPED, {left:.0f} s of the budget left, it takes about {guess:.0f} s "
                   f"(run it alone: --precision {setup.precision}{' --compile' if setup.compile else ''})", flush=True)
-            lines.append(f"{key:<32} SKIPPED (budget)")
+            lines.append(f"{key:<40} SKIPPED (budget)")
             continue
         print(f"== {key}", flush=True)
         t0 = time.monotonic()
@@ -576,7 +597,7 @@ def main(argv=None) -> int:
             results = measure(setup, args, device, deadline)
         except Exception as exc:  # the configuration as a whole: the next one goes on
             failed(key, exc)
-            lines.append(f"{key:<32} FAILED: {short(exc)}")
+            lines.append(f"{key:<40} FAILED: {short(exc)}")
             free(device, reset_dynamo=setup.compile)
             continue
         took[setup.compile] = time.monotonic() - t0
