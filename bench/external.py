@@ -9,15 +9,18 @@ every 10th: whole training steps (fused AdamW) with
             which its transport's thread does)
     naive   plain torch hooks computing mean/std/amax/kurtosis of input, output and grad_output (bench/naive_hooks.py)
 
-The H200 figures (each command fits one call of 10 minutes; ``--all`` runs precision {bf16, float8 tensorwise} x
-{eager, compiled} x every {1, 10} x modes {off, on, naive} within ``--budget-s``, skipping what would not fit and
-saying so):
+The H200 figures, one command per model, each within one call of 10 minutes (``--all``: bf16 and float8
+(tensorwise; ``--recipe rowwise``) x eager and compiled x every {1, 10} x modes {off, on, naive}, the eager ones first,
+within ``--budget-s`` 540: a configuration, or a copy, that would not fit is skipped and the output says which):
 
     python3 bench/external.py --model gpt2 --all
     python3 bench/external.py --model llama --all
-    # a configuration --all skipped, or the rowwise recipe, alone:
-    python3 bench/external.py --model llama --precision float8 --compile --every 1 10
-    python3 bench/external.py --model gpt2 --precision float8 --recipe rowwise --compile --every 1 10
+
+What ``--all`` skipped, alone (a compiled copy whose hooks break the graph compiles for minutes; one every or one
+mode at a time then):
+
+    python3 bench/external.py --model llama --precision bf16 --compile --every 1 10
+    python3 bench/external.py --model llama --precision float8 --compile --every 10 --modes off,on
 
 On a CPU, tiny (2 layers, d 64, seq 64, batch 2): ``python3 bench/external.py --tiny --steps 2 --rounds 1 --no-record``.
 
@@ -27,9 +30,9 @@ between equal backends, and does not guard on module hooks by default, so one mo
 hooks or none). The agent watches the compiled model after ``torch.compile`` (``--watch-before-compile``: before),
 before the first step, as a user does. Each copy takes its warm-up steps (compilation, autotuning, a reporting step
 with and without the histogram, which the agent draws on every 10th reporting step), then all run a cycle each in
-turn, in both orders, untimed (what compiles only when the copies alternate compiles there), and their step counters
-jump to a whole cycle of the agent (every x 10 steps). Then ``--rounds`` rounds: in each, every copy runs ``--steps`` steps
-(rounded up to whole cycles of ``every``) in turn, the order reversed every other round; a step's time is taken
+turn, in both orders, untimed (what compiles only when the copies alternate compiles there), and their step
+counters jump to a whole cycle of the agent (every x 10 steps). Then ``--rounds`` rounds: in each, every copy runs
+``--steps`` steps (rounded up to whole cycles of ``every``) in turn, the order reversed every other round; a step's time is taken
 with CUDA events around it (no synchronisation inside the timed steps; one after). A copy's figure is the median
 over rounds of its round's mean step time; overhead = that / the off copy's - 1. "all-mean %" compares the means over
 all timed steps instead: the rounds together cover whole cycles of the histogram (every x 10 steps) when
@@ -255,8 +258,8 @@ class Runner:
         self.step_no = start
 
     def timed_estimate(self, args) -> float:
-        """Seconds its rounds will take, from its warm-up's steps."""
-        return args.rounds * math.ceil(args.steps / self.every) * self.every * self.warm_step
+        """Seconds its settling and rounds will take, from its warm-up's steps."""
+        return (2 * (self.every + 1) + args.rounds * math.ceil(args.steps / self.every) * self.every) * self.warm_step
 
     def timed(self, steps: int, clock) -> None:
         first = self.step_no
@@ -588,7 +591,9 @@ def main(argv=None) -> int:
         if time.monotonic() + guess > deadline:
             left = deadline - time.monotonic()
             print(f"== {key}: SKIPPED, {left:.0f} s of the budget left, it takes about {guess:.0f} s "
-                  f"(run it alone: --precision {setup.precision}{' --compile' if setup.compile else ''})", flush=True)
+                  f"(alone: --model {setup.model} --precision {setup.precision}"
+                  f"{' --recipe ' + setup.recipe if setup.precision == 'float8' else ''}"
+                  f"{' --compile' if setup.compile else ''})", flush=True)
             lines.append(f"{key:<40} SKIPPED (budget)")
             continue
         print(f"== {key}", flush=True)
