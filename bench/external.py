@@ -32,8 +32,8 @@ before the first step, as a user does. Each copy takes its warm-up steps (compil
 with and without the histogram, which the agent draws on every 10th reporting step), then all run a cycle each in
 turn, in both orders, untimed (what compiles only when the copies alternate compiles there), and their step
 counters jump to a whole cycle of the agent (every x 10 steps). Then ``--rounds`` rounds: in each, every copy runs
-``--steps`` steps (rounded up to whole cycles of ``every``) in turn, the order reversed every other round; a step's time is taken
-with CUDA events around it (no synchronisation inside the timed steps; one after). A copy's figure is the median
+``--steps`` steps (rounded up to whole cycles of ``every``) in turn, the order reversed every other round; a step's
+time is taken with CUDA events around it (no synchronisation inside the timed steps; one after). A copy's figure is the median
 over rounds of its round's mean step time; overhead = that / the off copy's - 1. "all-mean %" compares the means over
 all timed steps instead: the rounds together cover whole cycles of the histogram (every x 10 steps) when
 rounds x steps is a multiple of it (the defaults: 5 x 20).
