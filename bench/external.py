@@ -24,18 +24,18 @@ mode at a time then):
 
 On a CPU, tiny (2 layers, d 64, seq 64, batch 2): ``python3 bench/external.py --tiny --steps 2 --rounds 1 --no-record``.
 
-Method. Every mode (and every value of ``every``) has its own copy of the model (the same seed, the same weights), its
-own optimizer and, compiled, its own ``torch.compile`` (a backend object of its own: Dynamo shares compiled code
-between equal backends, and does not guard on module hooks by default, so one mode's code would run another's
-hooks or none). The agent watches the compiled model after ``torch.compile`` (``--watch-before-compile``: before),
-before the first step, as a user does. Each copy takes its warm-up steps (compilation, autotuning, a reporting step
-with and without the histogram, which the agent draws on every 10th reporting step), then all run a cycle each in
-turn, in both orders, untimed (what compiles only when the copies alternate compiles there), and their step
-counters jump to a whole cycle of the agent (every x 10 steps). Then ``--rounds`` rounds: in each, every copy runs
-``--steps`` steps (rounded up to whole cycles of ``every``) in turn, the order reversed every other round; a step's
-time is taken with CUDA events around it (no synchronisation inside the timed steps; one after). A copy's figure is the median
-over rounds of its round's mean step time; overhead = that / the off copy's - 1. "all-mean %" compares the means over
-all timed steps instead: the rounds together cover whole cycles of the histogram (every x 10 steps) when
+Method. Every mode (and every value of ``every``) has its own copy of the model (the same seed, the same weights),
+its own optimizer and, compiled, its own ``torch.compile`` (a backend object of its own: Dynamo shares compiled code
+between equal backends, and does not guard on module hooks by default, so one mode's code would run another's hooks
+or none). The agent watches the compiled model after ``torch.compile`` (``--watch-before-compile``: before), before
+the first step, as a user does. Each copy takes its warm-up steps (compilation, autotuning, a reporting step with
+and without the histogram, which the agent draws on every 10th reporting step), then all run a cycle each in turn,
+in both orders, untimed (what compiles only when the copies alternate compiles there), and their step counters jump
+to a whole cycle of the agent (every x 10 steps). Then ``--rounds`` rounds: in each, every copy runs ``--steps``
+steps (rounded up to whole cycles of ``every``) in turn, the order reversed every other round; a step's time is
+taken with CUDA events around it (no synchronisation inside the timed steps; one after). A copy's figure is the
+median over rounds of its round's mean step time; overhead = that / the off copy's - 1. "all-mean %" compares the
+means over all timed steps instead: the rounds together cover whole cycles of the histogram (every x 10 steps) when
 rounds x steps is a multiple of it (the defaults: 5 x 20).
 
 Rows: every reporting step of the agent should deliver one row per linear and site (the counting transport sees
