@@ -48,3 +48,12 @@ def test_float8_without_torchao_fails_clearly_and_the_table_still_prints(capsys)
     rows = table(out, "gpt2-tiny/float8-tensorwise/eager")
     assert set(rows) == {"off", "on"}, out
     assert all("FAILED: RuntimeError: --precision float8 needs torchao" in r for r in rows.values()), out
+
+
+def test_tiny_llama_from_transformers_delivers_every_row(capsys):
+    pytest.importorskip("transformers")
+    assert external.main([*TINY, "--model", "llama", "--precision", "bf16", "--modes", "off,on"]) == 0
+    rows = table(capsys.readouterr().out, "llama-tiny/bf16/eager")
+    assert set(rows) == {"off", "on"}, rows
+    # 2 layers x 7 linears (q, k, v, o, gate, up, down) + lm_head: 15 linears x 5 sites
+    assert "75, got 75..75 complete" in rows["on"], rows["on"]
