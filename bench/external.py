@@ -189,7 +189,6 @@ class Runner:
     warm_graphs: int = 0
     warm_step: float = 0.0
     recompiles: int = 0
-    agent_errors: int = 0
 
     def __post_init__(self):
         torch.manual_seed(0)
@@ -284,9 +283,6 @@ class Runner:
     def close(self) -> None:
         if self.agent is not None:
             self.agent.close(timeout=60)
-            self.agent_errors = self.agent.errors
-            if self.agent.errors:
-                print(f"  {self.name}: agent errors {self.agent.errors}, last: {self.agent.last_error}", flush=True)
         if self.naive is not None:
             self.naive.close()
         self.model = self.forward = self.optimizer = None
@@ -432,7 +428,9 @@ def summary(r, rounds: int) -> dict:
     out.update(median_ms=statistics.median(r.round_means) * 1e3, mean_ms=statistics.mean(r.times) * 1e3,
                steps=len(r.times), reports=len(r.timed_reports), rows_expected=r.rows_expected(),
                rows_min=min(rows) if rows else None, rows_max=max(rows) if rows else None,
-               recompiles=r.recompiles, graphs=r.warm_graphs)
+               recompiles=r.recompiles, graphs=r.warm_graphs,
+               agent_errors=r.agent.errors if r.agent is not None else 0,
+               last_error=r.agent.last_error if r.agent is not None else None)
     return out
 
 
@@ -493,6 +491,8 @@ def table_lines(key: str, results: list[dict]) -> list[str]:
             rows = (f"{r['rows_expected']}, got {r['rows_min']}..{r['rows_max']} "
                     f"{'complete' if complete else 'INCOMPLETE'}")
         notes = f"  ({r['recompiles']} graphs compiled while timed)" if r["recompiles"] else ""
+        if r["agent_errors"]:
+            notes += f"  (agent errors: {r['agent_errors']}, last: {r['last_error'][:120]})"
         lines.append(f"{key:<40} {every:>5} {r['mode']:<6} {r['median_ms']:9.2f} {over:>11} {all_over:>11} "
                      f"{r['reports'] if r['mode'] != 'off' else '-':>7}  {rows}{notes}")
     return lines
@@ -512,6 +512,8 @@ def record(rec: Recorder, key: str, results: list[dict]) -> None:
             rec.add(f"overhead_allmean_pct/{key}/{name}", (r["mean_ms"] / off["mean_ms"] - 1) * 100, "%")
         rec.add(f"rows_per_report_min/{key}/{name}", r["rows_min"] if r["rows_min"] is not None else 0, "rows")
         rec.add(f"rows_per_report_expected/{key}/{name}", r["rows_expected"], "rows")
+        if r["mode"] == "on":
+            rec.add(f"agent_errors/{key}/{name}", r["agent_errors"], "errors")
 
 
 # ---- command line -----------------------------------------------------------------------------------------------
