@@ -244,7 +244,7 @@ class Runner:
         before = dynamo_graphs()
         times = clock.run(self.step, max(steps, self.every + 1))
         self.warm_graphs = dynamo_graphs() - before
-        self.warm_step = statistics.median(times[1:])
+        self.warm_step = min(times[1:])  # the later warm-up steps may still compile (a report, the histogram)
 
     def align(self) -> None:
         """The step counter to the next whole cycle of the monitor: the rounds cover whole cycles."""
