@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-MAX_ITEMS = 32  # tensors per shared launch
+MAX_ITEMS = 64  # tensors per shared launch
 MAX_BYTES = 1 << 30  # bytes waiting at most: a larger wait would hold memory the model has freed (the logits)
 
 
