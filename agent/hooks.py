@@ -117,12 +117,16 @@ class LayerHooks:
 
     def _forward_pre(self, module, args, kwargs) -> None:
         """``_input_before``: the input, with the weight, before the layer runs."""
+        if torch.compiler.is_compiling():
+            return  # in a compiled graph, compiled.CompiledLayer reads the layer
         if not module.training or not self.sink.active():
             return
         x = _input_of(args, kwargs)
         self._observe(module, [("input", x, False, False)] if x is not None else [])
 
     def _forward(self, module, args, kwargs, output) -> None:
+        if torch.compiler.is_compiling():
+            return  # in a compiled graph, compiled.CompiledLayer reads the layer
         sink, name, sites = self.sink, self.name, self.sites
         if not module.training or not sink.active():
             return  # evaluation passes between two steps are not training statistics
