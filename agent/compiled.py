@@ -55,7 +55,6 @@ _LAYERS: dict[int, weakref.ref] = {}  # op handle -> CompiledLayer
 _MODES: weakref.WeakSet = weakref.WeakSet()
 _TOKENS: dict[torch.device, torch.Tensor] = {}
 _handles = itertools.count()
-_callback_registered = False
 
 
 def _token(device) -> torch.Tensor:
@@ -141,14 +140,16 @@ class CompiledLayer:
         if self._handle is None and (self.input or self.output or self.weight or self.grad):
             self._handle = self.hooks.module.register_forward_hook(self._forward, with_kwargs=True)
 
-    def remove(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+    def detach(self) -> None:
+        """The agent closed: the hook stays and does nothing (removing it would make Dynamo recompile the model)."""
+        self.hooks = None
         _LAYERS.pop(self.handle, None)
 
     def _forward(self, module, args, kwargs, output):
-        if not torch.compiler.is_compiling() or not SWITCH.on or not module.training:
+        if not torch.compiler.is_compiling():  # a layer run eagerly: the eager hooks' reading
+            hooks = self.hooks
+            return None if hooks is None else hooks._forward(module, args, kwargs, output)
+        if not SWITCH.on or not module.training:
             return None
         y = _first_tensor(output)
         x = _first_tensor(args[0] if args else kwargs.get("input")) if self.input else None
@@ -210,29 +211,39 @@ class CompiledMode:
         layer = CompiledLayer(hooks)
         self.layers.append(layer)
         if self.enabled:
-            layer.install()
+            self._trace(layer)
 
     def enable(self) -> None:
         if self.closed or self.enabled:
             return
         self.enabled = True
         for layer in self.layers:
-            layer.install()
+            self._trace(layer)
         _update_switch()
+
+    @staticmethod
+    def _trace(layer: CompiledLayer) -> None:
+        """The layer's forward is read by its compiled hook from now on, its eager module hooks go."""
+        hooks = layer.hooks
+        if not hooks.traced:
+            hooks.traced = True
+            if hooks.installed:
+                hooks.remove()
+                hooks.install()
+        layer.install()
 
     def arm(self, want: bool) -> None:
         """Statistics wanted in this step (``Agent._arm``)."""
         self.want = want and not self.closed
-        if self.enabled:
-            for layer in self.layers:
-                layer.install()
+        if "torch._dynamo" in sys.modules and self.layers:
+            _register_compile_callback()
         _update_switch()
 
     def close(self) -> None:
         self.closed = True
         self.want = False
         for layer in self.layers:
-            layer.remove()
+            layer.detach()
         _update_switch()
 
 
@@ -248,14 +259,11 @@ def _on_compile_start(*_args) -> None:
 
 def _register_compile_callback() -> None:
     """Dynamo's compile-start callback: a model watched before it was compiled gets its traced hooks before the
-    first trace. (Importing Dynamo costs a second or so, once per process.)"""
-    global _callback_registered
-    if _callback_registered:
-        return
+    first trace. (Importing Dynamo costs a second or so, once per process; ``torch._dynamo.reset()`` drops it.)"""
     from torch._dynamo import callback
 
-    callback.on_compile_start(_on_compile_start)
-    _callback_registered = True
+    if _on_compile_start not in callback.callback_handler.start_callbacks:
+        callback.on_compile_start(_on_compile_start)
 
 
 def is_compiled(model: nn.Module) -> bool:

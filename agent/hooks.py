@@ -83,6 +83,9 @@ class LayerHooks:
         self.sites = tuple(s for s in SITES if s in set(sites) and s not in skip)
         self._handles: list = []
         self._input_before = False
+        # set by compiled.CompiledMode: the module's forward is read by its permanent hook (compiled.CompiledLayer),
+        # whose presence Dynamo guards on; these hooks install only the weight's gradient hook
+        self.traced = False
 
     @property
     def installed(self) -> bool:
@@ -95,13 +98,13 @@ class LayerHooks:
         # kernel that wrote it, while much of it is still in the GPU's L2 cache; read after the layer, it follows the
         # layer's own output through the cache. (Where they read both, one launch after the layer takes both.) The
         # weight, where watched, is read in the same launch as the input.
-        self._input_before = "input" in self.sites and "output" not in self.sites
+        self._input_before = "input" in self.sites and "output" not in self.sites and not self.traced
         if self._input_before:
             self._handles.append(self.module.register_forward_pre_hook(self._forward_pre, with_kwargs=True))
         after = {"input", "output", "weight", "grad_output"} & set(self.sites)
         if self._input_before:
             after -= {"input", "weight"}  # the pre-hook's
-        if after:
+        if after and not self.traced:
             self._handles.append(self.module.register_forward_hook(self._forward, with_kwargs=True))
         weight = getattr(self.module, "weight", None)
         if "grad_weight" in self.sites and isinstance(weight, torch.Tensor) and weight.requires_grad:
