@@ -207,6 +207,12 @@ class CompiledMode:
             self.enabled = True
         return uncompiled(model)
 
+    def traced(self, model: nn.Module) -> None:
+        """After ``watch`` hooked the layers of ``model``: a compiled graph of it traced before, without the hooks,
+        would run on without them (Dynamo guards on a module's hooks only where it saw some), so it is dropped."""
+        if self.enabled:
+            _drop_compiled_code(model)
+
     def add(self, hooks) -> None:
         layer = CompiledLayer(hooks)
         self.layers.append(layer)
@@ -274,6 +280,23 @@ def is_compiled(model: nn.Module) -> bool:
 
     return any(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
                for m in model.modules())
+
+
+def _drop_compiled_code(model: nn.Module) -> None:
+    """Drop what Dynamo compiled for the forward of the compiled modules in ``model``: it recompiles them."""
+    from torch._C._dynamo.eval_frame import reset_code
+    from torch._dynamo import convert_frame
+    from torch._dynamo.eval_frame import OptimizedModule, _debug_get_cache_entry_list
+
+    for m in model.modules():
+        if isinstance(m, OptimizedModule):
+            m = m._orig_mod
+        elif getattr(m, "_compiled_call_impl", None) is None:
+            continue
+        code = getattr(getattr(type(m), "forward", None), "__code__", None)
+        if code is not None and _debug_get_cache_entry_list(code):
+            with convert_frame.compile_lock:
+                reset_code(code)
 
 
 def uncompiled(model: nn.Module) -> nn.Module:

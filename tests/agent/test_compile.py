@@ -80,7 +80,7 @@ class Scenario:
     keys: list
     every: int
     hist_every: int
-    graphs: list
+    graphs: list  # compiled after the agent's watch
     breaks: dict
     errors: int
     graphs_after_close: int = 0
@@ -89,6 +89,8 @@ class Scenario:
 
 
 def run_scenario(base, compile_model, *, watch_first, every, hist_every=1, mode=None):
+    """Train under an agent watching before compiling, or after compiling and running a step (the graph compiled
+    then knows no hook), then close it and run a few more steps."""
     torch._dynamo.reset()
     counters.clear()
     model = copy.deepcopy(base)
@@ -98,11 +100,13 @@ def run_scenario(base, compile_model, *, watch_first, every, hist_every=1, mode=
         agent.watch(model)
     target = compile_model(model, backend, mode)
     if not watch_first:
+        target(batch(100)).square().mean().backward()
         agent.watch(target)
+    before = len(backend.graphs)
     train(target, agent, range(STEPS))
     keys = list(agent._slots.keys)
     agent.close()
-    out = Scenario(agent.shipped, keys, every, hist_every, list(backend.graphs), dict(counters["graph_break"]),
+    out = Scenario(agent.shipped, keys, every, hist_every, backend.graphs[before:], dict(counters["graph_break"]),
                    agent.errors)
     calls = []
     real = compiled._layer
@@ -113,7 +117,7 @@ def run_scenario(base, compile_model, *, watch_first, every, hist_every=1, mode=
             target(batch(step)).square().mean().backward()
     finally:
         compiled._layer = real
-    out.graphs_after_close, out.ops_after_close = len(backend.graphs), len(calls)
+    out.graphs_after_close, out.ops_after_close = len(backend.graphs) - before, len(calls)
     return out
 
 
@@ -206,7 +210,7 @@ def check_rows(scenario: Scenario, eager) -> None:
                 assert torch.equal(rows[i, :end].nan_to_num(-1), want_rows[step][i, :end].nan_to_num(-1)), key
 
 
-def test_watching_a_compiled_model_records_every_site_as_the_eager_agent_does(after_wrapper, eager):
+def test_watching_a_compiled_model_already_run_records_every_site_as_the_eager_agent_does(after_wrapper, eager):
     check_rows(after_wrapper, eager)
 
 
