@@ -85,15 +85,15 @@ def _(token, handle, x, y):
     return None
 
 
-@torch.library.custom_op("fp8mon::grad_rows", mutates_args=("token",), tags=_TAGS)
-def _grad_rows(token: torch.Tensor, handle: int, grad: torch.Tensor) -> None:
+@torch.library.custom_op("fp8mon::grad_rows", mutates_args=("grad",), tags=_TAGS)
+def _grad_rows(grad: torch.Tensor, handle: int) -> None:
     layer = _layer(handle)
     if layer is not None:
         layer.grad_rows(grad)
 
 
 @_grad_rows.register_fake
-def _(token, handle, grad):
+def _(grad, handle):
     return None
 
 
@@ -101,16 +101,17 @@ class _Tap(torch.autograd.Function):
     """Identity whose backward hands the gradient of a layer's output to ``fp8mon::grad_rows``."""
 
     @staticmethod
-    def forward(ctx, y, token, handle):
+    def forward(ctx, y, handle):
         ctx.handle = handle
-        ctx.save_for_backward(token)
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, grad):
-        (token,) = ctx.saved_tensors
-        torch.ops.fp8mon.grad_rows(token, ctx.handle, grad)
-        return grad, None, None
+        # declared to modify the gradient it reads (it does not): the backward's result depends on the op, which the
+        # compiler then keeps. (The forward's token, saved for the backward, would be a saved tensor that the next
+        # forwards modify; a new one would be dead code.)
+        torch.ops.fp8mon.grad_rows(grad, ctx.handle)
+        return grad, None
 
 
 def _first_tensor(value):
@@ -157,7 +158,7 @@ class CompiledLayer:
             torch.ops.fp8mon.forward_rows(self.token, self.handle, x, y if self.output else None)
         if not (self.grad and y is not None and y.requires_grad):
             return None
-        tapped = _Tap.apply(y, self.token, self.handle)
+        tapped = _Tap.apply(y, self.handle)
         return tapped if isinstance(output, torch.Tensor) else type(output)((tapped, *output[1:]))
 
     # ---- at run time, from the ops -------------------------------------------------------------------------------
