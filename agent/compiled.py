@@ -33,7 +33,6 @@ Inductor does not put in a CUDA graph, so the ops run at every reporting step; t
 
 from __future__ import annotations
 
-import itertools
 import sys
 import weakref
 from typing import Optional
@@ -51,10 +50,9 @@ class _Switch:
 
 
 SWITCH = _Switch()
-_LAYERS: dict[int, weakref.ref] = {}  # op handle -> CompiledLayer
+_LAYERS: dict[int, weakref.ref] = {}  # address of a layer's ``ident`` -> CompiledLayer
 _MODES: weakref.WeakSet = weakref.WeakSet()
 _TOKENS: dict[torch.device, torch.Tensor] = {}
-_handles = itertools.count()
 
 
 def _token(device) -> torch.Tensor:
@@ -65,8 +63,8 @@ def _token(device) -> torch.Tensor:
     return t
 
 
-def _layer(handle: int):
-    ref = _LAYERS.get(handle)
+def _layer(ident: torch.Tensor):
+    ref = _LAYERS.get(ident.data_ptr())
     return None if ref is None else ref()
 
 
@@ -74,26 +72,27 @@ _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") 
 
 
 @torch.library.custom_op("fp8mon::forward_rows", mutates_args=("token",), tags=_TAGS)
-def _forward_rows(token: torch.Tensor, handle: int, x: Optional[torch.Tensor], y: Optional[torch.Tensor]) -> None:  # noqa: UP045
-    layer = _layer(handle)
+def _forward_rows(token: torch.Tensor, ident: torch.Tensor, x: Optional[torch.Tensor],  # noqa: UP045
+                  y: Optional[torch.Tensor]) -> None:  # noqa: UP045
+    layer = _layer(ident)
     if layer is not None:
         layer.forward_rows(x, y)
 
 
 @_forward_rows.register_fake
-def _(token, handle, x, y):
+def _(token, ident, x, y):
     return None
 
 
 @torch.library.custom_op("fp8mon::grad_rows", mutates_args=("grad",), tags=_TAGS)
-def _grad_rows(grad: torch.Tensor, handle: int) -> None:
-    layer = _layer(handle)
+def _grad_rows(grad: torch.Tensor, ident: torch.Tensor) -> None:
+    layer = _layer(ident)
     if layer is not None:
         layer.grad_rows(grad)
 
 
 @_grad_rows.register_fake
-def _(grad, handle):
+def _(grad, ident):
     return None
 
 
@@ -101,8 +100,8 @@ class _Tap(torch.autograd.Function):
     """Identity whose backward hands the gradient of a layer's output to ``fp8mon::grad_rows``."""
 
     @staticmethod
-    def forward(ctx, y, handle):
-        ctx.handle = handle
+    def forward(ctx, y, ident):
+        ctx.save_for_backward(ident)
         return y.view_as(y)
 
     @staticmethod
@@ -110,7 +109,8 @@ class _Tap(torch.autograd.Function):
         # declared to modify the gradient it reads (it does not): the backward's result depends on the op, which the
         # compiler then keeps. (The forward's token, saved for the backward, would be a saved tensor that the next
         # forwards modify; a new one would be dead code.)
-        torch.ops.fp8mon.grad_rows(grad, ctx.handle)
+        (ident,) = ctx.saved_tensors
+        torch.ops.fp8mon.grad_rows(grad, ident)
         return grad, None
 
 
@@ -127,13 +127,16 @@ class CompiledLayer:
 
     def __init__(self, hooks):
         self.hooks = hooks
-        self.handle = next(_handles)
-        _LAYERS[self.handle] = weakref.ref(self)
         sites = hooks.sites
         self.input, self.output, self.weight = ("input" in sites), ("output" in sites), ("weight" in sites)
         self.grad = "grad_output" in sites
         probe = next(hooks.module.parameters(), None)
-        self.token = _token(probe.device if probe is not None else "cpu")
+        device = probe.device if probe is not None else "cpu"
+        self.token = _token(device)
+        # which layer an op call is for: a tensor of the layer's, not a number, which Dynamo would guard on (blocks
+        # compiled one by one would then each be compiled anew); never modified, so the backward may keep it
+        self.ident = torch.zeros(1, device=device)
+        _LAYERS[self.ident.data_ptr()] = weakref.ref(self)
         self.step_token = None  # the agent's step token at this layer's last forward with statistics
         self._handle = None
 
@@ -144,7 +147,7 @@ class CompiledLayer:
     def detach(self) -> None:
         """The agent closed: the hook stays and does nothing (removing it would make Dynamo recompile the model)."""
         self.hooks = None
-        _LAYERS.pop(self.handle, None)
+        _LAYERS.pop(self.ident.data_ptr(), None)
 
     def _forward(self, module, args, kwargs, output):
         if not torch.compiler.is_compiling():  # a layer run eagerly: the eager hooks' reading
@@ -155,10 +158,10 @@ class CompiledLayer:
         y = _first_tensor(output)
         x = _first_tensor(args[0] if args else kwargs.get("input")) if self.input else None
         if self.input or self.output or self.weight:
-            torch.ops.fp8mon.forward_rows(self.token, self.handle, x, y if self.output else None)
+            torch.ops.fp8mon.forward_rows(self.token, self.ident, x, y if self.output else None)
         if not (self.grad and y is not None and y.requires_grad):
             return None
-        tapped = _Tap.apply(y, self.handle)
+        tapped = _Tap.apply(y, self.ident)
         return tapped if isinstance(output, torch.Tensor) else type(output)((tapped, *output[1:]))
 
     # ---- at run time, from the ops -------------------------------------------------------------------------------

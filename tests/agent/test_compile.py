@@ -45,6 +45,15 @@ class Net(nn.Module):
         return self.head(self.blocks(x))
 
 
+class Deep(nn.Module):
+    def __init__(self, d=32, blocks=3):
+        super().__init__()
+        self.blocks = nn.Sequential(*(Block(d) for _ in range(blocks)))
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
 class Inductor:
     """Inductor, counting the graphs Dynamo hands it."""
 
@@ -112,7 +121,7 @@ def run_scenario(base, compile_model, *, watch_first, every, hist_every=1, mode=
                    agent.errors)
     calls = []
     real = compiled._layer
-    compiled._layer = lambda handle: calls.append(handle) or real(handle)
+    compiled._layer = lambda ident: calls.append(ident) or real(ident)
     try:
         for step in range(STEPS, STEPS + 3):
             target.zero_grad(set_to_none=True)
@@ -256,3 +265,25 @@ def test_max_autotune_records_every_site_without_a_graph_break(base, eager):
     for step in range(2):
         problems = rows_problems(agent.shipped[step], eager[0][step], keys, hist=True)
         assert not problems, f"step {step}: {problems[:6]}"
+
+
+def test_blocks_compiled_one_by_one_share_their_two_variants():
+    """Blocks compiled apart (as with FSDP2): one compiled frame serves all blocks of a kind, with the agent too, and a
+    block's backward runs after the next blocks' forwards."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(1)
+    model = Deep()
+    backend = Inductor()
+    agent = new_agent(2, 1).watch(model)
+    for block in model.blocks:
+        block.compile(backend=backend)
+    train(model, agent, range(4))
+    keys = list(agent._slots.keys)
+    agent.close()
+    assert agent.errors == 0 and dict(counters["graph_break"]) == {}
+    # the first block's input does not require grad, the others' does: two frames, each with and without statistics
+    assert len(backend.graphs) == 4
+    once = torch.tensor([site in ("weight", "grad_weight") for _, site in keys])
+    for step in (0, 2):
+        assert agent.shipped[step][:, ds.PARTS].tolist() == torch.where(once, 1.0, 2.0).tolist()
