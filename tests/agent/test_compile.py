@@ -287,3 +287,53 @@ def test_blocks_compiled_one_by_one_share_their_two_variants():
     once = torch.tensor([site in ("weight", "grad_weight") for _, site in keys])
     for step in (0, 2):
         assert agent.shipped[step][:, ds.PARTS].tolist() == torch.where(once, 1.0, 2.0).tolist()
+
+
+def blockwise(agent_kw, steps=4, patch=None):
+    """A seeded Deep model, blocks compiled one by one, trained under an agent watching it before."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(2)
+    model = Deep()
+    backend = Inductor()
+    agent = Agent(transport=NullTransport(), **agent_kw)
+    agent.shipped = {}
+    agent._ship = lambda step, rows, values: agent.shipped.__setitem__(step, None if rows is None else rows.clone())
+    agent.watch(model)
+    for block in model.blocks:
+        block.compile(backend=backend)
+    train(model, agent, range(steps))
+    keys = list(agent._slots.keys)
+    agent.close()
+    return agent, keys, backend.graphs
+
+
+def test_delayed_scaling_under_compile_keeps_the_amax_history_as_in_eager_mode():
+    kw = dict(every=2, hist_every=1, scaling="delayed", amax_history_len=4)
+    agent, keys, graphs = blockwise(kw)
+    assert agent.errors == 0
+    assert len(graphs) == 2  # every step observes (the history): one variant per frame
+    torch.manual_seed(2)
+    model = Deep()
+    eager = Agent(transport=NullTransport(), **kw)
+    eager.shipped = {}
+    eager._ship = lambda step, rows, values: eager.shipped.__setitem__(step, None if rows is None else rows.clone())
+    train(model, eager.watch(model), range(4))
+    eager.close()
+    for step in (0, 2):
+        problems = rows_problems(agent.shipped[step], eager.shipped[step], keys, hist=True)
+        assert not problems, f"step {step}: {problems[:6]}"
+    scales = agent.shipped[2][:, ds.SCALE]
+    assert scales.isfinite().any()  # step 2's inputs are scaled from the history of steps 0 and 1
+
+
+def test_a_failing_statistic_inside_the_compiled_graph_is_counted_and_training_goes_on(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("statistics exploded")
+
+    monkeypatch.setattr(ds, "partials", broken)
+    agent, keys, _ = blockwise(dict(every=1, hist_every=1), steps=2)
+    # every site of every layer in each micro-batch of each step (the gradient after each backward), the weight once
+    per_step = sum(1 if site == "weight" else 2 for _, site in keys)
+    assert agent.errors == 2 * per_step
+    assert "statistics exploded" in agent.last_error
