@@ -1,34 +1,40 @@
 """Statistics of models run under ``torch.compile``: hooks that Dynamo traces into the graph without a break.
 
-The eager hooks (``hooks.LayerHooks``) do not work in a compiled graph: installed and removed per step, they are
-not guarded by Dynamo (``skip_nnmodule_hook_guards``), so a graph traced without them never runs them, and traced
-with them they break the graph at every lock, tensor hook and launch table. Here each watched layer gets one more
-forward hook (``CompiledLayer``), installed for good once the agent knows the model is compiled (it watched a
-compiled model, or Dynamo started a compile while the agent was open) and removed at ``close``. Traced, the hook
-reads one flag, ``SWITCH.on`` (a reporting step, or any step under delayed scaling): Dynamo guards on it, so a
-model has exactly two compiled variants, with and without the statistics; run eagerly it does nothing (the eager
-hooks do the work there, and they do nothing under compile). After ``close`` the flag stays off: the graph that
-runs is the variant without statistics, i.e. the un-monitored graph.
+The eager hooks (``hooks.LayerHooks``) do not work in a compiled graph: traced, they break it at every lock, tensor
+hook and launch table; installed and removed per step, they change the module's hook set, which Dynamo guards on only
+where it saw hooks at the trace (a graph traced without them never runs them; one traced with them recompiles when
+they go). Here each watched layer gets one forward hook for good (``CompiledLayer``) once the agent knows the model is
+compiled: it watched a compiled model (whose code compiled before, without the hook, is dropped), or Dynamo started a
+compile while the agent was open (a start callback). From then on that hook is the layer's only module hook: run
+eagerly it runs the eager hooks' reading; traced, it reads one flag, ``SWITCH.on`` (a reporting step, or any step
+under delayed scaling), which Dynamo guards on: a compiled frame has exactly two variants, with and without the
+statistics. ``close`` leaves the hook in place doing nothing (removing it would recompile) and the flag off: the
+variant that runs then holds no statistics op, it is the un-monitored graph.
 
-With the flag on, the graph calls the custom op ``fp8mon::forward_rows`` on the layer's input and output, and
-wraps the output in ``_Tap``, an identity ``autograd.Function`` whose backward calls ``fp8mon::grad_rows`` on the
-gradient (AOTAutograd traces it into the backward graph). The ops are opaque to the compiler: at run time they hand
-the graph's tensors to the agent's sink, exactly as the eager hooks do (the weight's row rides with the first
-forward, the Triton one-pass launch on CUDA writes straight into the step buffer, the torch path elsewhere), so the
-rows equal the eager agent's by construction, and whether the step carries the histogram is read at run time (no
-third variant). Each op mutates a one-element token tensor: without a mutated argument a no-output op is dead code
-to the compiler. grad_weight stays eager (the post-accumulate-grad hook runs after the compiled backward).
+With the flag on, the graph calls the custom op ``fp8mon::forward_rows`` on the layer's input and output, and wraps
+the output in ``_Tap``, an identity ``autograd.Function`` whose backward calls ``fp8mon::grad_rows`` on the gradient
+(AOTAutograd traces it into the backward graph). The ops are opaque to the compiler: at run time they hand the
+graph's tensors to the agent's sink, as the eager hooks do (the weights' rows ride with the first forward, the Triton
+one-pass launch on CUDA reads each tensor once and writes straight into the step buffer, the torch path elsewhere),
+so the rows are the eager agent's for the same tensors, and whether a step carries the histogram is read at run time
+(no third variant). They read the tensors at once: the graph may reuse the memory afterwards. The layer is named by a
+tensor of its own (``ident``, never modified, so the backward may keep it), not a number Dynamo would guard on
+(blocks compiled one by one would each compile anew). An op the compiler must keep modifies an argument: the forward
+op a shared token, the backward op (declared so; it does not) the gradient, which the backward returns. (A token
+saved for the backward would be a saved tensor that later forwards modify; a fresh one is dead code. Where that
+gradient is an input of the backward graph, the loss computed outside the compiled model, Inductor copies it once.)
+grad_weight stays eager: the post-accumulate-grad hook runs after the compiled backward.
 
-Why an opaque op and not traceable torch ops that Inductor could fuse (CPU, torch 2.13, two linears, four tensors
-per reporting step, measured before this module was written): tracing ``stats.torch_path.partials`` plus the merge
-into the step buffer compiles without a graph break, but as ~200 FX nodes per tensor (814 for the model), 500 KB of
-generated code and ~50 s of compile; for GPT-2's 49 linears that is ~40 000 nodes, and its fp64 multi-pass
-reductions (two-pass mean, central moments, outliers against the mean, histogram) are not what Inductor fuses into
-a GEMM anyway. The custom op: no graph break, two variants, 29 KB of generated code, ~35 s (the model's own
-compile), and on CUDA the single read of the Triton kernel per tensor, as in eager mode.
+Why opaque ops and not traceable torch ops that Inductor could fuse (CPU, torch 2.13, two linears, four tensors per
+reporting step, measured first): tracing ``stats.torch_path.partials`` plus the merge into the step buffer compiles
+without a graph break, but as ~200 FX nodes per tensor (814 for the model), 500 KB of generated code and ~50 s of
+compile; for GPT-2's 49 linears that is ~40 000 nodes, and fp64 multi-pass reductions (two-pass mean, central
+moments, outliers, histogram) that Inductor would not fuse into the GEMMs anyway. The custom op: no graph break, two
+variants, 29 KB of generated code, ~35 s (the model's own compile), and on CUDA one read of each tensor, as eagerly.
 
-Under ``mode="max-autotune"`` (CUDA graphs): the variant with statistics mutates an input (the token), which
-Inductor does not put in a CUDA graph, so the ops run at every reporting step; the variant without keeps its graph.
+CUDA graphs (``mode="max-autotune"``, ``"reduce-overhead"``): the ops are tagged ``cudagraph_unsafe`` where torch has
+the tag (Inductor partitions the graph around them) and the variant with statistics modifies an input, which Inductor
+does not graph; either way they run at every reporting step, and the variant without statistics keeps its graph.
 """
 
 from __future__ import annotations
@@ -106,9 +112,7 @@ class _Tap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # declared to modify the gradient it reads (it does not): the backward's result depends on the op, which the
-        # compiler then keeps. (The forward's token, saved for the backward, would be a saved tensor that the next
-        # forwards modify; a new one would be dead code.)
+        # the op is declared to modify the gradient (it does not): the backward's result depends on it, it is kept
         (ident,) = ctx.saved_tensors
         torch.ops.fp8mon.grad_rows(grad, ident)
         return grad, None
