@@ -59,6 +59,7 @@ SWITCH = _Switch()
 _LAYERS: dict[int, weakref.ref] = {}  # address of a layer's ``ident`` -> CompiledLayer
 _MODES: weakref.WeakSet = weakref.WeakSet()
 _TOKENS: dict[torch.device, torch.Tensor] = {}
+_registered = False  # the compile-start callback (where torch does not list them)
 
 
 def _token(device) -> torch.Tensor:
@@ -210,16 +211,23 @@ class CompiledMode:
         """The module to select layers from (a compiled wrapper's original); compiled mode on for compiled models.
         Registers the compile callback that turns it on when a model watched eagerly is compiled later."""
         compiled = is_compiled(model)
-        _register_compile_callback()
+        self._guarded(_register_compile_callback)
         if compiled:
             self.enabled = True
         return uncompiled(model)
+
+    def _guarded(self, fn, *args) -> None:
+        """Dynamo internals that differ across torch versions: a failure is the agent's error, not the caller's."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            self.agent._error("torch.compile support", exc)
 
     def traced(self, model: nn.Module) -> None:
         """After ``watch`` hooked the layers of ``model``: a compiled graph of it traced before, without the hooks,
         would run on without them (Dynamo guards on a module's hooks only where it saw some), so it is dropped."""
         if self.enabled:
-            _drop_compiled_code(model)
+            self._guarded(_drop_compiled_code, model)
 
     def add(self, hooks) -> None:
         layer = CompiledLayer(hooks)
@@ -250,7 +258,7 @@ class CompiledMode:
         """Statistics wanted in this step (``Agent._arm``)."""
         self.want = want and not self.closed
         if "torch._dynamo" in sys.modules and self.layers:
-            _register_compile_callback()
+            self._guarded(_register_compile_callback)
         _update_switch()
 
     def close(self) -> None:
@@ -274,10 +282,13 @@ def _on_compile_start(*_args) -> None:
 def _register_compile_callback() -> None:
     """Dynamo's compile-start callback: a model watched before it was compiled gets its traced hooks before the
     first trace. (Importing Dynamo costs a second or so, once per process; ``torch._dynamo.reset()`` drops it.)"""
+    global _registered
     from torch._dynamo import callback
 
-    if _on_compile_start not in callback.callback_handler.start_callbacks:
+    starts = getattr(callback.callback_handler, "start_callbacks", None)
+    if (starts is None and not _registered) or (starts is not None and _on_compile_start not in starts):
         callback.on_compile_start(_on_compile_start)
+        _registered = True
 
 
 def is_compiled(model: nn.Module) -> bool:
