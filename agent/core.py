@@ -153,7 +153,7 @@ class Agent:
     def watch(self, model: nn.Module, *, prefix: str = "") -> Agent:
         """Hook every matching linear layer of ``model`` (names prefixed with ``prefix``); a compiled model
         (``torch.compile``) is watched inside its graph (``compiled``), whether compiled before or after."""
-        compiled = model
+        given = model
         model = self._compiled.watch(model)
         for name, module in select_modules(model, self.modules, prefix):
             if len(name) > _MAX_LAYER:
@@ -181,7 +181,7 @@ class Agent:
         probe = next(model.parameters(), None)
         if probe is not None:
             self._probes.append(probe)
-        self._compiled.traced(compiled)
+        self._compiled.traced(given)
         self._arm()
         return self
 

@@ -4,7 +4,7 @@ reporting steps, rows equal to the eager agent's, no graph break of the agent's,
 """
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -95,10 +95,9 @@ class Scenario:
     errors: int
     graphs_after_close: int = 0
     ops_after_close: int = 0
-    notes: list = field(default_factory=list)
 
 
-def run_scenario(base, compile_model, *, watch_first, every, hist_every=1, mode=None):
+def run_scenario(base, compile_model, *, watch_first, every, hist_every=1):
     """Train under an agent watching before compiling, or after compiling and running a step (the graph compiled
     then knows no hook), then close it and run a few more steps."""
     torch._dynamo.reset()
@@ -108,7 +107,7 @@ def run_scenario(base, compile_model, *, watch_first, every, hist_every=1, mode=
     agent = new_agent(every, hist_every)
     if watch_first:
         agent.watch(model)
-    target = compile_model(model, backend, mode)
+    target = compile_model(model, backend)
     if not watch_first:
         target(batch(100)).square().mean().backward()
         agent.watch(target)
@@ -131,11 +130,11 @@ def run_scenario(base, compile_model, *, watch_first, every, hist_every=1, mode=
     return out
 
 
-def wrapper(model, backend, mode):
-    return torch.compile(model, backend=backend) if mode is None else torch.compile(model, mode=mode)
+def wrapper(model, backend):
+    return torch.compile(model, backend=backend)
 
 
-def in_place(model, backend, mode):
+def in_place(model, backend):
     model.compile(backend=backend)
     return model
 
