@@ -15,6 +15,7 @@ on.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Callable
@@ -38,10 +39,21 @@ class PendingRows:
         self._lock = threading.Lock()
         self._callback_queued = False
         self.immediate: set[int] = set()  # slots whose tensor was changed in place while it waited once
+        self._at_once = 0
         self._unhook = _optimizer_pre_hook(self)
 
     def can_wait(self, slot: int, x: torch.Tensor) -> bool:
-        return slot not in self.immediate and not _capturing(x)
+        return not self._at_once and slot not in self.immediate and not _capturing(x)
+
+    @contextlib.contextmanager
+    def at_once(self):
+        """Nothing waits within: a compiled graph's tensors (its memory planning may reuse theirs right after, which
+        no version counter shows) are read at once."""
+        self._at_once += 1
+        try:
+            yield
+        finally:
+            self._at_once -= 1
 
     def add(self, items: list[tuple]) -> None:
         """Queue ``items``; launch everything when enough waits."""

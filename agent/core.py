@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from . import discovery, distributed, graph_capture, torchao_sites, wire
+from .compiled import CompiledMode
 from .formats import Fp8Format, by_name
 from .fused_link import FusedLink
 from .hooks import LayerHooks, select_modules
@@ -132,6 +133,7 @@ class Agent:
         self.reporting = False
         self.hist_now = False
         self._sink = HookSink(self)
+        self._compiled = CompiledMode(self)  # the hooks traced into torch.compile graphs
 
         sends = not self.reduce or self.rank == 0  # under reduce_ranks rank 0 sends for all
         owns = transport is None
@@ -150,7 +152,10 @@ class Agent:
 
     def watch(self, model: nn.Module, *, prefix: str = "") -> Agent:
         """Hook every matching linear layer of ``model`` (names prefixed with ``prefix``); a warning says why when
-        there is none."""
+        there is none. A compiled model (``torch.compile``) is watched inside its graph (``compiled``), whether
+        compiled before or after."""
+        given = model
+        model = self._compiled.watch(model)
         selected = select_modules(model, self.modules, prefix)
         if not selected:
             log.warning("%s", discovery.nothing_watched(model, self.modules, prefix))
@@ -179,9 +184,11 @@ class Agent:
             elif hasattr(module, "fp8mon_stats"):
                 module.fp8mon_stats = None  # type: ignore[assignment]
             self._layers.append(hooks)
+            self._compiled.add(hooks)
         probe = next(model.parameters(), None)
         if probe is not None:
             self._probes.append(probe)
+        self._compiled.traced(given)
         self._arm()
         return self
 
@@ -261,6 +268,7 @@ class Agent:
         if self._closed:
             return True
         self._closed = True
+        self._compiled.close()
         for hooks in self._layers:
             hooks.remove()
             if isinstance(getattr(hooks.module, "fp8mon_stats", None), FusedLink):
@@ -322,6 +330,7 @@ class Agent:
         want = (self.reporting or self._history is not None) and not self._closed
         for hooks in self._layers:
             hooks.install() if want else hooks.remove()
+        self._compiled.arm(want)
 
     def _end(self, step: int, values: dict) -> None:
         self._sink.launch_pending()

@@ -81,6 +81,9 @@ class LayerHooks:
         self.sites = tuple(s for s in SITES if s in set(sites) and s not in skip)
         self._handles: list = []
         self._input_before = False
+        # set by compiled.CompiledMode: the module's forward is read by its permanent hook (compiled.CompiledLayer),
+        # whose presence Dynamo guards on; these hooks install only the weight's gradient hook
+        self.traced = False
 
     @property
     def installed(self) -> bool:
@@ -93,13 +96,13 @@ class LayerHooks:
         # kernel that wrote it, while much of it is still in the GPU's L2 cache; read after the layer, it follows the
         # layer's own output through the cache. (Where they read both, one launch after the layer takes both.) The
         # weight, where watched, is read in the same launch as the input.
-        self._input_before = "input" in self.sites and "output" not in self.sites
+        self._input_before = "input" in self.sites and "output" not in self.sites and not self.traced
         if self._input_before:
             self._handles.append(self.module.register_forward_pre_hook(self._forward_pre, with_kwargs=True))
         after = {"input", "output", "weight", "grad_output"} & set(self.sites)
         if self._input_before:
             after -= {"input", "weight"}  # the pre-hook's
-        if after:
+        if after and not self.traced:
             self._handles.append(self.module.register_forward_hook(self._forward, with_kwargs=True))
         weight = getattr(self.module, "weight", None)
         if "grad_weight" in self.sites and isinstance(weight, torch.Tensor) and weight.requires_grad:
@@ -115,12 +118,16 @@ class LayerHooks:
 
     def _forward_pre(self, module, args, kwargs) -> None:
         """``_input_before``: the input, with the weight, before the layer runs."""
+        if torch.compiler.is_compiling():
+            return  # in a compiled graph, compiled.CompiledLayer reads the layer
         if not module.training or not self.sink.active():
             return
         x = _input_of(args, kwargs)
         self._observe(module, [("input", x, False, False)] if x is not None else [])
 
     def _forward(self, module, args, kwargs, output) -> None:
+        if torch.compiler.is_compiling():
+            return  # in a compiled graph, compiled.CompiledLayer reads the layer
         sink, name, sites = self.sink, self.name, self.sites
         if not module.training or not sink.active():
             return  # evaluation passes between two steps are not training statistics
