@@ -187,6 +187,8 @@ class CompiledLayer:
     def grad_rows(self, grad: torch.Tensor) -> None:
         agent = self.hooks.sink.agent
         try:
+            if not self.hooks.sink.active():  # a variant with statistics run on another agent's reporting step
+                return
             if self.step_token != agent._token:
                 agent._error("grad_output", RuntimeError(
                     f"a gradient of step {agent.current_step - 1} arrived after log() closed it; call log() after "
