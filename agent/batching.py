@@ -39,24 +39,27 @@ class PendingRows:
         self._lock = threading.Lock()
         self._callback_queued = False
         self.immediate: set[int] = set()  # slots whose tensor was changed in place while it waited once
-        self._at_once = 0
+        self._copying = 0
         self._unhook = _optimizer_pre_hook(self)
 
     def can_wait(self, slot: int, x: torch.Tensor) -> bool:
-        return not self._at_once and slot not in self.immediate and not _capturing(x)
+        return slot not in self.immediate and not _capturing(x)
 
     @contextlib.contextmanager
-    def at_once(self):
-        """Nothing waits within: a compiled graph's tensors (its memory planning may reuse theirs right after, which
-        no version counter shows) are read at once."""
-        self._at_once += 1
+    def copies(self):
+        """Within, a tensor waits as a private copy (a weight as itself): a compiled graph's memory planning may reuse
+        a tensor's memory right after handing it over, which no version counter shows. A copy costs a device copy
+        (little host time); a launch of its own would cost much more host time."""
+        self._copying += 1
         try:
             yield
         finally:
-            self._at_once -= 1
+            self._copying -= 1
 
     def add(self, items: list[tuple]) -> None:
         """Queue ``items``; launch everything when enough waits."""
+        if self._copying:
+            items = [it if it[7] == "weight" else (it[0], it[1].detach().clone(), *it[2:]) for it in items]
         with self._lock:
             self._items.extend(items)
             self._versions.extend(it[1]._version for it in items)

@@ -179,7 +179,7 @@ class CompiledLayer:
                 return
             self.step_token = agent._token
             items = [(site, t, False, False) for site, t in (("input", x), ("output", y)) if t is not None]
-            with hooks.sink.waiting.at_once():  # the graph may reuse the tensors' memory right after
+            with hooks.sink.waiting.copies():  # the graph may reuse the tensors' memory right after
                 hooks._observe(hooks.module, items)  # the eager hooks' reading: the weight rides along
         except Exception as exc:
             agent._error("compiled forward", exc)
@@ -194,7 +194,7 @@ class CompiledLayer:
                     f"a gradient of step {agent.current_step - 1} arrived after log() closed it; call log() after "
                     "backward"))
                 return
-            with self.hooks.sink.waiting.at_once():  # now: the graph may reuse its memory
+            with self.hooks.sink.waiting.copies():  # the graph may reuse its memory right after
                 self.hooks.sink.observe(self.hooks.name, "grad_output", grad)
         except Exception as exc:
             agent._error("compiled grad_output", exc)

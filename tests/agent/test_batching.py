@@ -86,3 +86,18 @@ def test_gradients_and_weights_changed_before_log_are_read_as_the_backward_left_
     for i in range(2):
         assert math.isclose(records[(0, str(i), "grad_weight", 0)]["rms"], _rms(grads[i]), rel_tol=1e-9)
         assert math.isclose(records[(0, str(i), "weight", 0)]["rms"], _rms(weights[i]), rel_tol=1e-9)
+
+
+def test_a_compiled_graphs_tensors_wait_as_copies(launches):
+    """A compiled graph may reuse a tensor's memory right after handing it over, without a version change."""
+    model = nn.Linear(8, 8)
+    agent, cap = _agent(model, sites=("output",))
+    y = torch.randn(16, 8)
+    want = _rms(y)
+    with agent._sink.waiting.copies():
+        agent._sink.observe("", "output", y)
+    y.data.zero_()  # reused memory: y's version counter does not change
+    agent.log(0)
+    agent.close()
+    assert launches == [1] and agent.errors == 0
+    assert math.isclose(cap.records()[(0, "", "output", 0)]["rms"], want, rel_tol=1e-9)
