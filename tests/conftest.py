@@ -18,11 +18,15 @@ def pytest_report_header(config):
     return f"fp8mon storage backends: {', '.join(BACKENDS)}"
 
 
-# The modules that take minutes of one CPU (sm_90a builds, Triton's interpreter), started first: scripts/test.sh runs
-# the suite on every CPU, whole files to a worker in this order (pytest-xdist's loadfile, --no-loadscope-reorder), and
-# a long file started last would run alone at the end.
-_SLOW_FIRST = ("trainer/test_launch_shared_memory.py", "trainer/test_consumer_stats.py", "trainer/test_fused_stats.py",
-               "agent/test_triton_stats.py", "trainer/test_kernels.py", "trainer/test_gemm_stats.py")
+# The modules that take the most CPU time (sm_90a builds, replays of the labelled runs, Triton's interpreter, training,
+# a browser), slowest first, by CPU seconds measured alone: scripts/test.sh runs the suite on every CPU, whole files to
+# a worker in this order (pytest-xdist's loadfile, --no-loadscope-reorder; a worker takes the next file when two tests
+# of its own are left), and a long file started last would run alone at the end.
+_SLOW_FIRST = ("trainer/test_launch_shared_memory.py",  # ~250 s with an empty Triton cache
+               "monitor/test_predictors.py", "trainer/test_consumer_stats.py", "trainer/test_train.py",
+               "trainer/test_fused_stats.py", "trainer/test_fused_kernels.py", "web/test_dashboard.py",
+               "agent/test_triton_stats.py", "monitor/test_demo.py", "monitor/test_fuzz.py", "test_readme_commands.py",
+               "monitor/test_ingest_concurrency.py", "agent/test_transport.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -21,6 +21,9 @@ cpu = engine("cpu")
 def setup() -> None:
     """The worker's set-up: one thread, and a small chunk and tile, so that small tensors still span several
     programs (5000 elements: 2) and several tiles per program (the merge and the tile loop are exercised)."""
+    from interpreter_speed import patch_once
+
+    patch_once()
     torch.set_num_threads(1)
     cpu.chunk, cpu.tile_rows = 4096, 128
 

@@ -103,19 +103,30 @@ def test_demo_serves_until_interrupted_and_its_links_work(tmp_path):
         proc.stdout.close()
 
 
-def test_demo_refuses_a_busy_port_it_was_asked_for(tmp_path):
+def refused(capsys, monkeypatch, tmp_path, *args: str) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `fp8mon demo` in this process: the refusals come before anything starts, so
+    they need no process of their own."""
+    from fp8mon.cli import main as fp8mon
+
+    monkeypatch.chdir(tmp_path)
+    code = fp8mon(["demo", "--database-url", f"sqlite:///{tmp_path / 'd.db'}", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_demo_refuses_a_busy_port_it_was_asked_for(capsys, monkeypatch, tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
-        out = demo(f"sqlite:///{tmp_path / 'd.db'}", tmp_path, "--port", str(port), "--exit-after-train", timeout=60)
-    assert out.returncode == 2 and "cannot listen" in out.stderr
+        code, _, err = refused(capsys, monkeypatch, tmp_path, "--port", str(port), "--exit-after-train")
+    assert code == 2 and "cannot listen" in err
 
 
-def test_demo_rejects_bad_trainer_flags_before_starting(tmp_path):
-    out = demo(f"sqlite:///{tmp_path / 'd.db'}", tmp_path, "--port", "0", "--exit-after-train",
-               "--", "--arch", "transformerXL", timeout=60)
-    assert out.returncode == 2 and "transformerXL" in out.stderr
-    assert "listening" not in out.stdout
-    out = demo(f"sqlite:///{tmp_path / 'd.db'}", tmp_path, "--port", "0", "--steps", "0", timeout=60)
-    assert out.returncode == 2 and "--steps" in out.stderr
+def test_demo_rejects_bad_trainer_flags_before_starting(capsys, monkeypatch, tmp_path):
+    code, out, err = refused(capsys, monkeypatch, tmp_path, "--port", "0", "--exit-after-train",
+                             "--", "--arch", "transformerXL")
+    assert code == 2 and "transformerXL" in err
+    assert "listening" not in out
+    code, _, err = refused(capsys, monkeypatch, tmp_path, "--port", "0", "--steps", "0")
+    assert code == 2 and "--steps" in err

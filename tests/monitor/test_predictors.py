@@ -417,10 +417,10 @@ def test_a_step_of_100_layers_by_5_sites_takes_well_under_a_millisecond():
     predictor = RunPredictor("synthetic")
     for b in batches[:50]:
         predictor.observe(b)
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # this process's CPU time: other processes on a busy machine do not count
     for b in batches[50:]:
         predictor.observe(b)
-    per_step = (time.perf_counter() - t0) / 100
+    per_step = (time.process_time() - t0) / 100
     assert per_step < 5e-3, f"{per_step * 1e3:.2f} ms per step"  # bench/predict.py measures it; slack for loaded CI
 
 

@@ -30,9 +30,17 @@ def train(*argv):
 
 
 
-@pytest.mark.parametrize("arch", ["llama", "fog"])
-def test_loss_decreases_on_the_tiny_config(arch):
-    result = train("--arch", arch, "--precision", "fp32", "--steps", 30)
+FP32_30 = ["--precision", "fp32", "--steps", 30, "--seed", 1, "--eval-batches", 4]
+
+
+@pytest.fixture(scope="module", params=["llama", "fog"])
+def fp32_run(request):
+    """(arch, 30 fp32 steps of the tiny config): learning's run, and the reference FP8 training is held to."""
+    return request.param, train("--arch", request.param, *FP32_30)
+
+
+def test_loss_decreases_on_the_tiny_config(fp32_run):
+    _, result = fp32_run
     losses = [result.losses[s] for s in range(30)]
     assert result.status == "finished" and result.step == 30
     assert abs(losses[0] - math.log(256)) < 0.3  # starts near uniform over the 256 bytes
@@ -165,12 +173,10 @@ def test_agent_streams_a_training_run_to_a_live_monitor(live_server, tmp_path):
     assert httpx.get(f"{api}/trainer-diverged").json()["status"] == "diverged"
 
 
-@pytest.mark.parametrize("arch", ["llama", "fog"])
-def test_fp8_loss_tracks_fp32_on_the_cpu(arch):
+def test_fp8_loss_tracks_fp32_on_the_cpu(fp32_run):
     pytest.importorskip("fp8mon.trainer.fp8_linear")
-    common = ["--arch", arch, "--steps", 30, "--seed", 1, "--eval-batches", 4]
-    ref = train(*common, "--precision", "fp32")
-    fp8 = train(*common, "--precision", "fp8")  # FP8 block GEMMs (E4M3/E5M2, current scaling), bf16 elsewhere
+    arch, ref = fp32_run
+    fp8 = train("--arch", arch, *FP32_30[2:], "--precision", "fp8")  # FP8 block GEMMs (E4M3/E5M2, current scaling), bf16 elsewhere
     diffs = [fp8.losses[s] - ref.losses[s] for s in range(30)]
     # Tolerances (nats), ~2x the largest measured, while the loss itself falls by > 2 nats. The CPU's bf16 kernels
     # move these: on an Intel Sapphire Rapids fp8 - fp32 was per step <= 0.09, last-10 mean <= 0.016, val <= 0.01;

@@ -48,9 +48,12 @@ def fresh_fp8mon():
         del sys.modules[name]
     os.environ["TRITON_INTERPRET"] = "1"
     try:
+        from interpreter_speed import patch_once
+
         import fp8mon.agent.stats.launch  # noqa: F401  (decorated now, in the interpreter)
         import fp8mon.trainer.kernels  # noqa: F401
 
+        patch_once()  # (on the fresh Triton, dropped with it)
         yield
     finally:
         for name in [n for n in sys.modules if _ours(n)]:
