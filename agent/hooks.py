@@ -80,6 +80,7 @@ class LayerHooks:
         self.name, self.module, self.sink = name, module, sink
         self.sites = tuple(s for s in SITES if s in set(sites) and s not in skip)
         self._handles: list = []
+        self._weight = None  # the weight whose gradient hook is installed
         self._input_before = False
         # set by compiled.CompiledMode: the module's forward is read by its permanent hook (compiled.CompiledLayer),
         # whose presence Dynamo guards on; these hooks install only the weight's gradient hook
@@ -90,7 +91,11 @@ class LayerHooks:
         return bool(self._handles)
 
     def install(self) -> None:
-        if self._handles or not self.sites:
+        if self._handles and getattr(self.module, "weight", None) is self._weight:
+            return
+        self.remove()  # (the weight was replaced since: FSDP2's fully_shard after watch, a reloaded state)
+        self._weight = getattr(self.module, "weight", None)
+        if not self.sites:
             return
         # Where the hooks read a layer's input and not its output, they read it before the layer runs, right after the
         # kernel that wrote it, while much of it is still in the GPU's L2 cache; read after the layer, it follows the

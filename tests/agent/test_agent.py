@@ -737,3 +737,19 @@ def test_training_step_with_the_agent_adds_no_host_sync_on_cuda():
             want["underflow_frac"] = rec["underflow_frac"]
         assert_record(rec, want, rtol=1e-7)
     assert {b["step"] for b in cap.scalars} == set(range(6))
+
+
+def test_a_weight_replaced_after_watch_keeps_its_grad_weight_rows():
+    """fully_shard, a reloaded checkpoint or a user's code may replace a layer's weight after watch(): the next step's
+    hooks follow the new one."""
+    torch.manual_seed(9)
+    model = nn.Sequential(nn.Linear(4, 4))
+    cap = CaptureTransport()
+    agent = Agent(transport=cap, every=1, sites=("grad_weight",)).watch(model)
+    for step in range(3):
+        if step == 1:
+            model[0].weight = nn.Parameter(model[0].weight.detach().clone())
+        model(torch.randn(8, 4)).square().sum().backward()
+        agent.log(step)
+    agent.close()
+    assert agent.errors == 0 and sorted(k[0] for k in cap.records()) == [0, 2]
