@@ -357,4 +357,4 @@ class Agent:
         if key not in self._logged:
             self._logged.add(key)
             log.error("fp8mon agent: %s failed (%r); training continues, further such errors are only counted",
-                      where, exc, exc_info=exc)
+                      where, exc, exc_info=exc if exc.__traceback__ else None)  # a raised one

@@ -89,7 +89,8 @@ def post(client: httpx.Client, url: str, body: bytes) -> Outcome:
 
 _TOKEN_HINT = {
     401: "401 from {url}: the token is missing or wrong; set FP8MON_TOKEN or token=",
-    403: "403 from {url}: the token may not ingest ({detail}); use a token with the ingest scope",
+    403: "403 from {url}: the token is not one that may ingest ({detail}); set FP8MON_TOKEN or token= to a write "
+         "token of the monitor",
 }
 
 

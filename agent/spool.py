@@ -148,20 +148,24 @@ class Spool:
             return None
 
     def persist(self) -> int:
-        """Write the batches held in memory to the directory, if it can be written now; the number left in memory
-        (lost when the process ends)."""
+        """At close: write the batches held in memory to the directory, if it can be written now; the ones it cannot
+        take are dropped (the process ends) and counted. Returns how many were dropped."""
+        dropped = 0
         while self._memory:
             entry = self._memory[0]
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
                 self._write(self.directory / entry.name, entry.body)
             except OSError:
-                break
-            self._memory.popleft()
-            self._memory_bytes -= entry.size
+                self._pop(entry)
+                dropped += 1
+                continue
+            self._pop(entry)
             entry.body = None
             self._disk.append(entry)
-        return len(self._memory)
+            self._bytes += entry.size
+        self.dropped_batches += dropped
+        return dropped
 
     def _pop(self, entry: Entry) -> bool:
         """Forget the oldest batch; False when ``entry`` is not it (dropped for room while it was being sent)."""

@@ -119,9 +119,7 @@ class Transport:
         self._told_unwritable = False
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="fp8mon-transport", daemon=True)
-        self._thread.start()
-        if self.spool.unwritable:
-            self._spool_degraded()
+        self._thread.start()  # a spool unwritable from the start is reported with its first batch (on_error set)
         exit_flush.register(self)
 
     # -- training-thread side: never blocks, never raises -------------------------------------------
@@ -187,7 +185,7 @@ class Transport:
         if not ok:
             status = self.status()
             log.error("fp8mon: run %s not fully delivered: %d batches wait in %s (fp8mon sync replays them), "
-                      "%d set aside under its rejected/, %d in memory lost; last error: %s", self.run,
+                      "%d set aside under its rejected/, %d lost; last error: %s", self.run,
                       status.pending, self.spool.directory, status.set_aside, status.lost + status.in_memory,
                       status.last_error)
         return ok
