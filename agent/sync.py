@@ -18,7 +18,7 @@ import httpx
 
 from . import delivery
 
-_RETRIES = (0.5, 1.0, 2.0, 4.0)  # seconds between attempts while the monitor is unreachable or answers 5xx
+_RETRIES = (0.5, 1.0, 2.0)  # seconds between attempts while the monitor is unreachable or answers 5xx
 
 
 def leftover_batches(roots: Iterable[Path]) -> list[Path]:

@@ -6,30 +6,14 @@ import logging
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from sqlalchemy import text
 
 from fp8mon import Agent
 from fp8mon.agent.spool import Spool
 from fp8mon.agent.transport import Transport
-from fp8mon.monitor.storage import SqlAlchemyStore as Store
-
-CHILD = Path(__file__).with_name("train_child.py")
-
-
-def stored_loss_steps(database_url) -> list[int]:
-    """The step of every stored loss value (a step stored twice appears twice)."""
-    store = Store(database_url)
-    try:
-        with store.engine.connect() as conn:
-            rows = conn.execute(text("select s.step from scalars s join scalar_series ss on ss.id = s.series_id "
-                                     "where ss.name = 'loss' order by s.step")).all()
-        return [r[0] for r in rows]
-    finally:
-        store.close()
+from tests.agent.child_runs import CHILD, stored_loss_steps
 
 
 def train(agent: Agent, steps: int) -> None:
