@@ -13,6 +13,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+__all__ = ["DeliveryError", "DeliveryStatus", "Outcome", "ingest_url", "post"]
+
 INGEST_PATH = "/api/v1/ingest"
 
 STORED, RETRY, AUTH, REFUSED = "stored", "retry", "auth", "refused"

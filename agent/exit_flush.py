@@ -19,6 +19,8 @@ import threading
 import time
 import weakref
 
+__all__ = ["register"]
+
 log = logging.getLogger("fp8mon.agent")
 
 EXIT_TIMEOUT = 10.0

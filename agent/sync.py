@@ -18,6 +18,8 @@ import httpx
 
 from . import delivery
 
+__all__ = ["leftover_batches", "sync"]
+
 _RETRIES = (0.5, 1.0, 2.0)  # seconds between attempts while the monitor is unreachable or answers 5xx
 
 
