@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -110,7 +111,9 @@ class Shipper:
         self.closed = True
         if status is not None:
             self.transport.set_run_meta(status=status)
+        deadline = time.monotonic() + timeout
         ok = self.collector.close(timeout)
+        left = max(0.0, deadline - time.monotonic())
         if self.owns_transport:
-            return self.transport.close(timeout) and ok, self.collector.errors
-        return self.transport.flush(timeout) and ok, self.collector.errors
+            return self.transport.close(left) and ok, self.collector.errors
+        return self.transport.flush(left) and ok, self.collector.errors

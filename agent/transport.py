@@ -168,14 +168,15 @@ class Transport:
         return done.wait(timeout) and len(self.spool) == 0
 
     def close(self, timeout: float = 30.0) -> bool:
-        """Flush and stop; what could not be delivered stays in the spool for the next process or `fp8mon sync`.
-        True only when every batch was delivered (none waits, none was set aside or lost)."""
+        """Flush and stop within ``timeout`` seconds; what could not be delivered stays in the spool for the next
+        process or `fp8mon sync`. True only when every batch was delivered (none waits, none set aside or lost)."""
         if self._closed:
             return self._all_delivered()
+        deadline = time.monotonic() + timeout
         delivered = self.flush(timeout)
         self._closed = True
         self._queue.put(("stop", None))
-        self._thread.join(timeout)
+        self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive():
             self._spill_queue()  # the sender is stuck in a request: put what it has not taken in the spool
         self._client.close()

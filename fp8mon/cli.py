@@ -124,6 +124,9 @@ def cmd_sync(args: argparse.Namespace) -> int:
     if not url:
         print("fp8mon sync: no monitor address: pass --url or set FP8MON_URL", file=sys.stderr)
         return 2
+    if not args.spool_dirs and not spool_root().is_dir():
+        print(f"fp8mon sync: nothing to replay: {spool_root()} does not exist", file=sys.stderr)
+        return 0
     return sync(args.spool_dirs or [spool_root()], url, args.token or os.environ.get("FP8MON_TOKEN"))
 
 

@@ -1,6 +1,7 @@
 """A run is never lost by how its process ends: an agent never closed flushes at exit and on SIGTERM, and `fp8mon sync`
 delivers what a killed training left in its spool, once. Real training processes, real server, real CLI."""
 
+import os
 import shutil
 import signal
 import subprocess
@@ -26,9 +27,9 @@ def read_until(proc: subprocess.Popen, want) -> list[str]:
     raise AssertionError(f"child ended early: {proc.wait()} {proc.stderr.read()}")
 
 
-def sync(*args: str) -> subprocess.CompletedProcess:
+def sync(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "fp8mon", "sync", *args], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=60, env=env)
 
 
 def test_a_training_that_never_calls_close_still_delivers_at_exit(live_server, tmp_path):
@@ -56,14 +57,17 @@ def test_sigterm_delivers_what_was_logged_and_keeps_the_programs_handling(live_s
 
 def test_an_exit_with_the_monitor_down_leaves_the_run_in_the_spool_for_sync(server_factory, tmp_path):
     server = server_factory()  # not started
-    child = subprocess.run([sys.executable, str(CHILD), server.url, str(tmp_path / "spool"), "20", "no-close"],
-                           capture_output=True, text=True, timeout=60)
+    home = {**os.environ, "HOME": str(tmp_path)}
+    spool = tmp_path / ".cache" / "fp8mon" / "spool" / "child-run"  # the default spool of the run
+    child = subprocess.run([sys.executable, str(CHILD), server.url, str(spool), "20", "no-close"],
+                           capture_output=True, text=True, timeout=60, env=home)
     assert child.returncode == 0 and "fp8mon sync replays them" in child.stderr, child.stderr
-    assert list((tmp_path / "spool").glob("*.fp8b"))
+    assert list(spool.glob("*.fp8b"))
     server.start()
-    done = sync(str(tmp_path / "spool"), "--url", server.url)
+    done = sync("--url", server.url, env=home)  # every run under the default spool root
     assert done.returncode == 0, done.stderr
     assert stored_loss_steps(server.database_url) == list(range(20))
+    assert not list(spool.glob("*.fp8b"))
 
 
 def test_sync_replays_the_spool_of_a_killed_training_once(server_factory, tmp_path):
@@ -105,3 +109,5 @@ def test_sync_errors_are_one_line_and_fail(tmp_path, monkeypatch):
     assert bad_url.returncode == 1 and len(bad_url.stderr.splitlines()) == 1 and "http://" in bad_url.stderr
     missing = sync(str(tmp_path / "nope"), "--url", "http://127.0.0.1:1")
     assert missing.returncode == 1 and "is not a spool directory" in missing.stderr
+    no_spool_yet = sync("--url", "http://127.0.0.1:1", env={**os.environ, "HOME": str(tmp_path / "nope")})
+    assert no_spool_yet.returncode == 0 and "nothing to replay" in no_spool_yet.stderr
