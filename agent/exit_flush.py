@@ -67,6 +67,14 @@ def _at_exit() -> None:
     _each("close")
 
 
+def _off_main_thread(action: str) -> None:
+    """The signal interrupted the main thread anywhere, possibly holding a lock of the agent's queues: the work
+    runs on a thread of its own, waited for a bounded time, so it can never deadlock on such a lock."""
+    worker = threading.Thread(target=_each, args=(action,), name="fp8mon-sigterm", daemon=True)
+    worker.start()
+    worker.join(EXIT_TIMEOUT + 1.0)
+
+
 def _install_sigterm() -> None:
     global _previous_sigterm
     if threading.current_thread() is not threading.main_thread():
@@ -80,10 +88,10 @@ def _install_sigterm() -> None:
 
 def _on_sigterm(signum, frame) -> None:
     previous = _previous_sigterm
-    if callable(previous):  # the program handles SIGTERM itself and may go on: deliver, but stay open
-        _each("flush")
+    # the program handles SIGTERM itself and may go on: deliver, but stay open
+    _off_main_thread("flush" if callable(previous) else "close")
+    if callable(previous):
         previous(signum, frame)
         return
-    _each("close")
     signal.signal(signum, signal.SIG_DFL)  # end as the default handler would: killed by SIGTERM
     os.kill(os.getpid(), signum)
