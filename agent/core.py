@@ -261,12 +261,17 @@ class Agent:
         """Hand everything logged so far to the monitor; True when it was delivered."""
         return self._shipper.flush(timeout)
 
+    def status(self):
+        """Where delivery stands: a ``delivery.DeliveryStatus`` (state, delivered, pending, in_memory, set_aside,
+        lost, last_error)."""
+        return self._shipper.status()
+
     def close(self, timeout: float = 30.0, status: str | None = None) -> bool:
         """Remove the hooks, send what is pending (and the run ``status`` if given) and stop. Statistics
         gathered after the last ``log`` are sent as ``current_step``, except under ``reduce_ranks``
         (that would be a collective call the other ranks may not make): they are dropped."""
         if self._closed:
-            return True
+            return self._shipper.close(timeout)[0]
         self._closed = True
         self._compiled.close()
         for hooks in self._layers:
@@ -361,4 +366,4 @@ class Agent:
         if key not in self._logged:
             self._logged.add(key)
             log.error("fp8mon agent: %s failed (%r); training continues, further such errors are only counted",
-                      where, exc, exc_info=exc)
+                      where, exc, exc_info=exc if exc.__traceback__ else None)  # a raised one

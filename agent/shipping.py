@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from . import wire
+from . import exit_flush, wire
 from .collector import Collector, Job
+from .delivery import DeliveryStatus
 
 _RUN_NAME = re.compile(wire.RUN_NAME_PATTERN)
 _SCALAR_NAME = re.compile(wire.SCALAR_NAME_PATTERN)
@@ -43,6 +45,17 @@ class Shipper:
         self.owns_transport = owns_transport
         self.collector = Collector(transport) if transport is not None else None
         self.rank, self.reduce, self._error = rank, reduce, error
+        self.closed = False
+        if owns_transport and hasattr(transport, "on_error"):  # delivery failures count in agent.errors
+            transport.on_error = lambda exc: error("delivery", exc)
+        if self.collector is not None:
+            exit_flush.register(self)  # an agent never closed still delivers at exit and on SIGTERM
+
+    def status(self) -> DeliveryStatus:
+        status = getattr(self.transport, "status", None)
+        if status is not None:
+            return status()
+        return DeliveryStatus(state="closed" if self.closed else "ok")
 
     def set_run_meta(self, **meta) -> None:
         if self.transport is not None and meta:
@@ -89,13 +102,18 @@ class Shipper:
             return True
         return self.collector.flush(timeout) and self.transport.flush(timeout)
 
-    def close(self, timeout: float, status: str | None) -> tuple[bool, int]:
+    def close(self, timeout: float, status: str | None = None) -> tuple[bool, int]:
         """Send what is pending (and the run ``status`` if given) and stop: (delivered, the collector's errors)."""
         if self.collector is None:
             return True, 0
+        if self.closed:  # already closed at exit: the truth again
+            return (self.transport.close(timeout) if self.owns_transport else self.transport.flush(timeout)), 0
+        self.closed = True
         if status is not None:
             self.transport.set_run_meta(status=status)
+        deadline = time.monotonic() + timeout
         ok = self.collector.close(timeout)
+        left = max(0.0, deadline - time.monotonic())
         if self.owns_transport:
-            return self.transport.close(timeout) and ok, self.collector.errors
-        return self.transport.flush(timeout) and ok, self.collector.errors
+            return self.transport.close(left) and ok, self.collector.errors
+        return self.transport.flush(left) and ok, self.collector.errors

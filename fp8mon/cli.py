@@ -1,4 +1,4 @@
-"""The `fp8mon` command: serve, db, demo, export, train.
+"""The `fp8mon` command: serve, db, demo, export, sync, train.
 
 Each command imports what it needs when it runs, so `fp8mon --help` and `fp8mon --version` work in an install
 with the agent only (no server packages).
@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fp8mon import __version__
@@ -115,6 +116,20 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sync(args: argparse.Namespace) -> int:
+    from fp8mon.agent.spool import spool_root
+    from fp8mon.agent.sync import sync
+
+    url = args.url or os.environ.get("FP8MON_URL")
+    if not url:
+        print("fp8mon sync: no monitor address: pass --url or set FP8MON_URL", file=sys.stderr)
+        return 2
+    if not args.spool_dirs and not spool_root().is_dir():
+        print(f"fp8mon sync: nothing to replay: {spool_root()} does not exist", file=sys.stderr)
+        return 0
+    return sync(args.spool_dirs or [spool_root()], url, args.token or os.environ.get("FP8MON_TOKEN"))
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from fp8mon.trainer.train import main as train_main  # torch only for this command
 
@@ -160,6 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--no-hist", action="store_true", help="leave the log2 histograms out")
     export.set_defaults(func=cmd_export)
 
+    sync = commands.add_parser("sync", help="deliver the batches runs left in their spools (idempotent)")
+    sync.add_argument("spool_dirs", nargs="*", type=Path, metavar="SPOOL_DIR",
+                      help="spool directories (default: every run's, under ~/.cache/fp8mon/spool)")
+    sync.add_argument("--url", help="the monitor's base address (env FP8MON_URL)")
+    sync.add_argument("--token", help="an ingest token (env FP8MON_TOKEN)")
+    sync.set_defaults(func=cmd_sync)
+
     # No option of its own (prefix_chars): every argument, --help too, goes to trainer.train untouched.
     train = commands.add_parser("train", add_help=False, prefix_chars="\0",
                                 help="train the FP8 LM (flags: fp8mon train --help)")
@@ -171,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
 # The extra that provides each top-level package a command may miss.
 _EXTRA_OF = {"fastapi": "monitor", "uvicorn": "monitor", "sqlalchemy": "monitor", "alembic": "monitor",
              "pydantic": "monitor", "pydantic_settings": "monitor", "prometheus_client": "monitor",
-             "torch": "trainer", "triton": "trainer", "tqdm": "trainer"}
+             "torch": "trainer", "triton": "trainer", "tqdm": "agent"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -112,9 +112,11 @@ def test_a_new_process_replays_what_the_previous_one_spooled(server_factory, tmp
 def test_rejected_batch_is_kept_aside_and_not_retried(live_server, tmp_path):
     transport = Transport(live_server.url, "run-t", spool_dir=tmp_path / "spool", flush_interval=0.05)
     transport.send_tensors({"step": 1, "layer": ["x"], "site": ["not-a-site"], "stats": {"amax": [1.0]}})
+    assert transport.flush(timeout=30)  # a batch of its own
     feed(transport, [2])
-    assert transport.close(timeout=30)
-    assert transport.stats.rejected_batches == 1
+    assert not transport.close(timeout=30)  # the truth: one batch was not delivered
+    assert transport.stats.rejected_batches == 1 and transport.status().set_aside == 1
+    assert stored(live_server.database_url) == expected([2])  # the batch behind it was not held back
     assert len(list((tmp_path / "spool" / "rejected").glob("*.fp8b"))) == 1
 
 
