@@ -41,7 +41,8 @@ def user_names(root: nn.Module, prefix: str = "", keep=lambda name, module: True
     base = prefix.rstrip(".")
     out, owner = [], {}
     for qualified, module in root.named_modules():
-        name = ".".join(p for p in (base, user_name(root, qualified)) if p)
+        # the model itself, watched without a prefix: its class name (the monitor takes no empty layer name)
+        name = ".".join(p for p in (base, user_name(root, qualified)) if p) or type(module).__name__
         if not keep(name, module):
             continue
         if name in owner:

@@ -95,9 +95,9 @@ def test_a_compiled_graphs_tensors_wait_as_copies(launches):
     y = torch.randn(16, 8)
     want = _rms(y)
     with agent._sink.waiting.copies():
-        agent._sink.observe("", "output", y)
+        agent._sink.observe("Linear", "output", y)
     y.data.zero_()  # reused memory: y's version counter does not change
     agent.log(0)
     agent.close()
     assert launches == [1] and agent.errors == 0
-    assert math.isclose(cap.records()[(0, "", "output", 0)]["rms"], want, rel_tol=1e-9)
+    assert math.isclose(cap.records()[(0, "Linear", "output", 0)]["rms"], want, rel_tol=1e-9)

@@ -63,3 +63,10 @@ def test_a_compiled_model_reports_under_the_users_names():
     agent.close()
     assert agent.errors == 0
     assert {layer for _, layer, _, _ in cap.records()} == {"0", "2"}
+
+
+def test_a_bare_linear_is_named_by_its_class():
+    from fp8mon.agent.hooks import select_modules
+
+    assert [name for name, _ in select_modules(nn.Linear(2, 2), None)] == ["Linear"]
+    assert [name for name, _ in select_modules(nn.Linear(2, 2), None, prefix="head")] == ["head"]
