@@ -8,6 +8,7 @@ from urllib.parse import quote
 
 import pytest
 
+from fp8mon.monitor.wire import IngestBatch
 from tests.monitor.fleet import SEARCHED, WORST, make_fleet
 
 try:
@@ -80,16 +81,20 @@ def test_search_and_sort_by_severity_reach_every_one_of_1000_runs(store, live_se
     assert page.errors == []
 
 
-def _ranked(kit, store, run, ranks):
+def _ranked(store, run, ranks):
     """Kurtosis of layer j on rank r: 3 + 10 (r + 1) + j (rank -1, the merged one: 3 + j); rank 5 holds a spike
     at layer 2, step 12. The loss comes from rank 0, as the agent ships it."""
     steps = range(20)
     for r in ranks:
-        values = {"kurtosis": [[300.0 if (r, j, s) == (5, 2, 12) else 3 + 10 * (r + 1) + j for j in range(len(LAYERS))]
-                               for s in steps]}
-        kit.ingest(store, run, steps=steps, layers=LAYERS, values=values, rank=r)
-    kit.ingest(store, run, steps=steps, layers=[], values=None, scalars={"loss": [1.0] * 20}, rank=0,
-               batch_prefix=f"{run}-loss")
+        kurtosis = [300.0 if (r, j, s) == (5, 2, 12) else 3.0 + 10 * (r + 1) + j
+                    for s in steps for j in range(len(LAYERS))]
+        store.ingest(IngestBatch.model_validate({
+            "version": 1, "batch_id": f"{run}-{r}", "run": run,
+            "tensors": {"step": [s for s in steps for _ in LAYERS], "layer": LAYERS * len(steps),
+                        "site": ["input"] * len(kurtosis), "rank": r, "stats": {"kurtosis": kurtosis}}}))
+    store.ingest(IngestBatch.model_validate({
+        "version": 1, "batch_id": f"{run}-loss", "run": run,
+        "scalars": {"step": list(steps), "name": ["loss"] * len(steps), "value": [1.0] * len(steps), "rank": 0}}))
 
 
 def heatmap_z(page):
@@ -98,9 +103,9 @@ def heatmap_z(page):
     return page.evaluate("() => document.getElementById('heatmap-chart').data.find(t => t.type === 'heatmap').z")
 
 
-def test_rank_selector_draws_the_merged_rank_one_rank_or_the_worst_over_ranks(store, live_server, page, kit):
-    _ranked(kit, store, "reduced", [-1])
-    _ranked(kit, store, "dp/eight", range(8))
+def test_rank_selector_draws_the_merged_rank_one_rank_or_the_worst_over_ranks(store, live_server, page):
+    _ranked(store, "reduced", [-1])
+    _ranked(store, "dp/eight", range(8))
 
     page.goto(f"{live_server.url}/?run=reduced")
     expect(page.locator("#heatmap-rank")).to_have_value("-1")
