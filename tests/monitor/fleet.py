@@ -1,6 +1,7 @@
 """A fleet of runs written fast through the store (no HTTP): many runs, firing alerts spread over them, and one
 old run that is the worst of all — what the run listing must rank and count right at scale."""
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fp8mon.monitor.alerting.lifecycle import Alert
@@ -9,11 +10,12 @@ from fp8mon.monitor.wire import IngestBatch
 
 SEARCHED = ("fog-a", "fog-b", "fog-c", "fog-d", "fog-e")  # old runs, far from the newest page
 WORST = "old-diverged"
+WAVE = 32  # runs created together; the worst and the searched runs are in the first wave
 
 
 @dataclass
 class Fleet:
-    names: list[str]  # in creation order (oldest first)
+    names: list[str]  # in creation order (oldest first) by waves of WAVE
     firing: dict[str, dict[str, int]] = field(default_factory=dict)  # run -> severity -> firing alerts
 
 
@@ -23,6 +25,19 @@ def add_run(store, name: str, *, tags: dict | None = None, step: int = 0) -> int
     if tags:
         body["run_meta"] = {"tags": tags}
     return store.ingest(IngestBatch.model_validate(body)).run_id
+
+
+def _add_runs(store, names: list[str]) -> dict[str, int]:
+    """Concurrent writers in waves (the store commits them in groups): a wave's runs are created after the
+    previous wave's, in no set order among themselves."""
+    ids: dict[str, int] = {}
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        for lo in range(0, len(names), WAVE):
+            wave = list(enumerate(names))[lo:lo + WAVE]
+            futures = {name: pool.submit(add_run, store, name, step=i,
+                                         tags={"team": "fog" if name in SEARCHED else "main"}) for i, name in wave}
+            ids.update({name: f.result() for name, f in futures.items()})
+    return ids
 
 
 def add_alerts(store, run_id: int, run: str, alerts: list[tuple[str, str]]) -> None:
@@ -45,8 +60,7 @@ def make_fleet(store, n: int = 1000, noisy_from: int | None = None) -> Fleet:
     names[2] = WORST
     names[10:10 + len(SEARCHED)] = SEARCHED
     fleet = Fleet(names)
-    ids = {name: add_run(store, name, tags={"team": "fog" if name in SEARCHED else "main"}, step=i)
-           for i, name in enumerate(names)}
+    ids = _add_runs(store, names)
     plans: dict[str, list[tuple[str, str]]] = {
         WORST: [("critical", "firing")] * 5 + [("warning", "firing"), ("critical", "resolved"),
                                                ("critical", "pending"), ("info", "resolved")]}
@@ -55,8 +69,12 @@ def make_fleet(store, n: int = 1000, noisy_from: int | None = None) -> Fleet:
             plans[name] = [("critical", "firing"), ("warning", "firing"), ("warning", "resolved")]
     for name in names[noisy_from:]:
         plans[name] = [("info", "firing")] * 4
+    add_alerts(store, ids[WORST], WORST, plans[WORST])  # first: the oldest alerts
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        for future in [pool.submit(add_alerts, store, ids[name], name, alerts) for name, alerts in plans.items()
+                       if name != WORST]:
+            future.result()
     for name, alerts in plans.items():
-        add_alerts(store, ids[name], name, alerts)
         counts: dict[str, int] = {}
         for severity, state in alerts:
             if state == "firing":
