@@ -250,9 +250,11 @@
       showMessage("run-list-message", searching ? "No run matches the search."
         : "No runs yet: start a training with the agent attached.");
     } else {
-      showMessage("run-list-message", `${runs.length} of ${state.runTotal} run${state.runTotal === 1 ? "" : "s"}`);
+      const capped = runs.length < state.runTotal && state.runLimit >= RUN_LIMIT_MAX ? ": search to narrow" : "";
+      showMessage("run-list-message",
+        `${runs.length} of ${state.runTotal} run${state.runTotal === 1 ? "" : "s"}${capped}`);
     }
-    $("run-more").hidden = runs.length >= state.runTotal;
+    $("run-more").hidden = runs.length >= state.runTotal || state.runLimit >= RUN_LIMIT_MAX;
   }
 
   function runItem(run) {
