@@ -38,11 +38,19 @@ class RunPatch(BaseModel):
 JsonFloat = float | Literal["NaN", "Infinity", "-Infinity"] | None  # null: not reported / empty bucket
 
 
+class RunListed(RunOut):
+    firing: int = Field(description="the run's firing alerts, all of them (not a page)")
+    firing_by_severity: dict[str, int] = Field(description="severity -> firing alerts (severities with some)")
+    worst_severity: Literal["info", "warning", "critical"] | None = Field(
+        description="the worst severity among the firing alerts; null: nothing firing")
+    risk: float | None = Field(description="risk of the latest prediction; null: none yet")
+
+
 class RunList(BaseModel):
     total: int = Field(description="runs matching the filters, over all pages")
     limit: int
     offset: int
-    runs: list[RunOut]
+    runs: list[RunListed]
 
 
 class RunDetail(RunOut):
@@ -101,7 +109,7 @@ class HeatmapOut(BaseModel):
     run: str
     stat: str
     site: str
-    rank: int
+    rank: int | None = Field(description="null: each cell is the worst (largest) over `ranks`")
     agg: Literal["max", "min", "mean", "last"]
     start: int | None
     end: int | None
@@ -110,6 +118,8 @@ class HeatmapOut(BaseModel):
     edges: list[int] = Field(description="column i covers steps [edges[i], edges[i+1])")
     layers: list[str] = Field(description="matrix rows, in model order")
     values: list[list[JsonFloat]] = Field(description="values[layer][column]; null: nothing reported there")
+    ranks: list[int] = Field(description="the ranks the cells come from")
+    run_ranks: list[int] = Field(description="every rank with statistics at this site (-1: merged over ranks)")
 
 
 class LatestSeries(BaseModel):

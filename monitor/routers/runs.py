@@ -14,7 +14,7 @@ from fp8mon.monitor.wire import RunStatus
 router = APIRouter(tags=["runs"])
 
 
-@router.get("/runs", response_model=RunList, responses=ERRORS, dependencies=[require_read], summary="List runs")
+@router.get("/runs", response_model=RunList, responses=ERRORS, dependencies=[require_read], summary="List runs, with their firing alerts and latest risk")
 def list_runs(
     store: StoreDep,
     status: Annotated[list[RunStatus] | None, Query(description="any of these statuses (repeatable)")] = None,
@@ -26,7 +26,8 @@ def list_runs(
                                                                 "offset)")] = None,
     updated_since: Annotated[datetime | None, Query(description="data received at or after")] = None,
     order_by: Annotated[str, Query(description="one of " + ", ".join(RUN_ORDER_FIELDS)
-                                               + "; prefix - for descending")] = "-created_at",
+                                               + "; prefix - for descending (-severity: the worst firing severity "
+                                               "first, then the most firing alerts)")] = "-created_at",
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     offset: Annotated[int, Query(ge=0, le=2**62)] = 0,  # (the databases' integers are 64-bit)
 ):

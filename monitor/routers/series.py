@@ -51,13 +51,18 @@ def get_heatmap(
     site: Annotated[Site, Query()] = "input",
     agg: Annotated[Literal["max", "min", "mean", "last"], Query(description="per-bucket aggregate")] = "max",
     rank: RankParam = 0,
+    worst_over_ranks: Annotated[bool, Query(description="each cell the largest over the run's ranks (rank is "
+                                                        "ignored; the merged rank -1 only if it is the only one)")]
+    = False,
     start: StepParam = None,
     end: StepParam = None,
     max_points: Annotated[int, Query(ge=1, le=4000, description="at most this many columns")] = 1000,
 ):
     """Rows are the run's layers with that site in model order; columns are step buckets
     (`edges[i]` to `edges[i+1]`); each cell is the bucket's `agg` (a NaN in the bucket makes max, min
-    and mean NaN). null: nothing reported there."""
+    and mean NaN). null: nothing reported there. `run_ranks` lists the ranks holding this site's statistics:
+    a map of a rank not among them is empty."""
     with http_errors():
-        return SafeJSONResponse(store.heatmap(run, stat=stat, site=site, rank=rank, start=start, end=end,
+        return SafeJSONResponse(store.heatmap(run, stat=stat, site=site, rank=None if worst_over_ranks else rank,
+                                              start=start, end=end,
                                               max_points=max_points, agg=agg).to_dict())

@@ -2,10 +2,9 @@
 "use strict";
 
 (function () {
-  const API = "/api/v1";
-  const TOKEN_KEY = "fp8mon.token";
   const INTERVAL_KEY = "fp8mon.refresh";
-  const RUN_LIMIT = 100;
+  const RUN_PAGE = 50; // runs per "more"
+  const RUN_LIMIT_MAX = 1000; // the API's page limit
   const SERIES_POINTS = 1500;
   const HEATMAP_COLUMNS = 600;
   const ALERT_LIMIT = 500;
@@ -15,10 +14,13 @@
     "nonfinite", "scale"];
   // Statistics spanning decades (kurtosis 3 -> 1000s): a log colour scale keeps the healthy layers readable.
   const LOG_STATS = new Set(["kurtosis", "kurtosis_central", "amax", "rms", "crest", "scale", "amax_history_max"]);
-  const PLOT_CONFIG = { displaylogo: false, responsive: true };
 
   const state = {
     runs: [],
+    runTotal: 0,
+    runLimit: RUN_PAGE,
+    runRequest: 0, // bumped per run-list request: an older answer does not overwrite a newer search
+    rankKey: "",
     selected: null,
     generation: 0, // bumped on every run switch: responses for an older selection are dropped
     catalogueKey: "",
@@ -28,123 +30,8 @@
     again: false, // a refresh was asked for while one was running
   };
 
-  const $ = (id) => document.getElementById(id);
-  const drawn = new Map(); // chart id -> what it shows now
-
-  // ---- the API -------------------------------------------------------------------------------------------
-
-  class ApiError extends Error {
-    constructor(status, message) {
-      super(message);
-      this.status = status;
-    }
-  }
-
-  function runPath(name) {
-    return name.split("/").map(encodeURIComponent).join("/");
-  }
-
-  function token() {
-    return sessionStorage.getItem(TOKEN_KEY) || "";
-  }
-
-  async function api(path, { method = "GET", params = {} } = {}) {
-    const url = new URL(API + path, window.location.origin);
-    for (const [key, value] of Object.entries(params)) {
-      if (value !== undefined && value !== null) url.searchParams.append(key, value);
-    }
-    const headers = { Accept: "application/json" };
-    if (token()) headers.Authorization = "Bearer " + token();
-    let response;
-    try {
-      response = await fetch(url, { method, headers });
-    } catch (err) {
-      throw new ApiError(0, "cannot reach the monitor server (" + err.message + ")");
-    }
-    if (!response.ok) throw new ApiError(response.status, await errorText(response));
-    return response.json();
-  }
-
-  async function errorText(response) {
-    let detail = "";
-    try {
-      const body = await response.json();
-      detail = typeof body.detail === "string" ? body.detail
-        : (body.detail || []).map((d) => (d.loc || []).slice(1).join(".") + ": " + d.msg).join("; ");
-    } catch (err) {
-      detail = response.statusText;
-    }
-    return (detail || "error") + " (HTTP " + response.status + ")";
-  }
-
-  function isAuthError(err) {
-    return err instanceof ApiError && (err.status === 401 || err.status === 403);
-  }
-
-  // The API writes NaN and infinities as strings; plotly needs numbers or null.
-  function num(value) {
-    return typeof value === "number" ? value : null;
-  }
-
-  function nonFinite(value) {
-    return typeof value === "string";
-  }
-
-  function fmt(value, digits = 3) {
-    if (value === null || value === undefined) return "–";
-    if (typeof value === "string") return value;
-    const abs = Math.abs(value);
-    if (abs !== 0 && (abs >= 1e5 || abs < 1e-3)) return value.toExponential(2);
-    return Number(value.toPrecision(digits)).toString();
-  }
-
-  // ---- small DOM helpers -----------------------------------------------------------------------------------
-
-  function el(tag, { cls, text, title, data } = {}, children = []) {
-    const node = document.createElement(tag);
-    if (cls) node.className = cls;
-    if (text !== undefined) node.textContent = text;
-    if (title) node.title = title;
-    for (const [key, value] of Object.entries(data || {})) node.dataset[key] = value;
-    for (const child of children) node.append(child);
-    return node;
-  }
-
-  function showMessage(id, text, isError = false) {
-    const node = $(id);
-    node.textContent = text || "";
-    node.classList.toggle("error", Boolean(isError));
-  }
-
-  function showBanner(text) {
-    $("banner").textContent = text || "";
-    $("banner").hidden = !text;
-  }
-
-  function errorMessage(err) {
-    return err instanceof ApiError ? err.message : "unexpected error: " + (err && err.message ? err.message : err);
-  }
-
-  function hasPlotly() {
-    return typeof window.Plotly !== "undefined";
-  }
-
-  function drawChart(id, traces, layout) {
-    const node = $(id);
-    if (!hasPlotly()) return;
-    const signature = JSON.stringify([traces, layout]);
-    if (drawn.get(id) === signature) return; // a refresh without new data: no redraw
-    drawn.set(id, signature);
-    node.classList.remove("blank");
-    window.Plotly.react(node, traces, layout, PLOT_CONFIG);
-  }
-
-  function blankChart(id) {
-    const node = $(id);
-    drawn.delete(id);
-    if (hasPlotly()) window.Plotly.purge(node);
-    node.classList.add("blank");
-  }
+  const { TOKEN_KEY, $, ApiError, runPath, api, isAuthError, num, nonFinite, fmt,
+    el, showMessage, showBanner, errorMessage, hasPlotly, drawChart, blankChart } = window.fp8mon;
 
   // ---- URL and token ---------------------------------------------------------------------------------------
 
@@ -210,14 +97,25 @@
   }
 
   // ---- run list --------------------------------------------------------------------------------------------
+  // One request per refresh: the server pages, searches and sorts every run, and counts each run's firing
+  // alerts and latest risk itself.
+
+  function runQuery() {
+    const tags = [];
+    const words = [];
+    for (const word of $("run-filter").value.trim().split(/\s+/).filter(Boolean)) {
+      (word.includes("=") ? tags : words).push(word);
+    }
+    return { name: words.join(" ") || null, tag: tags, order_by: $("run-sort").value, limit: state.runLimit };
+  }
 
   async function loadRuns() {
-    const [list, firing] = await Promise.all([
-      api("/runs", { params: { limit: RUN_LIMIT } }),
-      api("/alerts", { params: { state: "firing", limit: 1000 } }),
-    ]);
-    const risks = await Promise.all(list.runs.map((run) => latestPrediction(run.name).catch(() => null)));
-    return list.runs.map((run, i) => ({ ...run, prediction: risks[i], ...firingSummary(firing.alerts, run.name) }));
+    const query = runQuery();
+    const params = new URLSearchParams();
+    for (const [key, value] of Object.entries(query)) {
+      for (const v of [].concat(value)) if (v !== null && v !== undefined) params.append(key, v);
+    }
+    return api("/runs?" + params.toString());
   }
 
   async function latestPrediction(name) {
@@ -226,34 +124,34 @@
     return body.predictions.length ? body.predictions[body.predictions.length - 1] : null;
   }
 
-  function firingSummary(alerts, name) {
-    const mine = alerts.filter((a) => a.run === name);
-    const rank = (severity) => SEVERITY_RANK[severity] || 0;
-    const worst = mine.reduce((w, a) => (rank(a.severity) > rank(w) ? a.severity : w), "");
-    return { firing: mine.length, worstSeverity: worst };
-  }
-
   function renderRuns() {
-    const filter = $("run-filter").value.trim().toLowerCase();
-    const runs = state.runs.filter((run) => run.name.toLowerCase().includes(filter));
+    const runs = state.runs;
     $("run-list").replaceChildren(...runs.map(runItem));
-    if (!state.runs.length) showMessage("run-list-message", "No runs yet: start a training with the agent attached.");
-    else if (!runs.length) showMessage("run-list-message", "No run matches the filter.");
-    else showMessage("run-list-message", "");
+    const searching = $("run-filter").value.trim() !== "";
+    if (!runs.length) {
+      showMessage("run-list-message", searching ? "No run matches the search."
+        : "No runs yet: start a training with the agent attached.");
+    } else {
+      const capped = runs.length < state.runTotal && state.runLimit >= RUN_LIMIT_MAX ? ": search to narrow" : "";
+      showMessage("run-list-message",
+        `${runs.length} of ${state.runTotal} run${state.runTotal === 1 ? "" : "s"}${capped}`);
+    }
+    $("run-more").hidden = runs.length >= state.runTotal || state.runLimit >= RUN_LIMIT_MAX;
   }
 
   function runItem(run) {
-    const severity = run.worstSeverity ? " sev-" + run.worstSeverity : "";
+    const severity = run.worst_severity ? " sev-" + run.worst_severity : "";
     const selected = run.name === state.selected ? " selected" : "";
-    const risk = run.prediction ? run.prediction.risk : null;
+    const risk = run.risk;
     const health = el("div", { cls: "run-health" }, [
       el("span", { cls: "badge status-" + run.status, text: run.status }),
       el("span", { cls: "run-step", text: run.last_step === null ? "no steps" : "step " + run.last_step }),
       el("span", { cls: "run-risk " + riskClass(risk), text: risk === null ? "risk –" : "risk " + fmt(risk, 2) }),
-      el("span", { cls: "run-firing" + (run.firing ? " firing-" + run.worstSeverity : ""),
+      el("span", { cls: "run-firing" + (run.firing ? " firing-" + run.worst_severity : ""),
         text: run.firing + " firing" }),
     ]);
-    const title = run.firing ? `${run.firing} firing alert(s), worst ${run.worstSeverity}` : "no firing alert";
+    const counts = Object.entries(run.firing_by_severity).map(([sev, n]) => `${n} ${sev}`).join(", ");
+    const title = run.firing ? `${run.firing} firing alert(s): ${counts}` : "no firing alert";
     const item = el("li", { cls: "run-item" + severity + selected, title, data: { run: run.name } },
       [el("div", { cls: "run-name", text: run.name }), health]);
     item.addEventListener("click", () => selectRun(run.name));
@@ -266,8 +164,12 @@
   }
 
   async function refreshRuns() {
+    const asked = ++state.runRequest;
     try {
-      state.runs = await loadRuns();
+      const list = await loadRuns();
+      if (asked !== state.runRequest) return true; // a newer search or sort is under way: it renders
+      state.runs = list.runs;
+      state.runTotal = list.total;
       showBanner("");
       renderRuns();
       return true;
@@ -278,6 +180,30 @@
     }
   }
 
+  function bindRunListControls(params) {
+    if (params.get("q")) $("run-filter").value = params.get("q");
+    if (params.get("sort")) $("run-sort").value = params.get("sort");
+    if (!$("run-sort").value) $("run-sort").value = "-created_at";
+    let timer = null;
+    $("run-filter").addEventListener("input", () => {
+      clearTimeout(timer);
+      timer = setTimeout(() => {
+        state.runLimit = RUN_PAGE;
+        updateUrl({ q: $("run-filter").value.trim() || null });
+        refreshRuns();
+      }, 250);
+    });
+    $("run-sort").addEventListener("change", () => {
+      state.runLimit = RUN_PAGE;
+      updateUrl({ sort: $("run-sort").value === "-created_at" ? null : $("run-sort").value });
+      refreshRuns();
+    });
+    $("run-more").addEventListener("click", () => {
+      state.runLimit = Math.min(RUN_LIMIT_MAX, state.runLimit + RUN_PAGE);
+      refreshRuns();
+    });
+  }
+
   // ---- one run ---------------------------------------------------------------------------------------------
 
   function selectRun(name) {
@@ -285,7 +211,8 @@
     state.selected = name;
     state.generation += 1;
     state.catalogueKey = "";
-    updateUrl({ run: name, stat: null, site: null });
+    state.rankKey = "";
+    updateUrl({ run: name, stat: null, site: null, rank: null });
     for (const item of document.querySelectorAll(".run-item")) {
       item.classList.toggle("selected", item.dataset.run === name);
     }
@@ -307,6 +234,7 @@
       if (!current()) return;
       showRunHeader(run);
       fillHeatmapSelectors(catalogue);
+      fillRankSelector(catalogue.ranks);
     } catch (err) {
       if (current()) showRunError(name, err);
       return;
@@ -445,6 +373,36 @@
     $("heatmap-log").checked = LOG_STATS.has($("heatmap-stat").value);
   }
 
+  function fillRankSelector(ranks) {
+    // merged (-1) when the run reduces over ranks, else rank 0; "worst" when several ranks report
+    const key = ranks.join(",");
+    if (key === state.rankKey) return;
+    state.rankKey = key;
+    const perRank = ranks.filter((r) => r >= 0);
+    const options = ranks.map((r) => ({ value: String(r), text: r === -1 ? "merged (−1)" : "rank " + r }));
+    if (perRank.length > 1) options.push({ value: "worst", text: "worst over ranks" });
+    const select = $("heatmap-rank");
+    select.replaceChildren(...options.map((o) => {
+      const option = el("option", { text: o.text });
+      option.value = o.value;
+      return option;
+    }));
+    const values = options.map((o) => o.value);
+    const asked = new URLSearchParams(window.location.search).get("rank");
+    const fallback = ranks.includes(-1) ? "-1" : ranks.includes(0) ? "0" : (values[0] || "0");
+    select.value = values.includes(asked) ? asked : fallback;
+    select.disabled = options.length < 2;
+  }
+
+  function rankParams() {
+    const value = $("heatmap-rank").value || "0";
+    return value === "worst" ? { worst_over_ranks: true } : { rank: value };
+  }
+
+  function rankLabel(value) {
+    return value === "worst" ? "any rank" : value === "-1" ? "the merged rank (−1)" : "rank " + value;
+  }
+
   function fillSelect(id, values, preferred) {
     const select = $(id);
     select.replaceChildren(...values.map((v) => el("option", { text: v })));
@@ -454,6 +412,7 @@
   async function drawHeatmap(name, generation) {
     const stat = $("heatmap-stat").value;
     const site = $("heatmap-site").value;
+    const rank = $("heatmap-rank").value;
     if (!stat || !site) {
       blankChart("heatmap-chart");
       showMessage("heatmap-message", "No per-layer statistics in this run yet.");
@@ -462,24 +421,34 @@
     let heatmap;
     try {
       heatmap = await api(`/runs/${runPath(name)}/heatmap`, {
-        params: { stat, site, agg: $("heatmap-agg").value, max_points: HEATMAP_COLUMNS } });
+        params: { stat, site, agg: $("heatmap-agg").value, max_points: HEATMAP_COLUMNS, ...rankParams() } });
     } catch (err) {
       if (generation !== state.generation) return;
       blankChart("heatmap-chart");
       showMessage("heatmap-message", errorMessage(err), true);
       return;
     }
-    if (generation !== state.generation || stat !== $("heatmap-stat").value || site !== $("heatmap-site").value) {
+    if (generation !== state.generation || stat !== $("heatmap-stat").value || site !== $("heatmap-site").value
+        || rank !== $("heatmap-rank").value) {
       return; // the user switched while this was loading; the newer request draws
     }
-    if (!heatmap.layers.length || !heatmap.edges.length) {
+    const empty = emptyHeatmapReason(heatmap, stat, site, rank);
+    if (empty) {
       blankChart("heatmap-chart");
-      showMessage("heatmap-message", `No ${stat} at the ${site} site in this run.`);
+      showMessage("heatmap-message", empty);
       return;
     }
-    showMessage("heatmap-message", heatmap.downsampled
-      ? `${heatmap.bucket_width} steps per column (${heatmap.agg} of each bucket).` : "");
+    const worst = rank === "worst" ? `Each cell: the largest over ranks ${heatmap.ranks.join(", ")}. ` : "";
+    showMessage("heatmap-message", worst + (heatmap.downsampled
+      ? `${heatmap.bucket_width} steps per column (${heatmap.agg} of each bucket).` : ""));
     drawChart("heatmap-chart", heatmapTraces(heatmap), heatmapLayout(name));
+  }
+
+  function emptyHeatmapReason(heatmap, stat, site, rank) {
+    if (!heatmap.layers.length || !heatmap.edges.length) return `No ${stat} at the ${site} site in this run.`;
+    if (heatmap.values.some((row) => row.some((v) => v !== null))) return "";
+    const others = heatmap.run_ranks.map((r) => rankLabel(String(r))).join(", ");
+    return `No ${stat} at the ${site} site on ${rankLabel(rank)}` + (others ? `: this run reports it on ${others}.` : ".");
   }
 
   function reportedColumns(heatmap) {
@@ -535,7 +504,7 @@
 
   function bindHeatmapControls() {
     const redraw = () => {
-      updateUrl({ stat: $("heatmap-stat").value, site: $("heatmap-site").value });
+      updateUrl({ stat: $("heatmap-stat").value, site: $("heatmap-site").value, rank: $("heatmap-rank").value });
       if (state.selected) drawHeatmap(state.selected, state.generation);
     };
     $("heatmap-stat").addEventListener("change", () => {
@@ -544,6 +513,7 @@
     });
     $("heatmap-site").addEventListener("change", redraw);
     $("heatmap-agg").addEventListener("change", redraw);
+    $("heatmap-rank").addEventListener("change", redraw);
     $("heatmap-log").addEventListener("change", redraw);
   }
 
@@ -764,7 +734,7 @@
     bindTokenForm();
     bindRefreshControls();
     bindHeatmapControls();
-    $("run-filter").addEventListener("input", renderRuns);
+    bindRunListControls(params);
     if (!hasPlotly()) showBanner("plotly.js did not load from /static/plotly.min.js: charts are off, tables work.");
     if (params.get("run")) {
       state.selected = params.get("run");

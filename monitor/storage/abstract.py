@@ -80,7 +80,8 @@ class AbstractStore(AlertStore):
                   updated_since: datetime | None = None, order_by: str = "-created_at", limit: int = 50,
                   offset: int = 0) -> RunPage:
         """Runs matching every filter given: `name` a substring or a glob (* and ?), case-insensitive; `tags`
-        items "key=value" or "key"; `order_by` a field, "-" prefixed for descending."""
+        items "key=value" or "key"; `order_by` a field, "-" prefixed for descending. Each run comes as a RunSummary: its firing alerts
+        per severity (all of them) and its latest risk."""
 
     @abstractmethod
     def get_run(self, name: str) -> RunDetail: ...
@@ -110,9 +111,10 @@ class AbstractStore(AlertStore):
         """One statistic of one layer x site (or one scalar) over [start, end]: raw points, or buckets."""
 
     @abstractmethod
-    def heatmap(self, name: str, *, stat: str, site: str, rank: int = 0, start: int | None = None,
+    def heatmap(self, name: str, *, stat: str, site: str, rank: int | None = 0, start: int | None = None,
                 end: int | None = None, max_points: int = 1000, agg: str = "max") -> Heatmap:
-        """A layer x step-bucket matrix of one statistic at one site, layers in model order."""
+        """A layer x step-bucket matrix of one statistic at one site, layers in model order; `rank` None:
+        each cell the worst (largest) over the run's ranks."""
 
     @abstractmethod
     def export_rows(self, name: str, *, stats: tuple[str, ...] = TENSOR_STATS, hist: bool = True) -> RunExport:

@@ -55,6 +55,20 @@ class Run(_Entity):
 
 
 @dataclass(frozen=True)
+class RunSummary(Run):
+    """A run as listed: with its firing alerts per severity, the worst of them, and its latest risk."""
+
+    firing_by_severity: dict = field(default_factory=dict)  # severity -> firing alerts (only those with some)
+    worst_severity: str | None = None  # of the firing alerts; None: nothing firing
+    risk: float | None = None  # of the latest prediction; None: none yet
+
+    def to_dict(self) -> dict:
+        return {**super().to_dict(), "firing": sum(self.firing_by_severity.values()),
+                "firing_by_severity": dict(self.firing_by_severity), "worst_severity": self.worst_severity,
+                "risk": self.risk}
+
+
+@dataclass(frozen=True)
 class RunDetail(_Entity):
     run: Run
     tensor_series: int
@@ -71,7 +85,7 @@ class RunPage(_Entity):
     total: int  # runs matching the filters, over all pages
     limit: int
     offset: int
-    runs: list[Run]
+    runs: list[Run]  # RunSummary from list_runs
 
 
 @dataclass(frozen=True)
@@ -126,7 +140,7 @@ class Heatmap(_Entity):
     run: str
     stat: str
     site: str
-    rank: int
+    rank: int | None  # None: the worst over `ranks`
     agg: str
     start: int | None
     end: int | None
@@ -135,6 +149,8 @@ class Heatmap(_Entity):
     edges: list[int]
     layers: list[str]
     values: list[list]  # values[layer][column]
+    ranks: list[int] = field(default_factory=list)  # the ranks the cells come from
+    run_ranks: list[int] = field(default_factory=list)  # every rank with statistics at this site
 
 
 # -- alerts and predictions ------------------------------------------------------------------------

@@ -5,18 +5,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import Connection, delete, func, select, text, update
+from sqlalchemy import Connection, case, delete, func, literal, select, text, update
 
 from fp8mon.agent.wire import SITES, TENSOR_STATS
+from fp8mon.monitor.models import Alert, Prediction, ScalarSeries, TensorSeries
 from fp8mon.monitor.models import Run as RunRow
-from fp8mon.monitor.models import ScalarSeries, TensorSeries
 from fp8mon.monitor.storage.database import Database, as_utc, fetch, to_float, utcnow
-from fp8mon.monitor.storage.entities import Catalogue, DeletedRun, LatestSnapshot, Run, RunDetail, RunPage
+from fp8mon.monitor.storage.entities import (
+    Catalogue,
+    DeletedRun,
+    LatestSnapshot,
+    Run,
+    RunDetail,
+    RunPage,
+    RunSummary,
+)
 from fp8mon.monitor.storage.errors import BadParameter, NotFound
 from fp8mon.monitor.storage.rollup import KINDS, effective_horizon, series_ranks
 from fp8mon.monitor.wire import FINAL_STATUSES, finite_or_none
 
-RUN_ORDER_FIELDS = ("created_at", "started_at", "last_seen_at", "name", "status", "first_step", "last_step", "id")
+# severity: worst firing severity, then firing count; firing: firing count; risk: the latest prediction's
+RUN_ORDER_FIELDS = ("created_at", "started_at", "last_seen_at", "name", "status", "first_step", "last_step", "id",
+                    "severity", "firing", "risk")
+SEVERITIES = ("info", "warning", "critical")  # mildest first
 
 @dataclass
 class RunRef:
@@ -59,10 +70,22 @@ def parse_tag_filters(tags: list[str]) -> list[tuple[str, str | None]]:
     return out
 
 
-def list_runs(db: Database, *, status: list[str] | None = None, name: str | None = None, tags: list[str] | None = None,
-              created_since: datetime | None = None, updated_since: datetime | None = None,
-              order_by: str = "-created_at", limit: int = 50, offset: int = 0) -> RunPage:
-    """Runs matching every filter given, a page of them and the total count."""
+def _firing_per_run():
+    """One row per run with firing alerts: the count per severity and the worst (1 info .. 3 critical)."""
+    level = case({sev: i for i, sev in enumerate(SEVERITIES, start=1)}, value=Alert.severity, else_=0)
+    per_severity = [func.sum(case((Alert.severity == sev, 1), else_=0)).label(sev) for sev in SEVERITIES]
+    return (select(Alert.run_id, func.count().label("n"), func.max(level).label("worst"), *per_severity)
+            .where(Alert.state == "firing").group_by(Alert.run_id).subquery("firing"))
+
+
+def _summary(row) -> RunSummary:
+    counts = {sev: int(getattr(row, f"n_{sev}") or 0) for sev in SEVERITIES}
+    worst = int(row.worst_level or 0)
+    return RunSummary(**vars(run_entity(row)), firing_by_severity={k: v for k, v in counts.items() if v},
+                      worst_severity=SEVERITIES[worst - 1] if worst else None, risk=finite_or_none(to_float(row.risk)))
+
+
+def _run_filters(status, name, tags, created_since, updated_since) -> list:
     conds = []
     if status:
         conds.append(RunRow.status.in_(status))
@@ -75,17 +98,37 @@ def list_runs(db: Database, *, status: list[str] | None = None, name: str | None
         conds.append(RunRow.created_at >= as_utc(created_since))
     if updated_since is not None:
         conds.append(RunRow.last_seen_at >= as_utc(updated_since))
+    return conds
+
+
+def list_runs(db: Database, *, status: list[str] | None = None, name: str | None = None, tags: list[str] | None = None,
+              created_since: datetime | None = None, updated_since: datetime | None = None,
+              order_by: str = "-created_at", limit: int = 50, offset: int = 0) -> RunPage:
+    """Runs matching every filter given, a page of them and the total count. Each run comes with its firing
+    alerts per severity and its latest risk, computed by the database for the whole listing (one grouped
+    subquery), so that sorting by severity ranks every run, not a page."""
+    conds = _run_filters(status, name, tags, created_since, updated_since)
     desc = order_by.startswith("-")
     field_name = order_by.lstrip("-+")
     if field_name not in RUN_ORDER_FIELDS:
         raise BadParameter(f"order_by: {order_by!r} is not one of {', '.join(RUN_ORDER_FIELDS)} (prefix - for "
                            "descending)")
-    column = getattr(RunRow, field_name)
-    ordering = [(column.desc() if desc else column.asc()).nulls_last(), RunRow.id.desc() if desc else RunRow.id.asc()]
+    firing = _firing_per_run()
+    risk = (select(Prediction.risk).where(Prediction.run_id == RunRow.id).order_by(Prediction.step.desc())
+            .limit(1).correlate(RunRow).scalar_subquery())
+    worst, n_firing = func.coalesce(firing.c.worst, literal(0)), func.coalesce(firing.c.n, literal(0))
+    derived = {"severity": [worst, n_firing], "firing": [n_firing], "risk": [risk]}
+    keys = derived[field_name] if field_name in derived else [getattr(RunRow, field_name)]
+    direction = (lambda c: c.desc()) if desc else (lambda c: c.asc())
+    ordering = [direction(k).nulls_last() for k in keys]
+    ordering.append(RunRow.id.desc() if desc else RunRow.id.asc())
+    query = (select(RunRow.__table__, worst.label("worst_level"), risk.label("risk"),
+                    *[firing.c[sev].label(f"n_{sev}") for sev in SEVERITIES])
+             .select_from(RunRow.__table__.outerjoin(firing, firing.c.run_id == RunRow.id)))
     with db.reading() as conn:
         total = conn.execute(select(func.count()).select_from(RunRow).where(*conds)).scalar_one()
-        rows = conn.execute(select(RunRow.__table__).where(*conds).order_by(*ordering).limit(limit).offset(offset))
-        runs = [run_entity(r) for r in rows]
+        rows = conn.execute(query.where(*conds).order_by(*ordering).limit(limit).offset(offset))
+        runs = [_summary(r) for r in rows]
     return RunPage(total=total, limit=limit, offset=offset, runs=runs)
 
 

@@ -31,7 +31,7 @@ from fp8mon.monitor.models import ROLLUP_WIDTHS, ScalarSeries, TensorSeries
 from fp8mon.monitor.storage.database import Database, fetch
 from fp8mon.monitor.storage.entities import Heatmap, Series
 from fp8mon.monitor.storage.errors import BadParameter, NotFound
-from fp8mon.monitor.storage.rollup import KINDS, level_cover, sql_is_nan, sql_nan
+from fp8mon.monitor.storage.rollup import KINDS, level_cover, series_ranks, sql_is_nan, sql_nan
 from fp8mon.monitor.storage.runs import RunRef, run_ref
 
 AGGS = ("min", "max", "mean", "last")
@@ -351,9 +351,27 @@ def series(db: Database, name: str, *, stat: str | None = None, layer: str | Non
     return Series(**out)
 
 
-def heatmap(db: Database, name: str, *, stat: str, site: str, rank: int = 0, start: int | None = None,
+def _worst_cells(conn: Connection, stat: str, series_ids: list[int], ranks: list[int], plan: Plan, horizon: int,
+                 agg: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per cell, the largest of the ranks' `agg` (a NaN on any rank wins); null where no rank reported."""
+    best = null = None
+    for rank in ranks:
+        cells = aggregate(conn, "tensor", stat, series_ids, rank, plan, horizon, (agg,))
+        values, missing = cells.values[agg], cells.null[agg]
+        if best is None:
+            best, null = np.where(missing, -np.inf, values), missing
+            continue
+        with np.errstate(invalid="ignore"):
+            best = np.maximum(best, np.where(missing, -np.inf, values))
+        null = null & missing
+    return best, null
+
+
+def heatmap(db: Database, name: str, *, stat: str, site: str, rank: int | None = 0, start: int | None = None,
             end: int | None = None, max_points: int = 1000, agg: str = "max") -> Heatmap:
-    """A layer x step-bucket matrix of one statistic at one site, layers in model order."""
+    """A layer x step-bucket matrix of one statistic at one site, layers in model order. `rank` None: each
+    cell is the worst (largest) over the per-rank values (rank -1, the merged one, only when it is the only
+    rank)."""
     if stat not in TENSOR_STATS:
         raise BadParameter(f"stat: {stat!r} is not one of {', '.join(TENSOR_STATS)}")
     if agg not in AGGS:
@@ -363,15 +381,24 @@ def heatmap(db: Database, name: str, *, stat: str, site: str, rank: int = 0, sta
         ref = run_ref(conn, name)
         series_rows = conn.execute(select(TensorSeries.id, TensorSeries.layer).where(
             TensorSeries.run_id == ref.id, TensorSeries.site == site).order_by(TensorSeries.ordinal)).all()
+        by_series = series_ranks(conn, "tensor", ref.id)
+        run_ranks = sorted({r for row in series_rows for r in by_series.get(row.id, [])})
+        ranks = [rank] if rank is not None else ([r for r in run_ranks if r >= 0] or run_ranks)
+        out.update(ranks=ranks, run_ranks=run_ranks)
         rng = _step_range(ref, start, end)
         if rng is None or not series_rows:
             out.update(start=start if rng is None else rng[0], end=end if rng is None else rng[1], bucket_width=1,
                        downsampled=False, edges=[], layers=[r.layer for r in series_rows],
                        values=[[] for _ in series_rows])
             return Heatmap(**out)
-        plan = plan_buckets(rng[0], rng[1], max_points, n_series=len(series_rows))
-        cells = aggregate(conn, "tensor", stat, [r.id for r in series_rows], rank, plan, ref.horizon, (agg,))
-    flat = json_floats(cells.values[agg].ravel(), cells.null[agg].ravel())
+        plan = plan_buckets(rng[0], rng[1], max_points, n_series=len(series_rows) * max(1, len(ranks)))
+        ids = [r.id for r in series_rows]
+        if rank is None:
+            values, null = _worst_cells(conn, stat, ids, ranks, plan, ref.horizon, agg)
+        else:
+            cells = aggregate(conn, "tensor", stat, ids, rank, plan, ref.horizon, (agg,))
+            values, null = cells.values[agg], cells.null[agg]
+    flat = json_floats(values.ravel(), null.ravel())
     cols = plan.columns
     out.update(start=plan.start, end=plan.end, bucket_width=plan.width, downsampled=plan.width > 1,
                edges=plan.edges(), layers=[r.layer for r in series_rows],

@@ -118,7 +118,7 @@ class SqlAlchemyStore(AbstractStore):
         return series.series(self.db, name, stat=stat, layer=layer, site=site, scalar=scalar, rank=rank,
                              start=start, end=end, max_points=max_points)
 
-    def heatmap(self, name: str, *, stat: str, site: str, rank: int = 0, start: int | None = None,
+    def heatmap(self, name: str, *, stat: str, site: str, rank: int | None = 0, start: int | None = None,
                 end: int | None = None, max_points: int = 1000, agg: str = "max") -> Heatmap:
         return series.heatmap(self.db, name, stat=stat, site=site, rank=rank, start=start, end=end,
                               max_points=max_points, agg=agg)
