@@ -375,7 +375,7 @@ def test_delayed_scaling_keeps_an_amax_history_and_reports_overflow():
         window = amaxes[max(0, step - 3):step] or [0.0]  # the previous <= 3 steps, every step counted
         scale = delayed_scale(window, "e4m3", margin=1)
         want = Moments.from_tensor(xs[i], fmt="e4m3", scale=scale, amax_history_max=max(window)).to_stats()
-        assert_record(records[(step, "", "input", 0)], want)
+        assert_record(records[(step, "Linear", "input", 0)], want)
         overflowed += want["overflow_frac"] > 0
     assert overflowed >= 3  # the stale history (amax x4 per step, margin 1) does overflow
 

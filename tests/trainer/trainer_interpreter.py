@@ -32,8 +32,9 @@ def skip_if_interpreter_broken() -> None:
 
 def _ours(name: str) -> bool:
     """The modules imported afresh: fp8mon's, and Triton's Python modules (its language functions are jitted at its
-    import too; its compiled extension cannot load twice)."""
-    if name == "triton._C" or name.startswith("triton._C."):
+    import too; its compiled extension cannot load twice). Not fp8mon.agent.compiled: its torch.library ops are the
+    process's, registered once (imported afresh, they would call the fresh copy's layer registry from then on)."""
+    if name == "triton._C" or name.startswith("triton._C.") or name == "fp8mon.agent.compiled":
         return False
     return any(name == top or name.startswith(top + ".") for top in ("fp8mon", "triton"))
 
