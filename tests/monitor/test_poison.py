@@ -191,3 +191,21 @@ def test_batch_models_refuse_what_they_cannot_store():
         IngestBatch.model_validate(body(scalars=scalars(step=[], name=[], value=[])))
     batch = IngestBatch.model_validate(body(run="team/exp-1.v2", run_meta={"config": {"x": [math.inf]}}))
     assert batch.run_meta.config == {"x": ["Infinity"]}
+
+
+def test_an_agent_with_an_infinite_config_value_delivers_every_step(live_server, tmp_path):
+    """The real agent and server: Agent(config={"clip": inf}) got 503 'retry' on PostgreSQL for its first
+    batch, so 0 of 175 steps arrived."""
+    import httpx
+
+    from fp8mon.agent import Agent
+
+    agent = Agent(live_server.url, "cfg-inf", config={"clip": math.inf, "eps": math.nan, "lr": 3e-4},
+                  spool_dir=tmp_path / "spool", flush_interval=0.05)
+    for step in range(1, 41):
+        agent.log(step, loss=2.0 / step)
+    assert agent.close(timeout=30)
+    api = f"{live_server.url}{API}/runs/cfg-inf"
+    assert httpx.get(api).json()["config"] == {"clip": "Infinity", "eps": "NaN", "lr": 3e-4}
+    points = httpx.get(f"{api}/series", params={"scalar": "loss"}).json()
+    assert len(points["points"]["step"]) == 40
