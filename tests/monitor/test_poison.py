@@ -209,3 +209,23 @@ def test_an_agent_with_an_infinite_config_value_delivers_every_step(live_server,
     assert httpx.get(api).json()["config"] == {"clip": "Infinity", "eps": "NaN", "lr": 3e-4}
     points = httpx.get(f"{api}/series", params={"scalar": "loss"}).json()
     assert len(points["points"]["step"]) == 40
+
+
+def test_a_predictor_rebuilt_after_a_failure_keeps_the_runs_config(app_factory):
+    """A failing predictor was rebuilt without the run's config."""
+    built = []
+
+    class Flaky:
+        def __init__(self, run, config=None):
+            built.append(config)
+
+        def observe(self, batch):
+            if len(built) == 1:
+                raise RuntimeError("predictor bug")
+            return []
+
+    with app_factory(predictor_factory=Flaky) as client:
+        assert post(client, body(run_meta={"config": {"lr": 0.1}}, scalars=scalars())).status_code == 200
+        assert post(client, body(batch_id="b2", scalars=scalars(step=2))).status_code == 200
+        assert client.app.state.pipeline.flush()
+    assert built == [{"lr": 0.1}, {"lr": 0.1}]
