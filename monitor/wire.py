@@ -42,7 +42,7 @@ RunName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_RUN_NAME
 LayerName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_LAYER_NAME, pattern=PRINTABLE)]
 ScalarName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_SCALAR_NAME, pattern=SCALAR_NAME_PATTERN)]
 TagKey = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TAG, pattern=r"^[^\x00-\x1f\x7f=]*$")]
-TagValue = Annotated[str, StringConstraints(max_length=MAX_RUN_NAME * 5, pattern=PRINTABLE)]
+TagValue = Annotated[str, StringConstraints(pattern=r"^[^\x00]*$")]  # searched by value: PostgreSQL cannot hold NUL
 BatchId = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=PRINTABLE)]
 HistCount = Annotated[int, Field(ge=0, le=2**63 - 1)]  # stored as int64
 Step = Annotated[int, Field(ge=0, le=2**62)]
@@ -130,23 +130,19 @@ def _check_paths(column: str, names: list[str]) -> None:
 
 def json_config(value: Any, where: str = "config", depth: int = 0) -> Any:
     """A run's config as JSON both databases store alike: non-finite floats become the strings "NaN",
-    "Infinity", "-Infinity" (as the API writes them), NUL characters (PostgreSQL cannot query them) and
-    anything that is not JSON (msgpack bytes) are refused, naming where."""
+    "Infinity", "-Infinity" (as the API writes them); anything that is not JSON (msgpack bytes) is refused,
+    naming where."""
     if depth > MAX_CONFIG_DEPTH:
         raise ValueError(f"{where}: nested deeper than {MAX_CONFIG_DEPTH} levels")
     if isinstance(value, float):
         return finite_or_none(value)
-    if isinstance(value, str):
-        if "\x00" in value:
-            raise ValueError(f"{where}: contains a NUL character")
-        return value
-    if value is None or isinstance(value, (bool, int)):
+    if value is None or isinstance(value, (str, bool, int)):
         return value
     if isinstance(value, dict):
         out = {}
         for key, item in value.items():
-            if not isinstance(key, str) or "\x00" in key:
-                raise ValueError(f"{where}: key {key!r} is not a string without NUL characters")
+            if not isinstance(key, str):
+                raise ValueError(f"{where}: key {key!r} is not a string")
             out[key] = json_config(item, f"{where}.{key}", depth + 1)
         return out
     if isinstance(value, (list, tuple)):

@@ -50,7 +50,7 @@ POISON = {
     "NUL in a tag value": (body(run_meta={"tags": {"branch": "main\x00"}}), "run_meta.tags.branch"),
     "NUL in a tag key": (body(run_meta={"tags": {"bra\x00nch": "main"}}), "run_meta.tags"),
     "NUL in the batch id": (body(batch_id="b\x001", scalars=scalars()), "batch_id"),
-    "NUL in a config string": (body(run_meta={"config": {"opt": {"name": "adam\x00"}}}), "config.opt.name"),
+    "bytes as a config key": (body(run_meta={"config": {b"seed": 1}}), "config"),
     "bytes in the config": (body(run_meta={"config": {"seed": b"\x01"}}), "config.seed"),
     "empty tensors block": (body(tensors=tensors(step=[], layer=[], site=[], stats={})), "tensors"),
     "empty scalars block": (body(scalars=scalars(step=[], name=[], value=[])), "scalars"),
@@ -65,7 +65,7 @@ POISON = {
 @pytest.mark.parametrize("case", POISON, ids=list(POISON))
 def test_poison_is_refused_naming_the_field_and_the_next_batch_goes_through(client, database_url, case, fmt):
     payload, field = POISON[case]
-    if fmt == "json" and case == "bytes in the config":
+    if fmt == "json" and case.startswith("bytes"):
         pytest.skip("JSON has no bytes")
     if fmt == "msgpack" and case == "histogram count of 2**63":
         payload = msgpack.packb(payload)  # fits msgpack's uint64; 2**64 would not even encode
@@ -97,13 +97,15 @@ def test_json_number_beyond_float64_is_refused_not_stored_as_infinity(client, da
 
 @pytest.mark.parametrize("fmt", ["msgpack", "json"])
 def test_non_finite_config_is_stored_as_strings_on_every_database(client, fmt):
-    """Agent(config={"clip": float("inf")}) was answered 503 on PostgreSQL and its run never arrived."""
-    config = {"clip": math.inf, "floor": -math.inf, "eps": math.nan, "nested": [{"lr": math.inf}], "ok": 0.5}
+    """Agent(config={"clip": float("inf")}) was answered 503 on PostgreSQL and its run never arrived. A NUL
+    in a config string is stored as it came (the config is never searched, and both databases keep it)."""
+    config = {"clip": math.inf, "floor": -math.inf, "eps": math.nan, "nested": [{"lr": math.inf}], "ok": 0.5,
+              "note": "a\x00b"}
     r = post(client, body(run_meta={"config": config}, scalars=scalars()), fmt)
     assert r.status_code == 200, r.text
     run = client.get(f"{API}/runs/run-a").json()
     assert run["config"] == {"clip": "Infinity", "floor": "-Infinity", "eps": "NaN", "nested": [{"lr": "Infinity"}],
-                             "ok": 0.5}
+                             "ok": 0.5, "note": "a\x00b"}
     assert client.patch(f"{API}/runs/run-a", json={"config": {"clip": 1.0}}).status_code == 200
 
 
