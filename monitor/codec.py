@@ -2,10 +2,10 @@
 
 import json
 import math
-import re
 import zlib
 
 import msgpack
+import numpy as np
 from pydantic import ValidationError
 
 from fp8mon.monitor.wire import IngestBatch
@@ -49,18 +49,30 @@ def parse_batch(body: bytes, content_type: str | None) -> IngestBatch:
                 raise BodyError(400, f"body is not valid msgpack: {exc}") from None
             return IngestBatch.model_validate(payload)
         if media_type in JSON_TYPES:
-            if _MAYBE_OVERFLOW.search(body):
+            batch = IngestBatch.model_validate_json(body)
+            infinities = _infinities(batch)
+            if infinities and infinities > body.count(b"Infinity"):
                 _refuse_overflow(body)
-            return IngestBatch.model_validate_json(body)
+            return batch
     except ValidationError as exc:
         raise BodyError(422, _describe(exc)) from None
     raise BodyError(415, f"unsupported Content-Type {media_type!r}: use application/json or application/msgpack")
 
 
 # A JSON number beyond float64's range (1e309) parses as infinity, which would store a value nobody sent
-# and page the non-finite alert. Numbers with a three-digit exponent or 300 digits are rare, so only bodies
-# that have one are parsed a second time to find them.
-_MAYBE_OVERFLOW = re.compile(rb"[0-9][eE]\+?[0-9]{3}|[0-9]{300}")
+# and page the non-finite alert. A JSON infinity is spelt `Infinity` or "Infinity": only a batch with more
+# infinities than that word in its body is parsed a second time, to find the number (scanning every body
+# for long exponents costs more than this count).
+def _infinities(batch: IngestBatch) -> int:
+    columns = list(batch.tensors.stats.values()) if batch.tensors is not None else []
+    if batch.scalars is not None:
+        columns.append(batch.scalars.value)
+    n = sum(int(np.isinf(np.array(col, dtype=np.float64)).sum()) for col in columns)  # None -> NaN
+    if batch.sent_at is not None and math.isinf(batch.sent_at):
+        n += 1
+    if batch.run_meta is not None and batch.run_meta.config:
+        n += str(batch.run_meta.config).count("Infinity")  # json_config spelt them so
+    return n
 
 
 class _Overflow(str):

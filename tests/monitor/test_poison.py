@@ -89,6 +89,9 @@ def test_json_number_beyond_float64_is_refused_not_stored_as_infinity(client, da
     assert {"scalars": "scalars.value.0", "tensors": "tensors.stats.amax.0",
             "config": "run_meta.config.clip"}[where] in detail and "float64" in detail
     assert count(database_url, "ingest_batches") == 0
+    both = b'{"version": 1, "batch_id": "b1", "run": "run-a", "scalars": {"step": 1, "name": ["loss", "x"], ' \
+           b'"value": [Infinity, 1e309]}}'
+    assert "scalars.value.1" in post(client, both, "json").json()["detail"]
     # large but finite numbers and the Infinity literal are values
     ok = b'{"version": 1, "batch_id": "b2", "run": "run-a", "scalars": {"step": 1, "name": ["loss", "x"], ' \
          b'"value": [1e308, Infinity]}}'
