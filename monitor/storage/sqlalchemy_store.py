@@ -13,7 +13,7 @@ import logging
 import threading
 from datetime import datetime
 
-from sqlalchemy.exc import DataError, IntegrityError, SQLAlchemyError
+from sqlalchemy.exc import DataError, IntegrityError, NotSupportedError, ProgrammingError, SQLAlchemyError
 
 from fp8mon.agent.wire import TENSOR_STATS
 from fp8mon.monitor import migrate
@@ -166,6 +166,8 @@ def _translated(method):
             return method(*args, **kwargs)
         except (DataError, IntegrityError) as exc:  # a bad value: the same request fails again
             raise InvalidData(exc) from exc
+        except (ProgrammingError, NotSupportedError):  # a bug of this server, not the database's state: a 500
+            raise
         except SQLAlchemyError as exc:  # unreachable, locked, out of space, a lost connection: retry
             raise StorageUnavailable(exc) from exc
 

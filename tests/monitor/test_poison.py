@@ -154,17 +154,20 @@ def test_values_the_database_refuses_are_422_and_only_failures_of_the_database_a
         down.close()
 
 
-def test_ingest_maps_a_database_data_error_to_422(client, monkeypatch):
-    from sqlalchemy.exc import DataError
+@pytest.mark.parametrize("error,status", [("DataError", 422), ("IntegrityError", 422), ("OperationalError", 503)])
+def test_ingest_answers_503_only_for_failures_a_retry_can_fix(client, monkeypatch, error, status):
+    """Every database error was a 503 'retry', so an agent retried a batch the database could never take."""
+    from sqlalchemy import exc
 
     store = client.app.state.store
 
-    def refuse(batch):
-        raise DataError("INSERT ...", {}, ValueError("value out of range for type integer"))
+    def fail(batch):
+        raise getattr(exc, error)("INSERT ...", {}, ValueError("value out of range for type integer"))
 
-    monkeypatch.setattr(store, "_writer", type("W", (), {"ingest": staticmethod(refuse)})())
+    monkeypatch.setattr(store._writer, "ingest", fail)
     r = post(client, body(scalars=scalars()))
-    assert r.status_code == 422 and "out of range" in r.json()["detail"]
+    assert r.status_code == status
+    assert ("out of range" in r.json()["detail"]) == (status == 422)
 
 
 def test_a_batch_without_the_predictors_statistics_keeps_the_predictor(app_factory):
