@@ -61,12 +61,13 @@ POISON = {
 }
 
 
-@pytest.mark.parametrize("fmt", ["msgpack", "json"])
-@pytest.mark.parametrize("case", POISON, ids=list(POISON))
+CASES = [(case, fmt) for case in POISON for fmt in ("msgpack", "json")
+         if not (fmt == "json" and case.startswith("bytes"))]  # JSON has no bytes
+
+
+@pytest.mark.parametrize("case,fmt", CASES, ids=[f"{case}-{fmt}" for case, fmt in CASES])
 def test_poison_is_refused_naming_the_field_and_the_next_batch_goes_through(client, database_url, case, fmt):
     payload, field = POISON[case]
-    if fmt == "json" and case.startswith("bytes"):
-        pytest.skip("JSON has no bytes")
     if fmt == "msgpack" and case == "histogram count of 2**63":
         payload = msgpack.packb(payload)  # fits msgpack's uint64; 2**64 would not even encode
     r = post(client, payload, fmt)
