@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fp8mon.monitor.wire import RunStatus
+from fp8mon.monitor.wire import JsonConfig, RunStatus, TagKey, TagValue
 
 
 class RunOut(BaseModel):
@@ -29,8 +29,8 @@ class RunPatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     status: RunStatus | None = None
-    tags: dict[str, str] | None = None
-    config: dict | None = None
+    tags: dict[TagKey, TagValue] | None = None
+    config: JsonConfig | None = None
 
 
 # -- query responses (GET /api/v1/runs...) ----------------------------------------------------------

@@ -56,6 +56,13 @@ def create_app(settings: Settings | None = None, *, store: AbstractStore | None 
     app.include_router(metrics.router)
     app.include_router(dashboard.router)
 
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = ingest.add_body_schema(FastAPI.openapi(app))
+        return app.openapi_schema
+
+    app.openapi = openapi
+
     @app.get("/healthz", include_in_schema=False)
     def healthz() -> dict:
         return {"ok": True}

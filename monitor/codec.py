@@ -1,8 +1,11 @@
 """Request bodies: size limits, gzip, and JSON or msgpack into the validated ingest batch."""
 
+import json
+import math
 import zlib
 
 import msgpack
+import numpy as np
 from pydantic import ValidationError
 
 from fp8mon.monitor.wire import IngestBatch
@@ -46,10 +49,66 @@ def parse_batch(body: bytes, content_type: str | None) -> IngestBatch:
                 raise BodyError(400, f"body is not valid msgpack: {exc}") from None
             return IngestBatch.model_validate(payload)
         if media_type in JSON_TYPES:
-            return IngestBatch.model_validate_json(body)
+            batch = IngestBatch.model_validate_json(body)
+            infinities = _infinities(batch)
+            if infinities and infinities > body.count(b"Infinity"):
+                _refuse_overflow(body)
+            return batch
     except ValidationError as exc:
         raise BodyError(422, _describe(exc)) from None
     raise BodyError(415, f"unsupported Content-Type {media_type!r}: use application/json or application/msgpack")
+
+
+# A JSON number beyond float64's range (1e309) parses as infinity, which would store a value nobody sent
+# and page the non-finite alert. A JSON infinity is spelt `Infinity` or "Infinity": only a batch with more
+# infinities than that word in its body is parsed a second time, to find the number (scanning every body
+# for long exponents costs more than this count).
+def _infinities(batch: IngestBatch) -> int:
+    columns = list(batch.tensors.stats.values()) if batch.tensors is not None else []
+    if batch.scalars is not None:
+        columns.append(batch.scalars.value)
+    n = sum(int(np.isinf(np.array(col, dtype=np.float64)).sum()) for col in columns)  # None -> NaN
+    if batch.sent_at is not None and math.isinf(batch.sent_at):
+        n += 1
+    if batch.run_meta is not None and batch.run_meta.config:
+        n += str(batch.run_meta.config).count("Infinity")  # json_config spelt them so
+    return n
+
+
+class _Overflow(str):
+    pass
+
+
+def _parse_float(text: str):
+    value = float(text)
+    return _Overflow(text) if math.isinf(value) else value
+
+
+def _refuse_overflow(body: bytes) -> None:
+    try:
+        payload = json.loads(body, parse_float=_parse_float, parse_int=_parse_int)
+    except (ValueError, RecursionError):
+        return  # not JSON: the validator says why
+    where = _find_overflow(payload, [])
+    if where is not None:
+        path, text = where
+        raise BodyError(422, f"{'.'.join(path) or 'body'}: the number {text[:40]} is beyond float64's range; send "
+                             f"Infinity (or \"Infinity\") for an infinite value")
+
+
+def _parse_int(text: str):
+    return _Overflow(text) if len(text) > 308 else int(text)
+
+
+def _find_overflow(obj, path: list[str]):
+    if isinstance(obj, _Overflow):
+        return path, str(obj)
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for key, value in items:
+        found = _find_overflow(value, [*path, str(key)])
+        if found is not None:
+            return found
+    return None
 
 
 def _describe(exc: ValidationError) -> str:

@@ -1,5 +1,6 @@
 """FastAPI dependencies: settings, the store, metrics, the pipeline, and token scopes."""
 
+import re
 import secrets
 from typing import Annotated
 
@@ -12,6 +13,7 @@ from fp8mon.monitor.settings import Settings
 from fp8mon.monitor.storage import AbstractStore
 
 _bearer = HTTPBearer(auto_error=False)
+_TOKEN68 = re.compile(r"[A-Za-z0-9\-._~+/]+=*")  # RFC 6750's b64token
 
 
 def get_settings(request: Request) -> Settings:
@@ -32,7 +34,9 @@ def get_pipeline(request: Request) -> Pipeline | None:
 
 
 def _token_in(token: str, allowed: list[str]) -> bool:
-    return any(secrets.compare_digest(token, candidate) for candidate in allowed)
+    # as bytes: compare_digest refuses str with non-ASCII characters (headers arrive decoded as latin-1)
+    raw = token.encode("latin-1", "replace")
+    return any(secrets.compare_digest(raw, candidate.encode()) for candidate in allowed)
 
 
 def _require(scope: str):
@@ -42,6 +46,9 @@ def _require(scope: str):
             return  # no tokens configured: an open local server
         if credentials is None:
             raise HTTPException(401, "missing bearer token", headers={"WWW-Authenticate": "Bearer"})
+        if not _TOKEN68.fullmatch(credentials.credentials):
+            raise HTTPException(401, "malformed bearer token: printable ASCII letters, digits and -._~+/= only",
+                                headers={"WWW-Authenticate": 'Bearer error="invalid_token"'})
         allowed = settings.write_tokens if scope == "write" else settings.read_tokens + settings.write_tokens
         if not _token_in(credentials.credentials, allowed):
             raise HTTPException(403, f"token lacks the {scope} scope")

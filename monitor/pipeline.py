@@ -91,6 +91,7 @@ class _RunState:
     stored_risk: float | None = None
     last_step: int | None = None
     ended: bool = False
+    config: dict | None = None  # what the predictor was built with, for a rebuild
 
 
 class Pipeline:
@@ -228,7 +229,7 @@ class Pipeline:
         config = stored.config
         if batch.run_meta is not None and batch.run_meta.config is not None:
             config = batch.run_meta.config
-        state = _RunState(run_id, self._predictor_for(batch.run, config))
+        state = _RunState(run_id, self._predictor_for(batch.run, config), config=config)
         restored = []
         for row in stored.alerts:
             alert = Alert(run=batch.run, rule=row.rule, layer=row.layer, site=row.site, severity=row.severity,
@@ -254,7 +255,7 @@ class Pipeline:
             except Exception:
                 self.metrics.predictor_errors.inc()
                 log.exception("predictor failed on run %r; its state is rebuilt on the next batch", run)
-                state.predictor = self._predictor_for(run, None)
+                state.predictor = self._predictor_for(run, state.config)
         events: list[AlertEvent] = []
         predictions: list[PredictionRecord] = []
         for i, a in enumerate(assessments):
@@ -299,7 +300,7 @@ class Pipeline:
             state.ended = True
         elif state.ended and batch.run_meta is not None and batch.run_meta.status == "running":
             state.ended = False
-            state.predictor = self._predictor_for(run, None)
+            state.predictor = self._predictor_for(run, state.config)
 
     def _write(self, state: _RunState, run: str, predictions: list[PredictionRecord], events: list[AlertEvent],
                last: Assessment | None) -> None:

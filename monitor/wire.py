@@ -4,9 +4,9 @@ object per value. The REST query responses are in monitor.responses.
 """
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from fp8mon.agent.wire import (
     LOG2_HIST_BINS,
@@ -20,9 +20,31 @@ from fp8mon.agent.wire import (
     WIRE_VERSION,
 )
 
-RunName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_RUN_NAME, pattern=RUN_NAME_PATTERN)]
-LayerName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_LAYER_NAME)]
+# Text the databases store: no control characters (PostgreSQL's text cannot hold NUL; the rest only hides
+# names from people); checked per element in pydantic-core's Rust regex engine.
+PRINTABLE = r"^[^\x00-\x1f\x7f]*$"
+MAX_TAG = 200
+MAX_CONFIG_DEPTH = 32
+
+
+def path_safe(name: str) -> str:
+    """A name that may travel in a URL path: none of its '/'-segments is empty, '.' or '..' (HTTP clients
+    resolve those, so such a run could never be fetched)."""
+    if "/" in name or name in (".", ".."):
+        bad = [seg for seg in name.split("/") if seg in ("", ".", "..")]
+        if bad:
+            raise ValueError(f"{name!r} has an empty, '.' or '..' path segment; use a name without them")
+    return name
+
+
+RunName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_RUN_NAME, pattern=RUN_NAME_PATTERN),
+                    AfterValidator(path_safe)]
+LayerName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_LAYER_NAME, pattern=PRINTABLE)]
 ScalarName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_SCALAR_NAME, pattern=SCALAR_NAME_PATTERN)]
+TagKey = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TAG, pattern=r"^[^\x00-\x1f\x7f=]*$")]
+TagValue = Annotated[str, StringConstraints(pattern=r"^[^\x00]*$")]  # searched by value: PostgreSQL cannot hold NUL
+BatchId = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=PRINTABLE)]
+HistCount = Annotated[int, Field(ge=0, le=2**63 - 1)]  # stored as int64
 Step = Annotated[int, Field(ge=0, le=2**62)]
 Rank = Annotated[int, Field(ge=-1, le=32767)]  # -1: statistics reduced over all ranks
 Value = float | None  # None: not reported; NaN and +-Inf are values and are stored as such
@@ -44,6 +66,8 @@ class _ColumnarBlock(_Strict):
         if not lengths:
             raise ValueError("block has no list column, so no records")
         n = max(lengths.values())
+        if n == 0:
+            raise ValueError("block has no records; leave it out instead")
         bad = [f"{name} has {length}" for name, length in lengths.items() if length != n]
         if bad:
             raise ValueError(f"columns must have one entry per record ({n} records): " + ", ".join(bad))
@@ -60,7 +84,7 @@ class TensorBlock(_ColumnarBlock):
     site: list[Literal[SITES]]  # type: ignore[valid-type]
     rank: Rank | list[Rank] = 0
     stats: dict[Literal[TENSOR_STATS], list[Value]] = Field(default_factory=dict)  # type: ignore[valid-type]
-    log2_hist: list[Annotated[list[Annotated[int, Field(ge=0)]],
+    log2_hist: list[Annotated[list[HistCount],
                               Field(min_length=LOG2_HIST_BINS, max_length=LOG2_HIST_BINS)] | None] | None = None
 
     @model_validator(mode="after")
@@ -70,6 +94,7 @@ class TensorBlock(_ColumnarBlock):
         if self.log2_hist is not None:
             columns["log2_hist"] = self.log2_hist
         self._n = self._check_lengths(columns)
+        _check_paths("layer", self.layer)
         return self
 
     def __len__(self) -> int:
@@ -87,21 +112,56 @@ class ScalarBlock(_ColumnarBlock):
     @model_validator(mode="after")
     def _same_lengths(self):
         self._n = self._check_lengths({"step": self.step, "name": self.name, "value": self.value, "rank": self.rank})
+        _check_paths("name", self.name)
         return self
 
     def __len__(self) -> int:
         return self._n
 
 
+def _check_paths(column: str, names: list[str]) -> None:
+    """path_safe over the distinct names of a column (a batch repeats a few hundred names many times)."""
+    for name in set(names):
+        try:
+            path_safe(name)
+        except ValueError as exc:
+            raise ValueError(f"{column}.{names.index(name)}: {exc}") from None
+
+
+def json_config(value: Any, where: str = "config", depth: int = 0) -> Any:
+    """A run's config as JSON both databases store alike: non-finite floats become the strings "NaN",
+    "Infinity", "-Infinity" (as the API writes them); anything that is not JSON (msgpack bytes) is refused,
+    naming where."""
+    if depth > MAX_CONFIG_DEPTH:
+        raise ValueError(f"{where}: nested deeper than {MAX_CONFIG_DEPTH} levels")
+    if isinstance(value, float):
+        return finite_or_none(value)
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ValueError(f"{where}: key {key!r} is not a string")
+            out[key] = json_config(item, f"{where}.{key}", depth + 1)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [json_config(item, f"{where}.{i}", depth + 1) for i, item in enumerate(value)]
+    raise ValueError(f"{where}: a {type(value).__name__} is not a JSON value")
+
+
+JsonConfig = Annotated[dict, AfterValidator(json_config)]
+
+
 class RunMeta(_Strict):
-    config: dict | None = None
-    tags: dict[str, str] | None = None
+    config: JsonConfig | None = None
+    tags: dict[TagKey, TagValue] | None = None
     status: RunStatus | None = None
 
 
 class IngestBatch(_Strict):
     version: Literal[WIRE_VERSION] = Field(description="wire format version; this server speaks 1")  # type: ignore[valid-type]
-    batch_id: Annotated[str, StringConstraints(min_length=1, max_length=128)] = Field(
+    batch_id: BatchId = Field(
         description="client-chosen id; a batch sent again with the same id is stored once")
     run: RunName
     run_meta: RunMeta | None = None

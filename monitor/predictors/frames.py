@@ -95,12 +95,13 @@ class StepFrame:
         return self.present is not None and bool(self.present.any())
 
 
-def _nonfinite_records(raw: dict[str, list], columns: dict[str, np.ndarray], idx: np.ndarray | None) -> np.ndarray:
+def _nonfinite_records(raw: dict[str, list], columns: dict[str, np.ndarray], idx: np.ndarray | None,
+                       n: int) -> np.ndarray:
     """1.0 where a record counts non-finite elements or reports a NaN/Inf statistic (null = not reported
     is not a NaN), else 0.0. The NaN kurtosis of a tensor of zeros only (amax 0, no non-finite element) is
     0/0, not a non-finite value: a gradient that underflows entirely (delayed scaling's first step, before
-    any amax is in the history) reports it."""
-    n = len(next(iter(columns.values()))) if columns else 0
+    any amax is in the history) reports it. `n`: the records kept (a batch may carry none of the statistics
+    read here)."""
     bad = np.zeros(n, dtype=bool)
     counts = columns.get("nonfinite")
     if counts is not None:
@@ -157,7 +158,7 @@ def split_steps(batch: IngestBatch, slots: SlotTable) -> list[StepFrame]:
                 if name in block.stats:
                     col = np.array(block.stats[name], dtype=np.float64)
                     columns[name] = col if idx is None else col[idx]
-            columns[BAD] = _nonfinite_records(block.stats, columns, idx)
+            columns[BAD] = _nonfinite_records(block.stats, columns, idx, n if idx is None else len(idx))
             width = slots.width
             single = isinstance(block.step, int)
             for step in ([block.step] if single else np.unique(steps).tolist()):

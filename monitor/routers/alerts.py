@@ -28,7 +28,7 @@ def list_alerts(store: StoreDep, state: StateQuery = None, severity: SeverityQue
 
 @router.post("/alerts/{alert_id}/ack", response_model=AlertAcked, responses=ERRORS, dependencies=[require_write],
              summary="Acknowledge an alert (idempotent; its lifecycle goes on)")
-def acknowledge(store: StoreDep, alert_id: Annotated[int, Path(ge=1, le=2**62)]):
+def acknowledge(store: StoreDep, alert_id: Annotated[int, Path(ge=1, le=2**31 - 1)]):
     with http_errors():
         return SafeJSONResponse(store.acknowledge_alert(alert_id).to_dict())
 

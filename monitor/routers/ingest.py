@@ -7,8 +7,8 @@ from fastapi.concurrency import run_in_threadpool
 
 from fp8mon.monitor.codec import BodyError, inflate, parse_batch
 from fp8mon.monitor.deps import MetricsDep, SettingsDep, StoreDep, require_write
-from fp8mon.monitor.storage import StorageUnavailable
-from fp8mon.monitor.wire import IngestResult
+from fp8mon.monitor.storage import QueryError, StorageUnavailable
+from fp8mon.monitor.wire import IngestBatch, IngestResult
 
 router = APIRouter(tags=["ingest"], dependencies=[require_write])
 
@@ -22,6 +22,17 @@ _BODY_DOC = {
         },
     }
 }
+
+
+def add_body_schema(openapi: dict) -> dict:
+    """The route reads its body itself (JSON or msgpack, gzip), so FastAPI does not list the IngestBatch
+    model that _BODY_DOC refers to: add it, and the models it uses, to the schema's components."""
+    schema = IngestBatch.model_json_schema(ref_template="#/components/schemas/{model}")
+    components = openapi.setdefault("components", {}).setdefault("schemas", {})
+    for name, definition in schema.pop("$defs", {}).items():
+        components.setdefault(name, definition)
+    components["IngestBatch"] = schema
+    return openapi
 
 
 @router.post("/ingest", response_model=IngestResult, openapi_extra=_BODY_DOC,
@@ -65,3 +76,5 @@ async def _ingest(request: Request, store: StoreDep, settings: SettingsDep) -> I
     except StorageUnavailable as exc:
         raise HTTPException(503, f"storage unavailable, batch not stored; retry: {exc.cause_name}",
                             headers={"Retry-After": "1"}) from None
+    except QueryError as exc:  # a value the database refuses: sending it again cannot help
+        raise HTTPException(exc.status, f"batch not stored: {exc.message}") from None

@@ -6,8 +6,8 @@ that the migrations keep.
 """
 
 from fp8mon.monitor.storage.abstract import AbstractStore, AlertStore
-from fp8mon.monitor.storage.errors import BadParameter, NotFound, QueryError, StorageUnavailable
+from fp8mon.monitor.storage.errors import BadParameter, InvalidData, NotFound, QueryError, StorageUnavailable
 from fp8mon.monitor.storage.sqlalchemy_store import SqlAlchemyStore
 
-__all__ = ["AbstractStore", "AlertStore", "BadParameter", "NotFound", "QueryError", "SqlAlchemyStore",
-           "StorageUnavailable"]
+__all__ = ["AbstractStore", "AlertStore", "BadParameter", "InvalidData", "NotFound", "QueryError",
+           "SqlAlchemyStore", "StorageUnavailable"]

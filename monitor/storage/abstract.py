@@ -1,7 +1,8 @@
 """The storage interface of the monitor: every read and write of the server goes through an `AbstractStore`.
 
 Operations return the typed entities of storage.entities (never ORM rows); a missing run or alert raises
-storage.errors.NotFound, an invalid argument BadParameter, a failing database StorageUnavailable.
+storage.errors.NotFound, an invalid argument BadParameter, a value the database refuses InvalidData (422),
+a failing database StorageUnavailable (503: retry).
 `AlertStore` is the part the prediction pipeline needs, so that it can be given a store (or a fake) without
 the rest.
 """

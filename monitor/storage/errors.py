@@ -25,3 +25,13 @@ class StorageUnavailable(QueryError):
     def __init__(self, cause: Exception):
         super().__init__(f"storage unavailable: {type(cause).__name__}; retry")
         self.cause_name = type(cause).__name__
+
+
+class InvalidData(QueryError):
+    """The database refused a value (a NUL in text, a number out of a column's range): retrying cannot help."""
+
+    status = 422
+
+    def __init__(self, cause: Exception):
+        detail = str(getattr(cause, "orig", None) or cause).strip().splitlines()
+        super().__init__(f"invalid value, refused by the database: {detail[0] if detail else type(cause).__name__}")

@@ -2,7 +2,8 @@
 
 Each operation is a module function of this package over the store's `Database` (engines, transactions,
 the writer lock); the store adds the ingest listeners and the ingest caches, and turns SQLAlchemy's errors
-into StorageUnavailable.
+into InvalidData (a value the database refuses)
+or StorageUnavailable (the database failed: retry).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 import threading
 from datetime import datetime
 
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DataError, IntegrityError, NotSupportedError, ProgrammingError, SQLAlchemyError
 
 from fp8mon.agent.wire import TENSOR_STATS
 from fp8mon.monitor import migrate
@@ -37,7 +38,7 @@ from fp8mon.monitor.storage.entities import (
     RunPage,
     Series,
 )
-from fp8mon.monitor.storage.errors import StorageUnavailable
+from fp8mon.monitor.storage.errors import InvalidData, StorageUnavailable
 from fp8mon.monitor.storage.ingest import IngestWriter
 from fp8mon.monitor.wire import IngestBatch, IngestResult
 
@@ -163,7 +164,11 @@ def _translated(method):
     def call(*args, **kwargs):
         try:
             return method(*args, **kwargs)
-        except SQLAlchemyError as exc:
+        except (DataError, IntegrityError) as exc:  # a bad value: the same request fails again
+            raise InvalidData(exc) from exc
+        except (ProgrammingError, NotSupportedError):  # a bug of this server, not the database's state: a 500
+            raise
+        except SQLAlchemyError as exc:  # unreachable, locked, out of space, a lost connection: retry
             raise StorageUnavailable(exc) from exc
 
     return call
