@@ -51,7 +51,7 @@ from .formats import Fp8Format, by_name
 from .fused_link import FusedLink
 from .hooks import LayerHooks, select_modules
 from .pack import AmaxHistory, Slots, StepPack
-from .shipping import Shipper, make_transport
+from .shipping import Shipper, check_run_meta, make_transport
 from .sink import HookSink
 from .stats import torch_path as ds
 from .stats.reference import Moments
@@ -104,6 +104,7 @@ class Agent:
             raise ValueError("scaling must be 'current' or 'delayed'")
         if stats_backend not in ("auto", "triton", "torch"):
             raise ValueError("stats_backend must be 'auto', 'triton' or 'torch'")
+        check_run_meta(config, tags)
         self.sites = tuple(s for s in SITES if s in set(sites))
         fmts = {**DEFAULT_FORMATS, **(formats or {})}
         self.formats: dict[str, Fp8Format | None] = {s: None if f is None else by_name(f) for s, f in fmts.items()

@@ -3,6 +3,7 @@ the collector thread, which builds the wire blocks and gives them to the transpo
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -17,6 +18,21 @@ from .delivery import DeliveryStatus
 
 _RUN_NAME = re.compile(wire.RUN_NAME_PATTERN)
 _SCALAR_NAME = re.compile(wire.SCALAR_NAME_PATTERN)
+_TAG_KEY, _TAG_VALUE = re.compile(wire.TAG_KEY_PATTERN), re.compile(wire.TAG_VALUE_PATTERN)
+
+
+def check_run_meta(config, tags) -> None:
+    """A ValueError for run metadata the monitor would refuse (a refused batch would take its statistics along)."""
+    if config is not None:
+        try:
+            json.dumps(config, allow_nan=True)  # non-finite numbers are stored (as "Infinity", "NaN")
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"config must be JSON (numbers, strings, lists, dicts): {exc}") from None
+    for key, value in (tags or {}).items():
+        if not isinstance(key, str) or not 0 < len(key) <= wire.MAX_TAG or not _TAG_KEY.match(key):
+            raise ValueError(f"invalid tag key {key!r}: 1 to {wire.MAX_TAG} characters, no control character or '='")
+        if not isinstance(value, str) or not _TAG_VALUE.match(value):
+            raise ValueError(f"invalid tag value {value!r} for {key!r}: a string without NUL characters")
 
 
 def make_transport(url, run, token, spool_dir, options, rank: int, world: int):
@@ -32,6 +48,8 @@ def make_transport(url, run, token, spool_dir, options, rank: int, world: int):
         raise ValueError("Agent needs url= and run= (or $FP8MON_URL and $FP8MON_RUN)")
     if len(run) > wire.MAX_RUN_NAME or not _RUN_NAME.match(run):
         raise ValueError(f"invalid run name {run!r}: letters, digits and ._:@+/=- , at most {wire.MAX_RUN_NAME}")
+    if wire.bad_path_segments(run):
+        raise ValueError(f"invalid run name {run!r}: no empty, '.' or '..' part between slashes")
     if world > 1:  # one spool per rank: ranks on one host must not share a directory
         spool_dir = Path(spool_dir or default_spool_dir(run)) / f"rank{rank}"
     return Transport(url, run, token=token, spool_dir=spool_dir, **options)

@@ -11,6 +11,15 @@ SCALAR_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_./-]*$"
 MAX_RUN_NAME = 200
 MAX_LAYER_NAME = 300
 MAX_SCALAR_NAME = 200
+TAG_KEY_PATTERN = r"^[^\x00-\x1f\x7f=]*$"  # no control characters, no '=' (a tag filter is key=value)
+TAG_VALUE_PATTERN = r"^[^\x00]*$"  # searched by value: PostgreSQL's text cannot hold NUL
+MAX_TAG = 200
+
+
+def bad_path_segments(name: str) -> list[str]:
+    """The '/'-segments of a name that travels in a URL path that are empty, '.' or '..': HTTP clients resolve them,
+    so a run so named could never be fetched."""
+    return [seg for seg in name.split("/") if seg in ("", ".", "..")]
 
 SITES = ("input", "weight", "output", "grad_output", "grad_weight")
 

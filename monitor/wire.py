@@ -13,27 +13,27 @@ from fp8mon.agent.wire import (
     MAX_LAYER_NAME,
     MAX_RUN_NAME,
     MAX_SCALAR_NAME,
+    MAX_TAG,
     RUN_NAME_PATTERN,
     SCALAR_NAME_PATTERN,
     SITES,
+    TAG_KEY_PATTERN,
+    TAG_VALUE_PATTERN,
     TENSOR_STATS,
     WIRE_VERSION,
+    bad_path_segments,
 )
 
 # Text the databases store: no control characters (PostgreSQL's text cannot hold NUL; the rest only hides
 # names from people); checked per element in pydantic-core's Rust regex engine.
 PRINTABLE = r"^[^\x00-\x1f\x7f]*$"
-MAX_TAG = 200
 MAX_CONFIG_DEPTH = 32
 
 
 def path_safe(name: str) -> str:
-    """A name that may travel in a URL path: none of its '/'-segments is empty, '.' or '..' (HTTP clients
-    resolve those, so such a run could never be fetched)."""
-    if "/" in name or name in (".", ".."):
-        bad = [seg for seg in name.split("/") if seg in ("", ".", "..")]
-        if bad:
-            raise ValueError(f"{name!r} has an empty, '.' or '..' path segment; use a name without them")
+    """A name that may travel in a URL path (``bad_path_segments``)."""
+    if bad_path_segments(name):
+        raise ValueError(f"{name!r} has an empty, '.' or '..' path segment; use a name without them")
     return name
 
 
@@ -41,8 +41,8 @@ RunName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_RUN_NAME
                     AfterValidator(path_safe)]
 LayerName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_LAYER_NAME, pattern=PRINTABLE)]
 ScalarName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_SCALAR_NAME, pattern=SCALAR_NAME_PATTERN)]
-TagKey = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TAG, pattern=r"^[^\x00-\x1f\x7f=]*$")]
-TagValue = Annotated[str, StringConstraints(pattern=r"^[^\x00]*$")]  # searched by value: PostgreSQL cannot hold NUL
+TagKey = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TAG, pattern=TAG_KEY_PATTERN)]
+TagValue = Annotated[str, StringConstraints(pattern=TAG_VALUE_PATTERN)]
 BatchId = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=PRINTABLE)]
 HistCount = Annotated[int, Field(ge=0, le=2**63 - 1)]  # stored as int64
 Step = Annotated[int, Field(ge=0, le=2**62)]

@@ -753,3 +753,19 @@ def test_a_weight_replaced_after_watch_keeps_its_grad_weight_rows():
         agent.log(step)
     agent.close()
     assert agent.errors == 0 and sorted(k[0] for k in cap.records()) == [0, 2]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"run": "team/../other"}, "'..' part"),
+    ({"tags": {"a=b": "c"}}, "invalid tag key"),
+    ({"tags": {"model": "llama\x00"}}, "invalid tag value"),
+    ({"config": {"weights": b"\x00\x01"}}, "config must be JSON"),
+])
+def test_run_metadata_the_monitor_would_refuse_is_a_clear_error_at_once(kwargs, message, tmp_path):
+    """A refused batch would take the step's statistics with it: the agent refuses such metadata when it is made."""
+    with pytest.raises(ValueError, match=message):
+        Agent(**{"url": "http://127.0.0.1:9", "run": "ok", "spool_dir": tmp_path, **kwargs})
+
+
+def test_non_finite_config_values_are_accepted():
+    Agent(transport=CaptureTransport(), config={"clip": float("inf"), "beta": float("nan")}).close()
