@@ -25,6 +25,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 MAX_ITEMS = 64  # tensors per shared launch
 MAX_BYTES = 1 << 30  # bytes waiting at most: a larger wait would hold memory the model has freed (the logits)
+MAX_COPY_BYTES = 1 << 28  # a larger tensor of a compiled graph is read at once rather than copied (``copies``)
 
 
 class PendingRows:
@@ -43,6 +44,8 @@ class PendingRows:
         self._unhook = _optimizer_pre_hook(self)
 
     def can_wait(self, slot: int, x: torch.Tensor) -> bool:
+        if self._copying and x.numel() * x.element_size() > MAX_COPY_BYTES:
+            return False  # its launch costs little host time beside its read; a copy, much memory
         return slot not in self.immediate and not _capturing(x)
 
     @contextlib.contextmanager

@@ -101,3 +101,18 @@ def test_a_compiled_graphs_tensors_wait_as_copies(launches):
     agent.close()
     assert launches == [1] and agent.errors == 0
     assert math.isclose(cap.records()[(0, "Linear", "output", 0)]["rms"], want, rel_tol=1e-9)
+
+
+def test_a_large_tensor_of_a_compiled_graph_is_read_at_once_not_copied(launches, monkeypatch):
+    from fp8mon.agent import batching
+
+    monkeypatch.setattr(batching, "MAX_COPY_BYTES", 16 * 8 * 4 - 1)
+    model = nn.Linear(8, 8)
+    agent, cap = _agent(model, sites=("output",))
+    y = torch.randn(16, 8)
+    with agent._sink.waiting.copies():
+        agent._sink.observe("Linear", "output", y)
+    assert launches == [1]  # at once
+    agent.log(0)
+    agent.close()
+    assert math.isclose(cap.records()[(0, "Linear", "output", 0)]["rms"], _rms(y), rel_tol=1e-9)
