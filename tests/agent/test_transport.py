@@ -88,7 +88,7 @@ def test_a_hung_server_never_blocks_the_training_thread(tmp_path):
             times.append(time.perf_counter() - t0)
             time.sleep(0.002)
         assert sorted(times)[len(times) // 2] < 0.001  # median: a queue put, not a network call
-        assert max(times) < 0.05  # even under load nothing close to the 2 s request timeout
+        assert max(times) < 0.5  # a busy machine may deschedule a step, but never for the 2 s request timeout
         assert transport.stats.failed_posts <= 1  # the sender was stuck in its one request meanwhile
         assert not transport.close(timeout=1)
     # everything handed over is on disk: a later process with the server back would replay it
