@@ -46,6 +46,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .hooks import first_tensor, input_of
+
 __all__ = ["SWITCH", "CompiledMode", "is_compiled", "uncompiled"]
 
 
@@ -119,14 +121,6 @@ class _Tap(torch.autograd.Function):
         return grad, None
 
 
-def _first_tensor(value):
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
-        return value[0]
-    return None
-
-
 class CompiledLayer:
     """The traced hook of one watched layer (a ``hooks.LayerHooks``); its ops read the tensors at run time."""
 
@@ -160,8 +154,8 @@ class CompiledLayer:
             return None if hooks is None else hooks._forward(module, args, kwargs, output)
         if not SWITCH.on or not module.training:
             return None
-        y = _first_tensor(output)
-        x = _first_tensor(args[0] if args else kwargs.get("input")) if self.input else None
+        y = first_tensor(output)
+        x = input_of(args, kwargs) if self.input else None
         if self.input or self.output or self.weight:
             torch.ops.fp8mon.forward_rows(self.token, self.ident, x, y if self.output else None)
         if not (self.grad and y is not None and y.requires_grad):

@@ -47,7 +47,7 @@ def select_modules(model: nn.Module, pattern: str | re.Pattern | None, prefix: s
     return user_names(model, prefix, lambda name, module: is_linear(module) and (rx is None or rx.search(name)))
 
 
-def _first_tensor(value):
+def first_tensor(value):
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
@@ -55,9 +55,9 @@ def _first_tensor(value):
     return None
 
 
-def _input_of(args, kwargs) -> torch.Tensor | None:
+def input_of(args, kwargs) -> torch.Tensor | None:
     """A forward's input: its first positional argument, or ``input=``."""
-    return _first_tensor(args[0] if args else kwargs.get("input"))
+    return first_tensor(args[0] if args else kwargs.get("input"))
 
 
 class Sink(Protocol):
@@ -127,7 +127,7 @@ class LayerHooks:
             return  # in a compiled graph, compiled.CompiledLayer reads the layer
         if not module.training or not self.sink.active():
             return
-        x = _input_of(args, kwargs)
+        x = input_of(args, kwargs)
         self._observe(module, [("input", x, False, False)] if x is not None else [])
 
     def _forward(self, module, args, kwargs, output) -> None:
@@ -136,9 +136,9 @@ class LayerHooks:
         sink, name, sites = self.sink, self.name, self.sites
         if not module.training or not sink.active():
             return  # evaluation passes between two steps are not training statistics
-        y = _first_tensor(output)
+        y = first_tensor(output)
         if not self._input_before:
-            x = _input_of(args, kwargs)
+            x = input_of(args, kwargs)
             items = [("input", x, False, False)] if x is not None and "input" in sites else []
             if y is not None and "output" in sites:
                 items.append(("output", y, False, False))

@@ -1,4 +1,5 @@
-"""A transport for tests: keeps what the agent's collector sends instead of posting it."""
+"""For tests: a transport that keeps what the agent's collector sends instead of posting it, and a stand-in for the
+statistics launches."""
 
 
 class CaptureTransport:
@@ -31,3 +32,17 @@ class CaptureTransport:
                 rec["log2_hist"] = b["log2_hist"][i] if "log2_hist" in b else None
                 out[key] = rec
         return out
+
+
+def rows_counting(launches: list):
+    """A torch stand-in for ``stats.launch.rows`` (as on a GPU) that records each launch's tensor count."""
+    from fp8mon.agent.stats import torch_path as ds
+
+    def rows(tensors, *, fmt, scale, center, outlier_k, amax_history_max, hist, out, index, merge, later=False):
+        launches.append(len(tensors))
+        for i, x in enumerate(tensors):
+            row = ds.partials(x, fmt=fmt[i], scale=scale[i], amax_history_max=amax_history_max[i],
+                              outlier_k=outlier_k, hist=hist)
+            out[index[i]] = ds.merge(out[index[i]], row) if merge[i] else row
+
+    return rows

@@ -18,7 +18,7 @@ from fp8mon.agent.formats import by_name, delayed_scale
 from fp8mon.agent.stats import torch_path as ds
 from fp8mon.agent.stats.reference import Moments, merge_moments
 from fp8mon.agent.wire import LOG2_HIST_LO, SITES, TENSOR_STATS
-from tests.agent.capture import CaptureTransport
+from tests.agent.capture import CaptureTransport, rows_counting
 
 FORMATS = {"input": "e4m3", "weight": "e4m3", "output": None, "grad_output": "e5m2", "grad_weight": "e5m2"}
 EXACT = ("numel", "nonfinite", "amax", "zero_frac", "outlier_frac", "underflow_frac", "overflow_frac", "scale",
@@ -480,20 +480,6 @@ def test_auto_backend_falls_back_to_torch_when_the_triton_statistics_fail(monkey
         assert_record(rec, ref.expected(step, layer, site))
 
 
-def _rows_counting(launches: list):
-    """A torch stand-in for ``stats.launch.rows`` that records each launch's tensor count."""
-    from fp8mon.agent.stats import torch_path as ds
-
-    def rows(tensors, *, fmt, scale, center, outlier_k, amax_history_max, hist, out, index, merge, later=False):
-        launches.append(len(tensors))
-        for i, x in enumerate(tensors):
-            row = ds.partials(x, fmt=fmt[i], scale=scale[i], amax_history_max=amax_history_max[i],
-                              outlier_k=outlier_k, hist=hist)
-            out[index[i]] = ds.merge(out[index[i]], row) if merge[i] else row
-
-    return rows
-
-
 def test_a_layers_backward_sites_share_one_launch_and_a_frozen_weight_loses_no_grad_output(monkeypatch):
     """On the Triton path a watched layer's grad_output waits for its grad_weight (the same backward node
     produces it next) and the step's tensors share launches. A weight
@@ -503,7 +489,7 @@ def test_a_layers_backward_sites_share_one_launch_and_a_frozen_weight_loses_no_g
 
     model, ref, cap, agent = _tiny_lm_watched_every_step(seed=5)
     launches = []
-    monkeypatch.setattr(ts, "rows", _rows_counting(launches))
+    monkeypatch.setattr(ts, "rows", rows_counting(launches))
     monkeypatch.setattr(agent._sink, "_triton_for", lambda x: True)  # as on a GPU
     frozen = "blocks.1.mlp.fc2"
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -545,7 +531,7 @@ def test_a_steps_weights_are_read_in_the_first_forwards_launch_even_of_a_layer_t
     cap = CaptureTransport()
     agent = Agent(transport=cap, every=1, sites=("weight",)).watch(model)
     launches = []
-    monkeypatch.setattr(ts, "rows", _rows_counting(launches))
+    monkeypatch.setattr(ts, "rows", rows_counting(launches))
     monkeypatch.setattr(agent._sink, "_triton_for", lambda x: True)
     x = torch.randn(4, 8)
     model["b"](model["a"](x))  # "skipped" and "frozen_eval" do not run
@@ -571,7 +557,7 @@ def test_grad_weights_of_a_backward_pass_are_one_launch_and_the_last_pass_wins(m
     cap = CaptureTransport()
     agent = Agent(transport=cap, every=1, sites=("grad_weight",)).watch(model)
     launches = []
-    monkeypatch.setattr(ts, "rows", _rows_counting(launches))
+    monkeypatch.setattr(ts, "rows", rows_counting(launches))
     monkeypatch.setattr(agent._sink, "_triton_for", lambda x: True)  # as on a GPU
     for _ in range(2):
         model(torch.randn(8, 16)).square().sum().backward()

@@ -10,25 +10,15 @@ from torch import nn
 from fp8mon.agent import Agent
 from fp8mon.agent.batching import MAX_ITEMS
 from fp8mon.agent.stats import launch as ts
-from fp8mon.agent.stats import torch_path as ds
-from tests.agent.capture import CaptureTransport
+from tests.agent.capture import CaptureTransport, rows_counting
 
 
 @pytest.fixture
 def launches(monkeypatch):
     """``stats.launch.rows`` replaced by the torch path, as if on a GPU; the tensors of each launch, in order."""
     calls = []
-
-    def rows(tensors, *, fmt, scale, center, outlier_k, amax_history_max, hist, out, index, merge, later=False):
-        calls.append(len(tensors))
-        for i, x in enumerate(tensors):
-            row = ds.partials(x, fmt=fmt[i], scale=scale[i], amax_history_max=amax_history_max[i],
-                              outlier_k=outlier_k, hist=hist)
-            out[index[i]] = ds.merge(out[index[i]], row) if merge[i] else row
-
-    monkeypatch.setattr(ts, "rows", rows)
+    monkeypatch.setattr(ts, "rows", rows_counting(calls))
     return calls
-
 
 def _agent(model, **kw):
     cap = CaptureTransport()
