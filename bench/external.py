@@ -370,6 +370,10 @@ def measure(setup: Setup, args, device: torch.device, deadline: float) -> list[d
         live = [r for r in runners if r.error is None]
         settle(live, clock)
         rounds_run = run_rounds(live, args, clock, deadline)
+        if args.profile:
+            for runner in live:
+                if runner.agent is not None:
+                    profile_report(runner, setup.key(), Path(args.profile))
         return [summary(r, rounds_run) for r in runners]
     finally:
         for r in runners:
@@ -377,6 +381,24 @@ def measure(setup: Setup, args, device: torch.device, deadline: float) -> list[d
                 r.close()
         runners.clear()
         free(device, reset_dynamo=setup.compile)
+
+
+def profile_report(runner, key: str, folder: Path) -> None:
+    """One reporting step of an agent's copy under torch.profiler: the host's top ops and a Chrome trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner.align()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        runner.step()
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize()
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = f"{key.replace('/', '_')}_{runner.name.replace('@', '_every')}"
+    prof.export_chrome_trace(str(folder / f"{stem}.json.gz"))
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
+    (folder / f"{stem}.txt").write_text(table)
+    print(f"  profile of one reporting step of {runner.name} ({key}):\n{table}", flush=True)
 
 
 def settle(live: list, clock) -> None:
@@ -550,6 +572,8 @@ def parse(argv=None):
     p.add_argument("--budget-s", type=float, default=540.0)
     p.add_argument("--explain-recompiles", action="store_true",
                    help="log why Dynamo recompiles (torch._logging recompiles): for a copy that compiles while timed")
+    p.add_argument("--profile", metavar="DIR",
+                   help="after the rounds, profile one reporting step of each agent copy: top host ops, Chrome trace")
     p.add_argument("--no-record", dest="record", action="store_false",
                    help="do not append the figures to bench/results/external.csv")
     args = p.parse_args(argv)
