@@ -384,21 +384,43 @@ def measure(setup: Setup, args, device: torch.device, deadline: float) -> list[d
 
 
 def profile_report(runner, key: str, folder: Path) -> None:
-    """One reporting step of an agent's copy under torch.profiler: the host's top ops and a Chrome trace."""
+    """A reporting step of an agent's copy under torch.profiler (the host's top ops and a Chrome trace), the same
+    under cProfile (the host's Python), and a step that does not report under torch.profiler."""
+    import cProfile
+    import io
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
 
-    runner.align()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        runner.step()
-        if runner.device.type == "cuda":
-            torch.cuda.synchronize()
     folder.mkdir(parents=True, exist_ok=True)
     stem = f"{key.replace('/', '_')}_{runner.name.replace('@', '_every')}"
-    prof.export_chrome_trace(str(folder / f"{stem}.json.gz"))
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
-    (folder / f"{stem}.txt").write_text(table)
-    print(f"  profile of one reporting step of {runner.name} ({key}):\n{table}", flush=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    report = []
+    steps = [("report", 0)] + ([("quiet", 1)] if runner.every > 1 else [])
+    for what, offset in steps:
+        runner.align()
+        for _ in range(offset):
+            runner.step()
+        sync()
+        with profile(activities=activities) as prof:
+            runner.step()
+            sync()
+        prof.export_chrome_trace(str(folder / f"{stem}_{what}.json.gz"))
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+        report.append(f"== {what} step under torch.profiler\n{table}")
+    runner.align()
+    sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    runner.step()
+    sync()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+    report.append(f"== report step under cProfile\n{text.getvalue()}")
+    (folder / f"{stem}.txt").write_text("\n".join(report))
+    print(f"  profiled {runner.name} ({key}): {folder / stem}.txt", flush=True)
 
 
 def settle(live: list, clock) -> None:
