@@ -248,9 +248,10 @@ class HookSink:
             return pack.rows, merge, self.centers
 
     def _observe_triton(self, todo) -> None:
-        # rows no scale decides and no history reads now wait for a launch shared with others (batching), and are
-        # merged by the launch that ends the step (launch_pending): no launch ends in its last program's merge
-        later = all(t[3] is None and t[4] is None and not t[5] for t in todo)
+        # rows no history reads now (delayed scaling's) wait for a launch shared with others (batching), with their
+        # scale if they have one (a layer's own cast: a fresh tensor), and are merged by the launch that ends the
+        # step (launch_pending): no launch ends in its last program's merge
+        later = all(t[4] is None and not t[5] for t in todo)
         if later and all(self.waiting.can_wait(t[0], t[1]) for t in todo):
             self.waiting.add(todo)
             return
