@@ -120,6 +120,7 @@ def test_rows_with_their_layers_cast_scale_wait_and_a_changed_scale_loses_its_ro
         agent._sink.casts[(name, "input")] = lambda x, s=scale: (x, E4M3, s)
     model(torch.randn(16, 8)).sum().backward()
     agent.log(0)
+    agent.flush(timeout=30)
     assert launches == [4] and agent.errors == 0 and len(cap.records()) == 4
     model[3].register_forward_hook(lambda m, a, y: scales["1"].mul_(2.0) and None)
     model(torch.randn(16, 8)).sum().backward()
