@@ -351,8 +351,9 @@ class Pipeline:
         writes = [AlertWrite(e.alert, delete=e.kind == DROPPED, resolved=e.kind == RESOLVED, context=context)
                   for e in events]
         changed = {e.alert.fingerprint for e in events}
+        # then every active alert as it stands after the batch (an event's copy is its state at that step)
         writes += [AlertWrite(a, context=context) for a in self.tracker.active(run)
-                   if a.fingerprint in state.alert_ids and a.fingerprint not in changed]
+                   if a.fingerprint in state.alert_ids or a.fingerprint in changed]
         state.alert_ids = self.alerts.record_assessments(state.run_id, predictions, writes, state.alert_ids)
 
     def _seed_metrics(self) -> None:

@@ -6,6 +6,7 @@ resolve, and an Alertmanager that is down costs ingest nothing and hears everyth
 """
 
 import json
+import logging
 import shutil
 import subprocess
 import time
@@ -155,6 +156,8 @@ def test_alerts_arrive_grouped_per_run_and_rule_silenced_by_rule_and_resolved(ap
         assert {p["groupLabels"]["rule"] for p in notified} == {"kurtosis_growth"}
         firing = next(p for p in notified if p["groupLabels"]["run"] == "am/quiet")
         assert len(firing["alerts"]) == 12
+        paging_note = next(p for p in notified if p["groupLabels"]["run"] == "am/paging")
+        assert [a["labels"]["severity"] for a in paging_note["alerts"]] == ["critical"] * 6  # warnings held back
 
         # a silence by rule (and run) silences every layer and site of it
         silence = alertmanager.amtool("silence", "add", "rule=kurtosis_growth", "run=am/quiet", "--duration=1h",
@@ -176,6 +179,7 @@ def test_alerts_arrive_grouped_per_run_and_rule_silenced_by_rule_and_resolved(ap
 
 def test_alertmanager_down_costs_ingest_nothing_and_hears_everything_once_back(app_factory, tmp_path, receiver,
                                                                                caplog):
+    caplog.set_level(logging.INFO, logger="fp8mon.alertmanager")
     am = Alertmanager(tmp_path / "late", receiver.url)  # its port is chosen, nothing listens there yet
     try:
         with app_factory(alertmanager_url=am.url, alertmanager_resend_seconds=0.5, predictor=LAYER_PREDICTOR) as c:
