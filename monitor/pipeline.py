@@ -13,8 +13,8 @@ arrival order, which is each run's order as long as its agent sends sequentially
    and the alert rows (inserted when pending or
    fired; updated on fire, escalation, resolution and with each batch's last step; a dropped pending alert's
    row is deleted);
-4. after the commit, hands notifications (fired, escalated, resolved) to its notifier (the webhook
-   sender's queue) and updates the run's Prometheus gauges (monitor.gauges).
+4. after the commit, hands notifications (fired, escalated, resolved) to its notifier (the queues of the
+   webhook and Alertmanager senders) and updates the run's Prometheus gauges (monitor.gauges).
 
 Predictions stored. A predictor may assess every step; a row per step of a 100k-step run with JSON signals
 and culprits is tens of MB for a curve people read at a coarser grain. Stored: every
@@ -177,6 +177,8 @@ class Pipeline:
         with self._lock:
             self._forgotten[name] = self._submitted
             self._forget.append(name)
+        if hasattr(self.notifier, "forget_run"):
+            self.notifier.forget_run(name)
 
     def end_run(self, name: str, run_id: int) -> None:
         """The run's status became final outside ingest (PATCH): resolve its alerts in the worker's turn."""
@@ -257,7 +259,7 @@ class Pipeline:
         if meta is not None and meta.config is not None:
             config = meta.config
         predictor = None if isinstance(batch, _EndRun) else self._predictor_for(batch.run, config)
-        state = _RunState(run_id, predictor, config=config, ended=isinstance(batch, _EndRun))
+        state = _RunState(run_id, predictor, config=config)
         restored = []
         for row in stored.alerts:
             alert = Alert(run=batch.run, rule=row.rule, layer=row.layer, site=row.site, severity=row.severity,
@@ -329,13 +331,16 @@ class Pipeline:
             state.predictor = self._predictor_for(run, state.config)
 
     def _end(self, run: str, run_id: int) -> None:
+        loaded = run in self._runs and self._runs[run].run_id == run_id
         state = self._state(_EndRun(run, run_id), run_id)
         events = self.tracker.end_run(run, state.last_step)
         if events:
             self._write(state, run, [], events, None)
             self._notify(events)
-        state.predictor, state.ended = None, True
+            self.metrics.runs.update(run, None, self.tracker.firing_counts(run), active=False)
         self.metrics.runs.end(run)
+        if not loaded:  # built for this only: a later batch of the run builds it with its predictor
+            self._runs.pop(run, None)
 
     def _notify(self, events: list[AlertEvent]) -> None:
         for event in events:

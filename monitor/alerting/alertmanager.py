@@ -20,6 +20,7 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import httpx
@@ -51,6 +52,11 @@ def alertmanager_alert(alert: Alert, base_url: str, starts_at: datetime, ends_at
                         "description": f"{alert.message} ({history})", "dashboard": link},
         "startsAt": starts_at.isoformat(), "endsAt": ends_at.isoformat(), "generatorURL": link,
     }
+
+
+@dataclass(frozen=True)
+class _Forget:
+    run: str
 
 
 class AlertmanagerSender:
@@ -90,6 +96,14 @@ class AlertmanagerSender:
             log.warning("Alertmanager queue full: %s of %s on run %r dropped", event.kind, event.alert.rule,
                         event.alert.run)
 
+    def forget_run(self, run: str) -> None:
+        """The run was deleted: its firing alerts are posted resolved and no longer re-sent."""
+        if self.url:
+            try:
+                self._queue.put_nowait(_Forget(run))
+            except queue.Full:
+                self._count_failure()
+
     def stop(self, timeout: float = 5.0) -> None:
         """Post what is queued (one try), then stop."""
         if self._thread is None:
@@ -121,7 +135,13 @@ class AlertmanagerSender:
                 for _ in items:
                     self._queue.task_done()
 
-    def _take(self, event: AlertEvent) -> str:
+    def _take(self, event: AlertEvent | _Forget) -> str:
+        if isinstance(event, _Forget):
+            for fingerprint, (alert, start) in list(self._firing.items()):
+                if alert.run == event.run:
+                    del self._firing[fingerprint]
+                    self._resolved.append((alert, start))
+            return event.run
         a, now = event.alert, datetime.now(UTC)
         old = self._firing.pop(a.fingerprint, None)
         if old is not None and (event.kind == RESOLVED or old[0].severity != a.severity):

@@ -23,6 +23,12 @@ class Notifiers:
             except Exception:
                 log.exception("notifier %r failed on a %s event", notifier, event.kind)
 
+    def forget_run(self, run: str) -> None:
+        """The run was deleted: notifiers that keep alerts (Alertmanager's re-sends) drop its alerts."""
+        for notifier in self.notifiers:
+            if hasattr(notifier, "forget_run"):
+                notifier.forget_run(run)
+
 
 def firing_alerts(store) -> list[Alert]:
     """The firing alerts stored, as the lifecycle's alerts (what a notifier re-announces after a restart)."""

@@ -1,8 +1,8 @@
 """fp8mon's alerts in a real Alertmanager (Debian's prometheus-alertmanager, with amtool) running the route that
 docker-compose ships (dashboards/alertmanager.yml, its waits shortened to a second and a webhook receiver added):
 the alerts arrive with their labels and dashboard link, one group per run and rule, info alerts notify nobody,
-a critical alert holds back its run and rule's warnings, a silence by rule silences, a finished run's alerts
-resolve, and an Alertmanager that is down costs ingest nothing and hears everything once it is back.
+a critical alert holds back its run and rule's warnings, a silence by rule silences, a finished or deleted
+run's alerts resolve, and an Alertmanager that is down costs ingest nothing and hears everything once it is back.
 """
 
 import json
@@ -175,6 +175,9 @@ def test_alerts_arrive_grouped_per_run_and_rule_silenced_by_rule_and_resolved(ap
                                      and p["status"] == "resolved")
         assert {a["status"] for a in resolved[0]["alerts"]} == {"resolved"}
         assert len(alertmanager.alerts("am/quiet")) == 13  # the other run's alerts still fire (re-sent)
+        # a deleted run's alerts resolve too (they are no longer re-sent)
+        assert c.delete("/api/v1/runs/am/quiet").status_code == 200
+        alertmanager.wait(lambda: alertmanager.alerts("am/quiet"), lambda a: a == [])
 
 
 def test_alertmanager_down_costs_ingest_nothing_and_hears_everything_once_back(app_factory, tmp_path, receiver,

@@ -401,6 +401,11 @@ def test_alerts_of_a_finished_run_resolve(app_factory):
             "alerts"]
         assert patched["resolved_step"] == 39
         assert c.get("/api/v1/alerts", params={"state": "firing"}).json()["total"] == 0
+        # a run that goes on after all is assessed again: the condition opens a new alert
+        for body in kurtosis_stream("patched", range(40, 60), kurtosis):
+            assert c.post("/api/v1/ingest", json=body).status_code == 200
+        again = wait_json(c, "/api/v1/runs/patched/alerts", lambda b: b["total"] == 2)["alerts"]
+        assert sorted((a["state"], a["fired_step"]) for a in again) == [("firing", 45), ("resolved", 15)]
 
 
 def httpx_json(body) -> bytes:
