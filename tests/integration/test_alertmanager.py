@@ -27,8 +27,8 @@ PUBLIC = "http://fp8mon.test:8080"
 
 pytestmark = [pytest.mark.skipif(ALERTMANAGER is None or AMTOOL is None,
                                  reason="Alertmanager not installed (Debian package 'prometheus-alertmanager'; "
-                                        "scripts/test.sh installs it)"),
-              pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)]
+                                        "scripts/test.sh installs it)")]
+on_sqlite = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 
 
 class Alertmanager:
@@ -117,6 +117,7 @@ def underflow(step, layer, site):
     return 0.2 if (layer, site) == ("blocks.0.mlp.fc1", "weight") else 0.0  # one info alert
 
 
+@on_sqlite
 def test_alerts_arrive_grouped_per_run_and_rule_silenced_by_rule_and_resolved(app_factory, alertmanager, receiver):
     with app_factory(alertmanager_url=alertmanager.url, alertmanager_resend_seconds=1, public_url=PUBLIC,
                      predictor=LAYER_PREDICTOR) as c:
@@ -180,6 +181,30 @@ def test_alerts_arrive_grouped_per_run_and_rule_silenced_by_rule_and_resolved(ap
         alertmanager.wait(lambda: alertmanager.alerts("am/quiet"), lambda a: a == [])
 
 
+def test_an_escalation_replaces_the_lower_severity_in_alertmanager(alertmanager):
+    from fp8mon.monitor.alerting.alertmanager import AlertmanagerSender
+    from fp8mon.monitor.alerting.lifecycle import AlertTracker
+    from fp8mon.monitor.assessment import Finding
+
+    def finding(severity):
+        return Finding(rule="stale_scale", severity=severity, step=0, layer="blocks.0.mlp.fc2", site="grad_output",
+                       message=f"stale scale ({severity})")
+
+    tracker = AlertTracker()
+    sender = AlertmanagerSender(alertmanager.url, base_url=PUBLIC, resend_seconds=1).start()
+    try:
+        sender.notify(tracker.update("am/escalating", 80, [finding("warning")])[0])
+        alertmanager.wait(lambda: alertmanager.alerts("am/escalating"),
+                          lambda a: [x["labels"]["severity"] for x in a] == ["warning"])
+        sender.notify(tracker.update("am/escalating", 300, [finding("critical")])[0])
+        (alert,) = alertmanager.wait(lambda: alertmanager.alerts("am/escalating"),
+                                     lambda a: [x["labels"]["severity"] for x in a] == ["critical"])
+        assert "fired at step 80; critical at step 300" in alert["annotations"]["description"]
+    finally:
+        sender.stop()
+
+
+@on_sqlite
 def test_alertmanager_down_costs_ingest_nothing_and_hears_everything_once_back(app_factory, tmp_path, receiver,
                                                                                caplog):
     caplog.set_level(logging.INFO, logger="fp8mon.alertmanager")

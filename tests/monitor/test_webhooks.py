@@ -215,3 +215,14 @@ def test_a_two_block_run_sends_a_handful_of_messages_not_one_per_layer_and_site(
     assert gap >= interval - 0.1, gap  # the rate limit per group
     resolved = rx.received[1]["fp8mon"]
     assert resolved["firing"] == 0 and {a["event"] for a in resolved["alerts"]} == {"resolved"}
+
+
+def test_settings_refuse_alert_urls_without_a_scheme():
+    from pydantic import ValidationError
+
+    from fp8mon.monitor.settings import Settings
+
+    for field in ("alertmanager_url", "webhook_urls"):
+        with pytest.raises(ValidationError, match="must start with http:// or https://"):
+            Settings(**{field: "alertmanager:9093"})
+    assert Settings(alertmanager_url="http://alertmanager:9093").webhook_min_severity == "warning"
