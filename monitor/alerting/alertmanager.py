@@ -72,6 +72,7 @@ class AlertmanagerSender:
         self._firing: dict[str, tuple[Alert, datetime]] = {}  # fingerprint -> (alert, when it started)
         self._resolved: list[tuple[Alert, datetime]] = []  # resolutions not yet delivered
         self._down = False  # in an outage (logged once)
+        self._full = False  # the queue is full (logged once)
         self._thread: threading.Thread | None = None
 
     def start(self) -> AlertmanagerSender:
@@ -91,10 +92,13 @@ class AlertmanagerSender:
             return
         try:
             self._queue.put_nowait(event)
+            self._full = False
         except queue.Full:
             self._count_failure()
-            log.warning("Alertmanager queue full: %s of %s on run %r dropped", event.kind, event.alert.rule,
-                        event.alert.run)
+            if not self._full:
+                log.warning("Alertmanager queue full: alert events dropped until it drains (counted in "
+                            "fp8mon_alertmanager_failures_total); firing alerts are still re-sent")
+            self._full = True
 
     def forget_run(self, run: str) -> None:
         """The run was deleted: its firing alerts are posted resolved and no longer re-sent."""
@@ -125,10 +129,10 @@ class AlertmanagerSender:
                 except queue.Empty:
                     pass
                 stopping = None in items
-                changed = [self._take(e) for e in items if e is not None]
+                changed = {self._take(e) for e in items if e is not None}
                 resend = time.monotonic() >= next_resend
                 if changed or resend or self._resolved:
-                    ok = self._post(client)
+                    ok = self._post(client, None if resend else changed)
                     if resend or not ok:
                         next_resend = time.monotonic() + (self.resend_seconds if ok else
                                                           min(self.resend_seconds, RETRY_SECONDS))
@@ -146,17 +150,21 @@ class AlertmanagerSender:
         old = self._firing.pop(a.fingerprint, None)
         if old is not None and (event.kind == RESOLVED or old[0].severity != a.severity):
             self._resolved.append(old)  # Alertmanager knows it by its labels, severity included
+        elif old is None and event.kind == RESOLVED:
+            self._resolved.append((a, now))  # fired before this sender knew it
         if event.kind != RESOLVED:
             self._firing[a.fingerprint] = (a, old[1] if old is not None else now)
         del self._resolved[:-MAX_UNSENT_RESOLUTIONS]
         return a.fingerprint
 
-    def _post(self, client: httpx.Client) -> bool:
-        """Post the resolutions and the firing alerts (all of them: Alertmanager merges by labels)."""
+    def _post(self, client: httpx.Client, changed: set[str] | None) -> bool:
+        """Post the resolutions and the firing alerts that changed (`changed`: fingerprints and run names; None:
+        every firing alert, the re-send)."""
         now = datetime.now(UTC)
         ends = now + timedelta(seconds=4 * max(self.resend_seconds, 1.0))
         body = [alertmanager_alert(a, self.base_url, start, now) for a, start in self._resolved]
-        body += [alertmanager_alert(a, self.base_url, start, ends) for a, start in self._firing.values()]
+        body += [alertmanager_alert(a, self.base_url, start, ends) for fingerprint, (a, start) in self._firing.items()
+                 if changed is None or fingerprint in changed]
         if not body:
             return True
         try:

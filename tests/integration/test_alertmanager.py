@@ -2,7 +2,8 @@
 docker-compose ships (dashboards/alertmanager.yml, its waits shortened to a second and a webhook receiver added):
 the alerts arrive with their labels and dashboard link, one group per run and rule, info alerts notify nobody,
 a critical alert holds back its run and rule's warnings, a silence by rule silences, a finished or deleted
-run's alerts resolve, and an Alertmanager that is down costs ingest nothing and hears everything once it is back.
+run's alerts resolve, an Alertmanager that is down costs ingest nothing and hears everything once it is back, and
+a restarted server announces its firing alerts again.
 """
 
 import json
@@ -200,6 +201,9 @@ def test_an_escalation_replaces_the_lower_severity_in_alertmanager(alertmanager)
         (alert,) = alertmanager.wait(lambda: alertmanager.alerts("am/escalating"),
                                      lambda a: [x["labels"]["severity"] for x in a] == ["critical"])
         assert "fired at step 80; critical at step 300" in alert["annotations"]["description"]
+        # re-sent every second with endsAt four re-sends ahead: Alertmanager never times it out while we live
+        alertmanager.wait(lambda: alertmanager.alerts("am/escalating"),
+                          lambda a: len(a) == 1 and a[0]["endsAt"] > alert["endsAt"], timeout=5)
     finally:
         sender.stop()
 
@@ -234,3 +238,16 @@ def test_alertmanager_down_costs_ingest_nothing_and_hears_everything_once_back(a
         assert "cannot post alerts to Alertmanager" in outage[0].getMessage()
     finally:
         am.stop()
+
+
+@on_sqlite
+def test_a_restarted_server_announces_its_firing_alerts_again(app_factory, alertmanager):
+    settings = dict(alertmanager_url=alertmanager.url, alertmanager_resend_seconds=0.5, predictor=LAYER_PREDICTOR)
+    with app_factory(**settings) as c:
+        for body in layer_stream("am/restart", range(0, 20), kurtosis):
+            assert c.post("/api/v1/ingest", json=body).status_code == 200
+        alertmanager.wait(lambda: alertmanager.alerts("am/restart"), lambda a: len(a) == 12)
+    # the server is gone: no more re-sends, Alertmanager lets the alerts expire (endsAt, 2 s ahead)
+    alertmanager.wait(lambda: alertmanager.alerts("am/restart"), lambda a: a == [], timeout=10)
+    with app_factory(**settings):  # back, with nothing ingested: the firing alerts come from the database
+        alertmanager.wait(lambda: alertmanager.alerts("am/restart"), lambda a: len(a) == 12)
