@@ -88,7 +88,10 @@ async def _background(app: FastAPI, settings: Settings, predictor_factory):
                                       resend_seconds=settings.alertmanager_resend_seconds,
                                       metrics=app.state.metrics)
     if settings.alertmanager_url:
-        alertmanager.restore(firing_alerts(store))
+        try:
+            alertmanager.restore(firing_alerts(store))
+        except Exception:  # the database answers later: those alerts come back with their runs' next events
+            log.exception("cannot read the firing alerts for Alertmanager")
     alertmanager.start()
     pipeline = Pipeline(store, metrics=app.state.metrics, notifier=Notifiers(webhooks, alertmanager),
                         predictor_factory=predictor_factory,

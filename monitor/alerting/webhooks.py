@@ -206,7 +206,8 @@ class WebhookSender:
             self.metrics.webhook_failures.inc(failed)
 
     def drain(self, timeout: float = 10.0) -> bool:
-        """Wait until every queued notification was handled (tests, shutdown)."""
+        """Wait until every queued notification was handled (tests, shutdown); alert events then wait in their
+        group until it is due."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._queue.unfinished_tasks == 0:

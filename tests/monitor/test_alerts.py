@@ -408,6 +408,17 @@ def test_alerts_of_a_finished_run_resolve(app_factory):
         assert sorted((a["state"], a["fired_step"]) for a in again) == [("firing", 45), ("resolved", 15)]
 
 
+def test_a_run_finished_after_a_restart_resolves_the_alerts_read_back(app_factory):
+    with app_factory(predictor=FAKE_PREDICTOR) as c:
+        for body in kurtosis_stream("later", range(0, 40), lambda s: 80.0 if s >= 10 else 3.0):
+            assert c.post("/api/v1/ingest", json=body).status_code == 200
+        wait_json(c, "/api/v1/runs/later/alerts", lambda b: b["total"] == 1 and b["alerts"][0]["last_step"] == 39)
+    with app_factory(predictor=FAKE_PREDICTOR) as c:  # restarted: the alert lives in the database only
+        assert c.patch("/api/v1/runs/later", json={"status": "diverged"}).status_code == 200
+        (a,) = wait_json(c, "/api/v1/runs/later/alerts", lambda b: b["alerts"][0]["state"] == "resolved")["alerts"]
+    assert (a["fired_step"], a["resolved_step"]) == (15, 39)
+
+
 def httpx_json(body) -> bytes:
     """JSON with a NaN literal, as Python's json module and the agent's encoder write it."""
     import json
