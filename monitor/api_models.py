@@ -150,6 +150,12 @@ AlertState = Literal["pending", "firing", "resolved"]
 Severity = Literal["info", "warning", "critical"]
 
 
+class Escalation(BaseModel):
+    step: int = Field(description="step at which the severity rose")
+    severity: Severity = Field(description="the severity from that step on")
+    previous: Severity | None = Field(None, alias="from", description="the severity before (null: not recorded)")
+
+
 class AlertOut(BaseModel):
     id: int
     run: str
@@ -166,6 +172,9 @@ class AlertOut(BaseModel):
     fired_step: int | None = Field(description="step at which the alert fired; null while pending")
     escalated_step: int | None = Field(description="step at which the severity last rose after the alert fired "
                                                    "(it fired at a lower severity); null if it never rose")
+    escalations: list[Escalation] = Field(default_factory=list,
+                                          description="every rise of severity after the alert fired, in step "
+                                                      "order (fired_step and severity tell where it started)")
     last_step: int | None = Field(description="last step at which the finding held")
     resolved_step: int | None
     started_at: datetime

@@ -9,7 +9,7 @@ from fp8mon.monitor.api_models import Catalogue, LatestOut, RunDeleted, RunDetai
 from fp8mon.monitor.deps import PipelineDep, StoreDep, require_read, require_write
 from fp8mon.monitor.routers.common import ERRORS, RunPath, SafeJSONResponse, http_errors
 from fp8mon.monitor.storage.runs import RUN_ORDER_FIELDS
-from fp8mon.monitor.wire import RunStatus
+from fp8mon.monitor.wire import FINAL_STATUSES, RunStatus
 
 router = APIRouter(tags=["runs"])
 
@@ -62,10 +62,12 @@ def get_run(store: StoreDep, run: RunPath):
 
 @router.patch("/runs/{run:path}", response_model=RunDetail, responses=ERRORS, dependencies=[require_write],
               summary="Change a run's status, tags (merged) or config (replaced)")
-def patch_run(store: StoreDep, run: RunPath, body: RunPatch):
+def patch_run(store: StoreDep, pipeline: PipelineDep, run: RunPath, body: RunPatch):
     with http_errors():
-        return SafeJSONResponse(store.patch_run(run, status=body.status, tags=body.tags,
-                                                config=body.config).to_dict())
+        detail = store.patch_run(run, status=body.status, tags=body.tags, config=body.config)
+    if pipeline is not None and body.status in FINAL_STATUSES:  # its alerts resolve
+        pipeline.end_run(run, detail.run.id)
+    return SafeJSONResponse(detail.to_dict())
 
 
 @router.delete("/runs/{run:path}", response_model=RunDeleted, responses=ERRORS, dependencies=[require_write],

@@ -171,6 +171,7 @@ class StoredAlert(_Entity):
     first_step: int | None
     fired_step: int | None
     escalated_step: int | None
+    escalations: list[dict]  # {"step", "severity", "from"}: each rise of severity after firing, in step order
     last_step: int | None
     resolved_step: int | None
     started_at: datetime
