@@ -1,4 +1,4 @@
-"""GET /: the web dashboard (one HTML page, two scripts, one stylesheet) and plotly.js from the installed
+"""GET /: the web dashboard (one HTML page, its scripts, one stylesheet) and plotly.js from the installed
 `plotly` package: nothing is loaded from a CDN.
 
 The page itself needs no token (it holds no data); the script calls /api/v1 with the bearer token the user
@@ -17,8 +17,8 @@ from fastapi.responses import HTMLResponse, Response
 router = APIRouter(include_in_schema=False)
 
 STATIC = files("fp8mon.monitor") / "static"
-OWN_ASSETS = {"common.js": "text/javascript; charset=utf-8", "dashboard.js": "text/javascript; charset=utf-8",
-              "dashboard.css": "text/css; charset=utf-8"}
+SCRIPTS = ("common.js", "overview.js", "scalars.js", "heatmap.js", "histogram.js", "drilldown.js", "dashboard.js")
+OWN_ASSETS = {**{name: "text/javascript; charset=utf-8" for name in SCRIPTS}, "dashboard.css": "text/css; charset=utf-8"}
 # The page asks for plotly.min.js?v=<version>, so a plotly upgrade changes the URL and a year's cache is safe.
 PLOTLY_CACHE = "public, max-age=31536000, immutable"
 # Our own script and stylesheet change with fp8mon itself: revalidate each time (cheap with the ETag).
