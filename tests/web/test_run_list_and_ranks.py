@@ -25,16 +25,6 @@ WAIT_MS = 15_000
 LAYERS = [f"blocks.{i}.mlp" for i in range(4)]
 
 
-@pytest.fixture(scope="module")
-def browser():
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=str(CHROMIUM),
-            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
-        yield browser
-        browser.close()
-
-
 @pytest.fixture
 def page(browser):
     context = browser.new_context(viewport={"width": 1400, "height": 900})
