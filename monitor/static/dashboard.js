@@ -237,7 +237,8 @@
       return;
     }
     const alerts = await loadRunAlerts(name, generation);
-    const view = { name, catalogue, current };
+    // the parts fetch again only when the run has new data (`stamp`) or the user changed what they show
+    const view = { name, catalogue, current, stamp: `${run.last_seen_at}|${run.last_step}` };
     await Promise.all([
       scalars.draw(view, alerts, { traces: alertMarkerTraces, layout: scalarLayout }),
       heatmap.draw(view),

@@ -9,7 +9,8 @@
   const ROW_PX = 150;
   const NARROW_PX = 640; // below this width the small charts stack one per row
 
-  const state = { layer: null, site: null, layersKey: "", sites: {}, updateUrl: () => {}, ctx: null };
+  const state = { layer: null, site: null, layersKey: "", sites: {}, updateUrl: () => {}, ctx: null,
+    drawn: "" }; // the run's data and the layer last drawn: a poll without new data asks for nothing
 
   function fill(catalogue) {
     state.sites = Object.fromEntries(catalogue.layers.map((entry) => [entry.layer, entry.sites]));
@@ -60,6 +61,8 @@
     }
     const rank = window.fp8mon.heatmap.seriesRank();
     const stats = ctx.catalogue.stats;
+    const key = JSON.stringify([ctx.name, ctx.stamp, layer, site, rank, stats, $("histogram-format").value]);
+    if (key === state.drawn) return;
     const base = `/runs/${runPath(ctx.name)}/series`;
     let all;
     try {
@@ -72,6 +75,7 @@
       return;
     }
     if (!ctx.current() || layer !== state.layer || site !== state.site) return;
+    state.drawn = key;
     const shown = all.filter((series) => series.points.step.length);
     if (!shown.length) {
       blankChart(CHART);
@@ -135,6 +139,7 @@
   }
 
   function reset() {
+    state.drawn = "";
     state.layer = null;
     state.site = null;
     state.layersKey = "";

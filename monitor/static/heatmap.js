@@ -23,6 +23,7 @@
     zoom: null, // [first, last] step asked for, null: the whole run
     rowsChosen: false, // the user (or the URL) picked the rows: no automatic switch
     ctx: null, // the run being drawn (from dashboard.js)
+    drawn: "", // the run's data and the choice last drawn: a poll without new data asks for nothing
     onCell: () => {},
     updateUrl: () => {},
   };
@@ -110,6 +111,8 @@
     state.ctx = ctx;
     const asked = choice();
     const { stat, site, rank, rows } = asked;
+    const key = JSON.stringify([ctx.name, ctx.stamp, asked, $("heatmap-log").checked]);
+    if (key === state.drawn) return;
     if (!stat || !site) {
       blankChart("heatmap-chart");
       showMessage("heatmap-message", "No per-layer statistics in this run yet.");
@@ -130,6 +133,7 @@
     if (!ctx.current() || JSON.stringify(asked) !== JSON.stringify(choice())) {
       return; // the user switched while this was loading; the newer request draws
     }
+    state.drawn = key;
     const empty = emptyReason(heatmap, stat, site, rank);
     if (empty) {
       blankChart("heatmap-chart");
@@ -246,6 +250,7 @@
   }
 
   function reset() {
+    state.drawn = "";
     state.catalogueKey = "";
     state.rankKey = "";
     state.zoom = null;

@@ -15,7 +15,8 @@
   const NONFINITE_COLOUR = "#d93025";
   const RISK_CHART = "risk-chart";
 
-  const state = { key: "", panels: [], zoom: null, syncing: false, logY: new Set(), name: null };
+  const state = { key: "", panels: [], zoom: null, syncing: false, logY: new Set(), name: null,
+    risk: { points: [], last: null } }; // the predictions drawn so far: each poll asks only for newer ones
 
   function chartId(name, taken) {
     // loss -> loss-chart, grad_norm -> grad-norm-chart; a clash of cleaned names gets its position
@@ -64,7 +65,12 @@
   async function draw(ctx, alerts, overlay) {
     state.name = ctx.name;
     buildPanels(ctx.catalogue);
-    await Promise.all([...state.panels.map((panel) => drawPanel(ctx, panel, alerts, overlay)), drawRisk(ctx)]);
+    await Promise.all([...state.panels.map((panel) => {
+      if (panel.stamp !== ctx.stamp || !panel.last) return drawPanel(ctx, panel, alerts, overlay);
+      panel.last = { ...panel.last, alerts, overlay }; // no new data: only the alert markers may have changed
+      render(panel);
+      return null;
+    }), drawRisk(ctx)]);
   }
 
   async function drawPanel(ctx, panel, alerts, overlay) {
@@ -88,6 +94,7 @@
     showMessage(message, series.downsampled ? `${series.bucket_width} steps per point: the band is each `
       + "bucket's min–max, the line its mean." : "");
     panel.last = { series, alerts, overlay };
+    panel.stamp = ctx.stamp;
     render(panel);
   }
 
@@ -157,24 +164,29 @@
 
   async function drawRisk(ctx) {
     let body;
+    const risk = state.risk;
     try {
-      body = await api(`/runs/${runPath(ctx.name)}/predictions`, { params: { limit: PREDICTIONS } });
+      body = await api(`/runs/${runPath(ctx.name)}/predictions`, { params: { limit: PREDICTIONS,
+        from_step: risk.last === null ? null : risk.last + 1 } });
     } catch (err) {
       if (!ctx.current()) return;
       blankChart(RISK_CHART);
       showMessage("risk-message", errorMessage(err), true);
       return;
     }
-    if (!ctx.current()) return;
-    const predictions = body.predictions;
+    if (!ctx.current() || risk !== state.risk) return;
+    const fresh = body.predictions.filter((p) => risk.last === null || p.step > risk.last);
+    risk.points = risk.points.concat(fresh.map((p) => [p.step, p.risk])).slice(-PREDICTIONS);
+    if (fresh.length) risk.last = fresh[fresh.length - 1].step;
+    const predictions = risk.points;
     if (!predictions.length) {
       blankChart(RISK_CHART);
       showMessage("risk-message", "No prediction yet.");
       return;
     }
     showMessage("risk-message", predictions.length === PREDICTIONS ? `The last ${PREDICTIONS} predictions.` : "");
-    const traces = [{ type: "scatter", mode: "lines", name: "risk", x: predictions.map((p) => p.step),
-      y: predictions.map((p) => p.risk), line: { color: "#d93025", width: 1.5, shape: "hv" },
+    const traces = [{ type: "scatter", mode: "lines", name: "risk", x: predictions.map((p) => p[0]),
+      y: predictions.map((p) => p[1]), line: { color: "#d93025", width: 1.5, shape: "hv" },
       fill: "tozeroy", fillcolor: "rgba(217,48,37,0.12)" }];
     drawChart(RISK_CHART, traces, withZoom({
       uirevision: ctx.name, margin: { l: 56, r: 16, t: 10, b: 40 },
@@ -237,6 +249,7 @@
   function reset() {
     state.key = "";
     state.zoom = null;
+    state.risk = { points: [], last: null };
     for (const id of chartIds()) blankChart(id);
     state.panels = [];
     $("scalar-panels").replaceChildren();

@@ -1,7 +1,7 @@
 """The run view in a real headless Chromium against one real server: a run of 560 layers (the planted anomalous layer
 first among the worst, named on hover, a click opening its statistics and its log2 histograms with the E4M3 limits),
 every scalar as its own panel (log y, smoothing, one zoom for all), an 8-rank run's drill-down on the chosen rank,
-a killed run read as stalled with its last-seen time, and the layout at phone width."""
+a killed run read as stalled with its last-seen time, and the layout at phone width (390 px)."""
 
 import math
 import time
@@ -156,8 +156,8 @@ def test_560_layers_open_on_the_worst_with_the_planted_one_named_and_a_click_ope
     assert page.errors == []
 
 
-def test_every_scalar_has_its_panel_with_log_y_smoothing_and_one_zoom_for_all(server, page):
-    page.goto(f"{server.url}/?run={quote(DEEP, safe='')}")
+def test_every_scalar_has_its_panel_with_log_y_smoothing_one_zoom_for_all_and_a_phone_layout(server, page):
+    page.goto(f"{server.url}/?run={quote(DEEP, safe='')}&refresh=1")
     panels = page.locator("#scalar-panels .scalar-panel")
     expect(panels).to_have_count(len(SCALARS))
     assert panels.evaluate_all("els => els.map(e => e.dataset.scalar)") == [
@@ -178,10 +178,29 @@ def test_every_scalar_has_its_panel_with_log_y_smoothing_and_one_zoom_for_all(se
     raw = next(t for t in chart(page, "lr-chart")["data"] if t["name"] == "lr")
     assert smooth["y"][0] == pytest.approx(raw["y"][0]) and smooth["y"][-1] > raw["y"][-1]  # lags the fall
 
+    wait_for_trace(page, "risk-chart", "t.name === 'risk' && t.x.length > 0")
     page.evaluate("Plotly.relayout('loss-chart', {'xaxis.range': [3, 8]})")
-    for other in ("lr-chart", "my-custom-chart"):
+    for other in ("lr-chart", "my-custom-chart", "risk-chart"):
         page.wait_for_function("id => JSON.stringify(document.getElementById(id).layout.xaxis.range) === '[3,8]'",
                                arg=other)
+
+    # polls of a run without new data ask for no series, heatmap or histogram again, and only newer predictions
+    page.requests.clear()
+    page.wait_for_timeout(2500)  # two and more polls at refresh=1
+    polled = [u for u in page.requests if "/api/v1/" in u]
+    assert sum("/runs?" in u for u in polled) >= 2
+    assert not [u for u in polled if any(part in u for part in ("/series?", "/heatmap?", "/histogram?"))]
+    assert all("from_step=" in u for u in polled if "/predictions?" in u and "limit=5000" in u)
+
+    # at phone width (390 px) the page stacks: the run list above the run, every chart about the screen's width
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.wait_for_function("() => ['loss-chart', 'heatmap-chart', 'risk-chart', 'my-custom-chart'].every(id => { "
+                           "const w = document.getElementById(id).querySelector('.main-svg').getBoundingClientRect()"
+                           ".width; return w >= 330 && w <= 390; })")
+    sidebar, main = page.evaluate("() => ['.sidebar', '#main'].map(s => { "
+                                  "const r = document.querySelector(s).getBoundingClientRect(); return [r.top, r.bottom]; })")
+    assert main[0] >= sidebar[1] - 1
+    assert page.evaluate("() => document.documentElement.scrollWidth") <= 390  # nothing wider than the screen
     assert page.errors == []
 
 
@@ -215,22 +234,3 @@ def test_a_killed_run_reads_stalled_with_its_last_seen_time_and_eight_ranks_dril
     wait_for_trace(page, "detail-chart", "t.name === 'kurtosis' && Math.max(...t.y) === 300")
     expect(page.locator("#detail-message")).to_contain_text("rank 5")
     assert page.errors == []
-
-
-def test_at_phone_width_the_run_view_stacks_and_charts_keep_their_width(server, browser):
-    context = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True)
-    context.set_default_timeout(WAIT_MS)
-    page = context.new_page()
-    try:
-        page.goto(f"{server.url}/?run={quote(DEEP, safe='')}")
-        wait_for_trace(page, "loss-chart", "t.name === 'loss'")
-        wait_for_trace(page, "heatmap-chart", "t.type === 'heatmap'")
-        widths = page.evaluate("() => ['loss-chart', 'heatmap-chart', 'risk-chart', 'lr-chart'].map(id => "
-                               "document.getElementById(id).getBoundingClientRect().width)")
-        assert all(w >= 330 for w in widths), widths
-        layout = page.evaluate("() => [document.querySelector('.sidebar').getBoundingClientRect(), "
-                               "document.getElementById('main').getBoundingClientRect()].map(r => [r.top, r.bottom])")
-        assert layout[1][0] >= layout[0][1] - 1  # the run list above the run, not beside it
-        assert page.evaluate("() => document.documentElement.scrollWidth") <= 390
-    finally:
-        context.close()
