@@ -51,15 +51,15 @@ def report_interval(dialect: str) -> ColumnElement:
 def status_columns(dialect: str, policy: StallPolicy, now: float) -> tuple[ColumnElement, ColumnElement]:
     """(status, report interval) expressions over the runs table, `now` in seconds since 1970."""
     interval = report_interval(dialect)
-    wait = policy.intervals * interval
-    threshold = case((wait.is_(None), literal(policy.min_seconds)), (wait < policy.min_seconds, policy.min_seconds),
-                     else_=wait)
     silent = literal(now, Float) - epoch_seconds(dialect, RunRow.last_seen_at)
     diverged = exists().where(Alert.run_id == RunRow.id, Alert.rule == DIVERGENCE_RULE,
                               Alert.fired_step.is_not(None)).correlate(RunRow)
+    # the minimum first: a run that reported lately is not stalled, whatever its interval (not counted then)
+    stalled = ((RunRow.last_seen_at.is_not(None)) & (silent > policy.min_seconds)
+               & (interval.is_(None) | (silent > policy.intervals * interval)))
     status = case(
         (RunRow.status != "running", RunRow.status),
         (diverged, literal("diverged")),
-        ((RunRow.last_seen_at.is_not(None)) & (silent > threshold), literal("stalled")),
+        (stalled, literal("stalled")),
         else_=literal("running"))
     return status, interval
