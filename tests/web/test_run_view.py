@@ -79,16 +79,11 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture
-def page(browser):
-    context = browser.new_context(viewport={"width": 1400, "height": 900})
-    context.set_default_timeout(WAIT_MS)
-    page = context.new_page()
-    page.errors = []
+def page(page):
+    """conftest's page, also recording the URLs it requests."""
     page.requests = []
-    page.on("pageerror", lambda exc: page.errors.append(str(exc)))
     page.on("request", lambda request: page.requests.append(request.url))
-    yield page
-    context.close()
+    return page
 
 
 def chart(page, element_id: str) -> dict:
