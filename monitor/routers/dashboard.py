@@ -17,12 +17,15 @@ from fastapi.responses import HTMLResponse, Response
 router = APIRouter(include_in_schema=False)
 
 STATIC = files("fp8mon.monitor") / "static"
-SCRIPTS = ("common.js", "overview.js", "scalars.js", "heatmap.js", "histogram.js", "drilldown.js", "dashboard.js")
-OWN_ASSETS = {**{name: "text/javascript; charset=utf-8" for name in SCRIPTS}, "dashboard.css": "text/css; charset=utf-8"}
+OWN_ASSETS = {"common.js": "text/javascript; charset=utf-8", "dashboard.js": "text/javascript; charset=utf-8",
+              "dashboard.css": "text/css; charset=utf-8"}
 # The page asks for plotly.min.js?v=<version>, so a plotly upgrade changes the URL and a year's cache is safe.
 PLOTLY_CACHE = "public, max-age=31536000, immutable"
 # Our own script and stylesheet change with fp8mon itself: revalidate each time (cheap with the ETag).
 OWN_CACHE = "no-cache"
+# the run view's parts, one script each
+RUN_VIEW_SCRIPTS = ("overview.js", "scalars.js", "heatmap.js", "histogram.js", "drilldown.js")
+OWN_ASSETS.update({name: "text/javascript; charset=utf-8" for name in RUN_VIEW_SCRIPTS})
 
 
 @lru_cache(maxsize=1)
