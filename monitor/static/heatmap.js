@@ -223,6 +223,12 @@
     };
   }
 
+  function labelClicked(event) {
+    // a click on a row's label opens that layer too (plotly reports clicks on cells only)
+    const tick = event.target.closest && event.target.closest(".ytick");
+    if (tick && tick.textContent) state.onCell(tick.textContent, $("heatmap-site").value);
+  }
+
   function bindChartEvents() {
     // bound after every draw: a blanked (purged) chart has lost its listeners
     const node = $("heatmap-chart");
@@ -278,6 +284,7 @@
       redraw();
     });
     for (const id of ["heatmap-agg", "heatmap-rank", "heatmap-log"]) $(id).addEventListener("change", redraw);
+    $("heatmap-chart").addEventListener("click", labelClicked);
   }
 
   window.fp8mon.heatmap = { bind, fillSelectors, fillRanks, draw, reset, seriesRank };

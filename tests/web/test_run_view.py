@@ -140,10 +140,15 @@ def test_560_layers_open_on_the_worst_with_the_planted_one_named_and_a_click_ope
     assert limit["E4M3 underflow (→ 0)"] == [-10 - 1] * len(STEPS)
     expect(page.locator("#histogram-message")).to_contain_text("E4M3 limits at the scale in use")
 
-    # every layer, each row readable in a box that scrolls; a step zoom asks for those steps only
+    # a row's label opens that layer too
+    page.locator("#heatmap-chart .ytick text", has_text=LAYERS[558]).click()
+    expect(page.locator("#detail-title")).to_have_text(f"{LAYERS[558]} · input")
+
+    # every layer, each row labelled and readable in a box that scrolls; a step zoom asks for those steps only
     page.select_option("#heatmap-rows", "all")
     wait_for_trace(page, "heatmap-chart", "t.type === 'heatmap' && t.y.length === 560")
     assert chart(page, "heatmap-chart")["layout"]["height"] >= 560 * 16
+    expect(page.locator("#heatmap-chart g.ytick text")).to_have_count(560)
     assert page.evaluate("() => { const b = document.querySelector('.heatmap-scroll'); "
                          "return b.scrollHeight > b.clientHeight; }")
     with page.expect_request(lambda r: "/heatmap?" in r.url and "start=2" in r.url and "end=5" in r.url):
