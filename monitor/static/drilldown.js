@@ -84,7 +84,7 @@
       const scope = rank === "-1" ? "merged over ranks" : "rank " + rank;
       showMessage("detail-message", `${shown.length} statistics, ${scope}`
         + (shown[0].downsampled ? `; ${shown[0].bucket_width} steps per point (mean, min–max band).` : "."));
-      const columns = $(CHART).clientWidth && $(CHART).clientWidth < NARROW_PX ? 1 : 3;
+      const columns = $("detail-panel").clientWidth < NARROW_PX ? 1 : 3; // (the chart itself may be hidden)
       const rows = Math.ceil(shown.length / columns);
       $(CHART).style.height = rows * ROW_PX + 40 + "px";
       drawChart(CHART, shown.flatMap((series, i) => traces(series, i)), layout(ctx.name, shown, rows, columns));

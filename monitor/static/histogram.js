@@ -34,7 +34,23 @@
       + "site: choose one to draw its limits";
     showMessage("histogram-message", `Share of the tensor's nonzero values per binade; ${what}.`
       + (body.per_column > 1 ? ` ${body.per_column} histograms summed per column.` : ""));
-    drawChart(CHART, traces(body), layout(ctx.name, layer, site));
+    drawChart(CHART, traces(body), layout(ctx.name, layer, site, span(body)));
+  }
+
+  function span(body) {
+    // the binades holding values and the limit lines, not all 56 of them (2^-40 .. 2^16)
+    const used = [];
+    body.counts.forEach((column) => column.forEach((n, j) => { if (n) used.push(body.binade_lo + j); }));
+    if (!used.length) return [body.binade_lo, body.binade_lo + body.bins];
+    let lo = Math.min(...used);
+    let hi = Math.max(...used) + 1;
+    for (const key of Object.keys(LINES)) {
+      for (const y of (body.limits ? body.limits[key] : [])) {
+        lo = Math.min(lo, y);
+        hi = Math.max(hi, y);
+      }
+    }
+    return [Math.max(body.binade_lo, Math.floor(lo) - 2), Math.min(body.binade_lo + body.bins, Math.ceil(hi) + 2)];
   }
 
   function columnX(body) {
@@ -69,12 +85,12 @@
     return out;
   }
 
-  function layout(name, layer, site) {
+  function layout(name, layer, site, range) {
     return {
       uirevision: `${name}|${layer}|${site}`,
       margin: { l: 56, r: 10, t: 10, b: 40 },
       xaxis: { title: { text: "step" } },
-      yaxis: { title: { text: "log₂ |x|" }, dtick: 4 },
+      yaxis: { title: { text: "log₂ |x|" }, range, dtick: range[1] - range[0] > 24 ? 4 : 2 },
       legend: { orientation: "h", x: 0, y: 1.12 },
     };
   }

@@ -20,6 +20,7 @@
   }
 
   function duration(seconds) {
+    if (seconds < 10) return Number(seconds.toPrecision(2)) + " s";
     if (seconds < 90) return Math.round(seconds) + " s";
     if (seconds < 5400) return Math.round(seconds / 60) + " min";
     if (seconds < 172800) return (seconds / 3600).toFixed(1) + " h";
