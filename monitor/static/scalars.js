@@ -35,6 +35,7 @@
     const key = scalars.join("\u0000");
     if (key === state.key) return;
     state.key = key;
+    for (const panel of state.panels) blankChart(panel.id + "-chart"); // forget what the old nodes showed
     const taken = new Set();
     state.panels = scalars.map((name, i) => ({ name, id: chartId(name, taken), colour: COLOURS[i % COLOURS.length] }));
     $("scalar-panels").replaceChildren(...state.panels.map(panelNode));

@@ -192,6 +192,12 @@ def test_every_scalar_has_its_panel_with_log_y_smoothing_one_zoom_for_all_and_a_
     assert not [u for u in polled if any(part in u for part in ("/series?", "/heatmap?", "/histogram?"))]
     assert all("from_step=" in u for u in polled if "/predictions?" in u and "limit=5000" in u)
 
+    # a scalar first logged later gets its own panel; the others keep their charts
+    post(server, {"batch_id": "deep-late", "run": DEEP, "scalars": {"step": [11], "name": ["late"], "value": [1.0]}})
+    expect(panels).to_have_count(len(SCALARS) + 1)
+    wait_for_trace(page, "late-chart", "t.name === 'late'")
+    wait_for_trace(page, "loss-chart", "t.name === 'loss' && t.x.length === 12")
+
     # at phone width (390 px) the page stacks: the run list above the run, every chart about the screen's width
     page.set_viewport_size({"width": 390, "height": 844})
     page.wait_for_function("() => ['loss-chart', 'heatmap-chart', 'risk-chart', 'my-custom-chart'].every(id => { "
