@@ -167,7 +167,7 @@
     let body;
     const risk = state.risk;
     try {
-      body = await api(`/runs/${runPath(ctx.name)}/predictions`, { params: { limit: PREDICTIONS,
+      body = await api(`/runs/${runPath(ctx.name)}/predictions`, { params: { limit: PREDICTIONS, risk_only: true,
         from_step: risk.last === null ? null : risk.last + 1 } });
     } catch (err) {
       if (!ctx.current()) return;

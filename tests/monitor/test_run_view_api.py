@@ -13,7 +13,7 @@ from fp8mon.monitor import fp8_formats
 from fp8mon.monitor.alerting.lifecycle import Alert
 from fp8mon.monitor.predictors.scalars import LossDivergence
 from fp8mon.monitor.storage import SqlAlchemyStore
-from fp8mon.monitor.storage.entities import AlertWrite
+from fp8mon.monitor.storage.entities import AlertWrite, PredictionRecord
 from fp8mon.monitor.storage.run_status import DIVERGENCE_RULE, StallPolicy
 from fp8mon.monitor.wire import IngestBatch
 
@@ -171,3 +171,18 @@ def test_worst_k_layers_of_560_put_the_planted_layer_first_with_its_name(client,
     plain = client.get(f"{API}/runs/deep/heatmap", params={"stat": "kurtosis"}).json()
     assert plain["layers"] == layers and plain["top"] is None and plain["layer_count"] == 560
     assert client.get(f"{API}/runs/deep/heatmap", params={"stat": "kurtosis", "top": 0}).status_code == 422
+
+
+def test_risk_only_predictions_keep_step_and_risk_and_leave_out_the_details(client, store):
+    send(store, "risky", 1)
+    run_id = store.list_runs(name="risky").runs[0].id
+    store.record_assessments(run_id, [PredictionRecord(step=s, risk=s / 10, steps_to_divergence=None,
+                                                       signals={"kurtosis_growth": 0.5},
+                                                       culprits=[{"layer": "l", "site": "input"}]) for s in (1, 2, 3)],
+                             [], {})
+    full = client.get(f"{API}/runs/risky/predictions").json()["predictions"]
+    brief = client.get(f"{API}/runs/risky/predictions", params={"risk_only": True, "from_step": 2}).json()
+    assert [(p["step"], p["risk"]) for p in brief["predictions"]] == [(2, 0.2), (3, 0.3)]
+    assert all(p["signals"] == {} and p["culprits"] == [] for p in brief["predictions"])
+    assert full[0]["signals"] == {"kurtosis_growth": 0.5}
+
