@@ -186,9 +186,11 @@ def test_every_scalar_has_its_panel_with_log_y_smoothing_one_zoom_for_all_and_a_
 
     # polls of a run without new data ask for no series, heatmap or histogram again, and only newer predictions
     page.requests.clear()
-    page.wait_for_timeout(2500)  # two and more polls at refresh=1
+    for _ in range(3):  # two whole polls at refresh=1 lie between the first and the third run-list request
+        with page.expect_request(lambda r: "/api/v1/runs?" in r.url):
+            pass
     polled = [u for u in page.requests if "/api/v1/" in u]
-    assert sum("/runs?" in u for u in polled) >= 2
+    assert sum("/predictions?" in u and "limit=5000" in u for u in polled) >= 2
     assert not [u for u in polled if any(part in u for part in ("/series?", "/heatmap?", "/histogram?"))]
     assert all("from_step=" in u for u in polled if "/predictions?" in u and "limit=5000" in u)
 
