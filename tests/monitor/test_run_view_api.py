@@ -41,7 +41,7 @@ def loss_divergence_alert(store, run: str, fired: bool) -> None:
 def test_a_silent_run_reads_stalled_after_several_of_its_own_intervals_and_a_diverged_loss_reads_diverged(
         database_url, app_factory):
     assert DIVERGENCE_RULE == LossDivergence.name
-    store = SqlAlchemyStore(database_url, stall=StallPolicy(intervals=5, min_seconds=0.5))
+    store = SqlAlchemyStore(database_url, stall=StallPolicy(intervals=5, min_seconds=1.0))
     try:
         for step in range(3):  # killed: three batches 50 ms apart, then nothing
             send(store, "killed", step)
@@ -52,7 +52,7 @@ def test_a_silent_run_reads_stalled_after_several_of_its_own_intervals_and_a_div
         loss_divergence_alert(store, "diverging", fired=True)  # fired, and resolved since: still diverged
         time.sleep(0.7)
         send(store, "slow", 1)
-        time.sleep(0.6)
+        time.sleep(0.8)
         for step in range(3):
             send(store, "alive", step)
             time.sleep(0.1)
@@ -75,7 +75,7 @@ def test_a_silent_run_reads_stalled_after_several_of_its_own_intervals_and_a_div
         store.close()
 
     # The server's settings give the policy; the default minute keeps a just-killed run "running" for a while.
-    with app_factory(stall_min_seconds=0.5) as client:
+    with app_factory(stall_min_seconds=1.0) as client:
         stalled = {r["name"] for r in client.get(f"{API}/runs", params={"status": "stalled"}).json()["runs"]}
         assert "killed" in stalled and not stalled & {"done", "diverging"}
         one = client.get(f"{API}/runs/killed").json()
