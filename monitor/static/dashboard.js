@@ -140,6 +140,8 @@
     const health = el("div", { cls: "run-health" }, [
       el("span", { cls: "badge status-" + run.status, text: run.status,
         title: run.status === "stalled" ? "no data since " + new Date(run.last_seen_at).toLocaleString() : "" }),
+      ...(run.status === "stalled" ? [el("span", { cls: "run-last-seen", text: "since " + since(run.last_seen_at) })]
+        : []),
       el("span", { cls: "run-step", text: run.last_step === null ? "no steps" : "step " + run.last_step }),
       el("span", { cls: "run-risk " + riskClass(risk), text: risk === null ? "risk –" : "risk " + fmt(risk, 2) }),
       el("span", { cls: "run-firing" + (run.firing ? " firing-" + run.worst_severity : ""),
@@ -151,6 +153,13 @@
       [el("div", { cls: "run-name", text: run.name }), health]);
     item.addEventListener("click", () => selectRun(run.name));
     return item;
+  }
+
+  function since(iso) {
+    // a stalled run's last data: the time today, else the date too
+    const date = new Date(iso);
+    const time = date.toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" });
+    return date.toDateString() === new Date().toDateString() ? time : date.toLocaleDateString() + " " + time;
   }
 
   function riskClass(risk) {

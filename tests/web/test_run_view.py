@@ -228,6 +228,8 @@ def test_a_killed_run_reads_stalled_with_its_last_seen_time_and_eight_ranks_dril
     expect(item.locator(".badge")).to_have_text("stalled")
     expect(item.locator(".badge")).to_have_attribute("title", "no data since " + page.evaluate(
         "iso => new Date(iso).toLocaleString()", last_seen))
+    expect(item.locator(".run-last-seen")).to_have_text("since " + page.evaluate(
+        "iso => new Date(iso).toLocaleTimeString([], {hour: '2-digit', minute: '2-digit'})", last_seen))
     item.click()
     expect(page.locator("#run-status")).to_have_text("stalled")
     expect(page.locator("#run-overview .overview-status")).to_contain_text("stalled: no data since")
