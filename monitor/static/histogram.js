@@ -68,9 +68,10 @@
       type: "heatmap", name: "log2 histogram", x, y: binades,
       z: binades.map((_, j) => shares.map((column) => (column[j] === null ? null : Math.log10(column[j])))),
       customdata: binades.map((_, j) => shares.map((column, i) => [fmt(column[j] === null ? 0 : column[j], 3),
-        body.counts[i][j], body.step[i] === body.step_last[i] ? body.step[i] : `${body.step[i]}–${body.step_last[i]}`])),
-      hovertemplate: "step %{customdata[2]}<br>2^%{y:.1f} · share %{customdata[0]} (%{customdata[1]} values)"
-        + "<extra></extra>",
+        body.counts[i][j], body.step[i] === body.step_last[i] ? body.step[i] : `${body.step[i]}–${body.step_last[i]}`,
+        body.binade_lo + j, body.binade_lo + j + 1])),
+      hovertemplate: "step %{customdata[2]}<br>2^%{customdata[3]} ≤ |x| < 2^%{customdata[4]}<br>"
+        + "share %{customdata[0]} (%{customdata[1]} values)<extra></extra>",
       colorscale: "Viridis", hoverongaps: false, zmin: -6, zmax: 0,
       colorbar: { title: { text: "log₁₀ share" }, thickness: 12 },
     };
