@@ -156,7 +156,7 @@
     if (rank === "worst") parts.push(`Each cell: the largest over ranks ${heatmap.ranks.join(", ")}.`);
     if (heatmap.downsampled) parts.push(`${heatmap.bucket_width} steps per column (${heatmap.agg} of each bucket).`);
     if (state.zoom) parts.push(`Steps ${state.zoom[0]}–${state.zoom[1]} (double-click the map for the whole run).`);
-    parts.push("Click a cell for that layer's statistics.");
+    parts.push("Click a cell or a layer's name for its statistics.");
     return parts.join(" ");
   }
 
