@@ -11,9 +11,10 @@ from fp8mon.monitor.alerting.webhooks import WebhookSender
 from fp8mon.monitor.compactor import Compactor
 from fp8mon.monitor.metrics import Metrics
 from fp8mon.monitor.pipeline import Pipeline
-from fp8mon.monitor.routers import alerts, dashboard, ingest, metrics, predictions, runs, series
+from fp8mon.monitor.routers import alerts, dashboard, histograms, ingest, metrics, predictions, runs, series
 from fp8mon.monitor.settings import Settings
 from fp8mon.monitor.storage import AbstractStore, SqlAlchemyStore
+from fp8mon.monitor.storage.run_status import StallPolicy
 
 API_PREFIX = "/api/v1"
 log = logging.getLogger("fp8mon.app")
@@ -29,7 +30,9 @@ def create_app(settings: Settings | None = None, *, store: AbstractStore | None 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         owned = store is None
-        app.state.store = store or SqlAlchemyStore(settings.database_url, pool_size=settings.db_pool_size)
+        app.state.store = store or SqlAlchemyStore(
+            settings.database_url, pool_size=settings.db_pool_size,
+            stall=StallPolicy(settings.stall_intervals, settings.stall_min_seconds))
         try:
             app.state.store.check_schema()
             if settings.workers > 1:
@@ -54,6 +57,7 @@ def create_app(settings: Settings | None = None, *, store: AbstractStore | None 
     # path and must come after the suffixed ones.
     app.include_router(predictions.router, prefix=API_PREFIX)
     app.include_router(series.router, prefix=API_PREFIX)
+    app.include_router(histograms.router, prefix=API_PREFIX)
     app.include_router(runs.router, prefix=API_PREFIX)
     app.include_router(metrics.router)
     app.include_router(dashboard.router)

@@ -27,6 +27,9 @@ class Settings(BaseSettings):
     write_tokens: list[str] = Field(default_factory=list, description="tokens allowed to ingest; empty: no auth")
     read_tokens: list[str] = Field(default_factory=list, description="tokens allowed to query; empty: no auth")
     db_pool_size: int = Field(default=8, ge=1)
+    stall_intervals: float = Field(default=5.0, gt=0, description="a running run that sent nothing for this many of "
+                                                                  "its usual reporting intervals reads as stalled")
+    stall_min_seconds: float = Field(default=60.0, ge=0, description="... and for at least this many seconds")
     rollup_interval_s: float = Field(default=2.0, ge=0, description="seconds between the background compaction "
                                                                     "passes that fill the rollups; 0: none")
 

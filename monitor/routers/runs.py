@@ -5,11 +5,19 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from fp8mon.monitor.api_models import Catalogue, LatestOut, RunDeleted, RunDetail, RunList, RunPatch
+from fp8mon.monitor.api_models import (
+    Catalogue,
+    LatestOut,
+    RunDeleted,
+    RunDetail,
+    RunList,
+    RunPatch,
+    RunState,
+)
 from fp8mon.monitor.deps import PipelineDep, StoreDep, require_read, require_write
 from fp8mon.monitor.routers.common import ERRORS, RunPath, SafeJSONResponse, http_errors
 from fp8mon.monitor.storage.runs import RUN_ORDER_FIELDS
-from fp8mon.monitor.wire import FINAL_STATUSES, RunStatus
+from fp8mon.monitor.wire import FINAL_STATUSES
 
 router = APIRouter(tags=["runs"])
 
@@ -17,7 +25,8 @@ router = APIRouter(tags=["runs"])
 @router.get("/runs", response_model=RunList, responses=ERRORS, dependencies=[require_read], summary="List runs, with their firing alerts and latest risk")
 def list_runs(
     store: StoreDep,
-    status: Annotated[list[RunStatus] | None, Query(description="any of these statuses (repeatable)")] = None,
+    status: Annotated[list[RunState] | None, Query(description="any of these statuses, as listed (repeatable)")]
+    = None,
     name: Annotated[str | None, Query(max_length=200, description="substring of the name, or a glob with * and "
                                                                   "? (case-insensitive)")] = None,
     tag: Annotated[list[str] | None, Query(description="key=value (or key: has the tag); repeatable, all must "

@@ -84,16 +84,6 @@ def fed_server(live_server):
     return live_server
 
 
-@pytest.fixture(scope="module")
-def browser():
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=str(CHROMIUM),
-            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
-        yield browser
-        browser.close()
-
-
 class Tab:
     """A page that records console errors, uncaught exceptions and every URL it requested."""
 
@@ -121,7 +111,7 @@ class Tab:
     def wait_for_trace(self, element_id: str, condition: str, arg=None) -> None:
         """Wait until some trace `t` of the chart satisfies the JS expression `condition` (with `arg`)."""
         self.page.wait_for_function(
-            f"([id, arg]) => (document.getElementById(id).data || []).some(t => {condition})",
+            f"([id, arg]) => ((document.getElementById(id) || {{}}).data || []).some(t => {condition})",
             arg=[element_id, arg], timeout=WAIT_MS)
 
 
