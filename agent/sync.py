@@ -54,13 +54,13 @@ def sync(roots: list[Path], url: str, token: str | None) -> int:
     if token:
         headers["authorization"] = f"Bearer {token}"
     delivered = duplicates = refused = 0
-    with httpx.Client(headers=headers, timeout=30.0) as client, \
-            tqdm(total=len(batches), unit="batch", desc="fp8mon sync", file=sys.stderr) as bar:
-        for path in batches:
+    bar = None  # shown once the monitor answered: an unreachable one is one line, not a bar at 0%
+    with httpx.Client(headers=headers, timeout=30.0) as client:
+        for done, path in enumerate(batches):
             try:
                 body = path.read_bytes()
             except OSError as exc:
-                return _fail(f"cannot read {path}: {exc.strerror or exc}")
+                return _fail(f"cannot read {path}: {exc.strerror or exc}", bar)
             outcome = _post(client, endpoint, body)
             if outcome.kind == delivery.STORED:
                 _remove(path)
@@ -70,9 +70,14 @@ def sync(roots: list[Path], url: str, token: str | None) -> int:
                 _set_aside(path, outcome.message)
                 refused += 1
             else:
-                bar.close()
-                return _fail(f"{outcome.message}; {len(batches) - bar.n} batches left in place, run sync again")
+                reason = outcome.message if outcome.code else (f"cannot reach the monitor at {url} ({outcome.message}): "
+                                                               f"is it running, and is --url its address?")
+                return _fail(f"{reason}; {len(batches) - done} batches left in place, run sync again", bar)
+            if bar is None:
+                bar = tqdm(total=len(batches), initial=done, unit="batch", desc="fp8mon sync", file=sys.stderr)
             bar.update()
+    if bar is not None:
+        bar.close()
     print(f"fp8mon sync: {delivered} batches delivered ({duplicates} of them already stored)"
           + (f", {refused} refused again (kept under rejected/ with the answer)" if refused else ""), file=sys.stderr)
     return 1 if refused else 0
@@ -102,6 +107,8 @@ def _set_aside(path: Path, reason: str) -> None:
     path.with_suffix(".reason").write_text(reason + "\n")
 
 
-def _fail(message: str) -> int:
+def _fail(message: str, bar=None) -> int:
+    if bar is not None:
+        bar.close()
     print(f"fp8mon sync: {message}", file=sys.stderr)
     return 1

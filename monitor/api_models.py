@@ -13,6 +13,7 @@ class RunOut(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
     id: int
+    uid: str = Field(description="the run's unique id (the agent's run_id); the name is unique too")
     name: str
     status: RunStatus
     config: dict

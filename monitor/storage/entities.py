@@ -35,6 +35,7 @@ def _plain(value):
 @dataclass(frozen=True)
 class Run(_Entity):
     id: int
+    uid: str  # the run's unique id (the agent's run_id); `name` is unique too
     name: str
     status: str
     config: dict
@@ -47,7 +48,8 @@ class Run(_Entity):
     last_step: int | None
 
     def to_dict(self) -> dict:
-        return {"id": self.id, "name": self.name, "status": self.status, "config": json_safe(self.config),
+        return {"id": self.id, "uid": self.uid, "name": self.name, "status": self.status,
+                "config": json_safe(self.config),
                 "tags": json_safe(self.tags), "created_at": _iso(self.created_at),
                 "started_at": _iso(self.started_at), "ended_at": _iso(self.ended_at),
                 "last_seen_at": _iso(self.last_seen_at), "first_step": self.first_step,

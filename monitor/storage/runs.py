@@ -10,6 +10,7 @@ from sqlalchemy import Connection, case, delete, func, literal, select, text, up
 from fp8mon.agent.wire import SITES, TENSOR_STATS
 from fp8mon.monitor.models import Alert, Prediction, ScalarSeries, TensorSeries
 from fp8mon.monitor.models import Run as RunRow
+from fp8mon.monitor.storage import identity
 from fp8mon.monitor.storage.database import Database, as_utc, fetch, to_float, utcnow
 from fp8mon.monitor.storage.entities import (
     Catalogue,
@@ -48,7 +49,7 @@ def run_ref(conn: Connection, name: str) -> RunRef:
 
 
 def run_entity(row) -> Run:
-    return Run(id=row.id, name=row.name, status=row.status, config=row.config or {}, tags=row.tags or {},
+    return Run(id=row.id, uid=row.uid, name=row.name, status=row.status, config=row.config or {}, tags=row.tags or {},
                created_at=as_utc(row.created_at), started_at=as_utc(row.started_at), ended_at=as_utc(row.ended_at),
                last_seen_at=as_utc(row.last_seen_at), first_step=row.first_step, last_step=row.last_step)
 
@@ -130,6 +131,14 @@ def list_runs(db: Database, *, status: list[str] | None = None, name: str | None
         rows = conn.execute(query.where(*conds).order_by(*ordering).limit(limit).offset(offset))
         runs = [_summary(r) for r in rows]
     return RunPage(total=total, limit=limit, offset=offset, runs=runs)
+
+
+def find_run(db: Database, name: str, run_id: str | None = None) -> Run | None:
+    """The run a batch with this name and run_id goes to (storage.identity), None if it has none yet."""
+    with db.reading() as conn:
+        found = identity.find(conn, name, run_id)
+        row = None if found is None else conn.execute(select(RunRow.__table__).where(RunRow.id == found.id)).first()
+    return None if row is None else run_entity(row)
 
 
 def get_run(db: Database, name: str) -> RunDetail:
