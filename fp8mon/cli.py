@@ -121,13 +121,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     import gzip
 
     from fp8mon.monitor.export import export_run
+    from fp8mon.monitor.migrate import SchemaError
     from fp8mon.monitor.storage import NotFound, SqlAlchemyStore
 
     store = SqlAlchemyStore(_settings(args).database_url)
     try:
+        store.check_schema()
         batches = export_run(store, args.run, steps_per_batch=args.steps_per_batch, hist=not args.no_hist)
-    except NotFound as exc:
-        raise CommandError(exc.message) from exc
+    except (NotFound, SchemaError) as exc:
+        raise CommandError(getattr(exc, "message", str(exc))) from exc
     finally:
         store.close()
     data = json.dumps(batches).encode()
@@ -229,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         line, code = described if described is not None else (f"{type(exc).__name__}: {exc}", 1)
         line = " ".join(line.split())  # one line, whatever the message held
         hint = "" if described is not None else " (fp8mon --debug shows the traceback)"
-        print(f"fp8mon {args.command}: {line}{hint}", file=sys.stderr)
+        command = " ".join(filter(None, (args.command, getattr(args, "db_command", None))))
+        print(f"fp8mon {command}: {line}{hint}", file=sys.stderr)
         return code
 
 

@@ -32,15 +32,18 @@ def describe(exc: BaseException) -> tuple[str, int] | None:
         if top in EXTRA_OF:
             return f"needs {top}, which this install lacks: pip install 'fp8mon[{EXTRA_OF[top]}]'", 2
         return None
-    sqlalchemy_error = _sqlalchemy(exc)
-    if sqlalchemy_error is not None:
-        return sqlalchemy_error, 1
+    for error in (exc, exc.__cause__):  # the store wraps the database's errors (StorageUnavailable)
+        sqlalchemy_error = _sqlalchemy(error)
+        if sqlalchemy_error is not None:
+            return sqlalchemy_error, 1
     validation = sys.modules.get("pydantic")
     if validation is not None and isinstance(exc, validation.ValidationError):
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors()[:5])
         return f"invalid setting ({problems})", 2
-    if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
-        return f"address in use: {exc.strerror}", 1
+    if isinstance(exc, OSError) and exc.strerror:  # a path that cannot be made or read, an address in use
+        if exc.errno == errno.EADDRINUSE:
+            return f"address in use: {exc.strerror}", 1
+        return (f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror), 1
     if isinstance(exc, ValueError) and "database URL" in str(exc):
         return str(exc), 2
     return None
