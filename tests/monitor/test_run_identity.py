@@ -39,6 +39,15 @@ def test_a_name_reused_by_a_new_run_makes_a_second_run_not_an_overwrite(store):
     assert listed == {"llama": "first", "llama-2": "second", "llama-3": "third"}
 
 
+def test_listeners_see_the_name_the_run_is_stored_under(store):
+    """The prediction pipeline keys its per-run state by the stored name: two runs must not share a predictor."""
+    seen = []
+    store.add_ingest_listener(lambda b, result: seen.append((b.run, result.run_id)))
+    store.ingest(batch("a-0", "p", 1.0, run_id="one", resume="never"))
+    store.ingest(batch("b-0", "p", 2.0, run_id="two", resume="never"))
+    assert [name for name, _ in seen] == ["p", "p-2"] and seen[0][1] != seen[1][1]
+
+
 def test_a_batch_without_run_id_keeps_going_to_the_run_of_its_name(store):
     """Older agents and replayed exports: resume "allow" by name, the run they name (the explicit resume)."""
     store.ingest(batch("a-0", "legacy", 1.0, run_id="x", resume="never"))
