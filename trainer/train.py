@@ -506,6 +506,7 @@ def run(args) -> TrainResult:
         raw.set_diagnostics(False)
         if agent is not None:
             agent.close(status=status)
+            result.run_name = agent.status().run or result.run_name  # a taken name gets a suffix (Agent's resume)
             if agent.errors and master:
                 print(f"fp8mon agent: {agent.errors} error(s), last: {agent.last_error}", file=sys.stderr)
     if master:
