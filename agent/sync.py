@@ -3,7 +3,8 @@ exit, a token fixed since), oldest first per spool, the ones set aside under ``r
 
 Every batch keeps the id it was encoded with and the monitor stores a batch id once, so a sync interrupted or run
 twice stores nothing twice. A delivered batch's file is removed; one refused again stays under ``rejected/`` with
-the server's answer; an unreachable monitor or a refused token stops the sync (nothing else could pass).
+the server's answer; an unreachable monitor, a wrong address (404) or a refused token stops the sync (nothing else
+could pass).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def sync(roots: list[Path], url: str, token: str | None) -> int:
     if token:
         headers["authorization"] = f"Bearer {token}"
     delivered = duplicates = refused = 0
+    last_refusal = ""
     bar = None  # shown once the monitor answered: an unreachable one is one line, not a bar at 0%
     with httpx.Client(headers=headers, timeout=30.0) as client:
         for done, path in enumerate(batches):
@@ -66,9 +68,10 @@ def sync(roots: list[Path], url: str, token: str | None) -> int:
                 _remove(path)
                 delivered += 1
                 duplicates += outcome.duplicate
-            elif outcome.kind == delivery.REFUSED:
+            elif outcome.kind == delivery.REFUSED and not _wrong_address(outcome):
                 _set_aside(path, outcome.message)
                 refused += 1
+                last_refusal = outcome.message
             else:
                 reason = outcome.message if outcome.code else (f"cannot reach the monitor at {url} ({outcome.message}): "
                                                                f"is it running, and is --url its address?")
@@ -79,8 +82,14 @@ def sync(roots: list[Path], url: str, token: str | None) -> int:
     if bar is not None:
         bar.close()
     print(f"fp8mon sync: {delivered} batches delivered ({duplicates} of them already stored)"
-          + (f", {refused} refused again (kept under rejected/ with the answer)" if refused else ""), file=sys.stderr)
+          + (f", {refused} refused again (kept under rejected/ with the answer; the last: {last_refusal})"
+             if refused else ""), file=sys.stderr)
     return 1 if refused else 0
+
+
+def _wrong_address(outcome: delivery.Outcome) -> bool:
+    """No fp8mon ingest at that address (404, a redirect): every batch would be refused, none set aside for it."""
+    return outcome.code == 404 or 300 <= outcome.code < 400
 
 
 def _post(client: httpx.Client, endpoint: str, body: bytes) -> delivery.Outcome:

@@ -2,9 +2,11 @@
 `--debug` shows the traceback; `--help` and `--version` work in an install with the agent only. Each case runs the
 command in a subprocess, as a user would."""
 
+import http.server
 import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -76,6 +78,27 @@ def test_sync_to_a_monitor_that_is_not_running_is_one_line(tmp_path):
     result = fp8mon("sync", tmp_path / "spool", "--url", "http://127.0.0.1:1")
     one_line(result, "cannot reach the monitor at http://127.0.0.1:1", "1 batches left in place")
     assert len(list((tmp_path / "spool").glob("*.fp8b"))) == 1  # left for the next sync
+
+
+def test_sync_to_a_wrong_address_is_one_line_and_sets_nothing_aside(tmp_path):
+    """Another web server where the monitor was expected: every batch would get 404."""
+    Spool(tmp_path / "spool").push("b1", b"not even a batch: never stored")
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFoundHandler)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        result = fp8mon("sync", tmp_path / "spool", "--url", f"http://127.0.0.1:{other.server_port}")
+    finally:
+        other.shutdown()
+    one_line(result, "404 from", "base address", "1 batches left in place")
+    assert len(list((tmp_path / "spool").glob("*.fp8b"))) == 1 and not (tmp_path / "spool" / "rejected").exists()
+
+
+class NotFoundHandler(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):  # noqa: N802 (the stdlib's name)
+        self.send_error(404)
+
+    def log_message(self, *args):
+        pass
 
 
 def test_debug_shows_the_traceback():
