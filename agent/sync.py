@@ -73,8 +73,8 @@ def sync(roots: list[Path], url: str, token: str | None) -> int:
                 refused += 1
                 last_refusal = outcome.message
             else:
-                reason = outcome.message if outcome.code else (f"cannot reach the monitor at {url} ({outcome.message}): "
-                                                               f"is it running, and is --url its address?")
+                reason = outcome.message if outcome.code else (
+                    f"cannot reach the monitor at {url} ({outcome.message}): is it running, and is --url its address?")
                 return _fail(f"{reason}; {len(batches) - done} batches left in place, run sync again", bar)
             if bar is None:
                 bar = tqdm(total=len(batches), initial=done, unit="batch", desc="fp8mon sync", file=sys.stderr)

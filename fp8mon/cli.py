@@ -165,8 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fp8mon {__version__}")
     parser.add_argument("--debug", action="store_true", help="on an error, show the traceback")
     debug = argparse.ArgumentParser(add_help=False)  # --debug after the command too
-    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="on an error, show the "
-                                                                                       "traceback")
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="on an error, show the traceback")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", parents=[debug], help="run the monitor server")
@@ -190,12 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     from fp8mon.demo import add_arguments as add_demo_arguments
 
-    demo = commands.add_parser("demo", parents=[debug], help="serve a SQLite monitor and run a short FP8 training with the agent "
-                                             "attached")
+    demo = commands.add_parser("demo", parents=[debug], help="serve a SQLite monitor and run a short FP8 training "
+                                                             "with the agent attached")
     add_demo_arguments(demo)
     demo.set_defaults(func=cmd_demo)
 
-    export = commands.add_parser("export", parents=[debug], help="write a stored run as wire-format ingest batches (JSON list)")
+    export = commands.add_parser("export", parents=[debug],
+                                 help="write a stored run as wire-format ingest batches (JSON list)")
     _add_db_flag(export)
     export.add_argument("run", help="run name")
     export.add_argument("--out", required=True, help="output file; gzip when it ends in .gz")
@@ -203,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--no-hist", action="store_true", help="leave the log2 histograms out")
     export.set_defaults(func=cmd_export)
 
-    sync = commands.add_parser("sync", parents=[debug], help="deliver the batches runs left in their spools (idempotent)")
+    sync = commands.add_parser("sync", parents=[debug],
+                               help="deliver the batches runs left in their spools (idempotent)")
     sync.add_argument("spool_dirs", nargs="*", type=Path, metavar="SPOOL_DIR",
                       help="spool directories (default: every run's, under ~/.cache/fp8mon/spool)")
     sync.add_argument("--url", help="the monitor's base address (env FP8MON_URL)")

@@ -87,7 +87,8 @@ def resume_point(store: StoreDep, query: ResumeQuery) -> ResumePoint:
     try:
         run = store.find_run(query.run, query.run_id)
     except StorageUnavailable as exc:
-        raise HTTPException(503, f"storage unavailable; retry: {exc.cause_name}", headers={"Retry-After": "1"}) from None
+        raise HTTPException(503, f"storage unavailable; retry: {exc.cause_name}",
+                            headers={"Retry-After": "1"}) from None
     if run is None:
         return ResumePoint(exists=False)
     return ResumePoint(exists=True, run=run.name, run_uid=run.uid, last_step=run.last_step)
