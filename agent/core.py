@@ -45,7 +45,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from . import discovery, distributed, graph_capture, torchao_sites, wire
+from . import discovery, distributed, graph_capture, identity, torchao_sites, wire
 from .compiled import CompiledMode
 from .formats import Fp8Format, by_name
 from .fused_link import FusedLink
@@ -72,6 +72,15 @@ class Agent:
 
     ``url``, ``run`` and ``token`` default to $FP8MON_URL, $FP8MON_RUN and $FP8MON_TOKEN.
 
+    Run identity (W&B's ``resume``; ``identity``): ``run`` is a display name; a run is identified by an id.
+    ``resume="never"``, the default, starts a new run with a fresh id (``agent.run_id``): W&B's default too, and the
+    one that can never mix two trainings' data; a name the monitor has already gets a suffix there (``llama-2``,
+    ``agent.status().run``). ``resume="allow"`` continues the run of ``run_id`` (or, without it, of the name) if the
+    monitor has it, else creates it; ``resume="must"`` continues it or raises at construction (``ResumeRefused``)
+    when the monitor answers that it has no such run. A resumed run's steps must continue after the last one
+    stored: a step at or below it is dropped and counted in ``errors``. Under torch.distributed with every rank
+    sending, each rank constructs its Agent with the same arguments: rank 0's id is broadcast to the others.
+
     Options: ``every`` (report every N steps), ``modules`` (regex searched in qualified module names),
     ``sites`` (subset of input/weight/output/grad_output/grad_weight), ``formats`` (site -> "e4m3" |
     "e5m2" | None, merged over DEFAULT_FORMATS), ``scaling`` ("current": s = max/amax of the tensor;
@@ -92,7 +101,8 @@ class Agent:
                  amax_history_len: int = 1024, margin: float = 0, outlier_k: float = 6.0, hist: bool = True,
                  hist_every: int = 10, reduce_ranks: bool = False, group=None, config: dict | None = None,
                  tags: dict[str, str] | None = None, spool_dir: str | os.PathLike | None = None,
-                 transport=None, stats_backend: str = "auto", fused: bool = True, **transport_options):
+                 transport=None, stats_backend: str = "auto", fused: bool = True, resume: str = "never",
+                 run_id: str | None = None, **transport_options):
         if int(every) < 1:
             raise ValueError("every must be >= 1")
         if int(hist_every) < 1:
@@ -105,6 +115,7 @@ class Agent:
         if stats_backend not in ("auto", "triton", "torch"):
             raise ValueError("stats_backend must be 'auto', 'triton' or 'torch'")
         check_run_meta(config, tags)
+        identity.check(resume, run_id)
         self.sites = tuple(s for s in SITES if s in set(sites))
         fmts = {**DEFAULT_FORMATS, **(formats or {})}
         self.formats: dict[str, Fp8Format | None] = {s: None if f is None else by_name(f) for s, f in fmts.items()
@@ -138,11 +149,29 @@ class Agent:
 
         sends = not self.reduce or self.rank == 0  # under reduce_ranks rank 0 sends for all
         owns = transport is None
+        self.resume = resume
+        self.run_id = run_id  # the run's id; None until known when resuming by name
+        self._resume_after: int | None = None  # the resumed run's last stored step
         if transport is None and sends:
-            transport = make_transport(url, run, token, spool_dir, transport_options, self.rank, self.world)
+            if resume == "never":
+                self.run_id = identity.new_run_id(group, 1 if self.reduce else self.world)
+            transport = make_transport(url, run, token, spool_dir, transport_options, self.rank, self.world,
+                                       self.run_id, resume)
+            if resume != "never":
+                self._resume(transport)
         self._shipper = Shipper(transport if sends else None, owns, self.rank, self.reduce, self._error)
         self._shipper.set_run_meta(**{k: v for k, v in (("config", config), ("tags", tags)) if v is not None})
         self._begin(0)
+
+    def _resume(self, transport) -> None:
+        try:
+            point = identity.resume_point(transport.url, transport.run, self.run_id, self.resume, transport.token)
+        except Exception:
+            transport.close(0)
+            raise
+        if point is not None:
+            self.run_id = point.get("run_uid") or self.run_id
+            self._resume_after = point.get("last_step")
 
     # ---- public API ----------------------------------------------------------------------------
 
@@ -358,6 +387,10 @@ class Agent:
         return self._probes[0].device if self._probes else torch.device("cpu")
 
     def _ship(self, step: int, rows: torch.Tensor | None, values: dict) -> None:
+        if self._resume_after is not None and step <= self._resume_after:
+            run = getattr(self._shipper.transport, "run", "")
+            self._error("log", identity.step_error(step, self._resume_after, run))
+            return
         self._shipper.ship(step, rows, values, self._slots.keys)
 
     def _error(self, where: str, exc: BaseException) -> None:

@@ -37,12 +37,17 @@ class SpoolUnwritable(DeliveryError):
     pass
 
 
+class ResumeRefused(DeliveryError):
+    """resume='must' for a run the monitor does not have (at construction, or a batch answered 409)."""
+
+
 @dataclass(frozen=True)
 class DeliveryStatus:
     """Where the agent's delivery stands (``agent.status()``); counts are batches.
 
     ``state``: "ok"; "retrying" (the monitor is unreachable or answers 5xx: the batches wait and are retried);
-    "refused" (401/403: the token is missing or wrong, the batches wait in the spool); "closed"."""
+    "refused" (401/403: the token is missing or wrong, the batches wait in the spool); "closed".
+    ``run``: the name the monitor stores the run under, once it has answered (a taken name gets a suffix)."""
 
     state: str
     delivered: int = 0
@@ -51,6 +56,7 @@ class DeliveryStatus:
     set_aside: int = 0  # refused for good, kept under <spool>/rejected with the server's answer
     lost: int = 0  # dropped: beyond the spool's bound, or in memory at exit
     last_error: str | None = None
+    run: str | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,8 @@ class Outcome:
     kind: str  # STORED, RETRY, AUTH or REFUSED
     message: str = ""
     duplicate: bool = False
+    run: str | None = None  # STORED: the name the monitor stores the run under
+    code: int = 0  # the HTTP status, 0 when none came
 
 
 def ingest_url(url: str) -> str:
@@ -77,16 +85,17 @@ def post(client: httpx.Client, url: str, body: bytes) -> Outcome:
     code = response.status_code
     if code == 200:
         try:
-            duplicate = bool(response.json().get("duplicate"))
+            answer = response.json()
         except ValueError:
-            duplicate = False
-        return Outcome(STORED, duplicate=duplicate)
+            answer = {}
+        answer = answer if isinstance(answer, dict) else {}
+        return Outcome(STORED, duplicate=bool(answer.get("duplicate")), run=answer.get("run"))
     detail = response.text[:300].strip()
     if code >= 500 or code in _RETRYABLE:
-        return Outcome(RETRY, f"{code} from {url}: {detail}")
+        return Outcome(RETRY, f"{code} from {url}: {detail}", code=code)
     if code in (401, 403):
-        return Outcome(AUTH, _TOKEN_HINT[code].format(url=url, detail=detail))
-    return Outcome(REFUSED, _refusal(code, url, detail, response.headers.get("location")))
+        return Outcome(AUTH, _TOKEN_HINT[code].format(url=url, detail=detail), code=code)
+    return Outcome(REFUSED, _refusal(code, url, detail, response.headers.get("location")), code=code)
 
 
 _TOKEN_HINT = {
@@ -100,6 +109,9 @@ def _refusal(code: int, url: str, detail: str, location: str | None) -> str:
     if code == 404:
         return (f"404 from {url}: no fp8mon ingest there; url= must be the monitor's base address "
                 f"(e.g. http://127.0.0.1:8080)")
+    if code == 409:
+        return (f"409 from {url}: {detail}; resume='must' continues only a run the monitor has (check run= and "
+                f"run_id=, or pass resume='allow')")
     if code == 413:
         return f"413 from {url}: the batch is larger than the server accepts; lower max_batch_records= ({detail})"
     if 300 <= code < 400:

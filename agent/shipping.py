@@ -35,7 +35,8 @@ def check_run_meta(config, tags) -> None:
             raise ValueError(f"invalid tag value {value!r} for {key!r}: a string without NUL characters")
 
 
-def make_transport(url, run, token, spool_dir, options, rank: int, world: int):
+def make_transport(url, run, token, spool_dir, options, rank: int, world: int, run_id: str | None = None,
+                   resume: str = "allow"):
     """The HTTP transport of a run: ``url``, ``run`` and ``token`` default to $FP8MON_URL, $FP8MON_RUN and
     $FP8MON_TOKEN (user settings, as W&B's API key); one spool directory per rank."""
     from .spool import default_spool_dir
@@ -52,7 +53,7 @@ def make_transport(url, run, token, spool_dir, options, rank: int, world: int):
         raise ValueError(f"invalid run name {run!r}: no empty, '.' or '..' part between slashes")
     if world > 1:  # one spool per rank: ranks on one host must not share a directory
         spool_dir = Path(spool_dir or default_spool_dir(run)) / f"rank{rank}"
-    return Transport(url, run, token=token, spool_dir=spool_dir, **options)
+    return Transport(url, run, run_id=run_id, resume=resume, token=token, spool_dir=spool_dir, **options)
 
 
 class Shipper:

@@ -3,7 +3,8 @@ exit, a token fixed since), oldest first per spool, the ones set aside under ``r
 
 Every batch keeps the id it was encoded with and the monitor stores a batch id once, so a sync interrupted or run
 twice stores nothing twice. A delivered batch's file is removed; one refused again stays under ``rejected/`` with
-the server's answer; an unreachable monitor or a refused token stops the sync (nothing else could pass).
+the server's answer; an unreachable monitor, a wrong address (404) or a refused token stops the sync (nothing else
+could pass).
 """
 
 from __future__ import annotations
@@ -54,28 +55,41 @@ def sync(roots: list[Path], url: str, token: str | None) -> int:
     if token:
         headers["authorization"] = f"Bearer {token}"
     delivered = duplicates = refused = 0
-    with httpx.Client(headers=headers, timeout=30.0) as client, \
-            tqdm(total=len(batches), unit="batch", desc="fp8mon sync", file=sys.stderr) as bar:
-        for path in batches:
+    last_refusal = ""
+    bar = None  # shown once the monitor answered: an unreachable one is one line, not a bar at 0%
+    with httpx.Client(headers=headers, timeout=30.0) as client:
+        for done, path in enumerate(batches):
             try:
                 body = path.read_bytes()
             except OSError as exc:
-                return _fail(f"cannot read {path}: {exc.strerror or exc}")
+                return _fail(f"cannot read {path}: {exc.strerror or exc}", bar)
             outcome = _post(client, endpoint, body)
             if outcome.kind == delivery.STORED:
                 _remove(path)
                 delivered += 1
                 duplicates += outcome.duplicate
-            elif outcome.kind == delivery.REFUSED:
+            elif outcome.kind == delivery.REFUSED and not _wrong_address(outcome):
                 _set_aside(path, outcome.message)
                 refused += 1
+                last_refusal = outcome.message
             else:
-                bar.close()
-                return _fail(f"{outcome.message}; {len(batches) - bar.n} batches left in place, run sync again")
+                reason = outcome.message if outcome.code else (
+                    f"cannot reach the monitor at {url} ({outcome.message}): is it running, and is --url its address?")
+                return _fail(f"{reason}; {len(batches) - done} batches left in place, run sync again", bar)
+            if bar is None:
+                bar = tqdm(total=len(batches), initial=done, unit="batch", desc="fp8mon sync", file=sys.stderr)
             bar.update()
+    if bar is not None:
+        bar.close()
     print(f"fp8mon sync: {delivered} batches delivered ({duplicates} of them already stored)"
-          + (f", {refused} refused again (kept under rejected/ with the answer)" if refused else ""), file=sys.stderr)
+          + (f", {refused} refused again (kept under rejected/ with the answer; the last: {last_refusal})"
+             if refused else ""), file=sys.stderr)
     return 1 if refused else 0
+
+
+def _wrong_address(outcome: delivery.Outcome) -> bool:
+    """No fp8mon ingest at that address (404, a redirect): every batch would be refused, none set aside for it."""
+    return outcome.code == 404 or 300 <= outcome.code < 400
 
 
 def _post(client: httpx.Client, endpoint: str, body: bytes) -> delivery.Outcome:
@@ -102,6 +116,8 @@ def _set_aside(path: Path, reason: str) -> None:
     path.with_suffix(".reason").write_text(reason + "\n")
 
 
-def _fail(message: str) -> int:
+def _fail(message: str, bar=None) -> int:
+    if bar is not None:
+        bar.close()
     print(f"fp8mon sync: {message}", file=sys.stderr)
     return 1

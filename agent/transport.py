@@ -26,7 +26,14 @@ import httpx
 import msgpack
 
 from fp8mon.agent import delivery, exit_flush
-from fp8mon.agent.delivery import BatchRefused, DeliveryError, DeliveryStatus, SpoolUnwritable, TokenRefused
+from fp8mon.agent.delivery import (
+    BatchRefused,
+    DeliveryError,
+    DeliveryStatus,
+    ResumeRefused,
+    SpoolUnwritable,
+    TokenRefused,
+)
 from fp8mon.agent.spool import Entry, Spool, default_spool_dir
 from fp8mon.agent.wire import WIRE_VERSION
 
@@ -93,11 +100,17 @@ def merge_blocks(blocks: list[dict], key_columns: tuple[str, ...], length_of: st
 
 
 class Transport:
-    def __init__(self, url: str, run: str, *, token: str | None = None, spool_dir: str | Path | None = None,
+    """``run_id`` and ``resume`` ride in every batch (docs/wire-format.md, "Run identity"); left out, the monitor
+    files the batches under the run of that name (resume "allow")."""
+
+    def __init__(self, url: str, run: str, *, run_id: str | None = None, resume: str = "allow",
+                 token: str | None = None, spool_dir: str | Path | None = None,
                  max_spool_bytes: int = 1 << 30, max_batch_records: int = 20_000, flush_interval: float = 1.0,
                  max_queue: int = 1024, timeout: float = 10.0, backoff: tuple[float, float] = (0.25, 30.0)):
         self.url = delivery.ingest_url(url)
         self.run = run
+        self.run_id, self.resume, self.token = run_id, resume, token
+        self.stored_run: str | None = None  # the name the monitor answered; a taken name gets a suffix there
         self.max_batch_records = max_batch_records
         self.flush_interval = flush_interval
         self.backoff_min, self.backoff_max = backoff
@@ -157,7 +170,8 @@ class Transport:
             state = "degraded"
         return DeliveryStatus(state=state, delivered=self.stats.sent_batches, pending=self.spool.on_disk,
                               in_memory=self.spool.in_memory, set_aside=self.stats.rejected_batches,
-                              lost=self._lost + self.spool.dropped_batches, last_error=self.stats.last_error)
+                              lost=self._lost + self.spool.dropped_batches, last_error=self.stats.last_error,
+                              run=self.stored_run)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Send everything queued so far; True when the queue and the spool are empty afterwards."""
@@ -253,6 +267,10 @@ class Transport:
     def _encode(self, pending: _Pending) -> tuple[str, bytes]:
         batch_id = uuid.uuid4().hex
         body: dict = {"version": WIRE_VERSION, "batch_id": batch_id, "run": self.run}
+        if self.run_id is not None:
+            body["run_id"] = self.run_id
+        if self.resume != "allow":  # the default: a batch without it stays valid for an older monitor
+            body["resume"] = self.resume
         if pending.tensors:
             body["tensors"] = merge_blocks(pending.tensors, ("step", "layer", "site", "rank"), "layer")
         if pending.scalars:
@@ -307,12 +325,14 @@ class Transport:
             self._delay = self.backoff_min
             self._retry_at = 0.0
             self._state = "ok"
+            self._stored_as(outcome.run)
             return True
         if outcome.kind == delivery.REFUSED:  # sending it again cannot pass: aside, and the next one goes
             self.stats.rejected_batches += 1
             with self._spool_lock:
                 self.spool.reject(entry, body, outcome.message)
-            self._report(BatchRefused(f"{outcome.message} (batch kept under {self.spool.directory / 'rejected'})"))
+            refusal = ResumeRefused if outcome.code == 409 else BatchRefused
+            self._report(refusal(f"{outcome.message} (batch kept under {self.spool.directory / 'rejected'})"))
             return True
         self._back_off()
         if outcome.kind == delivery.AUTH:
@@ -325,6 +345,14 @@ class Transport:
             log.warning("fp8mon: monitor unreachable (%s); spooling to %s", outcome.message, self.spool.directory)
         self.stats.last_error = outcome.message
         return False
+
+    def _stored_as(self, name: str | None) -> None:
+        if name is None or name == self.stored_run:
+            return
+        self.stored_run = name
+        if name != self.run:
+            log.warning("fp8mon: the monitor has a run named %r already; this run is %r (run_id %s). To continue "
+                        "the earlier run instead, pass resume='allow'", self.run, name, self.run_id)
 
     def _back_off(self) -> None:
         self._retry_at = time.monotonic() + self._delay

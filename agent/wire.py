@@ -15,6 +15,12 @@ TAG_KEY_PATTERN = r"^[^\x00-\x1f\x7f=]*$"  # no control characters, no '=' (a ta
 TAG_VALUE_PATTERN = r"^[^\x00]*$"  # searched by value: PostgreSQL's text cannot hold NUL
 MAX_TAG = 200
 
+# Run identity (docs/wire-format.md, "Run identity"): a run's id, chosen by the agent or the user, and what a
+# batch asks of a name or id the monitor may already have (W&B's resume modes).
+RUN_ID_PATTERN = r"^[A-Za-z0-9_-]+$"
+MAX_RUN_ID = 64
+RESUME_MODES = ("allow", "must", "never")
+
 
 def bad_path_segments(name: str) -> list[str]:
     """The '/'-segments of a name that travels in a URL path that are empty, '.' or '..': HTTP clients resolve them,

@@ -1,12 +1,15 @@
 """The `fp8mon` command: serve, db, demo, export, sync, train.
 
 Each command imports what it needs when it runs, so `fp8mon --help` and `fp8mon --version` work in an install
-with the agent only (no server packages).
+with the agent only (no server packages). A mistake (a missing extra, a bad database URL, a refused connection, a
+port in use, an un-migrated database) ends in one line on stderr and a non-zero exit (`cli_errors`); `--debug`
+shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -14,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fp8mon import __version__
+from fp8mon.cli_errors import CommandError, describe
 
 if TYPE_CHECKING:
     from fp8mon.monitor.settings import Settings
@@ -39,9 +43,28 @@ def _export(settings: Settings) -> None:
         os.environ[f"FP8MON_{name.upper()}"] = json.dumps(value) if isinstance(value, list) else str(value)
 
 
+def _check_port(host: str, port: int) -> None:
+    """Bind the address as uvicorn will (SO_REUSEADDR), so that a port in use is one line, not uvicorn's log."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise CommandError(f"cannot bind {host}:{port}: {exc.strerror or exc}") from exc
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            hint = "; pass --port (another fp8mon serve?)" if exc.errno == errno.EADDRINUSE else ""
+            raise CommandError(f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from exc
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    import fp8mon.monitor.app  # noqa: F401  every server package, before anything starts
     from fp8mon.monitor.migrate import SchemaError, check_schema, upgrade
     from fp8mon.monitor.storage.engine import create_db_engine
 
@@ -52,10 +75,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             upgrade(engine)
         check_schema(engine)
     except SchemaError as exc:
-        print(f"fp8mon serve: {exc}", file=sys.stderr)
-        return 2
+        raise CommandError(str(exc), 2) from exc
     finally:
         engine.dispose()
+    _check_port(settings.host, settings.port)
     _export(settings)
     uvicorn.run("fp8mon.monitor.app:create_app", factory=True, host=settings.host, port=settings.port,
                 workers=settings.workers, log_level=args.log_level, access_log=args.access_log)
@@ -98,14 +121,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     import gzip
 
     from fp8mon.monitor.export import export_run
+    from fp8mon.monitor.migrate import SchemaError
     from fp8mon.monitor.storage import NotFound, SqlAlchemyStore
 
     store = SqlAlchemyStore(_settings(args).database_url)
     try:
+        store.check_schema()
         batches = export_run(store, args.run, steps_per_batch=args.steps_per_batch, hist=not args.no_hist)
-    except NotFound as exc:
-        print(f"fp8mon export: {exc.message}", file=sys.stderr)
-        return 1
+    except (NotFound, SchemaError) as exc:
+        raise CommandError(getattr(exc, "message", str(exc))) from exc
     finally:
         store.close()
     data = json.dumps(batches).encode()
@@ -139,9 +163,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fp8mon", description="Training-health monitoring for FP8 training.")
     parser.add_argument("--version", action="version", version=f"fp8mon {__version__}")
+    parser.add_argument("--debug", action="store_true", help="on an error, show the traceback")
+    debug = argparse.ArgumentParser(add_help=False)  # --debug after the command too
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="on an error, show the traceback")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="run the monitor server")
+    serve = commands.add_parser("serve", parents=[debug], help="run the monitor server")
     _add_db_flag(serve)
     serve.add_argument("--host", help="bind address (env FP8MON_HOST; default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (env FP8MON_PORT; default 8080)")
@@ -152,22 +180,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     db = commands.add_parser("db", help="database schema").add_subparsers(dest="db_command", required=True)
-    up = db.add_parser("upgrade", help="apply migrations (Alembic)")
+    up = db.add_parser("upgrade", parents=[debug], help="apply migrations (Alembic)")
     _add_db_flag(up)
     up.add_argument("revision", nargs="?", default="head")
     up.set_defaults(func=cmd_db_upgrade)
-    current = db.add_parser("current", help="show the schema revision")
+    current = db.add_parser("current", parents=[debug], help="show the schema revision")
     _add_db_flag(current)
     current.set_defaults(func=cmd_db_current)
 
     from fp8mon.demo import add_arguments as add_demo_arguments
 
-    demo = commands.add_parser("demo", help="serve a SQLite monitor and run a short FP8 training with the agent "
-                                             "attached")
+    demo = commands.add_parser("demo", parents=[debug], help="serve a SQLite monitor and run a short FP8 training "
+                                                             "with the agent attached")
     add_demo_arguments(demo)
     demo.set_defaults(func=cmd_demo)
 
-    export = commands.add_parser("export", help="write a stored run as wire-format ingest batches (JSON list)")
+    export = commands.add_parser("export", parents=[debug],
+                                 help="write a stored run as wire-format ingest batches (JSON list)")
     _add_db_flag(export)
     export.add_argument("run", help="run name")
     export.add_argument("--out", required=True, help="output file; gzip when it ends in .gz")
@@ -175,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--no-hist", action="store_true", help="leave the log2 histograms out")
     export.set_defaults(func=cmd_export)
 
-    sync = commands.add_parser("sync", help="deliver the batches runs left in their spools (idempotent)")
+    sync = commands.add_parser("sync", parents=[debug],
+                               help="deliver the batches runs left in their spools (idempotent)")
     sync.add_argument("spool_dirs", nargs="*", type=Path, metavar="SPOOL_DIR",
                       help="spool directories (default: every run's, under ~/.cache/fp8mon/spool)")
     sync.add_argument("--url", help="the monitor's base address (env FP8MON_URL)")
@@ -190,23 +220,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# The extra that provides each top-level package a command may miss.
-_EXTRA_OF = {"fastapi": "monitor", "uvicorn": "monitor", "sqlalchemy": "monitor", "alembic": "monitor",
-             "pydantic": "monitor", "pydantic_settings": "monitor", "prometheus_client": "monitor",
-             "torch": "trainer", "triton": "trainer", "tqdm": "agent"}
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ModuleNotFoundError as exc:
-        top = (exc.name or "").split(".")[0]
-        if top not in _EXTRA_OF:
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if args.debug:
             raise
-        print(f"fp8mon {args.command}: needs {top}, which this install lacks: pip install 'fp8mon[{_EXTRA_OF[top]}]'",
-              file=sys.stderr)
-        return 2
+        described = describe(exc)
+        line, code = described if described is not None else (f"{type(exc).__name__}: {exc}", 1)
+        line = " ".join(line.split())  # one line, whatever the message held
+        hint = "" if described is not None else " (fp8mon --debug shows the traceback)"
+        command = " ".join(filter(None, (args.command, getattr(args, "db_command", None))))
+        print(f"fp8mon {command}: {line}{hint}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

@@ -154,17 +154,18 @@ def run_demo(args: argparse.Namespace, settings: Settings) -> int:
             server.should_exit = True
             return
         outcome["result"] = result
+        stored = result.run_name or run  # the name the monitor stored the run under (a reused --run gets a suffix)
         reader = (settings.read_tokens or settings.write_tokens or [None])[0]
         with httpx.Client(base_url=base, timeout=10.0,
                           headers={"authorization": f"Bearer {reader}"} if reader else {}) as client:
             try:
-                detail = client.get(f"/api/v1/runs/{quote(run, safe='')}").json()
-                print(f"run {run!r} ({result.status}): steps {detail.get('first_step')}..{detail.get('last_step')}"
+                detail = client.get(f"/api/v1/runs/{quote(stored, safe='')}").json()
+                print(f"run {stored!r} ({result.status}): steps {detail.get('first_step')}..{detail.get('last_step')}"
                       f" stored, {detail.get('tensor_series')} layer x site series, status {detail.get('status')}",
                       flush=True)
             except (httpx.HTTPError, ValueError) as exc:
                 print(f"fp8mon demo: cannot read the run back: {exc}", file=sys.stderr, flush=True)
-            links = _links(app, client, base, run, None)
+            links = _links(app, client, base, stored, None)
         width = max(len(label) for label, _ in links)
         for label, url in links:
             print(f"  {label:<{width}}  {url}", flush=True)

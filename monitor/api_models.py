@@ -15,6 +15,7 @@ class RunOut(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
     id: int
+    uid: str = Field(description="the run's unique id (the agent's run_id); the name is unique too")
     name: str
     status: RunState = Field(description="as the user should read it: the reported status, except that a running "
                                          "run whose loss met the divergence rule is diverged and one silent for "

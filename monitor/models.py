@@ -7,6 +7,7 @@ The bulk tables carry no foreign keys: the store deletes them with their run, an
 would cost ingest speed.
 """
 
+import uuid
 from datetime import datetime
 
 from sqlalchemy import (
@@ -38,9 +39,16 @@ class Base(DeclarativeBase):
 
 
 class Run(Base):
+    """A run. `uid` is its unique id (the agent's run_id); `name` its display name, unique too: a new run that
+    asks for a taken name gets it with a suffix (storage.identity). `uid` is filled by every insert (its default) and
+    by migration 0004, yet nullable: SQLite cannot make an added column NOT NULL without rebuilding `runs`, and
+    that rebuild would cascade-delete every row that references it."""
+
     __tablename__ = "runs"
+    __table_args__ = (Index("ux_runs_uid", "uid", unique=True),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    uid: Mapped[str | None] = mapped_column(String(64), default=lambda: uuid.uuid4().hex)
     name: Mapped[str] = mapped_column(String(200), unique=True)
     status: Mapped[str] = mapped_column(String(16), default="running")
     config: Mapped[dict] = mapped_column(JSON, default=dict)

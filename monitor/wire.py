@@ -11,9 +11,12 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 from fp8mon.agent.wire import (
     LOG2_HIST_BINS,
     MAX_LAYER_NAME,
+    MAX_RUN_ID,
     MAX_RUN_NAME,
     MAX_SCALAR_NAME,
     MAX_TAG,
+    RESUME_MODES,
+    RUN_ID_PATTERN,
     RUN_NAME_PATTERN,
     SCALAR_NAME_PATTERN,
     SITES,
@@ -39,6 +42,8 @@ def path_safe(name: str) -> str:
 
 RunName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_RUN_NAME, pattern=RUN_NAME_PATTERN),
                     AfterValidator(path_safe)]
+RunId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_RUN_ID, pattern=RUN_ID_PATTERN)]
+Resume = Literal[RESUME_MODES]  # type: ignore[valid-type]
 LayerName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_LAYER_NAME, pattern=PRINTABLE)]
 ScalarName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_SCALAR_NAME, pattern=SCALAR_NAME_PATTERN)]
 TagKey = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TAG, pattern=TAG_KEY_PATTERN)]
@@ -164,6 +169,11 @@ class IngestBatch(_Strict):
     batch_id: BatchId = Field(
         description="client-chosen id; a batch sent again with the same id is stored once")
     run: RunName
+    run_id: RunId | None = Field(
+        default=None, description="the run's unique id; a batch with an id goes to the run of that id")
+    resume: Resume = Field(
+        default="allow", description="allow: the run of that id (or, without run_id, of that name), created if "
+                                     "missing; must: refused (409) if missing; never: a new run, needs run_id")
     run_meta: RunMeta | None = None
     tensors: TensorBlock | None = None
     scalars: ScalarBlock | None = None
@@ -173,6 +183,8 @@ class IngestBatch(_Strict):
     def _not_empty(self):
         if self.tensors is None and self.scalars is None and self.run_meta is None:
             raise ValueError("batch carries nothing: give tensors, scalars or run_meta")
+        if self.resume == "never" and self.run_id is None:
+            raise ValueError("resume 'never' needs run_id: the id that every batch of the new run carries")
         return self
 
     def value_count(self) -> int:
@@ -186,12 +198,29 @@ class IngestBatch(_Strict):
 
 class IngestResult(BaseModel):
     batch_id: str
-    run: str
+    run: str = Field(description="the name the run is stored under: as sent, or with a suffix (-2, -3, ...) "
+                                 "when another run had the name")
     run_id: int
+    run_uid: str = Field(description="the run's unique id: the batch's run_id, or one the server chose")
     duplicate: bool = Field(description="true when this batch id was already stored; nothing was written")
     tensor_records: int
     scalar_records: int
     values: int
+
+
+class ResumeQuery(_Strict):
+    """POST /api/v1/ingest/resume: which run a batch with this name (and id) would continue."""
+
+    run: RunName
+    run_id: RunId | None = None
+
+
+class ResumePoint(BaseModel):
+    exists: bool = Field(description="false: no such run; a batch with resume 'allow' would create it")
+    run: str | None = None
+    run_uid: str | None = None
+    last_step: int | None = Field(default=None, description="the run's last stored step; a resumed run "
+                                                            "continues after it")
 
 
 def finite_or_none(x: float | None) -> float | str | None:

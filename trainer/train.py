@@ -316,7 +316,8 @@ def make_agent(args, model: Transformer, run_name: str, rank: int, world: int, s
     agent = Agent(args.monitor_url, run=run_name, token=args.monitor_token, every=args.monitor_every,
                   hist_every=args.monitor_hist_every, modules=args.monitor_modules, scaling=args.fp8_scaling,
                   amax_history_len=args.amax_history, margin=args.fp8_margin, config=config, tags=tags,
-                  spool_dir=args.monitor_spool)
+                  spool_dir=args.monitor_spool,
+                  resume="allow" if start_step else "never")  # a checkpoint's training continues its run
     agent.watch(model)
     if start_step:
         agent.step(start_step)
@@ -505,6 +506,7 @@ def run(args) -> TrainResult:
         raw.set_diagnostics(False)
         if agent is not None:
             agent.close(status=status)
+            result.run_name = agent.status().run or result.run_name  # a taken name gets a suffix (Agent's resume)
             if agent.errors and master:
                 print(f"fp8mon agent: {agent.errors} error(s), last: {agent.last_error}", file=sys.stderr)
     if master:

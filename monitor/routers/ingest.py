@@ -8,7 +8,7 @@ from fastapi.concurrency import run_in_threadpool
 from fp8mon.monitor.codec import BodyError, inflate, parse_batch
 from fp8mon.monitor.deps import MetricsDep, SettingsDep, StoreDep, require_write
 from fp8mon.monitor.storage import QueryError, StorageUnavailable
-from fp8mon.monitor.wire import IngestBatch, IngestResult
+from fp8mon.monitor.wire import IngestBatch, IngestResult, ResumePoint, ResumeQuery
 
 router = APIRouter(tags=["ingest"], dependencies=[require_write])
 
@@ -37,6 +37,7 @@ def add_body_schema(openapi: dict) -> dict:
 
 @router.post("/ingest", response_model=IngestResult, openapi_extra=_BODY_DOC,
              responses={413: {"description": "body too large"}, 415: {"description": "unsupported encoding"},
+                        409: {"description": "resume 'must' for a run the monitor does not have"},
                         422: {"description": "invalid batch; the message names the field"},
                         503: {"description": "storage unavailable; retry later"}})
 async def ingest(request: Request, store: StoreDep, settings: SettingsDep, metrics: MetricsDep) -> IngestResult:
@@ -78,3 +79,16 @@ async def _ingest(request: Request, store: StoreDep, settings: SettingsDep) -> I
                             headers={"Retry-After": "1"}) from None
     except QueryError as exc:  # a value the database refuses: sending it again cannot help
         raise HTTPException(exc.status, f"batch not stored: {exc.message}") from None
+
+
+@router.post("/ingest/resume", response_model=ResumePoint, responses={503: {"description": "retry later"}},
+             summary="The run a batch with this name and run_id would continue, and its last step")
+def resume_point(store: StoreDep, query: ResumeQuery) -> ResumePoint:
+    try:
+        run = store.find_run(query.run, query.run_id)
+    except StorageUnavailable as exc:
+        raise HTTPException(503, f"storage unavailable; retry: {exc.cause_name}",
+                            headers={"Retry-After": "1"}) from None
+    if run is None:
+        return ResumePoint(exists=False)
+    return ResumePoint(exists=True, run=run.name, run_uid=run.uid, last_step=run.last_step)

@@ -28,6 +28,7 @@ from fp8mon.monitor.storage.entities import (
     PredictionPage,
     PredictionRecord,
     RecentRun,
+    Run,
     RunAlertState,
     RunDetail,
     RunExport,
@@ -87,6 +88,11 @@ class AbstractStore(AlertStore):
 
     @abstractmethod
     def get_run(self, name: str) -> RunDetail: ...
+
+    @abstractmethod
+    def find_run(self, name: str, run_id: str | None = None) -> Run | None:
+        """The run that a batch with this name and run_id would go to (docs/wire-format.md, "Run identity"); None
+        when such a batch would create one."""
 
     @abstractmethod
     def patch_run(self, name: str, *, status: str | None = None, tags: dict | None = None,

@@ -3,7 +3,7 @@
 SQLite gets an executemany of an UPSERT. PostgreSQL gets a binary COPY (psycopg packs the rows in C, no
 per-value text formatting), straight into the table while the keys are new, else into a temporary
 staging table followed by one INSERT ... SELECT ... ON CONFLICT. A (series, rank, step) that arrives
-again (a resumed run re-logging steps) replaces the earlier row, every column: last write wins.
+again (a client re-sending steps of its run) replaces the earlier row, every column: last write wins.
 Columns the caller leaves out of `data` are written as NULL without binding a parameter per row.
 Callers pass rows unique by key and sorted by it, so concurrent upserts take row locks in one order.
 """

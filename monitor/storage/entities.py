@@ -35,6 +35,7 @@ def _plain(value):
 @dataclass(frozen=True)
 class Run(_Entity):
     id: int
+    uid: str  # the run's unique id (the agent's run_id); `name` is unique too
     name: str
     status: str  # as the user reads it (storage.run_status): stalled and server-seen divergence included
     config: dict
@@ -49,7 +50,8 @@ class Run(_Entity):
     report_interval_s: float | None = None  # mean seconds between the run's batches; None: fewer than two
 
     def to_dict(self) -> dict:
-        return {"id": self.id, "name": self.name, "status": self.status, "config": json_safe(self.config),
+        return {"id": self.id, "uid": self.uid, "name": self.name, "status": self.status,
+                "config": json_safe(self.config),
                 "tags": json_safe(self.tags), "created_at": _iso(self.created_at),
                 "started_at": _iso(self.started_at), "ended_at": _iso(self.ended_at),
                 "last_seen_at": _iso(self.last_seen_at), "first_step": self.first_step,

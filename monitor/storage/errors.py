@@ -17,6 +17,12 @@ class BadParameter(QueryError):
     status = 422
 
 
+class RunConflict(QueryError):
+    """A batch asks to resume (resume "must") a run the monitor does not have."""
+
+    status = 409
+
+
 class StorageUnavailable(QueryError):
     """The database failed (unreachable, locked, out of space): nothing was written; retry later."""
 

@@ -15,7 +15,7 @@ from sqlalchemy import BigInteger, Connection, bindparam, case, func, select, up
 
 from fp8mon.monitor.models import IngestBatch as BatchRow
 from fp8mon.monitor.models import Run, ScalarSeries, TensorSeries
-from fp8mon.monitor.storage import bulk
+from fp8mon.monitor.storage import bulk, identity
 from fp8mon.monitor.storage.database import Database, utcnow
 from fp8mon.monitor.wire import FINAL_STATUSES, IngestBatch, IngestResult, RunMeta, ScalarBlock, TensorBlock
 
@@ -33,14 +33,14 @@ class IngestWriter:
                             .returning(BatchRow.batch_id))
         self._lock = threading.Lock()
         self._queue: list[_Job] = []  # SQLite: batches waiting for the next group, guarded by _lock
-        self._run_ids: dict[str, int] = {}
+        self._run_ids: dict[tuple[str, str], identity.RunIdentity] = {}  # by _run_key
         self._tensor_series: dict[int, dict[tuple[str, str], int]] = {}
         self._scalar_series: dict[int, dict[str, int]] = {}
 
     def forget_run(self, run_id: int) -> None:
         """Drop cached ids of a deleted run."""
         with self._lock:
-            self._run_ids = {k: v for k, v in self._run_ids.items() if v != run_id}
+            self._run_ids = {k: v for k, v in self._run_ids.items() if v.id != run_id}
             self._tensor_series.pop(run_id, None)
             self._scalar_series.pop(run_id, None)
 
@@ -100,7 +100,7 @@ class IngestWriter:
     def _write(self, batches: Iterable[IngestBatch]) -> list[IngestResult]:
         """Write batches in one transaction."""
         now = utcnow()
-        run_ids: dict[str, int] = {}
+        run_ids: dict[tuple[str, str], identity.RunIdentity] = {}
         tensor_series: dict[int, dict[tuple[str, str], int]] = {}
         scalar_series: dict[int, dict[str, int]] = {}
         with self.db.engine.begin() as conn:
@@ -119,31 +119,25 @@ class IngestWriter:
                      tensor_series: dict, scalar_series: dict) -> IngestResult:
         """`run_ids`, `tensor_series`, `scalar_series`: ids registered earlier in this transaction."""
         values = batch.value_count()
-        run_id = run_ids.get(batch.run) or self._run_id(conn, batch.run, now)
-        run_ids[batch.run] = run_id
+        key = _run_key(batch)
+        run = run_ids.get(key) or self._run_ids.get(key) or identity.resolve(self.db, conn, batch, now)
+        run_ids[key] = run
+        run_id = run.id
         if not self._claim_batch(conn, run_id, batch.batch_id, values, now):
-            return IngestResult(batch_id=batch.batch_id, run=batch.run, run_id=run_id, duplicate=True,
-                                tensor_records=0, scalar_records=0, values=0)
+            return IngestResult(batch_id=batch.batch_id, run=run.name, run_id=run_id, run_uid=run.uid,
+                                duplicate=True, tensor_records=0, scalar_records=0, values=0)
         steps: list[tuple[int, int]] = []
         if batch.tensors is not None:
             steps.append(self._write_tensors(conn, run_id, batch.tensors, tensor_series.setdefault(run_id, {})))
         if batch.scalars is not None:
             steps.append(self._write_scalars(conn, run_id, batch.scalars, scalar_series.setdefault(run_id, {})))
         self._touch_run(conn, run_id, steps, batch.run_meta, now)
-        return IngestResult(batch_id=batch.batch_id, run=batch.run, run_id=run_id, duplicate=False,
+        return IngestResult(batch_id=batch.batch_id, run=run.name, run_id=run_id, run_uid=run.uid, duplicate=False,
                             tensor_records=len(batch.tensors) if batch.tensors else 0,
                             scalar_records=len(batch.scalars) if batch.scalars else 0, values=values)
 
     def _insert_ignore(self, conn: Connection, model, rows: list[dict], keys: list[str]) -> None:
         conn.execute(self.db.insert(model).on_conflict_do_nothing(index_elements=keys), rows)
-
-    def _run_id(self, conn: Connection, name: str, now: datetime) -> int:
-        run_id = self._run_ids.get(name)
-        if run_id is not None:
-            return run_id
-        self._insert_ignore(conn, Run, [{"name": name, "status": "running", "config": {}, "tags": {},
-                                         "created_at": now, "started_at": now, "rollup_until": 0}], ["name"])
-        return conn.execute(select(Run.id).where(Run.name == name)).scalar_one()
 
     def _claim_batch(self, conn: Connection, run_id: int, batch_id: str, values: int, now: datetime) -> bool:
         row = {"run_id": run_id, "batch_id": batch_id, "received_at": now, "n_values": values}
@@ -229,6 +223,11 @@ class _Job:
         self.result: IngestResult | None = None
         self.error: Exception | None = None
         self.done = False
+
+
+def _run_key(batch: IngestBatch) -> tuple[str, str]:
+    """What a batch's run is found by: its run_id, else its name."""
+    return ("id", batch.run_id) if batch.run_id is not None else ("name", batch.run)
 
 
 def _keys(columns: tuple[list, ...]):

@@ -11,6 +11,7 @@ from sqlalchemy import Connection, case, delete, func, literal, select, text, up
 from fp8mon.agent.wire import SITES, TENSOR_STATS
 from fp8mon.monitor.models import Alert, Prediction, ScalarSeries, TensorSeries
 from fp8mon.monitor.models import Run as RunRow
+from fp8mon.monitor.storage import identity
 from fp8mon.monitor.storage.database import Database, as_utc, fetch, to_float, utcnow
 from fp8mon.monitor.storage.entities import (
     Catalogue,
@@ -52,7 +53,8 @@ def run_ref(conn: Connection, name: str) -> RunRef:
 def run_entity(row) -> Run:
     """A row of `_runs_query`: the stored columns, the status the user reads and the usual reporting interval."""
     interval = to_float(row.report_interval_s)
-    return Run(id=row.id, name=row.name, status=row.run_state, config=row.config or {}, tags=row.tags or {},
+    return Run(id=row.id, uid=row.uid, name=row.name, status=row.run_state, config=row.config or {},
+               tags=row.tags or {},
                created_at=as_utc(row.created_at), started_at=as_utc(row.started_at), ended_at=as_utc(row.ended_at),
                last_seen_at=as_utc(row.last_seen_at), first_step=row.first_step, last_step=row.last_step,
                reported_status=row.status, report_interval_s=finite_or_none(interval))
@@ -142,6 +144,15 @@ def list_runs(db: Database, *, status: list[str] | None = None, name: str | None
         rows = conn.execute(query.where(*conds).order_by(*ordering).limit(limit).offset(offset))
         runs = [_summary(r) for r in rows]
     return RunPage(total=total, limit=limit, offset=offset, runs=runs)
+
+
+def find_run(db: Database, name: str, run_id: str | None = None) -> Run | None:
+    """The run a batch with this name and run_id goes to (storage.identity), None if it has none yet."""
+    with db.reading() as conn:
+        found = identity.find(conn, name, run_id)
+        row = None if found is None else \
+            conn.execute(_runs_query(conn, DEFAULT_STALL)[0].where(RunRow.id == found.id)).first()
+    return None if row is None else run_entity(row)
 
 
 def get_run(db: Database, name: str, stall: StallPolicy = DEFAULT_STALL) -> RunDetail:

@@ -33,6 +33,7 @@ from fp8mon.monitor.storage.entities import (
     PredictionPage,
     PredictionRecord,
     RecentRun,
+    Run,
     RunAlertState,
     RunDetail,
     RunExport,
@@ -74,6 +75,8 @@ class SqlAlchemyStore(AbstractStore):
 
     def ingest(self, batch: IngestBatch) -> IngestResult:
         result = self._writer.ingest(batch)
+        if result.run != batch.run:  # a new run under a suffixed name: the listeners key runs by stored name
+            batch = batch.model_copy(update={"run": result.run})
         if not result.duplicate:
             for listener in self._listeners:
                 try:
@@ -100,6 +103,9 @@ class SqlAlchemyStore(AbstractStore):
 
     def get_run(self, name: str) -> RunDetail:
         return runs.get_run(self.db, name, self.stall)
+
+    def find_run(self, name: str, run_id: str | None = None) -> Run | None:
+        return runs.find_run(self.db, name, run_id)
 
     def patch_run(self, name: str, *, status: str | None = None, tags: dict | None = None,
                   config: dict | None = None) -> RunDetail:

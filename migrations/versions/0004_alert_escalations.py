@@ -1,6 +1,6 @@
 """Alerts: the history of an alert's severity rises (step, severity, previous severity), not only the last.
 
-Revision ID: 0004_alerts48
+Revision ID: 0004
 Revises: 0003
 Create Date: 2026-11-29
 """
@@ -8,7 +8,7 @@ Create Date: 2026-11-29
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0004_alerts48"
+revision = "0004"
 down_revision = "0003"
 branch_labels = None
 depends_on = None
