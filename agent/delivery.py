@@ -58,6 +58,7 @@ class Outcome:
     kind: str  # STORED, RETRY, AUTH or REFUSED
     message: str = ""
     duplicate: bool = False
+    retry_after: float = 0.0  # seconds the server asked to wait (Retry-After) before the next try
 
 
 def ingest_url(url: str) -> str:
@@ -83,10 +84,18 @@ def post(client: httpx.Client, url: str, body: bytes) -> Outcome:
         return Outcome(STORED, duplicate=duplicate)
     detail = response.text[:300].strip()
     if code >= 500 or code in _RETRYABLE:
-        return Outcome(RETRY, f"{code} from {url}: {detail}")
+        return Outcome(RETRY, f"{code} from {url}: {detail}", retry_after=_retry_after(response))
     if code in (401, 403):
         return Outcome(AUTH, _TOKEN_HINT[code].format(url=url, detail=detail))
     return Outcome(REFUSED, _refusal(code, url, detail, response.headers.get("location")))
+
+
+def _retry_after(response: httpx.Response) -> float:
+    """Retry-After in seconds, within [0, 300]; 0 when absent or an HTTP date (the back-off then decides)."""
+    try:
+        return min(max(float(response.headers.get("retry-after", "0")), 0.0), 300.0)
+    except ValueError:
+        return 0.0
 
 
 _TOKEN_HINT = {

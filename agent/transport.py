@@ -28,7 +28,7 @@ import msgpack
 from fp8mon.agent import delivery, exit_flush
 from fp8mon.agent.delivery import BatchRefused, DeliveryError, DeliveryStatus, SpoolUnwritable, TokenRefused
 from fp8mon.agent.spool import Entry, Spool, default_spool_dir
-from fp8mon.agent.wire import WIRE_VERSION
+from fp8mon.agent.wire import CLIENT_HEADER, WIRE_VERSION
 
 log = logging.getLogger("fp8mon.agent")
 
@@ -106,7 +106,7 @@ class Transport:
         self.on_error: Callable[[DeliveryError], None] | None = None
         self.spool = Spool(spool_dir or default_spool_dir(run), max_spool_bytes)
         self._spool_lock = threading.Lock()  # the training thread spills into the spool when the queue is full
-        headers = {"content-type": "application/msgpack", "content-encoding": "gzip"}
+        headers = {"content-type": "application/msgpack", "content-encoding": "gzip", CLIENT_HEADER: "agent"}
         if token:
             headers["authorization"] = f"Bearer {token}"
         self._client = httpx.Client(headers=headers, timeout=timeout)
@@ -314,7 +314,7 @@ class Transport:
                 self.spool.reject(entry, body, outcome.message)
             self._report(BatchRefused(f"{outcome.message} (batch kept under {self.spool.directory / 'rejected'})"))
             return True
-        self._back_off()
+        self._back_off(outcome.retry_after)
         if outcome.kind == delivery.AUTH:
             self._state = "refused"
             self._report(TokenRefused(f"{outcome.message} (the batches wait in {self.spool.directory})"))
@@ -326,8 +326,9 @@ class Transport:
         self.stats.last_error = outcome.message
         return False
 
-    def _back_off(self) -> None:
-        self._retry_at = time.monotonic() + self._delay
+    def _back_off(self, retry_after: float = 0.0) -> None:
+        """Wait the back-off delay, or longer when the server asked so (Retry-After, up to backoff_max)."""
+        self._retry_at = time.monotonic() + max(self._delay, min(retry_after, self.backoff_max))
         self._delay = min(self._delay * 2, self.backoff_max)
 
     def _report(self, exc: DeliveryError) -> None:
