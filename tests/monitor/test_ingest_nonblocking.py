@@ -101,7 +101,7 @@ def test_health_and_small_batches_stay_fast_while_big_batches_arrive(server_fact
     assert len(health) >= 5, "the big batches went through before the probe measured anything"
     # bounds that a blocked loop misses by far, with room for a busy 2-core machine
     assert max(health) < 3.0, f"/healthz took up to {max(health):.2f} s"
-    assert statistics.median(small) < 2.0, f"small batches took {statistics.median(small):.2f} s at the median"
+    assert statistics.median(small) < 3.0, f"small batches took {statistics.median(small):.2f} s at the median"
 
 
 @pytest.fixture
