@@ -9,18 +9,21 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /src
 COPY pyproject.toml README.md ./
+# Exact versions of every dependency (scripts/lock_monitor.py writes it from a working environment).
+COPY requirements/monitor.lock ./requirements/monitor.lock
 COPY agent ./agent
 COPY monitor ./monitor
 COPY migrations ./migrations
 COPY trainer ./trainer
 COPY fp8mon ./fp8mon
-RUN pip install ".[monitor]" && rm -rf /src/build
+RUN pip install -c requirements/monitor.lock ".[monitor]" && rm -rf /src/build
 
 RUN useradd --system --create-home --home-dir /data --uid 10001 fp8mon
 USER fp8mon
 WORKDIR /data
 
-# Without FP8MON_DATABASE_URL the server uses a SQLite file in /data/.fp8mon/.
+# Without FP8MON_DATABASE_URL the server uses a SQLite file in /data/.fp8mon/. Serving on 0.0.0.0 needs tokens
+# (FP8MON_WRITE_TOKENS, FP8MON_READ_TOKENS) or FP8MON_ALLOW_OPEN=true.
 ENV FP8MON_HOST=0.0.0.0 \
     FP8MON_PORT=8080
 EXPOSE 8080

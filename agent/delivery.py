@@ -66,6 +66,7 @@ class Outcome:
     duplicate: bool = False
     run: str | None = None  # STORED: the name the monitor stores the run under
     code: int = 0  # the HTTP status, 0 when none came
+    retry_after: float = 0.0  # seconds the server asked to wait (Retry-After) before the next try
 
 
 def ingest_url(url: str) -> str:
@@ -92,10 +93,18 @@ def post(client: httpx.Client, url: str, body: bytes) -> Outcome:
         return Outcome(STORED, duplicate=bool(answer.get("duplicate")), run=answer.get("run"))
     detail = response.text[:300].strip()
     if code >= 500 or code in _RETRYABLE:
-        return Outcome(RETRY, f"{code} from {url}: {detail}", code=code)
+        return Outcome(RETRY, f"{code} from {url}: {detail}", code=code, retry_after=_retry_after(response))
     if code in (401, 403):
         return Outcome(AUTH, _TOKEN_HINT[code].format(url=url, detail=detail), code=code)
     return Outcome(REFUSED, _refusal(code, url, detail, response.headers.get("location")), code=code)
+
+
+def _retry_after(response: httpx.Response) -> float:
+    """Retry-After in seconds, within [0, 300]; 0 when absent or an HTTP date (the back-off then decides)."""
+    try:
+        return min(max(float(response.headers.get("retry-after", "0")), 0.0), 300.0)
+    except ValueError:
+        return 0.0
 
 
 _TOKEN_HINT = {

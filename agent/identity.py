@@ -62,7 +62,9 @@ def new_run_id(group, world: int) -> str:
 def resume_point(ingest_url: str, run: str, run_id: str | None, resume: str, token: str | None) -> dict | None:
     """The monitor's answer on the run to resume: {"run", "run_uid", "last_step"}; None when it has no such run or did
     not answer. Raises ResumeRefused under ``must`` when it has no such run."""
-    headers = {"authorization": f"Bearer {token}"} if token else {}
+    headers = {wire.CLIENT_HEADER: "agent"}
+    if token:
+        headers["authorization"] = f"Bearer {token}"
     body = {"run": run, **({"run_id": run_id} if run_id is not None else {})}
     endpoint = ingest_url + "/resume"
     try:

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 
 from . import delivery
+from .wire import CLIENT_HEADER
 
 __all__ = ["leftover_batches", "sync"]
 
@@ -51,7 +52,7 @@ def sync(roots: list[Path], url: str, token: str | None) -> int:
         return 0
     from tqdm import tqdm
 
-    headers = {"content-type": "application/msgpack", "content-encoding": "gzip"}
+    headers = {"content-type": "application/msgpack", "content-encoding": "gzip", CLIENT_HEADER: "agent"}
     if token:
         headers["authorization"] = f"Bearer {token}"
     delivered = duplicates = refused = 0
@@ -97,7 +98,7 @@ def _post(client: httpx.Client, endpoint: str, body: bytes) -> delivery.Outcome:
     for pause in _RETRIES:
         if outcome.kind != delivery.RETRY:
             break
-        time.sleep(pause)
+        time.sleep(max(pause, outcome.retry_after))
         outcome = delivery.post(client, endpoint, body)
     return outcome
 

@@ -35,7 +35,7 @@ from fp8mon.agent.delivery import (
     TokenRefused,
 )
 from fp8mon.agent.spool import Entry, Spool, default_spool_dir
-from fp8mon.agent.wire import WIRE_VERSION
+from fp8mon.agent.wire import CLIENT_HEADER, WIRE_VERSION
 
 log = logging.getLogger("fp8mon.agent")
 
@@ -119,7 +119,7 @@ class Transport:
         self.on_error: Callable[[DeliveryError], None] | None = None
         self.spool = Spool(spool_dir or default_spool_dir(run), max_spool_bytes)
         self._spool_lock = threading.Lock()  # the training thread spills into the spool when the queue is full
-        headers = {"content-type": "application/msgpack", "content-encoding": "gzip"}
+        headers = {"content-type": "application/msgpack", "content-encoding": "gzip", CLIENT_HEADER: "agent"}
         if token:
             headers["authorization"] = f"Bearer {token}"
         self._client = httpx.Client(headers=headers, timeout=timeout)
@@ -334,7 +334,7 @@ class Transport:
             refusal = ResumeRefused if outcome.code == 409 else BatchRefused
             self._report(refusal(f"{outcome.message} (batch kept under {self.spool.directory / 'rejected'})"))
             return True
-        self._back_off()
+        self._back_off(outcome.retry_after)
         if outcome.kind == delivery.AUTH:
             self._state = "refused"
             self._report(TokenRefused(f"{outcome.message} (the batches wait in {self.spool.directory})"))
@@ -354,8 +354,9 @@ class Transport:
             log.warning("fp8mon: the monitor has a run named %r already; this run is %r (run_id %s). To continue "
                         "the earlier run instead, pass resume='allow'", self.run, name, self.run_id)
 
-    def _back_off(self) -> None:
-        self._retry_at = time.monotonic() + self._delay
+    def _back_off(self, retry_after: float = 0.0) -> None:
+        """Wait the back-off delay, or longer when the server asked so (Retry-After, up to backoff_max)."""
+        self._retry_at = time.monotonic() + max(self._delay, min(retry_after, self.backoff_max))
         self._delay = min(self._delay * 2, self.backoff_max)
 
     def _report(self, exc: DeliveryError) -> None:

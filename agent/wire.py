@@ -5,6 +5,11 @@ Only names and limits live here, so the monitor can import them without pulling 
 
 WIRE_VERSION = 1
 
+# Sent by the agent, `fp8mon sync` and the dashboard with every request that changes state. A cross-site HTML form
+# cannot send a header of its own, and a cross-site script cannot without a CORS preflight, which the monitor never
+# grants: the monitor refuses a state-changing request that carries neither this header nor a bearer token.
+CLIENT_HEADER = "X-Fp8mon-Client"
+
 # Names the server accepts; the agent checks them too, so one bad name cannot cost a whole batch.
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+/=-]*$"
 SCALAR_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_./-]*$"

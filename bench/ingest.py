@@ -7,6 +7,7 @@ i % runs as rank i // runs, so clients that share a run never write the same key
 server is stopped and the database counted: values stored must equal values acknowledged.
 
     python bench/ingest.py                                  # SQLite
+    python bench/ingest.py --sqlite-synchronous normal      # SQLite without an fsync per commit
     python bench/ingest.py --database-url postgresql+psycopg://postgres@127.0.0.1:5432/test
     python bench/ingest.py --no-sqlite --database-url ... --clients 4 --workers 2 --steps 10 --gzip
 
@@ -38,6 +39,7 @@ if __package__ in (None, ""):  # run as `python bench/ingest.py`: bench.record f
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.record import Recorder  # noqa: E402
+from fp8mon.agent.wire import CLIENT_HEADER  # noqa: E402
 from fp8mon.monitor.localserver import ServerProcess  # noqa: E402
 
 STATS = ("amax", "rms", "mean", "std", "kurtosis", "kurtosis_central", "crest", "underflow_frac",
@@ -98,7 +100,7 @@ def client(index: int, args, port: int, n_bodies: int, ready, start, results) ->
     for i in range(n_bodies):
         body, records, values = make_body(run, rank, i, args.steps, layers, rng)
         bodies.append((gzip.compress(body, compresslevel=1) if args.gzip else body, records, values))
-    headers = {"content-type": "application/msgpack"}
+    headers = {"content-type": "application/msgpack", CLIENT_HEADER: "bench"}
     if args.gzip:
         headers["content-encoding"] = "gzip"
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
@@ -149,14 +151,14 @@ def fp8mon_command() -> list[str]:
 class Database:
     """A fresh, migrated database: a SQLite file in a temporary folder, or a new PostgreSQL schema."""
 
-    def __init__(self, backend: str, pg_url: str | None):
+    def __init__(self, backend: str, pg_url: str | None, sqlite_synchronous: str = "full"):
         from sqlalchemy import create_engine, text
 
         from fp8mon.monitor.storage.engine import normalise_url
         self.backend = backend
         if backend == "sqlite":
             self.tmp = tempfile.mkdtemp(prefix="fp8mon-bench-")
-            self.url = f"sqlite:///{self.tmp}/bench.db"
+            self.url = f"sqlite:///{self.tmp}/bench.db?synchronous={sqlite_synchronous}"
         else:
             self.schema = f"bench_{uuid.uuid4().hex[:10]}"
             self.admin = create_engine(normalise_url(pg_url), isolation_level="AUTOCOMMIT")
@@ -169,10 +171,11 @@ class Database:
 
     def count(self) -> tuple[int, int, int]:
         """(batches, tensor records, statistic values) stored."""
-        from sqlalchemy import create_engine, text
+        from sqlalchemy import text
 
         from fp8mon.agent.wire import TENSOR_STATS
-        engine = create_engine(self.url)
+        from fp8mon.monitor.storage.engine import create_db_engine
+        engine = create_db_engine(self.url)
         try:
             with engine.connect() as conn:
                 batches = conn.execute(text("select count(*) from ingest_batches")).scalar_one()
@@ -258,7 +261,7 @@ def machine_busy() -> tuple[float, float]:
 # -- one measurement --------------------------------------------------------------------------------
 
 def measure(backend: str, args) -> dict:
-    db = Database(backend, args.database_url)
+    db = Database(backend, args.database_url, args.sqlite_synchronous)
     server = start_server(db.url, args.workers)
     port = server.port
     try:
@@ -338,6 +341,8 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--database-url", help="also (or with --no-sqlite: only) benchmark this PostgreSQL database")
     parser.add_argument("--no-sqlite", action="store_true", help="skip SQLite")
+    parser.add_argument("--sqlite-synchronous", choices=["full", "normal"], default="full",
+                        help="SQLite's synchronous pragma (the server's default: full)")
     parser.add_argument("--clients", type=int, default=4, help="client processes (default 4)")
     parser.add_argument("--workers", type=int, default=1, help="uvicorn worker processes (default 1)")
     parser.add_argument("--steps", type=int, default=10, help="steps per batch, K (default 10)")

@@ -65,10 +65,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     import fp8mon.monitor.app  # noqa: F401  every server package, before anything starts
+    from fp8mon.monitor.logconfig import log_config
     from fp8mon.monitor.migrate import SchemaError, check_schema, upgrade
     from fp8mon.monitor.storage.engine import create_db_engine
 
     settings = _settings(args)
+    refusal = settings.serve_refusal()
+    if refusal:
+        print(f"fp8mon serve: {refusal}", file=sys.stderr)
+        return 2
+    if not settings.is_loopback() and not (settings.write_tokens or settings.read_tokens):
+        print(f"fp8mon serve: WARNING: serving {settings.host}:{settings.port} without tokens (--allow-open): "
+              "anyone who can reach it can write runs and acknowledge alerts", file=sys.stderr)
     engine = create_db_engine(settings.database_url)
     try:
         if args.migrate:
@@ -81,7 +89,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _check_port(settings.host, settings.port)
     _export(settings)
     uvicorn.run("fp8mon.monitor.app:create_app", factory=True, host=settings.host, port=settings.port,
-                workers=settings.workers, log_level=args.log_level, access_log=args.access_log)
+                workers=settings.workers, log_level=args.log_level, access_log=args.access_log,
+                log_config=log_config(args.log_level, settings.log_format))
     return 0
 
 
@@ -174,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="bind address (env FP8MON_HOST; default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (env FP8MON_PORT; default 8080)")
     serve.add_argument("--workers", type=int, help="uvicorn worker processes (env FP8MON_WORKERS; default 1)")
+    serve.add_argument("--allow-open", action="store_const", const=True,
+                       help="allow a --host beyond loopback without tokens (env FP8MON_ALLOW_OPEN)")
+    serve.add_argument("--log-format", choices=["text", "json"], help="env FP8MON_LOG_FORMAT; default text")
     serve.add_argument("--migrate", action="store_true", help="apply pending migrations before serving")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--no-access-log", dest="access_log", action="store_false")

@@ -24,13 +24,15 @@ def free_port() -> int:
 @dataclass
 class ServerProcess:
     """`fp8mon serve` on `database_url`; `args` are more serve flags (e.g. "--migrate", "--workers", "4"),
-    `env` overrides the environment, `log` collects its output (appended)."""
+    `env` overrides the environment, `log` collects its output (appended); `quiet`: warnings only, no access
+    log."""
 
     database_url: str
     port: int = field(default_factory=free_port)
     env: dict = field(default_factory=dict)
     args: tuple[str, ...] = ()
     log: Path | None = None
+    quiet: bool = True
     proc: subprocess.Popen | None = None
 
     @property
@@ -42,7 +44,8 @@ class ServerProcess:
         self._log_file = open(self.log, "ab") if self.log else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fp8mon", "serve", "--database-url", self.database_url,
-             "--port", str(self.port), *self.args, "--no-access-log", "--log-level", "warning"],
+             "--port", str(self.port), *self.args,
+             *(("--no-access-log", "--log-level", "warning") if self.quiet else ())],
             env={**os.environ, **self.env}, stdout=self._log_file, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

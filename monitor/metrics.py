@@ -7,20 +7,31 @@ values stay in the store; only run-level worst-layer aggregates are exported.
 Names: one `fp8mon_` prefix, base units (seconds, ratios 0..1), `_total` counters.
 
 The state lives in this process. `fp8mon serve --workers N` with N > 1 would give each worker process its
-own (partial) view, so alerting and /metrics assume the default single worker (the server logs a warning
-otherwise).
+own (partial) view, so alerting and /metrics assume the default single worker (`fp8mon serve` refuses more while
+predictions are on). Besides: `fp8mon_build_info{version, python}` and the process's `process_*` (CPU, memory,
+open files).
 """
 
 from __future__ import annotations
 
+import platform
 import threading
 import time
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    ProcessCollector,
+    disable_created_metrics,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from fp8mon import __version__
 from fp8mon.monitor.assessment import SEVERITIES
 
 # exported name -> (help, the key of RunState.values)
@@ -136,6 +147,9 @@ class Metrics:
     def __init__(self, *, max_runs: int = 100, grace_seconds: float = 300.0):
         self.registry = CollectorRegistry()
         r = self.registry
+        Info("fp8mon_build", "The fp8mon version serving.", registry=r).info(
+            {"version": __version__, "python": platform.python_version()})
+        ProcessCollector(registry=r)
         self.ingest_batches = Counter("fp8mon_ingest_batches", "Ingest batches stored (duplicates excluded).",
                                       registry=r)
         self.ingest_duplicates = Counter("fp8mon_ingest_duplicate_batches",

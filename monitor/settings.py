@@ -24,8 +24,14 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(
         default=32 * 1024 * 1024, ge=1024, description="largest accepted request body, after gzip inflation"
     )
+    ingest_inflight_bytes: int = Field(
+        default=96 * 1024 * 1024, ge=1024,
+        description="request bytes (as received, then inflated) that ingest decodes and stores at once, over all "
+                    "requests; beyond it a request is answered 503 with Retry-After (one request always passes)")
     write_tokens: list[str] = Field(default_factory=list, description="tokens allowed to ingest; empty: no auth")
     read_tokens: list[str] = Field(default_factory=list, description="tokens allowed to query; empty: no auth")
+    allow_open: bool = Field(default=False, description="serve on an address beyond loopback without tokens")
+    log_format: Literal["text", "json"] = Field(default="text", description="server log lines: text or JSON")
     db_pool_size: int = Field(default=8, ge=1)
     stall_intervals: float = Field(default=5.0, gt=0, description="a running run that sent nothing for this many of "
                                                                   "its usual reporting intervals reads as stalled")
@@ -96,6 +102,20 @@ class Settings(BaseSettings):
         if url and not url.startswith(("http://", "https://")):
             raise ValueError(f"Alertmanager URL {url!r} must start with http:// or https://")
         return url
+
+    def is_loopback(self) -> bool:
+        return self.host in ("127.0.0.1", "localhost", "::1") or self.host.startswith("127.")
+
+    def serve_refusal(self) -> str | None:
+        """Why `fp8mon serve` must not start with these settings, or None."""
+        if self.workers > 1 and self.predictor:
+            return (f"--workers {self.workers} refused: each worker process would keep its own predictors and alert "
+                    "state (duplicate alerts, a different /metrics per worker); use --workers 1, or switch "
+                    "predictions off with FP8MON_PREDICTOR=''")
+        if not self.is_loopback() and not (self.write_tokens or self.read_tokens) and not self.allow_open:
+            return (f"--host {self.host} without tokens would let anyone on the network write and acknowledge: set "
+                    "FP8MON_WRITE_TOKENS and FP8MON_READ_TOKENS, or pass --allow-open (FP8MON_ALLOW_OPEN=true)")
+        return None
 
     def base_url(self) -> str:
         if self.public_url:

@@ -119,12 +119,13 @@ def app_factory(database_url):
     same database is a restarted server."""
     from fastapi.testclient import TestClient
 
+    from fp8mon.agent.wire import CLIENT_HEADER
     from fp8mon.monitor.app import create_app
     from fp8mon.monitor.settings import Settings
 
     def make(predictor_factory=None, **settings) -> TestClient:
         app = create_app(Settings(database_url=database_url, **settings), predictor_factory=predictor_factory)
-        return TestClient(app)
+        return TestClient(app, headers={CLIENT_HEADER: "tests"})  # as the agent and the dashboard send it
 
     return make
 

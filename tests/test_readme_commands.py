@@ -101,7 +101,7 @@ def test_compose_monitor_migrates_then_serves_on_postgres():
     assert (url.username, url.password, url.path.lstrip("/")) == (
         env["POSTGRES_USER"], env["POSTGRES_PASSWORD"], env["POSTGRES_DB"])
     assert monitor["depends_on"]["postgres"]["condition"] == "service_healthy"
-    assert "8080:8080" in monitor["ports"]
+    assert "${FP8MON_BIND:-127.0.0.1}:8080:8080" in monitor["ports"]
 
 
 def test_compose_files_exist_and_prometheus_scrapes_the_monitor():
@@ -132,7 +132,7 @@ def test_compose_files_exist_and_prometheus_scrapes_the_monitor():
 def test_dockerfile_installs_the_monitor_without_torch():
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^FROM python:3\.11", dockerfile, re.M)
-    assert 'pip install ".[monitor]"' in dockerfile and "torch" not in dockerfile.split("pip install", 1)[1].split("\n")[0]
+    assert 'pip install -c requirements/monitor.lock ".[monitor]"' in dockerfile and "torch" not in dockerfile.split("pip install", 1)[1].split("\n")[0]
     for path in re.findall(r"^COPY (\S+)", dockerfile, re.M):
         assert (ROOT / path).exists(), path
 

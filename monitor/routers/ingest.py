@@ -39,7 +39,8 @@ def add_body_schema(openapi: dict) -> dict:
              responses={413: {"description": "body too large"}, 415: {"description": "unsupported encoding"},
                         409: {"description": "resume 'must' for a run the monitor does not have"},
                         422: {"description": "invalid batch; the message names the field"},
-                        503: {"description": "storage unavailable; retry later"}})
+                        503: {"description": "storage unavailable or too many bytes in flight; retry later "
+                                              "(Retry-After)"}})
 async def ingest(request: Request, store: StoreDep, settings: SettingsDep, metrics: MetricsDep) -> IngestResult:
     started = time.perf_counter()
     try:
@@ -58,27 +59,26 @@ async def ingest(request: Request, store: StoreDep, settings: SettingsDep, metri
 
 
 async def _ingest(request: Request, store: StoreDep, settings: SettingsDep) -> IngestResult:
-    limit = settings.max_request_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise HTTPException(413, f"body of {declared} bytes is larger than the limit of {limit} bytes")
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > limit:
-            raise HTTPException(413, f"body is larger than the limit of {limit} bytes")
+    limits = request.app.state.ingest_limits
+    lease = limits.lease()
     try:
-        body = inflate(bytes(raw), request.headers.get("content-encoding"), limit)
-        batch = parse_batch(body, request.headers.get("content-type"))
+        raw = await _receive(request, settings.max_request_bytes, lease)
+        # Inflating, decoding and storing a big body takes long enough to stall every other request: never on the
+        # event loop, and one big body at a time.
+        return await run_in_threadpool(_decode_and_store, raw, request.headers, settings.max_request_bytes, lease,
+                                       limits.lane(len(raw)), store)
     except BodyError as exc:
         raise HTTPException(exc.status, exc.message) from None
-    try:
-        return await run_in_threadpool(store.ingest, batch)
+    except _Busy:
+        raise HTTPException(503, "the server holds too many ingest bytes at once (setting ingest_inflight_bytes); "
+                                 "retry later", headers={"Retry-After": "1"}) from None
     except StorageUnavailable as exc:
         raise HTTPException(503, f"storage unavailable, batch not stored; retry: {exc.cause_name}",
                             headers={"Retry-After": "1"}) from None
     except QueryError as exc:  # a value the database refuses: sending it again cannot help
         raise HTTPException(exc.status, f"batch not stored: {exc.message}") from None
+    finally:
+        lease.release()
 
 
 @router.post("/ingest/resume", response_model=ResumePoint, responses={503: {"description": "retry later"}},
@@ -92,3 +92,35 @@ def resume_point(store: StoreDep, query: ResumeQuery) -> ResumePoint:
     if run is None:
         return ResumePoint(exists=False)
     return ResumePoint(exists=True, run=run.name, run_uid=run.uid, last_step=run.last_step)
+
+
+def _decode_and_store(raw: bytes, headers, limit: int, lease, lane, store) -> IngestResult:
+    with lane:
+        body = inflate(raw, headers.get("content-encoding"), limit)
+        if body is not raw and not lease.hold(len(raw) + len(body)):
+            raise _Busy
+        batch = parse_batch(body, headers.get("content-type"))
+        del raw, body
+        return store.ingest(batch)
+
+
+async def _receive(request: Request, limit: int, lease) -> bytes:
+    """The raw body, within the per-request limit (413) and the server's ingest byte budget (503)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit():
+        if int(declared) > limit:
+            raise HTTPException(413, f"body of {declared} bytes is larger than the limit of {limit} bytes")
+        if not lease.hold(int(declared)):
+            raise _Busy
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise HTTPException(413, f"body is larger than the limit of {limit} bytes")
+        if len(raw) > lease.held and not lease.hold(len(raw)):
+            raise _Busy
+    return bytes(raw)
+
+
+class _Busy(Exception):
+    """The ingest byte budget is spent by other requests."""

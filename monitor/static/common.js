@@ -31,7 +31,8 @@ window.fp8mon = (function () {
     for (const [key, value] of Object.entries(params)) {
       if (value !== undefined && value !== null) url.searchParams.append(key, value);
     }
-    const headers = { Accept: "application/json" };
+    // X-Fp8mon-Client: the monitor refuses a state-changing request without it (a cross-site form cannot send it).
+    const headers = { Accept: "application/json", "X-Fp8mon-Client": "dashboard" };
     if (token()) headers.Authorization = "Bearer " + token();
     let response;
     try {

@@ -6,6 +6,10 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 
 SQLITE_WAL_AUTOCHECKPOINT_PAGES = 16384  # 64 MiB of 4 KiB pages
+# FULL: each commit's WAL frames are fsynced before ingest acknowledges it, so an acknowledged batch survives a
+# power loss or an OS crash (NORMAL survives a killed process only). `?synchronous=normal` in the URL trades that
+# for ingest speed; docs/operations.md has the measured cost.
+SQLITE_SYNCHRONOUS = ("FULL", "NORMAL")
 
 
 def normalise_url(url: str) -> str:
@@ -21,14 +25,18 @@ def create_db_engine(url: str, *, pool_size: int = 8, writer: bool = True) -> En
     url = normalise_url(url)
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
-        return _sqlite_engine(url, parsed.database, immediate=writer)
+        synchronous = parsed.query.get("synchronous", "full").upper()
+        if synchronous not in SQLITE_SYNCHRONOUS:
+            raise ValueError(f"synchronous={synchronous.lower()} in the database URL: use full or normal")
+        url = parsed.difference_update_query(["synchronous"]).render_as_string(hide_password=False)
+        return _sqlite_engine(url, parsed.database, immediate=writer, synchronous=synchronous)
     if parsed.get_backend_name() == "postgresql":
         return create_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
     raise ValueError(f"unsupported database URL {parsed.render_as_string(hide_password=True)!r}: "
                      "use sqlite:///path.db or postgresql+psycopg://user@host/db")
 
 
-def _sqlite_engine(url: str, database: str | None, *, immediate: bool) -> Engine:
+def _sqlite_engine(url: str, database: str | None, *, immediate: bool, synchronous: str) -> Engine:
     if database and database != ":memory:":
         Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
     engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
@@ -39,8 +47,7 @@ def _sqlite_engine(url: str, database: str | None, *, immediate: bool) -> Engine
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
         cursor.execute("PRAGMA journal_mode=WAL")
-        # NORMAL in WAL mode survives a process kill -9 (only an OS crash can lose the last commits).
-        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute(f"PRAGMA synchronous={synchronous}")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.execute("PRAGMA busy_timeout=30000")
         cursor.execute("PRAGMA cache_size=-65536")

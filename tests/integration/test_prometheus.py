@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from fp8mon.agent.wire import CLIENT_HEADER
 from fp8mon.monitor.localserver import free_port
 from tests.integration.streams import fake_predictor_env, kurtosis_stream
 
@@ -100,7 +101,7 @@ def test_diverging_run_fires_in_prometheus_and_the_monitor(server_factory, prome
     (bad_run, bad), (good_run, good), env, source = streams()
     server = server_factory(**env).start()
     prom = prometheus(f"127.0.0.1:{server.port}")
-    with httpx.Client(base_url=server.url, timeout=30) as c:
+    with httpx.Client(base_url=server.url, timeout=30, headers={CLIENT_HEADER: "tests"}) as c:
         for body in good + bad:
             r = c.post("/api/v1/ingest", json=body)
             assert r.status_code == 200, r.text

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
+from fp8mon.agent.wire import CLIENT_HEADER
 from fp8mon.monitor.app import create_app
 from fp8mon.monitor.fixtures import fixture_paths, load_fixture
 from fp8mon.monitor.migrate import upgrade
@@ -53,7 +54,8 @@ def schema(tmp_path_factory):
     engine.dispose()
     app = create_app(Settings(database_url=url))
     fixture = next(f for f in map(load_fixture, fixture_paths()) if f.outcome == "diverged")
-    with TestClient(app) as client:  # its lifespan (store, pipeline) serves the fuzzer's requests too
+    # its lifespan (store, pipeline) serves the fuzzer's requests too
+    with TestClient(app, headers={CLIENT_HEADER: "tests"}) as client:
         for batch in fixture.batches:
             assert client.post("/api/v1/ingest", json={**batch, "run": RUN}).status_code == 200
         deadline = time.monotonic() + 30
@@ -72,7 +74,8 @@ def test_no_endpoint_answers_with_a_server_error(schema, label, media_type, mode
     def fuzz(case):
         if media_type is not None and mode is GenerationMode.POSITIVE:
             assert isinstance(case.body, dict)  # the body schema resolved: a body is sent
-        case.call_and_validate(checks=[not_a_server_error])
+        # the header the agent sends: without it every state-changing request is refused before its body is read
+        case.call_and_validate(checks=[not_a_server_error], headers={CLIENT_HEADER: "tests"})
 
     fuzz()
 

@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
-from fp8mon.agent.wire import LOG2_HIST_BINS
+from fp8mon.agent.wire import CLIENT_HEADER, LOG2_HIST_BINS
 from fp8mon.monitor.storage import SqlAlchemyStore as Store
 from fp8mon.monitor.storage import StorageUnavailable
 from fp8mon.monitor.storage.ingest import _Job
@@ -41,7 +41,7 @@ def tensor_batch(batch_id, run, rank, steps, layers=LAYERS, stats=("amax", "rms"
 
 def post(client, url, body):
     return client.post(f"{url}/api/v1/ingest", content=msgpack.packb(body),
-                       headers={"content-type": "application/msgpack"})
+                       headers={"content-type": "application/msgpack", CLIENT_HEADER: "tests"})
 
 
 def query(url, sql, **params):

@@ -75,8 +75,9 @@ def test_metrics_follow_ingest_predictions_and_run_lifetimes(app_factory):
         assert time.time() - value(s, "fp8mon_run_last_seen_timestamp_seconds", run="r1") < 60
         assert value(s, "fp8mon_alert_events_total", severity="critical") == 1
 
-        # labels are bounded: run and severity only (le for histogram buckets)
-        assert {k for (_, labels) in s for k, _ in labels} <= {"run", "severity", "le"}
+        # labels are bounded: run and severity only (le for histogram buckets; build info's one series)
+        assert {k for (name, labels) in s for k, _ in labels if name != "fp8mon_build_info"} <= {"run", "severity",
+                                                                                                 "le"}
 
         # at most FP8MON_METRICS_MAX_RUNS=2 runs, the most recently active
         for run in ("r2", "r3"):

@@ -9,13 +9,14 @@ import httpx
 import msgpack
 from sqlalchemy import text
 
+from fp8mon.agent.wire import CLIENT_HEADER
 from fp8mon.monitor.storage import SqlAlchemyStore as Store
 
 API = "/api/v1"
 
 
 def post_batch(client, body, token=None):
-    headers = {"content-type": "application/msgpack"}
+    headers = {"content-type": "application/msgpack", CLIENT_HEADER: "tests"}
     if token:
         headers["authorization"] = f"Bearer {token}"
     r = client.post(f"{API}/ingest", content=msgpack.packb(body), headers=headers)
@@ -204,8 +205,8 @@ def test_openapi_describes_the_queries(client, database_url):
 
 
 def test_the_server_compacts_in_the_background(server_factory):
-    # two worker processes: two compactors racing on the same runs
-    server = server_factory(FP8MON_ROLLUP_INTERVAL_S="0.1", FP8MON_WORKERS="2").start()
+    # two worker processes (predictions off, as --workers 2 needs): two compactors racing on the same runs
+    server = server_factory(FP8MON_ROLLUP_INTERVAL_S="0.1", FP8MON_WORKERS="2", FP8MON_PREDICTOR="").start()
     with httpx.Client(base_url=server.url, timeout=30) as client:
         _compacts_in_the_background(client, server.database_url)
 

@@ -16,6 +16,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 
+from fp8mon.agent.wire import CLIENT_HEADER
 from fp8mon.monitor.fixtures import FIXTURE_DIR, load_fixture
 
 try:
@@ -54,7 +55,7 @@ def run_api(server, suffix: str = "", **params):
 
 
 def post(server, some_batches, token: str | None = None) -> None:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    headers = {"Authorization": f"Bearer {token}"} if token else {CLIENT_HEADER: "tests"}
     with httpx.Client(base_url=server.url, headers=headers, timeout=30) as client:
         for batch in some_batches:
             client.post("/api/v1/ingest", json=batch).raise_for_status()
