@@ -4,6 +4,7 @@ not ready, /metrics has build and process metrics, SQLite fsyncs each acknowledg
 (docker-compose.yml, Dockerfile, LICENSE) are safe by default."""
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -37,7 +38,10 @@ def uvicorn_calls(monkeypatch, tmp_path):
     calls: list[dict] = []
     monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: calls.append(kwargs))
     monkeypatch.setenv("FP8MON_DATABASE_URL", url)
-    return calls
+    before = dict(os.environ)
+    yield calls
+    os.environ.clear()  # `fp8mon serve` exports its settings for uvicorn's workers: none may reach later tests
+    os.environ.update(before)
 
 
 def test_serving_beyond_loopback_without_tokens_needs_allow_open_and_warns(uvicorn_calls, capsys, monkeypatch):
