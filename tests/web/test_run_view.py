@@ -10,7 +10,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from fp8mon.agent.wire import LOG2_HIST_BINS, LOG2_HIST_LO
+from fp8mon.agent.wire import CLIENT_HEADER, LOG2_HIST_BINS, LOG2_HIST_LO
 from fp8mon.monitor.localserver import ServerProcess
 
 try:
@@ -29,7 +29,8 @@ KILLED = "team/killed"
 
 
 def post(server, body: dict) -> None:
-    httpx.post(f"{server.url}/api/v1/ingest", json={"version": 1, **body}, timeout=30).raise_for_status()
+    httpx.post(f"{server.url}/api/v1/ingest", json={"version": 1, **body}, headers={CLIENT_HEADER: "tests"},
+               timeout=30).raise_for_status()
 
 
 def hist(peak: int) -> list[int]:
