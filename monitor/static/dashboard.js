@@ -7,9 +7,7 @@
   const RUN_LIMIT_MAX = 1000; // the API's page limit
   const SERIES_POINTS = 1500;
   const HEATMAP_COLUMNS = 600;
-  const ALERT_LIMIT = 500;
   const SEVERITY_COLOURS = { info: "#2f6fdb", warning: "#e08a00", critical: "#d93025" };
-  const SEVERITY_RANK = { info: 1, warning: 2, critical: 3 };
   const PREFERRED_STATS = ["kurtosis", "amax", "underflow_frac", "overflow_frac", "rms", "outlier_frac", "crest",
     "nonfinite", "scale"];
   // Statistics spanning decades (kurtosis 3 -> 1000s): a log colour scale keeps the healthy layers readable.
@@ -155,6 +153,7 @@
     const item = el("li", { cls: "run-item" + severity + selected, title, data: { run: run.name } },
       [el("div", { cls: "run-name", text: run.name }), health]);
     item.addEventListener("click", () => selectRun(run.name));
+    window.fp8monCompare.decorate(item, run); // the tick box that picks it for comparison
     return item;
   }
 
@@ -216,8 +215,8 @@
     for (const item of document.querySelectorAll(".run-item")) {
       item.classList.toggle("selected", item.dataset.run === name);
     }
-    ["loss-chart", "grad-norm-chart", "heatmap-chart", "alert-chart"].forEach(blankChart);
-    $("alert-table").hidden = true;
+    ["loss-chart", "grad-norm-chart", "heatmap-chart"].forEach(blankChart);
+    window.fp8monAlerts.reset();
     $("prediction").replaceChildren();
     showMessage("run-empty", "Loading " + name + " …");
     refreshRun();
@@ -239,7 +238,7 @@
       if (current()) showRunError(name, err);
       return;
     }
-    const alerts = await loadRunAlerts(name, generation);
+    const alerts = await window.fp8monAlerts.load(name, () => generation === state.generation);
     await Promise.all([
       drawScalar(name, generation, "loss", "loss-chart", "loss-message", alerts),
       drawScalar(name, generation, "grad_norm", "grad-norm-chart", "grad-norm-message", alerts),
@@ -287,7 +286,7 @@
     }
     showMessage(messageId, series.downsampled ? `${series.bucket_width} steps per point: the band is each `
       + "bucket's min–max, the line its mean." : "");
-    const traces = [...seriesTraces(series, scalar), ...alertMarkerTraces(alerts)];
+    const traces = [...seriesTraces(series, scalar), ...window.fp8monAlerts.markerTraces(alerts)];
     drawChart(chartId, traces, scalarLayout(name, scalar, alerts));
   }
 
@@ -315,38 +314,8 @@
     return traces;
   }
 
-  function firedGroups(alerts) {
-    // One marker per fired step, coloured by its worst alert: dozens of layer alerts often fire together.
-    const groups = new Map();
-    for (const alert of alerts) {
-      if (alert.fired_step === null) continue;
-      const group = groups.get(alert.fired_step) || { step: alert.fired_step, severity: "info", lines: [] };
-      if (SEVERITY_RANK[alert.severity] > SEVERITY_RANK[group.severity]) group.severity = alert.severity;
-      const escalated = alert.escalated_step === null ? "" : ` (from step ${alert.escalated_step})`;
-      group.lines.push(`${alert.severity}${escalated}: ${alert.message}`);
-      groups.set(alert.fired_step, group);
-    }
-    return [...groups.values()].sort((a, b) => a.step - b.step);
-  }
-
-  function alertMarkerTraces(alerts) {
-    const groups = firedGroups(alerts);
-    if (!groups.length) return [];
-    return [{
-      type: "scatter", mode: "markers", name: "alerts fired", x: groups.map((g) => g.step),
-      y: groups.map(() => 1), yaxis: "y2", cliponaxis: false,
-      marker: { symbol: "triangle-down", size: 11, color: groups.map((g) => SEVERITY_COLOURS[g.severity]) },
-      text: groups.map((g) => `step ${g.step}<br>` + g.lines.slice(0, 8).join("<br>")
-        + (g.lines.length > 8 ? `<br>… ${g.lines.length - 8} more` : "")),
-      hoverinfo: "text",
-    }];
-  }
-
   function scalarLayout(name, scalar, alerts) {
-    const shapes = firedGroups(alerts).map((g) => ({
-      type: "line", xref: "x", yref: "paper", x0: g.step, x1: g.step, y0: 0, y1: 1,
-      line: { color: SEVERITY_COLOURS[g.severity], width: 1, dash: "dot" },
-    }));
+    const shapes = window.fp8monAlerts.markerShapes(alerts);
     return {
       uirevision: name, // the user's zoom survives live updates, and resets on another run
       margin: { l: 56, r: 16, t: 10, b: 40 },
@@ -517,106 +486,6 @@
     $("heatmap-log").addEventListener("change", redraw);
   }
 
-  // ---- alerts ------------------------------------------------------------------------------------------------
-
-  async function loadRunAlerts(name, generation) {
-    let body;
-    try {
-      body = await api(`/runs/${runPath(name)}/alerts`, { params: { limit: ALERT_LIMIT } });
-    } catch (err) {
-      if (generation === state.generation) showMessage("alert-message", errorMessage(err), true);
-      return [];
-    }
-    if (generation !== state.generation) return [];
-    const more = body.total > body.alerts.length ? ` (the ${body.alerts.length} most recent of ${body.total})` : "";
-    showMessage("alert-message", body.alerts.length ? more : "No alerts for this run.");
-    drawAlertTimeline(name, body.alerts);
-    renderAlertTable(body.alerts);
-    return body.alerts;
-  }
-
-  function alertLabel(alert) {
-    const where = alert.layer ? ` · ${alert.layer}${alert.site ? " " + alert.site : ""}` : "";
-    return alert.rule + where;
-  }
-
-  function alertEnd(alert) {
-    return alert.resolved_step ?? alert.last_step ?? alert.first_step;
-  }
-
-  function drawAlertTimeline(name, alerts) {
-    const timed = alerts.filter((a) => a.first_step !== null);
-    if (!timed.length) {
-      blankChart("alert-chart");
-      return;
-    }
-    const traces = ["critical", "warning", "info"].map((severity) => {
-      const mine = timed.filter((a) => a.severity === severity);
-      return {
-        type: "bar", orientation: "h", name: severity, y: mine.map(alertLabel),
-        base: mine.map((a) => a.first_step), x: mine.map((a) => Math.max(1, alertEnd(a) - a.first_step)),
-        marker: { color: SEVERITY_COLOURS[severity], opacity: mine.map((a) => (a.state === "resolved" ? 0.35 : 0.9)),
-          pattern: { shape: mine.map((a) => (a.state === "pending" ? "/" : "")) } },
-        text: mine.map((a) => `${a.state}: ${a.message}`), hoverinfo: "text", textposition: "none",
-      };
-    }).filter((t) => t.y.length);
-    const rows = new Set(timed.map(alertLabel)).size;
-    const height = Math.min(600, 80 + 20 * rows);
-    $("alert-chart").style.height = height + "px"; // one row per alert identity: grow the box with them
-    drawChart("alert-chart", traces, {
-      uirevision: name, barmode: "overlay", height,
-      margin: { l: 10, r: 10, t: 10, b: 36 },
-      xaxis: { title: { text: "step" } },
-      yaxis: { automargin: true, autorange: "reversed", type: "category" },
-      legend: { orientation: "h", x: 0, y: 1.1 },
-    });
-  }
-
-  function renderAlertTable(alerts) {
-    const table = $("alert-table");
-    table.hidden = !alerts.length;
-    table.tBodies[0].replaceChildren(...alerts.map(alertRow));
-  }
-
-  function alertRow(alert) {
-    const where = alert.layer ? `${alert.layer}${alert.site ? " / " + alert.site : ""}` : "model";
-    const cells = [
-      el("td", { text: alert.rule }),
-      el("td", { text: where }),
-      el("td", {}, [el("span", { cls: "badge sev-" + alert.severity, text: alert.severity })]),
-      el("td", { cls: "state", text: alert.state }),
-      el("td", { cls: "num", text: fmt(alert.first_step) }),
-      el("td", { cls: "num", text: fmt(alert.fired_step) }),
-      el("td", { cls: "num", text: fmt(alert.escalated_step) }),
-      el("td", { cls: "num", text: fmt(alertEnd(alert)) }),
-      el("td", { cls: "alert-text", text: alert.message }),
-      el("td", {}, [ackButton(alert)]),
-    ];
-    return el("tr", { cls: "state-" + alert.state, data: { alertId: alert.id } }, cells);
-  }
-
-  function ackButton(alert) {
-    const button = el("button", { cls: "ack", text: alert.acknowledged_at ? "acknowledged" : "Acknowledge",
-      title: alert.acknowledged_at ? "acknowledged at " + alert.acknowledged_at : "" });
-    button.type = "button";
-    button.disabled = Boolean(alert.acknowledged_at);
-    button.addEventListener("click", () => acknowledge(alert, button));
-    return button;
-  }
-
-  async function acknowledge(alert, button) {
-    button.disabled = true;
-    try {
-      const acked = await api(`/alerts/${alert.id}/ack`, { method: "POST" });
-      button.textContent = "acknowledged";
-      button.title = "acknowledged at " + acked.acknowledged_at;
-    } catch (err) {
-      button.disabled = false;
-      const why = err instanceof ApiError && err.status === 403 ? " (acknowledging needs a write token)" : "";
-      showMessage("alert-message", "Could not acknowledge alert " + alert.id + ": " + errorMessage(err) + why, true);
-    }
-  }
-
   // ---- prediction --------------------------------------------------------------------------------------------
 
   async function drawPrediction(name, generation) {
@@ -735,6 +604,9 @@
     bindRefreshControls();
     bindHeatmapControls();
     bindRunListControls(params);
+    // an acknowledgement changes the run list's firing counts; the severity filter changes the chart markers
+    document.addEventListener("fp8mon:alerts-changed", () => refreshRuns());
+    document.addEventListener("fp8mon:alert-filter", () => refreshRun());
     if (!hasPlotly()) showBanner("plotly.js did not load from /static/plotly.min.js: charts are off, tables work.");
     if (params.get("run")) {
       state.selected = params.get("run");

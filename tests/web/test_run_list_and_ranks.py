@@ -25,27 +25,6 @@ WAIT_MS = 15_000
 LAYERS = [f"blocks.{i}.mlp" for i in range(4)]
 
 
-@pytest.fixture(scope="module")
-def browser():
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=str(CHROMIUM),
-            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
-        yield browser
-        browser.close()
-
-
-@pytest.fixture
-def page(browser):
-    context = browser.new_context(viewport={"width": 1400, "height": 900})
-    context.set_default_timeout(WAIT_MS)
-    page = context.new_page()
-    page.errors = []
-    page.on("pageerror", lambda exc: page.errors.append(str(exc)))
-    yield page
-    context.close()
-
-
 def test_search_and_sort_by_severity_reach_every_one_of_1000_runs(store, live_server, page):
     fleet = make_fleet(store, n=1000)
     page.goto(live_server.url + "/")
