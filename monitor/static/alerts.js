@@ -237,10 +237,10 @@ window.fp8monAlerts = (function () {
     return button;
   }
 
-  async function change(button, path, params = {}) {
+  async function change(button, path) {
     button.disabled = true;
     try {
-      await api(path, { method: "POST", params });
+      await api(path, { method: "POST" });
     } catch (err) {
       button.disabled = false;
       const why = err instanceof ApiError && err.status === 403 ? " (this needs a write token)" : "";
@@ -254,8 +254,11 @@ window.fp8monAlerts = (function () {
 
   function acknowledgeAll() {
     if (!view.run) return;
-    const severity = SEVERITIES.filter((s) => RANK[s] >= (RANK[floor()] || 1));
-    change($("alert-ack-all"), `/runs/${runPath(view.run)}/alerts/ack`, { severity });
+    const query = new URLSearchParams(); // one severity= per severity (api() sends a list as one value)
+    for (const severity of SEVERITIES.filter((s) => RANK[s] >= (RANK[floor()] || 1))) {
+      query.append("severity", severity);
+    }
+    change($("alert-ack-all"), `/runs/${runPath(view.run)}/alerts/ack?${query}`);
   }
 
   // ---- the timeline: one row per rule ----------------------------------------------------------------------

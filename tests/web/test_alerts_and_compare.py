@@ -17,8 +17,10 @@ try:
     from playwright.sync_api import expect
 except ImportError:  # pragma: no cover - the browser fixture skips the module
     expect = None
+else:
+    expect.set_options(timeout=15_000)
 
-RUN = "big/alerts"
+RUN = "team/noisy"  # a name with "/": every URL the page builds encodes it
 RULES = ["kurtosis_jump", "underflow_rise", "overflow", "amax_growth", "scale_drift", "loss_spike",
          "grad_spike", "nonfinite"]
 INFO_RULES = {"scale_drift", "grad_spike"}  # only info alerts: hidden by the default filter
