@@ -144,14 +144,14 @@ def test_run_list_health_then_loss_and_grad_norm_with_alert_markers_then_acknowl
     expect(item.locator(".run-firing")).to_have_text(f"{len(firing)} firing")
     expect(item).to_have_class(re.compile(f"sev-{worst(firing)}"))
 
-    tab.page.select_option("#alert-severity", "info")  # every alert, info ones too (the default: warning and up)
     item.click()
     expect(tab.page).to_have_url(re.compile(r"\?run=team%2Ffog-fp8%2Framp$"))
     expect(tab.page.locator("#run-title")).to_have_text(RUN)
+    tab.page.select_option("#alert-severity", "info")  # every alert, info ones too (the default: warning and up)
     fired_steps = sorted({a[key] for a in alerts for key in ("fired_step", "escalated_step") if a[key] is not None})
     for chart, scalar in (("loss-chart", "loss"), ("grad-norm-chart", "grad_norm")):
         tab.wait_for_trace(chart, "t.name === arg", scalar)
-        tab.wait_for_trace(chart, "t.name === 'alerts fired'")
+        tab.wait_for_trace(chart, "t.name === 'alerts fired' && t.x.length === arg", len(fired_steps))
         drawn = tab.chart(chart)
         line = next(t for t in drawn["data"] if t["name"] == scalar)
         assert line["x"][0] == 0 and line["x"][-1] == last_step_of(batches()[:FIRST_PART])
