@@ -553,10 +553,9 @@
     state.ticking = true;
     let status = "update failed at ";
     try {
-      if (await refreshRuns()) {
-        await refreshRun();
-        status = "updated ";
-      }
+      // the run list and the selected run at once: a first render waits for one round trip less
+      const [listed] = await Promise.all([refreshRuns(), refreshRun()]);
+      if (listed) status = "updated ";
     } catch (err) {
       showBanner(errorMessage(err)); // the draw functions handle API errors; this is a last resort
     } finally {
