@@ -23,19 +23,24 @@ window.fp8monAlerts = (function () {
     return alert.resolved_step ?? alert.last_step ?? alert.first_step;
   }
 
+  function lower(severity) {
+    return SEVERITIES[Math.max(0, RANK[severity] - 2)];
+  }
+
+  function escalations(alert) {
+    // Every rise of severity after firing, [{step, severity, from}] in step order. A server that keeps only the
+    // last rise (escalated_step) gives one, from one level below (the level it rose from is not known then).
+    if (Array.isArray(alert.escalations) && alert.escalations.length) return alert.escalations;
+    if (alert.escalated_step === null || alert.escalated_step === undefined) return [];
+    return [{ step: alert.escalated_step, severity: alert.severity, from: null }];
+  }
+
   function severityAt(alert, step) {
-    // The severity the alert had at `step`: from its escalation history where the server sends one, else
-    // one level below its severity before the step it escalated at.
-    const history = alert.severity_history;
-    if (Array.isArray(history) && history.length) {
-      let severity = history[0].severity;
-      for (const entry of history) if (entry.step <= step) severity = entry.severity;
-      return severity;
-    }
-    if (alert.escalated_step !== null && alert.escalated_step !== undefined && step < alert.escalated_step) {
-      return SEVERITIES[Math.max(0, RANK[alert.severity] - 2)];
-    }
-    return alert.severity;
+    const rises = escalations(alert);
+    if (!rises.length) return alert.severity;
+    let severity = rises[0].from || lower(rises[0].severity);
+    for (const rise of rises) if (rise.step <= step) severity = rise.severity;
+    return severity;
   }
 
   function floor() {
@@ -68,9 +73,8 @@ window.fp8monAlerts = (function () {
         const severity = severityAt(alert, alert.fired_step);
         add(alert.fired_step, severity, `${severity} fired: ${alert.message}`);
       }
-      if (alert.escalated_step !== null && alert.escalated_step !== undefined) {
-        const severity = severityAt(alert, alert.escalated_step);
-        add(alert.escalated_step, severity, `escalated to ${severity}: ${alert.message}`);
+      for (const rise of escalations(alert)) {
+        add(rise.step, rise.severity, `escalated to ${rise.severity}: ${alert.message}`);
       }
     }
     return [...groups.values()].sort((a, b) => a.step - b.step);
@@ -213,11 +217,11 @@ window.fp8monAlerts = (function () {
   }
 
   function alertRow(alert) {
-    const severity = alert.escalated_step === null || alert.escalated_step === undefined ? alert.severity
-      : `${severityAt(alert, alert.fired_step ?? alert.escalated_step - 1)} → ${alert.severity}`;
+    const rises = escalations(alert);
+    const severity = rises.length ? [severityAt(alert, rises[0].step - 1), ...rises.map((r) => r.severity)]
+      .join(" → ") : alert.severity;
     const steps = `first ${stepText(alert.first_step)} · fired ${stepText(alert.fired_step)}`
-      + (alert.escalated_step !== null && alert.escalated_step !== undefined
-        ? ` · escalated ${stepText(alert.escalated_step)}` : "") + ` · last ${stepText(alertEnd(alert))}`;
+      + rises.map((r) => ` · escalated ${stepText(r.step)}`).join("") + ` · last ${stepText(alertEnd(alert))}`;
     return el("tr", { cls: "alert-detail state-" + alert.state, data: { alertId: alert.id } }, [
       el("td", { cls: "alert-where", text: where(alert) }),
       el("td", {}, [el("span", { cls: "badge sev-" + alert.severity, text: severity })]),

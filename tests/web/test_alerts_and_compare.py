@@ -84,6 +84,12 @@ def test_alerts_panel_reads_at_500_alerts_and_acknowledging_changes_the_counts(s
     colour = dict(zip(markers["x"], markers["marker"]["color"]))
     assert (colour[9432], colour[120_350]) == (WARNING, CRITICAL)
 
+    # with the server's escalation history (every rise, from what): each step gets the severity of its time
+    at = page.evaluate("""() => [5, 10, 15, 20, 25].map(step => window.fp8monAlerts.severityAt({severity: 'critical',
+        escalated_step: 20, escalations: [{step: 10, severity: 'warning', from: 'info'},
+                                          {step: 20, severity: 'critical', from: 'warning'}]}, step))""")
+    assert at == ["info", "warning", "warning", "critical", "critical"]
+
     groups.first.locator(".alert-toggle").click()
     escalated = page.locator("#alert-table tr.alert-detail").first
     expect(escalated).to_contain_text("fired 9432")
