@@ -1,7 +1,7 @@
 """The alerts panel at 500 alerts and the comparison views, in a real headless Chromium (tests/web/conftest.py)
 against a real server; data written through the store.
 
-Alerts: one row per rule (warning and above by default), exact steps, a timeline with one row per rule, chart
+Alerts: polling an idle run gets 304s only; one row per rule (warning and above by default), exact steps, a timeline with one row per rule, chart
 markers coloured by the severity an alert had at that step, acknowledge / un-acknowledge / acknowledge all
 changing the run list's firing count. Compare: two ticked runs overlaid, their difference heatmap, the parity
 view's loss gap; every run paired by precision from the run list."""
@@ -63,10 +63,26 @@ def _firing(alerts, floor=("info", "warning", "critical")) -> int:
 
 def test_alerts_panel_reads_at_500_alerts_and_acknowledging_changes_the_counts(store, live_server, page):
     alerts = _write_alerts(store)
-    page.goto(f"{live_server.url}/?run={RUN.replace('/', '%2F')}")
+    page.goto(f"{live_server.url}/?run={RUN.replace('/', '%2F')}&refresh=1")
     shown_rules = [r for r in RULES if r not in INFO_RULES]
     groups = page.locator("#alert-table tr.alert-group")
     expect(groups).to_have_count(len(shown_rules))
+
+    # polling an idle run: every answer is a bodyless 304 (the browser revalidates its copy by ETag)
+    expect(page.locator("#refresh-status")).to_contain_text("updated")
+    urls, wire = {}, {}  # the status on the wire (fetch() itself reads the cached 200) and the bytes received
+    cdp = page.context.new_cdp_session(page)
+    cdp.on("Network.requestWillBeSent", lambda e: urls.setdefault(e["requestId"], e["request"]["url"]))
+    cdp.on("Network.responseReceivedExtraInfo", lambda e: wire.setdefault(e["requestId"], [e["statusCode"], 0]))
+    cdp.on("Network.loadingFinished", lambda e: e["requestId"] in wire and wire[e["requestId"]].__setitem__(
+        1, e["encodedDataLength"]))
+    cdp.send("Network.enable")
+    page.wait_for_timeout(3000)
+    cdp.send("Network.disable")
+    page.select_option("#refresh-interval", "60")
+    answers = [wire[i] for i, url in urls.items() if "/api/v1/" in url and "grad_norm" not in url and i in wire]
+    assert len(answers) >= 6 and {status for status, _ in answers} == {304}, answers  # (no grad_norm: 404s)
+    assert max(size for _, size in answers) < 1000
     expect(groups.first).to_have_attribute("data-rule", "kurtosis_jump")  # the worst first
     expect(groups.first.locator("td.num").first).to_have_text("9432")  # exact, not 9.43e+3 or 9430
     expect(page.locator("#alert-message")).to_contain_text("below warning hidden")
