@@ -72,6 +72,7 @@ def import_into_server(url: str, paths: Iterable[Path], *, token: str | None = N
                        progress: Callable[[Imported], object] = lambda _: None) -> list[Imported]:
     """Post every batch of the fixtures to a running monitor's /api/v1/ingest (its pipeline assesses them)."""
     import httpx
+    import msgpack
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     done = []
@@ -80,7 +81,8 @@ def import_into_server(url: str, paths: Iterable[Path], *, token: str | None = N
             fixture = load_fixture(path)
             duplicates = 0
             for batch in fixture.batches:
-                response = client.post("/api/v1/ingest", json=batch)
+                response = client.post("/api/v1/ingest", content=msgpack.packb(batch),  # NaN losses: not JSON
+                                       headers={"Content-Type": "application/msgpack"})
                 response.raise_for_status()
                 duplicates += bool(response.json().get("duplicate"))
             if fixture.diverged:

@@ -1,6 +1,8 @@
 """`fp8mon import`: the labelled runs land in a database with their configs, predictions and alerts, and runs
 labelled diverged get that status; importing again adds nothing."""
 
+import httpx
+
 from fp8mon.cli import main
 from fp8mon.monitor.fixtures import FIXTURE_DIR, load_fixture
 from fp8mon.monitor.storage import SqlAlchemyStore
@@ -33,3 +35,12 @@ def test_import_stores_the_labelled_runs_with_predictions_and_is_idempotent(tmp_
 def test_import_says_when_nothing_matches(tmp_path, capsys):
     assert main(["import", "--database-url", f"sqlite:///{tmp_path / 'x.db'}", "--match", "no-such-run"]) == 1
     assert "no fixture" in capsys.readouterr().err
+
+
+def test_import_into_a_running_server_posts_the_batches(live_server, capsys):
+    one = "cpu-llama-fp8-frozen-s11-div"
+    assert main(["import", "--url", live_server.url, "--match", one]) == 0
+    assert f"open {live_server.url}/" in capsys.readouterr().out
+    run = httpx.get(f"{live_server.url}/api/v1/runs/{one}").json()
+    fixture = load_fixture(FIXTURE_DIR / f"{one}.json.gz")
+    assert (run["status"], run["last_step"]) == ("diverged", fixture.last_step())
