@@ -145,10 +145,12 @@ window.fp8monAlerts = (function () {
   function groupAlerts(alerts) {
     const groups = new Map();
     for (const alert of alerts) {
-      const group = groups.get(alert.rule) || { rule: alert.rule, alerts: [], severity: "info", first: null,
-        last: null, states: {} };
+      const group = groups.get(alert.rule) || { rule: alert.rule, alerts: [], severity: "info", live: null,
+        first: null, last: null, states: {} };
       group.alerts.push(alert);
       if (RANK[alert.severity] > RANK[group.severity]) group.severity = alert.severity;
+      const live = alert.state !== "resolved" && !alert.acknowledged_at;
+      if (live && (group.live === null || RANK[alert.severity] > RANK[group.live])) group.live = alert.severity;
       if (alert.first_step !== null && (group.first === null || alert.first_step < group.first)) {
         group.first = alert.first_step;
       }
@@ -161,9 +163,10 @@ window.fp8monAlerts = (function () {
     return [...groups.values()];
   }
 
+  // Worst first: what is firing or pending and not acknowledged ranks by its own severity, before what is over.
   const SORTS = {
-    severity: (a, b) => RANK[b.severity] - RANK[a.severity] || activeCount(b) - activeCount(a)
-      || (a.first ?? Infinity) - (b.first ?? Infinity),
+    severity: (a, b) => (RANK[b.live] || 0) - (RANK[a.live] || 0) || activeCount(b) - activeCount(a)
+      || RANK[b.severity] - RANK[a.severity] || (a.first ?? Infinity) - (b.first ?? Infinity),
     first: (a, b) => (a.first ?? Infinity) - (b.first ?? Infinity),
     recent: (a, b) => (b.last ?? -Infinity) - (a.last ?? -Infinity),
     count: (a, b) => b.alerts.length - a.alerts.length,
@@ -171,7 +174,7 @@ window.fp8monAlerts = (function () {
   };
 
   function activeCount(group) {
-    return (group.states.firing || 0) + (group.states.pending || 0);
+    return group.alerts.filter((a) => a.state !== "resolved" && !a.acknowledged_at).length;
   }
 
   function renderGroups(alerts) {
@@ -206,9 +209,11 @@ window.fp8monAlerts = (function () {
       else view.open.add(group.rule);
       render();
     });
-    return el("tr", { cls: "alert-group sev-" + group.severity, data: { rule: group.rule } }, [
+    const severity = group.live || group.severity; // a rule whose alerts are all over shows its worst, dimmed
+    const title = group.live ? "the worst of its live alerts" : "none live: the worst it reached";
+    return el("tr", { cls: "alert-group sev-" + severity + (group.live ? "" : " over"), data: { rule: group.rule } }, [
       el("td", {}, [toggle]),
-      el("td", {}, [el("span", { cls: "badge sev-" + group.severity, text: group.severity })]),
+      el("td", {}, [el("span", { cls: "badge sev-" + severity, text: severity, title })]),
       el("td", { cls: "alert-states", text: states }),
       el("td", { cls: "alert-layers", text: listed, title: layers.join("\n") }),
       el("td", { cls: "num", text: stepText(group.first) }),
