@@ -1,16 +1,16 @@
 """Hooked tensors waiting for one shared statistics launch (``PendingRows``).
 
 In an eager model every launch costs host time (a Triton launch, its table's copy): a step of a 12-layer GPT-2 with
-one launch per layer's forward and one per its backward is host-bound. The hooks' tensors whose rows need nothing
-decided at the time (no scale given, no amax history read back) therefore wait here and go out together, in one
-launch per ``MAX_ITEMS`` tensors.
+one launch per layer's forward and one per its backward is host-bound. The hooks' tensors whose rows need no amax
+history read back (delayed scaling's) therefore wait here and go out together, in one launch per ``MAX_ITEMS``
+tensors; a row with a scale (a layer's own FP8 cast, torchao's) waits with its scale tensor.
 
 A waiting tensor must not change before its launch. Forward inputs cannot (autograd saved them), weights and
 gradients can only after the backward pass, so everything waiting is launched at the latest at the end of each
 backward pass and before any optimizer step (a global pre-hook), besides the step's end. A layer output can be
-changed in place by the model (an in-place activation): each tensor's version is checked at the launch; a changed one
-loses that step's row (counted as an agent error, with the reason) and its (layer, site) is launched at once from then
-on.
+changed in place by the model (an in-place activation): each tensor's version (and its scale's) is checked at the
+launch; a changed one loses that step's row (counted as an agent error, with the reason) and its (layer, site) is
+launched at once from then on.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class PendingRows:
             items = [it if it[7] == "weight" else (it[0], it[1].detach().clone(), *it[2:]) for it in items]
         with self._lock:
             self._items.extend(items)
-            self._versions.extend(it[1]._version for it in items)
+            self._versions.extend(_versions(it) for it in items)
             self._bytes += sum(it[1].numel() * it[1].element_size() for it in items)
             full = len(self._items) >= MAX_ITEMS or self._bytes >= MAX_BYTES
             queue = not full and not self._callback_queued and torch._C._current_graph_task_id() != -1
@@ -85,12 +85,12 @@ class PendingRows:
             return
         fresh = []
         for item, version in zip(items, versions):
-            if item[1]._version == version:
+            if _versions(item) == version:
                 fresh.append(item)
                 continue
             self.immediate.add(item[0])
             self._error(f"hook {item[7]}", RuntimeError(
-                f"the {item[7]} tensor was changed in place before its statistics were read (an in-place op after "
+                f"the {item[7]} tensor (or its scale) was changed in place before its statistics were read (an in-place op after "
                 "the layer?); this step's row is lost, later steps read it right after the layer"))
         if fresh:
             self._launch(fresh)
@@ -125,3 +125,9 @@ def _optimizer_pre_hook(pending: PendingRows) -> Callable[[], None]:
 
     handle = register_optimizer_step_pre_hook(hook)
     return handle.remove
+
+
+def _versions(item: tuple) -> tuple[int, int | None]:
+    """The version counters of an item's tensor and of its scale (a tensor, or a number that cannot change)."""
+    scale = item[3]
+    return item[1]._version, (scale._version if isinstance(scale, torch.Tensor) else None)

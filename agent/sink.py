@@ -195,7 +195,7 @@ class HookSink:
     def _launch_waiting(self, todo) -> None:
         """The items that waited for a shared launch (``batching.PendingRows``)."""
         try:
-            self._launch_triton(todo, True)
+            self._launch_triton(todo, _merged_later(todo))
             return
         except Exception as exc:
             if not self._fall_back(todo, exc):
@@ -248,13 +248,12 @@ class HookSink:
             return pack.rows, merge, self.centers
 
     def _observe_triton(self, todo) -> None:
-        # rows no scale decides and no history reads now wait for a launch shared with others (batching), and are
-        # merged by the launch that ends the step (launch_pending): no launch ends in its last program's merge
-        later = all(t[3] is None and t[4] is None and not t[5] for t in todo)
-        if later and all(self.waiting.can_wait(t[0], t[1]) for t in todo):
+        # rows no history reads now (delayed scaling's) wait for a launch shared with others (batching), with their
+        # scale if they have one (a layer's own cast: a fresh tensor)
+        if all(t[4] is None and not t[5] for t in todo) and all(self.waiting.can_wait(t[0], t[1]) for t in todo):
             self.waiting.add(todo)
             return
-        self._launch_triton(todo, later)
+        self._launch_triton(todo, _merged_later(todo))
 
     def _launch_triton(self, todo, later: bool) -> None:
         agent = self.agent
@@ -346,3 +345,9 @@ class HookSink:
         n, mean, m2 = rows[:, ds.N], rows[:, ds.MEAN], rows[:, ds.M2]
         sq = torch.where(n > 0, n * mean * mean + m2, 0.0).sum()
         return torch.where((rows[:, ds.NONFINITE] > 0).any(), float("nan"), sq), covered
+
+
+def _merged_later(todo) -> bool:
+    """Whether the rows of ``todo`` can be merged by the launch that ends the step (``launch_pending``) rather than by
+    their launch's last program: rows with no scale (the later merge knows none)."""
+    return all(t[3] is None and t[4] is None for t in todo)

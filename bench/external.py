@@ -370,6 +370,10 @@ def measure(setup: Setup, args, device: torch.device, deadline: float) -> list[d
         live = [r for r in runners if r.error is None]
         settle(live, clock)
         rounds_run = run_rounds(live, args, clock, deadline)
+        if args.profile:
+            for runner in live:
+                if runner.agent is not None:
+                    profile_report(runner, setup.key(), Path(args.profile))
         return [summary(r, rounds_run) for r in runners]
     finally:
         for r in runners:
@@ -377,6 +381,46 @@ def measure(setup: Setup, args, device: torch.device, deadline: float) -> list[d
                 r.close()
         runners.clear()
         free(device, reset_dynamo=setup.compile)
+
+
+def profile_report(runner, key: str, folder: Path) -> None:
+    """A reporting step of an agent's copy under torch.profiler (the host's top ops and a Chrome trace), the same
+    under cProfile (the host's Python), and a step that does not report under torch.profiler."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = f"{key.replace('/', '_')}_{runner.name.replace('@', '_every')}"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    report = []
+    steps = [("report", 0)] + ([("quiet", 1)] if runner.every > 1 else [])
+    for what, offset in steps:
+        runner.align()
+        for _ in range(offset):
+            runner.step()
+        sync()
+        with profile(activities=activities) as prof:
+            runner.step()
+            sync()
+        prof.export_chrome_trace(str(folder / f"{stem}_{what}.json.gz"))
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+        report.append(f"== {what} step under torch.profiler\n{table}")
+    runner.align()
+    sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    runner.step()
+    sync()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+    report.append(f"== report step under cProfile\n{text.getvalue()}")
+    (folder / f"{stem}.txt").write_text("\n".join(report))
+    print(f"  profiled {runner.name} ({key}): {folder / stem}.txt", flush=True)
 
 
 def settle(live: list, clock) -> None:
@@ -550,6 +594,8 @@ def parse(argv=None):
     p.add_argument("--budget-s", type=float, default=540.0)
     p.add_argument("--explain-recompiles", action="store_true",
                    help="log why Dynamo recompiles (torch._logging recompiles): for a copy that compiles while timed")
+    p.add_argument("--profile", metavar="DIR",
+                   help="after the rounds, profile one reporting step of each agent copy: top host ops, Chrome trace")
     p.add_argument("--no-record", dest="record", action="store_false",
                    help="do not append the figures to bench/results/external.csv")
     args = p.parse_args(argv)

@@ -8,13 +8,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fp8mon.monitor.wire import JsonConfig, RunStatus, TagKey, TagValue
 
+RunState = Literal["running", "stalled", "finished", "failed", "diverged"]  # storage.run_status.RUN_STATES
+
 
 class RunOut(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
     id: int
     name: str
-    status: RunStatus
+    status: RunState = Field(description="as the user should read it: the reported status, except that a running "
+                                         "run whose loss met the divergence rule is diverged and one silent for "
+                                         "several of its usual reporting intervals is stalled")
     config: dict
     tags: dict
     created_at: datetime
@@ -23,6 +27,9 @@ class RunOut(BaseModel):
     last_seen_at: datetime | None
     first_step: int | None
     last_step: int | None
+    reported_status: RunStatus = Field(description="the status the client reported (or a user set)")
+    report_interval_s: float | None = Field(description="mean seconds between the run's batches; null: fewer "
+                                                        "than two")
 
 
 class RunPatch(BaseModel):
@@ -120,6 +127,47 @@ class HeatmapOut(BaseModel):
     values: list[list[JsonFloat]] = Field(description="values[layer][column]; null: nothing reported there")
     ranks: list[int] = Field(description="the ranks the cells come from")
     run_ranks: list[int] = Field(description="every rank with statistics at this site (-1: merged over ranks)")
+    top: int | None = Field(None, description="with ?top=k: only the k layers with the largest cells, worst first; "
+                                              "null: every layer, in model order")
+    layer_count: int = Field(0, description="the run's layers at this site (all of them, with top or not)")
+
+
+class FormatOut(BaseModel):
+    name: Literal["e4m3", "e5m2"]
+    max: float
+    min_normal: float
+    min_subnormal: float
+    overflow: float = Field(description="|s*x| above this saturates")
+    underflow: float = Field(description="|s*x| at or below this quantizes to zero")
+
+
+class HistogramLimits(BaseModel):
+    format: FormatOut
+    overflow_log2: list[float] = Field(description="per column: log2 |x| above which values overflow at the "
+                                                   "column's largest scale")
+    underflow_log2: list[float] = Field(description="per column: log2 |x| at or below which values become zero at "
+                                                    "the column's smallest scale")
+    min_normal_log2: list[float] = Field(description="per column: log2 |x| below which values are subnormal")
+
+
+class HistogramOut(BaseModel):
+    run: str
+    layer: str
+    site: str
+    rank: int
+    start: int | None
+    end: int | None
+    binade_lo: int = Field(description="bin j counts 2^(binade_lo + j) <= |x| < 2^(binade_lo + j + 1); the first "
+                                       "bin also takes smaller nonzero values, the last larger ones")
+    bins: int
+    per_column: int = Field(description="histograms summed per column")
+    step: list[int] = Field(description="first step of each column")
+    step_last: list[int]
+    counts: list[list[int]] = Field(description="counts[column][bin]")
+    scale_min: list[float | None] = Field(description="smallest scale in use over the column (null: none reported)")
+    scale_max: list[float | None]
+    limits: HistogramLimits | None = Field(description="null when no FP8 format applies (the output site, or "
+                                                       "format=none)")
 
 
 class LatestSeries(BaseModel):
@@ -150,6 +198,12 @@ AlertState = Literal["pending", "firing", "resolved"]
 Severity = Literal["info", "warning", "critical"]
 
 
+class Escalation(BaseModel):
+    step: int = Field(description="step at which the severity rose")
+    severity: Severity = Field(description="the severity from that step on")
+    previous: Severity | None = Field(None, alias="from", description="the severity before (null: not recorded)")
+
+
 class AlertOut(BaseModel):
     id: int
     run: str
@@ -166,6 +220,9 @@ class AlertOut(BaseModel):
     fired_step: int | None = Field(description="step at which the alert fired; null while pending")
     escalated_step: int | None = Field(description="step at which the severity last rose after the alert fired "
                                                    "(it fired at a lower severity); null if it never rose")
+    escalations: list[Escalation] = Field(default_factory=list,
+                                          description="every rise of severity after the alert fired, in step "
+                                                      "order (fired_step and severity tell where it started)")
     last_step: int | None = Field(description="last step at which the finding held")
     resolved_step: int | None
     started_at: datetime

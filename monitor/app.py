@@ -6,14 +6,28 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from starlette.middleware.gzip import GZipMiddleware
 
+from fp8mon.monitor.alerting.alertmanager import AlertmanagerSender
+from fp8mon.monitor.alerting.notifiers import Notifiers, firing_alerts
 from fp8mon.monitor.alerting.webhooks import WebhookSender
 from fp8mon.monitor.compactor import Compactor
 from fp8mon.monitor.conditional import ConditionalGetMiddleware
 from fp8mon.monitor.metrics import Metrics
 from fp8mon.monitor.pipeline import Pipeline
-from fp8mon.monitor.routers import alerts, compare, dashboard, docs, ingest, metrics, predictions, runs, series
+from fp8mon.monitor.routers import (
+    alerts,
+    compare,
+    dashboard,
+    docs,
+    histograms,
+    ingest,
+    metrics,
+    predictions,
+    runs,
+    series,
+)
 from fp8mon.monitor.settings import Settings
 from fp8mon.monitor.storage import AbstractStore, SqlAlchemyStore
+from fp8mon.monitor.storage.run_status import StallPolicy
 
 API_PREFIX = "/api/v1"
 log = logging.getLogger("fp8mon.app")
@@ -29,7 +43,9 @@ def create_app(settings: Settings | None = None, *, store: AbstractStore | None 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         owned = store is None
-        app.state.store = store or SqlAlchemyStore(settings.database_url, pool_size=settings.db_pool_size)
+        app.state.store = store or SqlAlchemyStore(
+            settings.database_url, pool_size=settings.db_pool_size,
+            stall=StallPolicy(settings.stall_intervals, settings.stall_min_seconds))
         try:
             app.state.store.check_schema()
             if settings.workers > 1:
@@ -59,6 +75,7 @@ def create_app(settings: Settings | None = None, *, store: AbstractStore | None 
     # path and must come after the suffixed ones.
     app.include_router(predictions.router, prefix=API_PREFIX)
     app.include_router(series.router, prefix=API_PREFIX)
+    app.include_router(histograms.router, prefix=API_PREFIX)
     app.include_router(runs.router, prefix=API_PREFIX)
     app.include_router(metrics.router)
     app.include_router(dashboard.router)
@@ -80,14 +97,27 @@ def create_app(settings: Settings | None = None, *, store: AbstractStore | None 
 
 @asynccontextmanager
 async def _background(app: FastAPI, settings: Settings, predictor_factory):
-    """The server's threads: the webhook sender, the prediction pipeline (fed by the store after each ingest
-    commit) and the rollup compactor."""
+    """The server's threads: the webhook and Alertmanager senders, the prediction pipeline (fed by the store
+    after each ingest commit) and the rollup compactor."""
     store: AbstractStore = app.state.store
     webhooks = WebhookSender(settings.webhook_urls, base_url=settings.base_url(),
                              max_attempts=settings.webhook_max_attempts, backoff=settings.webhook_backoff_seconds,
                              max_backoff=settings.webhook_max_backoff_seconds,
-                             timeout=settings.webhook_timeout_seconds, metrics=app.state.metrics).start()
-    pipeline = Pipeline(store, metrics=app.state.metrics, notifier=webhooks, predictor_factory=predictor_factory,
+                             timeout=settings.webhook_timeout_seconds, metrics=app.state.metrics,
+                             min_severity=settings.webhook_min_severity,
+                             group_wait=settings.webhook_group_wait_seconds,
+                             group_interval=settings.webhook_group_interval_seconds).start()
+    alertmanager = AlertmanagerSender(settings.alertmanager_url, base_url=settings.base_url(),
+                                      resend_seconds=settings.alertmanager_resend_seconds,
+                                      metrics=app.state.metrics)
+    if settings.alertmanager_url:
+        try:
+            alertmanager.restore(firing_alerts(store))
+        except Exception:  # the database answers later: those alerts come back with their runs' next events
+            log.exception("cannot read the firing alerts for Alertmanager")
+    alertmanager.start()
+    pipeline = Pipeline(store, metrics=app.state.metrics, notifier=Notifiers(webhooks, alertmanager),
+                        predictor_factory=predictor_factory,
                         predictor_spec=settings.predictor, queue_size=settings.predictor_queue_size,
                         every_steps=settings.prediction_every_steps, risk_delta=settings.prediction_risk_delta).start()
     app.state.pipeline = pipeline
@@ -100,4 +130,5 @@ async def _background(app: FastAPI, settings: Settings, predictor_factory):
         store.remove_ingest_listener(pipeline.submit)
         pipeline.stop()
         webhooks.stop()
+        alertmanager.stop()
         app.state.pipeline = None

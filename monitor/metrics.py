@@ -160,5 +160,13 @@ class Metrics:
                                           registry=r)
         self.webhook_failures = Counter("fp8mon_webhook_failures",
                                         "Webhook notifications given up after every retry (or dropped).", registry=r)
+        self.webhook_suppressed = Counter("fp8mon_webhook_suppressed_events",
+                                          "Alert events folded into another notification of their run and rule "
+                                          "or below the webhook's severity floor.", registry=r)
+        self.alertmanager_posts = Counter("fp8mon_alertmanager_posts", "Alert posts Alertmanager accepted.",
+                                          registry=r)
+        self.alertmanager_failures = Counter("fp8mon_alertmanager_failures",
+                                             "Alert posts to Alertmanager that failed (retried) or were dropped.",
+                                             registry=r)
         self.runs = RunMetrics(max_runs, grace_seconds)
         r.register(self.runs)

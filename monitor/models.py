@@ -156,7 +156,8 @@ class IngestBatch(Base):
 class Alert(Base):
     """One alert of the lifecycle in monitor.assessment. first_step: the finding first appeared (pending);
     fired_step: it fired; escalated_step: its severity last rose after firing (null if it never did);
-    last_step: the finding last held; resolved_step: it resolved."""
+    escalations: every rise after firing, [{"step", "severity", "from"}] in step order (null before migration
+    0004); last_step: the finding last held; resolved_step: it resolved."""
 
     __tablename__ = "alerts"
     __table_args__ = (Index("ix_alerts_run_fingerprint", "run_id", "fingerprint"),
@@ -176,6 +177,7 @@ class Alert(Base):
     last_step: Mapped[int | None] = mapped_column(BigInteger)
     fired_step: Mapped[int | None] = mapped_column(BigInteger)
     escalated_step: Mapped[int | None] = mapped_column(BigInteger)
+    escalations: Mapped[list | None] = mapped_column(JSON)
     resolved_step: Mapped[int | None] = mapped_column(BigInteger)
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

@@ -13,8 +13,8 @@ arrival order, which is each run's order as long as its agent sends sequentially
    and the alert rows (inserted when pending or
    fired; updated on fire, escalation, resolution and with each batch's last step; a dropped pending alert's
    row is deleted);
-4. after the commit, hands notifications (fired, escalated, resolved) to its notifier (the webhook
-   sender's queue) and updates the run's Prometheus gauges (monitor.gauges).
+4. after the commit, hands notifications (fired, escalated, resolved) to its notifier (the queues of the
+   webhook and Alertmanager senders) and updates the run's Prometheus gauges (monitor.gauges).
 
 Predictions stored. A predictor may assess every step; a row per step of a 100k-step run with JSON signals
 and culprits is tens of MB for a curve people read at a coarser grain. Stored: every
@@ -28,6 +28,10 @@ alerts are read back from the database, so they continue (no duplicate 'fired', 
 /metrics is seeded at start from the database (runs seen in the last hour and not ended: last step, latest
 risk, firing alerts). Lost: predictor state, and batches still queued when the process died (they are
 stored, just never assessed).
+
+End of a run. When a run's status becomes final (`FINAL_STATUSES`, by an ingested `run_meta` or PATCH
+/runs/{run}, which calls `end_run`), its firing alerts resolve and its pending ones are dropped, written and
+notified as any other resolution; a run that resumes opens new alerts.
 
 Deletion. `forget_run` (DELETE /runs/{run}) drops the run's series from /metrics at once, the worker drops its
 predictor and alert state, and queued batches of the deleted run id are skipped.
@@ -92,6 +96,14 @@ class _RunState:
     last_step: int | None = None
     ended: bool = False
     config: dict | None = None  # what the predictor was built with, for a rebuild
+
+
+@dataclass(frozen=True)
+class _EndRun:
+    """A queue item: the run's status became final outside ingest."""
+
+    run: str
+    run_id: int
 
 
 class Pipeline:
@@ -165,6 +177,18 @@ class Pipeline:
         with self._lock:
             self._forgotten[name] = self._submitted
             self._forget.append(name)
+        if hasattr(self.notifier, "forget_run"):
+            self.notifier.forget_run(name)
+
+    def end_run(self, name: str, run_id: int) -> None:
+        """The run's status became final outside ingest (PATCH): resolve its alerts in the worker's turn."""
+        with self._lock:
+            self._submitted = seq = next(self._seq)
+        try:
+            self._queue.put_nowait((_EndRun(name, run_id), run_id, seq))
+        except queue.Full:  # rare; its alerts then resolve with its next final batch or stay open
+            self.metrics.predictor_dropped.inc()
+            log.warning("pipeline queue full: the alerts of ended run %r stay open", name)
 
     def _is_forgotten(self, name: str, seq: int) -> bool:
         with self._lock:
@@ -184,7 +208,11 @@ class Pipeline:
                     return
                 self._apply_forgets()
                 batch, run_id, seq = item
-                if not self._is_forgotten(batch.run, seq):
+                if self._is_forgotten(batch.run, seq):
+                    pass
+                elif isinstance(batch, _EndRun):
+                    self._end(batch.run, run_id)
+                else:
                     self._process(batch, run_id, seq)
             except Exception:
                 self._drop_state(item[0].run)  # rebuilt from the database on its next batch
@@ -220,23 +248,25 @@ class Pipeline:
             self.metrics.predictor_errors.inc()
             return None
 
-    def _state(self, batch: IngestBatch, run_id: int) -> _RunState:
+    def _state(self, batch: IngestBatch | _EndRun, run_id: int) -> _RunState:
         state = self._runs.get(batch.run)
         if state is not None and state.run_id == run_id:
             return state
         self._drop_state(batch.run)  # a new run of the same name (the old one was deleted)
         stored = self.alerts.run_alert_state(run_id)
         config = stored.config
-        if batch.run_meta is not None and batch.run_meta.config is not None:
-            config = batch.run_meta.config
-        state = _RunState(run_id, self._predictor_for(batch.run, config), config=config)
+        meta = getattr(batch, "run_meta", None)
+        if meta is not None and meta.config is not None:
+            config = meta.config
+        predictor = None if isinstance(batch, _EndRun) else self._predictor_for(batch.run, config)
+        state = _RunState(run_id, predictor, config=config)
         restored = []
         for row in stored.alerts:
             alert = Alert(run=batch.run, rule=row.rule, layer=row.layer, site=row.site, severity=row.severity,
                           state=row.state, message=row.message, first_step=row.first_step or 0,
                           last_step=row.last_step or 0, for_steps=int(row.details.get("for_steps", 0)),
                           value=row.details.get("value"), fired_step=row.fired_step,
-                          escalated_step=row.escalated_step)
+                          escalated_step=row.escalated_step, escalations=list(row.escalations))
             if alert.fingerprint in state.alert_ids:
                 continue
             state.alert_ids[alert.fingerprint] = row.id
@@ -270,14 +300,12 @@ class Pipeline:
                                                     signals=json_safe(dict(a.signals)),
                                                     culprits=json_safe(list(a.culprits))))
         last = assessments[-1] if assessments else None
+        final = batch.run_meta is not None and batch.run_meta.status in FINAL_STATUSES
+        if final:
+            events.extend(self.tracker.end_run(run, last.step if last is not None else None))
         if predictions or events or self.tracker.active(run):
             self._write(state, run, predictions, events, last)
-
-        for event in events:
-            if event.kind in NOTIFY:
-                if self.notifier is not None:
-                    self.notifier.notify(event)
-                self.metrics.alert_events.labels(event.alert.severity).inc()
+        self._notify(events)
         self.metrics.predictor_batches.inc()
 
         values = batch_gauges(batch)
@@ -294,13 +322,32 @@ class Pipeline:
             self.metrics.runs.remove(run)
             return
         self.metrics.runs.update(run, values, self.tracker.firing_counts(run))
-        if batch.run_meta is not None and batch.run_meta.status in FINAL_STATUSES:
+        if final:
             self.metrics.runs.end(run)
             state.predictor = None  # a finished run needs no more predictions; rebuilt if it resumes
             state.ended = True
         elif state.ended and batch.run_meta is not None and batch.run_meta.status == "running":
             state.ended = False
             state.predictor = self._predictor_for(run, state.config)
+
+    def _end(self, run: str, run_id: int) -> None:
+        loaded = run in self._runs and self._runs[run].run_id == run_id
+        state = self._state(_EndRun(run, run_id), run_id)
+        events = self.tracker.end_run(run, state.last_step)
+        if events:
+            self._write(state, run, [], events, None)
+            self._notify(events)
+            self.metrics.runs.update(run, None, self.tracker.firing_counts(run), active=False)
+        self.metrics.runs.end(run)
+        if not loaded:  # built for this only: a later batch of the run builds it with its predictor
+            self._runs.pop(run, None)
+
+    def _notify(self, events: list[AlertEvent]) -> None:
+        for event in events:
+            if event.kind in NOTIFY:
+                if self.notifier is not None:
+                    self.notifier.notify(event)
+                self.metrics.alert_events.labels(event.alert.severity).inc()
 
     def _write(self, state: _RunState, run: str, predictions: list[PredictionRecord], events: list[AlertEvent],
                last: Assessment | None) -> None:
@@ -309,8 +356,9 @@ class Pipeline:
         writes = [AlertWrite(e.alert, delete=e.kind == DROPPED, resolved=e.kind == RESOLVED, context=context)
                   for e in events]
         changed = {e.alert.fingerprint for e in events}
+        # then every active alert as it stands after the batch (an event's copy is its state at that step)
         writes += [AlertWrite(a, context=context) for a in self.tracker.active(run)
-                   if a.fingerprint in state.alert_ids and a.fingerprint not in changed]
+                   if a.fingerprint in state.alert_ids or a.fingerprint in changed]
         state.alert_ids = self.alerts.record_assessments(state.run_id, predictions, writes, state.alert_ids)
 
     def _seed_metrics(self) -> None:

@@ -2,7 +2,7 @@
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -27,6 +27,9 @@ class Settings(BaseSettings):
     write_tokens: list[str] = Field(default_factory=list, description="tokens allowed to ingest; empty: no auth")
     read_tokens: list[str] = Field(default_factory=list, description="tokens allowed to query; empty: no auth")
     db_pool_size: int = Field(default=8, ge=1)
+    stall_intervals: float = Field(default=5.0, gt=0, description="a running run that sent nothing for this many of "
+                                                                  "its usual reporting intervals reads as stalled")
+    stall_min_seconds: float = Field(default=60.0, ge=0, description="... and for at least this many seconds")
     rollup_interval_s: float = Field(default=2.0, ge=0, description="seconds between the background compaction "
                                                                     "passes that fill the rollups; 0: none")
 
@@ -49,6 +52,19 @@ class Settings(BaseSettings):
     webhook_backoff_seconds: float = Field(default=0.5, ge=0, description="first retry delay; doubles per attempt")
     webhook_max_backoff_seconds: float = Field(default=30.0, ge=0)
     webhook_timeout_seconds: float = Field(default=5.0, gt=0)
+    webhook_min_severity: Literal["info", "warning", "critical"] = Field(
+        default="warning", description="webhook notifications only for alerts of this severity or higher")
+    webhook_group_wait_seconds: float = Field(
+        default=10.0, ge=0, description="a run and rule's first notification waits this long to gather the "
+                                        "alerts of its other layers and sites into one message")
+    webhook_group_interval_seconds: float = Field(
+        default=300.0, ge=0, description="rate limit: at most one webhook notification per run and rule this often "
+                                         "(what changed meanwhile comes in the next one)")
+    alertmanager_url: str = Field(default="", description="Alertmanager's base URL (http://alertmanager:9093): "
+                                                          "alerts are posted to its v2 API; empty: not used")
+    alertmanager_resend_seconds: float = Field(default=60.0, gt=0,
+                                               description="firing alerts are re-posted this often (Alertmanager "
+                                                           "lets them expire after four missed re-sends)")
     public_url: str = Field(default="", description="base URL of this server in webhook links; default "
                                                     "http://host:port")
     metrics_max_runs: int = Field(default=100, ge=1, description="runs exported at /metrics: the most recently "
@@ -73,6 +89,13 @@ class Settings(BaseSettings):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"webhook URL {url!r} must start with http:// or https://")
         return urls
+
+    @field_validator("alertmanager_url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        if url and not url.startswith(("http://", "https://")):
+            raise ValueError(f"Alertmanager URL {url!r} must start with http:// or https://")
+        return url
 
     def base_url(self) -> str:
         if self.public_url:

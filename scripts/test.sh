@@ -9,9 +9,10 @@ set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 # System packages (Debian names) the tests need, installed when missing: prometheus (promtool and the server,
-# for the alert-rule tests and tests/integration/test_prometheus.py) and chromium (the headless browser that
-# tests/web drives through playwright; playwright never downloads one).
-TEST_APT_PACKAGES=(prometheus chromium)
+# for the alert-rule tests and tests/integration/test_prometheus.py), prometheus-alertmanager (the server and
+# amtool, for tests/integration/test_alertmanager.py) and chromium (the headless browser that tests/web drives
+# through playwright; playwright never downloads one).
+TEST_APT_PACKAGES=(prometheus prometheus-alertmanager chromium)
 ensure_apt_packages ${TEST_APT_PACKAGES[@]+"${TEST_APT_PACKAGES[@]}"}
 
 ensure_venv

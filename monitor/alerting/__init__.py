@@ -1,4 +1,5 @@
-"""Alerting: the alert lifecycle (pure), webhooks, and the alert/prediction storage of the pipeline."""
+"""Alerting: the alert lifecycle (pure), the notifiers (grouped webhooks, Alertmanager); the alert storage of the
+pipeline is storage.alerts."""
 
 from fp8mon.monitor.alerting.lifecycle import Alert, AlertEvent, AlertTracker, fingerprint
 

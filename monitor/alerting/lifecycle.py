@@ -14,6 +14,9 @@ The rules are those of `monitor.assessment`:
 * a finding of higher severity raises the alert's severity (an `escalated` event when it is firing, which
   sets `escalated_step` to that step; a rise while pending is no escalation: the alert fires at the higher
   severity and `escalated_step` stays None); severity never decreases while the alert lives;
+* every severity rise after firing is kept in `escalations` ({"step", "severity", "from"}, in step order), so
+  the step at which an alert started paging survives later rises;
+* `end_run(run, step)` (the run finished) resolves the run's firing alerts and drops its pending ones;
 * after resolution, the same condition opens a new alert.
 
 `AlertTracker.update(run, step, findings)` is called once per evaluated step of a run, in step order, with
@@ -60,6 +63,7 @@ class Alert:
     fired_step: int | None = None
     escalated_step: int | None = None  # step of the last severity rise after firing; None if it never rose
     resolved_step: int | None = None
+    escalations: list = dataclasses.field(default_factory=list)  # {"step", "severity", "from"} per rise after firing
 
     @property
     def fingerprint(self) -> str:
@@ -116,6 +120,7 @@ class AlertTracker:
                 self._maybe_fire(alert, step, events)
             elif escalates:
                 alert.escalated_step = step
+                alert.escalations = [*alert.escalations, {"step": step, "severity": f.severity, "from": previous}]
                 events.append(AlertEvent(ESCALATED, step, dataclasses.replace(alert), previous_severity=previous))
 
         if in_order:
@@ -132,6 +137,22 @@ class AlertTracker:
                     events.append(AlertEvent(RESOLVED, step, dataclasses.replace(alert)))
         if not active:
             del self._runs[run]
+        return events
+
+    def end_run(self, run: str, step: int | None = None) -> list[AlertEvent]:
+        """The run finished: its firing alerts resolve (at `step`, default the last step seen) and its pending
+        ones are dropped."""
+        active = self._runs.pop(run, {})
+        last = self._last_step.pop(run, None)
+        step = step if step is not None else (last if last is not None else 0)
+        events = []
+        for alert in active.values():
+            if alert.state == PENDING:
+                alert.state = DROPPED
+                events.append(AlertEvent(DROPPED, step, dataclasses.replace(alert)))
+            else:
+                alert.state, alert.resolved_step = RESOLVED, max(step, alert.last_step)
+                events.append(AlertEvent(RESOLVED, alert.resolved_step, dataclasses.replace(alert)))
         return events
 
     def _maybe_fire(self, alert: Alert, step: int, events: list[AlertEvent]) -> bool:
@@ -160,7 +181,8 @@ class AlertTracker:
         for alert in alerts:
             if alert.state not in (PENDING, FIRING):
                 raise ValueError(f"only pending or firing alerts can be restored, not {alert.state!r}")
-            self._runs.setdefault(alert.run, {})[(alert.rule, alert.layer, alert.site)] = dataclasses.replace(alert)
+            copy = dataclasses.replace(alert, escalations=list(alert.escalations))
+            self._runs.setdefault(alert.run, {})[(alert.rule, alert.layer, alert.site)] = copy
             self._last_step[alert.run] = max(alert.last_step, self._last_step.get(alert.run, alert.last_step))
 
     def forget(self, run: str) -> None:

@@ -1,8 +1,9 @@
 """Alert notifications to webhooks (Slack-compatible JSON), from a sender thread of their own.
 
-`WebhookSender.notify(event)` (the pipeline's notifier) builds the message, `send(payload)` queues it; neither
-blocks: it queues (bounded; a full queue drops the notification and
-counts it). The thread POSTs each notification to every URL in turn, retrying connection errors, timeouts,
+`WebhookSender.notify(event)` (the pipeline's notifier) queues the event; the thread groups events per run and
+rule with a severity floor and a rate limit (monitor.alerting.grouping) and sends one message per group
+(`group_payload`). `send(payload)` queues a ready message. Neither blocks: they queue (bounded; a full queue
+drops the notification and counts it). The thread POSTs each notification to every URL in turn, retrying connection errors, timeouts,
 429 and 5xx answers with exponential backoff (`backoff * 2**attempt`, capped, a Retry-After header
 honoured up to the cap) for at most `max_attempts` attempts; any other 4xx is not retried.
 """
@@ -17,6 +18,7 @@ from urllib.parse import quote
 
 import httpx
 
+from fp8mon.monitor.alerting.grouping import GroupNotice, NotificationGroups
 from fp8mon.monitor.alerting.lifecycle import AlertEvent
 
 log = logging.getLogger("fp8mon.webhooks")
@@ -24,6 +26,8 @@ log = logging.getLogger("fp8mon.webhooks")
 _COLOURS = {"critical": "#d62728", "warning": "#ff7f0e", "info": "#1f77b4"}
 _EMOJI = {"critical": ":rotating_light:", "warning": ":warning:", "info": ":information_source:"}
 _VERBS = {"fired": "FIRING", "escalated": "ESCALATED", "resolved": "RESOLVED"}
+_DUE = object()  # the sender thread woke because a group's notification is due
+LISTED_ALERTS = 10  # a group message names this many of its alerts, then counts the rest
 
 
 def run_link(base_url: str, run: str) -> str:
@@ -31,41 +35,65 @@ def run_link(base_url: str, run: str) -> str:
     return f"{base_url}/?run={quote(run, safe='')}"
 
 
-def slack_payload(event: AlertEvent, base_url: str) -> dict:
-    """A Slack incoming-webhook message (text + blocks + a coloured attachment); also carries the alert as
-    plain fields under `fp8mon` for receivers that are not Slack."""
+def _where(alert) -> str:
+    return " / ".join(p for p in (alert.layer, alert.site) if p) or "run-level"
+
+
+def _alert_fields(event: AlertEvent) -> dict:
     a = event.alert
-    where = " / ".join(p for p in (a.layer, a.site) if p) or "run-level"
-    verb = _VERBS.get(event.kind, event.kind.upper())
-    link = run_link(base_url, a.run)
-    text = f"[{verb}] {a.severity.upper()} {a.rule} on run {a.run} ({where}) at step {event.step}: {a.message}"
-    if event.kind == "escalated" and event.previous_severity:
-        text += (f" (escalated to {a.severity} at step {a.escalated_step}, was {event.previous_severity}; "
-                 f"fired at step {a.fired_step})")
-    fields = [("Run", f"<{link}|{a.run}>"), ("Severity", a.severity), ("Rule", a.rule), ("Where", where),
-              ("Step", str(event.step)), ("Since step", str(a.first_step))]
+    return {"event": event.kind, "layer": a.layer, "site": a.site, "severity": a.severity, "step": event.step,
+            "first_step": a.first_step, "fired_step": a.fired_step, "escalated_step": a.escalated_step,
+            "escalations": list(a.escalations), "resolved_step": a.resolved_step, "message": a.message,
+            "value": a.value, "fingerprint": a.fingerprint}
+
+
+def group_payload(notice: GroupNotice, base_url: str) -> dict:
+    """One Slack message for a run and rule: how many of its alerts fire, and what changed since the last one.
+    The alerts come as plain fields under `fp8mon` for receivers that are not Slack."""
+    status, severity = notice.status, notice.severity
+    verb = _VERBS[status]
+    link = run_link(base_url, notice.run)
+    counts = {}
+    for e in notice.changes:
+        counts[e.kind] = counts.get(e.kind, 0) + 1
+    changed = ", ".join(f"{n} {kind}" for kind, n in counts.items())
+    step = max(e.step for e in notice.changes)
+    if notice.firing:
+        where = ", ".join(_where(a) for a in notice.firing[:LISTED_ALERTS])
+        if len(notice.firing) > LISTED_ALERTS:
+            where += f" and {len(notice.firing) - LISTED_ALERTS} more"
+        summary = f"{len(notice.firing)} firing ({where})"
+    else:
+        summary = "all resolved"
+    text = (f"[{verb}] {severity.upper()} {notice.rule} on run {notice.run} at step {step}: {summary}; "
+            f"{changed} since the last message")
+    lines = [f"{e.kind} {e.alert.severity} at step {e.step}, {_where(e.alert)}: {e.alert.message}"
+             + (f" (was {e.previous_severity}; fired at step {e.alert.fired_step})" if e.kind == "escalated" else "")
+             for e in notice.changes[:LISTED_ALERTS]]
+    if len(notice.changes) > LISTED_ALERTS:
+        lines.append(f"... and {len(notice.changes) - LISTED_ALERTS} more")
     return {
         "text": text,
         "blocks": [
-            {"type": "section", "text": {"type": "mrkdwn",
-                                         "text": f"{_EMOJI.get(a.severity, '')} *{verb}* `{a.rule}` on *{a.run}*"}},
-            {"type": "section", "fields": [{"type": "mrkdwn", "text": f"*{k}*\n{v}"} for k, v in fields]},
-            {"type": "section", "text": {"type": "plain_text", "text": a.message}},
+            {"type": "section", "text": {"type": "mrkdwn", "text": f"{_EMOJI.get(severity, '')} *{verb}* "
+                                                                   f"`{notice.rule}` on *{notice.run}*"}},
+            {"type": "section", "text": {"type": "plain_text", "text": "\n".join(lines)}},
             {"type": "context", "elements": [{"type": "mrkdwn", "text": f"<{link}|Open run in fp8mon>"}]},
         ],
-        "attachments": [{"color": "#2ca02c" if event.kind == "resolved" else _COLOURS.get(a.severity, "#7f7f7f"),
-                         "fallback": text, "title": f"{a.run}: {a.rule}", "title_link": link}],
-        "fp8mon": {"event": event.kind, "run": a.run, "rule": a.rule, "severity": a.severity, "layer": a.layer,
-                   "site": a.site, "step": event.step, "first_step": a.first_step, "fired_step": a.fired_step,
-                   "escalated_step": a.escalated_step, "resolved_step": a.resolved_step, "message": a.message,
-                   "value": a.value, "fingerprint": a.fingerprint, "url": link},
+        "attachments": [{"color": "#2ca02c" if status == "resolved" else _COLOURS.get(severity, "#7f7f7f"),
+                         "fallback": text, "title": f"{notice.run}: {notice.rule}", "title_link": link}],
+        "fp8mon": {"event": status, "run": notice.run, "rule": notice.rule, "severity": severity, "step": step,
+                   "firing": len(notice.firing), "url": link, "alerts": [_alert_fields(e) for e in notice.changes]},
     }
 
 
 class WebhookSender:
     def __init__(self, urls: list[str], *, base_url: str = "", max_attempts: int = 6, backoff: float = 0.5,
-                 max_backoff: float = 30.0, timeout: float = 5.0, queue_size: int = 1000, metrics=None):
-        """`base_url`: this server's address in the messages' links."""
+                 max_backoff: float = 30.0, timeout: float = 5.0, queue_size: int = 1000, metrics=None,
+                 min_severity: str = "warning", group_wait: float = 10.0, group_interval: float = 300.0):
+        """`base_url`: this server's address in the messages' links; `min_severity`, `group_wait`,
+        `group_interval`: the grouping of monitor.alerting.grouping."""
+        self.groups = NotificationGroups(min_severity, group_wait, group_interval)
         self.urls = list(urls)
         self.base_url = base_url
         self.max_attempts = max_attempts
@@ -84,8 +112,14 @@ class WebhookSender:
         return self
 
     def notify(self, event: AlertEvent) -> None:
-        if self.urls:
-            self.send(slack_payload(event, self.base_url))
+        if not self.urls:
+            return
+        try:
+            self._queue.put_nowait(event)
+        except queue.Full:
+            log.warning("webhook queue full: %s of %s on run %r dropped", event.kind, event.alert.rule,
+                        event.alert.run)
+            self._count(failed=len(self.urls))
 
     def send(self, payload: dict) -> bool:
         if not self.urls:
@@ -111,14 +145,30 @@ class WebhookSender:
     def _run(self) -> None:
         with httpx.Client(timeout=self.timeout, headers={"User-Agent": "fp8mon-webhooks"}) as client:
             while True:
-                payload = self._queue.get()
+                due = self.groups.next_due()
                 try:
-                    if payload is None:
+                    item = self._queue.get(timeout=None if due is None else max(0.0, due - time.monotonic()))
+                except queue.Empty:
+                    item = _DUE
+                try:
+                    if isinstance(item, AlertEvent):
+                        if not self.groups.add(item, time.monotonic()) and self.metrics is not None:
+                            self.metrics.webhook_suppressed.inc()
+                    elif isinstance(item, dict):
+                        self._deliver_all(client, item)
+                    for notice in self.groups.due(time.monotonic(), everything=item is None):
+                        if self.metrics is not None:
+                            self.metrics.webhook_suppressed.inc(len(notice.changes) - 1)
+                        self._deliver_all(client, group_payload(notice, self.base_url))
+                    if item is None:
                         return
-                    for url in self.urls:
-                        self._count(ok=self._deliver(client, url, payload))
                 finally:
-                    self._queue.task_done()
+                    if item is not _DUE:
+                        self._queue.task_done()
+
+    def _deliver_all(self, client: httpx.Client, payload: dict) -> None:
+        for url in self.urls:
+            self._count(ok=self._deliver(client, url, payload))
 
     def _deliver(self, client: httpx.Client, url: str, payload: dict) -> bool:
         for attempt in range(self.max_attempts):
@@ -156,7 +206,8 @@ class WebhookSender:
             self.metrics.webhook_failures.inc(failed)
 
     def drain(self, timeout: float = 10.0) -> bool:
-        """Wait until every queued notification was handled (tests, shutdown)."""
+        """Wait until every queued notification was handled (tests, shutdown); alert events then wait in their
+        group until it is due."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._queue.unfinished_tasks == 0:

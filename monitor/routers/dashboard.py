@@ -1,4 +1,4 @@
-"""GET /: the web dashboard (one HTML page, two scripts, one stylesheet) and plotly.js from the installed
+"""GET /: the web dashboard (one HTML page, its scripts, one stylesheet) and plotly.js from the installed
 `plotly` package: nothing is loaded from a CDN.
 
 The page itself needs no token (it holds no data); the script calls /api/v1 with the bearer token the user
@@ -24,6 +24,9 @@ OWN_ASSETS = {"common.js": "text/javascript; charset=utf-8", "dashboard.js": "te
 PLOTLY_CACHE = "public, max-age=31536000, immutable"
 # Our own script and stylesheet change with fp8mon itself: revalidate each time (cheap with the ETag).
 OWN_CACHE = "no-cache"
+# the run view's parts, one script each
+RUN_VIEW_SCRIPTS = ("overview.js", "scalars.js", "heatmap.js", "histogram.js", "drilldown.js")
+OWN_ASSETS.update({name: "text/javascript; charset=utf-8" for name in RUN_VIEW_SCRIPTS})
 
 
 @lru_cache(maxsize=1)

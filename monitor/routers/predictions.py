@@ -26,7 +26,11 @@ def latest(store: StoreDep, run: RunPath):
 def predictions(store: StoreDep, run: RunPath,
                 from_step: Annotated[Step | None, Query(description="first step (inclusive)")] = None,
                 to_step: Annotated[Step | None, Query(description="last step (inclusive)")] = None,
-                limit: Annotated[int, Query(ge=1, le=10000)] = 1000):
+                limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+                risk_only: Annotated[bool, Query(description="signals and culprits left empty: a risk-over-time "
+                                                             "chart needs a tenth of the bytes")] = False):
     with http_errors():
-        return SafeJSONResponse(store.list_predictions(run, from_step=from_step, to_step=to_step,
-                                                       limit=limit).to_dict())
+        page = store.list_predictions(run, from_step=from_step, to_step=to_step, limit=limit).to_dict()
+    if risk_only:
+        page["predictions"] = [{**p, "signals": {}, "culprits": []} for p in page["predictions"]]
+    return SafeJSONResponse(page)

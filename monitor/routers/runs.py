@@ -5,11 +5,19 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from fp8mon.monitor.api_models import Catalogue, LatestOut, RunDeleted, RunDetail, RunList, RunPatch
+from fp8mon.monitor.api_models import (
+    Catalogue,
+    LatestOut,
+    RunDeleted,
+    RunDetail,
+    RunList,
+    RunPatch,
+    RunState,
+)
 from fp8mon.monitor.deps import PipelineDep, StoreDep, require_read, require_write
 from fp8mon.monitor.routers.common import ERRORS, RunPath, SafeJSONResponse, http_errors
 from fp8mon.monitor.storage.runs import RUN_ORDER_FIELDS
-from fp8mon.monitor.wire import RunStatus
+from fp8mon.monitor.wire import FINAL_STATUSES
 
 router = APIRouter(tags=["runs"])
 
@@ -17,7 +25,8 @@ router = APIRouter(tags=["runs"])
 @router.get("/runs", response_model=RunList, responses=ERRORS, dependencies=[require_read], summary="List runs, with their firing alerts and latest risk")
 def list_runs(
     store: StoreDep,
-    status: Annotated[list[RunStatus] | None, Query(description="any of these statuses (repeatable)")] = None,
+    status: Annotated[list[RunState] | None, Query(description="any of these statuses, as listed (repeatable)")]
+    = None,
     name: Annotated[str | None, Query(max_length=200, description="substring of the name, or a glob with * and "
                                                                   "? (case-insensitive)")] = None,
     tag: Annotated[list[str] | None, Query(description="key=value (or key: has the tag); repeatable, all must "
@@ -62,10 +71,12 @@ def get_run(store: StoreDep, run: RunPath):
 
 @router.patch("/runs/{run:path}", response_model=RunDetail, responses=ERRORS, dependencies=[require_write],
               summary="Change a run's status, tags (merged) or config (replaced)")
-def patch_run(store: StoreDep, run: RunPath, body: RunPatch):
+def patch_run(store: StoreDep, pipeline: PipelineDep, run: RunPath, body: RunPatch):
     with http_errors():
-        return SafeJSONResponse(store.patch_run(run, status=body.status, tags=body.tags,
-                                                config=body.config).to_dict())
+        detail = store.patch_run(run, status=body.status, tags=body.tags, config=body.config)
+    if pipeline is not None and body.status in FINAL_STATUSES:  # its alerts resolve
+        pipeline.end_run(run, detail.run.id)
+    return SafeJSONResponse(detail.to_dict())
 
 
 @router.delete("/runs/{run:path}", response_model=RunDeleted, responses=ERRORS, dependencies=[require_write],

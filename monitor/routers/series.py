@@ -8,6 +8,7 @@ from fp8mon.agent.wire import SITES, TENSOR_STATS
 from fp8mon.monitor.api_models import HeatmapOut, SeriesOut
 from fp8mon.monitor.deps import StoreDep, require_read
 from fp8mon.monitor.routers.common import ERRORS, RunPath, SafeJSONResponse, http_errors
+from fp8mon.monitor.worst_layers import worst_layers
 
 router = APIRouter(tags=["series"], dependencies=[require_read])
 
@@ -57,12 +58,15 @@ def get_heatmap(
     start: StepParam = None,
     end: StepParam = None,
     max_points: Annotated[int, Query(ge=1, le=4000, description="at most this many columns")] = 1000,
+    top: Annotated[int | None, Query(ge=1, le=10_000, description="only the k layers whose largest cell is largest "
+                                                                   "(NaN and infinities first), worst first")]
+    = None,
 ):
     """Rows are the run's layers with that site in model order; columns are step buckets
     (`edges[i]` to `edges[i+1]`); each cell is the bucket's `agg` (a NaN in the bucket makes max, min
     and mean NaN). null: nothing reported there. `run_ranks` lists the ranks holding this site's statistics:
     a map of a rank not among them is empty."""
     with http_errors():
-        return SafeJSONResponse(store.heatmap(run, stat=stat, site=site, rank=None if worst_over_ranks else rank,
-                                              start=start, end=end,
-                                              max_points=max_points, agg=agg).to_dict())
+        heatmap = store.heatmap(run, stat=stat, site=site, rank=None if worst_over_ranks else rank, start=start,
+                                end=end, max_points=max_points, agg=agg)
+    return SafeJSONResponse((heatmap if top is None else worst_layers(heatmap, top)).to_dict())

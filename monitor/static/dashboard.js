@@ -5,31 +5,24 @@
   const INTERVAL_KEY = "fp8mon.refresh";
   const RUN_PAGE = 50; // runs per "more"
   const RUN_LIMIT_MAX = 1000; // the API's page limit
-  const SERIES_POINTS = 1500;
-  const HEATMAP_COLUMNS = 600;
-  const SEVERITY_COLOURS = { info: "#2f6fdb", warning: "#e08a00", critical: "#d93025" };
-  const PREFERRED_STATS = ["kurtosis", "amax", "underflow_frac", "overflow_frac", "rms", "outlier_frac", "crest",
-    "nonfinite", "scale"];
-  // Statistics spanning decades (kurtosis 3 -> 1000s): a log colour scale keeps the healthy layers readable.
-  const LOG_STATS = new Set(["kurtosis", "kurtosis_central", "amax", "rms", "crest", "scale", "amax_history_max"]);
 
   const state = {
     runs: [],
     runTotal: 0,
     runLimit: RUN_PAGE,
     runRequest: 0, // bumped per run-list request: an older answer does not overwrite a newer search
-    rankKey: "",
     selected: null,
     generation: 0, // bumped on every run switch: responses for an older selection are dropped
-    catalogueKey: "",
     paused: false,
     timer: null,
     ticking: false,
     again: false, // a refresh was asked for while one was running
   };
 
-  const { TOKEN_KEY, $, ApiError, runPath, api, isAuthError, num, nonFinite, fmt,
+  const { TOKEN_KEY, $, ApiError, runPath, api, isAuthError, num, fmt,
     el, showMessage, showBanner, errorMessage, hasPlotly, drawChart, blankChart } = window.fp8mon;
+  // the run view's parts, one file each
+  const { overview, scalars, heatmap, drilldown } = window.fp8mon;
 
   // ---- URL and token ---------------------------------------------------------------------------------------
 
@@ -142,7 +135,10 @@
     const selected = run.name === state.selected ? " selected" : "";
     const risk = run.risk;
     const health = el("div", { cls: "run-health" }, [
-      el("span", { cls: "badge status-" + run.status, text: run.status }),
+      el("span", { cls: "badge status-" + run.status, text: run.status,
+        title: run.status === "stalled" ? "no data since " + new Date(run.last_seen_at).toLocaleString() : "" }),
+      ...(run.status === "stalled" ? [el("span", { cls: "run-last-seen", text: "since " + since(run.last_seen_at) })]
+        : []),
       el("span", { cls: "run-step", text: run.last_step === null ? "no steps" : "step " + run.last_step }),
       el("span", { cls: "run-risk " + riskClass(risk), text: risk === null ? "risk –" : "risk " + fmt(risk, 2) }),
       el("span", { cls: "run-firing" + (run.firing ? " firing-" + run.worst_severity : ""),
@@ -155,6 +151,13 @@
     item.addEventListener("click", () => selectRun(run.name));
     window.fp8monCompare.decorate(item, run); // the tick box that picks it for comparison
     return item;
+  }
+
+  function since(iso) {
+    // a stalled run's last data: the time today, else the date too
+    const date = new Date(iso);
+    const time = date.toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" });
+    return date.toDateString() === new Date().toDateString() ? time : date.toLocaleDateString() + " " + time;
   }
 
   function riskClass(risk) {
@@ -209,13 +212,11 @@
     if (name === state.selected) return;
     state.selected = name;
     state.generation += 1;
-    state.catalogueKey = "";
-    state.rankKey = "";
-    updateUrl({ run: name, stat: null, site: null, rank: null });
+    updateUrl({ run: name, stat: null, site: null, rank: null, rows: null, layer: null, lsite: null });
     for (const item of document.querySelectorAll(".run-item")) {
       item.classList.toggle("selected", item.dataset.run === name);
     }
-    ["loss-chart", "grad-norm-chart", "heatmap-chart"].forEach(blankChart);
+    [scalars, heatmap, drilldown].forEach((part) => part.reset());
     window.fp8monAlerts.reset();
     $("prediction").replaceChildren();
     showMessage("run-empty", "Loading " + name + " …");
@@ -227,22 +228,27 @@
     const generation = state.generation;
     if (!name) return;
     const current = () => generation === state.generation;
+    let run;
+    let catalogue;
     try {
-      const [run, catalogue] = await Promise.all([api(`/runs/${runPath(name)}`),
-        api(`/runs/${runPath(name)}/catalogue`)]);
+      [run, catalogue] = await Promise.all([api(`/runs/${runPath(name)}`), api(`/runs/${runPath(name)}/catalogue`)]);
       if (!current()) return;
       showRunHeader(run);
-      fillHeatmapSelectors(catalogue);
-      fillRankSelector(catalogue.ranks);
+      overview.render(run, catalogue);
+      heatmap.fillSelectors(catalogue);
+      heatmap.fillRanks(catalogue.ranks);
+      drilldown.fill(catalogue);
     } catch (err) {
       if (current()) showRunError(name, err);
       return;
     }
     const alerts = await window.fp8monAlerts.load(name, () => generation === state.generation);
+    // the parts fetch again only when the run has new data (`stamp`) or the user changed what they show
+    const view = { name, catalogue, current, stamp: `${run.last_seen_at}|${run.last_step}` };
     await Promise.all([
-      drawScalar(name, generation, "loss", "loss-chart", "loss-message", alerts),
-      drawScalar(name, generation, "grad_norm", "grad-norm-chart", "grad-norm-message", alerts),
-      drawHeatmap(name, generation),
+      scalars.draw(view, alerts, { traces: window.fp8monAlerts.markerTraces, layout: scalarLayout }),
+      heatmap.draw(view),
+      drilldown.draw(view),
       drawPrediction(name, generation),
     ]);
   }
@@ -265,54 +271,7 @@
     showMessage("run-empty", `Cannot show run '${name}': ${errorMessage(err)}`, true);
   }
 
-  // ---- loss and grad-norm with alert markers -----------------------------------------------------------------
-
-  async function drawScalar(name, generation, scalar, chartId, messageId, alerts) {
-    let series;
-    try {
-      series = await api(`/runs/${runPath(name)}/series`, { params: { scalar, max_points: SERIES_POINTS } });
-    } catch (err) {
-      if (generation !== state.generation) return;
-      blankChart(chartId);
-      const missing = err instanceof ApiError && err.status === 404;
-      showMessage(messageId, missing ? `No ${scalar} reported for this run yet.` : errorMessage(err), !missing);
-      return;
-    }
-    if (generation !== state.generation) return;
-    if (!series.points.step.length) {
-      blankChart(chartId);
-      showMessage(messageId, `No ${scalar} reported for this run yet.`);
-      return;
-    }
-    showMessage(messageId, series.downsampled ? `${series.bucket_width} steps per point: the band is each `
-      + "bucket's min–max, the line its mean." : "");
-    const traces = [...seriesTraces(series, scalar), ...window.fp8monAlerts.markerTraces(alerts)];
-    drawChart(chartId, traces, scalarLayout(name, scalar, alerts));
-  }
-
-  function seriesTraces(series, scalar) {
-    const p = series.points;
-    const colour = scalar === "loss" ? "#1d4fa8" : "#6b4fbb";
-    const traces = [];
-    if (p.value) {
-      traces.push({ type: "scatter", mode: "lines", name: scalar, x: p.step, y: p.value.map(num),
-        line: { color: colour, width: 1.5 } });
-    } else {
-      traces.push({ type: "scatter", mode: "lines", name: "min", x: p.step, y: p.min.map(num), line: { width: 0 },
-        showlegend: false, hoverinfo: "skip" });
-      traces.push({ type: "scatter", mode: "lines", name: "min–max", x: p.step, y: p.max.map(num),
-        fill: "tonexty", fillcolor: "rgba(47,111,219,0.2)", line: { width: 0 } });
-      traces.push({ type: "scatter", mode: "lines", name: scalar + " (mean)", x: p.step, y: p.mean.map(num),
-        line: { color: colour, width: 1.5 } });
-    }
-    const raw = p.value || p.max;
-    const bad = p.step.filter((_, i) => nonFinite(raw[i]));
-    if (bad.length) {
-      traces.push({ type: "scatter", mode: "markers", name: "non-finite", x: bad, y: bad.map(() => 0.5),
-        yaxis: "y2", marker: { symbol: "x", size: 10, color: SEVERITY_COLOURS.critical } });
-    }
-    return traces;
-  }
+  // ---- alert markers on the scalar charts (scalars.js draws the charts) -------------------------------------
 
   function scalarLayout(name, scalar, alerts) {
     const shapes = window.fp8monAlerts.markerShapes(alerts);
@@ -326,164 +285,6 @@
       hovermode: "closest",
       shapes,
     };
-  }
-
-  // ---- layer x step heatmap ----------------------------------------------------------------------------------
-
-  function fillHeatmapSelectors(catalogue) {
-    const key = catalogue.stats.join(",") + "|" + catalogue.sites.join(",");
-    if (key === state.catalogueKey) return;
-    state.catalogueKey = key;
-    const params = new URLSearchParams(window.location.search);
-    const stats = [...PREFERRED_STATS.filter((s) => catalogue.stats.includes(s)),
-      ...catalogue.stats.filter((s) => !PREFERRED_STATS.includes(s))];
-    fillSelect("heatmap-stat", stats, params.get("stat") || $("heatmap-stat").value || "kurtosis");
-    fillSelect("heatmap-site", catalogue.sites, params.get("site") || $("heatmap-site").value || "input");
-    $("heatmap-log").checked = LOG_STATS.has($("heatmap-stat").value);
-  }
-
-  function fillRankSelector(ranks) {
-    // merged (-1) when the run reduces over ranks, else rank 0; "worst" when several ranks report
-    const key = ranks.join(",");
-    if (key === state.rankKey) return;
-    state.rankKey = key;
-    const perRank = ranks.filter((r) => r >= 0);
-    const options = ranks.map((r) => ({ value: String(r), text: r === -1 ? "merged (−1)" : "rank " + r }));
-    if (perRank.length > 1) options.push({ value: "worst", text: "worst over ranks" });
-    const select = $("heatmap-rank");
-    select.replaceChildren(...options.map((o) => {
-      const option = el("option", { text: o.text });
-      option.value = o.value;
-      return option;
-    }));
-    const values = options.map((o) => o.value);
-    const asked = new URLSearchParams(window.location.search).get("rank");
-    const fallback = ranks.includes(-1) ? "-1" : ranks.includes(0) ? "0" : (values[0] || "0");
-    select.value = values.includes(asked) ? asked : fallback;
-    select.disabled = options.length < 2;
-  }
-
-  function rankParams() {
-    const value = $("heatmap-rank").value || "0";
-    return value === "worst" ? { worst_over_ranks: true } : { rank: value };
-  }
-
-  function rankLabel(value) {
-    return value === "worst" ? "any rank" : value === "-1" ? "the merged rank (−1)" : "rank " + value;
-  }
-
-  function fillSelect(id, values, preferred) {
-    const select = $(id);
-    select.replaceChildren(...values.map((v) => el("option", { text: v })));
-    select.value = values.includes(preferred) ? preferred : (values[0] || "");
-  }
-
-  async function drawHeatmap(name, generation) {
-    const stat = $("heatmap-stat").value;
-    const site = $("heatmap-site").value;
-    const rank = $("heatmap-rank").value;
-    if (!stat || !site) {
-      blankChart("heatmap-chart");
-      showMessage("heatmap-message", "No per-layer statistics in this run yet.");
-      return;
-    }
-    let heatmap;
-    try {
-      heatmap = await api(`/runs/${runPath(name)}/heatmap`, {
-        params: { stat, site, agg: $("heatmap-agg").value, max_points: HEATMAP_COLUMNS, ...rankParams() } });
-    } catch (err) {
-      if (generation !== state.generation) return;
-      blankChart("heatmap-chart");
-      showMessage("heatmap-message", errorMessage(err), true);
-      return;
-    }
-    if (generation !== state.generation || stat !== $("heatmap-stat").value || site !== $("heatmap-site").value
-        || rank !== $("heatmap-rank").value) {
-      return; // the user switched while this was loading; the newer request draws
-    }
-    const empty = emptyHeatmapReason(heatmap, stat, site, rank);
-    if (empty) {
-      blankChart("heatmap-chart");
-      showMessage("heatmap-message", empty);
-      return;
-    }
-    const worst = rank === "worst" ? `Each cell: the largest over ranks ${heatmap.ranks.join(", ")}. ` : "";
-    showMessage("heatmap-message", worst + (heatmap.downsampled
-      ? `${heatmap.bucket_width} steps per column (${heatmap.agg} of each bucket).` : ""));
-    drawChart("heatmap-chart", heatmapTraces(heatmap), heatmapLayout(name));
-  }
-
-  function emptyHeatmapReason(heatmap, stat, site, rank) {
-    if (!heatmap.layers.length || !heatmap.edges.length) return `No ${stat} at the ${site} site in this run.`;
-    if (heatmap.values.some((row) => row.some((v) => v !== null))) return "";
-    const others = heatmap.run_ranks.map((r) => rankLabel(String(r))).join(", ");
-    return `No ${stat} at the ${site} site on ${rankLabel(rank)}` + (others ? `: this run reports it on ${others}.` : ".");
-  }
-
-  function reportedColumns(heatmap) {
-    // Statistics every N steps leave N-1 empty columns in between; drawn, they would stripe the map.
-    return heatmap.edges.slice(0, -1).map((_, c) => c)
-      .filter((c) => heatmap.values.some((row) => row[c] !== null));
-  }
-
-  function heatmapTraces(heatmap) {
-    const log = $("heatmap-log").checked;
-    const columns = reportedColumns(heatmap);
-    const cell = (v) => {
-      const value = num(v);
-      if (!log || value === null) return value;
-      return value > 0 ? Math.log10(value) : null;
-    };
-    const first = (c) => heatmap.edges[c];
-    const last = (c) => heatmap.edges[c + 1] - 1;
-    const trace = {
-      type: "heatmap", name: heatmap.stat, x: columns.map((c) => (first(c) + last(c)) / 2), y: heatmap.layers,
-      z: heatmap.values.map((row) => columns.map((c) => cell(row[c]))),
-      colorscale: "Viridis", hoverongaps: false,
-      colorbar: { title: { text: (log ? "log₁₀ " : "") + heatmap.stat }, thickness: 12 },
-      customdata: heatmap.values.map((row) => columns.map((c) =>
-        [first(c) === last(c) ? first(c) : `${first(c)}–${last(c)}`, typeof row[c] === "number" ? fmt(row[c], 4)
-          : String(row[c])])),
-      hovertemplate: "%{y}<br>step %{customdata[0]}<br>" + heatmap.stat + " %{customdata[1]}<extra></extra>",
-    };
-    const bad = { x: [], y: [] };
-    heatmap.values.forEach((row, r) => columns.forEach((c) => {
-      if (nonFinite(row[c])) {
-        bad.x.push((first(c) + last(c)) / 2);
-        bad.y.push(heatmap.layers[r]);
-      }
-    }));
-    const traces = [trace];
-    if (bad.x.length) {
-      traces.push({ type: "scatter", mode: "markers", name: "non-finite", ...bad, hoverinfo: "x+y+name",
-        marker: { symbol: "x", size: 9, color: SEVERITY_COLOURS.critical } });
-    }
-    return traces;
-  }
-
-  function heatmapLayout(name) {
-    return {
-      uirevision: name,
-      margin: { l: 10, r: 10, t: 10, b: 40 },
-      xaxis: { title: { text: "step" } },
-      yaxis: { autorange: "reversed", automargin: true, type: "category" },
-      showlegend: false,
-    };
-  }
-
-  function bindHeatmapControls() {
-    const redraw = () => {
-      updateUrl({ stat: $("heatmap-stat").value, site: $("heatmap-site").value, rank: $("heatmap-rank").value });
-      if (state.selected) drawHeatmap(state.selected, state.generation);
-    };
-    $("heatmap-stat").addEventListener("change", () => {
-      $("heatmap-log").checked = LOG_STATS.has($("heatmap-stat").value);
-      redraw();
-    });
-    $("heatmap-site").addEventListener("change", redraw);
-    $("heatmap-agg").addEventListener("change", redraw);
-    $("heatmap-rank").addEventListener("change", redraw);
-    $("heatmap-log").addEventListener("change", redraw);
   }
 
   // ---- prediction --------------------------------------------------------------------------------------------
@@ -601,7 +402,9 @@
     const params = readUrl();
     bindTokenForm();
     bindRefreshControls();
-    bindHeatmapControls();
+    scalars.bind();
+    heatmap.bind({ updateUrl, onCell: (layer, site) => drilldown.open(layer, site) });
+    drilldown.bind({ updateUrl });
     bindRunListControls(params);
     // an acknowledgement changes the run list's firing counts; the severity filter changes the chart markers
     document.addEventListener("fp8mon:alerts-changed", () => refreshRuns());

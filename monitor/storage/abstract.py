@@ -23,6 +23,7 @@ from fp8mon.monitor.storage.entities import (
     CompactionReport,
     DeletedRun,
     Heatmap,
+    Histograms,
     LatestSnapshot,
     PredictionPage,
     PredictionRecord,
@@ -116,6 +117,12 @@ class AbstractStore(AlertStore):
                 end: int | None = None, max_points: int = 1000, agg: str = "max") -> Heatmap:
         """A layer x step-bucket matrix of one statistic at one site, layers in model order; `rank` None:
         each cell the worst (largest) over the run's ranks."""
+
+    @abstractmethod
+    def histograms(self, name: str, *, layer: str, site: str, rank: int = 0, start: int | None = None,
+                   end: int | None = None, max_points: int = 300) -> Histograms:
+        """The stored log2 histograms of one layer x site over [start, end], at most `max_points` columns (more
+        are summed), with the scales in use."""
 
     @abstractmethod
     def export_rows(self, name: str, *, stats: tuple[str, ...] = TENSOR_STATS, hist: bool = True) -> RunExport:

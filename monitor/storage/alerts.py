@@ -25,8 +25,8 @@ from fp8mon.monitor.storage.runs import run_ref
 ACTIVE_STATES = ("pending", "firing")
 _ALERT_COLUMNS = (Alert.id, Run.name, Alert.fingerprint, Alert.rule, Alert.severity, Alert.state, Alert.layer,
                   Alert.site, Alert.message, Alert.details, Alert.first_step, Alert.fired_step, Alert.escalated_step,
-                  Alert.last_step, Alert.resolved_step, Alert.started_at, Alert.updated_at, Alert.resolved_at,
-                  Alert.acknowledged_at)
+                  Alert.escalations, Alert.last_step, Alert.resolved_step, Alert.started_at, Alert.updated_at,
+                  Alert.resolved_at, Alert.acknowledged_at)
 _PRED_COLUMNS = (Prediction.step, Prediction.risk, Prediction.steps_to_divergence, Prediction.signals,
                  Prediction.culprits)
 
@@ -35,9 +35,19 @@ def _alert(row) -> StoredAlert:
     return StoredAlert(id=row.id, run=row.name, fingerprint=row.fingerprint, rule=row.rule, severity=row.severity,
                        state=row.state, layer=row.layer, site=row.site, message=row.message,
                        details=row.details or {}, first_step=row.first_step, fired_step=row.fired_step,
-                       escalated_step=row.escalated_step, last_step=row.last_step, resolved_step=row.resolved_step,
+                       escalated_step=row.escalated_step, escalations=_escalations(row),
+                       last_step=row.last_step, resolved_step=row.resolved_step,
                        started_at=as_utc(row.started_at), updated_at=as_utc(row.updated_at),
                        resolved_at=as_utc(row.resolved_at), acknowledged_at=as_utc(row.acknowledged_at))
+
+
+def _escalations(row) -> list[dict]:
+    """The rises of severity after firing; a row written before they were kept shows its last rise only."""
+    if row.escalations is not None:
+        return list(row.escalations)
+    if row.escalated_step is not None:
+        return [{"step": row.escalated_step, "severity": row.severity, "from": None}]
+    return []
 
 
 def _prediction(row) -> PredictionRecord:
@@ -181,7 +191,8 @@ def record_assessments(db: Database, run_id: int, predictions: list[PredictionRe
 def _alert_values(a, now: datetime, context: dict) -> dict:
     return {"severity": a.severity, "state": a.state, "message": a.message,
             "first_step": a.first_step, "last_step": a.last_step, "fired_step": a.fired_step,
-            "escalated_step": a.escalated_step, "resolved_step": a.resolved_step, "updated_at": now,
+            "escalated_step": a.escalated_step, "escalations": list(a.escalations),
+            "resolved_step": a.resolved_step, "updated_at": now,
             "details": json_safe({"value": a.value, "for_steps": a.for_steps, **context})}
 
 

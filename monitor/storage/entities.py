@@ -36,7 +36,7 @@ def _plain(value):
 class Run(_Entity):
     id: int
     name: str
-    status: str
+    status: str  # as the user reads it (storage.run_status): stalled and server-seen divergence included
     config: dict
     tags: dict
     created_at: datetime  # timestamps are aware, in UTC
@@ -45,13 +45,16 @@ class Run(_Entity):
     last_seen_at: datetime | None
     first_step: int | None
     last_step: int | None
+    reported_status: str | None = None  # as the client reported (or a user patched) it
+    report_interval_s: float | None = None  # mean seconds between the run's batches; None: fewer than two
 
     def to_dict(self) -> dict:
         return {"id": self.id, "name": self.name, "status": self.status, "config": json_safe(self.config),
                 "tags": json_safe(self.tags), "created_at": _iso(self.created_at),
                 "started_at": _iso(self.started_at), "ended_at": _iso(self.ended_at),
                 "last_seen_at": _iso(self.last_seen_at), "first_step": self.first_step,
-                "last_step": self.last_step}
+                "last_step": self.last_step, "reported_status": self.reported_status,
+                "report_interval_s": self.report_interval_s}
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,28 @@ class Heatmap(_Entity):
     values: list[list]  # values[layer][column]
     ranks: list[int] = field(default_factory=list)  # the ranks the cells come from
     run_ranks: list[int] = field(default_factory=list)  # every rank with statistics at this site
+    top: int | None = None  # only the `top` worst layers, worst first (monitor.worst_layers); None: all of them
+    layer_count: int = 0  # the run's layers at this site
+
+
+@dataclass(frozen=True)
+class Histograms(_Entity):
+    """Log2 histograms of one layer x site: column i sums the histograms of steps step[i]..step_last[i]."""
+
+    run: str
+    layer: str
+    site: str
+    rank: int
+    start: int | None
+    end: int | None
+    binade_lo: int  # bin j counts 2**(binade_lo + j) <= |x| < 2**(binade_lo + j + 1)
+    bins: int
+    per_column: int  # histograms summed per column
+    step: list[int]
+    step_last: list[int]
+    counts: list[list[int]]  # counts[column][bin]
+    scale_min: list[float | None]  # the scales in use over the column's steps; None: not reported
+    scale_max: list[float | None]
 
 
 # -- alerts and predictions ------------------------------------------------------------------------
@@ -171,6 +196,7 @@ class StoredAlert(_Entity):
     first_step: int | None
     fired_step: int | None
     escalated_step: int | None
+    escalations: list[dict]  # {"step", "severity", "from"}: each rise of severity after firing, in step order
     last_step: int | None
     resolved_step: int | None
     started_at: datetime

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -22,6 +23,7 @@ from fp8mon.monitor.storage.entities import (
 )
 from fp8mon.monitor.storage.errors import BadParameter, NotFound
 from fp8mon.monitor.storage.rollup import KINDS, effective_horizon, series_ranks
+from fp8mon.monitor.storage.run_status import DEFAULT_STALL, StallPolicy, status_columns
 from fp8mon.monitor.wire import FINAL_STATUSES, finite_or_none
 
 # severity: worst firing severity, then firing count; firing: firing count; risk: the latest prediction's
@@ -48,9 +50,17 @@ def run_ref(conn: Connection, name: str) -> RunRef:
 
 
 def run_entity(row) -> Run:
-    return Run(id=row.id, name=row.name, status=row.status, config=row.config or {}, tags=row.tags or {},
+    """A row of `_runs_query`: the stored columns, the status the user reads and the usual reporting interval."""
+    interval = to_float(row.report_interval_s)
+    return Run(id=row.id, name=row.name, status=row.run_state, config=row.config or {}, tags=row.tags or {},
                created_at=as_utc(row.created_at), started_at=as_utc(row.started_at), ended_at=as_utc(row.ended_at),
-               last_seen_at=as_utc(row.last_seen_at), first_step=row.first_step, last_step=row.last_step)
+               last_seen_at=as_utc(row.last_seen_at), first_step=row.first_step, last_step=row.last_step,
+               reported_status=row.status, report_interval_s=finite_or_none(interval))
+
+
+def _runs_query(conn: Connection, stall: StallPolicy, *extra):
+    state, interval = status_columns(conn.dialect.name, stall, time.time())
+    return select(RunRow.__table__, state.label("run_state"), interval.label("report_interval_s"), *extra), state
 
 
 def _like_pattern(name: str) -> str:
@@ -87,10 +97,10 @@ def _summary(row) -> RunSummary:
                       worst_severity=SEVERITIES[worst - 1] if worst else None, risk=finite_or_none(to_float(row.risk)))
 
 
-def _run_filters(status, name, tags, created_since, updated_since) -> list:
+def _run_filters(state, status, name, tags, created_since, updated_since) -> list:
     conds = []
     if status:
-        conds.append(RunRow.status.in_(status))
+        conds.append(state.in_(status))
     if name:
         conds.append(func.lower(RunRow.name).like(_like_pattern(name.lower()), escape="\\"))
     for key, value in parse_tag_filters(tags or []):
@@ -105,11 +115,12 @@ def _run_filters(status, name, tags, created_since, updated_since) -> list:
 
 def list_runs(db: Database, *, status: list[str] | None = None, name: str | None = None, tags: list[str] | None = None,
               created_since: datetime | None = None, updated_since: datetime | None = None,
-              order_by: str = "-created_at", limit: int = 50, offset: int = 0) -> RunPage:
+              order_by: str = "-created_at", limit: int = 50, offset: int = 0,
+              stall: StallPolicy = DEFAULT_STALL) -> RunPage:
     """Runs matching every filter given, a page of them and the total count. Each run comes with its firing
     alerts per severity and its latest risk, computed by the database for the whole listing (one grouped
-    subquery), so that sorting by severity ranks every run, not a page."""
-    conds = _run_filters(status, name, tags, created_since, updated_since)
+    subquery), so that sorting by severity ranks every run, not a page. `status` filters (and sorts) on the
+    status the user reads (storage.run_status), stalled and server-seen divergence included."""
     desc = order_by.startswith("-")
     field_name = order_by.lstrip("-+")
     if field_name not in RUN_ORDER_FIELDS:
@@ -119,24 +130,25 @@ def list_runs(db: Database, *, status: list[str] | None = None, name: str | None
     risk = (select(Prediction.risk).where(Prediction.run_id == RunRow.id).order_by(Prediction.step.desc())
             .limit(1).correlate(RunRow).scalar_subquery())
     worst, n_firing = func.coalesce(firing.c.worst, literal(0)), func.coalesce(firing.c.n, literal(0))
-    derived = {"severity": [worst, n_firing], "firing": [n_firing], "risk": [risk]}
-    keys = derived[field_name] if field_name in derived else [getattr(RunRow, field_name)]
-    direction = (lambda c: c.desc()) if desc else (lambda c: c.asc())
-    ordering = [direction(k).nulls_last() for k in keys]
-    ordering.append(RunRow.id.desc() if desc else RunRow.id.asc())
-    query = (select(RunRow.__table__, worst.label("worst_level"), risk.label("risk"),
-                    *[firing.c[sev].label(f"n_{sev}") for sev in SEVERITIES])
-             .select_from(RunRow.__table__.outerjoin(firing, firing.c.run_id == RunRow.id)))
     with db.reading() as conn:
+        query, state = _runs_query(conn, stall, worst.label("worst_level"), risk.label("risk"),
+                                   *[firing.c[sev].label(f"n_{sev}") for sev in SEVERITIES])
+        query = query.select_from(RunRow.__table__.outerjoin(firing, firing.c.run_id == RunRow.id))
+        conds = _run_filters(state, status, name, tags, created_since, updated_since)
+        derived = {"severity": [worst, n_firing], "firing": [n_firing], "risk": [risk], "status": [state]}
+        keys = derived[field_name] if field_name in derived else [getattr(RunRow, field_name)]
+        direction = (lambda c: c.desc()) if desc else (lambda c: c.asc())
+        ordering = [direction(k).nulls_last() for k in keys]
+        ordering.append(RunRow.id.desc() if desc else RunRow.id.asc())
         total = conn.execute(select(func.count()).select_from(RunRow).where(*conds)).scalar_one()
         rows = conn.execute(query.where(*conds).order_by(*ordering).limit(limit).offset(offset))
         runs = [_summary(r) for r in rows]
     return RunPage(total=total, limit=limit, offset=offset, runs=runs)
 
 
-def get_run(db: Database, name: str) -> RunDetail:
+def get_run(db: Database, name: str, stall: StallPolicy = DEFAULT_STALL) -> RunDetail:
     with db.reading() as conn:
-        row = conn.execute(select(RunRow.__table__).where(RunRow.name == name)).first()
+        row = conn.execute(_runs_query(conn, stall)[0].where(RunRow.name == name)).first()
         if row is None:
             raise NotFound(f"run {name!r} not found")
         tensor_series = conn.execute(select(func.count()).select_from(TensorSeries)
@@ -148,7 +160,7 @@ def get_run(db: Database, name: str) -> RunDetail:
 
 
 def patch_run(db: Database, name: str, *, status: str | None = None, tags: dict | None = None,
-              config: dict | None = None) -> RunDetail:
+              config: dict | None = None, stall: StallPolicy = DEFAULT_STALL) -> RunDetail:
     """Status, tags (merged into the run's tags, as ingest does) and config (replaced)."""
     with db.writing() as conn:
         row = conn.execute(select(RunRow.id, RunRow.tags).where(RunRow.name == name)).first()
@@ -164,7 +176,7 @@ def patch_run(db: Database, name: str, *, status: str | None = None, tags: dict 
             values["ended_at"] = utcnow() if status in FINAL_STATUSES else None
         if values:
             conn.execute(update(RunRow).where(RunRow.id == row.id).values(**values))
-    return get_run(db, name)
+    return get_run(db, name, stall)
 
 
 def delete_run(db: Database, name: str) -> DeletedRun:

@@ -278,7 +278,7 @@ def aggregate(conn: Connection, kind: str, column: str, series_ids: list[int], r
                   segments)
 
 
-def _step_range(ref: RunRef, start: int | None, end: int | None) -> tuple[int, int] | None:
+def step_range(ref: RunRef, start: int | None, end: int | None) -> tuple[int, int] | None:
     if start is not None and end is not None and start > end:
         raise BadParameter(f"start ({start}) must be <= end ({end})")
     if ref.last_step is None:
@@ -290,7 +290,7 @@ def _step_range(ref: RunRef, start: int | None, end: int | None) -> tuple[int, i
     return lo, hi
 
 
-def _tensor_series_id(conn: Connection, ref: RunRef, layer: str, site: str) -> int:
+def tensor_series_id(conn: Connection, ref: RunRef, layer: str, site: str) -> int:
     sid = conn.execute(select(TensorSeries.id).where(TensorSeries.run_id == ref.id, TensorSeries.layer == layer,
                                                      TensorSeries.site == site)).scalar()
     if sid is None:
@@ -326,8 +326,8 @@ def series(db: Database, name: str, *, stat: str | None = None, layer: str | Non
     with db.reading() as conn:
         ref = run_ref(conn, name)
         sid = (_scalar_series_id(conn, ref, scalar) if kind == "scalar"
-               else _tensor_series_id(conn, ref, layer, site))
-        rng = _step_range(ref, start, end)
+               else tensor_series_id(conn, ref, layer, site))
+        rng = step_range(ref, start, end)
         if rng is None:
             out.update(start=start, end=end, bucket_width=1, downsampled=False, points={"step": [], "value": []})
             return Series(**out)
@@ -384,8 +384,8 @@ def heatmap(db: Database, name: str, *, stat: str, site: str, rank: int | None =
         by_series = series_ranks(conn, "tensor", ref.id)
         run_ranks = sorted({r for row in series_rows for r in by_series.get(row.id, [])})
         ranks = [rank] if rank is not None else ([r for r in run_ranks if r >= 0] or run_ranks)
-        out.update(ranks=ranks, run_ranks=run_ranks)
-        rng = _step_range(ref, start, end)
+        out.update(ranks=ranks, run_ranks=run_ranks, layer_count=len(series_rows))
+        rng = step_range(ref, start, end)
         if rng is None or not series_rows:
             out.update(start=start if rng is None else rng[0], end=end if rng is None else rng[1], bucket_width=1,
                        downsampled=False, edges=[], layers=[r.layer for r in series_rows],

@@ -17,7 +17,7 @@ from sqlalchemy.exc import DataError, IntegrityError, NotSupportedError, Program
 
 from fp8mon.agent.wire import TENSOR_STATS
 from fp8mon.monitor import migrate
-from fp8mon.monitor.storage import alerts, export, rollup, runs, series
+from fp8mon.monitor.storage import alerts, export, histograms, rollup, runs, series
 from fp8mon.monitor.storage.abstract import AbstractStore, IngestListener
 from fp8mon.monitor.storage.database import Database
 from fp8mon.monitor.storage.entities import (
@@ -28,6 +28,7 @@ from fp8mon.monitor.storage.entities import (
     CompactionReport,
     DeletedRun,
     Heatmap,
+    Histograms,
     LatestSnapshot,
     PredictionPage,
     PredictionRecord,
@@ -40,14 +41,17 @@ from fp8mon.monitor.storage.entities import (
 )
 from fp8mon.monitor.storage.errors import InvalidData, StorageUnavailable
 from fp8mon.monitor.storage.ingest import IngestWriter
+from fp8mon.monitor.storage.run_status import DEFAULT_STALL, StallPolicy
 from fp8mon.monitor.wire import IngestBatch, IngestResult
 
 log = logging.getLogger("fp8mon.store")
 
 
 class SqlAlchemyStore(AbstractStore):
-    def __init__(self, url: str, *, pool_size: int = 8):
+    def __init__(self, url: str, *, pool_size: int = 8, stall: StallPolicy = DEFAULT_STALL):
+        """`stall`: when a running run that sends nothing reads as stalled (storage.run_status)."""
         self.db = Database(url, pool_size=pool_size)
+        self.stall = stall
         self._writer = IngestWriter(self.db)
         self._listeners: list[IngestListener] = []
 
@@ -91,14 +95,15 @@ class SqlAlchemyStore(AbstractStore):
                   updated_since: datetime | None = None, order_by: str = "-created_at", limit: int = 50,
                   offset: int = 0) -> RunPage:
         return runs.list_runs(self.db, status=status, name=name, tags=tags, created_since=created_since,
-                              updated_since=updated_since, order_by=order_by, limit=limit, offset=offset)
+                              updated_since=updated_since, order_by=order_by, limit=limit, offset=offset,
+                              stall=self.stall)
 
     def get_run(self, name: str) -> RunDetail:
-        return runs.get_run(self.db, name)
+        return runs.get_run(self.db, name, self.stall)
 
     def patch_run(self, name: str, *, status: str | None = None, tags: dict | None = None,
                   config: dict | None = None) -> RunDetail:
-        return runs.patch_run(self.db, name, status=status, tags=tags, config=config)
+        return runs.patch_run(self.db, name, status=status, tags=tags, config=config, stall=self.stall)
 
     def delete_run(self, name: str) -> DeletedRun:
         deleted = runs.delete_run(self.db, name)
@@ -123,6 +128,11 @@ class SqlAlchemyStore(AbstractStore):
                 end: int | None = None, max_points: int = 1000, agg: str = "max") -> Heatmap:
         return series.heatmap(self.db, name, stat=stat, site=site, rank=rank, start=start, end=end,
                               max_points=max_points, agg=agg)
+
+    def histograms(self, name: str, *, layer: str, site: str, rank: int = 0, start: int | None = None,
+                   end: int | None = None, max_points: int = 300) -> Histograms:
+        return histograms.histograms(self.db, name, layer=layer, site=site, rank=rank, start=start, end=end,
+                                     max_points=max_points)
 
     def export_rows(self, name: str, *, stats: tuple[str, ...] = TENSOR_STATS, hist: bool = True) -> RunExport:
         return export.export_rows(self.db, name, stats, hist)

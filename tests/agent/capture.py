@@ -39,6 +39,8 @@ def rows_counting(launches: list):
     from fp8mon.agent.stats import torch_path as ds
 
     def rows(tensors, *, fmt, scale, center, outlier_k, amax_history_max, hist, out, index, merge, later=False):
+        if later and any(s is not None for s in list(scale) + list(amax_history_max)):  # as the real one
+            raise ValueError("rows(later=True) takes no scale and no amax_history_max")
         launches.append(len(tensors))
         for i, x in enumerate(tensors):
             row = ds.partials(x, fmt=fmt[i], scale=scale[i], amax_history_max=amax_history_max[i],

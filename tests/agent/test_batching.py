@@ -106,3 +106,25 @@ def test_a_large_tensor_of_a_compiled_graph_is_read_at_once_not_copied(launches,
     agent.log(0)
     agent.close()
     assert math.isclose(cap.records()[(0, "Linear", "output", 0)]["rms"], _rms(y), rel_tol=1e-9)
+
+
+def test_rows_with_their_layers_cast_scale_wait_and_a_changed_scale_loses_its_row(launches):
+    """A layer's own FP8 cast (torchao's) gives its row a scale: the row still waits for a shared launch, with that
+    scale tensor; a scale changed in place before the launch loses the row loudly, as a changed tensor does."""
+    from fp8mon.agent.formats import E4M3
+
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    agent, cap = _agent(model, sites=("input",))
+    scales = {name: torch.tensor(1.0) for name in ("0", "1", "2", "3")}
+    for name, scale in scales.items():
+        agent._sink.casts[(name, "input")] = lambda x, s=scale: (x, E4M3, s)
+    model(torch.randn(16, 8)).sum().backward()
+    agent.log(0)
+    agent.flush(timeout=30)
+    assert launches == [4] and agent.errors == 0 and len(cap.records()) == 4
+    model[3].register_forward_hook(lambda m, a, y: scales["1"].mul_(2.0) and None)
+    model(torch.randn(16, 8)).sum().backward()
+    agent.log(1)
+    agent.close()
+    assert agent.errors == 1 and "changed in place" in agent.last_error
+    assert (1, "1", "input", 0) not in cap.records() and (1, "2", "input", 0) in cap.records()

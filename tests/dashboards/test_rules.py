@@ -17,6 +17,7 @@ from tests.integration.streams import FAKE_PREDICTOR, kurtosis_stream
 DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards"
 RULES = DASHBOARDS / "rules" / "fp8mon.yml"
 PROMTOOL = shutil.which("promtool")
+AMTOOL = shutil.which("amtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian package 'prometheus'; "
                                                               "scripts/test.sh installs it)")
 
@@ -43,12 +44,31 @@ def test_prometheus_config_is_valid_and_loads_the_rules():
     assert "1 rule files found" in out and "rules/fp8mon.yml" in out
 
 
+@pytest.mark.skipif(AMTOOL is None, reason="amtool not installed (Debian package 'prometheus-alertmanager')")
+def test_alertmanager_config_is_valid_and_routes_per_run_and_rule_with_a_warning_floor():
+    out = subprocess.run([AMTOOL, "check-config", str(DASHBOARDS / "alertmanager.yml")], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and "SUCCESS" in out.stdout, out.stdout + out.stderr
+    config = yaml.safe_load((DASHBOARDS / "alertmanager.yml").read_text())
+
+    def receiver(**labels):
+        args = [f"{k}={v}" for k, v in labels.items()]
+        routed = subprocess.run([AMTOOL, "config", "routes", "test", f"--config.file={DASHBOARDS / 'alertmanager.yml'}",
+                                 *args], capture_output=True, text=True, timeout=60)
+        return routed.stdout.strip()
+
+    assert {"alertname", "run", "rule"} <= set(config["route"]["group_by"])
+    assert receiver(alertname="kurtosis_growth", rule="kurtosis_growth", run="r", severity="info") == "null"
+    assert receiver(alertname="kurtosis_growth", rule="kurtosis_growth", run="r", severity="warning") == "default"
+
+
 def test_compose_mounts_the_files_it_names():
     compose = yaml.safe_load((DASHBOARDS.parent / "docker-compose.yml").read_text())
     services = compose["services"]
     am = services["alertmanager"]
     assert "--config.file=/etc/fp8mon-dashboards/alertmanager.yml" in am["command"]
     assert "./dashboards:/etc/fp8mon-dashboards:ro" in am["volumes"]
+    assert services["monitor"]["environment"]["FP8MON_ALERTMANAGER_URL"].endswith("http://alertmanager:9093}")
     config = yaml.safe_load((DASHBOARDS / "alertmanager.yml").read_text())
     assert config["route"]["receiver"] in {r["name"] for r in config["receivers"]}
     provider = yaml.safe_load(compose["configs"]["grafana-dashboards"]["content"])

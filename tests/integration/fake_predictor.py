@@ -54,3 +54,33 @@ class ThresholdPredictor:
                                       {"layer": e["layer"], "site": e["site"], "signal": "kurtosis", "value": k}],
                                   findings=findings, gauges={} if k is None else {"worst_kurtosis": k}))
         return out
+
+
+class LayerPredictor:
+    """One finding per layer and site, as the real predictors raise them: kurtosis above 10 a `kurtosis_growth`
+    info (warning above 20, critical above 50) that must hold 5 steps; an underflow fraction above 0.1 an
+    immediate `underflow` info."""
+
+    def __init__(self, run, config=None, params=None):
+        self.run = run
+
+    def observe(self, batch):
+        t = batch.tensors
+        per_step: dict[int, list] = {}
+        if t is None:
+            return []
+        steps = [t.step] * len(t) if isinstance(t.step, int) else t.step
+        kurtosis = t.stats.get("kurtosis") or [None] * len(steps)
+        underflow = t.stats.get("underflow_frac") or [None] * len(steps)
+        for step, layer, site, k, u in zip(steps, t.layer, t.site, kurtosis, underflow):
+            findings = per_step.setdefault(step, [])
+            if k is not None and k > 10:
+                severity = "critical" if k > CRIT else "warning" if k > WARN else "info"
+                findings.append(Finding(rule="kurtosis_growth", severity=severity, step=step, layer=layer, site=site,
+                                        value=k, for_steps=FOR_STEPS, message=f"kurtosis {k:.1f} at {layer}/{site}"))
+            if u is not None and u > 0.1:
+                findings.append(Finding(rule="underflow", severity="info", step=step, layer=layer, site=site,
+                                        value=u, message=f"underflow {u:.2f} at {layer}/{site}"))
+        return [Assessment(run=self.run, step=step, risk=0.5 if findings else 0.0, steps_to_divergence=None,
+                           signals={}, culprits=[], findings=findings, gauges={})
+                for step, findings in sorted(per_step.items())]

@@ -21,6 +21,28 @@ def kurtosis_stream(run: str, steps: range, kurtosis, per_batch: int = 10, loss=
 
 
 FAKE_PREDICTOR = "tests.integration.fake_predictor:ThresholdPredictor"
+LAYER_PREDICTOR = "tests.integration.fake_predictor:LayerPredictor"
+SITES = ("input", "weight", "grad_output")
+
+
+def layer_stream(run: str, steps: range, kurtosis, underflow=lambda step, layer, site: 0.0, per_batch: int = 10,
+                 status: str | None = None):
+    """Batches with every layer and site's kurtosis(step, layer, site) and underflow(step, layer, site) (a 2-block
+    model: 4 layers x 3 sites); the last batch carries run_meta.status `status` when given."""
+    steps = list(steps)
+    where = [(layer, site) for layer in LAYERS for site in SITES]
+    for lo in range(0, len(steps), per_batch):
+        chunk = steps[lo:lo + per_batch]
+        body = {
+            "version": 1, "batch_id": f"{run}-{chunk[0]}", "run": run,
+            "tensors": {"step": [s for s in chunk for _ in where], "layer": [lay for _ in chunk for lay, _ in where],
+                        "site": [site for _ in chunk for _, site in where],
+                        "stats": {"kurtosis": [kurtosis(s, lay, site) for s in chunk for lay, site in where],
+                                  "underflow_frac": [underflow(s, lay, site) for s in chunk for lay, site in where]}},
+        }
+        if status is not None and lo + per_batch >= len(steps):
+            body["run_meta"] = {"status": status}
+        yield body
 
 
 def fake_predictor_env() -> dict:

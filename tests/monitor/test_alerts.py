@@ -200,6 +200,33 @@ def test_fingerprint_is_stable_and_distinguishes_fields():
                 fingerprint("run2", "rule", "layer", "site"), fingerprint("run", "rule", "layers", "ite")}) == 5
 
 
+def test_every_rise_after_firing_is_kept_with_its_step():
+    t = AlertTracker()
+    (fired,) = t.update("r", 80, [f(severity="info")])
+    assert fired.alert.escalations == []
+    t.update("r", 300, [f(severity="warning")])
+    (event,) = t.update("r", 450, [f(severity="critical")])
+    assert event.alert.escalations == [{"step": 300, "severity": "warning", "from": "info"},
+                                       {"step": 450, "severity": "critical", "from": "warning"}]
+    assert (event.alert.fired_step, event.alert.escalated_step) == (80, 450)
+    fresh = AlertTracker()  # restored (after a restart) it keeps its history and adds to it
+    fresh.restore(t.active("r"))
+    assert fresh.active("r")[0].escalations == event.alert.escalations
+
+
+def test_a_finished_run_resolves_its_firing_alerts_and_drops_its_pending_ones():
+    t = AlertTracker()
+    t.update("r", 10, [f(rule="nonfinite", severity="critical", layer=None, site=None)])
+    t.update("r", 20, [f(rule="nonfinite", severity="critical", layer=None, site=None), f(for_steps=50)])
+    t.update("other", 20, [f()])
+    events = {e.alert.rule: e for e in t.end_run("r", 25)}
+    assert (events["nonfinite"].kind, events["nonfinite"].alert.resolved_step) == ("resolved", 25)
+    assert events["kurtosis_growth"].kind == "dropped"  # pending: it never fired
+    assert t.active("r") == [] and len(t.active("other")) == 1 and t.end_run("r") == []
+    # a resumed run opens a new alert for the same condition
+    assert kinds(t.update("r", 30, [f(rule="nonfinite", severity="critical", layer=None, site=None)])) == ["fired"]
+
+
 def test_severity_is_validated_by_the_contract():
     with pytest.raises(ValueError, match="severity"):
         f(severity="fatal")
@@ -209,7 +236,12 @@ def test_severity_is_validated_by_the_contract():
 
 import time  # noqa: E402
 
-from tests.integration.streams import FAKE_PREDICTOR, kurtosis_stream  # noqa: E402
+from tests.integration.streams import (  # noqa: E402
+    FAKE_PREDICTOR,
+    LAYER_PREDICTOR,
+    kurtosis_stream,
+    layer_stream,
+)
 
 
 def wait_json(client, url, predicate, timeout=20.0):
@@ -324,6 +356,67 @@ def test_escalated_step_is_listed_and_survives_a_restart(app_factory):
             assert c.post("/api/v1/ingest", json=body).status_code == 200
         (a,) = wait_json(c, url, only_alert_at(59))["alerts"]
     assert (a["state"], a["fired_step"], a["escalated_step"]) == ("firing", 15, 25)
+
+
+def test_the_escalation_history_is_stored_listed_and_survives_a_restart(app_factory):
+    # blocks.0.attn.qkv/input: kurtosis 15 (info) from step 0, fires at 5; 30 (warning) from 20; 80 (critical)
+    # from 40: two rises, at 20 and 40
+    def kurtosis(step, layer, site):
+        if (layer, site) != ("blocks.0.attn.qkv", "input"):
+            return 3.0
+        return 80.0 if step >= 40 else 30.0 if step >= 20 else 15.0
+
+    url = "/api/v1/runs/hist/alerts"
+    with app_factory(predictor=LAYER_PREDICTOR) as c:
+        for body in layer_stream("hist", range(0, 30), kurtosis):
+            assert c.post("/api/v1/ingest", json=body).status_code == 200
+        wait_json(c, url, lambda b: b["total"] == 1 and b["alerts"][0]["last_step"] == 29)
+    with app_factory(predictor=LAYER_PREDICTOR) as c:  # restarted in the middle of the history
+        for body in layer_stream("hist", range(30, 50), kurtosis):
+            assert c.post("/api/v1/ingest", json=body).status_code == 200
+        (a,) = wait_json(c, url, lambda b: b["total"] == 1 and b["alerts"][0]["last_step"] == 49)["alerts"]
+    assert (a["severity"], a["first_step"], a["fired_step"], a["escalated_step"]) == ("critical", 0, 5, 40)
+    assert a["escalations"] == [{"step": 20, "severity": "warning", "from": "info"},
+                                {"step": 40, "severity": "critical", "from": "warning"}]
+
+
+def test_alerts_of_a_finished_run_resolve(app_factory):
+    def kurtosis(step):
+        return 80.0 if step >= 10 else 3.0
+
+    with app_factory(predictor=FAKE_PREDICTOR) as c:
+        # run "done": its last batch says finished, while its alert still fires
+        bodies = list(kurtosis_stream("done", range(0, 40), kurtosis))
+        bodies[-1]["run_meta"] = {"status": "finished"}
+        # run "patched": finished through PATCH /runs/{run}
+        for body in [*bodies, *kurtosis_stream("patched", range(0, 40), kurtosis)]:
+            assert c.post("/api/v1/ingest", json=body).status_code == 200
+        (done,) = wait_json(c, "/api/v1/runs/done/alerts", lambda b: b["total"] == 1 and
+                            b["alerts"][0]["state"] == "resolved")["alerts"]
+        assert (done["fired_step"], done["resolved_step"]) == (15, 39) and done["resolved_at"] is not None
+        wait_json(c, "/api/v1/runs/patched/alerts", lambda b: b["total"] == 1 and b["alerts"][0]["state"] == "firing"
+                  and b["alerts"][0]["last_step"] == 39)
+        assert c.patch("/api/v1/runs/patched", json={"status": "failed"}).status_code == 200
+        (patched,) = wait_json(c, "/api/v1/runs/patched/alerts", lambda b: b["alerts"][0]["state"] == "resolved")[
+            "alerts"]
+        assert patched["resolved_step"] == 39
+        assert c.get("/api/v1/alerts", params={"state": "firing"}).json()["total"] == 0
+        # a run that goes on after all is assessed again: the condition opens a new alert
+        for body in kurtosis_stream("patched", range(40, 60), kurtosis):
+            assert c.post("/api/v1/ingest", json=body).status_code == 200
+        again = wait_json(c, "/api/v1/runs/patched/alerts", lambda b: b["total"] == 2)["alerts"]
+        assert sorted((a["state"], a["fired_step"]) for a in again) == [("firing", 45), ("resolved", 15)]
+
+
+def test_a_run_finished_after_a_restart_resolves_the_alerts_read_back(app_factory):
+    with app_factory(predictor=FAKE_PREDICTOR) as c:
+        for body in kurtosis_stream("later", range(0, 40), lambda s: 80.0 if s >= 10 else 3.0):
+            assert c.post("/api/v1/ingest", json=body).status_code == 200
+        wait_json(c, "/api/v1/runs/later/alerts", lambda b: b["total"] == 1 and b["alerts"][0]["last_step"] == 39)
+    with app_factory(predictor=FAKE_PREDICTOR) as c:  # restarted: the alert lives in the database only
+        assert c.patch("/api/v1/runs/later", json={"status": "diverged"}).status_code == 200
+        (a,) = wait_json(c, "/api/v1/runs/later/alerts", lambda b: b["alerts"][0]["state"] == "resolved")["alerts"]
+    assert (a["fired_step"], a["resolved_step"]) == (15, 39)
 
 
 def httpx_json(body) -> bytes:

@@ -63,6 +63,38 @@ def test_escalated_step_migration_downgrades_and_upgrades_keeping_the_alerts(dat
         engine.dispose()
 
 
+def test_escalations_migration_downgrades_and_upgrades_keeping_the_last_rise(database_url):
+    from fp8mon.monitor.storage import SqlAlchemyStore
+
+    engine = create_db_engine(database_url)
+    history = [{"step": 300, "severity": "warning", "from": "info"}]
+    try:
+        now = datetime.now(UTC)
+        with engine.begin() as conn:
+            run_id = conn.execute(insert(Run).values(name="r", created_at=now).returning(Run.id)).scalar_one()
+            for fp, esc in (("fp1", history), ("fp2", None)):
+                conn.execute(insert(Alert).values(run_id=run_id, fingerprint=fp, rule="stale_scale",
+                                                  severity="warning", state="firing", message="m", fired_step=80,
+                                                  escalated_step=300, escalations=esc, started_at=now,
+                                                  updated_at=now))
+        config = alembic_config()
+        with engine.begin() as conn:
+            config.attributes["connection"] = conn
+            command.downgrade(config, "0003")
+        assert "escalations" not in {c["name"] for c in inspect(engine).get_columns("alerts")}
+        upgrade(engine)
+        assert current_revision(engine) == head_revision()
+    finally:
+        engine.dispose()
+    store = SqlAlchemyStore(database_url)
+    try:
+        alerts = store.list_alerts(run="r").alerts
+    finally:
+        store.close()
+    # what the rows knew before 0004 (their last rise) is read as a one-entry history
+    assert [a.escalations for a in alerts] == [[{"step": 300, "severity": "warning", "from": None}]] * 2
+
+
 def test_server_refuses_a_schema_newer_than_itself(database_url):
     engine = create_db_engine(database_url)
     try:

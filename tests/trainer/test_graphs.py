@@ -190,10 +190,10 @@ def test_a_graphed_run_equals_the_eager_run_rows_and_histograms_included(precisi
 def test_fp8mon_train_with_cuda_graphs_sends_what_the_eager_run_sends(monkeypatch):
     """Three kinds of step (reporting with and without the histogram, not reporting), two micro-batches, a
     schedule, the model's diagnostics: the graphed run's losses, statistics and scalars are the eager run's."""
-    from fp8mon.agent.core import Agent
+    from fp8mon.agent import core
 
     sinks = []
-    monkeypatch.setattr(Agent, "_make_transport", lambda self, *a: sinks.append(CaptureTransport()) or sinks[-1])
+    monkeypatch.setattr(core, "make_transport", lambda *a: sinks.append(CaptureTransport()) or sinks[-1])
     common = ["--config", "tiny", "--precision", "fp8", "--steps", "12", "--batch-size", "8", "--grad-accum", "2",
               "--device", "cuda", "--no-progress", "--log-every", "1", "--seed", "3", "--monitor-url",
               "http://127.0.0.1:9", "--monitor-every", "2", "--monitor-hist-every", "2", "--run-name", "graphs"]

@@ -111,7 +111,7 @@ class Tab:
     def wait_for_trace(self, element_id: str, condition: str, arg=None) -> None:
         """Wait until some trace `t` of the chart satisfies the JS expression `condition` (with `arg`)."""
         self.page.wait_for_function(
-            f"([id, arg]) => (document.getElementById(id).data || []).some(t => {condition})",
+            f"([id, arg]) => ((document.getElementById(id) || {{}}).data || []).some(t => {condition})",
             arg=[element_id, arg], timeout=WAIT_MS)
 
 

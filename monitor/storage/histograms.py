@@ -1,0 +1,52 @@
+"""The stored log2 histograms of one layer x site (wire `log2_hist`: counts of |x| per binade, 56 bins from 2^-40)
+over a step range, with the scale in use at each of their steps.
+
+Histograms come on histogram steps only (every `hist_every`-th reporting step). When a range holds more than
+`max_points` of them, consecutive ones are summed into columns of equally many histograms (counts add; nothing is
+sampled), each column with the smallest and the largest scale of its steps."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from fp8mon.agent.wire import LOG2_HIST_BINS, LOG2_HIST_LO
+from fp8mon.monitor.storage.database import Database, fetch, to_float
+from fp8mon.monitor.storage.entities import Histograms
+from fp8mon.monitor.storage.runs import run_ref
+from fp8mon.monitor.storage.series import step_range, tensor_series_id
+
+
+def _scale(value) -> float | None:
+    s = to_float(value)
+    return s if s is not None and math.isfinite(s) and s > 0 else None
+
+
+def histograms(db: Database, name: str, *, layer: str, site: str, rank: int = 0, start: int | None = None,
+               end: int | None = None, max_points: int = 300) -> Histograms:
+    with db.reading() as conn:
+        ref = run_ref(conn, name)
+        sid = tensor_series_id(conn, ref, layer, site)
+        rng = step_range(ref, start, end)
+        rows = [] if rng is None else fetch(
+            conn, "SELECT step, scale, log2_hist FROM tensor_stats WHERE series_id = :sid AND rank = :rank "
+                  "AND step >= :lo AND step <= :hi AND log2_hist IS NOT NULL ORDER BY step",
+            {"sid": sid, "rank": rank, "lo": rng[0], "hi": rng[1]})
+    per_column = max(1, -(-len(rows) // max_points))
+    steps, step_last, counts, scale_min, scale_max = [], [], [], [], []
+    for lo in range(0, len(rows), per_column):
+        group = rows[lo:lo + per_column]
+        summed = np.zeros(LOG2_HIST_BINS, dtype=np.int64)
+        for row in group:
+            summed += np.frombuffer(bytes(row[2]), dtype="<i8")
+        scales = [s for s in (_scale(row[1]) for row in group) if s is not None]
+        steps.append(group[0][0])
+        step_last.append(group[-1][0])
+        counts.append(summed.tolist())
+        scale_min.append(min(scales) if scales else None)
+        scale_max.append(max(scales) if scales else None)
+    return Histograms(run=name, layer=layer, site=site, rank=rank, start=None if rng is None else rng[0],
+                      end=None if rng is None else rng[1], binade_lo=LOG2_HIST_LO, bins=LOG2_HIST_BINS,
+                      per_column=per_column, step=steps, step_last=step_last, counts=counts, scale_min=scale_min,
+                      scale_max=scale_max)
