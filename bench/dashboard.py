@@ -90,8 +90,9 @@ def fill_fleet(store: SqlAlchemyStore, runs: int) -> None:
 # -- measurements in the browser -------------------------------------------------------------------
 
 DRAWN = """() => {
-    const has = (id, test) => (document.getElementById(id).data || []).some(test);
-    return has('loss-chart', t => (t.name || '').startsWith('loss')) && has('heatmap-chart', t => t.type === 'heatmap');
+    const plots = [...document.querySelectorAll('.js-plotly-plot')];
+    const has = (test) => plots.some((gd) => (gd.data || []).some(test));
+    return has((t) => (t.name || '').startsWith('loss')) && has((t) => t.type === 'heatmap');
 }"""
 
 SWITCH = """async (stat) => {
