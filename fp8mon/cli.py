@@ -1,4 +1,4 @@
-"""The `fp8mon` command: serve, db, demo, export, sync, train.
+"""The `fp8mon` command: serve, db, demo, export, import, sync, train.
 
 Each command imports what it needs when it runs, so `fp8mon --help` and `fp8mon --version` work in an install
 with the agent only (no server packages). A mistake (a missing extra, a bad database URL, a refused connection, a
@@ -149,6 +149,45 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_import(args: argparse.Namespace) -> int:
+    from fp8mon.monitor import corpus
+
+    paths = corpus.select(args.fixtures, args.match, args.limit)
+    if not paths:
+        where = args.fixtures or "the repository's tests/fixtures/runs"
+        print(f"fp8mon import: no fixture in {where}" + (f" matching {args.match!r}" if args.match else ""),
+              file=sys.stderr)
+        return 1
+
+    def show(item: corpus.Imported) -> None:
+        again = f", {item.duplicates} already there" if item.duplicates else ""
+        print(f"{item.run:<40} {item.outcome:<9} {item.batches} batches{again}", flush=True)
+
+    if args.url:
+        corpus.import_into_server(args.url, paths, token=args.token or os.environ.get("FP8MON_TOKEN"), progress=show)
+        print(f"{len(paths)} runs sent to {args.url}: open {args.url.rstrip('/')}/")
+        return 0
+    from fp8mon.monitor.migrate import upgrade
+    from fp8mon.monitor.storage import SqlAlchemyStore
+    from fp8mon.monitor.storage.engine import create_db_engine
+
+    settings = _settings(args)
+    engine = create_db_engine(settings.database_url)
+    try:
+        upgrade(engine)
+    finally:
+        engine.dispose()
+    store = SqlAlchemyStore(settings.database_url)
+    try:
+        corpus.import_into_store(store, paths, predict=not args.no_predict, predictor=settings.predictor,
+                                 progress=show)
+    finally:
+        store.close()
+    print(f"{len(paths)} runs stored; see them with: fp8mon serve" + (
+        f" --database-url {args.database_url}" if args.database_url else ""))
+    return 0
+
+
 def cmd_sync(args: argparse.Namespace) -> int:
     from fp8mon.agent.spool import spool_root
     from fp8mon.agent.sync import sync
@@ -215,6 +254,19 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--steps-per-batch", type=int, default=10)
     export.add_argument("--no-hist", action="store_true", help="leave the log2 histograms out")
     export.set_defaults(func=cmd_export)
+
+    imp = commands.add_parser("import", parents=[debug],
+                              help="load the labelled runs (stable and diverging, FP8 and BF16) into a database or a "
+                                   "running server, to see the dashboard full")
+    _add_db_flag(imp)
+    imp.add_argument("--url", help="post to this running monitor instead of writing a database")
+    imp.add_argument("--token", help="the server's ingest token (env FP8MON_TOKEN), with --url")
+    imp.add_argument("--fixtures", type=Path, help="folder of <run>.json.gz fixtures (default: the repository's "
+                                                   "tests/fixtures/runs)")
+    imp.add_argument("--match", help="only files matching this glob or name prefix (e.g. 'cpu-fog-*-long-*')")
+    imp.add_argument("--limit", type=int, help="at most this many runs")
+    imp.add_argument("--no-predict", action="store_true", help="store the batches only: no predictions or alerts")
+    imp.set_defaults(func=cmd_import)
 
     sync = commands.add_parser("sync", parents=[debug],
                                help="deliver the batches runs left in their spools (idempotent)")

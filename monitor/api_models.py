@@ -47,7 +47,7 @@ JsonFloat = float | Literal["NaN", "Infinity", "-Infinity"] | None  # null: not 
 
 
 class RunListed(RunOut):
-    firing: int = Field(description="the run's firing alerts, all of them (not a page)")
+    firing: int = Field(description="the run's firing alerts not acknowledged, all of them (not a page)")
     firing_by_severity: dict[str, int] = Field(description="severity -> firing alerts (severities with some)")
     worst_severity: Literal["info", "warning", "critical"] | None = Field(
         description="the worst severity among the firing alerts; null: nothing firing")
@@ -256,3 +256,51 @@ class PredictionList(BaseModel):
 class AlertAcked(AlertOut):
     newly_acknowledged: bool = Field(description="false when the alert had been acknowledged already (its "
                                                  "acknowledged_at is kept)")
+
+
+class RunAlertsAcked(BaseModel):
+    run: str
+    acknowledged: list[int] = Field(description="ids of the alerts this request acknowledged (not those "
+                                                "acknowledged before)")
+
+
+# -- comparison (GET /api/v1/compare/...) --------------------------------------------------------------------
+
+
+class HeatmapDiffOut(BaseModel):
+    runs: list[str] = Field(description="[base, other]")
+    stat: str
+    site: str
+    agg: Literal["max", "min", "mean", "last"]
+    mode: Literal["difference", "log10_ratio"]
+    layers: list[str] = Field(description="the layers both runs have, in the base run's order")
+    edges: list[int] = Field(description="column i covers steps [edges[i], edges[i+1]), over the steps both runs have")
+    bucket_width: int
+    values: list[list[JsonFloat]] = Field(description="other - base (or log10(other / base)); null: either run "
+                                                      "has nothing there; \"NaN\": either value is non-finite")
+    only_in: dict[str, list[str]] = Field(description="run -> its layers the other run lacks")
+
+
+class ScalarGap(BaseModel):
+    scalar: str
+    step: list[int] = Field(description="steps both runs have (bucket starts when downsampled)")
+    reference: list[JsonFloat]
+    other: list[JsonFloat]
+    gap: list[JsonFloat] = Field(description="other - reference; null where either is missing or non-finite")
+    bucket_width: int
+
+
+class ParityPair(BaseModel):
+    reference: str = Field(description="the run with the reference value")
+    other: str
+    value: str = Field(description="the other run's value of the key")
+    gap: ScalarGap
+
+
+class ParityOut(BaseModel):
+    key: str
+    reference: str | None = Field(description="the key's value the pairs are measured against")
+    keys: list[str] = Field(description="config keys whose values differ among the runs considered")
+    pairs: list[ParityPair]
+    more_pairs: int = Field(description="pairs left out (at most 32 are returned)")
+    unpaired: list[str] = Field(description="runs with no partner: no run equal but for the key")

@@ -6,15 +6,28 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
+from starlette.middleware.gzip import GZipMiddleware
 
 from fp8mon.monitor.alerting.alertmanager import AlertmanagerSender
 from fp8mon.monitor.alerting.notifiers import Notifiers, firing_alerts
 from fp8mon.monitor.alerting.webhooks import WebhookSender
 from fp8mon.monitor.compactor import Compactor
+from fp8mon.monitor.conditional import ConditionalGetMiddleware
 from fp8mon.monitor.ingest_budget import IngestLimits
 from fp8mon.monitor.metrics import Metrics
 from fp8mon.monitor.pipeline import Pipeline
-from fp8mon.monitor.routers import alerts, dashboard, histograms, ingest, metrics, predictions, runs, series
+from fp8mon.monitor.routers import (
+    alerts,
+    compare,
+    dashboard,
+    docs,
+    histograms,
+    ingest,
+    metrics,
+    predictions,
+    runs,
+    series,
+)
 from fp8mon.monitor.security import CrossSiteGuard
 from fp8mon.monitor.settings import Settings
 from fp8mon.monitor.storage import AbstractStore, SqlAlchemyStore
@@ -45,8 +58,12 @@ def create_app(settings: Settings | None = None, *, store: AbstractStore | None 
             if owned:
                 app.state.store.close()
 
-    app = FastAPI(title="fp8mon", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="fp8mon", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Training-health monitoring for FP8 LLM training.")
+    # Outermost last: answers are compressed (GZip) after the ETag of their plain body is taken, so a 304
+    # carries no body at all. GZip leaves small answers (< 1 kB) and pre-compressed ones (plotly.js) alone.
+    app.add_middleware(ConditionalGetMiddleware, prefix=API_PREFIX + "/")
+    app.add_middleware(GZipMiddleware, minimum_size=1000, compresslevel=5)
     app.state.settings = settings
     app.state.metrics = Metrics(max_runs=settings.metrics_max_runs,
                                 grace_seconds=settings.metrics_run_grace_seconds)
@@ -55,6 +72,7 @@ def create_app(settings: Settings | None = None, *, store: AbstractStore | None 
     app.add_middleware(CrossSiteGuard, trusted_urls=(settings.public_url,))
     app.include_router(ingest.router, prefix=API_PREFIX)
     app.include_router(alerts.router, prefix=API_PREFIX)
+    app.include_router(compare.router, prefix=API_PREFIX)
     # series, alerts and predictions before runs: the bare /runs/{run} routes (and /runs/{run}/latest) take any
     # path and must come after the suffixed ones.
     app.include_router(predictions.router, prefix=API_PREFIX)
@@ -63,6 +81,7 @@ def create_app(settings: Settings | None = None, *, store: AbstractStore | None 
     app.include_router(runs.router, prefix=API_PREFIX)
     app.include_router(metrics.router)
     app.include_router(dashboard.router)
+    app.include_router(docs.router)
 
     def openapi() -> dict:
         if app.openapi_schema is None:

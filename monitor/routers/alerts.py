@@ -1,10 +1,11 @@
-"""/api/v1/alerts and /api/v1/runs/{run}/alerts: list alerts (filters, pages), acknowledge one."""
+"""/api/v1/alerts and /api/v1/runs/{run}/alerts: list alerts (filters, pages); acknowledge one, undo that, or
+acknowledge all of a run. An acknowledged alert keeps its lifecycle but leaves the run's firing counts."""
 
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
 
-from fp8mon.monitor.api_models import AlertAcked, AlertList, AlertState, Severity
+from fp8mon.monitor.api_models import AlertAcked, AlertList, AlertState, RunAlertsAcked, Severity
 from fp8mon.monitor.deps import StoreDep, require_read, require_write
 from fp8mon.monitor.routers.common import ERRORS, RunPath, SafeJSONResponse, http_errors
 
@@ -31,6 +32,22 @@ def list_alerts(store: StoreDep, state: StateQuery = None, severity: SeverityQue
 def acknowledge(store: StoreDep, alert_id: Annotated[int, Path(ge=1, le=2**31 - 1)]):
     with http_errors():
         return SafeJSONResponse(store.acknowledge_alert(alert_id).to_dict())
+
+
+@router.post("/alerts/{alert_id}/unack", response_model=AlertAcked, responses=ERRORS,
+             dependencies=[require_write], summary="Undo an acknowledgement (the alert counts as firing again)")
+def unacknowledge(store: StoreDep, alert_id: Annotated[int, Path(ge=1, le=2**31 - 1)]):
+    with http_errors():
+        return SafeJSONResponse(store.unacknowledge_alert(alert_id).to_dict())
+
+
+@router.post("/runs/{run:path}/alerts/ack", response_model=RunAlertsAcked, responses=ERRORS,
+             dependencies=[require_write],
+             summary="Acknowledge every pending or firing alert of a run (of the severities given)")
+def acknowledge_run(store: StoreDep, run: RunPath, severity: SeverityQuery = None):
+    with http_errors():
+        ids = store.acknowledge_run_alerts(run, severity)
+    return SafeJSONResponse({"run": run, "acknowledged": ids})
 
 
 @router.get("/runs/{run:path}/alerts", response_model=AlertList, responses=ERRORS, dependencies=[require_read],

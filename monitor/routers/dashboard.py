@@ -18,6 +18,7 @@ router = APIRouter(include_in_schema=False)
 
 STATIC = files("fp8mon.monitor") / "static"
 OWN_ASSETS = {"common.js": "text/javascript; charset=utf-8", "dashboard.js": "text/javascript; charset=utf-8",
+              "alerts.js": "text/javascript; charset=utf-8", "compare.js": "text/javascript; charset=utf-8",
               "dashboard.css": "text/css; charset=utf-8"}
 # The page asks for plotly.min.js?v=<version>, so a plotly upgrade changes the URL and a year's cache is safe.
 PLOTLY_CACHE = "public, max-age=31536000, immutable"

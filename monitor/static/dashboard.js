@@ -5,9 +5,6 @@
   const INTERVAL_KEY = "fp8mon.refresh";
   const RUN_PAGE = 50; // runs per "more"
   const RUN_LIMIT_MAX = 1000; // the API's page limit
-  const ALERT_LIMIT = 500;
-  const SEVERITY_COLOURS = { info: "#2f6fdb", warning: "#e08a00", critical: "#d93025" };
-  const SEVERITY_RANK = { info: 1, warning: 2, critical: 3 };
 
   const state = {
     runs: [],
@@ -152,6 +149,7 @@
     const item = el("li", { cls: "run-item" + severity + selected, title, data: { run: run.name } },
       [el("div", { cls: "run-name", text: run.name }), health]);
     item.addEventListener("click", () => selectRun(run.name));
+    window.fp8monCompare.decorate(item, run); // the tick box that picks it for comparison
     return item;
   }
 
@@ -219,8 +217,7 @@
       item.classList.toggle("selected", item.dataset.run === name);
     }
     [scalars, heatmap, drilldown].forEach((part) => part.reset());
-    blankChart("alert-chart");
-    $("alert-table").hidden = true;
+    window.fp8monAlerts.reset();
     $("prediction").replaceChildren();
     showMessage("run-empty", "Loading " + name + " …");
     refreshRun();
@@ -245,11 +242,11 @@
       if (current()) showRunError(name, err);
       return;
     }
-    const alerts = await loadRunAlerts(name, generation);
+    const alerts = await window.fp8monAlerts.load(name, () => generation === state.generation);
     // the parts fetch again only when the run has new data (`stamp`) or the user changed what they show
     const view = { name, catalogue, current, stamp: `${run.last_seen_at}|${run.last_step}` };
     await Promise.all([
-      scalars.draw(view, alerts, { traces: alertMarkerTraces, layout: scalarLayout }),
+      scalars.draw(view, alerts, { traces: window.fp8monAlerts.markerTraces, layout: scalarLayout }),
       heatmap.draw(view),
       drilldown.draw(view),
       drawPrediction(name, generation),
@@ -276,38 +273,8 @@
 
   // ---- alert markers on the scalar charts (scalars.js draws the charts) -------------------------------------
 
-  function firedGroups(alerts) {
-    // One marker per fired step, coloured by its worst alert: dozens of layer alerts often fire together.
-    const groups = new Map();
-    for (const alert of alerts) {
-      if (alert.fired_step === null) continue;
-      const group = groups.get(alert.fired_step) || { step: alert.fired_step, severity: "info", lines: [] };
-      if (SEVERITY_RANK[alert.severity] > SEVERITY_RANK[group.severity]) group.severity = alert.severity;
-      const escalated = alert.escalated_step === null ? "" : ` (from step ${alert.escalated_step})`;
-      group.lines.push(`${alert.severity}${escalated}: ${alert.message}`);
-      groups.set(alert.fired_step, group);
-    }
-    return [...groups.values()].sort((a, b) => a.step - b.step);
-  }
-
-  function alertMarkerTraces(alerts) {
-    const groups = firedGroups(alerts);
-    if (!groups.length) return [];
-    return [{
-      type: "scatter", mode: "markers", name: "alerts fired", x: groups.map((g) => g.step),
-      y: groups.map(() => 1), yaxis: "y2", cliponaxis: false,
-      marker: { symbol: "triangle-down", size: 11, color: groups.map((g) => SEVERITY_COLOURS[g.severity]) },
-      text: groups.map((g) => `step ${g.step}<br>` + g.lines.slice(0, 8).join("<br>")
-        + (g.lines.length > 8 ? `<br>… ${g.lines.length - 8} more` : "")),
-      hoverinfo: "text",
-    }];
-  }
-
   function scalarLayout(name, scalar, alerts) {
-    const shapes = firedGroups(alerts).map((g) => ({
-      type: "line", xref: "x", yref: "paper", x0: g.step, x1: g.step, y0: 0, y1: 1,
-      line: { color: SEVERITY_COLOURS[g.severity], width: 1, dash: "dot" },
-    }));
+    const shapes = window.fp8monAlerts.markerShapes(alerts);
     return {
       uirevision: name, // the user's zoom survives live updates, and resets on another run
       margin: { l: 56, r: 16, t: 10, b: 40 },
@@ -318,106 +285,6 @@
       hovermode: "closest",
       shapes,
     };
-  }
-
-  // ---- alerts ------------------------------------------------------------------------------------------------
-
-  async function loadRunAlerts(name, generation) {
-    let body;
-    try {
-      body = await api(`/runs/${runPath(name)}/alerts`, { params: { limit: ALERT_LIMIT } });
-    } catch (err) {
-      if (generation === state.generation) showMessage("alert-message", errorMessage(err), true);
-      return [];
-    }
-    if (generation !== state.generation) return [];
-    const more = body.total > body.alerts.length ? ` (the ${body.alerts.length} most recent of ${body.total})` : "";
-    showMessage("alert-message", body.alerts.length ? more : "No alerts for this run.");
-    drawAlertTimeline(name, body.alerts);
-    renderAlertTable(body.alerts);
-    return body.alerts;
-  }
-
-  function alertLabel(alert) {
-    const where = alert.layer ? ` · ${alert.layer}${alert.site ? " " + alert.site : ""}` : "";
-    return alert.rule + where;
-  }
-
-  function alertEnd(alert) {
-    return alert.resolved_step ?? alert.last_step ?? alert.first_step;
-  }
-
-  function drawAlertTimeline(name, alerts) {
-    const timed = alerts.filter((a) => a.first_step !== null);
-    if (!timed.length) {
-      blankChart("alert-chart");
-      return;
-    }
-    const traces = ["critical", "warning", "info"].map((severity) => {
-      const mine = timed.filter((a) => a.severity === severity);
-      return {
-        type: "bar", orientation: "h", name: severity, y: mine.map(alertLabel),
-        base: mine.map((a) => a.first_step), x: mine.map((a) => Math.max(1, alertEnd(a) - a.first_step)),
-        marker: { color: SEVERITY_COLOURS[severity], opacity: mine.map((a) => (a.state === "resolved" ? 0.35 : 0.9)),
-          pattern: { shape: mine.map((a) => (a.state === "pending" ? "/" : "")) } },
-        text: mine.map((a) => `${a.state}: ${a.message}`), hoverinfo: "text", textposition: "none",
-      };
-    }).filter((t) => t.y.length);
-    const rows = new Set(timed.map(alertLabel)).size;
-    const height = Math.min(600, 80 + 20 * rows);
-    $("alert-chart").style.height = height + "px"; // one row per alert identity: grow the box with them
-    drawChart("alert-chart", traces, {
-      uirevision: name, barmode: "overlay", height,
-      margin: { l: 10, r: 10, t: 10, b: 36 },
-      xaxis: { title: { text: "step" } },
-      yaxis: { automargin: true, autorange: "reversed", type: "category" },
-      legend: { orientation: "h", x: 0, y: 1.1 },
-    });
-  }
-
-  function renderAlertTable(alerts) {
-    const table = $("alert-table");
-    table.hidden = !alerts.length;
-    table.tBodies[0].replaceChildren(...alerts.map(alertRow));
-  }
-
-  function alertRow(alert) {
-    const where = alert.layer ? `${alert.layer}${alert.site ? " / " + alert.site : ""}` : "model";
-    const cells = [
-      el("td", { text: alert.rule }),
-      el("td", { text: where }),
-      el("td", {}, [el("span", { cls: "badge sev-" + alert.severity, text: alert.severity })]),
-      el("td", { cls: "state", text: alert.state }),
-      el("td", { cls: "num", text: fmt(alert.first_step) }),
-      el("td", { cls: "num", text: fmt(alert.fired_step) }),
-      el("td", { cls: "num", text: fmt(alert.escalated_step) }),
-      el("td", { cls: "num", text: fmt(alertEnd(alert)) }),
-      el("td", { cls: "alert-text", text: alert.message }),
-      el("td", {}, [ackButton(alert)]),
-    ];
-    return el("tr", { cls: "state-" + alert.state, data: { alertId: alert.id } }, cells);
-  }
-
-  function ackButton(alert) {
-    const button = el("button", { cls: "ack", text: alert.acknowledged_at ? "acknowledged" : "Acknowledge",
-      title: alert.acknowledged_at ? "acknowledged at " + alert.acknowledged_at : "" });
-    button.type = "button";
-    button.disabled = Boolean(alert.acknowledged_at);
-    button.addEventListener("click", () => acknowledge(alert, button));
-    return button;
-  }
-
-  async function acknowledge(alert, button) {
-    button.disabled = true;
-    try {
-      const acked = await api(`/alerts/${alert.id}/ack`, { method: "POST" });
-      button.textContent = "acknowledged";
-      button.title = "acknowledged at " + acked.acknowledged_at;
-    } catch (err) {
-      button.disabled = false;
-      const why = err instanceof ApiError && err.status === 403 ? " (acknowledging needs a write token)" : "";
-      showMessage("alert-message", "Could not acknowledge alert " + alert.id + ": " + errorMessage(err) + why, true);
-    }
   }
 
   // ---- prediction --------------------------------------------------------------------------------------------
@@ -487,10 +354,9 @@
     state.ticking = true;
     let status = "update failed at ";
     try {
-      if (await refreshRuns()) {
-        await refreshRun();
-        status = "updated ";
-      }
+      // the run list and the selected run at once: a first render waits for one round trip less
+      const [listed] = await Promise.all([refreshRuns(), refreshRun()]);
+      if (listed) status = "updated ";
     } catch (err) {
       showBanner(errorMessage(err)); // the draw functions handle API errors; this is a last resort
     } finally {
@@ -540,6 +406,9 @@
     heatmap.bind({ updateUrl, onCell: (layer, site) => drilldown.open(layer, site) });
     drilldown.bind({ updateUrl });
     bindRunListControls(params);
+    // an acknowledgement changes the run list's firing counts; the severity filter changes the chart markers
+    document.addEventListener("fp8mon:alerts-changed", () => refreshRuns());
+    document.addEventListener("fp8mon:alert-filter", () => refreshRun());
     if (!hasPlotly()) showBanner("plotly.js did not load from /static/plotly.min.js: charts are off, tables work.");
     if (params.get("run")) {
       state.selected = params.get("run");

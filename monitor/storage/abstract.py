@@ -152,6 +152,15 @@ class AbstractStore(AlertStore):
         """Idempotent: the first acknowledgement's time is kept; the lifecycle goes on."""
 
     @abstractmethod
+    def unacknowledge_alert(self, alert_id: int) -> AcknowledgedAlert:
+        """Undo an acknowledgement: the alert counts among the run's firing alerts again."""
+
+    @abstractmethod
+    def acknowledge_run_alerts(self, run: str, severity: list[str] | None = None) -> list[int]:
+        """Acknowledge every unacknowledged pending or firing alert of the run (of these severities); their
+        ids."""
+
+    @abstractmethod
     def list_predictions(self, run: str, *, from_step: int | None = None, to_step: int | None = None,
                          limit: int = 1000) -> PredictionPage:
         """In step order: from from_step on, or the last `limit` ones up to to_step."""

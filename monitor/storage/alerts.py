@@ -83,6 +83,31 @@ def acknowledge(db: Database, alert_id: int) -> AcknowledgedAlert:
     return AcknowledgedAlert(_alert(row), newly_acknowledged=result.rowcount == 1)
 
 
+def unacknowledge(db: Database, alert_id: int) -> AcknowledgedAlert:
+    """Clear acknowledged_at: the alert counts as firing again. `newly_acknowledged` is false."""
+    with db.writing() as conn:
+        conn.execute(update(Alert).where(Alert.id == alert_id).values(acknowledged_at=None))
+        row = conn.execute(select(*_ALERT_COLUMNS).join(Run, Run.id == Alert.run_id)
+                           .where(Alert.id == alert_id)).first()
+    if row is None:
+        raise NotFound(f"alert {alert_id} not found")
+    return AcknowledgedAlert(_alert(row), newly_acknowledged=False)
+
+
+def acknowledge_run(db: Database, run: str, severity: list[str] | None = None) -> list[int]:
+    """Acknowledge every pending or firing alert of the run not acknowledged yet (of these severities, if
+    given); returns their ids."""
+    with db.writing() as conn:
+        where = [Alert.run_id == run_ref(conn, run).id, Alert.state.in_(ACTIVE_STATES),
+                 Alert.acknowledged_at.is_(None)]
+        if severity:
+            where.append(Alert.severity.in_(severity))
+        ids = list(conn.execute(select(Alert.id).where(*where).order_by(Alert.id)).scalars())
+        if ids:
+            conn.execute(update(Alert).where(Alert.id.in_(ids)).values(acknowledged_at=utcnow()))
+    return ids
+
+
 def list_predictions(db: Database, run: str, *, from_step: int | None = None, to_step: int | None = None,
                      limit: int = 1000) -> PredictionPage:
     """Stored predictions in step order: from from_step on, or the last `limit` ones up to to_step."""

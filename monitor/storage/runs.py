@@ -83,11 +83,13 @@ def parse_tag_filters(tags: list[str]) -> list[tuple[str, str | None]]:
 
 
 def _firing_per_run():
-    """One row per run with firing alerts: the count per severity and the worst (1 info .. 3 critical)."""
+    """One row per run with firing alerts: the count per severity and the worst (1 info .. 3 critical).
+    An acknowledged alert is not counted: someone has seen it (it goes on firing in /alerts)."""
     level = case({sev: i for i, sev in enumerate(SEVERITIES, start=1)}, value=Alert.severity, else_=0)
     per_severity = [func.sum(case((Alert.severity == sev, 1), else_=0)).label(sev) for sev in SEVERITIES]
     return (select(Alert.run_id, func.count().label("n"), func.max(level).label("worst"), *per_severity)
-            .where(Alert.state == "firing").group_by(Alert.run_id).subquery("firing"))
+            .where(Alert.state == "firing", Alert.acknowledged_at.is_(None)).group_by(Alert.run_id)
+            .subquery("firing"))
 
 
 def _summary(row) -> RunSummary:

@@ -157,6 +157,12 @@ class SqlAlchemyStore(AbstractStore):
     def acknowledge_alert(self, alert_id: int) -> AcknowledgedAlert:
         return alerts.acknowledge(self.db, alert_id)
 
+    def unacknowledge_alert(self, alert_id: int) -> AcknowledgedAlert:
+        return alerts.unacknowledge(self.db, alert_id)
+
+    def acknowledge_run_alerts(self, run: str, severity: list[str] | None = None) -> list[int]:
+        return alerts.acknowledge_run(self.db, run, severity)
+
     def list_predictions(self, run: str, *, from_step: int | None = None, to_step: int | None = None,
                          limit: int = 1000) -> PredictionPage:
         return alerts.list_predictions(self.db, run, from_step=from_step, to_step=to_step, limit=limit)

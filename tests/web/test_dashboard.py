@@ -148,10 +148,11 @@ def test_run_list_health_then_loss_and_grad_norm_with_alert_markers_then_acknowl
     item.click()
     expect(tab.page).to_have_url(re.compile(r"\?run=team%2Ffog-fp8%2Framp$"))
     expect(tab.page.locator("#run-title")).to_have_text(RUN)
-    fired_steps = sorted({a["fired_step"] for a in alerts if a["fired_step"] is not None})
+    tab.page.select_option("#alert-severity", "info")  # every alert, info ones too (the default: warning and up)
+    fired_steps = sorted({a[key] for a in alerts for key in ("fired_step", "escalated_step") if a[key] is not None})
     for chart, scalar in (("loss-chart", "loss"), ("grad-norm-chart", "grad_norm")):
         tab.wait_for_trace(chart, "t.name === arg", scalar)
-        tab.wait_for_trace(chart, "t.name === 'alerts fired'")
+        tab.wait_for_trace(chart, "t.name === 'alerts fired' && t.x.length === arg", len(fired_steps))
         drawn = tab.chart(chart)
         line = next(t for t in drawn["data"] if t["name"] == scalar)
         assert line["x"][0] == 0 and line["x"][-1] == last_step_of(batches()[:FIRST_PART])
@@ -162,16 +163,21 @@ def test_run_list_health_then_loss_and_grad_norm_with_alert_markers_then_acknowl
     expect(tab.page.locator("#prediction")).to_contain_text("risk")
     expect(tab.page.locator("#prediction .list-culprits li").first).to_be_visible()
 
-    # the alert timeline: every alert in the table and as a bar; acknowledging one reaches the API
+    # the alerts panel: one row per rule; a rule opens onto its alerts; acknowledging one reaches the API and
+    # takes it out of the run's firing count
     alert = firing[0]
+    rules = {a["rule"] for a in alerts}
+    expect(tab.page.locator("#alert-table tr.alert-group")).to_have_count(len(rules))
+    tab.page.locator(f"#alert-table tr.alert-group[data-rule='{alert['rule']}'] .alert-toggle").click()
     row = tab.page.locator(f"#alert-table tr[data-alert-id='{alert['id']}']")
-    for text in (alert["rule"], alert["severity"], "firing", str(alert["fired_step"])):
+    for text in (alert["severity"], "firing", str(alert["fired_step"])):
         expect(row).to_contain_text(text)
-    expect(tab.page.locator("#alert-table tbody tr")).to_have_count(len(alerts))
+    expect(tab.page.locator("#alert-table tr.alert-detail")).to_have_count(
+        sum(a["rule"] == alert["rule"] for a in alerts))
     tab.wait_for_trace("alert-chart", "t.type === 'bar' && t.name === arg", alert["severity"])
     row.get_by_role("button", name="Acknowledge").click()
-    expect(row.get_by_role("button")).to_have_text("acknowledged")
-    expect(row.get_by_role("button")).to_be_disabled()
+    expect(row.get_by_role("button")).to_have_text("Un-acknowledge")
+    expect(item.locator(".run-firing")).to_have_text(f"{len(firing) - 1} firing")
     acked = next(a for a in run_api(fed_server, "/alerts")["alerts"] if a["id"] == alert["id"])
     assert acked["acknowledged_at"] is not None
 
