@@ -118,7 +118,7 @@ def test_parity_pairs_runs_equal_but_for_the_key_and_gives_the_loss_gap(client, 
 
 def test_pairing_reads_nested_keys_and_ignores_what_names_the_run():
     def run(name, **train):
-        return Run(id=0, name=name, status="running", config={"train": {"run_name": name, **train}}, tags={},
+        return Run(id=0, uid=name, name=name, status="running", config={"train": {"run_name": name, **train}}, tags={},
                    created_at=None, started_at=None, ended_at=None, last_seen_at=None, first_step=0, last_step=1)
 
     runs = [run("a", precision="bf16", lr=1), run("b", precision="fp8", lr=1), run("c", precision="fp8", lr=2),
