@@ -10,7 +10,6 @@ import http.server
 import json
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -18,17 +17,6 @@ import pytest
 from fp8mon.agent.wire import CLIENT_HEADER
 from fp8mon.monitor.localserver import free_port
 from tests.integration.streams import fake_predictor_env, kurtosis_stream
-
-try:
-    from playwright.sync_api import sync_playwright
-except ImportError:  # pragma: no cover - CI installs it with the dev extra
-    sync_playwright = None
-
-CHROMIUM = Path("/usr/bin/chromium")
-pytestmark = [
-    pytest.mark.skipif(sync_playwright is None, reason="the playwright package is not installed (dev extra)"),
-    pytest.mark.skipif(not CHROMIUM.exists(), reason="no /usr/bin/chromium (scripts/test.sh installs Debian's)"),
-]
 
 INJECTED = {"version": 1, "batch_id": "injected-0", "run": "injected",
             "scalars": {"step": [0], "name": ["loss"], "value": [1.0]}}
@@ -91,16 +79,6 @@ def attacker():
     for server in servers:
         server.shutdown()
         server.server_close()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=str(CHROMIUM),
-            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
-        yield browser
-        browser.close()
 
 
 def firing_alerts(server) -> list[dict]:

@@ -10,7 +10,6 @@ import re
 import time
 from functools import lru_cache
 from importlib.resources import files
-from pathlib import Path
 from urllib.parse import quote
 
 import httpx
@@ -18,24 +17,14 @@ import pytest
 
 from fp8mon.agent.wire import CLIENT_HEADER
 from fp8mon.monitor.fixtures import FIXTURE_DIR, load_fixture
+from tests.web.conftest import WAIT_MS
 
-try:
-    from playwright.sync_api import expect, sync_playwright
-except ImportError:  # pragma: no cover - CI installs it with the dev extra
-    sync_playwright = None
-
-CHROMIUM = Path("/usr/bin/chromium")
-pytestmark = [
-    pytest.mark.skipif(sync_playwright is None, reason="the playwright package is not installed (dev extra)"),
-    pytest.mark.skipif(not CHROMIUM.exists(), reason="no /usr/bin/chromium (scripts/test.sh installs Debian's)"),
-]
+expect = pytest.importorskip("playwright.sync_api", reason="the playwright package (dev extra)").expect
 
 RUN = "team/fog-fp8/ramp"
 FIXTURE = FIXTURE_DIR / "cpu-fog-fp8-ramp.json.gz"
 FIRST_PART = 34  # batches of 10 steps: steps 0..339 before the page loads, the rest (to 419) while it is open
-WAIT_MS = 15_000
-if sync_playwright is not None:
-    expect.set_options(timeout=WAIT_MS)
+expect.set_options(timeout=WAIT_MS)
 
 
 @lru_cache(maxsize=1)

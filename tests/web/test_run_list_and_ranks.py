@@ -3,7 +3,6 @@ severity puts the worst run first with the server's firing counts) and the rank 
 from its merged rank -1; an 8-rank run, one rank or the worst over ranks). Data is written through the store."""
 
 import re
-from pathlib import Path
 from urllib.parse import quote
 
 import pytest
@@ -11,17 +10,7 @@ import pytest
 from fp8mon.monitor.wire import IngestBatch
 from tests.monitor.fleet import SEARCHED, WORST, make_fleet
 
-try:
-    from playwright.sync_api import expect, sync_playwright
-except ImportError:  # pragma: no cover - CI installs it with the dev extra
-    sync_playwright = None
-
-CHROMIUM = Path("/usr/bin/chromium")
-pytestmark = [
-    pytest.mark.skipif(sync_playwright is None, reason="the playwright package is not installed (dev extra)"),
-    pytest.mark.skipif(not CHROMIUM.exists(), reason="no /usr/bin/chromium (scripts/test.sh installs Debian's)"),
-]
-WAIT_MS = 15_000
+expect = pytest.importorskip("playwright.sync_api", reason="the playwright package (dev extra)").expect
 LAYERS = [f"blocks.{i}.mlp" for i in range(4)]
 
 

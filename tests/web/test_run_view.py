@@ -12,13 +12,14 @@ import pytest
 
 from fp8mon.agent.wire import CLIENT_HEADER, LOG2_HIST_BINS, LOG2_HIST_LO
 from fp8mon.monitor.localserver import ServerProcess
+from tests.web.conftest import WAIT_MS
 
 try:
     from playwright.sync_api import expect
 except ImportError:  # pragma: no cover - the browser fixture skips
     expect = None
 
-WAIT_MS = 15_000
+
 DEEP = "deep/560"
 LAYERS = [f"blocks.{i // 5}.{('q', 'k', 'v', 'o', 'mlp')[i % 5]}" for i in range(560)]
 PLANTED = LAYERS[377]
