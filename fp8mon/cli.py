@@ -1,4 +1,4 @@
-"""The `fp8mon` command: serve, db, demo, export, sync, train.
+"""The `fp8mon` command: serve, db, demo, export, eval, sync, train.
 
 Each command imports what it needs when it runs, so `fp8mon --help` and `fp8mon --version` work in an install
 with the agent only (no server packages).
@@ -116,6 +116,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from fp8mon.eval_cli import run
+
+    return run(args)
+
+
 def cmd_sync(args: argparse.Namespace) -> int:
     from fp8mon.agent.spool import spool_root
     from fp8mon.agent.sync import sync
@@ -174,6 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--steps-per-batch", type=int, default=10)
     export.add_argument("--no-hist", action="store_true", help="leave the log2 histograms out")
     export.set_defaults(func=cmd_export)
+
+    from fp8mon.eval_cli import add_arguments as add_eval_arguments
+
+    evaluate = commands.add_parser("eval", help="replay labelled runs through the predictors and score their "
+                                                "warnings against the failures")
+    add_eval_arguments(evaluate)
+    evaluate.set_defaults(func=cmd_eval)
 
     sync = commands.add_parser("sync", help="deliver the batches runs left in their spools (idempotent)")
     sync.add_argument("spool_dirs", nargs="*", type=Path, metavar="SPOOL_DIR",

@@ -16,12 +16,21 @@ from fp8mon.monitor.predictors.divergence import MARGIN, M
 
 @dataclass(frozen=True)
 class PredictorParams:
-    # -- warm-up: statistics move a lot while the model leaves its initialisation; no baseline before this
+    # -- warm-up: statistics move a lot while the model leaves its initialisation and the learning rate climbs;
+    # no baseline before its end: the step at which the reported lr stopped rising, within [warmup_min_steps,
+    # warmup_max_steps]; `warmup_steps` for a run that reports no lr (monitor.predictors.schedule)
     warmup_steps: int = 60
+    warmup_min_steps: int = 20
+    warmup_max_steps: int = 60
     # smoothing of per-tensor statistics: EWMA weight of the newest report
     ewma_alpha: float = 0.2
     # trend window (reports) for rates of change and the steps-to-threshold extrapolations
     trend_window: int = 16
+    # the EWMA weights `ewma_alpha` of tensor statistics and of the attention / optimizer / log Z scalars are per
+    # this many training steps, not per report, so a signal smooths over the same training steps whatever the
+    # reporting interval (2: the CPU corpus' interval, where one report weighs exactly `ewma_alpha`)
+    tensor_alpha_steps: int = 2
+    scalar_alpha_steps: int = 2
 
     # -- kurtosis growth: rise of smoothed ln(kurtosis) above its own running minimum (after warm-up).
     # Kurtosis grows in every run while the model learns, healthy runs included, so 2x is only "info".
@@ -51,6 +60,8 @@ class PredictorParams:
     # alert on a stable run, 1.1 pages a healthy run, 1.4 warns some ramps too late
     kurtosis_fast_steps: int | None = 50
     kurtosis_fast_rise: float = 1.2
+    # A slow creep warns too: the same level above its minimum since the warm-up (output/weight sites)
+    kurtosis_long_rise: float = 3.5
 
     # -- amax drift toward saturation (delayed scaling only: a reported amax_history_max)
     # Short histories overflow by ~1% for a few steps whenever gradients grow fast (early training), in
@@ -103,6 +114,9 @@ class PredictorParams:
     # 2.14), and 3.0 and 3.5 give the same leads on the labelled runs, so 3.5 leaves more room. A run without
     # QK-norm grows it 5000x (rise 8.6) before it diverges
     attn_logit_rise: float = 3.5
+    # An absolute danger level of the smoothed attention max-logit: QK-Clip (Kimi K2) caps logits at 100, and
+    # Wortsman et al. (small-scale proxies) see attention-logit growth precede instability
+    attn_logit_level: float | None = 100.0
     adam_update_rise: float = 0.7        # 2x
     # log Z drifts by 3 nats: healthy 300-700-step runs sharpen by ~1 nat and a healthy 1500-step FOG run
     # drifts by 2
@@ -111,6 +125,11 @@ class PredictorParams:
     # and more
     logsumexp_pages: bool = False
     scalar_growth_for_steps: int = 20
+
+    # -- the learning rate leaving its schedule after the warm-up: `lr_jump` times its lowest of the last
+    # `lr_window` steps (monitor.predictors.schedule)
+    lr_jump: float = 1.5
+    lr_window: int = 200
 
     # -- the loss has left its running minimum (the divergence rule's condition, reported as it happens)
     loss_margin: float = MARGIN
