@@ -35,7 +35,7 @@ class KurtosisGrowth:
     def __init__(self, params: PredictorParams, warmup: Warmup):
         self.p = params
         def tracker(baseline_steps):
-            return LevelTracker(params.kurtosis_alpha, params.trend_window, warmup,
+            return LevelTracker(params.kurtosis_alpha, params.trend_window, warmup, trend_steps=params.trend_steps,
                                 baseline_steps=baseline_steps, alpha_steps=params.kurtosis_alpha_steps)
 
         self.slots = tracker(params.kurtosis_baseline_steps)

@@ -39,7 +39,7 @@ class RunPredictor:
             Spike("loss_spike", "loss", p.loss_spike_z, p, log=False),
             Spike("grad_norm_spike", "grad_norm", p.grad_norm_spike_z, p, log=True),
             Growth("loss_drift", "loss", p.loss_drift, p, log=False, warmup=w, alpha=p.slow_alpha,
-                   for_steps=p.drift_for_steps, alpha_steps=1),
+                   for_steps=p.drift_for_steps, alpha_steps=1, clip_rise=p.drift_clip * p.loss_drift),
             Growth("grad_norm_growth", "grad_norm", p.grad_norm_rise, p, log=True, warmup=w, alpha=p.slow_alpha,
                    for_steps=p.drift_for_steps, alpha_steps=1),
             Growth("attn_logit_growth", "attn_max_logit", p.attn_logit_rise, p, log=True, warmup=w,

@@ -41,7 +41,8 @@ class AmaxSaturation:
     def __init__(self, params: PredictorParams, warmup: Warmup):
         self.p, self.warmup = params, warmup
         a = params.tensor_alpha_steps
-        self.headroom = LevelTracker(params.ewma_alpha, params.trend_window, 0, alpha_steps=a)
+        self.headroom = LevelTracker(params.ewma_alpha, params.trend_window, 0, alpha_steps=a,
+                                     trend_steps=params.trend_steps)
         self.overflow_level = LevelTracker(params.ewma_alpha, params.trend_window, 0, alpha_steps=a)
         # staleness of the scale, log2(format_max / (amax_history_max * scale)): exactly the margin at every step
         # while the scale is refreshed from the history it is reported with; its range since warm-up, per slot

@@ -65,12 +65,15 @@ class Growth:
 
     def __init__(self, name: str, scalar: str, rise: float, params: PredictorParams, log: bool, warmup: Warmup,
                  alpha: float | None = None, for_steps: int | None = None, pages: bool = True,
-                 alpha_steps: int | None = None, level: float | None = None):
+                 alpha_steps: int | None = None, level: float | None = None, clip_rise: float | None = None):
         self.name, self.scalar, self.threshold, self.log, self.p = name, scalar, rise, log, params
         self.pages = pages  # False: its findings stay info and its score below a warning's
         self.for_steps = params.scalar_growth_for_steps if for_steps is None else for_steps
         self.level = ScalarLevel(alpha or params.ewma_alpha, warmup, alpha_steps)
         self.danger = level
+        # each value enters the EWMA at most this far above the baseline, so a burst that recovers leaves the
+        # level (and its alert) within a few of the EWMA's time constants, while a sustained rise still crosses
+        self.clip_rise = clip_rise
         self.last = SignalOutput()
 
     def observe(self, step: int, scalars: dict[str, float]) -> SignalOutput:
@@ -79,6 +82,8 @@ class Growth:
             self.last = self.last.at(step)
             return self.last
         x = (math.log(value) if value > 0 else math.nan) if self.log else value
+        if self.clip_rise is not None and x > self.level.baseline + self.clip_rise:  # NaN baseline: False
+            x = self.level.baseline + self.clip_rise
         self.level.update(step, x)
         rise = self.level.rise()
         ratio = rise / self.threshold if math.isfinite(rise) else 0.0

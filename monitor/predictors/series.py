@@ -38,8 +38,11 @@ class LevelTracker:
     BUCKETS = 8
 
     def __init__(self, alpha: float, window: int, warmup: Warmup | int, width: int = 0,
-                 baseline_steps: int | None = None, alpha_steps: int | None = None):
+                 baseline_steps: int | None = None, alpha_steps: int | None = None, trend_steps: int | None = None):
         self.alpha, self.warmup, self.alpha_steps = alpha, as_warmup(warmup), alpha_steps
+        self.trend_steps = trend_steps
+        if trend_steps is not None:
+            window = max(window, trend_steps + 1)  # room for one update per step over the trend
         self.level = np.full(width, np.nan)
         self.baseline = np.full(width, np.nan)
         self.since_warmup = np.full(width, np.nan) if baseline_steps is not None else None
@@ -48,6 +51,7 @@ class LevelTracker:
         self._ring_steps = np.full(window, np.nan)
         self._n = 0
         self.step: int | None = None
+        self.first_step: int | None = None
         self._bucket_steps = None if baseline_steps is None else max(1, baseline_steps // self.BUCKETS)
         self._buckets: deque[tuple[int, np.ndarray]] = deque()  # (bucket index, minimum level in it)
 
@@ -88,6 +92,8 @@ class LevelTracker:
         self._ring_steps[slot] = step
         self._n += 1
         self.step = step
+        if self.first_step is None:
+            self.first_step = step
 
     def _trail_baseline(self, step: int, levels: np.ndarray) -> None:
         bucket = step // self._bucket_steps
@@ -112,7 +118,10 @@ class LevelTracker:
 
     def rate(self) -> np.ndarray:
         """Change of the level per training step over the window; NaN until the window is full (a rate
-        over a few steps is noise)."""
+        over a few steps is noise). With `trend_steps`: over the last `trend_steps` training steps (from the
+        oldest update within them, or the last one before when updates are sparser), whatever the interval."""
+        if self.trend_steps is not None:
+            return self._rate_over_steps()
         if self._n < self._ring.shape[0]:
             return np.full(self.width, np.nan)
         oldest = self._n % self._ring.shape[0]
@@ -120,6 +129,18 @@ class LevelTracker:
         if not span > 0:
             return np.full(self.width, np.nan)
         return (self.level - self._ring[oldest]) / span
+
+    def _rate_over_steps(self) -> np.ndarray:
+        if self.step is None or self.step - self.first_step < self.trend_steps:
+            return np.full(self.width, np.nan)
+        steps = self._ring_steps
+        earlier = steps < self.step  # NaN compares False
+        within = earlier & (steps >= self.step - self.trend_steps)
+        if within.any():
+            i = int(np.flatnonzero(within)[np.argmin(steps[within])])
+        else:
+            i = int(np.flatnonzero(earlier)[np.argmax(steps[earlier])])
+        return (self.level - self._ring[i]) / (self.step - steps[i])
 
 
 class ScalarLevel:

@@ -1,13 +1,18 @@
 """The lead figures of fp8mon.monitor.evaluation (what bench/predict.py prints): the literal first-alert lead
 and the standing lead, where an alert that resolved before the divergence step counts as a false alarm, not
-as lead."""
+as lead; the failure labels of monitor.failures; and `fp8mon eval` on the corpus of models fp8mon did not write
+(tests/fixtures/corpus), at reporting intervals 1, 5 and 10."""
 
 import dataclasses
 import math
 
+import numpy as np
+
+from fp8mon.monitor import failures
 from fp8mon.monitor.assessment import RESOLVE_AFTER_STEPS
-from fp8mon.monitor.evaluation import Outcome, baseline, lead, standing_lead
+from fp8mon.monitor.evaluation import Outcome, baseline, lead, standing_lead, subsample
 from fp8mon.monitor.fixtures import Fixture
+from fp8mon.monitor.predictors import divergence_step
 
 
 def diverging_at(step: int) -> Fixture:
@@ -32,3 +37,59 @@ def test_alarms_that_overlap_or_touch_are_one_stretch_and_a_later_one_starts_a_n
     assert standing_lead(fixture, out) == 250
     assert standing_lead(fixture, Outcome(spans=[[100, 200]])) == 0
     assert standing_lead(dataclasses.replace(fixture, diverged=False, divergence_step=None), out) is None
+
+
+# -- what failure means (monitor.failures) -------------------------------------------------------------------
+
+def _healthy(steps=1200, floor=2.0, seed=0):
+    """A loss falling from 5.5 toward `floor`, with batch noise."""
+    rng = np.random.default_rng(seed)
+    return [(s, floor + 3.5 * math.exp(-s / 150) + 0.05 * rng.standard_normal()) for s in range(steps)]
+
+
+def test_a_burst_that_recovers_is_transient_not_a_failure():
+    losses = [(s, v + (3.0 if 700 <= s < 740 else 0.0)) for s, v in _healthy()]
+    f = failures.label(losses)
+    assert (f.kind, f.step, f.failed) == ("transient", 700, False)
+    assert 740 <= f.recovered <= 745
+    assert divergence_step(losses) == 700  # what the divergence rule alone called "diverged"
+
+
+def test_a_loss_that_blows_up_or_drifts_and_stays_up_fails_at_the_start_of_its_rise():
+    nan = [(s, math.nan if s >= 900 else v) for s, v in _healthy()]
+    assert failures.label(nan) == failures.Failure("blowup", 900)
+    assert failures.label(_healthy(), nonfinite_at=850) == failures.Failure("blowup", 850)
+    creep = [(s, v + 0.004 * max(0, s - 600)) for s, v in _healthy()]  # +0.5 nat by step 725, +2.4 by the end
+    f = failures.label(creep)
+    assert f.kind == "drift" and 700 <= f.step <= 760
+    assert failures.label(_healthy()).kind == "none"
+
+
+def test_a_run_stalled_on_a_plateau_is_a_stall_at_the_step_it_left_the_healthy_reference():
+    reference = failures.reference_curve([_healthy(seed=1), _healthy(seed=2)])
+    plateau = [(s, max(v, 3.2)) for s, v in _healthy(seed=3)]  # stops learning at 3.2; healthy runs go to 2.0
+    f = failures.label(plateau, reference)
+    assert f.kind == "stall" and 204 <= f.step <= 240, f  # 0.3 nat above the healthy curve from step 204 on
+    assert divergence_step(plateau) is None  # the rule that reads only the run's own minimum misses it
+    assert failures.label(plateau).kind == "none"  # without a reference no stall is labelled
+    assert failures.label(_healthy(seed=3), reference).kind == "none"
+
+
+def test_an_fp8_run_above_its_bf16_twin_beyond_the_tolerance_is_a_quality_gap():
+    twin = dict(failures.smoothed(_healthy(seed=1)))
+    gap = [(s, v + (0.15 if s >= 500 else 0.0)) for s, v in _healthy(seed=2)]
+    f = failures.label(gap, twin=twin)
+    assert f.kind == "quality_gap" and 480 <= f.step <= 560, f
+    assert failures.label(_healthy(seed=2), twin=twin).kind == "none"
+
+
+def test_subsampling_keeps_every_step_scalars_and_thins_the_rest():
+    batch = {"version": 1, "batch_id": "b", "run": "r",
+             "tensors": {"step": [0, 0, 3, 5], "layer": ["a", "b", "a", "a"], "site": ["output"] * 4,
+                         "stats": {"kurtosis": [1.0, 2.0, 3.0, 4.0]}},
+             "scalars": {"step": [3, 3, 5], "name": ["loss", "attn_max_logit", "attn_max_logit"],
+                         "value": [1.0, 2.0, 3.0]}}
+    out = subsample([batch], 5)[0]
+    assert out["tensors"]["step"] == [0, 0, 5] and out["tensors"]["stats"]["kurtosis"] == [1.0, 2.0, 4.0]
+    assert list(zip(out["scalars"]["step"], out["scalars"]["name"])) == [(3, "loss"), (5, "attn_max_logit")]
+    assert subsample([batch], 1) == [batch]
