@@ -5,7 +5,8 @@ interval it was recorded with or subsampled to `every`, and judged by its failur
 
 * a failing run (blow-up, drift, stall, quality gap): its lead, the failure step minus the first paging alert;
 * a healthy run: its paging alerts, each a false alarm;
-* a transient run (it recovered): how many steps after its recovery its last paging alert resolved.
+* a transient run (it recovered): how many steps after its recovery its last paging alert resolved;
+* a censored run (trained to fail, `expect` "diverging", that had not failed by its last step): reported apart.
 
 The reactive baseline (a loss z-score, monitor.evaluation.baseline) is scored at its own threshold and at the
 lowest threshold that gives no alarm on the healthy runs scored together: the fair comparison, at equal false
@@ -34,14 +35,18 @@ class RunScore:
     ours: Outcome
     base: Outcome  # the baseline at its own threshold
     matched: Outcome  # the baseline at the matched threshold
+    expect: str | None = None  # what the run was trained to do ("diverging": chosen to fail)
 
     @property
     def role(self) -> str:
-        """"failing" | "early" | "stable" | "transient"."""
+        """"failing" | "early" | "stable" | "transient" | "censored" (chosen to fail, and it had not failed by its
+        last step: neither healthy nor failing, its alerts are not false alarms)."""
         f = self.failure
         if f.failed:
             return "early" if f.step < EARLY_BEFORE else "failing"
-        return "transient" if f.kind == "transient" else "stable"
+        if f.kind == "transient":
+            return "transient"
+        return "censored" if self.expect == "diverging" else "stable"
 
     def lead(self, outcome: Outcome | None = None) -> int | None:
         outcome = outcome or self.ours
@@ -68,14 +73,15 @@ class Report:
 
 
 def score(fixtures: list[Fixture], params: PredictorParams | None = None, every: int = 1) -> Report:
-    stable = [f for f in fixtures if not f.failure.failed and f.failure.kind != "transient"]
+    stable = [f for f in fixtures if not f.failure.failed and f.failure.kind != "transient"
+              and f.extra.get("expect") != "diverging"]
     top = max((z for f in stable for _, z in baseline_z(f.losses()) if math.isfinite(z)), default=BASELINE_Z)
     matched_z = max(BASELINE_Z, math.nextafter(top, math.inf))
     rows = []
     for f in fixtures:
         losses = f.losses()
         rows.append(RunScore(f.name, f.split, f.failure, replay(f, params, every=every), baseline(losses),
-                             baseline(losses, matched_z)))
+                             baseline(losses, matched_z), f.extra.get("expect")))
     report = Report(rows, matched_z, every)
     report.summary = summarise(rows)
     return report
@@ -97,6 +103,7 @@ def summarise(rows: list[RunScore]) -> dict:
         "lead": ours, "baseline_lead": literal, "matched_lead": matched,
         "ratio_matched": ours / matched if matched else math.inf, "ratio_literal": ours / literal if literal else math.inf,
         "early": sum(1 for r in rows if r.role == "early"),
+        "censored": sum(1 for r in rows if r.role == "censored"),
     }
 
 
@@ -114,7 +121,8 @@ def format_report(report: Report, title: str = "") -> str:
     lines = []
     for r in report.rows:
         f = r.failure
-        lines.append((r.name, r.split, f.kind, _cell(f.step), _cell(f.recovered), _cell(r.ours.first_alert),
+        kind = "censored" if r.role == "censored" else f.kind
+        lines.append((r.name, r.split, kind, _cell(f.step), _cell(f.recovered), _cell(r.ours.first_alert),
                       r.ours.first_rule or "-", _cell(r.lead()), str(r.ours.alerts), _cell(r.resolved_after),
                       _cell(r.base.first_alert), _cell(r.lead(r.base)), _cell(r.matched.first_alert),
                       _cell(r.lead(r.matched))))
@@ -126,7 +134,7 @@ def format_report(report: Report, title: str = "") -> str:
     out += [
         "",
         f"every={report.every}: failing runs warned >= {TARGET_LEAD} steps ahead: {s['warned_100']} / {s['failing']}"
-        f" (failing before step {EARLY_BEFORE}, apart: {s['early']})",
+        f" (apart: {s['early']} failing before step {EARLY_BEFORE}, {s['censored']} censored)",
         f"paging alerts on {s['stable']} stable runs: {s['stable_alerts']} (baseline z>{BASELINE_Z:g}: "
         f"{s['baseline_stable_alerts']})",
         f"transient runs resolved within {RESOLVE_TARGET} steps of recovery: {s['transient_resolved']} / "

@@ -7,11 +7,12 @@ import dataclasses
 import math
 
 import numpy as np
+import pytest
 
 from fp8mon.monitor import failures
 from fp8mon.monitor.assessment import RESOLVE_AFTER_STEPS
-from fp8mon.monitor.evaluation import Outcome, baseline, lead, standing_lead, subsample
-from fp8mon.monitor.fixtures import Fixture
+from fp8mon.monitor.evaluation import Outcome, baseline, lead, replay, standing_lead, subsample
+from fp8mon.monitor.fixtures import FIXTURE_DIR, Fixture, fixture_paths, load_fixture
 from fp8mon.monitor.predictors import divergence_step
 
 
@@ -93,3 +94,61 @@ def test_subsampling_keeps_every_step_scalars_and_thins_the_rest():
     assert out["tensors"]["step"] == [0, 0, 5] and out["tensors"]["stats"]["kurtosis"] == [1.0, 2.0, 4.0]
     assert list(zip(out["scalars"]["step"], out["scalars"]["name"])) == [(3, "loss"), (5, "attn_max_logit")]
     assert subsample([batch], 1) == [batch]
+
+
+# -- the corpus of models fp8mon did not write (bench/corpus/make.py) -------------------------------------------
+
+CORPUS = FIXTURE_DIR.parent / "corpus"
+INTERVALS = (1, 5, 10)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return [load_fixture(p) for p in fixture_paths(CORPUS)]
+
+
+@pytest.fixture(scope="module")
+def first_alerts(corpus):
+    """(first paging alert, its rule) of every corpus run at reporting intervals 1, 5 and 10."""
+    return {f.name: {every: replay(f, every=every) for every in INTERVALS} for f in corpus}
+
+
+def test_the_corpus_keeps_tune_and_held_out_runs_apart_and_labels_each_by_what_happened(corpus):
+    for split, folder in (("tune", "tune"), ("test", "heldout")):
+        runs = [f for f in corpus if f.path.parent.name == folder]
+        assert runs and {f.split for f in runs} == {split}
+        assert all(f.name.startswith(f"ext-{folder}-") for f in runs)
+    for f in corpus:
+        kind = f.failure.kind
+        if f.name.endswith("-stable"):
+            assert kind == "none", f.name
+        elif f.name.endswith("-burst"):  # the loss blew up on the bad data and came back: not a failure
+            assert kind == "transient" and f.failure.recovered > f.failure.step, f.name
+        else:  # hot: a plateau far above the healthy run; lrjump: the loss leaves it after the jump
+            assert f.failure.failed, f.name
+
+
+def test_first_warnings_move_by_at_most_10_steps_whatever_the_reporting_interval(first_alerts):
+    for name, by_every in first_alerts.items():
+        steps = [by_every[e].first_alert for e in INTERVALS]
+        assert steps.count(None) in (0, len(steps)), (name, steps)
+        if steps[0] is not None:
+            assert max(steps) - min(steps) <= 10, (name, steps)
+
+
+def test_no_stable_corpus_run_pages_at_any_reporting_interval(corpus, first_alerts):
+    for f in corpus:
+        if f.failure.kind == "none":
+            assert all(first_alerts[f.name][e].alerts == 0 for e in INTERVALS), f.name
+
+
+def test_fp8mon_eval_prints_each_run_and_the_baseline_at_its_own_and_at_the_matched_threshold(capsys):
+    from fp8mon.cli import main
+
+    assert main(["eval", str(CORPUS / "heldout"), "--every", "1", "10"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("reporting every") == 2
+    for p in fixture_paths(CORPUS / "heldout"):
+        assert p.name.split(".")[0] in out
+    assert "z>3 first" in out and "(no alarm on the stable runs)" in out
+    assert main(["eval", str(CORPUS / "nothing-here")]) == 2
