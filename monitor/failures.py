@@ -15,8 +15,8 @@ Kinds, the earliest that holds is the run's failure:
 * ``quality_gap``: an FP8 run whose smoothed loss is above its BF16 twin's (same model, data and schedule) by more
   than GAP_TOL to the end of the run, for at least HOLD steps.
 
-A blow-up excursion after which the loss comes back within MARGIN / 2 of its earlier minimum and stays there for
-RECOVER_STEPS logged steps is ``transient`` (a burst of bad data, a single spike): not a failure. Its ``step`` is
+A blow-up excursion after which the loss (its running median of MEDIAN_OF logged steps) comes back within MARGIN / 2
+of its earlier minimum and stays there for RECOVER_STEPS logged steps is ``transient`` (a burst of bad data, a single spike): not a failure. Its ``step`` is
 where it began and ``recovered`` where the loss was back. A run with neither is ``none`` (healthy).
 """
 
@@ -35,6 +35,7 @@ STALL = 0.3
 GAP_TOL = 0.05
 HOLD = 100
 RECOVER_STEPS = 50
+MEDIAN_OF = 11
 
 
 @dataclass(frozen=True)
@@ -100,17 +101,19 @@ def _excursions(losses: Sequence[tuple[int, float]]) -> tuple[int | None, int | 
 
 
 def _recovery(losses, start: int, running_min: float) -> int | None:
-    """Index of the first loss from `start` on that begins RECOVER_STEPS logged losses within MARGIN / 2 of the
-    minimum; None when the run never comes back."""
-    band, run = running_min + MARGIN / 2, 0
+    """Index of the first loss from `start` on that begins RECOVER_STEPS logged steps whose running median of
+    MEDIAN_OF losses is within MARGIN / 2 of the minimum (a median: one batch's noise is not a relapse); None when
+    the run never comes back."""
+    band, run, recent = running_min + MARGIN / 2, 0, []
     for j in range(start, len(losses)):
         loss = losses[j][1]
-        if math.isfinite(loss) and loss <= band:
+        if not math.isfinite(loss):
+            return None
+        recent = (recent + [loss])[-MEDIAN_OF:]
+        if len(recent) == MEDIAN_OF and sorted(recent)[MEDIAN_OF // 2] <= band:
             run += 1
             if run >= RECOVER_STEPS:
                 return j - RECOVER_STEPS + 1
-        elif not math.isfinite(loss):
-            return None
         else:
             run = 0
     return None

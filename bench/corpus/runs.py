@@ -37,7 +37,7 @@ class Scenario:
     model: str = "gpt2"  # gpt2 | llama
     precision: str = "bf16"  # bf16 | fp8
     kind: str = "stable"  # stable | lrjump | restart | burst | hot
-    steps: int = 1000
+    steps: int = 600
     seed: int = 1
     lr: float = 3e-3
     warmup: int = 100
@@ -167,7 +167,7 @@ def build(s: Scenario):
 
 
 def train(s: Scenario, spool: Path | None, device: str = "cpu", every: int = 1,
-          sites: tuple[str, ...] = ("input", "weight", "output")) -> dict:
+          sites: tuple[str, ...] = ("weight", "output")) -> dict:
     """Run the scenario; the agent's batches are left in `spool` (None: no agent, the losses are returned).
     Returns the run's config, its losses and timing."""
     from fp8mon import Agent

@@ -138,7 +138,7 @@ class PredictorParams:
     # -- the learning rate leaving its schedule after the warm-up: `lr_jump` times its lowest of the last
     # `lr_window` steps (monitor.predictors.schedule)
     lr_jump: float = 1.5
-    lr_window: int = 200
+    lr_window: int = 100
 
     # -- the loss has left its running minimum (the divergence rule's condition, reported as it happens)
     loss_margin: float = MARGIN

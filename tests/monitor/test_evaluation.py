@@ -122,10 +122,10 @@ def test_the_corpus_keeps_tune_and_held_out_runs_apart_and_labels_each_by_what_h
         kind = f.failure.kind
         if f.name.endswith("-stable"):
             assert kind == "none", f.name
-        elif f.name.endswith("-burst"):  # the loss blew up on the bad data and came back: not a failure
+        elif f.name.endswith(("-burst", "-lrjump")):  # the loss blew up and came back: not a failure
             assert kind == "transient" and f.failure.recovered > f.failure.step, f.name
-        else:  # hot: a plateau far above the healthy run; lrjump: the loss leaves it after the jump
-            assert f.failure.failed, f.name
+        else:  # hot: trains, then sits on a plateau far above the healthy run of its split
+            assert kind == "stall" and f.failure.step >= 160, f.name
 
 
 def test_first_warnings_move_by_at_most_10_steps_whatever_the_reporting_interval(first_alerts):
