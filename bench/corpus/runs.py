@@ -103,8 +103,9 @@ class MaxLogit:
         with torch.no_grad():
             logits = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
             t = logits.shape[-1]
-            mask = torch.ones(t, t, dtype=torch.bool).tril()
-            self.value = torch.maximum(self.value, logits.masked_fill(~mask, -math.inf).amax())
+            mask = torch.ones(t, t, dtype=torch.bool, device=logits.device).tril()
+            top = logits.masked_fill(~mask, -math.inf).amax()
+            self.value = torch.maximum(self.value.to(top.device), top)
 
     def attach_gpt2(self, model):
         for block in model.transformer.h:
