@@ -34,11 +34,12 @@ class KurtosisGrowth:
 
     def __init__(self, params: PredictorParams, warmup: Warmup):
         self.p = params
-        def tracker(baseline_steps):
+        def tracker(baseline_steps, long_baseline=False):
             return LevelTracker(params.kurtosis_alpha, params.trend_window, warmup, trend_steps=params.trend_steps,
-                                baseline_steps=baseline_steps, alpha_steps=params.kurtosis_alpha_steps)
+                                baseline_steps=baseline_steps, alpha_steps=params.kurtosis_alpha_steps,
+                                long_baseline=long_baseline)
 
-        self.slots = tracker(params.kurtosis_baseline_steps)
+        self.slots = tracker(params.kurtosis_baseline_steps, long_baseline=True)
         # the same levels against a short trailing minimum (None: no fast-rise rule)
         self.fast = tracker(params.kurtosis_fast_steps) if params.kurtosis_fast_steps else None
         self.means = tracker(params.kurtosis_baseline_steps)

@@ -32,20 +32,21 @@ class LevelTracker:
     dt steps after the previous one weighs 1 - (1 - alpha) ** (dt / alpha_steps), so the smoothing spans the
     same number of training steps whatever the reporting interval.
 
-    `since_warmup` (with `baseline_steps`): the minimum since the warm-up too, the long-horizon baseline that a
+    `since_warmup` (with `baseline_steps` and `long_baseline`): the minimum since the warm-up too, the long-horizon baseline that a
     slow creep rises above (`long_rise`)."""
 
     BUCKETS = 8
 
     def __init__(self, alpha: float, window: int, warmup: Warmup | int, width: int = 0,
-                 baseline_steps: int | None = None, alpha_steps: int | None = None, trend_steps: int | None = None):
+                 baseline_steps: int | None = None, alpha_steps: int | None = None, trend_steps: int | None = None,
+                 long_baseline: bool = False):
         self.alpha, self.warmup, self.alpha_steps = alpha, as_warmup(warmup), alpha_steps
         self.trend_steps = trend_steps
         if trend_steps is not None:
             window = max(window, trend_steps + 1)  # room for one update per step over the trend
         self.level = np.full(width, np.nan)
         self.baseline = np.full(width, np.nan)
-        self.since_warmup = np.full(width, np.nan) if baseline_steps is not None else None
+        self.since_warmup = np.full(width, np.nan) if long_baseline and baseline_steps is not None else None
         self.count = np.zeros(width, dtype=np.int64)
         self._ring = np.full((window, width), np.nan)  # past levels, one row per update
         self._ring_steps = np.full(window, np.nan)
@@ -86,7 +87,8 @@ class LevelTracker:
                 self.baseline = np.where(ok, np.fmin(self.baseline, self.level), self.baseline)
             else:
                 self._trail_baseline(step, np.where(ok, self.level, np.nan))
-                self.since_warmup = np.where(ok, np.fmin(self.since_warmup, self.level), self.since_warmup)
+                if self.since_warmup is not None:
+                    self.since_warmup = np.where(ok, np.fmin(self.since_warmup, self.level), self.since_warmup)
         slot = self._n % self._ring.shape[0]
         self._ring[slot] = self.level
         self._ring_steps[slot] = step
@@ -111,7 +113,8 @@ class LevelTracker:
         return self.level - self.baseline
 
     def long_rise(self) -> np.ndarray:
-        """Level minus its minimum since the warm-up (NaN without `baseline_steps`: then rise() is that)."""
+        """Level minus its minimum since the warm-up (NaN without `long_baseline`; without `baseline_steps`
+        rise() is that)."""
         if self.since_warmup is None:
             return np.full(self.width, np.nan)
         return self.level - self.since_warmup
