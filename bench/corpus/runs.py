@@ -4,8 +4,9 @@ The models are a nanoGPT-style GPT-2 (bench/models/gpt2.py: LayerNorm, GELU, SDP
 from a ``LlamaConfig`` (RMSNorm, SwiGLU, RoPE), in bf16 autocast or torchao float8 (``convert_to_float8_training``,
 emulated on a CPU, the lm_head left out as torchao's users do). The data is a synthetic language: a fixed random
 order-1 Markov chain whose every token has a few likely successors, so the loss has a known floor and a healthy run
-reaches it. The agent (``from fp8mon import Agent``) watches the model at its every-step reporting interval and
-spools to a directory: its url points at a closed port, so every batch stays on disk where bench/corpus/make.py
+reaches it. The agent (``from fp8mon import Agent``) watches the blocks' linears (the ``weight`` and ``output``
+sites by default: the sites where kurtosis warns, at a cost a 2-core machine affords at every step), reports at
+every step and spools to a directory: its url points at a closed port, so every batch stays on disk where bench/corpus/make.py
 reads it. The maximum attention logit of each step is computed by a forward hook from the layer's own q and k (with
 RoPE for Llama) and logged with the loss, the gradient norm and the learning rate, as a user would.
 
@@ -203,7 +204,7 @@ def train(s: Scenario, spool: Path | None, device: str = "cpu", every: int = 1,
         opt.zero_grad(set_to_none=True)
         if agent is not None:
             agent.log(step, loss=loss.detach().float(), grad_norm=grad_norm, lr=lr, attn_max_logit=logit.value)
-        losses.append((step, float(loss), float(logit.value)))
+        losses.append((step, float(loss.detach()), float(logit.value)))
         if not math.isfinite(losses[-1][1]):
             break
     seconds = time.perf_counter() - t0
