@@ -152,3 +152,26 @@ def test_fp8mon_eval_prints_each_run_and_the_baseline_at_its_own_and_at_the_matc
         assert p.name.split(".")[0] in out
     assert "z>3 first" in out and "(no alarm on the stable runs)" in out
     assert main(["eval", str(CORPUS / "nothing-here")]) == 2
+
+
+def test_fp8mon_eval_scores_stored_runs_with_labels_given_beside_them(store, database_url, tmp_path, capsys):
+    import json
+
+    from fp8mon.cli import main
+    from fp8mon.monitor.wire import IngestBatch
+
+    runs = [load_fixture(CORPUS / "heldout" / f"ext-heldout-{name}.json.gz")
+            for name in ("gpt2-bf16-stable", "llama-bf16-burst")]
+    for f in runs:
+        for batch in f.batches:
+            store.ingest(IngestBatch.model_validate(batch))
+    labels = tmp_path / "labels.json"
+    labels.write_text(json.dumps({f.name: f.failure.as_dict() for f in runs}))
+    assert main(["eval", "--labels", str(labels), "--database-url", database_url]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
+            if line.startswith("ext-heldout-")}
+    assert rows["ext-heldout-gpt2-bf16-stable"][2:4] == ["none", "-"]
+    assert rows["ext-heldout-gpt2-bf16-stable"][8] == "0"  # no paging alert on the stable run
+    assert rows["ext-heldout-llama-bf16-burst"][2:5] == ["transient", "380", "478"]
+    labels.write_text(json.dumps({"no-such-run": {"kind": "none"}}))
+    assert main(["eval", "--labels", str(labels), "--database-url", database_url]) == 1
