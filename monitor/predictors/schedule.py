@@ -2,9 +2,9 @@
 learning rate has left its schedule.
 
 * `Warmup`: the predictors take their baselines (running minima) only after the warm-up, while statistics move
-  because the model leaves its initialisation and the learning rate climbs. Its end is the step at which the
-  reported `lr` stopped rising, at least `warmup_min_steps` and at most `warmup_max_steps`; a run that reports no
-  `lr` ends it at `warmup_steps`.
+  because the model leaves its initialisation and the learning rate climbs. Its end is the step after the reported
+  `lr`'s peak (known once the lr has not passed it for 10 logged steps), at least `warmup_min_steps` and at most
+  `warmup_max_steps`; a run that reports no `lr` ends it at `warmup_steps`.
 * `LrSchedule` (rule `lr_schedule`): after the lr's own warm-up (uncapped) a schedule only holds or decays the learning rate (cosine,
   linear, constant, WSD). A learning rate `lr_jump` times the lowest of the last `lr_window` steps (a jump, a
   restart at the peak) is a warning at once, before the loss reacts; it resolves once the new rate has been the
@@ -23,7 +23,11 @@ from fp8mon.monitor.predictors.params import PredictorParams
 
 class Warmup:
     """`end`: the first step after the warm-up for the baselines (math.inf while it lasts and its end is unknown);
-    `lr_end`: the step at which the reported lr stopped rising, uncapped (math.inf until then)."""
+    `lr_end`: the step after the reported lr's peak, uncapped (math.inf until then). The peak is known once the lr
+    has not passed it for SETTLE logged steps, so a warm-up that repeats a value (a scheduler stepped every few
+    steps) is not taken for its end."""
+
+    SETTLE = 10
 
     def __init__(self, params: PredictorParams | None = None, fixed: int | None = None):
         p = params or PredictorParams()
@@ -31,20 +35,25 @@ class Warmup:
         self.end = float(fixed) if fixed is not None else math.inf
         self.lr_end = math.inf
         self._fixed = fixed is not None
-        self._last_lr: float | None = None
+        self._peak: tuple[float, int] | None = None  # (lr, step) of the highest lr so far
+        self._since_peak = 0
 
     def observe(self, step: int, lr: float | None) -> None:
         if self._fixed or self.lr_end != math.inf:
             return
         if lr is not None and math.isfinite(lr):
-            last, self._last_lr = self._last_lr, lr
-            if last is not None and lr <= last:  # the lr stopped rising (or never rose: no warm-up)
-                self.lr_end = float(step)
-                if self.end == math.inf:
-                    self.end = float(min(max(step, self.min_steps), self.max_steps))
-            elif step >= self.max_steps and self.end == math.inf:
+            if self._peak is None or lr > self._peak[0]:
+                self._peak, self._since_peak = (lr, step), 0
+            else:
+                self._since_peak += 1
+                if self._since_peak >= self.SETTLE:  # the lr stopped rising (or never rose: no warm-up)
+                    self.lr_end = float(self._peak[1] + 1)
+                    if self.end == math.inf:
+                        self.end = float(min(max(self.lr_end, self.min_steps), self.max_steps))
+                    return
+            if step >= self.max_steps and self.end == math.inf:
                 self.end = float(self.max_steps)
-        elif self._last_lr is None and step >= self.default and self.end == math.inf:  # no lr: the default
+        elif self._peak is None and step >= self.default and self.end == math.inf:  # no lr: the default
             self.end = float(self.default)
 
     def done(self, step: int) -> bool:

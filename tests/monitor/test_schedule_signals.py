@@ -41,6 +41,8 @@ def test_the_warm_up_ends_where_the_reported_lr_stops_rising_within_its_bounds()
         return w.end, w.lr_end
 
     assert ended([cosine(s, warmup=40) for s in range(100)]) == (40, 40)
+    stepped = [cosine(s - s % 5, warmup=200, steps=400) for s in range(400)]  # a warm-up stepped every 5 steps
+    assert ended(stepped) == (60, 201)  # the peak: cosine(200), the first step of the decay
     assert ended([1e-3] * 100) == (20, 1)  # no warm-up: the baselines still wait for warmup_min_steps
     assert ended([cosine(s, warmup=400, steps=500) for s in range(500)]) == (60, 400)  # capped for the baselines
     assert ended([None] * 100) == (60, math.inf)  # no lr reported: the default
@@ -54,6 +56,8 @@ def test_an_lr_jump_pages_at_once_and_a_cosine_schedule_never_does():
     step, alert = first_fired(replay(_stream(800, restart)))
     assert alert.rule == "lr_schedule" and step == 700
     assert first_fired(replay(_stream(800, scalars_with(cosine)))) == (None, None)
+    stepped = scalars_with(lambda s: cosine(s - s % 5, warmup=200))  # its repeated values are not the warm-up's end
+    assert first_fired(replay(_stream(400, stepped))) == (None, None)
 
 
 def test_an_attention_max_logit_past_its_danger_level_warns_though_it_grew_before_the_warm_up_ended():
