@@ -1,4 +1,4 @@
-"""The `fp8mon` command: serve, db, demo, export, import, sync, train.
+"""The `fp8mon` command: serve, db, demo, export, import, eval, sync, train.
 
 Each command imports what it needs when it runs, so `fp8mon --help` and `fp8mon --version` work in an install
 with the agent only (no server packages). A mistake (a missing extra, a bad database URL, a refused connection, a
@@ -188,6 +188,12 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from fp8mon.eval_cli import run
+
+    return run(args)
+
+
 def cmd_sync(args: argparse.Namespace) -> int:
     from fp8mon.agent.spool import spool_root
     from fp8mon.agent.sync import sync
@@ -267,6 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--limit", type=int, help="at most this many runs")
     imp.add_argument("--no-predict", action="store_true", help="store the batches only: no predictions or alerts")
     imp.set_defaults(func=cmd_import)
+
+    from fp8mon.eval_cli import add_arguments as add_eval_arguments
+
+    evaluate = commands.add_parser("eval", parents=[debug],
+                                   help="replay labelled runs through the predictors and score their warnings against "
+                                        "the failures")
+    add_eval_arguments(evaluate)
+    evaluate.set_defaults(func=cmd_eval)
 
     sync = commands.add_parser("sync", parents=[debug],
                                help="deliver the batches runs left in their spools (idempotent)")

@@ -56,9 +56,43 @@ def _track_span(out: Outcome, event: AlertEvent, spans: dict) -> bool:
     return False
 
 
-def replay(fixture: Fixture, params: PredictorParams | None = None) -> Outcome:
-    """Our predictors + the alert lifecycle over the fixture's batches, in order."""
-    batches = [IngestBatch.model_validate(b) for b in fixture.batches]
+# Scalars a training loop logs at every step (the agent's `log` sends them whenever it is called); the others (the
+# attention max-logit, log Z, ...) fp8mon's trainer computes on reporting steps only
+EVERY_STEP_SCALARS = frozenset({"loss", "grad_norm", "lr", "tokens_per_s"})
+
+
+def subsample(batches: list[dict], every: int) -> list[dict]:
+    """The run as an agent reporting every `every` steps would have sent it: tensor records and the scalars that
+    are not EVERY_STEP_SCALARS only on steps divisible by `every`."""
+    if every <= 1:
+        return batches
+    out = []
+    for batch in batches:
+        b = {k: v for k, v in batch.items() if k not in ("tensors", "scalars")}
+        t = batch.get("tensors")
+        if t:
+            n = len(t["layer"])
+            steps = t["step"] if isinstance(t["step"], list) else [t["step"]] * n
+            keep = [i for i in range(n) if steps[i] % every == 0]
+            if keep:
+                b["tensors"] = {k: ([v[i] for i in keep] if isinstance(v, list) else v) for k, v in t.items()
+                                if k != "stats"}
+                b["tensors"]["stats"] = {k: [v[i] for i in keep] for k, v in t["stats"].items()}
+        sc = batch.get("scalars")
+        if sc:
+            n = len(sc["name"])
+            steps = sc["step"] if isinstance(sc["step"], list) else [sc["step"]] * n
+            keep = [i for i in range(n) if sc["name"][i] in EVERY_STEP_SCALARS or steps[i] % every == 0]
+            if keep:
+                b["scalars"] = {k: ([v[i] for i in keep] if isinstance(v, list) else v) for k, v in sc.items()}
+        if "tensors" in b or "scalars" in b:
+            out.append(b)
+    return out
+
+
+def replay(fixture: Fixture, params: PredictorParams | None = None, every: int = 1) -> Outcome:
+    """Our predictors + the alert lifecycle over the fixture's batches, in order (`every` > 1: subsampled)."""
+    batches = [IngestBatch.model_validate(b) for b in subsample(fixture.batches, every)]
     predictor, tracker, out = RunPredictor(fixture.name, params=params), AlertTracker(), Outcome()
     spans = {}  # an alert counts once, when it first fires at warning/critical (or escalates to it)
     t0 = time.perf_counter()

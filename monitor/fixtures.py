@@ -1,9 +1,11 @@
 """The labelled-run corpus (tests/fixtures/runs/**/<name>.json.gz), written by scripts/make_fixtures.py.
 
-A fixture is one real training run of our trainer as exported from the monitor:
+A fixture is one real training run (of our trainer, or of bench/corpus/ for tests/fixtures/corpus) as exported
+from the monitor:
 ``{"name", "config" (the trainer arguments), "labels": {"diverged", "divergence_step", "rule", "outcome"},
 "split": "tune" | "test", "profile": "cpu" | "gpu", "expect": "stable" | "diverging", "batches": [wire-format
-ingest batch dicts]}``; the batches replay through POST /api/v1/ingest or `RunPredictor.observe`.
+ingest batch dicts]}``; `labels` may also hold "failure" ({"kind", "step", "recovered"}, monitor.failures),
+which `Fixture.failure` reads. The batches replay through POST /api/v1/ingest or `RunPredictor.observe`.
 
 Outcome (`Fixture.outcome`): "diverged" when the divergence rule fired; else "censored" when the run was
 trained with settings chosen to make it diverge (`expect` "diverging") and had not diverged by its last
@@ -17,9 +19,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
+from fp8mon.monitor import failures
+from fp8mon.monitor.failures import Failure
 from fp8mon.monitor.predictors.params import PredictorParams
 
 TARGET_LEAD = 100  # steps of warning before the divergence step (SPEC section 7)
@@ -44,6 +50,7 @@ class Fixture:
     profile: str = "cpu"
     path: Path | None = None
     extra: dict = field(default_factory=dict)
+    labels_failure: dict | None = None  # labels["failure"], where the corpus stores one
 
     @property
     def outcome(self) -> str:
@@ -51,6 +58,15 @@ class Fixture:
         if self.diverged:
             return "early" if self.divergence_step < EARLY_BEFORE else "diverged"
         return "censored" if self.extra.get("expect") == "diverging" else "stable"
+
+    @cached_property
+    def failure(self) -> Failure:
+        """What failed and when (monitor.failures): the stored label of a corpus that has one (the stall and
+        quality-gap rules need the healthy runs it was labelled with), else the rules on the losses alone."""
+        stored = self.labels_failure
+        if stored:
+            return Failure.from_dict(stored)
+        return failures.label(self.losses(), nonfinite_at=self.first_nonfinite_grad_norm())
 
     @property
     def stable(self) -> bool:
@@ -80,6 +96,18 @@ class Fixture:
                     out[step] = float(value)
         return sorted(out.items())
 
+    def first_nonfinite_grad_norm(self) -> int | None:
+        for batch in self.batches:
+            block = batch.get("scalars")
+            if not block:
+                continue
+            n = len(block["name"])
+            steps = block["step"] if isinstance(block["step"], list) else [block["step"]] * n
+            for step, name, value in zip(steps, block["name"], block["value"]):
+                if name == "grad_norm" and value is not None and not math.isfinite(value):
+                    return step
+        return None
+
     def last_step(self) -> int:
         return max(step for step, _ in self.losses())
 
@@ -105,7 +133,8 @@ def load_fixture(path: Path | str) -> Fixture:
     return Fixture(name=data["name"], config=data.get("config", {}), diverged=bool(labels["diverged"]),
                    divergence_step=labels.get("divergence_step"), rule=labels.get("rule", ""),
                    batches=data["batches"], split=data.get("split", "test"), profile=data.get("profile", "cpu"),
-                   path=path, extra={k: v for k, v in data.items() if k not in known})
+                   path=path, extra={k: v for k, v in data.items() if k not in known},
+                   labels_failure=labels.get("failure"))
 
 
 def write_fixture(path: Path | str, data: dict) -> int:

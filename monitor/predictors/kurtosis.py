@@ -19,6 +19,7 @@ from fp8mon.monitor.assessment import Finding
 from fp8mon.monitor.predictors.base import INFO_RATIO_CAP, SignalOutput, score_of, top_culprits
 from fp8mon.monitor.predictors.frames import SlotTable, StepFrame
 from fp8mon.monitor.predictors.params import PredictorParams
+from fp8mon.monitor.predictors.schedule import Warmup
 from fp8mon.monitor.predictors.series import LevelTracker
 
 RULE = "kurtosis_growth"
@@ -31,13 +32,14 @@ WARNING_SITES = ("output", "weight")
 class KurtosisGrowth:
     name = RULE
 
-    def __init__(self, params: PredictorParams):
+    def __init__(self, params: PredictorParams, warmup: Warmup):
         self.p = params
-        def tracker(baseline_steps):
-            return LevelTracker(params.kurtosis_alpha, params.trend_window, params.warmup_steps,
-                                baseline_steps=baseline_steps, alpha_steps=params.kurtosis_alpha_steps)
+        def tracker(baseline_steps, long_baseline=False):
+            return LevelTracker(params.kurtosis_alpha, params.trend_window, warmup, trend_steps=params.trend_steps,
+                                baseline_steps=baseline_steps, alpha_steps=params.kurtosis_alpha_steps,
+                                long_baseline=long_baseline)
 
-        self.slots = tracker(params.kurtosis_baseline_steps)
+        self.slots = tracker(params.kurtosis_baseline_steps, long_baseline=True)
         # the same levels against a short trailing minimum (None: no fast-rise rule)
         self.fast = tracker(params.kurtosis_fast_steps) if params.kurtosis_fast_steps else None
         self.means = tracker(params.kurtosis_baseline_steps)
@@ -79,18 +81,24 @@ class KurtosisGrowth:
             ratio = np.fmax(ratio, fast / p.kurtosis_fast_rise)
         else:
             fast = np.full(table.width, np.nan)
+        long_rise = self.slots.long_rise()  # a slow creep since the warm-up (NaN without a trailing window)
+        long_warns = long_rise >= p.kurtosis_long_rise
+        ratio = np.fmax(ratio, long_rise / p.kurtosis_long_rise)
         kurt = np.exp(self.slots.level)
         findings = []
         warns = table.site_mask(WARNING_SITES)
+        long_warns &= warns
         ratio = np.where(warns, ratio, np.minimum(ratio, INFO_RATIO_CAP))  # gradient/input sites: info only
         fast_warns = warns & (fast >= p.kurtosis_fast_rise)  # NaN compares False
         # the fast rise is never above the rise against the longer window, so its slots are among these
-        for i in np.flatnonzero((rise >= p.kurtosis_rise_info) | fast_warns).tolist():
+        for i in np.flatnonzero((rise >= p.kurtosis_rise_info) | fast_warns | long_warns).tolist():
             layer, site = table.name(i)
             severity = "info" if not warns[i] else ("critical" if rise[i] >= p.kurtosis_rise_critical else
                                                     "warning" if rise[i] >= p.kurtosis_rise or fast_warns[i]
-                                                    else "info")
+                                                    or long_warns[i] else "info")
             within = f", {np.exp(fast[i]):.1f}x within {p.kurtosis_fast_steps} steps" if fast_warns[i] else ""
+            if long_warns[i]:
+                within += f", {np.exp(long_rise[i]):.1f}x since the warm-up"
             findings.append(Finding(RULE, severity, step, f"kurtosis of {layer} {site} grew {np.exp(rise[i]):.1f}x "
                                     f"over its minimum to {kurt[i]:.3g}{within}", layer=layer, site=site,
                                     value=float(kurt[i]), for_steps=p.kurtosis_for_steps))
@@ -106,7 +114,7 @@ class KurtosisGrowth:
                                     value=float(np.exp(self.means.level[i])), for_steps=p.kurtosis_for_steps))
         culprits = top_culprits(RULE, ratio, kurt, table.name)
         worst = max(float(score_of(ratio).max(initial=0.0)), float(score_of(mean_ratio).max(initial=0.0)))
-        self.last = SignalOutput(worst, findings, culprits, self._steps_to_critical(rise, warns, fast_warns))
+        self.last = SignalOutput(worst, findings, culprits, self._steps_to_critical(rise, warns, fast_warns | long_warns))
         return self.last
 
     def _steps_to_critical(self, rise: np.ndarray, warns: np.ndarray, fast_warns: np.ndarray) -> float | None:

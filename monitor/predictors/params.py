@@ -16,12 +16,24 @@ from fp8mon.monitor.predictors.divergence import MARGIN, M
 
 @dataclass(frozen=True)
 class PredictorParams:
-    # -- warm-up: statistics move a lot while the model leaves its initialisation; no baseline before this
+    # -- warm-up: statistics move a lot while the model leaves its initialisation and the learning rate climbs;
+    # no baseline before its end: the step at which the reported lr stopped rising, within [warmup_min_steps,
+    # warmup_max_steps]; `warmup_steps` for a run that reports no lr (monitor.predictors.schedule)
     warmup_steps: int = 60
+    warmup_min_steps: int = 20
+    warmup_max_steps: int = 60
     # smoothing of per-tensor statistics: EWMA weight of the newest report
     ewma_alpha: float = 0.2
     # trend window (reports) for rates of change and the steps-to-threshold extrapolations
     trend_window: int = 16
+    # ... over this many training steps instead, where it matters (the headroom of saturation, the kurtosis
+    # countdown): the same rate whatever the reporting interval (32 = 16 reports of the CPU corpus)
+    trend_steps: int = 32
+    # the EWMA weights `ewma_alpha` of tensor statistics and of the attention / optimizer / log Z scalars are per
+    # this many training steps, not per report, so a signal smooths over the same training steps whatever the
+    # reporting interval (2: the CPU corpus' interval, where one report weighs exactly `ewma_alpha`)
+    tensor_alpha_steps: int = 2
+    scalar_alpha_steps: int = 2
 
     # -- kurtosis growth: rise of smoothed ln(kurtosis) above its own running minimum (after warm-up).
     # Kurtosis grows in every run while the model learns, healthy runs included, so 2x is only "info".
@@ -51,6 +63,9 @@ class PredictorParams:
     # alert on a stable run, 1.1 pages a healthy run, 1.4 warns some ramps too late
     kurtosis_fast_steps: int | None = 50
     kurtosis_fast_rise: float = 1.2
+    # A slow creep warns too: the same level above its minimum since the warm-up (output/weight sites), from 55x:
+    # healthy runs of the corpus creep up to 24x (CPU FOG) and 27x (a wide GPU Llama) since their warm-up
+    kurtosis_long_rise: float = 4.0
 
     # -- amax drift toward saturation (delayed scaling only: a reported amax_history_max)
     # Short histories overflow by ~1% for a few steps whenever gradients grow fast (early training), in
@@ -92,6 +107,9 @@ class PredictorParams:
     # 0.3 nat: a healthy run's smoothed loss only falls, and runs pushed past their stable learning rate creep
     # up 0.3 nat 100-180 steps before they meet the divergence rule
     loss_drift: float = 0.3
+    # a loss enters the drift's EWMA at most this many times `loss_drift` above its minimum: a burst of bad data
+    # (+3 nat for 40 steps) would otherwise hold the drift's finding for 100 steps after the loss recovered
+    drift_clip: float = 2.0
     # 0.7 = 2x: a healthy 1500-step FOG run's grad norm grows 1.65x as its cosine schedule decays, and 2x
     # rather than 1.65x makes no diverging run's first alert later
     grad_norm_rise: float = 0.7
@@ -103,6 +121,11 @@ class PredictorParams:
     # 2.14), and 3.0 and 3.5 give the same leads on the labelled runs, so 3.5 leaves more room. A run without
     # QK-norm grows it 5000x (rise 8.6) before it diverges
     attn_logit_rise: float = 3.5
+    # An absolute danger level of the smoothed attention max-logit, whatever it grew from (Wortsman et al., small-
+    # scale proxies: attention-logit growth precedes instability). QK-Clip (Kimi K2) caps logits at 100, but healthy
+    # wide GPU Llama runs of the corpus reach 355-637 without QK-norm, while the runs that failed without QK-norm
+    # passed 10^6: hence 1000
+    attn_logit_level: float | None = 1000.0
     adam_update_rise: float = 0.7        # 2x
     # log Z drifts by 3 nats: healthy 300-700-step runs sharpen by ~1 nat and a healthy 1500-step FOG run
     # drifts by 2
@@ -111,6 +134,11 @@ class PredictorParams:
     # and more
     logsumexp_pages: bool = False
     scalar_growth_for_steps: int = 20
+
+    # -- the learning rate leaving its schedule after the warm-up: `lr_jump` times its lowest of the last
+    # `lr_window` steps (monitor.predictors.schedule)
+    lr_jump: float = 1.5
+    lr_window: int = 100
 
     # -- the loss has left its running minimum (the divergence rule's condition, reported as it happens)
     loss_margin: float = MARGIN

@@ -22,6 +22,7 @@ from fp8mon.monitor.predictors.nonfinite import NonFinite
 from fp8mon.monitor.predictors.params import PredictorParams
 from fp8mon.monitor.predictors.saturation import AmaxSaturation, UnderflowRise
 from fp8mon.monitor.predictors.scalars import Growth, LossDivergence, Spike
+from fp8mon.monitor.predictors.schedule import LrSchedule, Warmup
 from fp8mon.monitor.wire import IngestBatch
 
 
@@ -30,17 +31,23 @@ class RunPredictor:
         self.run, self.config = run, config or {}
         p = self.params = params or PredictorParams()
         self.table = SlotTable()
-        self.tensor_signals = [KurtosisGrowth(p), AmaxSaturation(p), UnderflowRise(p)]
+        w = self.warmup = Warmup(p)  # its end follows the reported lr; every baseline waits for it
+        self.tensor_signals = [KurtosisGrowth(p, w), AmaxSaturation(p, w), UnderflowRise(p, w)]
+        a = p.scalar_alpha_steps
         self.scalar_signals = [
+            LrSchedule(p, w),
             Spike("loss_spike", "loss", p.loss_spike_z, p, log=False),
             Spike("grad_norm_spike", "grad_norm", p.grad_norm_spike_z, p, log=True),
-            Growth("loss_drift", "loss", p.loss_drift, p, log=False, alpha=p.slow_alpha,
-                   for_steps=p.drift_for_steps),
-            Growth("grad_norm_growth", "grad_norm", p.grad_norm_rise, p, log=True, alpha=p.slow_alpha,
-                   for_steps=p.drift_for_steps),
-            Growth("attn_logit_growth", "attn_max_logit", p.attn_logit_rise, p, log=True),
-            Growth("adam_update_growth", "adam_update_rms", p.adam_update_rise, p, log=True),
-            Growth("logsumexp_drift", "logit_logsumexp", p.logsumexp_rise, p, log=False, pages=p.logsumexp_pages),
+            Growth("loss_drift", "loss", p.loss_drift, p, log=False, warmup=w, alpha=p.slow_alpha,
+                   for_steps=p.drift_for_steps, alpha_steps=1, clip_rise=p.drift_clip * p.loss_drift),
+            Growth("grad_norm_growth", "grad_norm", p.grad_norm_rise, p, log=True, warmup=w, alpha=p.slow_alpha,
+                   for_steps=p.drift_for_steps, alpha_steps=1),
+            Growth("attn_logit_growth", "attn_max_logit", p.attn_logit_rise, p, log=True, warmup=w,
+                   alpha_steps=a, level=p.attn_logit_level),
+            Growth("adam_update_growth", "adam_update_rms", p.adam_update_rise, p, log=True, warmup=w,
+                   alpha_steps=a),
+            Growth("logsumexp_drift", "logit_logsumexp", p.logsumexp_rise, p, log=False, warmup=w,
+                   pages=p.logsumexp_pages, alpha_steps=a),
             LossDivergence(p),
         ]
         self.nonfinite = NonFinite()
@@ -60,6 +67,7 @@ class RunPredictor:
 
     def _evaluate(self, frame: StepFrame) -> Assessment:
         step, table = frame.step, self.table
+        self.warmup.observe(step, frame.scalars.get("lr"))
         tensors = frame.has_tensors
         outputs: dict[str, SignalOutput] = {}
         for signal in self.tensor_signals:

@@ -13,7 +13,7 @@ Findings: the extrapolation reaching overflow within `saturation_horizon` steps 
 `saturation_warning_horizon` for a stale scale); a stale scale's within `saturation_warning_horizon` steps
 after warm-up (warning: where casts do not saturate the first overflow is a NaN, so the overflow fraction
 gives no warning at all); the EWMA of the overflow fraction at `overflow_frac_info` (info),
-`overflow_frac` (warning, from `warmup_steps` on), 10x that (critical). Healthy runs with a short amax
+`overflow_frac` (warning, after the warm-up), 10x that (critical). Healthy runs with a short amax
 history overflow ~1% of a gradient's elements for a few steps whenever gradients grow fast, so only a
 sustained overflow is a warning.
 
@@ -31,16 +31,19 @@ from fp8mon.monitor.assessment import Finding
 from fp8mon.monitor.predictors.base import INFO_RATIO_CAP, SignalOutput, score_of, top_culprits
 from fp8mon.monitor.predictors.frames import SlotTable, StepFrame
 from fp8mon.monitor.predictors.params import PredictorParams
+from fp8mon.monitor.predictors.schedule import Warmup
 from fp8mon.monitor.predictors.series import LevelTracker, grown
 
 
 class AmaxSaturation:
     name = "amax_saturation"
 
-    def __init__(self, params: PredictorParams):
-        self.p = params
-        self.headroom = LevelTracker(params.ewma_alpha, params.trend_window, warmup_steps=0)
-        self.overflow_level = LevelTracker(params.ewma_alpha, params.trend_window, warmup_steps=0)
+    def __init__(self, params: PredictorParams, warmup: Warmup):
+        self.p, self.warmup = params, warmup
+        a = params.tensor_alpha_steps
+        self.headroom = LevelTracker(params.ewma_alpha, params.trend_window, 0, alpha_steps=a,
+                                     trend_steps=params.trend_steps)
+        self.overflow_level = LevelTracker(params.ewma_alpha, params.trend_window, 0, alpha_steps=a)
         # staleness of the scale, log2(format_max / (amax_history_max * scale)): exactly the margin at every step
         # while the scale is refreshed from the history it is reported with; its range since warm-up, per slot
         self.stale_lo, self.stale_hi = np.full(0, np.nan), np.full(0, np.nan)
@@ -63,7 +66,7 @@ class AmaxSaturation:
         with np.errstate(divide="ignore", invalid="ignore"):
             staleness = np.where(delayed & (scale > 0), np.log2(table.format_max / (hmax * scale)), np.nan)
         self.stale_lo, self.stale_hi = grown(self.stale_lo, h.shape[0]), grown(self.stale_hi, h.shape[0])
-        if frame.step >= self.p.warmup_steps:
+        if self.warmup.done(frame.step):
             self.stale_lo, self.stale_hi = np.fmin(self.stale_lo, staleness), np.fmax(self.stale_hi, staleness)
         overflow = frame.stats.get("overflow_frac")
         if overflow is not None:
@@ -98,18 +101,19 @@ class AmaxSaturation:
             closing_in = np.where(stale & approaching,
                                   p.saturation_warning_horizon / np.maximum(to_overflow, 1.0), 0.0)
         ratio = np.maximum(ratio, closing_in)
-        if step < p.warmup_steps:  # overflow while the model leaves its initialisation is info only
+        warm = not self.warmup.done(step)
+        if warm:  # overflow while the model leaves its initialisation is info only
             ratio = np.minimum(ratio, INFO_RATIO_CAP)
         findings = []
         for i in np.flatnonzero(approaching).tolist():
             layer, site = table.name(i)
             if overflow[i] >= p.overflow_frac_info:
-                severity = ("info" if step < p.warmup_steps or overflow[i] < p.overflow_frac else
+                severity = ("info" if warm or overflow[i] < p.overflow_frac else
                             "critical" if overflow[i] >= 10 * p.overflow_frac else "warning")
                 message = f"{layer} {site}: {overflow[i]:.2%} of the elements saturate (stale delayed scale)"
                 value = float(overflow[i])
             else:
-                severity = ("warning" if step >= p.warmup_steps and stale[i]
+                severity = ("warning" if not warm and stale[i]
                             and to_overflow[i] <= p.saturation_warning_horizon else "info")
                 message = (f"{layer} {site}: amax {level[i]:.2f} binades below saturation, closing "
                            f"{-rate[i]:.3g}/step: overflow in ~{to_overflow[i]:.0f} steps")
@@ -127,9 +131,10 @@ class AmaxSaturation:
 class UnderflowRise:
     name = "underflow_rise"
 
-    def __init__(self, params: PredictorParams):
+    def __init__(self, params: PredictorParams, warmup: Warmup):
         self.p = params
-        self.level = LevelTracker(params.ewma_alpha, params.trend_window, params.warmup_steps)
+        self.level = LevelTracker(params.ewma_alpha, params.trend_window, warmup,
+                                  alpha_steps=params.tensor_alpha_steps)
         self.last = SignalOutput()
 
     def update(self, frame: StepFrame, table: SlotTable) -> None:

@@ -7,7 +7,8 @@
   creeps up long before it blows up).
 * `attn_logit_growth`, `adam_update_growth`, `logsumexp_drift` (when the trainer reports them):
   the EWMA of ln(attn_max_logit), ln(adam_update_rms) and of logit_logsumexp (already a log) against
-  its running minimum since warm-up, a warning at the configured rise.
+  its running minimum since warm-up, a warning at the configured rise; the smoothed attention max-logit
+  is also a warning from the absolute level `attn_logit_level` on.
 * `loss_divergence`: the divergence rule's condition (monitor.predictors.divergence) holding now, critical;
   reactive by definition, it is what the labels call divergence.
 """
@@ -20,6 +21,7 @@ from fp8mon.monitor.assessment import Finding
 from fp8mon.monitor.predictors.base import INFO_RATIO_CAP, SignalOutput, scalar_score
 from fp8mon.monitor.predictors.divergence import DivergenceDetector
 from fp8mon.monitor.predictors.params import PredictorParams
+from fp8mon.monitor.predictors.schedule import Warmup
 from fp8mon.monitor.predictors.series import RobustZ, ScalarLevel
 
 
@@ -57,14 +59,21 @@ class Spike:
 
 
 class Growth:
-    """A positive scalar (or a log already, `log=False`) rising above its running minimum."""
+    """A positive scalar (or a log already, `log=False`) rising above its running minimum since the warm-up,
+    smoothed with a weight per `alpha_steps` training steps. With `level`, its smoothed value reaching that
+    absolute level warns too (an attention max-logit of 100, whatever it grew from)."""
 
-    def __init__(self, name: str, scalar: str, rise: float, params: PredictorParams, log: bool,
-                 alpha: float | None = None, for_steps: int | None = None, pages: bool = True):
+    def __init__(self, name: str, scalar: str, rise: float, params: PredictorParams, log: bool, warmup: Warmup,
+                 alpha: float | None = None, for_steps: int | None = None, pages: bool = True,
+                 alpha_steps: int | None = None, level: float | None = None, clip_rise: float | None = None):
         self.name, self.scalar, self.threshold, self.log, self.p = name, scalar, rise, log, params
         self.pages = pages  # False: its findings stay info and its score below a warning's
         self.for_steps = params.scalar_growth_for_steps if for_steps is None else for_steps
-        self.level = ScalarLevel(alpha or params.ewma_alpha, params.warmup_steps)
+        self.level = ScalarLevel(alpha or params.ewma_alpha, warmup, alpha_steps)
+        self.danger = level
+        # each value enters the EWMA at most this far above the baseline, so a burst that recovers leaves the
+        # level (and its alert) within a few of the EWMA's time constants, while a sustained rise still crosses
+        self.clip_rise = clip_rise
         self.last = SignalOutput()
 
     def observe(self, step: int, scalars: dict[str, float]) -> SignalOutput:
@@ -73,15 +82,26 @@ class Growth:
             self.last = self.last.at(step)
             return self.last
         x = (math.log(value) if value > 0 else math.nan) if self.log else value
+        if self.clip_rise is not None and x > self.level.baseline + self.clip_rise:  # NaN baseline: False
+            x = self.level.baseline + self.clip_rise
         self.level.update(step, x)
         rise = self.level.rise()
         ratio = rise / self.threshold if math.isfinite(rise) else 0.0
+        level_ratio = 0.0
+        if self.danger is not None and math.isfinite(self.level.level):
+            smooth = math.exp(self.level.level) if self.log else self.level.level
+            level_ratio = smooth / self.danger
         findings, culprits = [], []
-        if ratio >= self.p.growth_info_fraction:
+        if level_ratio >= 1.0:
+            findings.append(Finding(self.name, "warning" if self.pages else "info", step,
+                                    f"{self.scalar} at {smooth:.4g}, past the danger level {self.danger:.4g}",
+                                    value=float(value), for_steps=self.for_steps))
+        elif ratio >= self.p.growth_info_fraction:
             how = f"{math.exp(rise):.1f}x" if self.log else f"+{rise:.2f}"
             severity = "warning" if ratio >= 1.0 and self.pages else "info"
             findings.append(Finding(self.name, severity, step, f"{self.scalar} grew {how} over its minimum to "
                                     f"{value:.4g}", value=float(value), for_steps=self.for_steps))
+        ratio = max(ratio, level_ratio)
         if ratio >= 0.5:
             culprits.append({"layer": None, "site": None, "signal": self.name, "value": float(value),
                              "ratio": float(ratio)})

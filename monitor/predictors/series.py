@@ -8,6 +8,8 @@ from collections import deque
 
 import numpy as np
 
+from fp8mon.monitor.predictors.schedule import Warmup, as_warmup
+
 
 def grown(array: np.ndarray, width: int, fill=np.nan) -> np.ndarray:
     """`array` with its last axis padded to `width` with `fill`."""
@@ -18,8 +20,9 @@ def grown(array: np.ndarray, width: int, fill=np.nan) -> np.ndarray:
 
 
 class LevelTracker:
-    """EWMA level of each column, its minimum over the steps >= `warmup_steps` (the baseline), and its
-    rate of change per training step over the last `window` updates.
+    """EWMA level of each column, its minimum over the steps after the warm-up (the baseline), and its
+    rate of change per training step over the last `window` updates. `warmup`: a `schedule.Warmup` shared
+    with the run's other signals, or a fixed first step.
 
     With `baseline_steps` the baseline is the minimum over only the last `baseline_steps` training steps
     (from warm-up on), kept as the minima of 8 buckets of steps, so slow drift over a long run does not add
@@ -27,20 +30,29 @@ class LevelTracker:
 
     With `alpha_steps` the EWMA weight `alpha` is per `alpha_steps` training steps, not per update: an update
     dt steps after the previous one weighs 1 - (1 - alpha) ** (dt / alpha_steps), so the smoothing spans the
-    same number of training steps whatever the reporting interval."""
+    same number of training steps whatever the reporting interval.
+
+    `since_warmup` (with `baseline_steps` and `long_baseline`): the minimum since the warm-up too, the long-horizon baseline that a
+    slow creep rises above (`long_rise`)."""
 
     BUCKETS = 8
 
-    def __init__(self, alpha: float, window: int, warmup_steps: int, width: int = 0,
-                 baseline_steps: int | None = None, alpha_steps: int | None = None):
-        self.alpha, self.warmup_steps, self.alpha_steps = alpha, warmup_steps, alpha_steps
+    def __init__(self, alpha: float, window: int, warmup: Warmup | int, width: int = 0,
+                 baseline_steps: int | None = None, alpha_steps: int | None = None, trend_steps: int | None = None,
+                 long_baseline: bool = False):
+        self.alpha, self.warmup, self.alpha_steps = alpha, as_warmup(warmup), alpha_steps
+        self.trend_steps = trend_steps
+        if trend_steps is not None:
+            window = max(window, trend_steps + 1)  # room for one update per step over the trend
         self.level = np.full(width, np.nan)
         self.baseline = np.full(width, np.nan)
+        self.since_warmup = np.full(width, np.nan) if long_baseline and baseline_steps is not None else None
         self.count = np.zeros(width, dtype=np.int64)
         self._ring = np.full((window, width), np.nan)  # past levels, one row per update
         self._ring_steps = np.full(window, np.nan)
         self._n = 0
         self.step: int | None = None
+        self.first_step: int | None = None
         self._bucket_steps = None if baseline_steps is None else max(1, baseline_steps // self.BUCKETS)
         self._buckets: deque[tuple[int, np.ndarray]] = deque()  # (bucket index, minimum level in it)
 
@@ -52,6 +64,8 @@ class LevelTracker:
         if width <= self.width:
             return
         self.level, self.baseline = grown(self.level, width), grown(self.baseline, width)
+        if self.since_warmup is not None:
+            self.since_warmup = grown(self.since_warmup, width)
         self.count = grown(self.count, width, 0)
         self._ring = grown(self._ring, width)
         self._buckets = deque((b, grown(row, width)) for b, row in self._buckets)
@@ -68,16 +82,20 @@ class LevelTracker:
             alpha = 1.0 - (1.0 - alpha) ** ((step - self.step) / self.alpha_steps)
         self.level = np.where(later, self.level + alpha * (values - self.level), self.level)
         self.count += ok
-        if step >= self.warmup_steps:
+        if self.warmup.done(step):
             if self._bucket_steps is None:
                 self.baseline = np.where(ok, np.fmin(self.baseline, self.level), self.baseline)
             else:
                 self._trail_baseline(step, np.where(ok, self.level, np.nan))
+                if self.since_warmup is not None:
+                    self.since_warmup = np.where(ok, np.fmin(self.since_warmup, self.level), self.since_warmup)
         slot = self._n % self._ring.shape[0]
         self._ring[slot] = self.level
         self._ring_steps[slot] = step
         self._n += 1
         self.step = step
+        if self.first_step is None:
+            self.first_step = step
 
     def _trail_baseline(self, step: int, levels: np.ndarray) -> None:
         bucket = step // self._bucket_steps
@@ -94,9 +112,19 @@ class LevelTracker:
         """Level minus baseline; NaN before the baseline exists."""
         return self.level - self.baseline
 
+    def long_rise(self) -> np.ndarray:
+        """Level minus its minimum since the warm-up (NaN without `long_baseline`; without `baseline_steps`
+        rise() is that)."""
+        if self.since_warmup is None:
+            return np.full(self.width, np.nan)
+        return self.level - self.since_warmup
+
     def rate(self) -> np.ndarray:
         """Change of the level per training step over the window; NaN until the window is full (a rate
-        over a few steps is noise)."""
+        over a few steps is noise). With `trend_steps`: over the last `trend_steps` training steps (from the
+        oldest update within them, or the last one before when updates are sparser), whatever the interval."""
+        if self.trend_steps is not None:
+            return self._rate_over_steps()
         if self._n < self._ring.shape[0]:
             return np.full(self.width, np.nan)
         oldest = self._n % self._ring.shape[0]
@@ -105,20 +133,38 @@ class LevelTracker:
             return np.full(self.width, np.nan)
         return (self.level - self._ring[oldest]) / span
 
+    def _rate_over_steps(self) -> np.ndarray:
+        if self.step is None or self.step - self.first_step < self.trend_steps:
+            return np.full(self.width, np.nan)
+        steps = self._ring_steps
+        earlier = steps < self.step  # NaN compares False
+        within = earlier & (steps >= self.step - self.trend_steps)
+        if within.any():
+            i = int(np.flatnonzero(within)[np.argmin(steps[within])])
+        else:
+            i = int(np.flatnonzero(earlier)[np.argmax(steps[earlier])])
+        return (self.level - self._ring[i]) / (self.step - steps[i])
+
 
 class ScalarLevel:
-    """LevelTracker for one scalar series, in plain floats (numpy's per-call cost dominates at width 1)."""
+    """LevelTracker for one scalar series, in plain floats (numpy's per-call cost dominates at width 1). With
+    `alpha_steps`, `alpha` is the weight per `alpha_steps` training steps, as in LevelTracker."""
 
-    def __init__(self, alpha: float, warmup_steps: int):
-        self.alpha, self.warmup_steps = alpha, warmup_steps
+    def __init__(self, alpha: float, warmup: Warmup | int, alpha_steps: int | None = None):
+        self.alpha, self.warmup, self.alpha_steps = alpha, as_warmup(warmup), alpha_steps
         self.level = math.nan
         self.baseline = math.nan
+        self.step: int | None = None
 
     def update(self, step: int, value: float) -> None:
         if not math.isfinite(value):
             return
-        self.level = value if math.isnan(self.level) else self.level + self.alpha * (value - self.level)
-        if step >= self.warmup_steps and not self.level >= self.baseline:
+        alpha = self.alpha
+        if self.alpha_steps is not None and self.step is not None and step > self.step:
+            alpha = 1.0 - (1.0 - alpha) ** ((step - self.step) / self.alpha_steps)
+        self.step = step
+        self.level = value if math.isnan(self.level) else self.level + alpha * (value - self.level)
+        if self.warmup.done(step) and not self.level >= self.baseline:
             self.baseline = self.level
 
     def rise(self) -> float:

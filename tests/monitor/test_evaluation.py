@@ -1,13 +1,19 @@
 """The lead figures of fp8mon.monitor.evaluation (what bench/predict.py prints): the literal first-alert lead
 and the standing lead, where an alert that resolved before the divergence step counts as a false alarm, not
-as lead."""
+as lead; the failure labels of monitor.failures; and `fp8mon eval` on the corpus of models fp8mon did not write
+(tests/fixtures/corpus), at reporting intervals 1, 5 and 10."""
 
 import dataclasses
 import math
 
+import numpy as np
+import pytest
+
+from fp8mon.monitor import failures
 from fp8mon.monitor.assessment import RESOLVE_AFTER_STEPS
-from fp8mon.monitor.evaluation import Outcome, baseline, lead, standing_lead
-from fp8mon.monitor.fixtures import Fixture
+from fp8mon.monitor.evaluation import Outcome, baseline, lead, replay, standing_lead, subsample
+from fp8mon.monitor.fixtures import FIXTURE_DIR, Fixture, fixture_paths, load_fixture
+from fp8mon.monitor.predictors import divergence_step
 
 
 def diverging_at(step: int) -> Fixture:
@@ -32,3 +38,140 @@ def test_alarms_that_overlap_or_touch_are_one_stretch_and_a_later_one_starts_a_n
     assert standing_lead(fixture, out) == 250
     assert standing_lead(fixture, Outcome(spans=[[100, 200]])) == 0
     assert standing_lead(dataclasses.replace(fixture, diverged=False, divergence_step=None), out) is None
+
+
+# -- what failure means (monitor.failures) -------------------------------------------------------------------
+
+def _healthy(steps=1200, floor=2.0, seed=0):
+    """A loss falling from 5.5 toward `floor`, with batch noise."""
+    rng = np.random.default_rng(seed)
+    return [(s, floor + 3.5 * math.exp(-s / 150) + 0.05 * rng.standard_normal()) for s in range(steps)]
+
+
+def test_a_burst_that_recovers_is_transient_not_a_failure():
+    losses = [(s, v + (3.0 if 700 <= s < 740 else 0.0)) for s, v in _healthy()]
+    f = failures.label(losses)
+    assert (f.kind, f.step, f.failed) == ("transient", 700, False)
+    assert 740 <= f.recovered <= 745
+    assert divergence_step(losses) == 700  # what the divergence rule alone called "diverged"
+
+
+def test_a_loss_that_blows_up_or_drifts_and_stays_up_fails_at_the_start_of_its_rise():
+    nan = [(s, math.nan if s >= 900 else v) for s, v in _healthy()]
+    assert failures.label(nan) == failures.Failure("blowup", 900)
+    assert failures.label(_healthy(), nonfinite_at=850) == failures.Failure("blowup", 850)
+    creep = [(s, v + 0.004 * max(0, s - 600)) for s, v in _healthy()]  # +0.5 nat by step 725, +2.4 by the end
+    f = failures.label(creep)
+    assert f.kind == "drift" and 700 <= f.step <= 760
+    assert failures.label(_healthy()).kind == "none"
+
+
+def test_a_run_stalled_on_a_plateau_is_a_stall_at_the_step_it_left_the_healthy_reference():
+    reference = failures.reference_curve([_healthy(seed=1), _healthy(seed=2)])
+    plateau = [(s, max(v, 3.2)) for s, v in _healthy(seed=3)]  # stops learning at 3.2; healthy runs go to 2.0
+    f = failures.label(plateau, reference)
+    assert f.kind == "stall" and 204 <= f.step <= 240, f  # 0.3 nat above the healthy curve from step 204 on
+    assert divergence_step(plateau) is None  # the rule that reads only the run's own minimum misses it
+    assert failures.label(plateau).kind == "none"  # without a reference no stall is labelled
+    assert failures.label(_healthy(seed=3), reference).kind == "none"
+
+
+def test_an_fp8_run_above_its_bf16_twin_beyond_the_tolerance_is_a_quality_gap():
+    twin = dict(failures.smoothed(_healthy(seed=1)))
+    gap = [(s, v + (0.15 if s >= 500 else 0.0)) for s, v in _healthy(seed=2)]
+    f = failures.label(gap, twin=twin)
+    assert f.kind == "quality_gap" and 480 <= f.step <= 560, f
+    assert failures.label(_healthy(seed=2), twin=twin).kind == "none"
+
+
+def test_subsampling_keeps_every_step_scalars_and_thins_the_rest():
+    batch = {"version": 1, "batch_id": "b", "run": "r",
+             "tensors": {"step": [0, 0, 3, 5], "layer": ["a", "b", "a", "a"], "site": ["output"] * 4,
+                         "stats": {"kurtosis": [1.0, 2.0, 3.0, 4.0]}},
+             "scalars": {"step": [3, 3, 5], "name": ["loss", "attn_max_logit", "attn_max_logit"],
+                         "value": [1.0, 2.0, 3.0]}}
+    out = subsample([batch], 5)[0]
+    assert out["tensors"]["step"] == [0, 0, 5] and out["tensors"]["stats"]["kurtosis"] == [1.0, 2.0, 4.0]
+    assert list(zip(out["scalars"]["step"], out["scalars"]["name"])) == [(3, "loss"), (5, "attn_max_logit")]
+    assert subsample([batch], 1) == [batch]
+
+
+# -- the corpus of models fp8mon did not write (bench/corpus/make.py) -------------------------------------------
+
+CORPUS = FIXTURE_DIR.parent / "corpus"
+INTERVALS = (1, 5, 10)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return [load_fixture(p) for p in fixture_paths(CORPUS)]
+
+
+@pytest.fixture(scope="module")
+def first_alerts(corpus):
+    """(first paging alert, its rule) of every corpus run at reporting intervals 1, 5 and 10."""
+    return {f.name: {every: replay(f, every=every) for every in INTERVALS} for f in corpus}
+
+
+def test_the_corpus_keeps_tune_and_held_out_runs_apart_and_labels_each_by_what_happened(corpus):
+    for split, folder in (("tune", "tune"), ("test", "heldout")):
+        runs = [f for f in corpus if f.path.parent.name == folder]
+        assert runs and {f.split for f in runs} == {split}
+        assert all(f.name.startswith(f"ext-{folder}-") for f in runs)
+    for f in corpus:
+        kind = f.failure.kind
+        if f.name.endswith("-stable"):
+            assert kind == "none", f.name
+        elif f.name.endswith(("-burst", "-lrjump")):  # the loss blew up and came back: not a failure
+            assert kind == "transient" and f.failure.recovered > f.failure.step, f.name
+        else:  # hot: trains, then sits on a plateau far above the healthy run of its split
+            assert kind == "stall" and f.failure.step >= 160, f.name
+
+
+def test_first_warnings_move_by_at_most_10_steps_whatever_the_reporting_interval(first_alerts):
+    for name, by_every in first_alerts.items():
+        steps = [by_every[e].first_alert for e in INTERVALS]
+        assert steps.count(None) in (0, len(steps)), (name, steps)
+        if steps[0] is not None:
+            assert max(steps) - min(steps) <= 10, (name, steps)
+
+
+def test_no_stable_corpus_run_pages_at_any_reporting_interval(corpus, first_alerts):
+    for f in corpus:
+        if f.failure.kind == "none":
+            assert all(first_alerts[f.name][e].alerts == 0 for e in INTERVALS), f.name
+
+
+def test_fp8mon_eval_prints_each_run_and_the_baseline_at_its_own_and_at_the_matched_threshold(capsys):
+    from fp8mon.cli import main
+
+    assert main(["eval", str(CORPUS / "heldout"), "--every", "1", "10"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("reporting every") == 2
+    for p in fixture_paths(CORPUS / "heldout"):
+        assert p.name.split(".")[0] in out
+    assert "z>3 first" in out and "(no alarm on the stable runs)" in out
+    assert main(["eval", str(CORPUS / "nothing-here")]) == 2
+
+
+def test_fp8mon_eval_scores_stored_runs_with_labels_given_beside_them(store, database_url, tmp_path, capsys):
+    import json
+
+    from fp8mon.cli import main
+    from fp8mon.monitor.wire import IngestBatch
+
+    runs = [load_fixture(CORPUS / "heldout" / f"ext-heldout-{name}.json.gz")
+            for name in ("gpt2-bf16-stable", "llama-bf16-burst")]
+    for f in runs:
+        for batch in f.batches:
+            store.ingest(IngestBatch.model_validate(batch))
+    labels = tmp_path / "labels.json"
+    labels.write_text(json.dumps({f.name: f.failure.as_dict() for f in runs}))
+    assert main(["eval", "--labels", str(labels), "--database-url", database_url]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
+            if line.startswith("ext-heldout-")}
+    assert rows["ext-heldout-gpt2-bf16-stable"][2:4] == ["none", "-"]
+    assert rows["ext-heldout-gpt2-bf16-stable"][8] == "0"  # no paging alert on the stable run
+    assert rows["ext-heldout-llama-bf16-burst"][2:5] == ["transient", "380", "478"]
+    labels.write_text(json.dumps({"no-such-run": {"kind": "none"}}))
+    assert main(["eval", "--labels", str(labels), "--database-url", database_url]) == 1

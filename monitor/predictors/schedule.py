@@ -1,0 +1,99 @@
+"""The run's learning-rate schedule as it reports it (the `lr` scalar): where its warm-up ends, and whether the
+learning rate has left its schedule.
+
+* `Warmup`: the predictors take their baselines (running minima) only after the warm-up, while statistics move
+  because the model leaves its initialisation and the learning rate climbs. Its end is the step after the reported
+  `lr`'s peak (known once the lr has not passed it for 10 logged steps), at least `warmup_min_steps` and at most
+  `warmup_max_steps`; a run that reports no `lr` ends it at `warmup_steps`.
+* `LrSchedule` (rule `lr_schedule`): after the lr's own warm-up (uncapped) a schedule only holds or decays the learning rate (cosine,
+  linear, constant, WSD). A learning rate `lr_jump` times the lowest of the last `lr_window` steps (a jump, a
+  restart at the peak) is a warning at once, before the loss reacts; it resolves once the new rate has been the
+  run's for `lr_window` steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from fp8mon.monitor.assessment import Finding
+from fp8mon.monitor.predictors.base import SignalOutput, scalar_score
+from fp8mon.monitor.predictors.params import PredictorParams
+
+
+class Warmup:
+    """`end`: the first step after the warm-up for the baselines (math.inf while it lasts and its end is unknown);
+    `lr_end`: the step after the reported lr's peak, uncapped (math.inf until then). The peak is known once the lr
+    has not passed it for SETTLE logged steps, so a warm-up that repeats a value (a scheduler stepped every few
+    steps) is not taken for its end."""
+
+    SETTLE = 10
+
+    def __init__(self, params: PredictorParams | None = None, fixed: int | None = None):
+        p = params or PredictorParams()
+        self.min_steps, self.max_steps, self.default = p.warmup_min_steps, p.warmup_max_steps, p.warmup_steps
+        self.end = float(fixed) if fixed is not None else math.inf
+        self.lr_end = math.inf
+        self._fixed = fixed is not None
+        self._peak: tuple[float, int] | None = None  # (lr, step) of the highest lr so far
+        self._since_peak = 0
+
+    def observe(self, step: int, lr: float | None) -> None:
+        if self._fixed or self.lr_end != math.inf:
+            return
+        if lr is not None and math.isfinite(lr):
+            if self._peak is None or lr > self._peak[0]:
+                self._peak, self._since_peak = (lr, step), 0
+            else:
+                self._since_peak += 1
+                if self._since_peak >= self.SETTLE:  # the lr stopped rising (or never rose: no warm-up)
+                    self.lr_end = float(self._peak[1] + 1)
+                    if self.end == math.inf:
+                        self.end = float(min(max(self.lr_end, self.min_steps), self.max_steps))
+                    return
+            if step >= self.max_steps and self.end == math.inf:
+                self.end = float(self.max_steps)
+        elif self._peak is None and step >= self.default and self.end == math.inf:  # no lr: the default
+            self.end = float(self.default)
+
+    def done(self, step: int) -> bool:
+        return step >= self.end
+
+
+def as_warmup(warmup) -> Warmup:
+    """A Warmup from a Warmup or a fixed step."""
+    return warmup if isinstance(warmup, Warmup) else Warmup(fixed=int(warmup))
+
+
+class LrSchedule:
+    name = "lr_schedule"
+
+    def __init__(self, params: PredictorParams, warmup: Warmup):
+        self.p, self.warmup = params, warmup
+        self._recent: deque[tuple[int, float]] = deque()  # (step, lr) after warm-up, monotone minima
+        self.last = SignalOutput()
+
+    def observe(self, step: int, scalars: dict[str, float]) -> SignalOutput:
+        lr = scalars.get("lr")
+        if lr is None or not math.isfinite(lr) or lr <= 0:
+            self.last = self.last.at(step)
+            return self.last
+        if step < self.warmup.lr_end:  # the schedule's own warm-up: the lr climbs
+            self.last = SignalOutput()
+            return self.last
+        recent, window = self._recent, self.p.lr_window
+        while recent and recent[0][0] < step - window:
+            recent.popleft()
+        low = recent[0][1] if recent else lr  # the lowest lr of the window (monotone deque)
+        while recent and recent[-1][1] >= lr:
+            recent.pop()
+        recent.append((step, lr))
+        ratio = (lr / low) / self.p.lr_jump
+        findings, culprits = [], []
+        if ratio >= 1.0:
+            findings.append(Finding(self.name, "warning", step, f"learning rate {lr:.3g} is {lr / low:.1f}x its "
+                                    f"lowest of the last {window} steps: it left its schedule", value=float(lr)))
+            culprits.append({"layer": None, "site": None, "signal": self.name, "value": float(lr),
+                             "ratio": float(ratio)})
+        self.last = SignalOutput(scalar_score(ratio) if ratio >= 1.0 else 0.0, findings, culprits)
+        return self.last

@@ -1,0 +1,118 @@
+"""The predictors' reading of the learning-rate schedule (warm-up end, an lr that leaves its schedule), absolute
+attention max-logit levels, slow kurtosis creep since the warm-up, and a transient burst that resolves, on
+synthetic streams."""
+
+import math
+
+from fp8mon.monitor.alerting.lifecycle import FIRED, RESOLVED, AlertTracker
+from fp8mon.monitor.assessment import RESOLVE_AFTER_STEPS
+from fp8mon.monitor.predictors import RunPredictor
+from fp8mon.monitor.predictors.schedule import Warmup
+from fp8mon.monitor.wire import IngestBatch
+from tests.monitor.test_predictors import LAYERS, first_fired, healthy, merge, replay, stream
+
+FEW = LAYERS[:4]
+
+
+def cosine(step, warmup=100, steps=1500, peak=3e-3):
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / (steps - warmup))))
+
+
+def scalars_with(lr_fn, extra=None):
+    def fn(step, rng):
+        out = {"loss": 3.0 + 0.05 * rng.standard_normal(), "grad_norm": 1.0 + 0.05 * rng.standard_normal(),
+               "lr": lr_fn(step)}
+        out.update(extra(step) if extra else {})
+        return out
+    return fn
+
+
+def _stream(steps, scalar_fn, **kw):
+    return stream(steps, scalar_fn=scalar_fn, layers=FEW, **kw)
+
+
+def test_the_warm_up_ends_where_the_reported_lr_stops_rising_within_its_bounds():
+    def ended(lrs):
+        w = Warmup()
+        for step, lr in enumerate(lrs):
+            w.observe(step, lr)
+        return w.end, w.lr_end
+
+    assert ended([cosine(s, warmup=40) for s in range(100)]) == (40, 40)
+    stepped = [cosine(s - s % 5, warmup=200, steps=400) for s in range(400)]  # a warm-up stepped every 5 steps
+    assert ended(stepped) == (60, 201)  # the peak: cosine(200), the first step of the decay
+    assert ended([1e-3] * 100) == (20, 1)  # no warm-up: the baselines still wait for warmup_min_steps
+    assert ended([cosine(s, warmup=400, steps=500) for s in range(500)]) == (60, 400)  # capped for the baselines
+    assert ended([None] * 100) == (60, math.inf)  # no lr reported: the default
+
+
+def test_an_lr_jump_pages_at_once_and_a_cosine_schedule_never_does():
+    jump = scalars_with(lambda s: cosine(s) * (20.0 if s >= 700 else 1.0))
+    step, alert = first_fired(replay(_stream(800, jump)))
+    assert alert is not None and alert.rule == "lr_schedule" and step == 700
+    restart = scalars_with(lambda s: cosine(s) if s < 700 else cosine(s - 600))  # back at the peak at 700
+    step, alert = first_fired(replay(_stream(800, restart)))
+    assert alert.rule == "lr_schedule" and step == 700
+    assert first_fired(replay(_stream(800, scalars_with(cosine)))) == (None, None)
+    stepped = scalars_with(lambda s: cosine(s - s % 5, warmup=200))  # its repeated values are not the warm-up's end
+    assert first_fired(replay(_stream(400, stepped))) == (None, None)
+
+
+def test_an_attention_max_logit_past_its_danger_level_warns_though_it_grew_before_the_warm_up_ended():
+    # 50x within the first 50 steps, then a plateau at 2000: growth from the warm-up's level is ~1x
+    logits = scalars_with(cosine, lambda s: {"attn_max_logit": 40.0 * 50 ** min(1.0, s / 50)})
+    step, alert = first_fired(replay(_stream(300, logits)))
+    assert alert is not None and alert.rule == "attn_logit_growth" and step < 100
+    calm = scalars_with(cosine, lambda s: {"attn_max_logit": 8.0 * 50 ** min(1.0, s / 50)})  # plateau at 400
+    assert first_fired(replay(_stream(300, calm))) == (None, None)
+
+
+def _creep(factor, steps):
+    def grow(step, layer, site, rng):
+        stats = healthy(step, layer, site, rng)
+        if layer == "blocks.0.mlp.fc2" and site == "output":
+            stats["kurtosis"] *= factor ** (step / steps)
+        return stats
+    return grow
+
+
+def test_a_slow_kurtosis_creep_warns_once_it_passes_the_level_since_warm_up_but_a_healthy_creep_does_not():
+    # 100x over 1500 steps: ~1.6x per 50 steps, under the fast rule, and the 200-step window forgets it
+    creep = replay(stream(1500, _creep(100.0, 1500), every=10, layers=FEW))
+    step, alert = first_fired(creep)
+    assert alert is not None and alert.rule == "kurtosis_growth" and (alert.layer, alert.site) == \
+        ("blocks.0.mlp.fc2", "output")
+    assert "since the warm-up" in next(f.message for a in creep if a.step == step for f in a.findings
+                                       if f.layer == "blocks.0.mlp.fc2" and f.severity == "warning")
+    healthy_creep = replay(stream(1500, _creep(20.0, 1500), every=10, layers=FEW))  # as healthy runs do
+    assert first_fired(healthy_creep) == (None, None)
+
+
+def test_a_burst_of_bad_data_warns_then_resolves_and_the_risk_returns_to_low():
+    def burst(step, rng):
+        bad = 600 <= step < 640
+        return {"loss": (5.5 if bad else 2.5) + 0.05 * rng.standard_normal(),
+                "grad_norm": (4.0 if bad else 1.0) * (1 + 0.05 * rng.standard_normal()), "lr": cosine(step)}
+
+    assessments = replay(_stream(900, burst))
+    tracker, fired, resolved = AlertTracker(), [], []
+    for a in assessments:
+        for event in tracker.update(a.run, a.step, a.findings):
+            if event.kind == FIRED and event.alert.severity in ("warning", "critical"):
+                fired.append(event.step)
+            elif event.kind == RESOLVED:
+                resolved.append(event.step)
+    assert fired and 600 <= min(fired) <= 615
+    assert resolved and max(resolved) <= 640 + 100  # within 100 steps of the recovery
+    assert max(a.risk for a in assessments[-(900 - 640 - RESOLVE_AFTER_STEPS):]) < 0.5
+
+
+def test_batches_of_one_step_and_of_many_steps_read_the_lr_alike():
+    batches = _stream(300, scalars_with(lambda s: cosine(s) * (10.0 if s >= 200 else 1.0)))
+    one = RunPredictor("a")
+    many = RunPredictor("b")
+    a = [x.risk for b in batches for x in one.observe(IngestBatch.model_validate(b))]
+    b = [x.risk for i in range(0, 300, 25) for x in many.observe(IngestBatch.model_validate(merge(batches[i:i + 25])))]
+    assert a == b and max(a) >= 0.5
