@@ -11,8 +11,8 @@ the tensor had been gathered. Where a hook hands the agent a DTensor of a watche
   through the rank reduction once per shard group (``distributed.reduce_rows``: all_reduces of O(rows) bytes):
   every rank holds the rows of the whole tensors; amax, moments, zero/nonzero/non-finite counts and the histogram
   are then exact. The counts that need the whole tensor before they can be counted, underflow/overflow at its
-  current scale (fmt.max over the whole tensor's amax) and outliers against its mean and std, are counted on each shard with those and summed by one
-  ``all_reduce``. A given scale (``set_scale``) or delayed scaling's is used as given.
+  current scale (fmt.max over the whole tensor's amax) and outliers against its mean and std, are counted on each
+  shard with those and summed by one ``all_reduce``. A given scale (``set_scale``) or delayed scaling's is used as given.
 * Under ``reduce_ranks`` a rank's row is its shard's, with those counts; the agent's rank merge then makes the
   whole tensor's row (of the concatenation over replicas, with a replicated mesh dimension, as for DDP).
 
