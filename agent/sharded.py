@@ -181,6 +181,8 @@ class ShardedRows:
         agent = self.agent
         k = agent.outlier_k
         n = len(shards)
+        if not n:  # a reporting step ended before its hooks saw a shard (``step`` jumping over it): no rows
+            return ds.empty(0, agent._device())
         fmts, scales, centers, ahms = (ts.each(v, n) for v in (fmt, scale, center, amax_history_max))
         if shards and all(agent._sink._triton_for(x) and x.numel() and x.device == shards[0].device for x in shards):
             try:
