@@ -21,8 +21,9 @@ overflow_frac and scale are per rank by design (docs/agent.md) and are not compa
 
 On N GPUs (NCCL; figures appended to bench/results/multi_gpu.csv unless ``--no-record``):
 
-    torchrun --nproc-per-node 8 bench/multi_gpu.py
-    torchrun --nproc-per-node 1 bench/multi_gpu.py --wrap ddp        # the 1-GPU base line of tokens/s
+    torchrun --nproc-per-node 8 bench/multi_gpu.py --wrap ddp       # one wrap per command: 5 copies x 2 precisions
+    torchrun --nproc-per-node 8 bench/multi_gpu.py --wrap fsdp
+    torchrun --nproc-per-node 1 bench/multi_gpu.py --wrap ddp --modes off   # the 1-GPU base line of tokens/s
 
 On CPUs (gloo), tiny (2 layers, d 64, seq 64, batch 2):
 
