@@ -79,22 +79,27 @@ class Counting:
             setattr(dist, n, f)
 
 
-def _worker(rank, port, outdir):
+def _worker(rank, port, outdir, backend="gloo", size=WORLD):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    dev = torch.device("cpu")
+    if backend == "nccl":
+        dev = torch.device("cuda", rank)
+        torch.cuda.set_device(dev)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     try:
         pair = dist.new_group([0, 1])  # every rank creates it
         out = {}
-        for name, group, world in (("four", None, WORLD), ("two", pair, 2)):
+        for name, group, world in (("four", None, size), ("two", pair, 2)):
             if rank >= world:
                 continue
-            rows = local_rows(slot_tensors(rank, world))
+            rows = local_rows(slot_tensors(rank, world)).to(dev)
             gathered = [torch.empty_like(rows) for _ in range(world)]
             dist.all_gather(gathered, rows, group=group)
             with Counting() as c:
                 reduced = distributed.reduce_rows(rows, group)
-            out[name] = {"reduced": reduced, "pairwise": ds.merge_all(torch.stack(gathered)), "bytes": c.calls}
+            out[name] = {"reduced": reduced.cpu(), "pairwise": ds.merge_all(torch.stack(gathered)).cpu(),
+                         "bytes": c.calls}
         torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -163,3 +168,15 @@ def test_the_collectives_move_o_rows_bytes_whatever_the_ranks(ranks, case, world
     one = SLOTS * WIDTH * 8
     assert len(calls) == 3 and sum(calls) < 2.5 * one  # the same for 2 and 4 ranks
     assert calls == ranks[0]["two"]["bytes"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_gives_the_same_merge(tmp_path):
+    size = 4 if torch.cuda.device_count() >= 4 else 2
+    mp.start_processes(_worker, args=(free_port(), str(tmp_path), "nccl", size), nprocs=size, join=True,
+                       start_method="spawn")
+    outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(size)]
+    for case, world in ([("four", size)] if size == 4 else []) + [("two", 2)]:
+        test_every_rank_gets_the_pairwise_merge_of_all_ranks(outs, case, world)
+        test_merged_rows_equal_the_oracle_of_the_concatenated_tensors(outs, case, world)
