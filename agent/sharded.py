@@ -8,11 +8,11 @@ the tensor had been gathered. Where a hook hands the agent a DTensor of a watche
   a gradient clip or ``zero_grad`` would change it before the step ends. The copies of a step's watched shards (1/world
   of the tensors) live until the step's end;
 * at the step's end (``finish``, on every rank, before the step's rows are taken): each rank's rows of its shards go
-  through one ``all_gather`` per shard group and merge (``distributed.reduce_rows``): every rank holds the rows of
-  the whole tensors; amax, moments, zero/nonzero/non-finite counts and the histogram are then exact. The counts
-  that need the whole tensor before they can be counted, underflow/overflow at its current scale (fmt.max over the
-  whole tensor's amax) and outliers against its mean and std, are counted on each shard with those and summed by one
-  ``all_reduce``. A given scale (``set_scale``) or delayed scaling's is used as given.
+  through the rank reduction once per shard group (``distributed.reduce_rows``: all_reduces of O(rows) bytes):
+  every rank holds the rows of the whole tensors; amax, moments, zero/nonzero/non-finite counts and the histogram
+  are then exact. The counts that need the whole tensor before they can be counted, underflow/overflow at its
+  current scale (fmt.max over the whole tensor's amax) and outliers against its mean and std, are counted on each
+  shard with those and summed by one ``all_reduce``. A given scale (``set_scale``) or delayed scaling's is used as given.
 * Under ``reduce_ranks`` a rank's row is its shard's, with those counts; the agent's rank merge then makes the
   whole tensor's row (of the concatenation over replicas, with a replicated mesh dimension, as for DDP).
 
@@ -181,6 +181,8 @@ class ShardedRows:
         agent = self.agent
         k = agent.outlier_k
         n = len(shards)
+        if not n:  # a reporting step ended before its hooks saw a shard (``step`` jumping over it): no rows
+            return ds.empty(0, agent._device())
         fmts, scales, centers, ahms = (ts.each(v, n) for v in (fmt, scale, center, amax_history_max))
         if shards and all(agent._sink._triton_for(x) and x.numel() and x.device == shards[0].device for x in shards):
             try:

@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 8 -m fp8mon.trainer.train --arch llama --precision fp8 --config 1.5b --data tokens.bin
 
 One optimizer step: ``--grad-accum`` micro-batches of ``--batch-size`` sequences per rank (forward under
-autocast for bf16/fp8, backward), gradients averaged over ranks by DDP, clipped to ``--clip``, AdamW
+autocast for bf16/fp8, backward), gradients averaged over ranks by DDP (``--fsdp``: FSDP2), clipped to ``--clip``, AdamW
 (fp32 master weights, decoupled weight decay on matrices), then ``agent.log`` with the step's loss (mean
 over micro-batches and ranks), grad_norm, lr and tokens_per_s. Losses are read on the host every
 ``--log-every`` steps and before each checkpoint (one sync); a non-finite loss or gradient norm stops the
@@ -120,6 +120,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     s.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (torchrun: cuda:LOCAL_RANK)")
     s.add_argument("--threads", type=int, help="torch intra-op CPU threads")
     s.add_argument("--compile", action="store_true", help="torch.compile the model")
+    s.add_argument("--fsdp", action="store_true",
+                   help="under torchrun: shard weights, gradients and optimizer state with FSDP2 (fully_shard per "
+                        "block and at the root) instead of replicating them with DDP; fp32 or bf16, without "
+                        "checkpoints (--out, --resume) or --cuda-graph")
     s.add_argument("--cuda-graph", action="store_true",
                    help="capture each kind of optimizer step (the agent reporting or not, with or without the "
                         "histogram) as a CUDA graph after its first eager step, and replay it: the host's per-launch "
@@ -332,13 +336,16 @@ def train_step(model, raw: Transformer, optimizer, params, batches, args, world:
     for micro in range(args.grad_accum):
         x, y = batches[micro]
         last = micro == args.grad_accum - 1
-        with (model.no_sync() if world > 1 and not last else contextlib.nullcontext()):
+        # (DDP: one all-reduce per step; FSDP2 reduce-scatters each micro-batch's gradients, holding only shards)
+        with (model.no_sync() if world > 1 and not last and hasattr(model, "no_sync") else contextlib.nullcontext()):
             with autocast(args.precision, x.device):
                 loss = model(x, y)
             (loss / args.grad_accum).backward()
         loss_sum += loss.detach()
     # (with an agent on one rank, the norms of the gradients it has just read come from its rows: trainer.clip)
     grad_norm = clip_grad_norm(params, args.clip if args.clip > 0 else float("inf"), agent if world == 1 else None)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm over all shards, as a DTensor
+        grad_norm = grad_norm.full_tensor()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     step_loss = loss_sum / args.grad_accum
@@ -363,10 +370,21 @@ def _build(args, device: torch.device, world: int):
     args.warmup = max(1, args.steps // 20) if args.warmup is None else args.warmup
     stop = args.steps if args.stop_at is None else min(args.steps, args.stop_at)
 
+    fsdp = getattr(args, "fsdp", False)
+    if fsdp and (args.precision == "fp8" or args.out or args.resume or args.cuda_graph):
+        raise SystemExit("--fsdp: fp32 or bf16, without --out, --resume or --cuda-graph")
+    if fsdp and world == 1:
+        raise SystemExit("--fsdp: under torchrun with 2 ranks or more")
     torch.manual_seed(args.seed)  # same initial weights on every rank
     recipe = fp8_recipe(args) if args.precision == "fp8" else None
     raw = Transformer(cfg, args.arch, args.precision, recipe,
                       qk_norm=False if getattr(args, "no_qk_norm", False) else None).to(device)
+    if fsdp:  # before the optimizer: sharding replaces the parameters (by DTensors)
+        from torch.distributed.fsdp import fully_shard
+
+        for block in raw.blocks:
+            fully_shard(block)
+        fully_shard(raw)
     optimizer = torch.optim.AdamW(raw.param_groups(args.weight_decay), lr=args.lr, betas=tuple(args.betas),
                                   eps=args.adam_eps, fused=device.type == "cuda")
     if args.precision == "fp8":  # the micro-batches of a step reuse each FP8 weight cast
@@ -387,7 +405,7 @@ def _build(args, device: torch.device, world: int):
     if args.cuda_graph and (device.type != "cuda" or world > 1 or args.compile):
         raise SystemExit("--cuda-graph needs one CUDA device and no --compile")
     model = raw
-    if world > 1:
+    if world > 1 and not fsdp:
         # buffers (RoPE tables, frozen QK gains) never change: no per-forward broadcast
         model = DDP(raw, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
     if args.compile:

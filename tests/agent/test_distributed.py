@@ -1,5 +1,5 @@
-"""Two ranks on CPU (gloo over 127.0.0.1): per-rank records carry their rank; with reduce_ranks=True one
-all_gather per reporting step merges them exactly and only rank 0 sends, as rank -1."""
+"""Two ranks on CPU (gloo over 127.0.0.1): per-rank records carry their rank; with reduce_ranks=True the
+rank reduction of each reporting step merges them exactly and only rank 0 sends, as rank -1."""
 
 import math
 import os

@@ -99,10 +99,12 @@ DDP_SCRIPT = """
 import json, os, sys
 from fp8mon.trainer.train import build_parser, run
 result = run(build_parser().parse_args(sys.argv[2:]))
-params = {n: p.detach().double().sum().item() for n, p in result.model.named_parameters()}
+params = {n: getattr(p, "full_tensor", lambda: p)().detach().double().sum().item()  # FSDP2: gathered
+          for n, p in result.model.named_parameters()}
 with open(os.path.join(sys.argv[1], f"rank{result.rank}.json"), "w") as f:
     json.dump({"rank": result.rank, "world": result.world_size, "run": result.run_name,
-               "losses": {str(k): v for k, v in result.losses.items()}, "params": params}, f)
+               "losses": {str(k): v for k, v in result.losses.items()}, "params": params,
+               "sharded": [n for n, p in result.model.named_parameters() if hasattr(p, "full_tensor")]}, f)
 """
 
 
@@ -136,6 +138,39 @@ def test_two_rank_gloo_ddp_via_torchrun_averages_gradients(tmp_path, live_server
     cat = httpx.get(f"{live_server.url}/api/v1/runs/ddp-run/catalogue").json()
     assert cat["ranks"] == [0, 1] and len(cat["layers"]) == 8
     assert httpx.get(f"{live_server.url}/api/v1/runs/ddp-run").json()["tags"]["world_size"] == "2"
+
+
+def test_two_rank_gloo_fsdp2_trains_as_one_rank_accumulating(tmp_path, live_server):
+    script = tmp_path / "worker.py"
+    script.write_text(DDP_SCRIPT)
+    common = ["--arch", "llama", "--precision", "fp32", "--n-layer", "2", "--steps", "3", "--seed", "5"]
+    monitor = ["--monitor-url", live_server.url, "--run-name", "fsdp-run", "--monitor-every", "1",
+               "--monitor-spool", str(tmp_path / "spool")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), str(tmp_path),
+           *FAST, *common, *monitor, "--fsdp"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("finished: 3 steps") == 1 and "fp8mon agent:" not in proc.stderr, proc.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["losses"] == r1["losses"] and r0["params"] == r1["params"]
+    assert "blocks.0.attn.qkv.weight" in r0["sharded"] and len(r0["sharded"]) == len(r0["params"])
+    # sharded, the 2 ranks still train as one rank accumulating both halves of the data
+    single = train(*common, "--grad-accum", 2)
+    for step, loss in single.losses.items():
+        assert r0["losses"][str(step)] == pytest.approx(loss, rel=1e-4, abs=1e-5)
+    for name, p in single.model.named_parameters():
+        assert r0["params"][name] == pytest.approx(p.detach().double().sum().item(), rel=1e-3, abs=1e-3)
+    cat = httpx.get(f"{live_server.url}/api/v1/runs/fsdp-run/catalogue").json()
+    assert cat["ranks"] == [0, 1] and len(cat["layers"]) == 8
+
+
+def test_fsdp_refuses_what_it_does_not_support(tmp_path):
+    with pytest.raises(SystemExit, match="--fsdp: fp32 or bf16"):
+        train("--fsdp", "--precision", "fp32", "--steps", 1, "--out", tmp_path)
+    with pytest.raises(SystemExit, match="--fsdp: under torchrun"):
+        train("--fsdp", "--precision", "fp32", "--steps", 1)
 
 
 def test_agent_streams_a_training_run_to_a_live_monitor(live_server, tmp_path):
