@@ -13,7 +13,10 @@ import torch
 from fp8mon import Agent
 from fp8mon.agent.spool import Spool
 from fp8mon.agent.transport import Transport
-from tests.agent.child_runs import CHILD, stored_loss_steps
+
+pytest.importorskip("sqlalchemy", reason="the monitor extra: these tests read what a real server stored")
+
+from tests.agent.child_runs import CHILD, stored_loss_steps  # noqa: E402
 
 
 def train(agent: Agent, steps: int) -> None:

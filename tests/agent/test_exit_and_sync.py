@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent.child_runs import CHILD, stored_loss_steps
+pytest.importorskip("sqlalchemy", reason="the monitor extra: these tests read what a real server stored")
+
+from tests.agent.child_runs import CHILD, stored_loss_steps  # noqa: E402
 
 
 def start_child(url: str, spool: Path, steps: int, mode: str) -> subprocess.Popen:

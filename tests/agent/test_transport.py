@@ -3,10 +3,14 @@
 import socket
 import time
 
-from sqlalchemy import text
+import pytest
 
-from fp8mon.agent.transport import Transport, merge_blocks
-from fp8mon.monitor.storage import SqlAlchemyStore as Store
+pytest.importorskip("sqlalchemy", reason="the monitor extra: these tests read what a real server stored")
+
+from sqlalchemy import text  # noqa: E402
+
+from fp8mon.agent.transport import Transport, merge_blocks  # noqa: E402
+from fp8mon.monitor.storage import SqlAlchemyStore as Store  # noqa: E402
 
 LAYERS = [f"blocks.{i}.mlp.fc1" for i in range(4)]
 
