@@ -544,6 +544,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = build_parser(prog).parse_args(argv)
     try:
         result = run(args)
+        if dist.is_initialized():
+            # every rank done with its collectives before any tears the group down: a rank whose peer has gone
+            # while a gloo operation is in flight aborts the process (only on success: a failed rank must not
+            # wait here for peers that wait for it)
+            dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
