@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
+import gc
 import math
 import os
 import sys
@@ -544,6 +545,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = build_parser(prog).parse_args(argv)
     try:
         result = run(args)
+        gc.collect()  # the run's modules (FSDP2's, with their collectives' state) go while the group still works
         if dist.is_initialized():
             # every rank done with its collectives before any tears the group down: a rank whose peer has gone
             # while a gloo operation is in flight aborts the process (only on success: a failed rank must not
