@@ -108,29 +108,42 @@ with open(os.path.join(sys.argv[1], f"rank{result.rank}.json"), "w") as f:
 """
 
 
-def test_two_rank_gloo_ddp_via_torchrun_averages_gradients(tmp_path, live_server):
+def two_ranks(tmp_path, live_server, run_name: str, *args: str):
+    """`fp8mon train` under torchrun with 2 gloo ranks, streaming to the live server as `run_name`: (the finished
+    process, rank 0's and rank 1's results as the worker wrote them)."""
     script = tmp_path / "worker.py"
     script.write_text(DDP_SCRIPT)
-    common = ["--arch", "fog", "--precision", "fp32", "--n-layer", "2", "--steps", "4", "--seed", "3"]
-    monitor = ["--monitor-url", live_server.url, "--run-name", "ddp-run", "--monitor-every", "2",
-               "--monitor-spool", str(tmp_path / "spool")]
+    monitor = ["--monitor-url", live_server.url, "--run-name", run_name, "--monitor-spool", str(tmp_path / "spool")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), str(tmp_path),
-           *FAST, *common, *monitor]
+           *FAST, *monitor, *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("finished: 4 steps") == 1  # only rank 0 prints
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
-    assert (r0["rank"], r1["rank"], r0["world"]) == (0, 1, 2) and r0["run"] == r1["run"]
-    assert r0["losses"] == r1["losses"]  # the logged loss is the mean over ranks, identical on both
-    assert r0["params"] == r1["params"]  # same averaged gradient -> same weights on both ranks
-    # 2 ranks x 1 micro-batch see the data of 1 rank x 2 micro-batches: averaging == accumulating
+    return proc, r0, r1
+
+
+def assert_trains_as_one_rank_accumulating(r0: dict, common: list[str]):
+    """Rank 0's losses and weights are those of 1 rank taking both halves of the data as 2 micro-batches; returns
+    that single-rank result."""
     single = train(*common, "--grad-accum", 2)
     for step, loss in single.losses.items():
         assert r0["losses"][str(step)] == pytest.approx(loss, rel=1e-4, abs=1e-5)
     for name, p in single.model.named_parameters():
         assert r0["params"][name] == pytest.approx(p.detach().double().sum().item(), rel=1e-3, abs=1e-3)
+    return single
+
+
+def test_two_rank_gloo_ddp_via_torchrun_averages_gradients(tmp_path, live_server):
+    common = ["--arch", "fog", "--precision", "fp32", "--n-layer", "2", "--steps", "4", "--seed", "3"]
+    proc, r0, r1 = two_ranks(tmp_path, live_server, "ddp-run", *common, "--monitor-every", "2")
+    assert proc.stdout.count("finished: 4 steps") == 1  # only rank 0 prints
+    assert (r0["rank"], r1["rank"], r0["world"]) == (0, 1, 2) and r0["run"] == r1["run"]
+    assert r0["losses"] == r1["losses"]  # the logged loss is the mean over ranks, identical on both
+    assert r0["params"] == r1["params"]  # same averaged gradient -> same weights on both ranks
+    # 2 ranks x 1 micro-batch see the data of 1 rank x 2 micro-batches: averaging == accumulating
+    single = assert_trains_as_one_rank_accumulating(r0, common)
     # ...and differs from what one rank would do alone on its own half of the data
     alone = train(*common)
     assert any(abs(alone.losses[s] - single.losses[s]) > 1e-3 for s in range(1, 4))
@@ -141,27 +154,13 @@ def test_two_rank_gloo_ddp_via_torchrun_averages_gradients(tmp_path, live_server
 
 
 def test_two_rank_gloo_fsdp2_trains_as_one_rank_accumulating(tmp_path, live_server):
-    script = tmp_path / "worker.py"
-    script.write_text(DDP_SCRIPT)
     common = ["--arch", "llama", "--precision", "fp32", "--n-layer", "2", "--steps", "3", "--seed", "5"]
-    monitor = ["--monitor-url", live_server.url, "--run-name", "fsdp-run", "--monitor-every", "1",
-               "--monitor-spool", str(tmp_path / "spool")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), str(tmp_path),
-           *FAST, *common, *monitor, "--fsdp"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc, r0, r1 = two_ranks(tmp_path, live_server, "fsdp-run", *common, "--monitor-every", "1", "--fsdp")
     assert proc.stdout.count("finished: 3 steps") == 1 and "fp8mon agent:" not in proc.stderr, proc.stderr[-3000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["losses"] == r1["losses"] and r0["params"] == r1["params"]
     assert "blocks.0.attn.qkv.weight" in r0["sharded"] and len(r0["sharded"]) == len(r0["params"])
     # sharded, the 2 ranks still train as one rank accumulating both halves of the data
-    single = train(*common, "--grad-accum", 2)
-    for step, loss in single.losses.items():
-        assert r0["losses"][str(step)] == pytest.approx(loss, rel=1e-4, abs=1e-5)
-    for name, p in single.model.named_parameters():
-        assert r0["params"][name] == pytest.approx(p.detach().double().sum().item(), rel=1e-3, abs=1e-3)
+    assert_trains_as_one_rank_accumulating(r0, common)
     cat = httpx.get(f"{live_server.url}/api/v1/runs/fsdp-run/catalogue").json()
     assert cat["ranks"] == [0, 1] and len(cat["layers"]) == 8
 
