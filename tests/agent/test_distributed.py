@@ -15,6 +15,7 @@ from fp8mon.agent import Agent, distributed
 from fp8mon.agent.stats.reference import Moments, merge_moments
 from fp8mon.agent.wire import SITES, TENSOR_STATS
 from fp8mon.monitor.localserver import free_port
+from tests.agent.ranks import join_group
 
 WORLD = 2
 STEPS = 4
@@ -54,13 +55,7 @@ def records(blocks):
 
 
 def _worker(rank, port, outdir, backend="gloo"):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    torch.set_num_threads(1)
-    dev = torch.device("cpu")
-    if backend == "nccl":
-        dev = torch.device("cuda", rank)
-        torch.cuda.set_device(dev)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    dev = join_group(rank, port, WORLD, backend)
     try:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).to(dev)

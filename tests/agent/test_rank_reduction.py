@@ -15,6 +15,7 @@ from fp8mon.agent.stats import torch_path as ds
 from fp8mon.agent.stats.layout import WIDTH
 from fp8mon.agent.stats.reference import Moments, merge_moments
 from fp8mon.monitor.localserver import free_port
+from tests.agent.ranks import join_group
 
 WORLD = 4
 FMTS = ["e4m3", "e5m2", None, "e4m3", None, "e4m3", None]  # one per slot
@@ -80,13 +81,7 @@ class Counting:
 
 
 def _worker(rank, port, outdir, backend="gloo", size=WORLD):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    torch.set_num_threads(1)
-    dev = torch.device("cpu")
-    if backend == "nccl":
-        dev = torch.device("cuda", rank)
-        torch.cuda.set_device(dev)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    dev = join_group(rank, port, size, backend)
     try:
         pair = dist.new_group([0, 1])  # every rank creates it
         out = {}

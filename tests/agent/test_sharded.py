@@ -23,6 +23,7 @@ from fp8mon.agent.stats.reference import Moments, merge_moments
 from fp8mon.agent.wire import SITES, TENSOR_STATS
 from fp8mon.monitor.localserver import free_port
 from tests.agent.capture import CaptureTransport
+from tests.agent.ranks import join_group
 
 WORLD = 2
 STEPS = 4
@@ -144,9 +145,7 @@ def _ddp(rank):
 
 
 def _worker(rank, port, outdir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    join_group(rank, port, WORLD)
     try:
         out = {"fsdp": _fsdp(rank), "ddp": _ddp(rank), "fsdp1": _fsdp1_names(), "tp": _tensor_parallel(rank)}
         torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
