@@ -105,6 +105,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     a.add_argument("--monitor-modules", default=r"^blocks\.", help="regex on module names to watch")
     a.add_argument("--monitor-token", default=os.environ.get("FP8MON_TOKEN"))
     a.add_argument("--monitor-spool", help="agent spool directory (default ~/.cache/fp8mon/spool/<run>)")
+    a.add_argument("--monitor-reduce-ranks", action="store_true",
+                   help="under torchrun: merge all ranks' statistics into one record per step (rank -1), sent by "
+                        "rank 0, instead of each rank sending its own")
     a.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE", help="run tag (repeatable)")
     f = p.add_argument_group("fp8")
     f.add_argument("--fp8-scaling", choices=("current", "delayed"), default="current")
@@ -123,8 +126,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     s.add_argument("--compile", action="store_true", help="torch.compile the model")
     s.add_argument("--fsdp", action="store_true",
                    help="under torchrun: shard weights, gradients and optimizer state with FSDP2 (fully_shard per "
-                        "block and at the root) instead of replicating them with DDP; fp32 or bf16, without "
-                        "checkpoints (--out, --resume) or --cuda-graph")
+                        "block and at the root) instead of replicating them with DDP; without checkpoints (--out, "
+                        "--resume) or --cuda-graph")
     s.add_argument("--cuda-graph", action="store_true",
                    help="capture each kind of optimizer step (the agent reporting or not, with or without the "
                         "histogram) as a CUDA graph after its first eager step, and replay it: the host's per-launch "
@@ -321,7 +324,7 @@ def make_agent(args, model: Transformer, run_name: str, rank: int, world: int, s
     agent = Agent(args.monitor_url, run=run_name, token=args.monitor_token, every=args.monitor_every,
                   hist_every=args.monitor_hist_every, modules=args.monitor_modules, scaling=args.fp8_scaling,
                   amax_history_len=args.amax_history, margin=args.fp8_margin, config=config, tags=tags,
-                  spool_dir=args.monitor_spool,
+                  spool_dir=args.monitor_spool, reduce_ranks=args.monitor_reduce_ranks,
                   resume="allow" if start_step else "never")  # a checkpoint's training continues its run
     agent.watch(model)
     if start_step:
@@ -372,8 +375,8 @@ def _build(args, device: torch.device, world: int):
     stop = args.steps if args.stop_at is None else min(args.steps, args.stop_at)
 
     fsdp = getattr(args, "fsdp", False)
-    if fsdp and (args.precision == "fp8" or args.out or args.resume or args.cuda_graph):
-        raise SystemExit("--fsdp: fp32 or bf16, without --out, --resume or --cuda-graph")
+    if fsdp and (args.out or args.resume or args.cuda_graph):
+        raise SystemExit("--fsdp: without --out, --resume or --cuda-graph")
     if fsdp and world == 1:
         raise SystemExit("--fsdp: under torchrun with 2 ranks or more")
     torch.manual_seed(args.seed)  # same initial weights on every rank

@@ -18,6 +18,9 @@ the weight's row: there the first cast of a reporting step casts every due weigh
 included, in one launch (``take_cast``, ``trainer.kernels.weight_casts``), and each linear's forward takes its cast
 from it; the gradients' casts back, with their rows, take one launch too (``grads_together``). Such a linear
 registers itself at its first forward with a link (``register_cast``).
+
+Under FSDP2 a batch leaves out the weights that are sharded at that moment (the other blocks', between their
+forwards): each block's first cast of a reporting step then batches that block's gathered weights.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import weakref
 
 import torch
 
+from fp8mon.agent.sharded import is_dtensor
 from fp8mon.agent.stats import launch as stats_launch
 
 _layers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # agent -> WeakSet of its Fp8Linear layers
@@ -71,7 +75,7 @@ def _launch(agent, device: torch.device) -> None:
     items = []
     for module in list(_layers.get(agent, ())):
         link, weight = module.fp8mon_stats, module.weight
-        if getattr(link, "agent", None) is not agent or module.recipe.scaling == "delayed" or \
+        if getattr(link, "agent", None) is not agent or module.recipe.scaling == "delayed" or is_dtensor(weight) or \
                 weight.device != device or weight.dim() != 2 or not link.due("weight") or \
                 module.backend_on(device) != "triton":
             continue
@@ -149,7 +153,8 @@ def _launch_casts(agent, device: torch.device, dtype: torch.dtype) -> None:
     modules, weights, targets = [], [], []
     for module in list(_cast_layers.get(agent, ())):
         link, weight = getattr(module, "fp8mon_stats", None), module.weight
-        if getattr(link, "agent", None) is not agent or not module.training or weight.device != device or \
+        if getattr(link, "agent", None) is not agent or not module.training or is_dtensor(weight) or \
+                weight.device != device or \
                 weight.dtype != torch.float32 or not wc.castable(weight) or weight.numel() > BATCH_MAX_ELEMENTS or \
                 not link.due("weight"):
             continue

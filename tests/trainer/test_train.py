@@ -15,6 +15,7 @@ import torch
 
 from fp8mon.cli import main as fp8mon
 from fp8mon.monitor.localserver import free_port
+from fp8mon.trainer.config import get_config
 from fp8mon.trainer.train import EXIT_DIVERGED, build_parser, lr_at, main, run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,16 +109,17 @@ with open(os.path.join(sys.argv[1], f"rank{result.rank}.json"), "w") as f:
 """
 
 
-def two_ranks(tmp_path, live_server, run_name: str, *args: str):
-    """`fp8mon train` under torchrun with 2 gloo ranks, streaming to the live server as `run_name`: (the finished
-    process, rank 0's and rank 1's results as the worker wrote them)."""
+def two_ranks(tmp_path, live_server, run_name: str, *args: str, url: str | None = None, system=FAST):
+    """`fp8mon train` under torchrun with 2 ranks (gloo with ``system``'s CPU), streaming to the live server (or
+    ``url``) as `run_name`: (the finished process, rank 0's and rank 1's results as the worker wrote them)."""
     script = tmp_path / "worker.py"
     script.write_text(DDP_SCRIPT)
-    monitor = ["--monitor-url", live_server.url, "--run-name", run_name, "--monitor-spool", str(tmp_path / "spool")]
+    monitor = ["--monitor-url", url or live_server.url, "--run-name", run_name,
+               "--monitor-spool", str(tmp_path / "spool")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), str(tmp_path),
-           *FAST, *monitor, *args]
+           *system, *monitor, *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
@@ -165,8 +167,27 @@ def test_two_rank_gloo_fsdp2_trains_as_one_rank_accumulating(tmp_path, live_serv
     assert cat["ranks"] == [0, 1] and len(cat["layers"]) == 8
 
 
+def test_two_rank_gloo_fsdp2_fp8_merges_ranks_into_one_record(tmp_path, live_server):
+    common = ["--arch", "llama", "--precision", "fp8", "--n-layer", "2", "--steps", "2", "--seed", "7"]
+    proc, r0, r1 = two_ranks(tmp_path, live_server, "fsdp-fp8", *common, "--monitor-every", "1", "--fsdp",
+                             "--monitor-reduce-ranks")
+    assert proc.stdout.count("finished: 2 steps") == 1 and "fp8mon agent:" not in proc.stderr, proc.stderr[-3000:]
+    assert r0["losses"] == r1["losses"] and r0["params"] == r1["params"]
+    assert_trains_as_one_rank_accumulating(r0, common)
+    cat = httpx.get(f"{live_server.url}/api/v1/runs/fsdp-fp8/catalogue").json()
+    assert -1 in cat["ranks"] and len(cat["layers"]) == 8
+
+    def numel(rank: int) -> list[float]:
+        return httpx.get(f"{live_server.url}/api/v1/runs/fsdp-fp8/series", params={
+            "layer": "blocks.0.mlp.fc1", "site": "input", "stat": "numel", "rank": rank}).json()["points"]["value"]
+
+    assert numel(0) == numel(1) == []  # no rank sent its own rows
+    # the merged input row counts both ranks' micro-batches: 8 x 64 tokens each, of fc1's width (d_model)
+    assert numel(-1) == [2 * 8 * 64 * get_config("tiny").d_model] * 2
+
+
 def test_fsdp_refuses_what_it_does_not_support(tmp_path):
-    with pytest.raises(SystemExit, match="--fsdp: fp32 or bf16"):
+    with pytest.raises(SystemExit, match="--fsdp: without --out"):
         train("--fsdp", "--precision", "fp32", "--steps", 1, "--out", tmp_path)
     with pytest.raises(SystemExit, match="--fsdp: under torchrun"):
         train("--fsdp", "--precision", "fp32", "--steps", 1)
@@ -235,3 +256,21 @@ def test_fp8_on_cuda_tracks_bf16(arch):
     diffs = [fp8.losses[s] - ref.losses[s] for s in range(40)]
     assert max(map(abs, diffs)) < 0.15 and abs(sum(diffs[30:]) / 10) < 0.04, diffs
     assert abs(fp8.val_losses[39] - ref.val_losses[39]) < 0.03
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+@pytest.mark.parametrize("precision", ["fp8", "bf16"])
+def test_two_gpus_over_nccl_train_as_one_and_merge_ranks(tmp_path, wrap, precision):
+    """On 2 GPUs (NCCL) with the agent merging ranks: the ranks agree, and rank 0 alone spools (no monitor runs
+    where the GPUs are; the batches wait for ``fp8mon sync``)."""
+    system = ["--config", "tiny", "--batch-size", "16", "--seq-len", "128", "--no-progress", "--log-every", "1"]
+    args = ["--arch", "llama", "--precision", precision, "--steps", "12", "--seed", "3", "--monitor-every", "2",
+            "--monitor-reduce-ranks", *(["--fsdp"] if wrap == "fsdp" else [])]
+    proc, r0, r1 = two_ranks(tmp_path, None, "gpus", *args, url=f"http://127.0.0.1:{free_port()}", system=system)
+    assert proc.stdout.count("finished: 12 steps") == 1 and "fp8mon agent:" not in proc.stderr, proc.stderr[-3000:]
+    assert r0["losses"] == r1["losses"] and r0["params"] == r1["params"]
+    assert r0["losses"]["11"] < r0["losses"]["0"] - 1.0
+    assert [p.name for p in (tmp_path / "spool").iterdir()] == ["rank0"]
+    assert list((tmp_path / "spool" / "rank0").glob("*.fp8b"))
