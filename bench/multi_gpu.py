@@ -51,7 +51,8 @@ from bench.external import TINY_GPT, Clock, CountingTransport, make_batch, own_c
 from bench.record import Recorder  # noqa: E402
 
 MODES = ("off", "on", "reduce")
-CHECKED_LAYER = "transformer.h.0.mlp.c_fc"
+CHECKED_LAYER = {"gpt2": "transformer.h.0.mlp.c_fc", "fp8mon": "blocks.0.mlp.fc1"}
+WATCHED = {"gpt2": None, "fp8mon": r"^blocks\."}  # the agent's modules: every linear; fp8mon train's default
 PER_RANK = {"outlier_frac", "underflow_frac", "overflow_frac", "scale", "amax_history_max"}
 HEADER = (f"{'configuration':<34} {'copy':<10} {'step ms':>9} {'overhead':>9} {'tokens/s':>11} {'rows':>6} "
           f"{'errors':>6}")
@@ -86,15 +87,11 @@ class Runner:
     round_means: list[float] = field(default_factory=list)
 
     def __post_init__(self):
-        from bench.models.gpt2 import GPT, GPTConfig
-
         torch.manual_seed(0)
-        with self.device:
-            raw = GPT(GPTConfig(**TINY_GPT) if self.args.tiny else GPTConfig())
-        if self.precision == "float8":
-            to_float8(raw, "tensorwise")
+        raw, blocks = self.build()
         self.raw = raw
-        self.linears = sum(isinstance(m, nn.Linear) for m in raw.modules())
+        self.linears = sum(type(m).__name__ in ("Linear", "Float8Linear", "Fp8Linear")
+                           for m in raw.modules() if m is not getattr(raw, "head", None))
         if self.wrap == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
@@ -103,10 +100,14 @@ class Runner:
         else:
             from torch.distributed.fsdp import fully_shard
 
-            for block in raw.transformer.h:
+            for block in blocks:
                 fully_shard(block)
             self.model = fully_shard(raw)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1)
+        if self.args.model == "fp8mon" and self.precision == "float8":  # as `fp8mon train` does
+            from fp8mon.trainer.fp8_linear import cache_fp8_weights
+
+            cache_fp8_weights(raw, self.optimizer)
         if self.args.compile:
             self.model = own_compile(self.model)
         self.agent = self.transport = None
@@ -114,8 +115,27 @@ class Runner:
             from fp8mon import Agent
 
             self.transport = KeepingTransport()
-            self.agent = Agent(transport=self.transport, every=self.every, reduce_ranks=self.mode == "reduce")
+            self.agent = Agent(transport=self.transport, every=self.every, reduce_ranks=self.mode == "reduce",
+                               modules=WATCHED[self.args.model])
             self.agent.watch(self.model)
+
+    def build(self) -> tuple[nn.Module, list[nn.Module]]:
+        """(the model, its blocks) on the device."""
+        if self.args.model == "fp8mon":
+            from fp8mon.trainer.config import get_config
+            from fp8mon.trainer.model import Transformer
+
+            cfg = get_config("tiny" if self.args.tiny else "124m", vocab_size=vocab_size(self.args))
+            with self.device:
+                raw = Transformer(cfg, "llama", "fp8" if self.precision == "float8" else "bf16")
+            return raw, list(raw.blocks)
+        from bench.models.gpt2 import GPT, GPTConfig
+
+        with self.device:
+            raw = GPT(GPTConfig(**TINY_GPT) if self.args.tiny else GPTConfig())
+        if self.precision == "float8":
+            to_float8(raw, "tensorwise")
+        return raw, list(raw.transformer.h)
 
     @property
     def name(self) -> str:
@@ -124,7 +144,8 @@ class Runner:
     def step(self) -> None:
         x, y = self.batch
         with torch.autocast(self.device.type, dtype=torch.bfloat16):
-            loss = self.model(x, y)[1]
+            out = self.model(x, y)
+            loss = out[1] if isinstance(out, tuple) else out  # GPT-2: (logits, loss); fp8mon's model: the loss
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -153,7 +174,7 @@ def slowest(seconds: float, device: torch.device) -> float:
 def measure(wrap: str, precision: str, args, device: torch.device, world: int) -> list[dict]:
     kinds = [("off", 1)] if "off" in args.modes else []
     kinds += [(m, e) for e in args.every for m in ("on", "reduce") if m in args.modes]
-    batch = make_batch(TINY_GPT["vocab_size"] if args.tiny else 50304, (args.batch, args.seq), device)
+    batch = make_batch(vocab_size(args), (args.batch, args.seq), device)
     runners = [Runner(m, e, wrap, precision, args, device, batch) for m, e in kinds]
     clock = Clock(device)
     for r in runners:
@@ -211,8 +232,9 @@ def check_oracle(runner: Runner, world: int) -> int | None:
         reductions.append((rows.detach().double().clone(), merged.detach().double().clone(), group))
         return merged
 
-    cast = torch.bfloat16 if runner.precision == "float8" else torch.float32  # what torchao's casts take
-    hook = runner.raw.get_submodule(CHECKED_LAYER).register_forward_hook(
+    # what torchao's casts take (fp8mon's Fp8Linear reads its input as it comes)
+    cast = torch.bfloat16 if runner.precision == "float8" and runner.args.model == "gpt2" else torch.float32
+    hook = runner.raw.get_submodule(CHECKED_LAYER[runner.args.model]).register_forward_hook(
         lambda m, a, out: seen.update(input=a[0].detach().to(cast).float(), output=out.detach().float()))
     agent_distributed.reduce_rows = capturing
     try:
@@ -229,7 +251,7 @@ def check_oracle(runner: Runner, world: int) -> int | None:
             continue
         fmt = agent.formats.get(site)
         whole = Moments.from_tensor(torch.cat([p.reshape(-1) for p in parts]).cpu(), fmt=fmt).to_stats()
-        rec = record_of(runner.transport.blocks, step, CHECKED_LAYER, site)
+        rec = record_of(runner.transport.blocks, step, CHECKED_LAYER[runner.args.model], site)
         if rec is None:
             print(f"   oracle {site}: NO merged record at step {step}", flush=True)
             bad += 1
@@ -317,8 +339,10 @@ def table_and_record(key: str, results: list[dict], rec: Recorder) -> list[str]:
     return lines
 
 
-def float8_usable(device: torch.device) -> str | None:
+def float8_usable(device: torch.device, model: str) -> str | None:
     """Why float8 cannot run here (None: it can)."""
+    if model == "fp8mon":
+        return None  # Fp8Linear: Triton on a GPU, its torch path elsewhere
     if device.type != "cuda":
         return "torchao float8 needs a CUDA device"
     try:
@@ -331,6 +355,9 @@ def float8_usable(device: torch.device) -> str | None:
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=["gpt2", "fp8mon"], default="gpt2",
+                   help="nanoGPT's GPT-2 124M (float8: torchao), or fp8mon train's llama 124m (float8: its Fp8Linear, "
+                        "Triton kernels)")
     p.add_argument("--wrap", nargs="+", choices=["ddp", "fsdp"], default=["ddp", "fsdp"])
     p.add_argument("--precision", nargs="+", choices=["bf16", "float8"], default=["bf16", "float8"])
     p.add_argument("--modes", default=",".join(MODES), help="some of off,on,reduce")
@@ -359,7 +386,11 @@ def parse(argv=None):
 
 
 def model_key(args) -> str:
-    return f"gpt2{'-tiny' if args.tiny else ''}{'-compiled' if args.compile else ''}"
+    return f"{args.model}{'-tiny' if args.tiny else ''}{'-compiled' if args.compile else ''}"
+
+
+def vocab_size(args) -> int:
+    return TINY_GPT["vocab_size"] if args.tiny else 50304
 
 
 def init(device_type: str) -> tuple[int, int, torch.device]:
@@ -395,7 +426,7 @@ def main(argv=None) -> int:
         for wrap in args.wrap:
             for precision in args.precision:
                 key = f"{model_key(args)}/{wrap}/{precision}/n{world}"
-                why = float8_usable(device) if precision == "float8" else None
+                why = float8_usable(device, args.model) if precision == "float8" else None
                 if why:
                     lines.append(f"{key:<34} SKIPPED: {why}")
                     continue
