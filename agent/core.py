@@ -51,6 +51,7 @@ from .formats import Fp8Format, by_name
 from .fused_link import FusedLink
 from .hooks import LayerHooks, select_modules
 from .pack import AmaxHistory, Slots, StepPack
+from .sharded import is_dtensor
 from .shipping import Shipper, check_run_meta, make_transport
 from .sink import HookSink
 from .stats import torch_path as ds
@@ -202,6 +203,9 @@ class Agent:
                 self._slots.get(name, site)
             weight = getattr(module, "weight", None)
             self._sink.sharded.register(name, module, hooks.sites)
+            if "weight" in hooks.sites and is_dtensor(weight):
+                # FSDP2 frees the gathered weight's memory after the layer: its row cannot wait for a shared launch
+                self._sink.waiting.immediate.add(self._slots.get(name, "weight"))
             if {"grad_output", "grad_weight"} <= set(hooks.sites) and isinstance(weight, torch.Tensor) and \
                     weight.is_leaf and weight.requires_grad and not self._sink.late.on:
                 self._sink.pairing.pairs.add(name)

@@ -433,7 +433,13 @@ def main(argv=None) -> int:
                 if rank == 0:
                     print(f"== {key}", flush=True)
                 results = measure(wrap, precision, args, device, world)
-                lines += table_and_record(key, results, rec)
+                done = table_and_record(key, results, rec)
+                lines += done
+                if rank == 0:  # as each configuration ends: a run cut short keeps what it measured
+                    print(HEADER + "\n" + "\n".join(done), flush=True)
+                    if args.record and rec.rows:
+                        rec.write()
+                        rec.rows.clear()
                 off = next((r for r in results if r.get("mode") == "off"), None)
                 if off is not None:
                     base[(wrap, precision)] = off["tokens_s"]
