@@ -6,6 +6,7 @@
 (function () {
   const { $, api, runPath, num, nonFinite, fmt, el, showMessage, errorMessage, drawChart, blankChart } = window.fp8mon;
   const COLUMNS = 600;
+  const DIGITS = 4; // what a hover shows and a colour can tell apart: longer numbers only cost transfer and parsing
   const ROW_PX = 16; // one label of 10 px type per row
   const MIN_HEIGHT = 240;
   const MANY_LAYERS = 64; // above this many layers at a site, the map opens on the worst ones
@@ -118,7 +119,7 @@
       showMessage("heatmap-message", "No per-layer statistics in this run yet.");
       return;
     }
-    const params = { stat, site, agg: asked.agg, max_points: COLUMNS, ...rankParams() };
+    const params = { stat, site, agg: asked.agg, max_points: COLUMNS, digits: DIGITS, ...rankParams() };
     if (rows !== "all") params.top = rows;
     if (state.zoom) [params.start, params.end] = state.zoom;
     let heatmap;
@@ -183,8 +184,14 @@
     };
     const first = (c) => heatmap.edges[c];
     const last = (c) => heatmap.edges[c + 1] - 1;
+    // Each column at the centre of its whole bucket (a partial first or last bucket too): evenly spaced columns let
+    // plotly paint one pixel per cell and scale the image, instead of a rectangle per cell on a plot-sized canvas
+    // (most of a switch's drawing time).
+    const width = heatmap.bucket_width;
+    const firstBucket = Math.floor(heatmap.start / width);
+    const centre = (c) => (firstBucket + c) * width + (width - 1) / 2;
     const trace = {
-      type: "heatmap", name: heatmap.stat, x: columns.map((c) => (first(c) + last(c)) / 2), y: heatmap.layers,
+      type: "heatmap", name: heatmap.stat, x: columns.map(centre), y: heatmap.layers,
       z: heatmap.values.map((row) => columns.map((c) => cell(row[c]))),
       colorscale: "Viridis", hoverongaps: false,
       colorbar: { title: { text: (log ? "log₁₀ " : "") + heatmap.stat }, thickness: 12, len: 300, lenmode: "pixels",
@@ -197,7 +204,7 @@
     const bad = { x: [], y: [] };
     heatmap.values.forEach((row, r) => columns.forEach((c) => {
       if (nonFinite(row[c])) {
-        bad.x.push((first(c) + last(c)) / 2);
+        bad.x.push(centre(c));
         bad.y.push(heatmap.layers[r]);
       }
     }));

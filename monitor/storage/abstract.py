@@ -120,9 +120,11 @@ class AbstractStore(AlertStore):
 
     @abstractmethod
     def heatmap(self, name: str, *, stat: str, site: str, rank: int | None = 0, start: int | None = None,
-                end: int | None = None, max_points: int = 1000, agg: str = "max") -> Heatmap:
+                end: int | None = None, max_points: int = 1000, agg: str = "max", top: int | None = None,
+                digits: int | None = None) -> Heatmap:
         """A layer x step-bucket matrix of one statistic at one site, layers in model order; `rank` None:
-        each cell the worst (largest) over the run's ranks."""
+        each cell the worst (largest) over the run's ranks; `top`: only the k layers with the largest cells,
+        worst first; `digits`: values rounded to that many significant digits."""
 
     @abstractmethod
     def histograms(self, name: str, *, layer: str, site: str, rank: int = 0, start: int | None = None,

@@ -26,13 +26,14 @@ import numpy as np
 from sqlalchemy import Connection, select
 
 from fp8mon.agent.wire import TENSOR_STATS
-from fp8mon.monitor.jsonvalues import json_floats
+from fp8mon.monitor.jsonvalues import json_floats, significant
 from fp8mon.monitor.models import ROLLUP_WIDTHS, ScalarSeries, TensorSeries
 from fp8mon.monitor.storage.database import Database, fetch
 from fp8mon.monitor.storage.entities import Heatmap, Series
 from fp8mon.monitor.storage.errors import BadParameter, NotFound
 from fp8mon.monitor.storage.rollup import KINDS, level_cover, series_ranks, sql_is_nan, sql_nan
 from fp8mon.monitor.storage.runs import RunRef, run_ref
+from fp8mon.monitor.worst_layers import worst_rows
 
 AGGS = ("min", "max", "mean", "last")
 
@@ -354,29 +355,41 @@ def series(db: Database, name: str, *, stat: str | None = None, layer: str | Non
 def _worst_cells(conn: Connection, stat: str, series_ids: list[int], ranks: list[int], plan: Plan, horizon: int,
                  agg: str) -> tuple[np.ndarray, np.ndarray]:
     """Per cell, the largest of the ranks' `agg` (a NaN on any rank wins); null where no rank reported."""
-    best = null = None
+    best = np.full((len(series_ids), plan.columns), -np.inf)
+    null = np.ones(best.shape, dtype=bool)
     for rank in ranks:
         cells = aggregate(conn, "tensor", stat, series_ids, rank, plan, horizon, (agg,))
         values, missing = cells.values[agg], cells.null[agg]
-        if best is None:
-            best, null = np.where(missing, -np.inf, values), missing
-            continue
         with np.errstate(invalid="ignore"):
             best = np.maximum(best, np.where(missing, -np.inf, values))
         null = null & missing
     return best, null
 
 
+def _matrix(conn: Connection, stat: str, series_ids: list[int], rank: int | None, ranks: list[int], plan: Plan,
+            horizon: int, agg: str) -> tuple[np.ndarray, np.ndarray]:
+    """(values, null) of the series x the plan's buckets, on `rank` or (None) the worst over `ranks`."""
+    if rank is None:
+        return _worst_cells(conn, stat, series_ids, ranks, plan, horizon, agg)
+    cells = aggregate(conn, "tensor", stat, series_ids, rank, plan, horizon, (agg,))
+    return cells.values[agg], cells.null[agg]
+
+
+SCORE_COLUMNS = 4  # columns of the coarse map that ranks the layers for `top` (agg max)
+
+
 def heatmap(db: Database, name: str, *, stat: str, site: str, rank: int | None = 0, start: int | None = None,
-            end: int | None = None, max_points: int = 1000, agg: str = "max") -> Heatmap:
+            end: int | None = None, max_points: int = 1000, agg: str = "max", top: int | None = None,
+            digits: int | None = None) -> Heatmap:
     """A layer x step-bucket matrix of one statistic at one site, layers in model order. `rank` None: each
     cell is the worst (largest) over the per-rank values (rank -1, the merged one, only when it is the only
-    rank)."""
+    rank). `top`: only the `top` layers whose largest cell is largest, worst first (monitor.worst_layers).
+    `digits`: values rounded to that many significant digits (None: as stored)."""
     if stat not in TENSOR_STATS:
         raise BadParameter(f"stat: {stat!r} is not one of {', '.join(TENSOR_STATS)}")
     if agg not in AGGS:
         raise BadParameter(f"agg: {agg!r} is not one of {', '.join(AGGS)}")
-    out: dict = {"run": name, "stat": stat, "site": site, "rank": rank, "agg": agg}
+    out: dict = {"run": name, "stat": stat, "site": site, "rank": rank, "agg": agg, "top": top}
     with db.reading() as conn:
         ref = run_ref(conn, name)
         series_rows = conn.execute(select(TensorSeries.id, TensorSeries.layer).where(
@@ -387,17 +400,25 @@ def heatmap(db: Database, name: str, *, stat: str, site: str, rank: int | None =
         out.update(ranks=ranks, run_ranks=run_ranks, layer_count=len(series_rows))
         rng = step_range(ref, start, end)
         if rng is None or not series_rows:
+            rows = [] if top is not None else series_rows
             out.update(start=start if rng is None else rng[0], end=end if rng is None else rng[1], bucket_width=1,
-                       downsampled=False, edges=[], layers=[r.layer for r in series_rows],
-                       values=[[] for _ in series_rows])
+                       downsampled=False, edges=[], layers=[r.layer for r in rows], values=[[] for _ in rows])
             return Heatmap(**out)
-        plan = plan_buckets(rng[0], rng[1], max_points, n_series=len(series_rows) * max(1, len(ranks)))
-        ids = [r.id for r in series_rows]
-        if rank is None:
-            values, null = _worst_cells(conn, stat, ids, ranks, plan, ref.horizon, agg)
-        else:
-            cells = aggregate(conn, "tensor", stat, ids, rank, plan, ref.horizon, (agg,))
-            values, null = cells.values[agg], cells.null[agg]
+        per_series = max(1, len(ranks))
+        if top is not None and agg == "max":
+            # A row's largest cell is its largest value over the whole range, which a few coarse buckets give:
+            # they rank the layers, and only the k worst are read at the map's resolution.
+            coarse = plan_buckets(rng[0], rng[1], SCORE_COLUMNS, n_series=len(series_rows) * per_series)
+            keep = worst_rows(*_matrix(conn, stat, [r.id for r in series_rows], rank, ranks, coarse, ref.horizon,
+                                       agg), top)
+            series_rows = [series_rows[i] for i in keep]
+        plan = plan_buckets(rng[0], rng[1], max_points, n_series=max(1, len(series_rows)) * per_series)
+        values, null = _matrix(conn, stat, [r.id for r in series_rows], rank, ranks, plan, ref.horizon, agg)
+    if top is not None and agg != "max":
+        keep = worst_rows(values, null, top)
+        series_rows, values, null = [series_rows[i] for i in keep], values[keep], null[keep]
+    if digits is not None:
+        values = significant(values, digits)
     flat = json_floats(values.ravel(), null.ravel())
     cols = plan.columns
     out.update(start=plan.start, end=plan.end, bucket_width=plan.width, downsampled=plan.width > 1,

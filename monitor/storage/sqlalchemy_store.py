@@ -131,9 +131,10 @@ class SqlAlchemyStore(AbstractStore):
                              start=start, end=end, max_points=max_points)
 
     def heatmap(self, name: str, *, stat: str, site: str, rank: int | None = 0, start: int | None = None,
-                end: int | None = None, max_points: int = 1000, agg: str = "max") -> Heatmap:
+                end: int | None = None, max_points: int = 1000, agg: str = "max", top: int | None = None,
+                digits: int | None = None) -> Heatmap:
         return series.heatmap(self.db, name, stat=stat, site=site, rank=rank, start=start, end=end,
-                              max_points=max_points, agg=agg)
+                              max_points=max_points, agg=agg, top=top, digits=digits)
 
     def histograms(self, name: str, *, layer: str, site: str, rank: int = 0, start: int | None = None,
                    end: int | None = None, max_points: int = 300) -> Histograms:
