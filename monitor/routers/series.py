@@ -28,6 +28,10 @@ def get_series(
     scalar: Annotated[str | None, Query(max_length=200, description="a scalar (loss, grad_norm, ...) "
                                                                      "instead of stat/layer/site")] = None,
     rank: RankParam = 0,
+    worst_over_ranks: Annotated[bool, Query(description="each point the largest over the series' ranks, a NaN "
+                                                        "winning; in buckets each aggregate the largest of the ranks' "
+                                                        "(rank is ignored; the merged rank -1 only if it is the only "
+                                                        "one)")] = False,
     start: Annotated[int | None, Query(ge=0, le=2**62, description="first step (default: the run's first)")] = None,
     end: Annotated[int | None, Query(ge=0, le=2**62, description="last step, inclusive (default: the run's "
                                                                   "last)")] = None,
@@ -38,8 +42,9 @@ def get_series(
     with its min, max, mean, last and count (never sampling: a one-step spike or NaN shows in its bucket).
     Non-finite values come as the strings "NaN", "Infinity", "-Infinity"."""
     with http_errors():
-        return SafeJSONResponse(store.series(run, stat=stat, layer=layer, site=site, scalar=scalar, rank=rank,
-                                             start=start, end=end, max_points=max_points).to_dict())
+        return SafeJSONResponse(store.series(run, stat=stat, layer=layer, site=site, scalar=scalar,
+                                             rank=None if worst_over_ranks else rank, start=start, end=end,
+                                             max_points=max_points).to_dict())
 
 
 @router.get("/runs/{run:path}/heatmap", response_model=HeatmapOut, responses=ERRORS,

@@ -87,12 +87,14 @@
   }
 
   function rankParams() {
+    // the API's parameters for the chosen rank: the heatmap, a layer's series and the scalar panels follow it
     const value = $("heatmap-rank").value || "0";
     return value === "worst" ? { worst_over_ranks: true } : { rank: value };
   }
 
   function seriesRank() {
-    // the rank a layer's own series are read from: the chosen one; over "worst", the run's first rank
+    // the rank a layer's log2 histograms are read from (they have no "worst"): the chosen one; over "worst", the
+    // run's first rank
     const value = $("heatmap-rank").value;
     if (value && value !== "worst") return value;
     const first = [...$("heatmap-rank").options].map((o) => o.value).find((v) => v !== "worst");
@@ -272,7 +274,7 @@
     blankChart("heatmap-chart");
   }
 
-  function bind({ onCell, updateUrl }) {
+  function bind({ onCell, updateUrl, onRank }) {
     state.onCell = onCell;
     state.updateUrl = updateUrl;
     const redraw = () => {
@@ -292,9 +294,13 @@
       state.rowsChosen = true;
       redraw();
     });
-    for (const id of ["heatmap-agg", "heatmap-rank", "heatmap-log"]) $(id).addEventListener("change", redraw);
+    for (const id of ["heatmap-agg", "heatmap-log"]) $(id).addEventListener("change", redraw);
+    $("heatmap-rank").addEventListener("change", () => {
+      updateUrl({ rank: $("heatmap-rank").value });
+      onRank(); // the whole run view follows the rank: this map, the layer's series, the scalar panels
+    });
     $("heatmap-chart").addEventListener("click", labelClicked);
   }
 
-  window.fp8mon.heatmap = { bind, fillSelectors, fillRanks, draw, reset, seriesRank };
+  window.fp8mon.heatmap = { bind, fillSelectors, fillRanks, draw, reset, seriesRank, rankParams, rankLabel };
 })();

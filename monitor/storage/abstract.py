@@ -114,9 +114,10 @@ class AbstractStore(AlertStore):
 
     @abstractmethod
     def series(self, name: str, *, stat: str | None = None, layer: str | None = None, site: str | None = None,
-               scalar: str | None = None, rank: int = 0, start: int | None = None, end: int | None = None,
+               scalar: str | None = None, rank: int | None = 0, start: int | None = None, end: int | None = None,
                max_points: int = 1000) -> Series:
-        """One statistic of one layer x site (or one scalar) over [start, end]: raw points, or buckets."""
+        """One statistic of one layer x site (or one scalar) over [start, end]: raw points, or buckets;
+        `rank` None: the worst (largest) over the series' ranks."""
 
     @abstractmethod
     def heatmap(self, name: str, *, stat: str, site: str, rank: int | None = 0, start: int | None = None,

@@ -307,10 +307,28 @@ def _scalar_series_id(conn: Connection, ref: RunRef, scalar: str) -> int:
     return sid
 
 
+def worst_ranks(reported: list[int]) -> list[int]:
+    """The ranks "worst over ranks" reads: the per-rank ones; the merged rank -1 only when it is the only one."""
+    return [r for r in reported if r >= 0] or reported
+
+
+def _largest(pairs: list[tuple[np.ndarray, np.ndarray]], shape: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """Of (values, null) arrays, per cell the largest value (a NaN wins); null where every one is null."""
+    best = np.full(shape, -np.inf)
+    null = np.ones(shape, dtype=bool)
+    for values, missing in pairs:
+        with np.errstate(invalid="ignore"):
+            best = np.maximum(best, np.where(missing, -np.inf, values))
+        null = null & missing
+    return best, null
+
+
 def series(db: Database, name: str, *, stat: str | None = None, layer: str | None = None, site: str | None = None,
-           scalar: str | None = None, rank: int = 0, start: int | None = None, end: int | None = None,
+           scalar: str | None = None, rank: int | None = 0, start: int | None = None, end: int | None = None,
            max_points: int = 1000) -> Series:
-    """One statistic of one layer x site (or one scalar) over [start, end]: raw points, or buckets."""
+    """One statistic of one layer x site (or one scalar) over [start, end]: raw points, or buckets. `rank` None:
+    the worst over the series' ranks (worst_ranks): at each step the largest value (a NaN wins); in buckets,
+    each aggregate the largest of the ranks' (count too)."""
     if scalar is not None:
         if stat is not None or layer is not None or site is not None:
             raise BadParameter("scalar: give either scalar, or stat with layer and site, not both")
@@ -328,26 +346,35 @@ def series(db: Database, name: str, *, stat: str | None = None, layer: str | Non
         ref = run_ref(conn, name)
         sid = (_scalar_series_id(conn, ref, scalar) if kind == "scalar"
                else tensor_series_id(conn, ref, layer, site))
+        ranks = [rank] if rank is not None else worst_ranks(series_ranks(conn, kind, ref.id).get(sid, []))
+        out["ranks"] = ranks
         rng = step_range(ref, start, end)
-        if rng is None:
-            out.update(start=start, end=end, bucket_width=1, downsampled=False, points={"step": [], "value": []})
+        if rng is None or not ranks:
+            out.update(start=start if rng is None else rng[0], end=end if rng is None else rng[1], bucket_width=1,
+                       downsampled=False, points={"step": [], "value": []})
             return Series(**out)
         lo, hi = rng
         plan = plan_buckets(lo, hi, max_points)
         out.update(start=lo, end=hi, bucket_width=plan.width, downsampled=plan.width > 1)
         raw = KINDS[kind][0]
         if plan.width == 1:
-            rows = fetch(conn, f"SELECT step, {column} FROM {raw} WHERE series_id = :sid AND rank = :rank "
-                               f"AND step >= :lo AND step <= :hi AND {column} IS NOT NULL ORDER BY step",
-                         {"sid": sid, "rank": rank, "lo": lo, "hi": hi})
+            # MAX over ranks keeps a NaN: PostgreSQL sorts NaN above every number, SQLite stores it as TEXT 'NaN'
+            # (above every number too)
+            value = column if len(ranks) == 1 else f"MAX({column})"
+            group = "" if len(ranks) == 1 else " GROUP BY step"
+            rows = fetch(conn, f"SELECT step, {value} FROM {raw} WHERE series_id = :sid "
+                               f"AND rank IN ({', '.join(str(int(r)) for r in ranks)}) AND step >= :lo "
+                               f"AND step <= :hi AND {column} IS NOT NULL{group} ORDER BY step",
+                         {"sid": sid, "lo": lo, "hi": hi})
             out["points"] = {"step": [r[0] for r in rows], "value": json_floats(_column(rows, 1)[0])}
             return Series(**out)
-        cells = aggregate(conn, kind, column, [sid], rank, plan, ref.horizon, ("n", *AGGS))
-    keep = np.flatnonzero(cells.values["n"][0] > 0)
-    points = {"step": np.maximum(plan.start, (plan.first + keep) * plan.width).tolist(),
-              "count": cells.values["n"][0][keep].tolist()}
+        per_rank = [aggregate(conn, kind, column, [sid], r, plan, ref.horizon, ("n", *AGGS)) for r in ranks]
+    n = np.max([cells.values["n"][0] for cells in per_rank], axis=0)
+    keep = np.flatnonzero(n > 0)
+    points = {"step": np.maximum(plan.start, (plan.first + keep) * plan.width).tolist(), "count": n[keep].tolist()}
     for agg in AGGS:
-        points[agg] = json_floats(cells.values[agg][0][keep], cells.null[agg][0][keep])
+        values, null = _largest([(cells.values[agg][0], cells.null[agg][0]) for cells in per_rank], n.shape)
+        points[agg] = json_floats(values[keep], null[keep])
     out["points"] = points
     return Series(**out)
 
@@ -355,15 +382,11 @@ def series(db: Database, name: str, *, stat: str | None = None, layer: str | Non
 def _worst_cells(conn: Connection, stat: str, series_ids: list[int], ranks: list[int], plan: Plan, horizon: int,
                  agg: str) -> tuple[np.ndarray, np.ndarray]:
     """Per cell, the largest of the ranks' `agg` (a NaN on any rank wins); null where no rank reported."""
-    best = np.full((len(series_ids), plan.columns), -np.inf)
-    null = np.ones(best.shape, dtype=bool)
+    per_rank = []
     for rank in ranks:
         cells = aggregate(conn, "tensor", stat, series_ids, rank, plan, horizon, (agg,))
-        values, missing = cells.values[agg], cells.null[agg]
-        with np.errstate(invalid="ignore"):
-            best = np.maximum(best, np.where(missing, -np.inf, values))
-        null = null & missing
-    return best, null
+        per_rank.append((cells.values[agg], cells.null[agg]))
+    return _largest(per_rank, (len(series_ids), plan.columns))
 
 
 def _matrix(conn: Connection, stat: str, series_ids: list[int], rank: int | None, ranks: list[int], plan: Plan,
@@ -396,7 +419,7 @@ def heatmap(db: Database, name: str, *, stat: str, site: str, rank: int | None =
             TensorSeries.run_id == ref.id, TensorSeries.site == site).order_by(TensorSeries.ordinal)).all()
         by_series = series_ranks(conn, "tensor", ref.id)
         run_ranks = sorted({r for row in series_rows for r in by_series.get(row.id, [])})
-        ranks = [rank] if rank is not None else ([r for r in run_ranks if r >= 0] or run_ranks)
+        ranks = [rank] if rank is not None else worst_ranks(run_ranks)
         out.update(ranks=ranks, run_ranks=run_ranks, layer_count=len(series_rows))
         rng = step_range(ref, start, end)
         if rng is None or not series_rows:

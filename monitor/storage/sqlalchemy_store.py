@@ -125,7 +125,7 @@ class SqlAlchemyStore(AbstractStore):
         return runs.latest(self.db, name, rank)
 
     def series(self, name: str, *, stat: str | None = None, layer: str | None = None, site: str | None = None,
-               scalar: str | None = None, rank: int = 0, start: int | None = None, end: int | None = None,
+               scalar: str | None = None, rank: int | None = 0, start: int | None = None, end: int | None = None,
                max_points: int = 1000) -> Series:
         return series.series(self.db, name, stat=stat, layer=layer, site=site, scalar=scalar, rank=rank,
                              start=start, end=end, max_points=max_points)

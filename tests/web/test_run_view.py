@@ -62,13 +62,16 @@ def deep_run(server) -> None:
 
 
 def eight_ranks(server) -> None:
-    """Kurtosis 3 + 10 (r + 1) + j on rank r; rank 5 spikes to 300 at layer 2, step 12."""
+    """Kurtosis 3 + 10 (r + 1) + j on rank r; rank 5 spikes to 300 at layer 2, step 12. Loss 1 + r on rank r; rank 3
+    spikes to 99 at step 7."""
     layers = [f"blocks.{j}.mlp" for j in range(4)]
     for r in range(8):
         kurtosis = [300.0 if (r, j, s) == (5, 2, 12) else 3.0 + 10 * (r + 1) + j for s in range(20) for j in range(4)]
         post(server, {"batch_id": f"eight-{r}", "run": EIGHT,
                       "tensors": {"step": [s for s in range(20) for _ in layers], "layer": layers * 20,
-                                  "site": ["input"] * 80, "rank": r, "stats": {"kurtosis": kurtosis}}})
+                                  "site": ["input"] * 80, "rank": r, "stats": {"kurtosis": kurtosis}},
+                      "scalars": {"step": list(range(20)), "name": ["loss"] * 20, "rank": r,
+                                  "value": [99.0 if (r, s) == (3, 7) else 1.0 + r for s in range(20)]}})
 
 
 def long_run(server) -> None:
@@ -282,4 +285,28 @@ def test_a_downsampled_map_is_one_scaled_image_and_its_partial_last_column_names
     hover = page.locator("#heatmap-chart .hoverlayer")
     expect(hover).to_contain_text("step 2000–2001")
     expect(hover).to_contain_text("kurtosis 1235")  # 4 significant digits, as the server sends them
+    assert page.errors == []
+
+
+def test_worst_over_ranks_drives_the_layer_detail_and_the_scalar_panels(server, page):
+    page.goto(f"{server.url}/?run={quote(EIGHT, safe='')}&layer=blocks.2.mlp&lsite=input")
+    wait_for_trace(page, "loss-chart", "t.name === 'loss' && t.y.every(y => y === 1)")  # rank 0 first
+    wait_for_trace(page, "detail-chart", "t.name === 'kurtosis' && t.y.every(y => y === 15)")
+
+    page.select_option("#heatmap-rank", "worst")
+    # every step the largest over the eight ranks: rank 7's, and rank 5's spike, rank 3's loss spike
+    wait_for_trace(page, "detail-chart", "t.name === 'kurtosis' && Math.max(...t.y) === 300")
+    kurtosis = next(t for t in chart(page, "detail-chart")["data"] if t["name"] == "kurtosis")
+    assert kurtosis["y"] == [85.0] * 12 + [300.0] + [85.0] * 7
+    expect(page.locator("#detail-message")).to_contain_text("the largest over ranks 0, 1, 2, 3, 4, 5, 6, 7")
+    wait_for_trace(page, "loss-chart", "t.name === 'loss' && Math.max(...t.y) === 99")
+    loss = next(t for t in chart(page, "loss-chart")["data"] if t["name"] == "loss")
+    assert loss["y"] == [8.0] * 7 + [99.0] + [8.0] * 12
+    expect(page.locator("#loss-message")).to_contain_text("largest over ranks 0, 1, 2, 3, 4, 5, 6, 7")
+    assert "rank=worst" in page.url
+
+    page.select_option("#heatmap-rank", "2")
+    wait_for_trace(page, "loss-chart", "t.name === 'loss' && t.y.every(y => y === 3)")
+    wait_for_trace(page, "detail-chart", "t.name === 'kurtosis' && t.y.every(y => y === 35)")
+    expect(page.locator("#detail-message")).to_contain_text("rank 2")
     assert page.errors == []
