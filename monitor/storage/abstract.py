@@ -55,6 +55,10 @@ class AlertStore(ABC):
         `alert_ids` maps the fingerprints of the run's active alerts to their rows; returns the new map."""
 
     @abstractmethod
+    def firing_counts(self, run: str) -> dict[str, int]:
+        """The run's firing alerts that count (not acknowledged) per severity, zeros included."""
+
+    @abstractmethod
     def recent_runs(self, since: datetime, limit: int) -> list[RecentRun]:
         """Runs seen since `since` that have not ended, most recent first."""
 

@@ -178,6 +178,9 @@ class SqlAlchemyStore(AbstractStore):
                            alert_ids: dict[str, int]) -> dict[str, int]:
         return alerts.record_assessments(self.db, run_id, predictions, writes, alert_ids)
 
+    def firing_counts(self, run: str) -> dict[str, int]:
+        return alerts.firing_counts(self.db, run)
+
     def recent_runs(self, since: datetime, limit: int) -> list[RecentRun]:
         return alerts.recent_runs(self.db, since, limit)
 
