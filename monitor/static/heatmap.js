@@ -146,7 +146,7 @@
     showMessage("heatmap-message", describe(heatmap, rank));
     const height = Math.max(MIN_HEIGHT, heatmap.layers.length * ROW_PX + 70);
     $("heatmap-chart").style.height = height + "px"; // the box scrolls past 70% of the window (CSS)
-    drawChart("heatmap-chart", traces(heatmap), layout(ctx.name, height, heatmap.layers));
+    drawChart("heatmap-chart", traces(heatmap), layout(ctx.name, height, heatmap.layers), key);
     bindChartEvents();
   }
 
@@ -192,16 +192,19 @@
     const width = heatmap.bucket_width;
     const firstBucket = Math.floor(heatmap.start / width);
     const centre = (c) => (firstBucket + c) * width + (width - 1) / 2;
+    const all = columns.length === heatmap.edges.length - 1;
+    const steps = columns.map((c) => (first(c) === last(c) ? String(first(c)) : `${first(c)}–${last(c)}`));
     const trace = {
       type: "heatmap", name: heatmap.stat, x: columns.map(centre), y: heatmap.layers,
       z: heatmap.values.map((row) => columns.map((c) => cell(row[c]))),
       colorscale: "Viridis", hoverongaps: false,
       colorbar: { title: { text: (log ? "log₁₀ " : "") + heatmap.stat }, thickness: 12, len: 300, lenmode: "pixels",
         y: 1, yanchor: "top" },
-      customdata: heatmap.values.map((row) => columns.map((c) =>
-        [first(c) === last(c) ? first(c) : `${first(c)}–${last(c)}`, typeof row[c] === "number" ? fmt(row[c], 4)
-          : String(row[c])])),
-      hovertemplate: "%{y}<br>step %{customdata[0]}<br>" + heatmap.stat + " %{customdata[1]}<extra></extra>",
+      // hover: a column's steps (one array shared by every row) and the cell as the server sent it (4 significant
+      // digits; NaN and infinities as words): nothing built per cell
+      customdata: heatmap.layers.map(() => steps),
+      text: all ? heatmap.values : heatmap.values.map((row) => columns.map((c) => row[c])),
+      hovertemplate: "%{y}<br>step %{customdata}<br>" + heatmap.stat + " %{text}<extra></extra>",
     };
     const bad = { x: [], y: [] };
     heatmap.values.forEach((row, r) => columns.forEach((c) => {
