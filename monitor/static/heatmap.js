@@ -146,7 +146,10 @@
     showMessage("heatmap-message", describe(heatmap, rank));
     const height = Math.max(MIN_HEIGHT, heatmap.layers.length * ROW_PX + 70);
     $("heatmap-chart").style.height = height + "px"; // the box scrolls past 70% of the window (CSS)
+    performance.mark("fp8mon:heatmap-draw-start"); // bench/dashboard.py reads the measure: the browser's part
     drawChart("heatmap-chart", traces(heatmap), layout(ctx.name, height, heatmap.layers), key);
+    performance.measure("fp8mon:heatmap-draw", "fp8mon:heatmap-draw-start");
+    performance.clearMarks("fp8mon:heatmap-draw-start");
     bindChartEvents();
   }
 
