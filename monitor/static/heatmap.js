@@ -4,7 +4,7 @@
 "use strict";
 
 (function () {
-  const { $, api, runPath, num, nonFinite, fmt, el, showMessage, errorMessage, drawChart, blankChart } = window.fp8mon;
+  const { $, api, runPath, num, nonFinite, el, showMessage, errorMessage, drawChart, blankChart } = window.fp8mon;
   const COLUMNS = 600;
   const DIGITS = 4; // what a hover shows and a colour can tell apart: longer numbers only cost transfer and parsing
   const ROW_PX = 16; // one label of 10 px type per row
