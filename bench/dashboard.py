@@ -5,7 +5,8 @@
                                      (plotly.js from the browser's cache: "warm"); the run has --layers x --steps
   heatmap switch ≤ 150 ms            another statistic picked in the heatmap's selector until the new map is drawn
                                      (request, server query, JSON, plotly), on the same run; each statistic's first
-                                     switch, then again (answers revalidated: 304)
+                                     switch, then again (answers revalidated: 304); of which the request (resource
+                                     timing) and the drawing (heatmap.js's performance measure)
   idle tab ≤ 50 KB per 30 s          bytes received and sent (headers included, from the DevTools protocol) by a tab
                                      left on the run view with the default 5 s refresh, over --idle-seconds
   worst run in one click             of --runs runs, the worst (critical alerts, among the oldest) is first in the
@@ -105,7 +106,10 @@ SWITCH = """async (stat) => {
             if (t && t.name === stat) {
                 const fetched = performance.getEntriesByType('resource').filter((e) => e.name.includes('/heatmap')
                     && e.startTime >= t0);
-                resolve([performance.now() - t0, fetched.length ? fetched[fetched.length - 1].duration : NaN]);
+                const drawn = performance.getEntriesByName('fp8mon:heatmap-draw', 'measure')
+                    .filter((e) => e.startTime >= t0);
+                resolve([performance.now() - t0, fetched.length ? fetched[fetched.length - 1].duration : NaN,
+                         drawn.length ? drawn[drawn.length - 1].duration : NaN]);
             }
             else requestAnimationFrame(check);
         };
@@ -136,8 +140,8 @@ def first_render(browser, url: str, reloads: int) -> tuple[float, list[float]]:
 
 
 def heatmap_switches(browser, url: str, rounds: int) -> tuple[list, list]:
-    """(milliseconds to the drawn heatmap, of which its request) per switch of the statistic: the first ones, then
-    `rounds` more rounds."""
+    """(milliseconds to the drawn heatmap, of which its request, of which its drawing) per switch of the statistic:
+    the first ones, then `rounds` more rounds."""
     context = browser.new_context(viewport={"width": 1400, "height": 900})
     page = context.new_page()
     page.set_default_timeout(60_000)
@@ -254,8 +258,10 @@ def measure(browser, url: str, args, rec: Recorder) -> None:
     rec.add("heatmap_switch_p50_ms", _p50(first, 0), "ms")
     rec.add("heatmap_switch_max_ms", max(p[0] for p in first), "ms")
     rec.add("heatmap_switch_again_p50_ms", _p50(again, 0), "ms")
-    # of which the request (server, transfer): the rest is the browser's parse and draw
+    # of which the request (server, transfer) and the drawing (traces and plotly, heatmap.js's performance
+    # measure); the rest is the event, the JSON parse and the wait for the next frame
     rec.add("heatmap_switch_request_p50_ms", _p50(first + again, 1), "ms")
+    rec.add("heatmap_switch_draw_p50_ms", _p50(first + again, 2), "ms")
     received, sent, requests = idle_traffic(browser, url, args.idle_seconds)
     scale = 30.0 / args.idle_seconds
     rec.add("idle_bytes_30s", (received + sent) * scale, "B")

@@ -101,7 +101,7 @@ class SeriesPoints(BaseModel):
 
 class SeriesOut(BaseModel):
     run: str
-    rank: int
+    rank: int | None = Field(description="null: each point is the worst (largest) over `ranks`")
     stat: str | None
     layer: str | None
     site: str | None
@@ -111,6 +111,7 @@ class SeriesOut(BaseModel):
     bucket_width: int = Field(description="steps per point; 1: raw points")
     downsampled: bool
     points: SeriesPoints
+    ranks: list[int] = Field([], description="the ranks the values come from")
 
 
 class HeatmapOut(BaseModel):

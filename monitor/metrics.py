@@ -52,6 +52,7 @@ RUN_GAUGES = {
     "fp8mon_run_last_seen_timestamp_seconds": ("Unix time of the run's last ingested batch.", "last_seen"),
 }
 ALERTS_FIRING = "fp8mon_alerts_firing"
+FIRING_HELP = "Firing fp8mon alerts per run and severity, acknowledged ones left out (as on the dashboard)."
 # The *_created series double the exposition for nothing the rules or dashboards use (process-wide switch).
 disable_created_metrics()
 
@@ -92,6 +93,14 @@ class RunMetrics(Collector):
                 state.active_at = self._clock()
                 state.ended_at = None
 
+    def set_firing(self, run: str, firing: dict[str, int]) -> None:
+        """New firing counts of a run already exported (an acknowledgement): neither adds a run nor makes it
+        active."""
+        with self._lock:
+            state = self._runs.get(run)
+            if state is not None:
+                state.firing = {s: int(firing.get(s, 0)) for s in SEVERITIES}
+
     def end(self, run: str) -> None:
         """The run finished (or was deleted): its series go after the grace period."""
         with self._lock:
@@ -123,7 +132,7 @@ class RunMetrics(Collector):
 
     def describe(self):
         return [GaugeMetricFamily(name, doc, labels=["run"]) for name, (doc, _) in RUN_GAUGES.items()] + [
-            GaugeMetricFamily(ALERTS_FIRING, "Firing fp8mon alerts per run and severity.", labels=["run", "severity"])]
+            GaugeMetricFamily(ALERTS_FIRING, FIRING_HELP, labels=["run", "severity"])]
 
     def collect(self):
         runs = self.snapshot()
@@ -133,8 +142,7 @@ class RunMetrics(Collector):
                 if key in state.values:
                     family.add_metric([run], state.values[key])
             yield family
-        firing = GaugeMetricFamily(ALERTS_FIRING, "Firing fp8mon alerts per run and severity.",
-                                   labels=["run", "severity"])
+        firing = GaugeMetricFamily(ALERTS_FIRING, FIRING_HELP, labels=["run", "severity"])
         for run, state in runs.items():
             for severity in SEVERITIES:
                 firing.add_metric([run, severity], state.firing.get(severity, 0))

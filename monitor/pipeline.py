@@ -321,7 +321,7 @@ class Pipeline:
             self._drop_state(run)
             self.metrics.runs.remove(run)
             return
-        self.metrics.runs.update(run, values, self.tracker.firing_counts(run))
+        self.metrics.runs.update(run, values, self._firing(run))
         if final:
             self.metrics.runs.end(run)
             state.predictor = None  # a finished run needs no more predictions; rebuilt if it resumes
@@ -337,7 +337,7 @@ class Pipeline:
         if events:
             self._write(state, run, [], events, None)
             self._notify(events)
-            self.metrics.runs.update(run, None, self.tracker.firing_counts(run), active=False)
+            self.metrics.runs.update(run, None, self._firing(run), active=False)
         self.metrics.runs.end(run)
         if not loaded:  # built for this only: a later batch of the run builds it with its predictor
             self._runs.pop(run, None)
@@ -360,6 +360,12 @@ class Pipeline:
         writes += [AlertWrite(a, context=context) for a in self.tracker.active(run)
                    if a.fingerprint in state.alert_ids or a.fingerprint in changed]
         state.alert_ids = self.alerts.record_assessments(state.run_id, predictions, writes, state.alert_ids)
+
+    def _firing(self, run: str) -> dict[str, int]:
+        """The run's firing counts for /metrics: acknowledged alerts are left out, as on the dashboard (the database
+        knows the acknowledgements; it is asked only when something fires)."""
+        counts = self.tracker.firing_counts(run)
+        return self.alerts.firing_counts(run) if any(counts.values()) else counts
 
     def _seed_metrics(self) -> None:
         recent = self.alerts.recent_runs(utcnow() - SEED_RECENT, self.metrics.runs.max_runs)

@@ -1,28 +1,22 @@
 """The "worst k layers" of a heatmap: at hundreds of layers one anomalous row is a line a pixel high, so the view
 keeps the k rows whose largest cell is largest (a NaN or an infinity counts as the largest of all), worst first."""
 
-import dataclasses
-import math
-
-from fp8mon.monitor.storage.entities import Heatmap
+import numpy as np
 
 
-def row_score(row: list) -> float:
-    """The largest value of a heatmap row as the API writes it (numbers, "NaN"/"Infinity" strings, null)."""
-    best = -math.inf
-    for value in row:
-        if isinstance(value, str):
-            if value != "-Infinity":
-                return math.inf
-            continue
-        if value is not None and value > best:
-            best = value
-    return best
+def row_scores(values: np.ndarray, null: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the largest value of each row, NaN and +Infinity as +inf; whether the row has any value) of a layer x
+    column matrix whose `null` cells hold nothing."""
+    cells = np.where(null, -np.inf, values)
+    bad = np.isnan(cells) | (cells == np.inf)
+    largest = np.where(bad, -np.inf, cells).max(axis=1, initial=-np.inf)
+    return np.where(bad.any(axis=1), np.inf, largest), (~null).any(axis=1)
 
 
-def worst_layers(heatmap: Heatmap, k: int) -> Heatmap:
-    """The k rows with the largest values, worst first (ties in model order); rows with no value never rank."""
-    scored = [(row_score(row), i) for i, row in enumerate(heatmap.values) if any(v is not None for v in row)]
-    keep = [i for _, i in sorted(scored, key=lambda t: (-t[0], t[1]))[:k]]
-    return dataclasses.replace(heatmap, layers=[heatmap.layers[i] for i in keep],
-                               values=[heatmap.values[i] for i in keep], top=k)
+def worst_rows(values: np.ndarray, null: np.ndarray, k: int) -> list[int]:
+    """The indices of the k rows with the largest values, worst first (ties in row order); rows with no value
+    never rank."""
+    score, has = row_scores(values, null)
+    rows = np.flatnonzero(has)
+    order = np.lexsort((rows, -score[rows]))  # last key first: score descending, then row order
+    return rows[order][:k].tolist()

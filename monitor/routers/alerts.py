@@ -1,12 +1,13 @@
 """/api/v1/alerts and /api/v1/runs/{run}/alerts: list alerts (filters, pages); acknowledge one, undo that, or
-acknowledge all of a run. An acknowledged alert keeps its lifecycle but leaves the run's firing counts."""
+acknowledge all of a run. An acknowledged alert keeps its lifecycle but leaves the run's firing counts (the
+dashboard's and /metrics' fp8mon_alerts_firing)."""
 
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
 
 from fp8mon.monitor.api_models import AlertAcked, AlertList, AlertState, RunAlertsAcked, Severity
-from fp8mon.monitor.deps import StoreDep, require_read, require_write
+from fp8mon.monitor.deps import MetricsDep, StoreDep, require_read, require_write
 from fp8mon.monitor.routers.common import ERRORS, RunPath, SafeJSONResponse, http_errors
 
 router = APIRouter(tags=["alerts"])
@@ -27,26 +28,36 @@ def list_alerts(store: StoreDep, state: StateQuery = None, severity: SeverityQue
                                                   offset=offset).to_dict())
 
 
+def _recount(store, metrics, run: str) -> None:
+    """/metrics' firing gauges of the run follow an acknowledgement, as the dashboard's counts do."""
+    metrics.runs.set_firing(run, store.firing_counts(run))
+
+
 @router.post("/alerts/{alert_id}/ack", response_model=AlertAcked, responses=ERRORS, dependencies=[require_write],
              summary="Acknowledge an alert (idempotent; its lifecycle goes on)")
-def acknowledge(store: StoreDep, alert_id: Annotated[int, Path(ge=1, le=2**31 - 1)]):
+def acknowledge(store: StoreDep, metrics: MetricsDep, alert_id: Annotated[int, Path(ge=1, le=2**31 - 1)]):
     with http_errors():
-        return SafeJSONResponse(store.acknowledge_alert(alert_id).to_dict())
+        acked = store.acknowledge_alert(alert_id)
+        _recount(store, metrics, acked.alert.run)
+    return SafeJSONResponse(acked.to_dict())
 
 
 @router.post("/alerts/{alert_id}/unack", response_model=AlertAcked, responses=ERRORS,
              dependencies=[require_write], summary="Undo an acknowledgement (the alert counts as firing again)")
-def unacknowledge(store: StoreDep, alert_id: Annotated[int, Path(ge=1, le=2**31 - 1)]):
+def unacknowledge(store: StoreDep, metrics: MetricsDep, alert_id: Annotated[int, Path(ge=1, le=2**31 - 1)]):
     with http_errors():
-        return SafeJSONResponse(store.unacknowledge_alert(alert_id).to_dict())
+        unacked = store.unacknowledge_alert(alert_id)
+        _recount(store, metrics, unacked.alert.run)
+    return SafeJSONResponse(unacked.to_dict())
 
 
 @router.post("/runs/{run:path}/alerts/ack", response_model=RunAlertsAcked, responses=ERRORS,
              dependencies=[require_write],
              summary="Acknowledge every pending or firing alert of a run (of the severities given)")
-def acknowledge_run(store: StoreDep, run: RunPath, severity: SeverityQuery = None):
+def acknowledge_run(store: StoreDep, metrics: MetricsDep, run: RunPath, severity: SeverityQuery = None):
     with http_errors():
         ids = store.acknowledge_run_alerts(run, severity)
+        _recount(store, metrics, run)
     return SafeJSONResponse({"run": run, "acknowledged": ids})
 
 

@@ -8,7 +8,6 @@ from fp8mon.agent.wire import SITES, TENSOR_STATS
 from fp8mon.monitor.api_models import HeatmapOut, SeriesOut
 from fp8mon.monitor.deps import StoreDep, require_read
 from fp8mon.monitor.routers.common import ERRORS, RunPath, SafeJSONResponse, http_errors
-from fp8mon.monitor.worst_layers import worst_layers
 
 router = APIRouter(tags=["series"], dependencies=[require_read])
 
@@ -29,6 +28,10 @@ def get_series(
     scalar: Annotated[str | None, Query(max_length=200, description="a scalar (loss, grad_norm, ...) "
                                                                      "instead of stat/layer/site")] = None,
     rank: RankParam = 0,
+    worst_over_ranks: Annotated[bool, Query(description="each point the largest over the series' ranks, a NaN "
+                                                        "winning; in buckets each aggregate the largest of the ranks' "
+                                                        "(rank is ignored; the merged rank -1 only if it is the only "
+                                                        "one)")] = False,
     start: Annotated[int | None, Query(ge=0, le=2**62, description="first step (default: the run's first)")] = None,
     end: Annotated[int | None, Query(ge=0, le=2**62, description="last step, inclusive (default: the run's "
                                                                   "last)")] = None,
@@ -39,8 +42,9 @@ def get_series(
     with its min, max, mean, last and count (never sampling: a one-step spike or NaN shows in its bucket).
     Non-finite values come as the strings "NaN", "Infinity", "-Infinity"."""
     with http_errors():
-        return SafeJSONResponse(store.series(run, stat=stat, layer=layer, site=site, scalar=scalar, rank=rank,
-                                             start=start, end=end, max_points=max_points).to_dict())
+        return SafeJSONResponse(store.series(run, stat=stat, layer=layer, site=site, scalar=scalar,
+                                             rank=None if worst_over_ranks else rank, start=start, end=end,
+                                             max_points=max_points).to_dict())
 
 
 @router.get("/runs/{run:path}/heatmap", response_model=HeatmapOut, responses=ERRORS,
@@ -61,6 +65,8 @@ def get_heatmap(
     top: Annotated[int | None, Query(ge=1, le=10_000, description="only the k layers whose largest cell is largest "
                                                                    "(NaN and infinities first), worst first")]
     = None,
+    digits: Annotated[int | None, Query(ge=1, le=17, description="values rounded to this many significant digits "
+                                                                 "(default: as stored)")] = None,
 ):
     """Rows are the run's layers with that site in model order; columns are step buckets
     (`edges[i]` to `edges[i+1]`); each cell is the bucket's `agg` (a NaN in the bucket makes max, min
@@ -68,5 +74,5 @@ def get_heatmap(
     a map of a rank not among them is empty."""
     with http_errors():
         heatmap = store.heatmap(run, stat=stat, site=site, rank=None if worst_over_ranks else rank, start=start,
-                                end=end, max_points=max_points, agg=agg)
-    return SafeJSONResponse((heatmap if top is None else worst_layers(heatmap, top)).to_dict())
+                                end=end, max_points=max_points, agg=agg, top=top, digits=digits)
+    return SafeJSONResponse(heatmap.to_dict())

@@ -108,10 +108,10 @@ window.fp8mon = (function () {
     return typeof window.Plotly !== "undefined";
   }
 
-  function drawChart(id, traces, layout) {
+  function drawChart(id, traces, layout, signature = JSON.stringify([traces, layout])) {
+    // `signature`: what the chart shows, when the caller has a cheaper one than its whole figure
     const node = $(id);
     if (!hasPlotly()) return;
-    const signature = JSON.stringify([traces, layout]);
     if (drawn.get(id) === signature) return; // a refresh without new data: no redraw
     drawn.set(id, signature);
     node.classList.remove("blank");

@@ -403,7 +403,7 @@
     bindTokenForm();
     bindRefreshControls();
     scalars.bind();
-    heatmap.bind({ updateUrl, onCell: (layer, site) => drilldown.open(layer, site) });
+    heatmap.bind({ updateUrl, onCell: (layer, site) => drilldown.open(layer, site), onRank: () => refreshRun() });
     drilldown.bind({ updateUrl });
     bindRunListControls(params);
     // an acknowledgement changes the run list's firing counts; the severity filter changes the chart markers

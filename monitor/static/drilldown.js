@@ -59,14 +59,15 @@
       window.fp8mon.histogram.clear();
       return;
     }
-    const rank = window.fp8mon.heatmap.seriesRank();
+    const { rankParams, rankLabel, seriesRank } = window.fp8mon.heatmap;
+    const chosen = $("heatmap-rank").value;
     const stats = ctx.catalogue.stats;
-    const key = JSON.stringify([ctx.name, ctx.stamp, layer, site, rank, stats, $("histogram-format").value]);
+    const key = JSON.stringify([ctx.name, ctx.stamp, layer, site, chosen, stats, $("histogram-format").value]);
     if (key === state.drawn) return;
     const base = `/runs/${runPath(ctx.name)}/series`;
     let all;
     try {
-      all = await Promise.all(stats.map((stat) => api(base, { params: { stat, layer, site, rank,
+      all = await Promise.all(stats.map((stat) => api(base, { params: { stat, layer, site, ...rankParams(),
         max_points: POINTS } })));
     } catch (err) {
       if (!ctx.current()) return;
@@ -79,9 +80,10 @@
     const shown = all.filter((series) => series.points.step.length);
     if (!shown.length) {
       blankChart(CHART);
-      showMessage("detail-message", `No statistics of ${layer} at the ${site} site on rank ${rank}.`);
+      showMessage("detail-message", `No statistics of ${layer} at the ${site} site on ${rankLabel(chosen)}.`);
     } else {
-      const scope = rank === "-1" ? "merged over ranks" : "rank " + rank;
+      const scope = chosen === "worst" ? `at each step the largest over ranks ${all[0].ranks.join(", ")}`
+        : chosen === "-1" ? "merged over ranks" : "rank " + chosen;
       showMessage("detail-message", `${shown.length} statistics, ${scope}`
         + (shown[0].downsampled ? `; ${shown[0].bucket_width} steps per point (mean, min–max band).` : "."));
       const columns = $("detail-panel").clientWidth < NARROW_PX ? 1 : 3; // (the chart itself may be hidden)
@@ -89,7 +91,7 @@
       $(CHART).style.height = rows * ROW_PX + 40 + "px";
       drawChart(CHART, shown.flatMap((series, i) => traces(series, i)), layout(ctx.name, shown, rows, columns));
     }
-    await window.fp8mon.histogram.draw(ctx, layer, site, rank);
+    await window.fp8mon.histogram.draw(ctx, layer, site, seriesRank());
   }
 
   function axis(i) {

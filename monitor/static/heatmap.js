@@ -4,8 +4,9 @@
 "use strict";
 
 (function () {
-  const { $, api, runPath, num, nonFinite, fmt, el, showMessage, errorMessage, drawChart, blankChart } = window.fp8mon;
+  const { $, api, runPath, num, nonFinite, el, showMessage, errorMessage, drawChart, blankChart } = window.fp8mon;
   const COLUMNS = 600;
+  const DIGITS = 4; // what a hover shows and a colour can tell apart: longer numbers only cost transfer and parsing
   const ROW_PX = 16; // one label of 10 px type per row
   const MIN_HEIGHT = 240;
   const MANY_LAYERS = 64; // above this many layers at a site, the map opens on the worst ones
@@ -86,12 +87,14 @@
   }
 
   function rankParams() {
+    // the API's parameters for the chosen rank: the heatmap, a layer's series and the scalar panels follow it
     const value = $("heatmap-rank").value || "0";
     return value === "worst" ? { worst_over_ranks: true } : { rank: value };
   }
 
   function seriesRank() {
-    // the rank a layer's own series are read from: the chosen one; over "worst", the run's first rank
+    // the rank a layer's log2 histograms are read from (they have no "worst"): the chosen one; over "worst", the
+    // run's first rank
     const value = $("heatmap-rank").value;
     if (value && value !== "worst") return value;
     const first = [...$("heatmap-rank").options].map((o) => o.value).find((v) => v !== "worst");
@@ -118,7 +121,7 @@
       showMessage("heatmap-message", "No per-layer statistics in this run yet.");
       return;
     }
-    const params = { stat, site, agg: asked.agg, max_points: COLUMNS, ...rankParams() };
+    const params = { stat, site, agg: asked.agg, max_points: COLUMNS, digits: DIGITS, ...rankParams() };
     if (rows !== "all") params.top = rows;
     if (state.zoom) [params.start, params.end] = state.zoom;
     let heatmap;
@@ -143,7 +146,10 @@
     showMessage("heatmap-message", describe(heatmap, rank));
     const height = Math.max(MIN_HEIGHT, heatmap.layers.length * ROW_PX + 70);
     $("heatmap-chart").style.height = height + "px"; // the box scrolls past 70% of the window (CSS)
-    drawChart("heatmap-chart", traces(heatmap), layout(ctx.name, height, heatmap.layers));
+    performance.mark("fp8mon:heatmap-draw-start"); // bench/dashboard.py reads the measure: the browser's part
+    drawChart("heatmap-chart", traces(heatmap), layout(ctx.name, height, heatmap.layers), key);
+    performance.measure("fp8mon:heatmap-draw", "fp8mon:heatmap-draw-start");
+    performance.clearMarks("fp8mon:heatmap-draw-start");
     bindChartEvents();
   }
 
@@ -183,21 +189,30 @@
     };
     const first = (c) => heatmap.edges[c];
     const last = (c) => heatmap.edges[c + 1] - 1;
+    // Each column at the centre of its whole bucket (a partial first or last bucket too): evenly spaced columns let
+    // plotly paint one pixel per cell and scale the image, instead of a rectangle per cell on a plot-sized canvas
+    // (most of a switch's drawing time).
+    const width = heatmap.bucket_width;
+    const firstBucket = Math.floor(heatmap.start / width);
+    const centre = (c) => (firstBucket + c) * width + (width - 1) / 2;
+    const all = columns.length === heatmap.edges.length - 1;
+    const steps = columns.map((c) => (first(c) === last(c) ? String(first(c)) : `${first(c)}–${last(c)}`));
     const trace = {
-      type: "heatmap", name: heatmap.stat, x: columns.map((c) => (first(c) + last(c)) / 2), y: heatmap.layers,
+      type: "heatmap", name: heatmap.stat, x: columns.map(centre), y: heatmap.layers,
       z: heatmap.values.map((row) => columns.map((c) => cell(row[c]))),
       colorscale: "Viridis", hoverongaps: false,
       colorbar: { title: { text: (log ? "log₁₀ " : "") + heatmap.stat }, thickness: 12, len: 300, lenmode: "pixels",
         y: 1, yanchor: "top" },
-      customdata: heatmap.values.map((row) => columns.map((c) =>
-        [first(c) === last(c) ? first(c) : `${first(c)}–${last(c)}`, typeof row[c] === "number" ? fmt(row[c], 4)
-          : String(row[c])])),
-      hovertemplate: "%{y}<br>step %{customdata[0]}<br>" + heatmap.stat + " %{customdata[1]}<extra></extra>",
+      // hover: a column's steps (one array shared by every row) and the cell as the server sent it (4 significant
+      // digits; NaN and infinities as words): nothing built per cell
+      customdata: heatmap.layers.map(() => steps),
+      text: all ? heatmap.values : heatmap.values.map((row) => columns.map((c) => row[c])),
+      hovertemplate: "%{y}<br>step %{customdata}<br>" + heatmap.stat + " %{text}<extra></extra>",
     };
     const bad = { x: [], y: [] };
     heatmap.values.forEach((row, r) => columns.forEach((c) => {
       if (nonFinite(row[c])) {
-        bad.x.push((first(c) + last(c)) / 2);
+        bad.x.push(centre(c));
         bad.y.push(heatmap.layers[r]);
       }
     }));
@@ -265,7 +280,7 @@
     blankChart("heatmap-chart");
   }
 
-  function bind({ onCell, updateUrl }) {
+  function bind({ onCell, updateUrl, onRank }) {
     state.onCell = onCell;
     state.updateUrl = updateUrl;
     const redraw = () => {
@@ -285,9 +300,13 @@
       state.rowsChosen = true;
       redraw();
     });
-    for (const id of ["heatmap-agg", "heatmap-rank", "heatmap-log"]) $(id).addEventListener("change", redraw);
+    for (const id of ["heatmap-agg", "heatmap-log"]) $(id).addEventListener("change", redraw);
+    $("heatmap-rank").addEventListener("change", () => {
+      updateUrl({ rank: $("heatmap-rank").value });
+      onRank(); // the whole run view follows the rank: this map, the layer's series, the scalar panels
+    });
     $("heatmap-chart").addEventListener("click", labelClicked);
   }
 
-  window.fp8mon.heatmap = { bind, fillSelectors, fillRanks, draw, reset, seriesRank };
+  window.fp8mon.heatmap = { bind, fillSelectors, fillRanks, draw, reset, seriesRank, rankParams, rankLabel };
 })();

@@ -66,36 +66,46 @@
   async function draw(ctx, alerts, overlay) {
     state.name = ctx.name;
     buildPanels(ctx.catalogue);
+    const stamp = ctx.stamp + "|" + $("heatmap-rank").value; // new data, or another rank chosen
     await Promise.all([...state.panels.map((panel) => {
-      if (panel.stamp !== ctx.stamp || !panel.last) return drawPanel(ctx, panel, alerts, overlay);
+      if (panel.stamp !== stamp || !panel.last) return drawPanel(ctx, panel, alerts, overlay, stamp);
       panel.last = { ...panel.last, alerts, overlay }; // no new data: only the alert markers may have changed
       render(panel);
       return null;
     }), drawRisk(ctx)]);
   }
 
-  async function drawPanel(ctx, panel, alerts, overlay) {
+  async function drawPanel(ctx, panel, alerts, overlay, stamp) {
     const chart = panel.id + "-chart";
     const message = panel.id + "-message";
+    const { rankParams, rankLabel } = window.fp8mon.heatmap;
+    const chosen = $("heatmap-rank").value;
+    // Scalars are never merged over ranks (under reduce_ranks rank 0 sends them as its own): with the merged rank
+    // chosen, the panels read the ranks that have them.
+    const over = chosen === "worst" || chosen === "-1";
     let series;
     try {
-      series = await api(`/runs/${runPath(ctx.name)}/series`, { params: { scalar: panel.name, max_points: POINTS } });
+      series = await api(`/runs/${runPath(ctx.name)}/series`, { params: { scalar: panel.name, max_points: POINTS,
+        ...(over ? { worst_over_ranks: true } : rankParams()) } });
     } catch (err) {
       if (!ctx.current()) return;
       blankChart(chart);
       showMessage(message, errorMessage(err), true);
       return;
     }
-    if (!ctx.current()) return;
+    if (!ctx.current() || chosen !== $("heatmap-rank").value) return; // another rank chosen meanwhile: it draws
     if (!series.points.step.length) {
       blankChart(chart);
-      showMessage(message, `No ${panel.name} reported for this run yet.`);
+      panel.last = null;
+      showMessage(message, `No ${panel.name} reported ${over ? "" : "on " + rankLabel(chosen) + " "}for this run yet.`);
       return;
     }
-    showMessage(message, series.downsampled ? `${series.bucket_width} steps per point: the band is each `
-      + "bucket's min–max, the line its mean." : "");
+    const scope = over && series.ranks.length > 1 ? `At each step the largest over ranks ${series.ranks.join(", ")}. `
+      : "";
+    showMessage(message, scope + (series.downsampled ? `${series.bucket_width} steps per point: the band is each `
+      + "bucket's min–max, the line its mean." : ""));
     panel.last = { series, alerts, overlay };
-    panel.stamp = ctx.stamp;
+    panel.stamp = stamp;
     render(panel);
   }
 

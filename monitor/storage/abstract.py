@@ -55,6 +55,10 @@ class AlertStore(ABC):
         `alert_ids` maps the fingerprints of the run's active alerts to their rows; returns the new map."""
 
     @abstractmethod
+    def firing_counts(self, run: str) -> dict[str, int]:
+        """The run's firing alerts that count (not acknowledged) per severity, zeros included."""
+
+    @abstractmethod
     def recent_runs(self, since: datetime, limit: int) -> list[RecentRun]:
         """Runs seen since `since` that have not ended, most recent first."""
 
@@ -114,15 +118,18 @@ class AbstractStore(AlertStore):
 
     @abstractmethod
     def series(self, name: str, *, stat: str | None = None, layer: str | None = None, site: str | None = None,
-               scalar: str | None = None, rank: int = 0, start: int | None = None, end: int | None = None,
+               scalar: str | None = None, rank: int | None = 0, start: int | None = None, end: int | None = None,
                max_points: int = 1000) -> Series:
-        """One statistic of one layer x site (or one scalar) over [start, end]: raw points, or buckets."""
+        """One statistic of one layer x site (or one scalar) over [start, end]: raw points, or buckets;
+        `rank` None: the worst (largest) over the series' ranks."""
 
     @abstractmethod
     def heatmap(self, name: str, *, stat: str, site: str, rank: int | None = 0, start: int | None = None,
-                end: int | None = None, max_points: int = 1000, agg: str = "max") -> Heatmap:
+                end: int | None = None, max_points: int = 1000, agg: str = "max", top: int | None = None,
+                digits: int | None = None) -> Heatmap:
         """A layer x step-bucket matrix of one statistic at one site, layers in model order; `rank` None:
-        each cell the worst (largest) over the run's ranks."""
+        each cell the worst (largest) over the run's ranks; `top`: only the k layers with the largest cells,
+        worst first; `digits`: values rounded to that many significant digits."""
 
     @abstractmethod
     def histograms(self, name: str, *, layer: str, site: str, rank: int = 0, start: int | None = None,

@@ -20,7 +20,7 @@ from fp8mon.monitor.storage.entities import (
     StoredAlert,
 )
 from fp8mon.monitor.storage.errors import BadParameter, NotFound
-from fp8mon.monitor.storage.runs import run_ref
+from fp8mon.monitor.storage.runs import SEVERITIES, counted_as_firing, run_ref
 
 ACTIVE_STATES = ("pending", "firing")
 _ALERT_COLUMNS = (Alert.id, Run.name, Alert.fingerprint, Alert.rule, Alert.severity, Alert.state, Alert.layer,
@@ -196,6 +196,16 @@ def _alert_values(a, now: datetime, context: dict) -> dict:
             "details": json_safe({"value": a.value, "for_steps": a.for_steps, **context})}
 
 
+def firing_counts(db: Database, run: str) -> dict[str, int]:
+    """The run's firing, unacknowledged alerts per severity (every severity, zeros included)."""
+    counts = dict.fromkeys(SEVERITIES, 0)
+    with db.reading() as conn:
+        for severity, n in conn.execute(select(Alert.severity, func.count()).join(Run, Run.id == Alert.run_id)
+                                        .where(Run.name == run, *counted_as_firing()).group_by(Alert.severity)):
+            counts[severity] = int(n)
+    return counts
+
+
 def recent_runs(db: Database, since: datetime, limit: int) -> list[RecentRun]:
     """Runs not ended and seen since `since`, most recently seen first, with their latest prediction and
     firing alerts."""
@@ -208,7 +218,7 @@ def recent_runs(db: Database, since: datetime, limit: int) -> list[RecentRun]:
         firing: dict[int, dict[str, int]] = {}
         for run_id, severity, n in conn.execute(
                 select(Alert.run_id, Alert.severity, func.count())
-                .where(Alert.run_id.in_([r.id for r in runs]), Alert.state == "firing")
+                .where(Alert.run_id.in_([r.id for r in runs]), *counted_as_firing())
                 .group_by(Alert.run_id, Alert.severity)):
             firing.setdefault(run_id, {})[severity] = n
         out = []

@@ -128,7 +128,7 @@ class LatestSnapshot(_Entity):
 @dataclass(frozen=True)
 class Series(_Entity):
     run: str
-    rank: int
+    rank: int | None  # None: the worst over `ranks`
     stat: str | None
     layer: str | None
     site: str | None
@@ -138,6 +138,7 @@ class Series(_Entity):
     bucket_width: int
     downsampled: bool
     points: dict[str, list]  # step, value (raw) or step, count, min, max, mean, last (buckets)
+    ranks: list[int] = field(default_factory=list)  # the ranks the values come from
 
 
 @dataclass(frozen=True)

@@ -82,13 +82,19 @@ def parse_tag_filters(tags: list[str]) -> list[tuple[str, str | None]]:
     return out
 
 
+def counted_as_firing():
+    """The alerts a run's firing counts hold, on the dashboard and in /metrics alike: firing and not acknowledged
+    (someone has seen it; it goes on firing in /alerts)."""
+    return (Alert.state == "firing", Alert.acknowledged_at.is_(None))
+
+
 def _firing_per_run():
-    """One row per run with firing alerts: the count per severity and the worst (1 info .. 3 critical).
-    An acknowledged alert is not counted: someone has seen it (it goes on firing in /alerts)."""
+    """One row per run with firing alerts (counted_as_firing): the count per severity and the worst (1 info ..
+    3 critical)."""
     level = case({sev: i for i, sev in enumerate(SEVERITIES, start=1)}, value=Alert.severity, else_=0)
     per_severity = [func.sum(case((Alert.severity == sev, 1), else_=0)).label(sev) for sev in SEVERITIES]
     return (select(Alert.run_id, func.count().label("n"), func.max(level).label("worst"), *per_severity)
-            .where(Alert.state == "firing", Alert.acknowledged_at.is_(None)).group_by(Alert.run_id)
+            .where(*counted_as_firing()).group_by(Alert.run_id)
             .subquery("firing"))
 
 

@@ -26,13 +26,14 @@ import numpy as np
 from sqlalchemy import Connection, select
 
 from fp8mon.agent.wire import TENSOR_STATS
-from fp8mon.monitor.jsonvalues import json_floats
+from fp8mon.monitor.jsonvalues import json_floats, significant
 from fp8mon.monitor.models import ROLLUP_WIDTHS, ScalarSeries, TensorSeries
 from fp8mon.monitor.storage.database import Database, fetch
 from fp8mon.monitor.storage.entities import Heatmap, Series
 from fp8mon.monitor.storage.errors import BadParameter, NotFound
 from fp8mon.monitor.storage.rollup import KINDS, level_cover, series_ranks, sql_is_nan, sql_nan
 from fp8mon.monitor.storage.runs import RunRef, run_ref
+from fp8mon.monitor.worst_layers import worst_rows
 
 AGGS = ("min", "max", "mean", "last")
 
@@ -306,10 +307,28 @@ def _scalar_series_id(conn: Connection, ref: RunRef, scalar: str) -> int:
     return sid
 
 
+def worst_ranks(reported: list[int]) -> list[int]:
+    """The ranks "worst over ranks" reads: the per-rank ones; the merged rank -1 only when it is the only one."""
+    return [r for r in reported if r >= 0] or reported
+
+
+def _largest(pairs: list[tuple[np.ndarray, np.ndarray]], shape: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """Of (values, null) arrays, per cell the largest value (a NaN wins); null where every one is null."""
+    best = np.full(shape, -np.inf)
+    null = np.ones(shape, dtype=bool)
+    for values, missing in pairs:
+        with np.errstate(invalid="ignore"):
+            best = np.maximum(best, np.where(missing, -np.inf, values))
+        null = null & missing
+    return best, null
+
+
 def series(db: Database, name: str, *, stat: str | None = None, layer: str | None = None, site: str | None = None,
-           scalar: str | None = None, rank: int = 0, start: int | None = None, end: int | None = None,
+           scalar: str | None = None, rank: int | None = 0, start: int | None = None, end: int | None = None,
            max_points: int = 1000) -> Series:
-    """One statistic of one layer x site (or one scalar) over [start, end]: raw points, or buckets."""
+    """One statistic of one layer x site (or one scalar) over [start, end]: raw points, or buckets. `rank` None:
+    the worst over the series' ranks (worst_ranks): at each step the largest value (a NaN wins); in buckets,
+    each aggregate the largest of the ranks' (count too)."""
     if scalar is not None:
         if stat is not None or layer is not None or site is not None:
             raise BadParameter("scalar: give either scalar, or stat with layer and site, not both")
@@ -327,26 +346,35 @@ def series(db: Database, name: str, *, stat: str | None = None, layer: str | Non
         ref = run_ref(conn, name)
         sid = (_scalar_series_id(conn, ref, scalar) if kind == "scalar"
                else tensor_series_id(conn, ref, layer, site))
+        ranks = [rank] if rank is not None else worst_ranks(series_ranks(conn, kind, ref.id).get(sid, []))
+        out["ranks"] = ranks
         rng = step_range(ref, start, end)
-        if rng is None:
-            out.update(start=start, end=end, bucket_width=1, downsampled=False, points={"step": [], "value": []})
+        if rng is None or not ranks:
+            out.update(start=start if rng is None else rng[0], end=end if rng is None else rng[1], bucket_width=1,
+                       downsampled=False, points={"step": [], "value": []})
             return Series(**out)
         lo, hi = rng
         plan = plan_buckets(lo, hi, max_points)
         out.update(start=lo, end=hi, bucket_width=plan.width, downsampled=plan.width > 1)
         raw = KINDS[kind][0]
         if plan.width == 1:
-            rows = fetch(conn, f"SELECT step, {column} FROM {raw} WHERE series_id = :sid AND rank = :rank "
-                               f"AND step >= :lo AND step <= :hi AND {column} IS NOT NULL ORDER BY step",
-                         {"sid": sid, "rank": rank, "lo": lo, "hi": hi})
+            # MAX over ranks keeps a NaN: PostgreSQL sorts NaN above every number, SQLite stores it as TEXT 'NaN'
+            # (above every number too)
+            value = column if len(ranks) == 1 else f"MAX({column})"
+            group = "" if len(ranks) == 1 else " GROUP BY step"
+            rows = fetch(conn, f"SELECT step, {value} FROM {raw} WHERE series_id = :sid "
+                               f"AND rank IN ({', '.join(str(int(r)) for r in ranks)}) AND step >= :lo "
+                               f"AND step <= :hi AND {column} IS NOT NULL{group} ORDER BY step",
+                         {"sid": sid, "lo": lo, "hi": hi})
             out["points"] = {"step": [r[0] for r in rows], "value": json_floats(_column(rows, 1)[0])}
             return Series(**out)
-        cells = aggregate(conn, kind, column, [sid], rank, plan, ref.horizon, ("n", *AGGS))
-    keep = np.flatnonzero(cells.values["n"][0] > 0)
-    points = {"step": np.maximum(plan.start, (plan.first + keep) * plan.width).tolist(),
-              "count": cells.values["n"][0][keep].tolist()}
+        per_rank = [aggregate(conn, kind, column, [sid], r, plan, ref.horizon, ("n", *AGGS)) for r in ranks]
+    n = np.max([cells.values["n"][0] for cells in per_rank], axis=0)
+    keep = np.flatnonzero(n > 0)
+    points = {"step": np.maximum(plan.start, (plan.first + keep) * plan.width).tolist(), "count": n[keep].tolist()}
     for agg in AGGS:
-        points[agg] = json_floats(cells.values[agg][0][keep], cells.null[agg][0][keep])
+        values, null = _largest([(cells.values[agg][0], cells.null[agg][0]) for cells in per_rank], n.shape)
+        points[agg] = json_floats(values[keep], null[keep])
     out["points"] = points
     return Series(**out)
 
@@ -354,50 +382,66 @@ def series(db: Database, name: str, *, stat: str | None = None, layer: str | Non
 def _worst_cells(conn: Connection, stat: str, series_ids: list[int], ranks: list[int], plan: Plan, horizon: int,
                  agg: str) -> tuple[np.ndarray, np.ndarray]:
     """Per cell, the largest of the ranks' `agg` (a NaN on any rank wins); null where no rank reported."""
-    best = null = None
+    per_rank = []
     for rank in ranks:
         cells = aggregate(conn, "tensor", stat, series_ids, rank, plan, horizon, (agg,))
-        values, missing = cells.values[agg], cells.null[agg]
-        if best is None:
-            best, null = np.where(missing, -np.inf, values), missing
-            continue
-        with np.errstate(invalid="ignore"):
-            best = np.maximum(best, np.where(missing, -np.inf, values))
-        null = null & missing
-    return best, null
+        per_rank.append((cells.values[agg], cells.null[agg]))
+    return _largest(per_rank, (len(series_ids), plan.columns))
+
+
+def _matrix(conn: Connection, stat: str, series_ids: list[int], rank: int | None, ranks: list[int], plan: Plan,
+            horizon: int, agg: str) -> tuple[np.ndarray, np.ndarray]:
+    """(values, null) of the series x the plan's buckets, on `rank` or (None) the worst over `ranks`."""
+    if rank is None:
+        return _worst_cells(conn, stat, series_ids, ranks, plan, horizon, agg)
+    cells = aggregate(conn, "tensor", stat, series_ids, rank, plan, horizon, (agg,))
+    return cells.values[agg], cells.null[agg]
+
+
+SCORE_COLUMNS = 4  # columns of the coarse map that ranks the layers for `top` (agg max)
 
 
 def heatmap(db: Database, name: str, *, stat: str, site: str, rank: int | None = 0, start: int | None = None,
-            end: int | None = None, max_points: int = 1000, agg: str = "max") -> Heatmap:
+            end: int | None = None, max_points: int = 1000, agg: str = "max", top: int | None = None,
+            digits: int | None = None) -> Heatmap:
     """A layer x step-bucket matrix of one statistic at one site, layers in model order. `rank` None: each
     cell is the worst (largest) over the per-rank values (rank -1, the merged one, only when it is the only
-    rank)."""
+    rank). `top`: only the `top` layers whose largest cell is largest, worst first (monitor.worst_layers).
+    `digits`: values rounded to that many significant digits (None: as stored)."""
     if stat not in TENSOR_STATS:
         raise BadParameter(f"stat: {stat!r} is not one of {', '.join(TENSOR_STATS)}")
     if agg not in AGGS:
         raise BadParameter(f"agg: {agg!r} is not one of {', '.join(AGGS)}")
-    out: dict = {"run": name, "stat": stat, "site": site, "rank": rank, "agg": agg}
+    out: dict = {"run": name, "stat": stat, "site": site, "rank": rank, "agg": agg, "top": top}
     with db.reading() as conn:
         ref = run_ref(conn, name)
         series_rows = conn.execute(select(TensorSeries.id, TensorSeries.layer).where(
             TensorSeries.run_id == ref.id, TensorSeries.site == site).order_by(TensorSeries.ordinal)).all()
         by_series = series_ranks(conn, "tensor", ref.id)
         run_ranks = sorted({r for row in series_rows for r in by_series.get(row.id, [])})
-        ranks = [rank] if rank is not None else ([r for r in run_ranks if r >= 0] or run_ranks)
+        ranks = [rank] if rank is not None else worst_ranks(run_ranks)
         out.update(ranks=ranks, run_ranks=run_ranks, layer_count=len(series_rows))
         rng = step_range(ref, start, end)
         if rng is None or not series_rows:
+            rows = [] if top is not None else series_rows
             out.update(start=start if rng is None else rng[0], end=end if rng is None else rng[1], bucket_width=1,
-                       downsampled=False, edges=[], layers=[r.layer for r in series_rows],
-                       values=[[] for _ in series_rows])
+                       downsampled=False, edges=[], layers=[r.layer for r in rows], values=[[] for _ in rows])
             return Heatmap(**out)
-        plan = plan_buckets(rng[0], rng[1], max_points, n_series=len(series_rows) * max(1, len(ranks)))
-        ids = [r.id for r in series_rows]
-        if rank is None:
-            values, null = _worst_cells(conn, stat, ids, ranks, plan, ref.horizon, agg)
-        else:
-            cells = aggregate(conn, "tensor", stat, ids, rank, plan, ref.horizon, (agg,))
-            values, null = cells.values[agg], cells.null[agg]
+        per_series = max(1, len(ranks))
+        if top is not None and agg == "max":
+            # A row's largest cell is its largest value over the whole range, which a few coarse buckets give:
+            # they rank the layers, and only the k worst are read at the map's resolution.
+            coarse = plan_buckets(rng[0], rng[1], SCORE_COLUMNS, n_series=len(series_rows) * per_series)
+            keep = worst_rows(*_matrix(conn, stat, [r.id for r in series_rows], rank, ranks, coarse, ref.horizon,
+                                       agg), top)
+            series_rows = [series_rows[i] for i in keep]
+        plan = plan_buckets(rng[0], rng[1], max_points, n_series=max(1, len(series_rows)) * per_series)
+        values, null = _matrix(conn, stat, [r.id for r in series_rows], rank, ranks, plan, ref.horizon, agg)
+    if top is not None and agg != "max":
+        keep = worst_rows(values, null, top)
+        series_rows, values, null = [series_rows[i] for i in keep], values[keep], null[keep]
+    if digits is not None:
+        values = significant(values, digits)
     flat = json_floats(values.ravel(), null.ravel())
     cols = plan.columns
     out.update(start=plan.start, end=plan.end, bucket_width=plan.width, downsampled=plan.width > 1,

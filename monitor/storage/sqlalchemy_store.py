@@ -125,15 +125,16 @@ class SqlAlchemyStore(AbstractStore):
         return runs.latest(self.db, name, rank)
 
     def series(self, name: str, *, stat: str | None = None, layer: str | None = None, site: str | None = None,
-               scalar: str | None = None, rank: int = 0, start: int | None = None, end: int | None = None,
+               scalar: str | None = None, rank: int | None = 0, start: int | None = None, end: int | None = None,
                max_points: int = 1000) -> Series:
         return series.series(self.db, name, stat=stat, layer=layer, site=site, scalar=scalar, rank=rank,
                              start=start, end=end, max_points=max_points)
 
     def heatmap(self, name: str, *, stat: str, site: str, rank: int | None = 0, start: int | None = None,
-                end: int | None = None, max_points: int = 1000, agg: str = "max") -> Heatmap:
+                end: int | None = None, max_points: int = 1000, agg: str = "max", top: int | None = None,
+                digits: int | None = None) -> Heatmap:
         return series.heatmap(self.db, name, stat=stat, site=site, rank=rank, start=start, end=end,
-                              max_points=max_points, agg=agg)
+                              max_points=max_points, agg=agg, top=top, digits=digits)
 
     def histograms(self, name: str, *, layer: str, site: str, rank: int = 0, start: int | None = None,
                    end: int | None = None, max_points: int = 300) -> Histograms:
@@ -176,6 +177,9 @@ class SqlAlchemyStore(AbstractStore):
     def record_assessments(self, run_id: int, predictions: list[PredictionRecord], writes: list[AlertWrite],
                            alert_ids: dict[str, int]) -> dict[str, int]:
         return alerts.record_assessments(self.db, run_id, predictions, writes, alert_ids)
+
+    def firing_counts(self, run: str) -> dict[str, int]:
+        return alerts.firing_counts(self.db, run)
 
     def recent_runs(self, since: datetime, limit: int) -> list[RecentRun]:
         return alerts.recent_runs(self.db, since, limit)

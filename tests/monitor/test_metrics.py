@@ -1,5 +1,6 @@
 """GET /metrics of the application: names and units, bounded labels, counters that follow ingest, per-run
-gauges from the predictor, and runs leaving the exposition (bound, end of run, deletion)."""
+gauges from the predictor, firing gauges that follow acknowledgements, and runs leaving the exposition (bound, end
+of run, deletion)."""
 
 import re
 import shutil
@@ -97,6 +98,35 @@ def test_metrics_follow_ingest_predictions_and_run_lifetimes(app_factory):
         time.sleep(0.3)
         assert "r1" in runs_of(scrape(c))
         assert wait_until(lambda: "r1" not in runs_of(scrape(c)), timeout=10)
+
+
+def test_acknowledging_takes_an_alert_out_of_the_firing_gauge_as_out_of_the_dashboard_count(app_factory):
+    with app_factory(predictor=FAKE_PREDICTOR) as c:
+        for body in kurtosis_stream("acked", range(0, 30), lambda s: 60.0 if s >= 20 else 3.0):
+            c.post("/api/v1/ingest", json=body)
+
+        def firing():
+            return value(scrape(c), "fp8mon_alerts_firing", run="acked", severity="critical")
+
+        def listed():
+            return c.get("/api/v1/runs", params={"q": "acked"}).json()["runs"][0]["firing_by_severity"]
+
+        wait_until(lambda: firing() == 1)
+        assert listed() == {"critical": 1}
+        alert = c.get("/api/v1/runs/acked/alerts", params={"state": "firing"}).json()["alerts"][0]
+
+        assert c.post(f"/api/v1/alerts/{alert['id']}/ack").status_code == 200
+        assert firing() == 0 and listed() == {}
+        # the next batch keeps it out: the alert goes on firing, acknowledged
+        for body in kurtosis_stream("acked", range(30, 40), lambda s: 60.0):
+            c.post("/api/v1/ingest", json=body)
+        wait_until(lambda: value(scrape(c), "fp8mon_run_last_step", run="acked") == 39)
+        assert firing() == 0 and listed() == {}
+
+        assert c.post(f"/api/v1/alerts/{alert['id']}/unack").status_code == 200
+        assert firing() == 1 and listed() == {"critical": 1}
+        assert c.post("/api/v1/runs/acked/alerts/ack").json()["acknowledged"] == [alert["id"]]
+        assert firing() == 0 and listed() == {}
 
 
 def test_exposition_passes_promtool_lint():

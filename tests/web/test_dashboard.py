@@ -195,7 +195,8 @@ def test_heatmap_has_a_row_per_layer_and_refetches_on_another_statistic_or_site(
     with tab.page.expect_request(lambda r: "/heatmap?" in r.url and "stat=amax" in r.url
                                  and "site=grad_output" in r.url):
         tab.page.select_option("#heatmap-site", "grad_output")
-    expected = run_api(fed_server, "/heatmap", stat="amax", site="grad_output", max_points=600)
+    expected = run_api(fed_server, "/heatmap", stat="amax", site="grad_output", max_points=600,
+                       digits=4)  # the page asks for 4 significant digits
     first_reported = next(v for v in expected["values"][0] if v is not None)
     tab.wait_for_trace("heatmap-chart", "t.type === 'heatmap' && Math.abs(t.z[0][0] - arg) < 1e-9",
                        math.log10(first_reported))  # amax is drawn on a log scale

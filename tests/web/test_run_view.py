@@ -1,9 +1,11 @@
 """The run view in a real headless Chromium against one real server: a run of 560 layers (the planted anomalous layer
 first among the worst, named on hover, a click opening its statistics and its log2 histograms with the E4M3 limits),
 every scalar as its own panel (log y, smoothing, one zoom for all), an 8-rank run's drill-down on the chosen rank,
-a killed run read as stalled with its last-seen time, and the layout at phone width (390 px)."""
+a killed run read as stalled with its last-seen time, the layout at phone width (390 px), and a downsampled map
+drawn as one scaled image whose partial last column names its steps."""
 
 import math
+import re
 import time
 from urllib.parse import quote
 
@@ -26,6 +28,7 @@ PLANTED = LAYERS[377]
 STEPS = range(12)
 SCALARS = ("loss", "lr", "tokens_per_s", "attn_max_logit", "logit_logsumexp", "my/custom")
 EIGHT = "dp/eight"
+LONG = "long/2002"
 KILLED = "team/killed"
 
 
@@ -59,13 +62,26 @@ def deep_run(server) -> None:
 
 
 def eight_ranks(server) -> None:
-    """Kurtosis 3 + 10 (r + 1) + j on rank r; rank 5 spikes to 300 at layer 2, step 12."""
+    """Kurtosis 3 + 10 (r + 1) + j on rank r; rank 5 spikes to 300 at layer 2, step 12. Loss 1 + r on rank r; rank 3
+    spikes to 99 at step 7."""
     layers = [f"blocks.{j}.mlp" for j in range(4)]
     for r in range(8):
         kurtosis = [300.0 if (r, j, s) == (5, 2, 12) else 3.0 + 10 * (r + 1) + j for s in range(20) for j in range(4)]
         post(server, {"batch_id": f"eight-{r}", "run": EIGHT,
                       "tensors": {"step": [s for s in range(20) for _ in layers], "layer": layers * 20,
-                                  "site": ["input"] * 80, "rank": r, "stats": {"kurtosis": kurtosis}}})
+                                  "site": ["input"] * 80, "rank": r, "stats": {"kurtosis": kurtosis}},
+                      "scalars": {"step": list(range(20)), "name": ["loss"] * 20, "rank": r,
+                                  "value": [99.0 if (r, s) == (3, 7) else 1.0 + r for s in range(20)]}})
+
+
+def long_run(server) -> None:
+    """Three layers over 2002 steps (600 columns of 4 steps, the last of 2); layer 2 ends at 1234.56789."""
+    layers = [f"blocks.{j}.mlp" for j in range(3)]
+    steps = range(2002)
+    kurtosis = [1234.56789 if (j, s) == (2, 2001) else 3.0 + j for s in steps for j in range(3)]
+    post(server, {"batch_id": "long", "run": LONG,
+                  "tensors": {"step": [s for s in steps for _ in layers], "layer": layers * len(steps),
+                              "site": ["input"] * len(kurtosis), "stats": {"kurtosis": kurtosis}}})
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +92,7 @@ def server(tmp_path_factory):
                            env={"FP8MON_STALL_MIN_SECONDS": "1"}).start()
     deep_run(server)
     eight_ranks(server)
+    long_run(server)
     yield server
     server.stop()
 
@@ -245,4 +262,51 @@ def test_a_killed_run_reads_stalled_with_its_last_seen_time_and_eight_ranks_dril
         page.mouse.click(x, y)
     wait_for_trace(page, "detail-chart", "t.name === 'kurtosis' && Math.max(...t.y) === 300")
     expect(page.locator("#detail-message")).to_contain_text("rank 5")
+    assert page.errors == []
+
+
+def test_a_downsampled_map_is_one_scaled_image_and_its_partial_last_column_names_its_steps(server, page):
+    page.goto(f"{server.url}/?run={quote(LONG, safe='')}")
+    wait_for_trace(page, "heatmap-chart", "t.type === 'heatmap' && t.x.length === 501")
+    x = chart(page, "heatmap-chart")["data"][0]["x"]
+    assert x[:2] == [1.5, 5.5] and x[-1] == 2001.5  # evenly spaced: every column its whole bucket's centre
+    # evenly spaced columns are painted one pixel per cell and scaled (what keeps a switch fast)
+    expect(page.locator("#heatmap-chart image")).to_have_attribute("style", re.compile("pixelated"))
+    expect(page.locator("#heatmap-message")).to_contain_text("4 steps per column")
+
+    page.locator("#heatmap-chart").scroll_into_view_if_needed()
+    cx, cy = page.evaluate("""() => {
+        const gd = document.getElementById('heatmap-chart');
+        const t = gd.data[0], xa = gd._fullLayout.xaxis, ya = gd._fullLayout.yaxis;
+        const box = gd.getBoundingClientRect();
+        return [box.left + xa._offset + xa.d2p(t.x[t.x.length - 1]), box.top + ya._offset + ya.d2p('blocks.2.mlp')];
+    }""")
+    page.mouse.move(cx, cy)
+    hover = page.locator("#heatmap-chart .hoverlayer")
+    expect(hover).to_contain_text("step 2000–2001")
+    expect(hover).to_contain_text("kurtosis 1235")  # 4 significant digits, as the server sends them
+    assert page.errors == []
+
+
+def test_worst_over_ranks_drives_the_layer_detail_and_the_scalar_panels(server, page):
+    page.goto(f"{server.url}/?run={quote(EIGHT, safe='')}&layer=blocks.2.mlp&lsite=input")
+    wait_for_trace(page, "loss-chart", "t.name === 'loss' && t.y.every(y => y === 1)")  # rank 0 first
+    wait_for_trace(page, "detail-chart", "t.name === 'kurtosis' && t.y.every(y => y === 15)")
+
+    page.select_option("#heatmap-rank", "worst")
+    # every step the largest over the eight ranks: rank 7's, and rank 5's spike, rank 3's loss spike
+    wait_for_trace(page, "detail-chart", "t.name === 'kurtosis' && Math.max(...t.y) === 300")
+    kurtosis = next(t for t in chart(page, "detail-chart")["data"] if t["name"] == "kurtosis")
+    assert kurtosis["y"] == [85.0] * 12 + [300.0] + [85.0] * 7
+    expect(page.locator("#detail-message")).to_contain_text("the largest over ranks 0, 1, 2, 3, 4, 5, 6, 7")
+    wait_for_trace(page, "loss-chart", "t.name === 'loss' && Math.max(...t.y) === 99")
+    loss = next(t for t in chart(page, "loss-chart")["data"] if t["name"] == "loss")
+    assert loss["y"] == [8.0] * 7 + [99.0] + [8.0] * 12
+    expect(page.locator("#loss-message")).to_contain_text("largest over ranks 0, 1, 2, 3, 4, 5, 6, 7")
+    assert "rank=worst" in page.url
+
+    page.select_option("#heatmap-rank", "2")
+    wait_for_trace(page, "loss-chart", "t.name === 'loss' && t.y.every(y => y === 3)")
+    wait_for_trace(page, "detail-chart", "t.name === 'kurtosis' && t.y.every(y => y === 35)")
+    expect(page.locator("#detail-message")).to_contain_text("rank 2")
     assert page.errors == []
