@@ -22,6 +22,10 @@ class PredictorParams:
     warmup_steps: int = 60
     warmup_min_steps: int = 20
     warmup_max_steps: int = 60
+    # after an event (the loss above its divergence band, the lr off its schedule) baselines are taken again from
+    # this many steps after it ended: 2.5 time constants of the slowest EWMA (kurtosis, loss drift: ~20 steps), so a
+    # statistic that dipped during the event is back near its level before the minima resume
+    event_settle_steps: int = 50
     # smoothing of per-tensor statistics: EWMA weight of the newest report
     ewma_alpha: float = 0.2
     # trend window (reports) for rates of change and the steps-to-threshold extrapolations

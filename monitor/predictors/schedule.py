@@ -4,7 +4,9 @@ learning rate has left its schedule.
 * `Warmup`: the predictors take their baselines (running minima) only after the warm-up, while statistics move
   because the model leaves its initialisation and the learning rate climbs. Its end is the step after the reported
   `lr`'s peak (known once the lr has not passed it for 10 logged steps), at least `warmup_min_steps` and at most
-  `warmup_max_steps`; a run that reports no `lr` ends it at `warmup_steps`.
+  `warmup_max_steps`; a run that reports no `lr` ends it at `warmup_steps`. An event (the loss above its band, the
+  lr off its schedule) is a warm-up again: every baseline is forgotten when it begins and taken anew from
+  `event_settle_steps` after it ended, so a rise is measured from where the run landed, not from before the event.
 * `LrSchedule` (rule `lr_schedule`): after the lr's own warm-up (uncapped) a schedule only holds or decays the learning rate (cosine,
   linear, constant, WSD). A learning rate `lr_jump` times the lowest of the last `lr_window` steps (a jump, a
   restart at the peak) is a warning at once, before the loss reacts; it resolves once the new rate has been the
@@ -37,6 +39,10 @@ class Warmup:
         self._fixed = fixed is not None
         self._peak: tuple[float, int] | None = None  # (lr, step) of the highest lr so far
         self._since_peak = 0
+        self.settle_steps = p.event_settle_steps
+        self.epoch = 0  # events begun so far: a baseline older than the last one's start is forgotten
+        self._in_event = False
+        self._settled_at = -math.inf  # the step from which baselines are taken again after the last event
 
     def observe(self, step: int, lr: float | None) -> None:
         if self._fixed or self.lr_end != math.inf:
@@ -59,6 +65,19 @@ class Warmup:
     def done(self, step: int) -> bool:
         return step >= self.end
 
+    def observe_event(self, step: int, holding: bool) -> None:
+        """Whether an event holds at `step` (called once per evaluated step, after its signals)."""
+        if holding and not self._in_event:
+            self.epoch += 1
+            self._in_event = True
+        elif not holding and self._in_event:
+            self._in_event = False
+            self._settled_at = step + self.settle_steps
+
+    def baselines_open(self, step: int) -> bool:
+        """Baselines take minima at `step`: after the warm-up, outside an event and its settling steps."""
+        return self.done(step) and not self._in_event and step >= self._settled_at
+
 
 def as_warmup(warmup) -> Warmup:
     """A Warmup from a Warmup or a fixed step."""
@@ -71,6 +90,7 @@ class LrSchedule:
     def __init__(self, params: PredictorParams, warmup: Warmup):
         self.p, self.warmup = params, warmup
         self._recent: deque[tuple[int, float]] = deque()  # (step, lr) after warm-up, monotone minima
+        self.holding = False  # the lr is off its schedule now (an event: monitor.predictors.schedule.Warmup)
         self.last = SignalOutput()
 
     def observe(self, step: int, scalars: dict[str, float]) -> SignalOutput:
@@ -89,6 +109,7 @@ class LrSchedule:
             recent.pop()
         recent.append((step, lr))
         ratio = (lr / low) / self.p.lr_jump
+        self.holding = ratio >= 1.0
         findings, culprits = [], []
         if ratio >= 1.0:
             findings.append(Finding(self.name, "warning", step, f"learning rate {lr:.3g} is {lr / low:.1f}x its "
@@ -97,3 +118,4 @@ class LrSchedule:
                              "ratio": float(ratio)})
         self.last = SignalOutput(scalar_score(ratio) if ratio >= 1.0 else 0.0, findings, culprits)
         return self.last
+
