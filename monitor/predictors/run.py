@@ -22,7 +22,7 @@ from fp8mon.monitor.predictors.nonfinite import NonFinite
 from fp8mon.monitor.predictors.params import PredictorParams
 from fp8mon.monitor.predictors.saturation import AmaxSaturation, UnderflowRise
 from fp8mon.monitor.predictors.scalars import Growth, LossDivergence, Spike
-from fp8mon.monitor.predictors.schedule import LrSchedule, Warmup
+from fp8mon.monitor.predictors.schedule import LrSchedule, Warmup, WarmupStall
 from fp8mon.monitor.wire import IngestBatch
 
 
@@ -37,6 +37,7 @@ class RunPredictor:
         self.lr_schedule, self.loss_divergence = LrSchedule(p, w), LossDivergence(p)  # they hold events
         self.scalar_signals = [
             self.lr_schedule,
+            WarmupStall(p, w),
             Spike("loss_spike", "loss", p.loss_spike_z, p, log=False),
             Spike("grad_norm_spike", "grad_norm", p.grad_norm_spike_z, p, log=True),
             Growth("loss_drift", "loss", p.loss_drift, p, log=False, warmup=w, alpha=p.slow_alpha,

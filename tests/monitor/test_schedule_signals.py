@@ -173,3 +173,24 @@ def test_a_drift_that_begins_after_a_recovered_burst_still_warns():
     step, alert = first_fired([a for a in assessments if a.step >= 760], rule="loss_drift")
     assert alert is not None and 800 < step <= 950  # +0.3 nat by step 875, then held 20 steps
 
+
+def _warmup_run(loss_fn, peak=0.2, warmup=500):
+    return _stream(600, lambda step, rng: {"loss": loss_fn(step) + 0.05 * rng.standard_normal(),
+                                           "grad_norm": 1.0 + 0.05 * rng.standard_normal(),
+                                           "lr": peak * min(1.0, (step + 1) / warmup)})
+
+
+def test_a_loss_that_stops_falling_while_the_warm_up_climbs_on_warns_before_the_run_stalls():
+    # learns until step ~120, then sits on a plateau while the lr keeps climbing for 380 more steps
+    stalled = _warmup_run(lambda s: max(2.6, 5.5 - 3.0 * (1 - math.exp(-s / 40))))
+    step, alert = first_fired(replay(stalled))
+    assert alert is not None and alert.rule == "warmup_stall" and 150 <= step <= 260, (step, alert)
+    assert "past its stable learning rate" in alert.message
+
+
+def test_a_warm_up_whose_loss_keeps_falling_or_starts_near_its_floor_does_not_warn():
+    assert first_fired(replay(_stream(600, scalars_with(cosine)))) == (None, None)  # flat loss, 100-step warm-up
+    learning = _warmup_run(lambda s: 2.0 + 3.5 * math.exp(-s / 100), warmup=300)  # falls all through its warm-up
+    assert first_fired(replay(learning), rule="warmup_stall") == (None, None)
+    fine_tune = _warmup_run(lambda s: 1.8 + 0.2 * math.exp(-s / 200), peak=2e-5, warmup=300)  # near its floor
+    assert first_fired(replay(fine_tune), rule="warmup_stall") == (None, None)
