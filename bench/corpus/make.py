@@ -50,6 +50,15 @@ def scenarios() -> dict[str, list[Scenario]]:
         s("heldout", "gpt2-fp8-lrjump", precision="fp8", kind="lrjump", at=400, factor=40.0, seed=2),
         s("heldout", "gpt2-bf16-hot", kind="hot", factor=80.0, warmup=500, seed=2),
         s("heldout", "llama-bf16-burst", model="llama", kind="burst", at=380, length=50, seed=2),
+        # added before they ran, with the predictors of commit 5f7585a fixed: a second healthy run (the Llama
+        # reference of the stall rule) and two more stalls, of another model and of another warm-up shape
+        s("heldout", "llama-bf16-stable", model="llama", seed=3),
+        s("heldout", "llama-bf16-hot", model="llama", kind="hot", factor=70.0, warmup=500, seed=3),
+        s("heldout", "gpt2-bf16-hot300", kind="hot", factor=50.0, warmup=300, seed=3),
+        # added after the two above caught up with their healthy reference by their last step (labelled healthy,
+        # yet paged): two more stalls, with the 500-step warm-up of the first, the predictors unchanged
+        s("heldout", "gpt2-bf16-hot-s4", kind="hot", factor=70.0, warmup=500, seed=4),
+        s("heldout", "llama-bf16-hot-s4", model="llama", kind="hot", factor=100.0, warmup=500, seed=4),
     ]
     return {"tune": tune, "heldout": heldout}
 

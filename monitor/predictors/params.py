@@ -22,6 +22,10 @@ class PredictorParams:
     warmup_steps: int = 60
     warmup_min_steps: int = 20
     warmup_max_steps: int = 60
+    # after an event (the loss above its divergence band, the lr off its schedule) baselines are taken again from
+    # this many steps after it ended: 2.5 time constants of the slowest EWMA (kurtosis, loss drift: ~20 steps), so a
+    # statistic that dipped during the event is back near its level before the minima resume
+    event_settle_steps: int = 50
     # smoothing of per-tensor statistics: EWMA weight of the newest report
     ewma_alpha: float = 0.2
     # trend window (reports) for rates of change and the steps-to-threshold extrapolations
@@ -139,6 +143,19 @@ class PredictorParams:
     # `lr_window` steps (monitor.predictors.schedule)
     lr_jump: float = 1.5
     lr_window: int = 100
+    # -- the loss no longer falling while the lr climbs in its warm-up (monitor.predictors.schedule.WarmupStall):
+    # over the last >= `warmup_stall_steps` steps in which the lr grew `warmup_stall_lr` times, the smoothed loss
+    # (EWMA weight `slow_alpha` per step) fell less than `warmup_stall_progress` nats and less than
+    # `warmup_stall_fraction` of its fall since the first step (the fraction spares a fine-tuning run, which starts
+    # near its floor; a loss that never fell by `warmup_stall_progress` arms nothing). Healthy warm-ups of fp8mon's
+    # corpus and of the tuning split stay >= 1.56x above the nearer of the two thresholds (fp8mon's healthy runs
+    # fall >= 0.45 nat over the last 1.5x of their lr); the tuning split's hot GPT-2 crosses both at step 117 and
+    # holds from 143: warned at 153, 129 steps before it stalls (at 0.2 nat: 166, 116 ahead)
+    warmup_stall_lr: float = 1.5
+    warmup_stall_steps: int = 40
+    warmup_stall_progress: float = 0.25
+    warmup_stall_fraction: float = 0.1
+    warmup_stall_for_steps: int = 10
 
     # -- the loss has left its running minimum (the divergence rule's condition, reported as it happens)
     loss_margin: float = MARGIN

@@ -22,7 +22,7 @@ from fp8mon.monitor.predictors.nonfinite import NonFinite
 from fp8mon.monitor.predictors.params import PredictorParams
 from fp8mon.monitor.predictors.saturation import AmaxSaturation, UnderflowRise
 from fp8mon.monitor.predictors.scalars import Growth, LossDivergence, Spike
-from fp8mon.monitor.predictors.schedule import LrSchedule, Warmup
+from fp8mon.monitor.predictors.schedule import LrSchedule, Warmup, WarmupStall
 from fp8mon.monitor.wire import IngestBatch
 
 
@@ -34,8 +34,10 @@ class RunPredictor:
         w = self.warmup = Warmup(p)  # its end follows the reported lr; every baseline waits for it
         self.tensor_signals = [KurtosisGrowth(p, w), AmaxSaturation(p, w), UnderflowRise(p, w)]
         a = p.scalar_alpha_steps
+        self.lr_schedule, self.loss_divergence = LrSchedule(p, w), LossDivergence(p)  # they hold events
         self.scalar_signals = [
-            LrSchedule(p, w),
+            self.lr_schedule,
+            WarmupStall(p, w),
             Spike("loss_spike", "loss", p.loss_spike_z, p, log=False),
             Spike("grad_norm_spike", "grad_norm", p.grad_norm_spike_z, p, log=True),
             Growth("loss_drift", "loss", p.loss_drift, p, log=False, warmup=w, alpha=p.slow_alpha,
@@ -48,7 +50,7 @@ class RunPredictor:
                    alpha_steps=a),
             Growth("logsumexp_drift", "logit_logsumexp", p.logsumexp_rise, p, log=False, warmup=w,
                    pages=p.logsumexp_pages, alpha_steps=a),
-            LossDivergence(p),
+            self.loss_divergence,
         ]
         self.nonfinite = NonFinite()
         self.last_step: int | None = None
@@ -77,6 +79,7 @@ class RunPredictor:
         for signal in self.scalar_signals:
             outputs[signal.name] = signal.observe(step, frame.scalars)
         outputs[self.nonfinite.name] = self.nonfinite.observe(frame, table)
+        self.warmup.observe_event(step, self.lr_schedule.holding or self.loss_divergence.holding)
         self._update_gauges(frame)
 
         risk = max(o.score for o in outputs.values())

@@ -115,6 +115,7 @@ class LossDivergence:
     def __init__(self, params: PredictorParams):
         self.p = params
         self.detector = DivergenceDetector(params.loss_margin, params.loss_margin_steps)
+        self.holding = False  # the loss is above its band now (an event: monitor.predictors.schedule.Warmup)
         self.last = SignalOutput()
 
     def observe(self, step: int, scalars: dict[str, float]) -> SignalOutput:
@@ -125,7 +126,7 @@ class LossDivergence:
         d = self.detector
         d.observe(step, loss)
         # level-triggered: holds while the loss stays above the band (or once it went non-finite)
-        holding = d.streak >= d.m or not math.isfinite(loss)
+        holding = self.holding = d.streak >= d.m or not math.isfinite(loss)
         findings = []
         if holding:
             findings.append(Finding(self.name, "critical", step, f"loss {loss:.4g} has been above its minimum "

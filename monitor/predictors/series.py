@@ -33,7 +33,9 @@ class LevelTracker:
     same number of training steps whatever the reporting interval.
 
     `since_warmup` (with `baseline_steps` and `long_baseline`): the minimum since the warm-up too, the long-horizon baseline that a
-    slow creep rises above (`long_rise`)."""
+    slow creep rises above (`long_rise`).
+
+    Baselines follow `warmup.baselines_open`, and are forgotten when an event begins (`warmup.epoch`)."""
 
     BUCKETS = 8
 
@@ -55,6 +57,7 @@ class LevelTracker:
         self.first_step: int | None = None
         self._bucket_steps = None if baseline_steps is None else max(1, baseline_steps // self.BUCKETS)
         self._buckets: deque[tuple[int, np.ndarray]] = deque()  # (bucket index, minimum level in it)
+        self._epoch = self.warmup.epoch
 
     @property
     def width(self) -> int:
@@ -82,7 +85,9 @@ class LevelTracker:
             alpha = 1.0 - (1.0 - alpha) ** ((step - self.step) / self.alpha_steps)
         self.level = np.where(later, self.level + alpha * (values - self.level), self.level)
         self.count += ok
-        if self.warmup.done(step):
+        if self._epoch != self.warmup.epoch:
+            self._forget_baselines()
+        if self.warmup.baselines_open(step):
             if self._bucket_steps is None:
                 self.baseline = np.where(ok, np.fmin(self.baseline, self.level), self.baseline)
             else:
@@ -96,6 +101,13 @@ class LevelTracker:
         self.step = step
         if self.first_step is None:
             self.first_step = step
+
+    def _forget_baselines(self) -> None:
+        self._epoch = self.warmup.epoch
+        self.baseline = np.full(self.width, np.nan)
+        if self.since_warmup is not None:
+            self.since_warmup = np.full(self.width, np.nan)
+        self._buckets.clear()
 
     def _trail_baseline(self, step: int, levels: np.ndarray) -> None:
         bucket = step // self._bucket_steps
@@ -148,13 +160,15 @@ class LevelTracker:
 
 class ScalarLevel:
     """LevelTracker for one scalar series, in plain floats (numpy's per-call cost dominates at width 1). With
-    `alpha_steps`, `alpha` is the weight per `alpha_steps` training steps, as in LevelTracker."""
+    `alpha_steps`, `alpha` is the weight per `alpha_steps` training steps, as in LevelTracker; its baseline, too,
+    is forgotten when an event begins."""
 
     def __init__(self, alpha: float, warmup: Warmup | int, alpha_steps: int | None = None):
         self.alpha, self.warmup, self.alpha_steps = alpha, as_warmup(warmup), alpha_steps
         self.level = math.nan
         self.baseline = math.nan
         self.step: int | None = None
+        self._epoch = self.warmup.epoch
 
     def update(self, step: int, value: float) -> None:
         if not math.isfinite(value):
@@ -164,7 +178,9 @@ class ScalarLevel:
             alpha = 1.0 - (1.0 - alpha) ** ((step - self.step) / self.alpha_steps)
         self.step = step
         self.level = value if math.isnan(self.level) else self.level + alpha * (value - self.level)
-        if self.warmup.done(step) and not self.level >= self.baseline:
+        if self._epoch != self.warmup.epoch:
+            self._epoch, self.baseline = self.warmup.epoch, math.nan
+        if self.warmup.baselines_open(step) and not self.level >= self.baseline:
             self.baseline = self.level
 
     def rise(self) -> float:

