@@ -10,8 +10,10 @@ Kinds, the earliest that holds is the run's failure:
   minimum by DRIFT (0.5 nat), never back below half of that for the rest of the run, for at least HOLD steps (or
   until a blow-up ends it).
 * ``stall``: no progress: the smoothed loss above a healthy reference's (the mean smoothed loss of healthy runs of
-  the same model and schedule, at the same step) by more than STALL nats, to the end of the run and for at least
-  HOLD steps. Without a reference no stall is labelled.
+  the same model and schedule, at the same step) by more than STALL nats for at least HOLD consecutive steps (or
+  until a blow-up ends it), whether or not the run catches up later: those steps of the schedule are lost. The raised
+  loss of a transient (below), until SMOOTH_STEPS after its recovery, is that event, not a stall. Without a reference
+  no stall is labelled.
 * ``quality_gap``: an FP8 run whose smoothed loss is above its BF16 twin's (same model, data and schedule) by more
   than GAP_TOL to the end of the run, for at least HOLD steps.
 
@@ -142,10 +144,23 @@ def _drift(smooth: Sequence[tuple[int, float]], end: int, ends_in_blowup: bool) 
     return _final_excursion(rise, DRIFT, DRIFT / 2, end, ends_in_blowup)
 
 
-def _against(smooth: Sequence[tuple[int, float]], other: dict[int, float], tolerance: float, end: int,
-             ends_in_blowup: bool) -> int | None:
-    gap = [(s, v - other[s]) for s, v in smooth if s in other]
-    return _final_excursion(gap, tolerance, tolerance, end, ends_in_blowup)
+def _held_excursion(gap: Sequence[tuple[int, float]], above: float, end: int, ends_in_blowup: bool) -> int | None:
+    """The first step of the first excursion of `gap` above `above` that lasts HOLD steps (or is ended by a blow-up),
+    whatever follows it; None when there is none."""
+    start = None
+    for step, value in gap:
+        if value <= above:
+            start = None
+            continue
+        if start is None:
+            start = step
+        if step - start >= HOLD:
+            return start
+    return start if start is not None and ends_in_blowup else None
+
+
+def _gap(smooth: Sequence[tuple[int, float]], other: dict[int, float]) -> list[tuple[int, float]]:
+    return [(s, v - other[s]) for s, v in smooth if s in other]
 
 
 def reference_curve(runs: Iterable[Sequence[tuple[int, float]]]) -> dict[int, float]:
@@ -179,11 +194,15 @@ def label(losses: Iterable[tuple[int, float]], reference: dict[int, float] | Non
     if drift is not None:
         found.append((drift, "drift"))
     if reference:
-        stall = _against(smooth, reference, STALL, end, ends)
+        gap = _gap(smooth, reference)
+        if transient_at is not None:  # a spike's raised loss is that event, not a plateau (the EWMA settles after it)
+            settled = (end if recovered_at is None else recovered_at) + SMOOTH_STEPS
+            gap = [(s, v) for s, v in gap if not transient_at <= s < settled]
+        stall = _held_excursion(gap, STALL, end, ends)
         if stall is not None:
             found.append((stall, "stall"))
     if twin:
-        gap = _against(smooth, twin, GAP_TOL, end, ends)
+        gap = _final_excursion(_gap(smooth, twin), GAP_TOL, GAP_TOL, end, ends)
         if gap is not None:
             found.append((gap, "quality_gap"))
     if found:
