@@ -1,6 +1,8 @@
-"""The agent on several GPUs under torchrun: nanoGPT's GPT-2 124M (bench/models/gpt2.py) trained with DDP or FSDP2
-(``fully_shard`` per block and at the root), bf16 autocast or torchao float8 (``convert_to_float8_training``, the
-lm_head left in bf16; skipped when torchao cannot be imported or on a CPU), AdamW; one copy of the model per mode:
+"""The agent on several GPUs under torchrun: nanoGPT's GPT-2 124M (bench/models/gpt2.py; float8: torchao's
+``convert_to_float8_training``, the lm_head left in bf16, skipped when torchao cannot be imported or on a CPU) or,
+with ``--model fp8mon``, ``fp8mon train``'s llama 124m (float8: its Fp8Linear, Triton FP8 GEMMs on a GPU, the agent
+watching its blocks), trained with DDP or FSDP2 (``fully_shard`` per block and at the root), bf16 autocast, AdamW;
+one copy of the model per mode:
 
     off      no monitoring
     on       fp8mon's Agent, every ``nn.Linear`` x 5 sites, each rank sending its own records (to a transport that
@@ -14,10 +16,11 @@ of its round's mean step time (CUDA events; the host's clock on a CPU); the prin
 Overhead = that / the off copy's - 1. Tokens/s = batch x sequence x ranks / step time; the float8 copy's against the
 bf16 one's (the off copies) is the FP8 speed-up at this number of ranks: run with 1 process for the base line.
 
-Check: after the rounds, one reporting step (with the histogram) of the ``reduce`` copy at every 1 captures the
-input and output of ``transformer.h.0.mlp.c_fc`` on every rank; rank 0 gathers them and compares the merged record
-(rank -1) with the fp64 oracle of the concatenated tensors (``Moments.from_tensor``). outlier_frac, underflow_frac,
-overflow_frac and scale are per rank by design (docs/agent.md) and are not compared.
+Checks: after the rounds, one reporting step (with the histogram) of the ``reduce`` copy at every 1: every merged row
+of the step against the fp64 pairwise merge of all ranks' rows (exact), and the merged input and output records of
+one layer (GPT-2's ``transformer.h.0.mlp.c_fc``, the llama's ``blocks.0.mlp.fc1``) against the fp64 statistics of
+the ranks' concatenated tensors (``Moments.from_tensor``; moments to 1e-5: a GPU rank's row sums fp32 partials).
+outlier_frac, underflow_frac, overflow_frac and scale are per rank by design (docs/agent.md) and are not compared.
 
 On N GPUs (NCCL; figures appended to bench/results/multi_gpu.csv unless ``--no-record``):
 

@@ -29,3 +29,16 @@ def test_two_gloo_ranks_ddp_and_fsdp2_deliver_every_row_equal_to_the_oracle():
             assert rows[copy][5:] == ["45/45", "0"], rows[copy]
             assert float(rows[copy][2]) > 0
     assert out.count("oracle input") == 2 and "DIFFERS" not in out and "rows appended" not in done.stderr
+
+
+def test_fp8mon_model_under_fsdp2_in_fp8_merges_ranks_exactly():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "bench/multi_gpu.py", "--tiny",
+           "--model", "fp8mon", "--wrap", "fsdp", "--device", "cpu", "--precision", "float8", "--modes", "off,reduce",
+           "--every", "1", "--steps", "1", "--rounds", "1", "--warmup", "2", "--no-record"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stdout + done.stderr
+    out = done.stdout
+    rows = {line.split()[1]: line.split() for line in out.splitlines() if line.startswith("fp8mon-tiny/fsdp/float8/n2 ")}
+    assert rows["reduce@1"][5:] == ["80/80", "0"], out  # 4 blocks x 4 Fp8Linear x 5 sites
+    assert "0 differ from the fp64 pairwise merge" in out and out.count(": equal") == 2, out
