@@ -64,7 +64,6 @@ class RunList(BaseModel):
 class RunDetail(RunOut):
     tensor_series: int = Field(description="layer x site series in the catalogue")
     scalar_series: int
-    rollup_until: int = Field(description="steps below this are served from the rollup pyramid")
 
 
 class RunDeleted(BaseModel):

@@ -75,14 +75,14 @@ class RunSummary(Run):
 
 @dataclass(frozen=True)
 class RunDetail(_Entity):
+    # Nothing of the rollups' bookkeeping (runs.rollup_until): the compactor moves it while a run is idle, and
+    # it would change this answer's ETag under every dashboard tab polling the run.
     run: Run
     tensor_series: int
     scalar_series: int
-    rollup_until: int  # rollups are valid below this step
 
     def to_dict(self) -> dict:
-        return {**self.run.to_dict(), "tensor_series": self.tensor_series, "scalar_series": self.scalar_series,
-                "rollup_until": self.rollup_until}
+        return {**self.run.to_dict(), "tensor_series": self.tensor_series, "scalar_series": self.scalar_series}
 
 
 @dataclass(frozen=True)

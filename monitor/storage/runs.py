@@ -172,8 +172,7 @@ def get_run(db: Database, name: str, stall: StallPolicy = DEFAULT_STALL) -> RunD
                                      .where(TensorSeries.run_id == row.id)).scalar_one()
         scalar_series = conn.execute(select(func.count()).select_from(ScalarSeries)
                                      .where(ScalarSeries.run_id == row.id)).scalar_one()
-    return RunDetail(run_entity(row), tensor_series=tensor_series, scalar_series=scalar_series,
-                     rollup_until=effective_horizon(row.rollup_until or 0, row.rollup_dirty_from))
+    return RunDetail(run_entity(row), tensor_series=tensor_series, scalar_series=scalar_series)
 
 
 def patch_run(db: Database, name: str, *, status: str | None = None, tags: dict | None = None,

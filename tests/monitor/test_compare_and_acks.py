@@ -153,6 +153,20 @@ def test_an_unchanged_answer_is_304_without_a_body_and_a_changed_one_has_a_new_e
     assert client.get(f"{API}/runs/none", headers={"If-None-Match": "*"}).status_code == 404
 
 
+def test_the_compactor_catching_up_on_an_idle_run_changes_no_answer_the_dashboard_polls(app_factory, store):
+    # the background compactor off: this test runs the pass itself, between two polls of the same tab
+    ingest(store, "settled", precision="fp8", seed=1, steps=range(400))
+    paths = [("/runs", {}), ("/runs/settled", {}), ("/runs/settled/series", {"scalar": "loss", "max_points": 20}),
+             ("/runs/settled/series", {"stat": "kurtosis", "layer": LAYERS[0], "site": "input", "max_points": 20}),
+             ("/runs/settled/heatmap", {"stat": "kurtosis", "site": "input", "max_points": 20})]
+    with app_factory(rollup_interval_s=0) as client:
+        tags = [client.get(API + path, params=params).headers["etag"] for path, params in paths]
+        assert store.compact().buckets > 0
+        for (path, params), tag in zip(paths, tags):
+            again = client.get(API + path, params=params, headers={"If-None-Match": tag})
+            assert again.status_code == 304, (path, params, again.text)
+
+
 def test_api_answers_are_gzipped_and_plotly_is_not_compressed_twice(client, store):
     ingest(store, "zipped", precision="fp8", seed=1, steps=range(200))
     response = client.get(f"{API}/runs/zipped/heatmap", params={"stat": "kurtosis"},
