@@ -544,20 +544,31 @@ def _summary(result: TrainResult, ckpt: Path | None) -> None:
           + (f", checkpoint {ckpt}" if ckpt and result.status == "finished" else ""), flush=True)
 
 
+def end_distributed(succeeded: bool) -> None:
+    """Tear the process group down (if any) before the process exits: a process that exits with it alive, or with
+    FSDP2's modules still holding its collectives' state, can abort at exit."""
+    if not dist.is_initialized():
+        return
+    gc.collect()  # the run's modules (FSDP2's, with their collectives' state) go while the group still works
+    if succeeded:
+        # every rank done with its collectives before any tears the group down: a rank whose peer has gone while a
+        # gloo operation is in flight aborts the process (only on success: a failed rank must not wait here for
+        # peers that wait for it)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = build_parser(prog).parse_args(argv)
+    succeeded = False
     try:
         result = run(args)
-        gc.collect()  # the run's modules (FSDP2's, with their collectives' state) go while the group still works
-        if dist.is_initialized():
-            # every rank done with its collectives before any tears the group down: a rank whose peer has gone
-            # while a gloo operation is in flight aborts the process (only on success: a failed rank must not
-            # wait here for peers that wait for it)
-            dist.barrier()
+        status = result.status
+        del result  # (its model) before the teardown's gc.collect
+        succeeded = True
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return EXIT_DIVERGED if result.status == "diverged" else 0
+        end_distributed(succeeded)
+    return EXIT_DIVERGED if status == "diverged" else 0
 
 
 if __name__ == "__main__":

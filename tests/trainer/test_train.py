@@ -98,7 +98,7 @@ def test_fp8mon_train_command_forwards_its_arguments(capsys):
 
 DDP_SCRIPT = """
 import json, os, sys
-from fp8mon.trainer.train import build_parser, run
+from fp8mon.trainer.train import build_parser, end_distributed, run
 result = run(build_parser().parse_args(sys.argv[2:]))
 params = {n: getattr(p, "full_tensor", lambda: p)().detach().double().sum().item()  # FSDP2: gathered
           for n, p in result.model.named_parameters()}
@@ -106,6 +106,8 @@ with open(os.path.join(sys.argv[1], f"rank{result.rank}.json"), "w") as f:
     json.dump({"rank": result.rank, "world": result.world_size, "run": result.run_name,
                "losses": {str(k): v for k, v in result.losses.items()}, "params": params,
                "sharded": [n for n, p in result.model.named_parameters() if hasattr(p, "full_tensor")]}, f)
+del result
+end_distributed(succeeded=True)
 """
 
 
