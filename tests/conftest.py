@@ -7,6 +7,7 @@ and the trainer installed (`python3 -m pytest -m gpu tests`)."""
 
 import os
 import uuid
+from contextlib import contextmanager
 
 import pytest
 
@@ -64,31 +65,38 @@ def _postgres_schema_url(base: str, schema: str) -> str:
     return f"{normalise_url(base)}{sep}options=-csearch_path%3D{schema}"
 
 
-@pytest.fixture(params=BACKENDS)
-def database_url(request, tmp_path, _postgres_admin):
-    """An empty, migrated database: a fresh SQLite file, or a fresh PostgreSQL schema."""
+@contextmanager
+def _fresh_database(backend: str, directory, admin):
+    """An empty, migrated database: a fresh SQLite file in ``directory``, or a fresh PostgreSQL schema."""
     from sqlalchemy import text
 
     from fp8mon.monitor.migrate import upgrade
     from fp8mon.monitor.storage.engine import create_db_engine
 
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'fp8mon.db'}"
+    if backend == "sqlite":
+        url = f"sqlite:///{directory / 'fp8mon.db'}"
         engine = create_db_engine(url)
         upgrade(engine)
         engine.dispose()
         yield url
         return
     schema = f"t_{uuid.uuid4().hex[:12]}"
-    with _postgres_admin.connect() as conn:
+    with admin.connect() as conn:
         conn.execute(text(f"create schema {schema}"))
     url = _postgres_schema_url(PG_URL, schema)
     engine = create_db_engine(url)
     upgrade(engine)
     engine.dispose()
     yield url
-    with _postgres_admin.connect() as conn:
+    with admin.connect() as conn:
         conn.execute(text(f"drop schema {schema} cascade"))
+
+
+@pytest.fixture(params=BACKENDS)
+def database_url(request, tmp_path, _postgres_admin):
+    """An empty, migrated database: a fresh SQLite file, or a fresh PostgreSQL schema."""
+    with _fresh_database(request.param, tmp_path, _postgres_admin) as url:
+        yield url
 
 
 @pytest.fixture
@@ -157,3 +165,16 @@ def server_factory(database_url, tmp_path):
 @pytest.fixture
 def live_server(server_factory):
     return server_factory().start()
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def module_live_server(request, tmp_path_factory, _postgres_admin):
+    """One server for a module's tests on each backend, for tests that each write and read runs of their own names
+    (a server process costs seconds to start)."""
+    from fp8mon.monitor.localserver import ServerProcess
+
+    directory = tmp_path_factory.mktemp("module-server")
+    with _fresh_database(request.param, directory, _postgres_admin) as url:
+        server = ServerProcess(url, log=directory / "server.log").start()
+        yield server
+        server.stop()

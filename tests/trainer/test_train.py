@@ -111,12 +111,12 @@ end_distributed(succeeded=True)
 """
 
 
-def two_ranks(tmp_path, live_server, run_name: str, *args: str, url: str | None = None, system=FAST):
+def two_ranks(tmp_path, server, run_name: str, *args: str, url: str | None = None, system=FAST):
     """`fp8mon train` under torchrun with 2 ranks (gloo with ``system``'s CPU), streaming to the live server (or
     ``url``) as `run_name`: (the finished process, rank 0's and rank 1's results as the worker wrote them)."""
     script = tmp_path / "worker.py"
     script.write_text(DDP_SCRIPT)
-    monitor = ["--monitor-url", url or live_server.url, "--run-name", run_name,
+    monitor = ["--monitor-url", url or server.url, "--run-name", run_name,
                "--monitor-spool", str(tmp_path / "spool")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
@@ -139,9 +139,9 @@ def assert_trains_as_one_rank_accumulating(r0: dict, common: list[str]):
     return single
 
 
-def test_two_rank_gloo_ddp_via_torchrun_averages_gradients(tmp_path, live_server):
+def test_two_rank_gloo_ddp_via_torchrun_averages_gradients(tmp_path, module_live_server):
     common = ["--arch", "fog", "--precision", "fp32", "--n-layer", "2", "--steps", "4", "--seed", "3"]
-    proc, r0, r1 = two_ranks(tmp_path, live_server, "ddp-run", *common, "--monitor-every", "2")
+    proc, r0, r1 = two_ranks(tmp_path, module_live_server, "ddp-run", *common, "--monitor-every", "2")
     assert proc.stdout.count("finished: 4 steps") == 1  # only rank 0 prints
     assert (r0["rank"], r1["rank"], r0["world"]) == (0, 1, 2) and r0["run"] == r1["run"]
     assert r0["losses"] == r1["losses"]  # the logged loss is the mean over ranks, identical on both
@@ -152,35 +152,35 @@ def test_two_rank_gloo_ddp_via_torchrun_averages_gradients(tmp_path, live_server
     alone = train(*common)
     assert any(abs(alone.losses[s] - single.losses[s]) > 1e-3 for s in range(1, 4))
     # each rank's agent sent its own records, under rank 0's run name
-    cat = httpx.get(f"{live_server.url}/api/v1/runs/ddp-run/catalogue").json()
+    cat = httpx.get(f"{module_live_server.url}/api/v1/runs/ddp-run/catalogue").json()
     assert cat["ranks"] == [0, 1] and len(cat["layers"]) == 8
-    assert httpx.get(f"{live_server.url}/api/v1/runs/ddp-run").json()["tags"]["world_size"] == "2"
+    assert httpx.get(f"{module_live_server.url}/api/v1/runs/ddp-run").json()["tags"]["world_size"] == "2"
 
 
-def test_two_rank_gloo_fsdp2_trains_as_one_rank_accumulating(tmp_path, live_server):
+def test_two_rank_gloo_fsdp2_trains_as_one_rank_accumulating(tmp_path, module_live_server):
     common = ["--arch", "llama", "--precision", "fp32", "--n-layer", "2", "--steps", "3", "--seed", "5"]
-    proc, r0, r1 = two_ranks(tmp_path, live_server, "fsdp-run", *common, "--monitor-every", "1", "--fsdp")
+    proc, r0, r1 = two_ranks(tmp_path, module_live_server, "fsdp-run", *common, "--monitor-every", "1", "--fsdp")
     assert proc.stdout.count("finished: 3 steps") == 1 and "fp8mon agent:" not in proc.stderr, proc.stderr[-3000:]
     assert r0["losses"] == r1["losses"] and r0["params"] == r1["params"]
     assert "blocks.0.attn.qkv.weight" in r0["sharded"] and len(r0["sharded"]) == len(r0["params"])
     # sharded, the 2 ranks still train as one rank accumulating both halves of the data
     assert_trains_as_one_rank_accumulating(r0, common)
-    cat = httpx.get(f"{live_server.url}/api/v1/runs/fsdp-run/catalogue").json()
+    cat = httpx.get(f"{module_live_server.url}/api/v1/runs/fsdp-run/catalogue").json()
     assert cat["ranks"] == [0, 1] and len(cat["layers"]) == 8
 
 
-def test_two_rank_gloo_fsdp2_fp8_merges_ranks_into_one_record(tmp_path, live_server):
+def test_two_rank_gloo_fsdp2_fp8_merges_ranks_into_one_record(tmp_path, module_live_server):
     common = ["--arch", "llama", "--precision", "fp8", "--n-layer", "2", "--steps", "2", "--seed", "7"]
-    proc, r0, r1 = two_ranks(tmp_path, live_server, "fsdp-fp8", *common, "--monitor-every", "1", "--fsdp",
+    proc, r0, r1 = two_ranks(tmp_path, module_live_server, "fsdp-fp8", *common, "--monitor-every", "1", "--fsdp",
                              "--monitor-reduce-ranks")
     assert proc.stdout.count("finished: 2 steps") == 1 and "fp8mon agent:" not in proc.stderr, proc.stderr[-3000:]
     assert r0["losses"] == r1["losses"] and r0["params"] == r1["params"]
     assert_trains_as_one_rank_accumulating(r0, common)
-    cat = httpx.get(f"{live_server.url}/api/v1/runs/fsdp-fp8/catalogue").json()
+    cat = httpx.get(f"{module_live_server.url}/api/v1/runs/fsdp-fp8/catalogue").json()
     assert -1 in cat["ranks"] and len(cat["layers"]) == 8
 
     def numel(rank: int) -> list[float]:
-        return httpx.get(f"{live_server.url}/api/v1/runs/fsdp-fp8/series", params={
+        return httpx.get(f"{module_live_server.url}/api/v1/runs/fsdp-fp8/series", params={
             "layer": "blocks.0.mlp.fc1", "site": "input", "stat": "numel", "rank": rank}).json()["points"]["value"]
 
     assert numel(0) == numel(1) == []  # no rank sent its own rows
@@ -195,13 +195,13 @@ def test_fsdp_refuses_what_it_does_not_support(tmp_path):
         train("--fsdp", "--precision", "fp32", "--steps", 1)
 
 
-def test_agent_streams_a_training_run_to_a_live_monitor(live_server, tmp_path):
+def test_agent_streams_a_training_run_to_a_live_monitor(module_live_server, tmp_path):
     steps = 6
     result = train("--arch", "fog", "--precision", "fp32", "--n-layer", 2, "--steps", steps,
-                   "--monitor-url", live_server.url, "--run-name", "trainer-e2e", "--monitor-every", 2,
+                   "--monitor-url", module_live_server.url, "--run-name", "trainer-e2e", "--monitor-every", 2,
                    "--monitor-spool", tmp_path / "spool", "--tag", "purpose=test")
     assert result.status == "finished"
-    api = f"{live_server.url}/api/v1/runs"
+    api = f"{module_live_server.url}/api/v1/runs"
     run_info = httpx.get(f"{api}/trainer-e2e").json()
     assert run_info["status"] == "finished"
     assert run_info["tags"] == {"arch": "fog", "precision": "fp32", "config": "tiny", "world_size": "1",
@@ -224,7 +224,7 @@ def test_agent_streams_a_training_run_to_a_live_monitor(live_server, tmp_path):
     assert max_logit["step"] == [0, 2, 4] and all(0 < v <= 0.125 * 32 for v in max_logit["value"])
 
     code = main([*FAST, "--n-layer", "1", "--precision", "fp32", "--steps", "10", "--lr", "inf",
-                 "--monitor-url", live_server.url, "--run-name", "trainer-diverged",
+                 "--monitor-url", module_live_server.url, "--run-name", "trainer-diverged",
                  "--monitor-spool", str(tmp_path / "spool2")])
     assert code == EXIT_DIVERGED
     assert httpx.get(f"{api}/trainer-diverged").json()["status"] == "diverged"
