@@ -65,13 +65,25 @@ def last_step_of(some_batches) -> int:
     return max(step for batch in some_batches for step in batch["scalars"]["step"])
 
 
+def feed(server):
+    """The server, now holding the first part of a diverging run, with firing alerts and predictions."""
+    post(server, batches()[:FIRST_PART])
+    wait_for_predictor(server, last_step_of(batches()[:FIRST_PART]))
+    assert any(a["state"] == "firing" for a in run_api(server, "/alerts")["alerts"])
+    return server
+
+
+@pytest.fixture(scope="module")
+def fed_server(module_live_server):
+    """A fed server shared by the tests that add no steps (feeding one takes seconds): acknowledging an alert
+    changes nothing another of them reads."""
+    return feed(module_live_server)
+
+
 @pytest.fixture
-def fed_server(live_server):
-    """A server holding the first part of a diverging run, with firing alerts and predictions."""
-    post(live_server, batches()[:FIRST_PART])
-    wait_for_predictor(live_server, last_step_of(batches()[:FIRST_PART]))
-    assert any(a["state"] == "firing" for a in run_api(live_server, "/alerts")["alerts"])
-    return live_server
+def own_fed_server(live_server):
+    """A fed server of the test's own, for a test that posts the rest of the run."""
+    return feed(live_server)
 
 
 class Tab:
@@ -208,21 +220,21 @@ def test_heatmap_has_a_row_per_layer_and_refetches_on_another_statistic_or_site(
     assert tab.errors == []
 
 
-def test_live_refresh_shows_new_steps_keeps_the_zoom_and_can_be_paused(fed_server, tab):
+def test_live_refresh_shows_new_steps_keeps_the_zoom_and_can_be_paused(own_fed_server, tab):
     before, paused, final = (last_step_of(batches()[:n]) for n in (FIRST_PART, FIRST_PART + 2, len(batches())))
-    tab.page.goto(f"{fed_server.url}/?run={quote(RUN, safe='')}&refresh=1")
+    tab.page.goto(f"{own_fed_server.url}/?run={quote(RUN, safe='')}&refresh=1")
     tab.wait_for_trace("loss-chart", "t.name === 'loss' && t.x[t.x.length - 1] === arg", before)
     tab.page.evaluate("Plotly.relayout('loss-chart', {'xaxis.range': [100, 200]})")
 
     tab.page.get_by_role("button", name="Pause").click()
     expect(tab.page.locator("#refresh-status")).to_have_text("paused")
-    post(fed_server, batches()[FIRST_PART:FIRST_PART + 2])
+    post(own_fed_server, batches()[FIRST_PART:FIRST_PART + 2])
     tab.page.wait_for_timeout(2500)  # more than two refresh intervals
     expect(run_item(tab).locator(".run-step")).to_have_text(f"step {before}")
 
     tab.page.get_by_role("button", name="Resume").click()
     expect(run_item(tab).locator(".run-step")).to_have_text(f"step {paused}")
-    post(fed_server, batches()[FIRST_PART + 2:])
+    post(own_fed_server, batches()[FIRST_PART + 2:])
     expect(run_item(tab).locator(".run-step")).to_have_text(f"step {final}")
     expect(run_item(tab).locator(".badge")).to_have_text("finished")
     expect(tab.page.locator("#run-status")).to_have_text("finished")
