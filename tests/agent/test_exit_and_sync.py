@@ -15,8 +15,8 @@ pytest.importorskip("sqlalchemy", reason="the monitor extra: these tests read wh
 from tests.agent.child_runs import CHILD, stored_loss_steps  # noqa: E402
 
 
-def start_child(url: str, spool: Path, steps: int, mode: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(CHILD), url, str(spool), str(steps), mode],
+def start_child(url: str, spool: Path, steps: int, mode: str, run: str = "child-run") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(CHILD), url, str(spool), str(steps), mode, run],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -34,26 +34,27 @@ def sync(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           timeout=60, env=env)
 
 
-def test_a_training_that_never_calls_close_still_delivers_at_exit(live_server, tmp_path):
-    child = subprocess.run([sys.executable, str(CHILD), live_server.url, str(tmp_path / "spool"), "40", "no-close"],
-                           capture_output=True, text=True, timeout=60)
+def test_a_training_that_never_calls_close_still_delivers_at_exit(module_live_server, tmp_path):
+    server = module_live_server  # shared: each test of it trains a run of its own name
+    child = subprocess.run([sys.executable, str(CHILD), server.url, str(tmp_path / "spool"), "40", "no-close",
+                            "no-close"], capture_output=True, text=True, timeout=60)
     assert child.returncode == 0, child.stderr
-    assert stored_loss_steps(live_server.database_url) == list(range(40))
+    assert stored_loss_steps(server.database_url, run="no-close") == list(range(40))
     assert not list((tmp_path / "spool").glob("*.fp8b"))
 
 
 @pytest.mark.parametrize("mode", ["forever", "own-handler"])
-def test_sigterm_delivers_what_was_logged_and_keeps_the_programs_handling(live_server, tmp_path, mode):
+def test_sigterm_delivers_what_was_logged_and_keeps_the_programs_handling(module_live_server, tmp_path, mode):
     """Without a handler of its own the process ends as SIGTERM ends it; a program's own handler still runs (here it
     stops the loop and the process ends normally)."""
-    proc = start_child(live_server.url, tmp_path / "spool", 0, mode)
+    proc = start_child(module_live_server.url, tmp_path / "spool", 0, mode, run=f"sigterm-{mode}")
     logged = read_until(proc, lambda line: int(line) >= 30)
     proc.send_signal(signal.SIGTERM)
     logged += [line.strip() for line in proc.stdout]
     assert proc.wait(timeout=30) == (-signal.SIGTERM if mode == "forever" else 0), proc.stderr.read()
     assert (logged[-1] == "stopped") == (mode == "own-handler")
     logged = [line for line in logged if line != "stopped"]
-    stored = stored_loss_steps(live_server.database_url)
+    stored = stored_loss_steps(module_live_server.database_url, run=f"sigterm-{mode}")
     assert stored == list(range(len(stored))) and len(stored) >= len(logged)  # every logged step, each once
 
 

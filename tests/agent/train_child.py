@@ -1,6 +1,6 @@
 """A tiny training with the agent attached, run as a child process by the exit, spool and sync tests.
 
-argv: url spool_dir steps mode, where mode is
+argv: url spool_dir steps mode [run name, "child-run" by default], where mode is
 - "no-close": train ``steps`` steps and end without ``agent.close()``;
 - "forever": train until killed (a short sleep per step);
 - "own-handler": as "forever", with a SIGTERM handler of the program's own (installed before the agent) that ends
@@ -23,6 +23,7 @@ import torch
 from fp8mon import Agent
 
 url, spool_dir, steps, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+run_name = sys.argv[5] if len(sys.argv) > 5 else "child-run"
 stop = []
 if mode == "own-handler":
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
@@ -30,7 +31,7 @@ torch.manual_seed(0)
 torch.set_num_threads(1)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-agent = Agent(url, run="child-run", every=1, spool_dir=spool_dir, flush_interval=0.05, backoff=(0.05, 0.2),
+agent = Agent(url, run=run_name, every=1, spool_dir=spool_dir, flush_interval=0.05, backoff=(0.05, 0.2),
               timeout=2.0).watch(model)
 step = 0
 while (mode in ("forever", "own-handler") and not stop) or step < steps:
