@@ -33,6 +33,18 @@ def fp8mon_errors(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "fp8mon.agent" and r.levelno >= logging.ERROR]
 
 
+@pytest.fixture(scope="module")
+def token_server(module_live_server, tmp_path_factory):
+    """A second server on the module's database that takes only the write token w-secret (r-secret reads)."""
+    from fp8mon.monitor.localserver import ServerProcess
+
+    server = ServerProcess(module_live_server.database_url,
+                           env={"FP8MON_WRITE_TOKENS": '["w-secret"]', "FP8MON_READ_TOKENS": '["r-secret"]'},
+                           log=tmp_path_factory.mktemp("token-server") / "server.log").start()
+    yield server
+    server.stop()
+
+
 def test_a_url_without_scheme_is_refused_at_construction(tmp_path):
     with pytest.raises(ValueError, match=r"needs a scheme and a host, e\.g\. http://"):
         Agent("127.0.0.1:8080", run="r", spool_dir=tmp_path)
@@ -40,8 +52,8 @@ def test_a_url_without_scheme_is_refused_at_construction(tmp_path):
 
 @pytest.mark.parametrize("token, code, hint", [(None, 401, "FP8MON_TOKEN"), ("wrong", 403, "FP8MON_TOKEN"),
                                                ("r-secret", 403, "write token")])
-def test_a_refused_token_is_loud_counted_and_keeps_the_batches(server_factory, tmp_path, caplog, token, code, hint):
-    server = server_factory(FP8MON_WRITE_TOKENS='["w-secret"]', FP8MON_READ_TOKENS='["r-secret"]').start()
+def test_a_refused_token_is_loud_counted_and_keeps_the_batches(token_server, tmp_path, caplog, token, code, hint):
+    server = token_server  # shared by the three cases: it stores nothing it refuses
     agent = Agent(server.url, run="tok", token=token, spool_dir=tmp_path / "spool", flush_interval=0.05,
                   backoff=(0.05, 0.1))
     train(agent, 10)
@@ -54,11 +66,11 @@ def test_a_refused_token_is_loud_counted_and_keeps_the_batches(server_factory, t
     assert not any("unreachable" in r.getMessage() for r in caplog.records)
     assert not agent.close(timeout=5)  # the truth
     assert agent.status().pending >= 1  # still on disk for `fp8mon sync --token`
-    assert stored_loss_steps(server.database_url) == []
+    assert stored_loss_steps(server.database_url, run="tok") == []
 
 
-def test_a_wrong_path_sets_every_batch_aside_and_close_says_so(live_server, tmp_path, caplog):
-    agent = Agent(live_server.url + "/monitor", run="path", spool_dir=tmp_path / "spool", flush_interval=0.05)
+def test_a_wrong_path_sets_every_batch_aside_and_close_says_so(module_live_server, tmp_path, caplog):
+    agent = Agent(module_live_server.url + "/monitor", run="path", spool_dir=tmp_path / "spool", flush_interval=0.05)
     train(agent, 5)
     assert agent.flush(timeout=10)  # nothing waits: refused batches do not hold the others back
     train(agent, 3)
@@ -75,13 +87,13 @@ def test_a_wrong_path_sets_every_batch_aside_and_close_says_so(live_server, tmp_
     assert "not fully delivered" in errors[1] and "2 set aside" in errors[1].replace(str(status.set_aside), "2")
 
 
-def test_an_unwritable_spool_directory_degrades_to_memory_and_delivers(live_server, tmp_path, caplog):
+def test_an_unwritable_spool_directory_degrades_to_memory_and_delivers(module_live_server, tmp_path, caplog):
     (tmp_path / "a-file").write_text("")
-    agent = Agent(live_server.url, run="ro", spool_dir=tmp_path / "a-file" / "spool", flush_interval=0.05)
+    agent = Agent(module_live_server.url, run="ro", spool_dir=tmp_path / "a-file" / "spool", flush_interval=0.05)
     assert agent.status().state == "degraded"
     train(agent, 30)
     assert agent.close(timeout=20)
-    assert stored_loss_steps(live_server.database_url) == list(range(30))
+    assert stored_loss_steps(module_live_server.database_url, run="ro") == list(range(30))
     assert agent.errors == 1 and len(fp8mon_errors(caplog)) == 1  # one clear error, no flood
     assert "cannot be written" in fp8mon_errors(caplog)[0]
 
@@ -101,13 +113,14 @@ def test_a_bounded_memory_queue_says_what_it_lost(server_factory, tmp_path, capl
     assert f"{status.lost} lost" in fp8mon_errors(caplog)[-1]
 
 
-def test_a_full_spool_disk_mid_run_neither_stalls_nor_loses_the_run(live_server, tmp_path):
-    child = subprocess.run([sys.executable, str(CHILD), live_server.url, str(tmp_path / "spool"), "60", "full-disk"],
-                           capture_output=True, text=True, timeout=60)
+def test_a_full_spool_disk_mid_run_neither_stalls_nor_loses_the_run(module_live_server, tmp_path):
+    server = module_live_server
+    child = subprocess.run([sys.executable, str(CHILD), server.url, str(tmp_path / "spool"), "60", "full-disk",
+                            "full-disk"], capture_output=True, text=True, timeout=60)
     assert child.returncode == 0, child.stderr
     status = json.loads(child.stdout.splitlines()[-1])
     assert status["closed"] and status["lost"] == 0 and status["in_memory"] == 0, status
-    assert stored_loss_steps(live_server.database_url) == list(range(60))
+    assert stored_loss_steps(server.database_url, run="full-disk") == list(range(60))
     assert child.stderr.count("cannot be written") == 1 and "Traceback" not in child.stderr, child.stderr
 
 
@@ -143,15 +156,15 @@ def test_replaying_a_long_spool_lists_its_directory_once(tmp_path, monkeypatch):
     assert not any(p.suffix == ".fp8b" for p in (tmp_path / "spool").iterdir())
 
 
-def test_a_transport_replays_a_spool_without_listing_it_again(live_server, tmp_path, monkeypatch):
+def test_a_transport_replays_a_spool_without_listing_it_again(module_live_server, tmp_path, monkeypatch):
     first = Transport("http://127.0.0.1:1", "replay", spool_dir=tmp_path / "spool", flush_interval=60)
     for step in range(300):
         first.spool.push(*first._encode(_pending(step)))
     first.close(timeout=1)
     listings = _Listings(monkeypatch)
-    transport = Transport(live_server.url, "replay", spool_dir=tmp_path / "spool", flush_interval=0.05)
+    transport = Transport(module_live_server.url, "replay", spool_dir=tmp_path / "spool", flush_interval=0.05)
     assert transport.close(timeout=30)
-    assert stored_loss_steps(live_server.database_url) == list(range(300))
+    assert stored_loss_steps(module_live_server.database_url, run="replay") == list(range(300))
     assert listings.count == 1  # when the spool opened
 
 
