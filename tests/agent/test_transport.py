@@ -20,12 +20,18 @@ def tensor_block(step: int) -> dict:
             "stats": {"amax": [float(step * 10 + i) for i in range(len(LAYERS))]}}
 
 
-def stored(database_url) -> tuple[list, list]:
+def stored(database_url, run: str | None = None) -> tuple[list, list]:
+    """(step, amax) of every stored tensor row and (step, value) of every scalar: of one run, or of all."""
     store = Store(database_url)
+    of_run = "" if run is None else "where r.name = :run "
     try:
         with store.engine.connect() as conn:
-            tensors = conn.execute(text("select step, amax from tensor_stats order by step, amax")).all()
-            scalars = conn.execute(text("select step, value from scalars order by step")).all()
+            tensors = conn.execute(text("select t.step, t.amax from tensor_stats t join tensor_series ts on "
+                                        f"ts.id = t.series_id join runs r on r.id = ts.run_id {of_run}"
+                                        "order by t.step, t.amax"), {"run": run}).all()
+            scalars = conn.execute(text("select s.step, s.value from scalars s join scalar_series ss on "
+                                        f"ss.id = s.series_id join runs r on r.id = ss.run_id {of_run}"
+                                        "order by s.step"), {"run": run}).all()
         return [(s, float(a)) for s, a in tensors], [(s, float(v)) for s, v in scalars]
     finally:
         store.close()
@@ -50,11 +56,12 @@ def test_merge_blocks_broadcasts_and_fills_missing_statistics():
     assert merged["stats"] == {"amax": [1.0, 2.0, None], "rms": [None, None, 0.5]}
 
 
-def test_everything_arrives_exactly_once(live_server, tmp_path):
-    transport = Transport(live_server.url, "run-t", spool_dir=tmp_path / "spool", flush_interval=0.05)
+def test_everything_arrives_exactly_once(module_live_server, tmp_path):
+    server = module_live_server  # shared: each test of it sends a run of its own name
+    transport = Transport(server.url, "once", spool_dir=tmp_path / "spool", flush_interval=0.05)
     feed(transport, range(50))
     assert transport.close(timeout=30)
-    assert stored(live_server.database_url) == expected(range(50))
+    assert stored(server.database_url, run="once") == expected(range(50))
     assert len(transport.spool) == 0 and transport.stats.failed_posts == 0
 
 
@@ -113,14 +120,15 @@ def test_a_new_process_replays_what_the_previous_one_spooled(server_factory, tmp
     assert stored(server.database_url) == expected(range(15))
 
 
-def test_rejected_batch_is_kept_aside_and_not_retried(live_server, tmp_path):
-    transport = Transport(live_server.url, "run-t", spool_dir=tmp_path / "spool", flush_interval=0.05)
+def test_rejected_batch_is_kept_aside_and_not_retried(module_live_server, tmp_path):
+    server = module_live_server
+    transport = Transport(server.url, "rejected", spool_dir=tmp_path / "spool", flush_interval=0.05)
     transport.send_tensors({"step": 1, "layer": ["x"], "site": ["not-a-site"], "stats": {"amax": [1.0]}})
     assert transport.flush(timeout=30)  # a batch of its own
     feed(transport, [2])
     assert not transport.close(timeout=30)  # the truth: one batch was not delivered
     assert transport.stats.rejected_batches == 1 and transport.status().set_aside == 1
-    assert stored(live_server.database_url) == expected([2])  # the batch behind it was not held back
+    assert stored(server.database_url, run="rejected") == expected([2])  # the batch behind it was not held back
     assert len(list((tmp_path / "spool" / "rejected").glob("*.fp8b"))) == 1
 
 
