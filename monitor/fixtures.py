@@ -82,34 +82,37 @@ class Fixture:
 
     def losses(self) -> list[tuple[int, float]]:
         """(step, loss) of every logged step, rank 0 (or the reduced rank -1), in step order."""
-        out = {}
-        for batch in self.batches:
-            block = batch.get("scalars")
-            if not block:
-                continue
-            n = len(block["name"])
-            steps = block["step"] if isinstance(block["step"], list) else [block["step"]] * n
-            ranks = block.get("rank", 0)
-            ranks = ranks if isinstance(ranks, list) else [ranks] * n
-            for step, name, value, rank in zip(steps, block["name"], block["value"], ranks):
-                if name == "loss" and rank in (0, -1) and value is not None:
-                    out[step] = float(value)
-        return sorted(out.items())
+        return losses_of(self.batches)
 
     def first_nonfinite_grad_norm(self) -> int | None:
-        for batch in self.batches:
-            block = batch.get("scalars")
-            if not block:
-                continue
-            n = len(block["name"])
-            steps = block["step"] if isinstance(block["step"], list) else [block["step"]] * n
-            for step, name, value in zip(steps, block["name"], block["value"]):
-                if name == "grad_norm" and value is not None and not math.isfinite(value):
-                    return step
+        for step, name, value, _ in scalars_of(self.batches):
+            if name == "grad_norm" and value is not None and not math.isfinite(value):
+                return step
         return None
 
     def last_step(self) -> int:
         return max(step for step, _ in self.losses())
+
+
+def scalars_of(batches: list[dict]):
+    """(step, name, value, rank) of every scalar of wire-format ingest batches, in order (a block may give one step
+    or one rank for all its scalars)."""
+    for batch in batches:
+        block = batch.get("scalars")
+        if not block:
+            continue
+        n = len(block["name"])
+        steps = block["step"] if isinstance(block["step"], list) else [block["step"]] * n
+        ranks = block.get("rank", 0)
+        ranks = ranks if isinstance(ranks, list) else [ranks] * n
+        yield from zip(steps, block["name"], block["value"], ranks)
+
+
+def losses_of(batches: list[dict]) -> list[tuple[int, float]]:
+    """(step, loss) of every logged step of `batches`, rank 0 (or the reduced rank -1), in step order."""
+    out = {step: float(value) for step, name, value, rank in scalars_of(batches)
+           if name == "loss" and rank in (0, -1) and value is not None}
+    return sorted(out.items())
 
 
 def fixture_paths(root: Path | str | None = None, profile: str | None = None) -> list[Path]:

@@ -28,7 +28,7 @@ import msgpack
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 from bench.corpus.runs import Scenario, train  # noqa: E402
 from fp8mon.monitor import failures  # noqa: E402
-from fp8mon.monitor.fixtures import write_fixture  # noqa: E402
+from fp8mon.monitor.fixtures import losses_of, write_fixture  # noqa: E402
 
 KEEP_STATS = ("amax", "rms", "kurtosis", "underflow_frac", "overflow_frac", "nonfinite", "scale", "amax_history_max")
 DIGITS = 4
@@ -110,12 +110,6 @@ def as_batches(name: str, tensors: dict, scalars: dict, per_batch: int = 10) -> 
                                 "value": [r[2] for r in rows], "rank": [r[3] for r in rows]}
         out.append(batch)
     return out
-
-
-def losses_of(batches: list[dict]) -> list[tuple[int, float]]:
-    return sorted((s, float(v)) for b in batches if b.get("scalars")
-                  for s, n, v in zip(b["scalars"]["step"], b["scalars"]["name"], b["scalars"]["value"])
-                  if n == "loss" and v is not None)
 
 
 def family(scenario: dict) -> tuple:
