@@ -598,10 +598,14 @@ def parse(argv=None):
                    help="after the rounds, profile one reporting step of each agent copy: top host ops, Chrome trace")
     p.add_argument("--no-record", dest="record", action="store_false",
                    help="do not append the figures to bench/results/external.csv")
-    args = p.parse_args(argv)
+    return check_rounds_args(p, p.parse_args(argv), MODES)
+
+
+def check_rounds_args(p: argparse.ArgumentParser, args, modes: tuple[str, ...]):
+    """``args`` with ``--modes`` split into a list, after ``p.error`` on modes outside ``modes`` or a count < 1."""
     args.modes = [m for m in args.modes.split(",") if m]
-    if not args.modes or set(args.modes) - set(MODES):
-        p.error(f"--modes: some of {','.join(MODES)}")
+    if not args.modes or set(args.modes) - set(modes):
+        p.error(f"--modes: some of {','.join(modes)}")
     if min(args.every) < 1 or args.steps < 1 or args.rounds < 1:
         p.error("--every, --steps and --rounds must be >= 1")
     return args

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.external import TINY_GPT, Clock, CountingTransport, make_batch, own_compile, to_float8  # noqa: E402
+from bench.external import TINY_GPT, Clock, CountingTransport, check_rounds_args, make_batch, own_compile, to_float8  # noqa: E402
 from bench.record import Recorder  # noqa: E402
 
 MODES = ("off", "on", "reduce")
@@ -377,12 +377,7 @@ def parse(argv=None):
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the merged rows' oracle check")
     p.add_argument("--no-record", dest="record", action="store_false",
                    help="do not append the figures to bench/results/multi_gpu.csv")
-    args = p.parse_args(argv)
-    args.modes = [m for m in args.modes.split(",") if m]
-    if not args.modes or set(args.modes) - set(MODES):
-        p.error(f"--modes: some of {','.join(MODES)}")
-    if min(args.every) < 1 or args.steps < 1 or args.rounds < 1:
-        p.error("--every, --steps and --rounds must be >= 1")
+    args = check_rounds_args(p, p.parse_args(argv), MODES)
     args.batch = args.batch or (2 if args.tiny else 16)
     args.seq = args.seq or (TINY_GPT["block_size"] if args.tiny else 1024)
     return args
