@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from fp8mon.monitor.localserver import free_port
+from tests.integration.ready import wait_ready
 from tests.integration.receiver import Receiver
 from tests.integration.streams import LAYER_PREDICTOR, layer_stream
 
@@ -52,17 +53,8 @@ class Alertmanager:
             [ALERTMANAGER, f"--config.file={self.directory / 'alertmanager.yml'}",
              f"--storage.path={self.directory / 'data'}", f"--web.listen-address=127.0.0.1:{self.port}",
              "--cluster.listen-address="], stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"alertmanager exited: {(self.directory / 'alertmanager.log').read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError("alertmanager did not become ready")
+        wait_ready(self.proc, self.url, self.directory / "alertmanager.log", "alertmanager", timeout=20, poll=0.1)
+        return self
 
     def stop(self):
         if self.proc is not None:

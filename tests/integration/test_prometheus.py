@@ -20,6 +20,7 @@ import pytest
 
 from fp8mon.agent.wire import CLIENT_HEADER
 from fp8mon.monitor.localserver import free_port
+from tests.integration.ready import wait_ready
 from tests.integration.streams import fake_predictor_env, kurtosis_stream
 
 PROMETHEUS = shutil.which("prometheus") or ("/usr/bin/prometheus" if Path("/usr/bin/prometheus").exists() else None)
@@ -75,17 +76,8 @@ scrape_configs:
             [PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
              f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT))
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if procs[-1].poll() is not None:
-                raise RuntimeError(f"prometheus exited: {(tmp_path / 'prometheus.log').read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
-                    return url
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("prometheus did not become ready")
+        wait_ready(procs[-1], url, tmp_path / "prometheus.log", "prometheus", timeout=30, poll=0.2)
+        return url
 
     yield start
     for proc in procs:
