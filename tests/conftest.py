@@ -38,6 +38,21 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)  # stable: the rest keep their order
 
 
+# The fixtures that take a database on every backend, and their scopes.
+_BACKEND_FIXTURES = {"database_url": "function", "module_live_server": "module"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_generate_tests(metafunc):
+    """A test marked ``sqlite_only`` runs on SQLite alone: its subject is not the storage (training under torchrun, the
+    agent's exit, the browser's view), and the storage tests cover PostgreSQL."""
+    if metafunc.definition.get_closest_marker("sqlite_only") is None:
+        return
+    for name, scope in _BACKEND_FIXTURES.items():
+        if name in metafunc.fixturenames:  # a parametrize mark takes precedence over the fixture's own params
+            metafunc.definition.add_marker(pytest.mark.parametrize(name, ["sqlite"], indirect=True, scope=scope))
+
+
 @pytest.fixture(scope="session")
 def _postgres_admin():
     """Fails loudly when a PostgreSQL URL was given but the server cannot be reached."""

@@ -34,6 +34,7 @@ def sync(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           timeout=60, env=env)
 
 
+@pytest.mark.sqlite_only
 def test_a_training_that_never_calls_close_still_delivers_at_exit(module_live_server, tmp_path):
     server = module_live_server  # shared: each test of it trains a run of its own name
     child = subprocess.run([sys.executable, str(CHILD), server.url, str(tmp_path / "spool"), "40", "no-close",
@@ -43,6 +44,7 @@ def test_a_training_that_never_calls_close_still_delivers_at_exit(module_live_se
     assert not list((tmp_path / "spool").glob("*.fp8b"))
 
 
+@pytest.mark.sqlite_only
 @pytest.mark.parametrize("mode", ["forever", "own-handler"])
 def test_sigterm_delivers_what_was_logged_and_keeps_the_programs_handling(module_live_server, tmp_path, mode):
     """Without a handler of its own the process ends as SIGTERM ends it; a program's own handler still runs (here it
@@ -58,6 +60,7 @@ def test_sigterm_delivers_what_was_logged_and_keeps_the_programs_handling(module
     assert stored == list(range(len(stored))) and len(stored) >= len(logged)  # every logged step, each once
 
 
+@pytest.mark.sqlite_only
 def test_an_exit_with_the_monitor_down_leaves_the_run_in_the_spool_for_sync(server_factory, tmp_path):
     server = server_factory()  # not started
     home = {**os.environ, "HOME": str(tmp_path)}

@@ -95,7 +95,7 @@ def used_metric_names() -> dict[str, set[str]]:
     return names
 
 
-@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+@pytest.mark.sqlite_only
 def test_every_metric_used_by_rules_and_grafana_is_exported(app_factory):
     used = used_metric_names()
     assert len(used["rules"]) >= 6 and len(used["grafana"]) >= 10

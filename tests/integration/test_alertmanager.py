@@ -30,7 +30,6 @@ PUBLIC = "http://fp8mon.test:8080"
 pytestmark = [pytest.mark.skipif(ALERTMANAGER is None or AMTOOL is None,
                                  reason="Alertmanager not installed (Debian package 'prometheus-alertmanager'; "
                                         "scripts/test.sh installs it)")]
-on_sqlite = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 
 
 class Alertmanager:
@@ -110,7 +109,7 @@ def underflow(step, layer, site):
     return 0.2 if (layer, site) == ("blocks.0.mlp.fc1", "weight") else 0.0  # one info alert
 
 
-@on_sqlite
+@pytest.mark.sqlite_only
 def test_alerts_arrive_grouped_per_run_and_rule_silenced_by_rule_and_resolved(app_factory, alertmanager, receiver):
     with app_factory(alertmanager_url=alertmanager.url, alertmanager_resend_seconds=1, public_url=PUBLIC,
                      predictor=LAYER_PREDICTOR) as c:
@@ -200,7 +199,7 @@ def test_an_escalation_replaces_the_lower_severity_in_alertmanager(alertmanager)
         sender.stop()
 
 
-@on_sqlite
+@pytest.mark.sqlite_only
 def test_alertmanager_down_costs_ingest_nothing_and_hears_everything_once_back(app_factory, tmp_path, receiver,
                                                                                caplog):
     caplog.set_level(logging.INFO, logger="fp8mon.alertmanager")
@@ -232,7 +231,7 @@ def test_alertmanager_down_costs_ingest_nothing_and_hears_everything_once_back(a
         am.stop()
 
 
-@on_sqlite
+@pytest.mark.sqlite_only
 def test_a_restarted_server_announces_its_firing_alerts_again(app_factory, alertmanager):
     settings = dict(alertmanager_url=alertmanager.url, alertmanager_resend_seconds=0.5, predictor=LAYER_PREDICTOR)
     with app_factory(**settings) as c:

@@ -29,7 +29,7 @@ ALERT = "FP8RunDivergenceRisk"
 
 pytestmark = [pytest.mark.skipif(PROMETHEUS is None, reason="prometheus server not installed (Debian package "
                                                             "'prometheus'; scripts/test.sh installs it)"),
-              pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)]
+              pytest.mark.sqlite_only]
 
 
 def streams():

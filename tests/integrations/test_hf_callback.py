@@ -19,7 +19,7 @@ from fp8mon.integrations.hf import Fp8monCallback
 from tests.agent.capture import CaptureTransport
 from tests.integrations.tiny import HIDDEN, SEQ, all_rows, sent_rows, sent_scalars, tiny_llama, token_examples
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.sqlite_only]
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,7 +17,7 @@ from fp8mon.integrations.lightning import Fp8monCallback
 from tests.agent.capture import CaptureTransport
 from tests.integrations.tiny import HIDDEN, SEQ, all_rows, sent_rows, sent_scalars, tiny_llama, token_examples
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.sqlite_only]
 
 BATCH = 2
 ROWS = all_rows("model.")  # the LightningModule is watched: its Llama is its attribute `model`

@@ -22,7 +22,7 @@ def ingest(client, run: str, **headers):
                        headers={"content-type": "application/msgpack", **headers})
 
 
-@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+@pytest.mark.sqlite_only
 def test_cross_site_writes_are_refused_and_same_site_ones_pass(client):
     assert ingest(client, "kept").status_code == 200  # the client header, as the agent sends it
     cross_site = [{"origin": EVIL}, {"origin": "null"}, {"sec-fetch-site": "cross-site"},
@@ -50,7 +50,7 @@ def test_cross_site_writes_are_refused_and_same_site_ones_pass(client):
     assert bare.get(f"{API}/runs/kept").status_code == 200
 
 
-@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+@pytest.mark.sqlite_only
 def test_a_bearer_token_or_the_public_url_counts_as_this_server(app_factory):
     with app_factory(write_tokens=["w"], public_url="https://fp8mon.example.com/") as client:
         bare = TestClient(client.app)

@@ -53,7 +53,7 @@ def peak_rss_mib(pid: int) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 
 
-@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+@pytest.mark.sqlite_only
 def test_health_and_small_batches_stay_fast_while_big_batches_arrive(server_factory):
     server = server_factory(FP8MON_PREDICTOR="", FP8MON_ROLLUP_INTERVAL_S="0").start()
     body = big_body(500)
@@ -142,7 +142,7 @@ def post_in_background(client, bodies, statuses) -> list[threading.Thread]:
     return threads
 
 
-@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+@pytest.mark.sqlite_only
 def test_a_slow_decode_leaves_the_loop_free_and_big_batches_take_turns(app_factory, slow_decode):
     statuses = []
     with app_factory(predictor="") as client:
@@ -160,7 +160,7 @@ def test_a_slow_decode_leaves_the_loop_free_and_big_batches_take_turns(app_facto
     assert health < DECODE_S / 2 and small < DECODE_S / 2, (health, small)
 
 
-@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+@pytest.mark.sqlite_only
 def test_a_spent_byte_budget_answers_503_with_retry_after(app_factory, slow_decode):
     statuses = []
     with app_factory(predictor="", ingest_inflight_bytes=1024) as client:

@@ -67,7 +67,7 @@ def test_several_workers_are_refused_while_predictors_run(uvicorn_calls, capsys,
     assert uvicorn_calls[-1]["workers"] == 4
 
 
-@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+@pytest.mark.sqlite_only
 def test_the_server_log_has_timestamps_and_levels_and_no_token(database_url, tmp_path):
     log = tmp_path / "server.log"
     server = ServerProcess(database_url, log=log, quiet=False,
@@ -104,7 +104,7 @@ def test_json_log_lines(capsys):
     assert "token=[redacted]" in entry["message"] and "abc" not in entry["message"]
 
 
-@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+@pytest.mark.sqlite_only
 def test_readyz_says_whether_the_schema_is_current(app_factory, database_url):
     with app_factory() as client:
         assert client.get("/healthz").json() == {"ok": True}
@@ -126,7 +126,7 @@ def test_readyz_says_whether_the_schema_is_current(app_factory, database_url):
         assert client.get("/readyz").status_code == 200
 
 
-@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+@pytest.mark.sqlite_only
 def test_metrics_export_build_info_and_process_metrics(client):
     from fp8mon import __version__
 

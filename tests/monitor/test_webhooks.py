@@ -87,7 +87,7 @@ def test_client_errors_are_not_retried_and_dead_endpoints_are_given_up():
     assert metrics.webhook_failures._value.get() == 2 and metrics.webhook_deliveries._value.get() == 0
 
 
-@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+@pytest.mark.sqlite_only
 def test_server_sends_fired_and_resolved_without_slowing_ingest(app_factory):
     # The receiver fails twice, then answers slowly: ingest must not notice.
     with Receiver(fail_first=2, delay=0.5) as rx:
@@ -179,7 +179,7 @@ def test_a_group_notifies_at_most_once_per_interval_and_says_when_all_resolved()
     assert g.due(now=1.0)[0].status == "escalated"
 
 
-@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+@pytest.mark.sqlite_only
 def test_a_two_block_run_sends_a_handful_of_messages_not_one_per_layer_and_site(app_factory):
     """The issue's scenario: a 2-block run (4 layers x 3 sites) whose every layer and site raises a kurtosis
     warning (half of them escalating to critical) and an underflow info, then finishes. One message per run and

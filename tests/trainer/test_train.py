@@ -23,7 +23,7 @@ FAST = ["--config", "tiny", "--batch-size", "8", "--seq-len", "64", "--threads",
         "--no-progress", "--log-every", "1"]
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.sqlite_only]
 
 
 def train(*argv):

@@ -8,6 +8,8 @@ view's loss gap; every run paired by precision from the run list."""
 
 import re
 
+import pytest
+
 from fp8mon.monitor.alerting.lifecycle import Alert
 from fp8mon.monitor.storage.entities import AlertWrite
 from fp8mon.monitor.wire import IngestBatch
@@ -20,6 +22,7 @@ except ImportError:  # pragma: no cover - the browser fixture skips the module
 else:
     expect.set_options(timeout=15_000)
 
+pytestmark = pytest.mark.sqlite_only
 RUN = "team/noisy"  # a name with "/": every URL the page builds encodes it
 RULES = ["kurtosis_jump", "underflow_rise", "overflow", "amax_growth", "scale_drift", "loss_spike",
          "grad_spike", "nonfinite"]

@@ -95,7 +95,7 @@ def firing_alerts(server) -> list[dict]:
     raise AssertionError("no alert within 30 s")
 
 
-@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+@pytest.mark.sqlite_only
 def test_another_origin_cannot_acknowledge_or_inject_but_the_dashboard_can(server_factory, attacker, browser):
     server = server_factory(**fake_predictor_env()).start()
     alert = firing_alerts(server)[0]

@@ -21,6 +21,7 @@ from tests.web.conftest import WAIT_MS
 
 expect = pytest.importorskip("playwright.sync_api", reason="the playwright package (dev extra)").expect
 
+pytestmark = pytest.mark.sqlite_only
 RUN = "team/fog-fp8/ramp"
 FIXTURE = FIXTURE_DIR / "cpu-fog-fp8-ramp.json.gz"
 FIRST_PART = 34  # batches of 10 steps: steps 0..339 before the page loads, the rest (to 419) while it is open

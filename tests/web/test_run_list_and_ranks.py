@@ -73,6 +73,7 @@ def heatmap_z(page):
     return page.evaluate("() => document.getElementById('heatmap-chart').data.find(t => t.type === 'heatmap').z")
 
 
+@pytest.mark.sqlite_only
 def test_rank_selector_draws_the_merged_rank_one_rank_or_the_worst_over_ranks(store, live_server, page):
     _ranked(store, "reduced", [-1])
     _ranked(store, "dp/eight", range(8))
