@@ -120,15 +120,26 @@ def per_step(seen, step, layer, site):
     return tensors[:1] if site == "weight" else tensors[-1:] if site == "grad_weight" else tensors
 
 
-def close(g, w, key):
+EXACT = ("numel", "nonfinite", "amax", "zero_frac", "scale", "amax_history_max", "outlier_frac", "underflow_frac",
+         "overflow_frac", "log2_hist")
+GPU_MOMENTS = 1e-5  # a GPU rank's row sums fp32 partials; on the CPU the rows are fp64
+
+
+def close(g, w, key, rel=1e-9, rms=0.0):
+    """The counts, amax and histogram exactly; the moments' statistics to ``rel`` (the mean also to ``rel`` of the
+    data's rms: it may be near 0)."""
     if w is None or g is None:
         return g is None and w is None
     if isinstance(w, float) and math.isnan(w):
         return math.isnan(g)
-    if key in ("numel", "nonfinite", "amax", "zero_frac", "scale", "amax_history_max", "outlier_frac",
-               "underflow_frac", "overflow_frac", "log2_hist"):
+    if key in EXACT:
         return g == w
-    return math.isclose(g, w, rel_tol=1e-9)
+    return math.isclose(g, w, rel_tol=rel, abs_tol=rel * rms if key == "mean" else 0.0)
+
+
+def differing(rec, want, rel):
+    return {k: (rec[k], want[k]) for k in [*TENSOR_STATS, "log2_hist"]
+            if not close(rec[k], want[k], k, rel, want.get("rms") or 0.0)}
 
 
 def test_every_rank_reports_its_own_records(two_ranks):
@@ -143,11 +154,11 @@ def test_reduced_records_equal_the_statistics_of_the_concatenation(two_ranks):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_nccl_two_gpus(tmp_path):
     outs = run_ranks(tmp_path, "nccl")
-    check_local(outs)
-    check_reduced(outs)
+    check_local(outs, rel=GPU_MOMENTS)
+    check_reduced(outs, rel=GPU_MOMENTS)
 
 
-def check_local(two_ranks):
+def check_local(two_ranks, rel=1e-9):
     for rank, out in enumerate(two_ranks):
         assert out["errors"] == (0, 0) and out["rank"] == (rank, WORLD, True)
         recs = records(out["local"])
@@ -155,10 +166,10 @@ def check_local(two_ranks):
                              for site in SITES}
         for (step, layer, site, _), rec in recs.items():
             want = merge_moments(oracle(per_step(out["seen"], step, layer, site), site)).to_stats()
-            assert all(close(rec[k], want[k], k) for k in [*TENSOR_STATS, "log2_hist"]), (step, layer, site)
+            assert not differing(rec, want, rel), (step, layer, site, differing(rec, want, rel))
 
 
-def check_reduced(two_ranks):
+def check_reduced(two_ranks, rel=1e-9):
     assert two_ranks[1]["reduced"] == [] and two_ranks[1]["reduced_scalars"] == []  # only rank 0 sends
     recs = records(two_ranks[0]["reduced"])
     assert set(recs) == {(s, layer, site, -1) for s in range(0, STEPS, EVERY) for layer in ("0", "2") for site in SITES}
@@ -173,7 +184,7 @@ def check_reduced(two_ranks):
         per_rank = ["outlier_frac"] + (["underflow_frac", "overflow_frac"] if not kw else [])
         for key in [*TENSOR_STATS, "log2_hist"]:
             want = merged[key] if key in per_rank else whole[key]
-            assert close(rec[key], want, key), (step, layer, site, key, rec[key], want)
+            assert close(rec[key], want, key, rel, whole["rms"] or 0.0), (step, layer, site, key, rec[key], want)
         if kw:
             assert 0 < rec["underflow_frac"] < 1
             shared_checked += 1
