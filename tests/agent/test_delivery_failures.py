@@ -18,6 +18,8 @@ pytest.importorskip("sqlalchemy", reason="the monitor extra: these tests read wh
 
 from tests.agent.child_runs import CHILD, stored_loss_steps  # noqa: E402
 
+pytestmark = pytest.mark.sqlite_only  # the agent's side of delivery: the storage is not the subject
+
 
 def train(agent: Agent, steps: int) -> None:
     torch.manual_seed(0)
