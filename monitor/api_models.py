@@ -155,13 +155,13 @@ class HistogramOut(BaseModel):
     run: str
     layer: str
     site: str
-    rank: int
+    rank: int | None = Field(description="null: summed over the ranks (sum_over_ranks)")
     start: int | None
     end: int | None
     binade_lo: int = Field(description="bin j counts 2^(binade_lo + j) <= |x| < 2^(binade_lo + j + 1); the first "
                                        "bin also takes smaller nonzero values, the last larger ones")
     bins: int
-    per_column: int = Field(description="histograms summed per column")
+    per_column: int = Field(description="histogram steps summed per column")
     step: list[int] = Field(description="first step of each column")
     step_last: list[int]
     counts: list[list[int]] = Field(description="counts[column][bin]")

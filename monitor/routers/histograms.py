@@ -23,6 +23,10 @@ def get_histogram(
     layer: Annotated[str, Query(max_length=300)],
     site: Annotated[Site, Query()],
     rank: Annotated[int, Query(ge=-1, le=32767, description="rank (-1: reduced over all ranks)")] = 0,
+    sum_over_ranks: Annotated[bool, Query(description="each step's histograms summed over the run's ranks: the "
+                                                      "histogram of all ranks' values together, with every rank's "
+                                                      "scales (rank is ignored; the merged rank -1 only if it is "
+                                                      "the only one)")] = False,
     start: Annotated[int | None, Query(ge=0, le=2**62)] = None,
     end: Annotated[int | None, Query(ge=0, le=2**62)] = None,
     max_points: Annotated[int, Query(ge=1, le=2000, description="at most this many columns; more histograms "
@@ -36,8 +40,8 @@ def get_histogram(
     2^(binade_lo + j) <= |x| < 2^(binade_lo + j + 1). `limits` (null without a format) gives, per column, the
     log2 of |x| above which values overflow and at or below which they quantize to zero at the scale in use."""
     with http_errors():
-        hist = store.histograms(run, layer=layer, site=site, rank=rank, start=start, end=end,
-                                max_points=max_points)
+        hist = store.histograms(run, layer=layer, site=site, rank=None if sum_over_ranks else rank, start=start,
+                                end=end, max_points=max_points)
     name = SITE_FORMATS.get(site) if format is None else (None if format == "none" else format)
     limits = None if name is None else limit_lines(FORMATS[name], hist.scale_min, hist.scale_max)
     return SafeJSONResponse({**hist.to_dict(), "limits": limits})

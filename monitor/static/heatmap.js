@@ -92,13 +92,11 @@
     return value === "worst" ? { worst_over_ranks: true } : { rank: value };
   }
 
-  function seriesRank() {
-    // the rank a layer's log2 histograms are read from (they have no "worst"): the chosen one; over "worst", the
-    // run's first rank
+  function histogramRank() {
+    // the rank a layer's log2 histograms are read from: the chosen one; over "worst", "sum" (histograms have no
+    // largest: each step's are summed over the ranks, all ranks' values together)
     const value = $("heatmap-rank").value;
-    if (value && value !== "worst") return value;
-    const first = [...$("heatmap-rank").options].map((o) => o.value).find((v) => v !== "worst");
-    return first || "0";
+    return value || "0";
   }
 
   function rankLabel(value) {
@@ -308,5 +306,5 @@
     $("heatmap-chart").addEventListener("click", labelClicked);
   }
 
-  window.fp8mon.heatmap = { bind, fillSelectors, fillRanks, draw, reset, seriesRank, rankParams, rankLabel };
+  window.fp8mon.heatmap = { bind, fillSelectors, fillRanks, draw, reset, histogramRank, rankParams, rankLabel };
 })();

@@ -11,11 +11,13 @@
     min_normal_log2: ["min normal", "#e08a00", "dot"] };
 
   async function draw(ctx, layer, site, rank) {
+    // rank: a rank, or "worst": each step's histograms summed over the ranks
     const format = $("histogram-format").value;
+    const summed = rank === "worst";
     let body;
     try {
-      body = await api(`/runs/${runPath(ctx.name)}/histogram`, { params: { layer, site, rank, max_points: COLUMNS,
-        format: format === "auto" ? null : format } });
+      body = await api(`/runs/${runPath(ctx.name)}/histogram`, { params: { layer, site, max_points: COLUMNS,
+        ...(summed ? { sum_over_ranks: true } : { rank }), format: format === "auto" ? null : format } });
     } catch (err) {
       if (!ctx.current()) return;
       blankChart(CHART);
@@ -25,15 +27,17 @@
     if (!ctx.current()) return;
     if (!body.step.length) {
       blankChart(CHART);
-      showMessage("histogram-message", `No log2 histograms stored for ${layer} at the ${site} site on rank ${rank}: `
+      showMessage("histogram-message", `No log2 histograms stored for ${layer} at the ${site} site on `
+        + (summed ? "any rank" : `rank ${rank}`) + ": "
         + "the agent takes them with hist=True, every hist_every-th reporting step.");
       return;
     }
     const limits = body.limits;
     const what = limits ? `${limits.format.name.toUpperCase()} limits at the scale in use` : "no FP8 format at this "
       + "site: choose one to draw its limits";
-    showMessage("histogram-message", `Share of the tensor's nonzero values per binade; ${what}.`
-      + (body.per_column > 1 ? ` ${body.per_column} histograms summed per column.` : ""));
+    showMessage("histogram-message", `Share of the tensor's nonzero values per binade`
+      + (summed ? ", all ranks' values together" : "") + `; ${what}.`
+      + (body.per_column > 1 ? ` ${body.per_column} histogram steps summed per column.` : ""));
     drawChart(CHART, traces(body), layout(ctx.name, layer, site, span(body)));
   }
 

@@ -132,10 +132,11 @@ class AbstractStore(AlertStore):
         worst first; `digits`: values rounded to that many significant digits."""
 
     @abstractmethod
-    def histograms(self, name: str, *, layer: str, site: str, rank: int = 0, start: int | None = None,
+    def histograms(self, name: str, *, layer: str, site: str, rank: int | None = 0, start: int | None = None,
                    end: int | None = None, max_points: int = 300) -> Histograms:
         """The stored log2 histograms of one layer x site over [start, end], at most `max_points` columns (more
-        are summed), with the scales in use."""
+        are summed), with the scales in use. `rank` None: each step's histograms summed over the run's ranks (the
+        merged rank -1 only if it is the only one)."""
 
     @abstractmethod
     def export_rows(self, name: str, *, stats: tuple[str, ...] = TENSOR_STATS, hist: bool = True) -> RunExport:

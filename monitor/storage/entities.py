@@ -168,12 +168,12 @@ class Histograms(_Entity):
     run: str
     layer: str
     site: str
-    rank: int
+    rank: int | None  # None: summed over the run's ranks
     start: int | None
     end: int | None
     binade_lo: int  # bin j counts 2**(binade_lo + j) <= |x| < 2**(binade_lo + j + 1)
     bins: int
-    per_column: int  # histograms summed per column
+    per_column: int  # histogram steps summed per column
     step: list[int]
     step_last: list[int]
     counts: list[list[int]]  # counts[column][bin]

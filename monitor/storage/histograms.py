@@ -3,7 +3,8 @@ over a step range, with the scale in use at each of their steps.
 
 Histograms come on histogram steps only (every `hist_every`-th reporting step). When a range holds more than
 `max_points` of them, consecutive ones are summed into columns of equally many histograms (counts add; nothing is
-sampled), each column with the smallest and the largest scale of its steps."""
+sampled), each column with the smallest and the largest scale of its steps. Summed over ranks (`rank` None), a step's
+histograms add up to the histogram of all ranks' values together, and its scales are every rank's."""
 
 from __future__ import annotations
 
@@ -23,20 +24,36 @@ def _scale(value) -> float | None:
     return s if s is not None and math.isfinite(s) and s > 0 else None
 
 
-def histograms(db: Database, name: str, *, layer: str, site: str, rank: int = 0, start: int | None = None,
+def _by_step(rows) -> list[list]:
+    """Rows in step order grouped by step (one group per histogram step)."""
+    groups: list[list] = []
+    for row in rows:
+        if groups and groups[-1][0][0] == row[0]:
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    return groups
+
+
+def histograms(db: Database, name: str, *, layer: str, site: str, rank: int | None = 0, start: int | None = None,
                end: int | None = None, max_points: int = 300) -> Histograms:
+    """`rank` None: summed over the run's ranks (the merged rank -1 only if it is the only one)."""
     with db.reading() as conn:
         ref = run_ref(conn, name)
         sid = tensor_series_id(conn, ref, layer, site)
         rng = step_range(ref, start, end)
         rows = [] if rng is None else fetch(
-            conn, "SELECT step, scale, log2_hist FROM tensor_stats WHERE series_id = :sid AND rank = :rank "
-                  "AND step >= :lo AND step <= :hi AND log2_hist IS NOT NULL ORDER BY step",
-            {"sid": sid, "rank": rank, "lo": rng[0], "hi": rng[1]})
-    per_column = max(1, -(-len(rows) // max_points))
+            conn, "SELECT step, scale, log2_hist, rank FROM tensor_stats WHERE series_id = :sid "
+                  + ("" if rank is None else "AND rank = :rank ")
+                  + "AND step >= :lo AND step <= :hi AND log2_hist IS NOT NULL ORDER BY step",
+            {"sid": sid, "lo": rng[0], "hi": rng[1], **({} if rank is None else {"rank": rank})})
+    if rank is None and any(row[3] >= 0 for row in rows):
+        rows = [row for row in rows if row[3] >= 0]
+    by_step = _by_step(rows)
+    per_column = max(1, -(-len(by_step) // max_points))
     steps, step_last, counts, scale_min, scale_max = [], [], [], [], []
-    for lo in range(0, len(rows), per_column):
-        group = rows[lo:lo + per_column]
+    for lo in range(0, len(by_step), per_column):
+        group = [row for step_rows in by_step[lo:lo + per_column] for row in step_rows]
         summed = np.zeros(LOG2_HIST_BINS, dtype=np.int64)
         for row in group:
             summed += np.frombuffer(bytes(row[2]), dtype="<i8")

@@ -136,7 +136,7 @@ class SqlAlchemyStore(AbstractStore):
         return series.heatmap(self.db, name, stat=stat, site=site, rank=rank, start=start, end=end,
                               max_points=max_points, agg=agg, top=top, digits=digits)
 
-    def histograms(self, name: str, *, layer: str, site: str, rank: int = 0, start: int | None = None,
+    def histograms(self, name: str, *, layer: str, site: str, rank: int | None = 0, start: int | None = None,
                    end: int | None = None, max_points: int = 300) -> Histograms:
         return histograms.histograms(self.db, name, layer=layer, site=site, rank=rank, start=start, end=end,
                                      max_points=max_points)

@@ -135,6 +135,36 @@ def test_histogram_endpoint_returns_the_stored_binades_and_the_format_limits_at_
     assert missing.status_code == 404 and "nope" in missing.json()["detail"]
 
 
+
+def test_histograms_summed_over_ranks_are_all_ranks_values_together_with_every_ranks_scales(client, store):
+    """What the dashboard draws under "worst over ranks": per step the ranks' histograms added (the merged rank -1
+    left out beside them), the limits at the smallest and largest scale of any rank; columns still sum steps."""
+    def ranked(run, rank, step, peak, scale):
+        send(store, run, step, tensors={"step": step, "rank": rank, "layer": ["blocks.0.fc1"], "site": ["input"],
+                                        "stats": {"scale": [scale]}, "log2_hist": [hist(peak, n=10 + rank)]})
+
+    for step in (0, 2, 4):
+        ranked("hist/ranks", 0, step, step - 3, 2.0)
+        ranked("hist/ranks", 1, step, step - 1, 8.0)
+        ranked("hist/ranks", -1, step, 5, 1.0)  # a merged record too: not counted twice
+        ranked("hist/merged-only", -1, step, step, 4.0)
+    params = {"layer": "blocks.0.fc1", "site": "input", "sum_over_ranks": "true"}
+
+    got = client.get(f"{API}/runs/hist/ranks/histogram", params=params).json()
+    assert got["rank"] is None and got["step"] == [0, 2, 4] == got["step_last"] and got["per_column"] == 1
+    assert got["counts"] == [[a + b for a, b in zip(hist(s - 3, n=10), hist(s - 1, n=11))] for s in (0, 2, 4)]
+    assert (got["scale_min"], got["scale_max"]) == ([2.0] * 3, [8.0] * 3)
+    assert got["limits"]["overflow_log2"] == [math.log2(464 / 8)] * 3  # the largest scale saturates first
+    one = client.get(f"{API}/runs/hist/ranks/histogram", params={**params, "sum_over_ranks": "false", "rank": 1})
+    assert one.json()["rank"] == 1 and one.json()["counts"] == [hist(s - 1, n=11) for s in (0, 2, 4)]
+
+    columns = client.get(f"{API}/runs/hist/ranks/histogram", params={**params, "max_points": 2}).json()
+    assert (columns["step"], columns["step_last"], columns["per_column"]) == ([0, 4], [2, 4], 2)
+    assert columns["counts"][1] == got["counts"][2]
+
+    merged = client.get(f"{API}/runs/hist/merged-only/histogram", params=params).json()
+    assert merged["counts"] == [hist(s, n=9) for s in (0, 2, 4)]
+
 def test_the_servers_format_table_is_the_agents():
     for name, agent_fmt in agent_formats.FORMATS.items():
         mine = fp8_formats.FORMATS[name]

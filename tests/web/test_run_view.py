@@ -63,13 +63,14 @@ def deep_run(server) -> None:
 
 def eight_ranks(server) -> None:
     """Kurtosis 3 + 10 (r + 1) + j on rank r; rank 5 spikes to 300 at layer 2, step 12. Loss 1 + r on rank r; rank 3
-    spikes to 99 at step 7."""
+    spikes to 99 at step 7. Rank r's log2 histograms peak at 2^(3r - 20) (three binades each, no two ranks' shared)."""
     layers = [f"blocks.{j}.mlp" for j in range(4)]
     for r in range(8):
         kurtosis = [300.0 if (r, j, s) == (5, 2, 12) else 3.0 + 10 * (r + 1) + j for s in range(20) for j in range(4)]
         post(server, {"batch_id": f"eight-{r}", "run": EIGHT,
                       "tensors": {"step": [s for s in range(20) for _ in layers], "layer": layers * 20,
-                                  "site": ["input"] * 80, "rank": r, "stats": {"kurtosis": kurtosis}},
+                                  "site": ["input"] * 80, "rank": r, "stats": {"kurtosis": kurtosis},
+                                  "log2_hist": [hist(3 * r - 20)] * 80},
                       "scalars": {"step": list(range(20)), "name": ["loss"] * 20, "rank": r,
                                   "value": [99.0 if (r, s) == (3, 7) else 1.0 + r for s in range(20)]}})
 
@@ -299,6 +300,9 @@ def test_worst_over_ranks_drives_the_layer_detail_and_the_scalar_panels(server, 
     kurtosis = next(t for t in chart(page, "detail-chart")["data"] if t["name"] == "kurtosis")
     assert kurtosis["y"] == [85.0] * 12 + [300.0] + [85.0] * 7
     expect(page.locator("#detail-message")).to_contain_text("the largest over ranks 0, 1, 2, 3, 4, 5, 6, 7")
+    # histograms have no largest: each step's are summed, the eight ranks' binades in one column
+    wait_for_trace(page, "histogram-chart", "t.type === 'heatmap' && t.z.filter(row => row[0] !== null).length === 24")
+    expect(page.locator("#histogram-message")).to_contain_text("all ranks' values together")
     wait_for_trace(page, "loss-chart", "t.name === 'loss' && Math.max(...t.y) === 99")
     loss = next(t for t in chart(page, "loss-chart")["data"] if t["name"] == "loss")
     assert loss["y"] == [8.0] * 7 + [99.0] + [8.0] * 12
@@ -309,4 +313,5 @@ def test_worst_over_ranks_drives_the_layer_detail_and_the_scalar_panels(server, 
     wait_for_trace(page, "loss-chart", "t.name === 'loss' && t.y.every(y => y === 3)")
     wait_for_trace(page, "detail-chart", "t.name === 'kurtosis' && t.y.every(y => y === 35)")
     expect(page.locator("#detail-message")).to_contain_text("rank 2")
+    wait_for_trace(page, "histogram-chart", "t.type === 'heatmap' && t.z.filter(row => row[0] !== null).length === 3")
     assert page.errors == []
