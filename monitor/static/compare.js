@@ -14,7 +14,7 @@ window.fp8monCompare = (function () {
   const { $, runPath, api, fmt, el, showMessage, drawChart, blankChart, errorMessage, num } = window.fp8mon;
   const params = new URLSearchParams(window.location.search);
   const picked = new Set(params.getAll("compare").slice(0, MAX_RUNS));
-  const view = { open: false, mode: "runs", request: 0, runs: [] };
+  const view = { open: false, mode: "runs", request: 0, runs: [], stamp: null }; // stamp: the data drawn
 
   // ---- ticking runs in the run list ------------------------------------------------------------------------
 
@@ -106,14 +106,18 @@ window.fp8monCompare = (function () {
     const names = [...picked];
     let details;
     try {
-      details = await Promise.all(names.map(async (name) => ({
-        name, catalogue: await api(`/runs/${runPath(name)}/catalogue`) })));
+      details = await Promise.all(names.map(async (name) => {
+        const [run, catalogue] = await Promise.all([api(`/runs/${runPath(name)}`),
+          api(`/runs/${runPath(name)}/catalogue`)]);
+        return { name, run, catalogue };
+      }));
     } catch (err) {
       if (current()) showMessage("compare-scalar-message", errorMessage(err), true);
       return;
     }
     if (!current()) return;
     view.runs = details;
+    view.stamp = runsStamp(details.map((d) => d.run));
     $("compare-runs").replaceChildren(...details.map((d, i) => chip(d.name, COLOURS[i % COLOURS.length])));
     fillControls(details);
     await Promise.all([drawScalars(current), drawDifference(current), drawParity(current)]);
@@ -278,19 +282,24 @@ window.fp8monCompare = (function () {
     return out;
   }
 
-  async function drawParity(current) {
+  function readParity() {
     const query = new URLSearchParams();
     for (const [key, value] of Object.entries(parityParams())) {
       for (const v of [].concat(value)) if (v !== null && v !== undefined) query.append(key, v);
     }
-    let parity;
+    return api("/compare/parity?" + query.toString());
+  }
+
+  async function drawParity(current, read = null) {
+    let parity = read;
     try {
-      parity = await api("/compare/parity?" + query.toString());
+      parity = parity || await readParity();
     } catch (err) {
       if (current()) showMessage("parity-message", errorMessage(err), true);
       return;
     }
     if (!current()) return;
+    if (view.mode === "parity") view.stamp = JSON.stringify(parity);
     fillSelect("parity-key", parity.keys.length ? parity.keys : [parity.key], parity.key);
     $("parity-reference").textContent = parity.reference ? `gap: each run minus its ${parity.reference} twin` : "";
     renderParityTable(parity);
@@ -329,6 +338,31 @@ window.fp8monCompare = (function () {
     }));
   }
 
+  // ---- live refresh ----------------------------------------------------------------------------------------
+
+  function runsStamp(runs) {
+    return runs.map((run) => `${run.name}|${run.last_seen_at}|${run.last_step}`).join(";");
+  }
+
+  async function refresh() {
+    // each interval of the dashboard's live refresh: the open view draws again when what it shows has new data
+    // (its runs' last step or last data; the parity view: its pairs' gaps), keeping the zoom (uirevision)
+    if (!view.open) return;
+    const request = view.request;
+    const current = () => request === view.request && view.open;
+    try {
+      if (view.mode === "runs") {
+        const runs = await Promise.all(view.runs.map((d) => api(`/runs/${runPath(d.name)}`)));
+        if (current() && runsStamp(runs) !== view.stamp) await load();
+      } else {
+        const parity = await readParity();
+        if (current() && JSON.stringify(parity) !== view.stamp) await drawParity(current, parity);
+      }
+    } catch (err) {
+      // the view keeps what it drew; load() and drawParity() show errors when the user asks
+    }
+  }
+
   // ---- start -----------------------------------------------------------------------------------------------
 
   function bind() {
@@ -349,5 +383,5 @@ window.fp8monCompare = (function () {
   }
 
   bind();
-  return { decorate, close, picked };
+  return { decorate, close, picked, refresh };
 })();

@@ -354,8 +354,8 @@
     state.ticking = true;
     let status = "update failed at ";
     try {
-      // the run list and the selected run at once: a first render waits for one round trip less
-      const [listed] = await Promise.all([refreshRuns(), refreshRun()]);
+      // the run list, the selected run and an open comparison at once: a first render waits for one round trip less
+      const [listed] = await Promise.all([refreshRuns(), refreshRun(), window.fp8monCompare.refresh()]);
       if (listed) status = "updated ";
     } catch (err) {
       showBanner(errorMessage(err)); // the draw functions handle API errors; this is a last resort

@@ -167,6 +167,15 @@ def test_compare_overlays_two_runs_draws_their_difference_and_pairs_by_precision
     assert [round(g, 9) for g in gap["y"]] == [round(0.01 * s, 9) for s in range(30)]
     expect(page.locator("#parity-key")).to_have_value("precision")
 
+    # live: ten more steps of both runs reach all three views at the next refresh
+    page.select_option("#refresh-interval", "2")
+    for name, precision in (("bf16-s1", "bf16"), ("fp8-s1", "fp8")):
+        ingest(store, name, precision=precision, seed=1, steps=range(30, 40), loss=lambda s: 2.0)
+    page.wait_for_function("() => document.getElementById('compare-scalar-chart').data"
+                           ".every(t => t.x.length === 40)")
+    page.wait_for_function("() => (document.getElementById('parity-chart').data || [])[0]?.x.length === 40")
+    page.wait_for_function("() => Math.max(...document.getElementById('compare-diff-chart').data[0].x) > 35")
+
     page.locator("#compare-close").click()
     expect(page.locator("#compare-view")).to_be_hidden()
     page.get_by_role("button", name="FP8 vs BF16 parity").click()  # every listed run, paired
