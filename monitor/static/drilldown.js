@@ -59,7 +59,7 @@
       window.fp8mon.histogram.clear();
       return;
     }
-    const { rankParams, rankLabel, histogramRank } = window.fp8mon.heatmap;
+    const { rankParams, rankLabel } = window.fp8mon.heatmap;
     const chosen = $("heatmap-rank").value;
     const stats = ctx.catalogue.stats;
     const key = JSON.stringify([ctx.name, ctx.stamp, layer, site, chosen, stats, $("histogram-format").value]);
@@ -91,7 +91,7 @@
       $(CHART).style.height = rows * ROW_PX + 40 + "px";
       drawChart(CHART, shown.flatMap((series, i) => traces(series, i)), layout(ctx.name, shown, rows, columns));
     }
-    await window.fp8mon.histogram.draw(ctx, layer, site, histogramRank());
+    await window.fp8mon.histogram.draw(ctx, layer, site, chosen || "0");
   }
 
   function axis(i) {

@@ -92,13 +92,6 @@
     return value === "worst" ? { worst_over_ranks: true } : { rank: value };
   }
 
-  function histogramRank() {
-    // the rank a layer's log2 histograms are read from: the chosen one; over "worst", "sum" (histograms have no
-    // largest: each step's are summed over the ranks, all ranks' values together)
-    const value = $("heatmap-rank").value;
-    return value || "0";
-  }
-
   function rankLabel(value) {
     return value === "worst" ? "any rank" : value === "-1" ? "the merged rank (−1)" : "rank " + value;
   }
@@ -306,5 +299,5 @@
     $("heatmap-chart").addEventListener("click", labelClicked);
   }
 
-  window.fp8mon.heatmap = { bind, fillSelectors, fillRanks, draw, reset, histogramRank, rankParams, rankLabel };
+  window.fp8mon.heatmap = { bind, fillSelectors, fillRanks, draw, reset, rankParams, rankLabel };
 })();

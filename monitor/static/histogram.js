@@ -11,7 +11,7 @@
     min_normal_log2: ["min normal", "#e08a00", "dot"] };
 
   async function draw(ctx, layer, site, rank) {
-    // rank: a rank, or "worst": each step's histograms summed over the ranks
+    // rank: a rank, or "worst": a histogram has no largest, so each step's are summed over the ranks
     const format = $("histogram-format").value;
     const summed = rank === "worst";
     let body;
