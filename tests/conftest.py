@@ -20,14 +20,16 @@ def pytest_report_header(config):
 
 
 # The modules that take the most CPU time (sm_90a builds, replays of the labelled runs, Triton's interpreter, training,
-# a browser), slowest first, by CPU seconds measured alone: scripts/test.sh runs the suite on every CPU, whole files to
+# a browser), slowest first, by their seconds in a whole run: scripts/test.sh runs the suite on every CPU, whole files to
 # a worker in this order (pytest-xdist's loadfile, --no-loadscope-reorder; a worker takes the next file when two tests
 # of its own are left), and a long file started last would run alone at the end.
-_SLOW_FIRST = ("trainer/test_launch_shared_memory.py",  # ~250 s with an empty Triton cache
-               "monitor/test_predictors.py", "trainer/test_consumer_stats.py", "trainer/test_train.py",
-               "trainer/test_fused_stats.py", "trainer/test_fused_kernels.py", "web/test_dashboard.py",
-               "agent/test_triton_stats.py", "monitor/test_demo.py", "monitor/test_fuzz.py", "test_readme_commands.py",
-               "monitor/test_ingest_concurrency.py", "agent/test_transport.py")
+_SLOW_FIRST = ("trainer/test_launch_shared_memory.py",  # ~250 s with an empty Triton cache, 5 s with a warm one
+               "monitor/test_predictors.py", "trainer/test_train.py", "web/test_run_list_and_ranks.py",
+               "agent/test_exit_and_sync.py", "trainer/test_consumer_stats.py", "monitor/test_ingest_concurrency.py",
+               "trainer/test_fused_stats.py", "agent/test_transport.py", "monitor/test_fuzz.py", "web/test_run_view.py",
+               "trainer/test_fused_kernels.py", "monitor/test_demo.py", "monitor/test_evaluation.py",
+               "bench/test_multi_gpu_smoke.py", "agent/test_triton_stats.py", "test_cli_errors.py",
+               "monitor/test_poison.py", "monitor/test_queries.py", "web/test_dashboard.py", "test_readme_commands.py")
 
 
 def pytest_collection_modifyitems(config, items):
