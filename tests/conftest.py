@@ -19,8 +19,8 @@ def pytest_report_header(config):
     return f"fp8mon storage backends: {', '.join(BACKENDS)}"
 
 
-# The modules that take the most CPU time (sm_90a builds, replays of the labelled runs, Triton's interpreter, training,
-# a browser), slowest first, by their seconds in a whole run: scripts/test.sh runs the suite on every CPU, whole files to
+# The modules that take the most time (sm_90a builds, replays of the labelled runs, Triton's interpreter, training, a
+# browser), slowest first, by their seconds in a whole run: scripts/test.sh runs the suite on every CPU, whole files to
 # a worker in this order (pytest-xdist's loadfile, --no-loadscope-reorder; a worker takes the next file when two tests
 # of its own are left), and a long file started last would run alone at the end.
 _SLOW_FIRST = ("trainer/test_launch_shared_memory.py",  # ~250 s with an empty Triton cache, 5 s with a warm one
