@@ -135,7 +135,6 @@ def test_histogram_endpoint_returns_the_stored_binades_and_the_format_limits_at_
     assert missing.status_code == 404 and "nope" in missing.json()["detail"]
 
 
-
 def test_histograms_summed_over_ranks_are_all_ranks_values_together_with_every_ranks_scales(client, store):
     """What the dashboard draws under "worst over ranks": per step the ranks' histograms added (the merged rank -1
     left out beside them), the limits at the smallest and largest scale of any rank; columns still sum steps."""
@@ -164,6 +163,7 @@ def test_histograms_summed_over_ranks_are_all_ranks_values_together_with_every_r
 
     merged = client.get(f"{API}/runs/hist/merged-only/histogram", params=params).json()
     assert merged["counts"] == [hist(s, n=9) for s in (0, 2, 4)]
+
 
 def test_the_servers_format_table_is_the_agents():
     for name, agent_fmt in agent_formats.FORMATS.items():
