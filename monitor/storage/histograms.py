@@ -9,6 +9,8 @@ histograms add up to the histogram of all ranks' values together, and its scales
 from __future__ import annotations
 
 import math
+from itertools import groupby
+from operator import itemgetter
 
 import numpy as np
 
@@ -16,23 +18,12 @@ from fp8mon.agent.wire import LOG2_HIST_BINS, LOG2_HIST_LO
 from fp8mon.monitor.storage.database import Database, fetch, to_float
 from fp8mon.monitor.storage.entities import Histograms
 from fp8mon.monitor.storage.runs import run_ref
-from fp8mon.monitor.storage.series import step_range, tensor_series_id
+from fp8mon.monitor.storage.series import step_range, tensor_series_id, worst_ranks
 
 
 def _scale(value) -> float | None:
     s = to_float(value)
     return s if s is not None and math.isfinite(s) and s > 0 else None
-
-
-def _by_step(rows) -> list[list]:
-    """Rows in step order grouped by step (one group per histogram step)."""
-    groups: list[list] = []
-    for row in rows:
-        if groups and groups[-1][0][0] == row[0]:
-            groups[-1].append(row)
-        else:
-            groups.append([row])
-    return groups
 
 
 def histograms(db: Database, name: str, *, layer: str, site: str, rank: int | None = 0, start: int | None = None,
@@ -47,9 +38,10 @@ def histograms(db: Database, name: str, *, layer: str, site: str, rank: int | No
                   + ("" if rank is None else "AND rank = :rank ")
                   + "AND step >= :lo AND step <= :hi AND log2_hist IS NOT NULL ORDER BY step",
             {"sid": sid, "lo": rng[0], "hi": rng[1], **({} if rank is None else {"rank": rank})})
-    if rank is None and any(row[3] >= 0 for row in rows):
-        rows = [row for row in rows if row[3] >= 0]
-    by_step = _by_step(rows)
+    if rank is None:
+        kept = set(worst_ranks(sorted({row[3] for row in rows})))
+        rows = [row for row in rows if row[3] in kept]
+    by_step = [list(step_rows) for _, step_rows in groupby(rows, key=itemgetter(0))]  # one histogram step each
     per_column = max(1, -(-len(by_step) // max_points))
     steps, step_last, counts, scale_min, scale_max = [], [], [], [], []
     for lo in range(0, len(by_step), per_column):
